@@ -1,0 +1,181 @@
+"""Known device types and link presets, each figure with its source.
+
+Rates are peak dense rates as vendors publish them; what a training step reaches
+is a fraction of that (``ModelProfile.compute_efficiency``). ``peak_fp16_flops``
+is the dense fp16/bf16 tensor-core rate with fp32 accumulation where the vendor
+quotes both; for a device without fast half precision it equals the fp32 rate,
+since frameworks then run half-precision matmuls no faster than fp32.
+
+Sources (vendor datasheets and whitepapers):
+  [V100]   NVIDIA Tesla V100 datasheet (SXM2), 2018.
+  [A100]   NVIDIA A100 Tensor Core GPU datasheet, 2021 (SXM).
+  [H100]   NVIDIA H100 Tensor Core GPU datasheet, 2023 (SXM5, dense rates).
+  [H200]   NVIDIA H200 Tensor Core GPU product brief, 2024 (SXM).
+  [L4]     NVIDIA L4 datasheet, 2023 (dense = half the sparse figure).
+  [T4]     NVIDIA T4 datasheet, 2019.
+  [A10]    NVIDIA A10 datasheet, 2021 (dense).
+  [TU]     NVIDIA Turing GPU architecture whitepaper, 2018, appendix A (RTX 2060/2080,
+           TITAN RTX: fp16 tensor with fp32 accumulate).
+  [GA102]  NVIDIA Ampere GA102 GPU architecture whitepaper, 2020 (RTX 3090).
+  [AD102]  NVIDIA Ada GPU architecture whitepaper, 2022 (RTX 4090).
+  [TITANV] NVIDIA TITAN V product page, 2017; Volta whitepaper.
+  [P4000]  NVIDIA Quadro P4000 datasheet, 2017 (Pascal GP104: no tensor cores).
+  [CPU]    nominal figures for one CPU process in emulation: about one AVX2 core
+           (2 FMA units x 8 fp32 lanes x 2 FLOP x ~3 GHz ~ 96 GFLOP/s peak) and a
+           share of DDR4 bandwidth. Emulated devices are re-scaled by measurement.
+Links:
+  [PCIe]   PCI-SIG: 3.0 x16 ~15.75 GB/s, 4.0 x16 ~31.5 GB/s, 5.0 x16 ~63 GB/s per direction.
+  [NVLink] NVIDIA: NVLink 2 (V100) 150 GB/s, NVLink 3 (A100) 300 GB/s,
+           NVLink 4 (H100) 450 GB/s per direction per GPU.
+  [IB]     InfiniBand Trade Association roadmap: EDR 100, HDR 200, NDR 400 Gbit/s per port.
+  Latencies are typical one-way small-message figures reported by NCCL-tests and
+  OSU micro-benchmarks: ~2-5 us on NVLink/PCIe, ~1-3 us on InfiniBand, ~10-50 us
+  over TCP on Ethernet.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+
+GB = 1e9
+GiB = 2.0**30
+TFLOPS = 1e12
+
+
+@dataclass(frozen=True)
+class DeviceType:
+    """Published figures of one accelerator model.
+
+    Attributes:
+        name: catalog name, e.g. ``"A100-40GB"``.
+        peak_fp32_flops: dense fp32 rate, FLOP/s.
+        peak_fp16_flops: dense fp16/bf16 rate (tensor cores where present), FLOP/s.
+        memory_bytes: device memory, bytes.
+        memory_bandwidth_bytes_per_s: device memory bandwidth, bytes/s.
+        source: the key of the source in this module's docstring.
+    """
+
+    name: str
+    peak_fp32_flops: float
+    peak_fp16_flops: float
+    memory_bytes: float
+    memory_bandwidth_bytes_per_s: float
+    source: str
+
+    def peak_flops(self, precision: str) -> float:
+        """The peak rate for ``precision`` (``"fp32"`` or ``"fp16"``/``"bf16"``)."""
+        return self.peak_fp32_flops if precision == "fp32" else self.peak_fp16_flops
+
+
+@dataclass(frozen=True)
+class LinkPreset:
+    """Published figures of one interconnect: per-direction bandwidth and latency."""
+
+    name: str
+    bandwidth_bytes_per_s: float
+    latency_s: float
+    source: str
+
+
+def _d(name: str, fp32_tflops: float, fp16_tflops: float, memory: float, bw_gb_s: float,
+       source: str) -> DeviceType:
+    return DeviceType(name, fp32_tflops * TFLOPS, fp16_tflops * TFLOPS, memory,
+                      bw_gb_s * GB, source)
+
+
+DEVICE_TYPES: dict[str, DeviceType] = {
+    d.name: d
+    for d in [
+        _d("V100-16GB", 15.7, 125.0, 16 * GiB, 900, "V100"),
+        _d("V100-32GB", 15.7, 125.0, 32 * GiB, 900, "V100"),
+        _d("A100-40GB", 19.5, 312.0, 40 * GiB, 1555, "A100"),
+        _d("A100-80GB", 19.5, 312.0, 80 * GiB, 2039, "A100"),
+        _d("H100", 67.0, 989.0, 80 * GiB, 3350, "H100"),
+        _d("H200", 67.0, 989.0, 141 * GB, 4800, "H200"),
+        _d("L4", 30.3, 121.0, 24 * GiB, 300, "L4"),
+        _d("T4", 8.1, 65.0, 16 * GiB, 320, "T4"),
+        _d("A10", 31.2, 125.0, 24 * GiB, 600, "A10"),
+        _d("RTX2060", 6.45, 25.8, 6 * GiB, 336, "TU"),
+        _d("RTX2080", 10.1, 40.3, 8 * GiB, 448, "TU"),
+        _d("RTX3090", 35.6, 71.0, 24 * GiB, 936, "GA102"),
+        _d("RTX4090", 82.6, 165.2, 24 * GiB, 1008, "AD102"),
+        _d("TITAN-V", 14.9, 110.0, 12 * GiB, 653, "TITANV"),
+        _d("TITAN-RTX", 16.3, 65.0, 24 * GiB, 672, "TU"),
+        _d("P4000", 5.3, 5.3, 8 * GiB, 243, "P4000"),
+        _d("cpu", 0.096, 0.096, 16 * GiB, 20, "CPU"),
+    ]
+}
+
+# Other spellings users write; each maps to a catalog name.
+DEVICE_ALIASES: dict[str, str] = {
+    "V100": "V100-16GB", "A100": "A100-40GB", "H100-80GB": "H100", "H100-SXM": "H100",
+    "RTX-2060": "RTX2060", "RTX-2080": "RTX2080", "RTX-3090": "RTX3090",
+    "RTX-4090": "RTX4090", "TITANV": "TITAN-V", "TITAN V": "TITAN-V",
+    "TITANRTX": "TITAN-RTX", "TITAN RTX": "TITAN-RTX", "Quadro-P4000": "P4000",
+    "QuadroP4000": "P4000", "Quadro P4000": "P4000", "CPU": "cpu",
+}
+
+LINK_PRESETS: dict[str, LinkPreset] = {
+    p.name: p
+    for p in [
+        LinkPreset("pcie3", 15.75 * GB, 5e-6, "PCIe"),
+        LinkPreset("pcie4", 31.5 * GB, 5e-6, "PCIe"),
+        LinkPreset("pcie5", 63.0 * GB, 5e-6, "PCIe"),
+        LinkPreset("nvlink2", 150 * GB, 2e-6, "NVLink"),
+        LinkPreset("nvlink3", 300 * GB, 2e-6, "NVLink"),
+        LinkPreset("nvlink4", 450 * GB, 2e-6, "NVLink"),
+        LinkPreset("10gbe", 10e9 / 8, 30e-6, "Ethernet"),
+        LinkPreset("25gbe", 25e9 / 8, 20e-6, "Ethernet"),
+        LinkPreset("100gbe", 100e9 / 8, 10e-6, "Ethernet"),
+        LinkPreset("ib-edr", 100e9 / 8, 2e-6, "IB"),
+        LinkPreset("ib-hdr", 200e9 / 8, 2e-6, "IB"),
+        LinkPreset("ib-ndr", 400e9 / 8, 2e-6, "IB"),
+        LinkPreset("loopback", 5 * GB, 20e-6, "CPU"),
+    ]
+}
+
+# Latency assumed for a link given by bandwidth alone.
+DEFAULT_INTRA_NODE_LATENCY_S = 5e-6
+DEFAULT_INTER_NODE_LATENCY_S = 20e-6
+
+
+def _suggest(name: str, known: list[str]) -> str:
+    near = difflib.get_close_matches(name, known, n=3, cutoff=0.4)
+    if not near:
+        near = [k for k in known if name.lower()[:3] in k.lower()][:3]
+    return f"; did you mean {', '.join(repr(n) for n in near)}?" if near else ""
+
+
+def lookup_device_type(name: str) -> DeviceType:
+    """The catalog entry for ``name`` (exact, alias, or case-insensitive).
+
+    Raises:
+        KeyError: unknown name; the message suggests near names and lists the catalog.
+
+    Example:
+        >>> lookup_device_type("a100-40gb").memory_bytes / 2**30
+        40.0
+    """
+    if name in DEVICE_TYPES:
+        return DEVICE_TYPES[name]
+    if name in DEVICE_ALIASES:
+        return DEVICE_TYPES[DEVICE_ALIASES[name]]
+    folded = {k.lower(): k for k in [*DEVICE_TYPES, *DEVICE_ALIASES]}
+    if name.lower() in folded:
+        return lookup_device_type(folded[name.lower()])
+    known = list(DEVICE_TYPES)
+    raise KeyError(
+        f"unknown device type {name!r}{_suggest(name, known + list(DEVICE_ALIASES))} "
+        f"Known types: {', '.join(known)}. Or describe it inline: "
+        f"{{ type = {name!r}, tflops = 10.0, memory = \"16GB\", memory_bandwidth = \"500GB/s\" }}"
+    )
+
+
+def lookup_link_preset(name: str) -> LinkPreset:
+    """The link preset ``name`` (case-insensitive); KeyError naming near presets."""
+    key = name.lower().replace(" ", "").replace("_", "-")
+    if key in LINK_PRESETS:
+        return LINK_PRESETS[key]
+    known = list(LINK_PRESETS)
+    raise KeyError(f"unknown link preset {name!r}{_suggest(key, known)} Known presets: {', '.join(known)}")

@@ -1,0 +1,462 @@
+"""Devices, nodes and links of a cluster; the cluster file (TOML) and its validation.
+
+A cluster file lists nodes; each node has devices, an intra-node link and a NIC::
+
+    [[node]]
+    name = "fast"
+    devices = ["A100-40GB", "A100-40GB"]
+    intra_link = "nvlink3"
+    nic = "100Gbit/s"
+
+    [[link]]                      # optional override between two nodes
+    nodes = ["fast", "old"]
+    bandwidth = "25Gbit/s"
+    latency = "10us"
+
+Between two nodes the link is the override if there is one, else the slower of
+the two NICs (and the larger of their latencies). Devices are numbered in file
+order (node by node); ``Device.name`` is ``"<node>:<k>"``. docs/cluster.md has
+the full format.
+
+Picture of the link lookup for devices ``a`` and ``b``::
+
+    same node ──► node.intra_link
+    else ───────► [[link]] override ── or ──► min(nic_a, nic_b) bandwidth, max latency
+
+Example:
+    >>> c = load_cluster("examples/clusters/hetpipe.toml")     # doctest: +SKIP
+    >>> c.link(0, 5).bandwidth_bytes_per_s                      # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hetrain.catalog import (
+    DEFAULT_INTER_NODE_LATENCY_S,
+    DEFAULT_INTRA_NODE_LATENCY_S,
+    lookup_device_type,
+    lookup_link_preset,
+)
+from hetrain.units import UnitError, parse_bandwidth, parse_bytes, parse_time
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+
+class ClusterError(ValueError):
+    """A cluster description that cannot be used; the message names what and where."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """What joins two devices: per-direction bandwidth and one-way latency."""
+
+    bandwidth_bytes_per_s: float
+    latency_s: float
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth_bytes_per_s > 0:
+            raise ClusterError(f"link bandwidth must be positive, got {self.bandwidth_bytes_per_s}")
+        if not self.latency_s >= 0:
+            raise ClusterError(f"link latency must be >= 0, got {self.latency_s}")
+
+    def to_dict(self) -> dict[str, float]:
+        return {"bandwidth_bytes_per_s": self.bandwidth_bytes_per_s, "latency_s": self.latency_s}
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator (or, in emulation, one CPU process).
+
+    Attributes:
+        name: ``"<node>:<k>"``, unique in the cluster.
+        node: name of the node that hosts it.
+        index: position in the cluster's device order.
+        type_name: device type, the key profiles use for measured times.
+        peak_fp32_flops / peak_fp16_flops: dense peak rates, FLOP/s.
+        memory_bytes: memory, bytes.
+        memory_bandwidth_bytes_per_s: memory bandwidth, bytes/s.
+        cpu_share: for emulation only: the CPU fraction its process gets (None: unthrottled).
+    """
+
+    name: str
+    node: str
+    index: int
+    type_name: str
+    peak_fp32_flops: float
+    peak_fp16_flops: float
+    memory_bytes: float
+    memory_bandwidth_bytes_per_s: float
+    cpu_share: float | None = None
+
+    def peak_flops(self, precision: str) -> float:
+        return self.peak_fp32_flops if precision == "fp32" else self.peak_fp16_flops
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "type": self.type_name,
+            "peak_fp32_flops": self.peak_fp32_flops,
+            "peak_fp16_flops": self.peak_fp16_flops,
+            "memory_bytes": self.memory_bytes,
+            "memory_bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s,
+        }
+        if self.cpu_share is not None:
+            out["cpu_share"] = self.cpu_share
+        return out
+
+
+@dataclass(frozen=True)
+class Node:
+    """A host: devices that share ``intra_link``, reaching other nodes through ``nic``."""
+
+    name: str
+    devices: tuple[Device, ...]
+    intra_link: Link
+    nic: Link
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "devices": [d.to_dict() for d in self.devices],
+            "intra_link": self.intra_link.to_dict(),
+            "nic": self.nic.to_dict(),
+        }
+
+
+@dataclass(frozen=True)
+class NodeLink:
+    """An explicit link between two nodes, overriding the NIC default."""
+
+    nodes: tuple[str, str]
+    link: Link
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"nodes": list(self.nodes), **self.link.to_dict()}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Nodes, their devices, and every link between devices.
+
+    ``bandwidth_bytes_per_s[a, b]`` and ``latency_s[a, b]`` are matrices over
+    device indices, built once, so cost functions look links up in O(1).
+    """
+
+    name: str
+    nodes: tuple[Node, ...]
+    node_links: tuple[NodeLink, ...] = ()
+    devices: tuple[Device, ...] = field(init=False, repr=False, compare=False)
+    node_index: np.ndarray = field(init=False, repr=False, compare=False)
+    bandwidth_bytes_per_s: np.ndarray = field(init=False, repr=False, compare=False)
+    latency_s: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.nodes:
+            raise ClusterError(f"cluster {self.name!r} has no nodes; add at least one [[node]]")
+        names = [n.name for n in self.nodes]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ClusterError(f"duplicate node names: {', '.join(dupes)}; node names must be unique")
+        for n in self.nodes:
+            if not n.devices:
+                raise ClusterError(f"node {n.name!r} has no devices")
+        devices = tuple(d for n in self.nodes for d in n.devices)
+        for i, d in enumerate(devices):
+            if d.index != i:
+                raise ClusterError(f"device {d.name} has index {d.index}, expected {i}")
+        by_name = {n.name: k for k, n in enumerate(self.nodes)}
+        overrides: dict[tuple[int, int], Link] = {}
+        for nl in self.node_links:
+            for nn in nl.nodes:
+                if nn not in by_name:
+                    raise ClusterError(
+                        f"[[link]] {list(nl.nodes)} names unknown node {nn!r}; nodes are: {', '.join(names)}"
+                    )
+            a, b = by_name[nl.nodes[0]], by_name[nl.nodes[1]]
+            if a == b:
+                raise ClusterError(f"[[link]] {list(nl.nodes)} joins a node to itself; use intra_link")
+            overrides[(a, b)] = overrides[(b, a)] = nl.link
+        node_index = np.array([by_name[d.node] for d in devices], dtype=np.int64)
+        k = len(self.nodes)
+        node_bw = np.zeros((k, k))
+        node_lat = np.zeros((k, k))
+        for a, na in enumerate(self.nodes):
+            for b, nb in enumerate(self.nodes):
+                if a == b:
+                    link = na.intra_link
+                elif (a, b) in overrides:
+                    link = overrides[(a, b)]
+                else:
+                    link = Link(min(na.nic.bandwidth_bytes_per_s, nb.nic.bandwidth_bytes_per_s),
+                                max(na.nic.latency_s, nb.nic.latency_s))
+                node_bw[a, b] = link.bandwidth_bytes_per_s
+                node_lat[a, b] = link.latency_s
+        bw = node_bw[np.ix_(node_index, node_index)]
+        lat = node_lat[np.ix_(node_index, node_index)]
+        np.fill_diagonal(bw, np.inf)  # a device to itself: free
+        np.fill_diagonal(lat, 0.0)
+        object.__setattr__(self, "devices", devices)
+        object.__setattr__(self, "node_index", node_index)
+        object.__setattr__(self, "bandwidth_bytes_per_s", bw)
+        object.__setattr__(self, "latency_s", lat)
+        object.__setattr__(self, "_node_bw", node_bw)
+        object.__setattr__(self, "_node_lat", node_lat)
+
+    # --- lookups -----------------------------------------------------------
+
+    def link(self, a: int, b: int) -> Link:
+        """The link between devices ``a`` and ``b`` (indices)."""
+        if a == b:
+            raise ClusterError(f"no link from device {self.devices[a].name} to itself")
+        return Link(float(self.bandwidth_bytes_per_s[a, b]), float(self.latency_s[a, b]))
+
+    def node_link(self, a: int, b: int) -> Link:
+        """The link between nodes ``a`` and ``b`` (indices); the intra link when a == b."""
+        nb: np.ndarray = self._node_bw  # type: ignore[attr-defined]
+        nl: np.ndarray = self._node_lat  # type: ignore[attr-defined]
+        return Link(float(nb[a, b]), float(nl[a, b]))
+
+    def device(self, name: str) -> Device:
+        """The device called ``name`` (``"node:k"``); ClusterError listing a few names if none."""
+        for d in self.devices:
+            if d.name == name:
+                return d
+        some = ", ".join(d.name for d in self.devices[:6])
+        raise ClusterError(f"no device {name!r} in cluster {self.name!r}; devices are {some}, ...")
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    def summary(self) -> str:
+        """One line per node: devices by type, intra link, NIC."""
+        from hetrain.units import format_bandwidth
+
+        lines = [f"cluster {self.name}: {len(self.nodes)} nodes, {self.num_devices} devices"]
+        for n in self.nodes:
+            counts: dict[str, int] = {}
+            for d in n.devices:
+                counts[d.type_name] = counts.get(d.type_name, 0) + 1
+            devs = ", ".join(f"{c}x {t}" for t, c in counts.items())
+            lines.append(
+                f"  {n.name:<12} {devs:<28} intra {format_bandwidth(n.intra_link.bandwidth_bytes_per_s):>12}"
+                f"  nic {format_bandwidth(n.nic.bandwidth_bytes_per_s):>12}"
+            )
+        return "\n".join(lines)
+
+    # --- (de)serialisation -------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-SI dict that ``parse_cluster`` reads back (also valid as TOML)."""
+        return {
+            "name": self.name,
+            "node": [n.to_dict() for n in self.nodes],
+            "link": [nl.to_dict() for nl in self.node_links],
+        }
+
+    @staticmethod
+    def from_dict(data: Mapping[str, Any]) -> Cluster:
+        return parse_cluster(data)
+
+
+# --- parsing -----------------------------------------------------------------
+
+def _quantity(spec: Mapping[str, Any], human_key: str, si_key: str, parse: Any, where: str,
+              required: bool = True) -> float | None:
+    """Read ``spec[human_key]`` with units, or ``spec[si_key]`` as a plain SI number."""
+    if si_key in spec:
+        value = spec[si_key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ClusterError(f"{where}: {si_key} must be a number, got {value!r}")
+        out = float(value)
+    elif human_key in spec:
+        try:
+            out = parse(spec[human_key], f"{where}: {human_key}")
+        except UnitError as e:
+            raise ClusterError(str(e)) from None
+    elif required:
+        raise ClusterError(f"{where}: missing {human_key!r}")
+    else:
+        return None
+    if not out > 0 and "latency" not in human_key:
+        raise ClusterError(f"{where}: {human_key} must be positive, got {spec.get(human_key, out)!r}")
+    if out < 0:
+        raise ClusterError(f"{where}: {human_key} must be >= 0, got {spec.get(human_key, out)!r}")
+    return out
+
+
+def _parse_link(spec: Any, where: str, default_latency_s: float) -> Link:
+    """A link: preset name, bandwidth string, or table {bandwidth, latency}."""
+    if isinstance(spec, str):
+        try:
+            p = lookup_link_preset(spec)
+            return Link(p.bandwidth_bytes_per_s, p.latency_s)
+        except KeyError as preset_error:
+            try:
+                bw = parse_bandwidth(spec, where)
+            except UnitError:
+                raise ClusterError(f"{where}: {preset_error.args[0]}; or give a bandwidth such as '10Gbit/s'") from None
+            if not bw > 0:
+                raise ClusterError(f"{where}: bandwidth must be positive, got {spec!r}")
+            return Link(bw, default_latency_s)
+    if isinstance(spec, Mapping):
+        known = {"bandwidth", "latency", "bandwidth_bytes_per_s", "latency_s", "preset"}
+        extra = set(spec) - known
+        if extra:
+            raise ClusterError(f"{where}: unknown keys {sorted(extra)}; a link has {sorted(known)}")
+        if "preset" in spec:
+            base = _parse_link(str(spec["preset"]), where, default_latency_s)
+            bw, lat = base.bandwidth_bytes_per_s, base.latency_s
+        else:
+            bw = _quantity(spec, "bandwidth", "bandwidth_bytes_per_s", parse_bandwidth, where)  # type: ignore[assignment]
+            lat = default_latency_s
+        if "bandwidth" in spec or "bandwidth_bytes_per_s" in spec:
+            bw = _quantity(spec, "bandwidth", "bandwidth_bytes_per_s", parse_bandwidth, where)  # type: ignore[assignment]
+        got_lat = _quantity(spec, "latency", "latency_s", parse_time, where, required=False)
+        if got_lat is not None:
+            lat = got_lat
+        return Link(bw, lat)
+    raise ClusterError(f"{where}: a link is a preset name, a bandwidth string or a table, got {spec!r}")
+
+
+_DEVICE_KEYS = {
+    "type", "count", "tflops", "tflops_fp16", "memory", "memory_bandwidth", "cpu_share",
+    "peak_fp32_flops", "peak_fp16_flops", "memory_bytes", "memory_bandwidth_bytes_per_s",
+}
+
+
+def _parse_device_spec(spec: Any, where: str) -> tuple[dict[str, Any], int]:
+    """One entry of a node's ``devices``: returns (figures, count)."""
+    if isinstance(spec, str):
+        spec = {"type": spec}
+    if not isinstance(spec, Mapping):
+        raise ClusterError(f"{where}: a device is a type name or a table, got {spec!r}")
+    extra = set(spec) - _DEVICE_KEYS
+    if extra:
+        raise ClusterError(f"{where}: unknown device keys {sorted(extra)}; known: {sorted(_DEVICE_KEYS)}")
+    if "type" not in spec:
+        raise ClusterError(f"{where}: device table needs a 'type'")
+    type_name = str(spec["type"])
+    count = spec.get("count", 1)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ClusterError(f"{where}: count must be a positive integer, got {count!r}")
+    figures: dict[str, Any] = {"type_name": type_name}
+    try:
+        base = lookup_device_type(type_name)
+        figures.update(
+            type_name=base.name, peak_fp32_flops=base.peak_fp32_flops,
+            peak_fp16_flops=base.peak_fp16_flops, memory_bytes=base.memory_bytes,
+            memory_bandwidth_bytes_per_s=base.memory_bandwidth_bytes_per_s,
+        )
+    except KeyError as e:
+        unknown_type_error = e.args[0]
+        needed = ({"tflops", "peak_fp32_flops"}, {"memory", "memory_bytes"},
+                  {"memory_bandwidth", "memory_bandwidth_bytes_per_s"})
+        if not all(spec.keys() & alternatives for alternatives in needed):
+            raise ClusterError(
+                f"{where}: {unknown_type_error} (a custom device needs tflops, memory and memory_bandwidth)"
+            ) from None
+    for human, si, scale in (("tflops", "peak_fp32_flops", 1e12), ("tflops_fp16", "peak_fp16_flops", 1e12)):
+        value = spec.get(si, spec.get(human))
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ClusterError(f"{where}: {human if human in spec else si} must be a positive number, got {value!r}")
+        figures[si] = float(value) * (scale if si not in spec else 1.0)
+    if "peak_fp16_flops" not in figures:
+        figures["peak_fp16_flops"] = figures["peak_fp32_flops"]
+    for human, si, parse in (("memory", "memory_bytes", parse_bytes),
+                             ("memory_bandwidth", "memory_bandwidth_bytes_per_s", parse_bandwidth)):
+        value = _quantity(spec, human, si, parse, where, required=False)
+        if value is not None:
+            figures[si] = value
+    if "cpu_share" in spec:
+        share = spec["cpu_share"]
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 64:
+            raise ClusterError(f"{where}: cpu_share must be a number in (0, 64], got {share!r}")
+        figures["cpu_share"] = float(share)
+    return figures, count
+
+
+def parse_cluster(data: Mapping[str, Any], name: str = "cluster") -> Cluster:
+    """Build a Cluster from the dict of a cluster file (human units or plain SI).
+
+    Raises:
+        ClusterError: with the node, field and value at fault.
+    """
+    known_top = {"node", "link", "name", "emulation"}
+    extra = set(data) - known_top
+    if extra:
+        raise ClusterError(f"unknown top-level keys {sorted(extra)}; a cluster file has [[node]] and [[link]]")
+    raw_nodes = data.get("node", [])
+    if not isinstance(raw_nodes, list) or not raw_nodes:
+        raise ClusterError("the cluster is empty: add at least one [[node]] with devices")
+    cluster_name = str(data.get("name", name))
+    nodes: list[Node] = []
+    index = 0
+    for k, raw in enumerate(raw_nodes):
+        if not isinstance(raw, Mapping):
+            raise ClusterError(f"node #{k}: expected a table, got {raw!r}")
+        node_name = str(raw.get("name", f"node{k}"))
+        where = f"node {node_name!r}"
+        extra = set(raw) - {"name", "devices", "intra_link", "nic"}
+        if extra:
+            raise ClusterError(f"{where}: unknown keys {sorted(extra)}; a node has name, devices, intra_link, nic")
+        raw_devices = raw.get("devices")
+        if not isinstance(raw_devices, list) or not raw_devices:
+            raise ClusterError(f"{where}: 'devices' must be a non-empty list")
+        devices: list[Device] = []
+        for spec in raw_devices:
+            figures, count = _parse_device_spec(spec, f"{where} device #{len(devices)}")
+            for _ in range(count):
+                devices.append(Device(name=f"{node_name}:{len(devices)}", node=node_name, index=index, **figures))
+                index += 1
+        intra = _parse_link(raw.get("intra_link", "pcie3"), f"{where}: intra_link", DEFAULT_INTRA_NODE_LATENCY_S)
+        if "nic" not in raw and len(raw_nodes) > 1:
+            raise ClusterError(f"{where}: missing 'nic' (for example nic = \"10Gbit/s\" or nic = \"ib-hdr\")")
+        nic = _parse_link(raw.get("nic", "10gbe"), f"{where}: nic", DEFAULT_INTER_NODE_LATENCY_S)
+        nodes.append(Node(node_name, tuple(devices), intra, nic))
+    node_links: list[NodeLink] = []
+    raw_links = data.get("link", [])
+    if not isinstance(raw_links, list):
+        raise ClusterError("[[link]] entries must be tables")
+    for k, raw in enumerate(raw_links):
+        if not isinstance(raw, Mapping):
+            raise ClusterError(f"link #{k}: expected a table")
+        pair = raw.get("nodes")
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise ClusterError(f"link #{k}: 'nodes' must name exactly two nodes, got {pair!r}")
+        spec = {key: v for key, v in raw.items() if key != "nodes"}
+        link = _parse_link(spec, f"link {pair}", DEFAULT_INTER_NODE_LATENCY_S)
+        node_links.append(NodeLink((str(pair[0]), str(pair[1])), link))
+    return Cluster(cluster_name, tuple(nodes), tuple(node_links))
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    """Read a cluster TOML file.
+
+    Raises:
+        ClusterError: unreadable file, TOML syntax, or any invalid field (named).
+    """
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ClusterError(f"cannot read cluster file {p}: {e.strerror}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ClusterError(f"{p}: not valid TOML: {e}") from None
+    try:
+        return parse_cluster(data, name=p.stem)
+    except ClusterError as e:
+        raise ClusterError(f"{p}: {e}") from None

@@ -1,0 +1,385 @@
+"""Pure cost functions: compute, point-to-point, all-reduce, pipeline, memory.
+
+One cost model (DESIGN.md decision 4): the planner's closed forms and the
+simulator's action durations both come from here. Every function is pure; the
+per-(profile, device type, micro-batch) layer time arrays are cached on the
+profile so the planner scores a candidate in microseconds.
+
+Notation: ``m`` micro-batches, ``p`` stages (or ring members), ``j`` stage index,
+``b`` micro-batch size in samples.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetrain.catalog import lookup_device_type
+from hetrain.cluster import Cluster, Device, Link
+from hetrain.profile import LayerProfile, Measurement, ModelProfile
+
+# ---------------------------------------------------------------------------
+# compute
+# ---------------------------------------------------------------------------
+
+
+def estimate_roofline_time(flops: float, memory_bytes: float, peak_flops: float,
+                           memory_bandwidth_bytes_per_s: float, efficiency: float) -> float:
+    """Roofline time of a kernel: ``max(flops / peak, bytes / memory bandwidth) / efficiency``.
+
+    Williams, Waterman & Patterson, "Roofline", CACM 2009; Barrachina et al. use
+    the same bound per kernel. ``efficiency`` is the fraction of the roof reached.
+    """
+    return max(flops / peak_flops, memory_bytes / memory_bandwidth_bytes_per_s) / efficiency
+
+
+def _roofline_layer(layer: LayerProfile, input_bytes_per_sample: float, b: int, peak_flops: float,
+                    memory_bandwidth_bytes_per_s: float, efficiency: float) -> tuple[float, float]:
+    """Forward and backward seconds of ``layer`` at micro-batch ``b`` by roofline.
+
+    Forward reads the weights once and the input, writes the output. Backward does
+    2x the forward FLOPs (grad wrt input and wrt weights; Kaplan et al. 2020,
+    "Scaling laws", sec. 2.1) and moves about twice the bytes (reads weights and
+    saved activations, writes weight gradients and input gradients).
+    """
+    flops = b * layer.forward_flops_per_sample
+    moved = layer.param_bytes + b * (input_bytes_per_sample + layer.output_bytes_per_sample)
+    fwd = estimate_roofline_time(flops, moved, peak_flops, memory_bandwidth_bytes_per_s, efficiency)
+    moved_bwd = 2 * layer.param_bytes + b * (input_bytes_per_sample + layer.output_bytes_per_sample
+                                              + layer.saved_bytes_per_sample)
+    bwd = estimate_roofline_time(2 * flops, moved_bwd, peak_flops, memory_bandwidth_bytes_per_s, efficiency)
+    return fwd, bwd
+
+
+def interpolate_measurements(ms: Sequence[Measurement], b: int) -> tuple[float, float]:
+    """Forward and backward seconds at micro-batch ``b`` from measurements.
+
+    Piecewise linear between measured sizes; outside them, the nearest segment's
+    line, floored at the proportional value of the nearest measurement (time
+    never grows slower than... nor drops below b/b0 of a measured point scaled
+    by 0.5, so a steep fitted segment cannot go negative). One measurement:
+    proportional to ``b``.
+    """
+    if len(ms) == 1:
+        m0 = ms[0]
+        return m0.forward_s * b / m0.micro_batch, m0.backward_s * b / m0.micro_batch
+    sizes = [m.micro_batch for m in ms]
+    if b in sizes:
+        m0 = ms[sizes.index(b)]
+        return m0.forward_s, m0.backward_s
+    k = 1
+    while k < len(ms) - 1 and sizes[k] < b:
+        k += 1
+    lo, hi = ms[k - 1], ms[k]
+    w = (b - lo.micro_batch) / (hi.micro_batch - lo.micro_batch)
+    fwd = lo.forward_s + w * (hi.forward_s - lo.forward_s)
+    bwd = lo.backward_s + w * (hi.backward_s - lo.backward_s)
+    near = lo if abs(b - lo.micro_batch) <= abs(b - hi.micro_batch) else hi
+    floor = 0.5 * b / near.micro_batch
+    return max(fwd, floor * near.forward_s), max(bwd, floor * near.backward_s)
+
+
+def _device_figures(profile: ModelProfile, type_name: str) -> tuple[float, float] | None:
+    """(peak FLOP/s in the profile's precision, memory bandwidth) of a measured type."""
+    fig = profile.figures_of(type_name)
+    if fig is not None:
+        return fig.peak_flops, fig.memory_bandwidth_bytes_per_s
+    try:
+        t = lookup_device_type(type_name)
+    except KeyError:
+        return None
+    return t.peak_flops(profile.precision), t.memory_bandwidth_bytes_per_s
+
+
+def estimate_layer_time(profile: ModelProfile, i: int, device: Device, b: int) -> tuple[float, float]:
+    """Forward and backward seconds of layer ``i`` on ``device`` at micro-batch ``b``.
+
+    1. measured on this device type: interpolate (``interpolate_measurements``);
+    2. measured on another type: scale that by the roofline ratio between types
+       (DESIGN.md cost model; Barrachina et al. scale per kernel the same way);
+    3. never measured: roofline of the layer's FLOPs and bytes on this device.
+    """
+    layer = profile.layers[i]
+    in_bytes = profile.input_bytes_per_sample if i == 0 else profile.layers[i - 1].output_bytes_per_sample
+    peak = device.peak_flops(profile.precision)
+    eff = profile.compute_efficiency
+    own = layer.measurements(device.type_name)
+    if own:
+        return interpolate_measurements(own, b)
+    here = _roofline_layer(layer, in_bytes, b, peak, device.memory_bandwidth_bytes_per_s, eff)
+    for type_name, ms in layer.measured:
+        fig = _device_figures(profile, type_name)
+        if fig is None or not ms:
+            continue
+        there = _roofline_layer(layer, in_bytes, b, fig[0], fig[1], eff)
+        fwd, bwd = interpolate_measurements(ms, b)
+        return (fwd * here[0] / there[0] if there[0] > 0 else fwd,
+                bwd * here[1] / there[1] if there[1] > 0 else bwd)
+    return here
+
+
+def estimate_layer_times(profile: ModelProfile, device: Device, b: int) -> tuple[np.ndarray, np.ndarray]:
+    """Arrays (forward_s, backward_s) over all layers for ``device`` at micro-batch ``b``.
+
+    Cached on the profile per (device figures, b): the planner calls this in loops.
+    """
+    key = ("layer_times", device.type_name, device.peak_fp32_flops, device.peak_fp16_flops,
+           device.memory_bandwidth_bytes_per_s, b)
+    cached = profile._cache.get(key)
+    if cached is None:
+        pairs = [estimate_layer_time(profile, i, device, b) for i in range(profile.num_layers)]
+        cached = (np.array([f for f, _ in pairs]), np.array([g for _, g in pairs]))
+        profile._cache[key] = cached
+    return cached  # type: ignore[no-any-return]
+
+
+# ---------------------------------------------------------------------------
+# communication
+# ---------------------------------------------------------------------------
+
+
+def estimate_p2p_time(num_bytes: float, link: Link) -> float:
+    """One message over one link: ``latency + bytes / bandwidth`` (Hockney's model)."""
+    if num_bytes <= 0:
+        return 0.0
+    return link.latency_s + num_bytes / link.bandwidth_bytes_per_s
+
+
+def estimate_ring_allreduce_time(num_bytes: float, p: int, bandwidth_bytes_per_s: float,
+                                 latency_s: float) -> float:
+    """Ring all-reduce of ``num_bytes`` over ``p`` members.
+
+    ``2(p-1) * latency + 2(p-1)/p * bytes / B`` with B the slowest link in the
+    ring: p-1 reduce-scatter steps and p-1 all-gather steps, each moving bytes/p
+    (Patarasuk & Yuan, JPDC 2009; Thakur et al., IJHPCA 2005).
+    """
+    if p <= 1 or num_bytes <= 0:
+        return 0.0
+    return 2 * (p - 1) * latency_s + 2 * (p - 1) / p * num_bytes / bandwidth_bytes_per_s
+
+
+@dataclass(frozen=True)
+class AllReduceShape:
+    """What an all-reduce over a device set costs, independent of the byte count.
+
+    ``ring_*``: flat ring in the best order. ``intra_*``/``inter_*``: the
+    hierarchical variant (intra-node reduce-scatter, inter-node all-reduce,
+    intra-node all-gather). ``order``: the ring's device order.
+    """
+
+    p: int
+    ring_bandwidth_bytes_per_s: float
+    ring_latency_s: float
+    nodes: int
+    intra_p: int
+    intra_bandwidth_bytes_per_s: float
+    intra_latency_s: float
+    inter_bandwidth_bytes_per_s: float
+    inter_latency_s: float
+    order: tuple[int, ...]
+
+
+def _best_node_cycle(cluster: Cluster, nodes: list[int]) -> tuple[list[int], float]:
+    """Order of ``nodes`` in a ring maximising the slowest inter-node link.
+
+    With no [[link]] overrides every node-to-node link is min(NIC_a, NIC_b), so
+    every order has the same bottleneck (the slowest NIC): keep file order. With
+    overrides: exhaustive over orders up to 8 nodes (7! cycles), else greedy
+    nearest-fastest-neighbour.
+    """
+    if len(nodes) <= 1:
+        return nodes, math.inf
+
+    def bottleneck(order: Sequence[int]) -> float:
+        return min(cluster.node_link(order[k], order[(k + 1) % len(order)]).bandwidth_bytes_per_s
+                   for k in range(len(order)))
+
+    if not cluster.node_links:
+        return nodes, bottleneck(nodes)
+    if len(nodes) <= 8:
+        best, best_bw = nodes, bottleneck(nodes)
+        for rest in itertools.permutations(nodes[1:]):
+            order = [nodes[0], *rest]
+            bw = bottleneck(order)
+            if bw > best_bw:
+                best, best_bw = order, bw
+        return best, best_bw
+    order = [nodes[0]]
+    left = set(nodes[1:])
+    while left:
+        here = order[-1]
+        nxt = max(sorted(left), key=lambda n: cluster.node_link(here, n).bandwidth_bytes_per_s)
+        order.append(nxt)
+        left.remove(nxt)
+    return order, bottleneck(order)
+
+
+def allreduce_shape(cluster: Cluster, devices: Sequence[int]) -> AllReduceShape:
+    """The ring order and bottlenecks for an all-reduce among ``devices`` (cached)."""
+    key = tuple(sorted(devices))
+    cache: dict[tuple[int, ...], AllReduceShape] = cluster.__dict__.setdefault("_allreduce_cache", {})
+    if key in cache:
+        return cache[key]
+    by_node: dict[int, list[int]] = {}
+    for d in key:
+        by_node.setdefault(int(cluster.node_index[d]), []).append(d)
+    node_ids = list(by_node)
+    cycle, inter_bw = _best_node_cycle(cluster, node_ids)
+    inter_lat = 0.0
+    if len(cycle) > 1:
+        inter_lat = max(cluster.node_link(cycle[k], cycle[(k + 1) % len(cycle)]).latency_s
+                        for k in range(len(cycle)))
+    multi = [n for n in node_ids if len(by_node[n]) > 1]
+    intra_bw = min((cluster.node_link(n, n).bandwidth_bytes_per_s for n in multi), default=math.inf)
+    intra_lat = max((cluster.node_link(n, n).latency_s for n in multi), default=0.0)
+    order = tuple(d for n in cycle for d in by_node[n])
+    shape = AllReduceShape(
+        p=len(key),
+        ring_bandwidth_bytes_per_s=min(intra_bw, inter_bw),
+        ring_latency_s=max(intra_lat, inter_lat),
+        nodes=len(node_ids),
+        intra_p=max(len(v) for v in by_node.values()),
+        intra_bandwidth_bytes_per_s=intra_bw,
+        intra_latency_s=intra_lat,
+        inter_bandwidth_bytes_per_s=inter_bw,
+        inter_latency_s=inter_lat,
+        order=order,
+    )
+    cache[key] = shape
+    return shape
+
+
+def estimate_hierarchical_allreduce_time(num_bytes: float, shape: AllReduceShape) -> float:
+    """Intra-node reduce-scatter + inter-node all-reduce + intra-node all-gather.
+
+    With k devices per node (the largest node's k), each intra phase is
+    ``(k-1) * latency + (k-1)/k * bytes / B_intra``; the inter-node phase runs k
+    rings of bytes/k at once through each node's one NIC, so it moves the same
+    ``2(n-1)/n * bytes`` per NIC as one ring of the whole buffer over n nodes
+    (the 2D/hierarchical scheme of Jia et al. 2018, and NCCL's tree/ring split).
+    """
+    if num_bytes <= 0 or shape.p <= 1:
+        return 0.0
+    k, n = shape.intra_p, shape.nodes
+    intra = 0.0
+    if k > 1:
+        intra = (k - 1) * shape.intra_latency_s + (k - 1) / k * num_bytes / shape.intra_bandwidth_bytes_per_s
+    inter = estimate_ring_allreduce_time(num_bytes, n, shape.inter_bandwidth_bytes_per_s, shape.inter_latency_s)
+    return 2 * intra + inter
+
+
+def estimate_allreduce(num_bytes: float, shape: AllReduceShape) -> tuple[float, str]:
+    """The cheaper of a flat ring and the hierarchical scheme: (seconds, ``"ring"``/``"hierarchical"``)."""
+    ring = estimate_ring_allreduce_time(num_bytes, shape.p, shape.ring_bandwidth_bytes_per_s,
+                                        shape.ring_latency_s)
+    if shape.nodes > 1 and shape.intra_p > 1:
+        hier = estimate_hierarchical_allreduce_time(num_bytes, shape)
+        if hier < ring:
+            return hier, "hierarchical"
+    return ring, "ring"
+
+
+def estimate_allreduce_time(cluster: Cluster, devices: Sequence[int], num_bytes: float) -> float:
+    """Seconds to all-reduce ``num_bytes`` among ``devices`` (indices), best algorithm."""
+    return estimate_allreduce(num_bytes, allreduce_shape(cluster, devices))[0]
+
+
+# ---------------------------------------------------------------------------
+# pipeline
+# ---------------------------------------------------------------------------
+
+
+def estimate_pipeline_time(stage_times: Sequence[float], m: int) -> float:
+    """Iteration time of a pipeline of ``m`` micro-batches (GPipe or 1F1B, flushed).
+
+    ``stage_times[j]`` is stage j's forward + backward time per micro-batch; a
+    transfer between stages enters as its own stage (activation + gradient).
+    ``sum_j t_j + (m - 1) * max_j t_j``: the first micro-batch crosses every
+    stage, the other m-1 follow at the bottleneck's pace (GPipe, Huang et al.
+    2019; the same bubble for 1F1B, Narayanan et al. 2021, sec. 2.2).
+    """
+    if m < 1:
+        raise ValueError(f"micro-batch count must be >= 1, got {m}")
+    return float(sum(stage_times)) + (m - 1) * float(max(stage_times))
+
+
+def in_flight(schedule: str, m: int, p: int, j: int) -> int:
+    """Micro-batches whose activations stage ``j`` of ``p`` holds at once.
+
+    GPipe: all m (all forwards before any backward). 1F1B: ``min(m, p - j)``
+    (PipeDream-Flush, Narayanan et al. 2021).
+    """
+    if schedule == "gpipe":
+        return m
+    return min(m, p - j)
+
+
+OPTIMIZER_STATE_PER_PARAM = {"sgd": 0, "momentum": 1, "adam": 2}
+
+
+def estimate_weight_memory(param_bytes: float, bytes_per_element: int, optimizer: str) -> float:
+    """Parameters + gradients + optimizer state (+ fp32 master copy under mixed precision).
+
+    Parameters and gradients in the training precision; optimizer state in fp32:
+    0 (SGD), 1 (momentum) or 2 (Adam: m and v) words per parameter; with 16-bit
+    training an fp32 master copy of the weights too (Rajbhandari et al., ZeRO, 2020, sec. 3.1).
+    """
+    n_params = param_bytes / bytes_per_element
+    state = 4 * OPTIMIZER_STATE_PER_PARAM[optimizer] * n_params
+    master = 4 * n_params if bytes_per_element < 4 else 0.0
+    return 2 * param_bytes + state + master
+
+
+def estimate_stage_memory(profile: ModelProfile, first: int, end: int, recompute: Sequence[int],
+                          b: int, in_flight_count: int, optimizer: str) -> float:
+    """Peak bytes of a stage holding layers ``[first, end)``.
+
+    weights (``estimate_weight_memory``) + ``in_flight_count * b *`` activation
+    bytes kept per sample, where a recomputed layer keeps only its input instead
+    of its saved activations, + the largest recomputed layer's activations for one
+    micro-batch (they reappear while it is recomputed during backward; Chen et al.,
+    "Training deep nets with sublinear memory cost", 2016).
+    """
+    layers = profile.layers
+    rc = set(recompute)
+    kept = 0.0
+    transient = 0.0
+    params = 0.0
+    for i in range(first, end):
+        layer = layers[i]
+        params += layer.param_bytes
+        if i in rc:
+            in_bytes = profile.input_bytes_per_sample if i == 0 else layers[i - 1].output_bytes_per_sample
+            kept += in_bytes
+            transient = max(transient, layer.saved_bytes_per_sample * b)
+        else:
+            kept += layer.saved_bytes_per_sample
+    return estimate_weight_memory(params, profile.bytes_per_element, optimizer) + in_flight_count * b * kept + transient
+
+
+def estimate_optimizer_time(param_bytes: float, bytes_per_element: int, device: Device, optimizer: str) -> float:
+    """Optimizer step: memory-bound, reads and writes weights, gradients and state once.
+
+    Bytes moved = 2 * (weight memory) (read + write); at the device's memory bandwidth.
+    """
+    return 2 * estimate_weight_memory(param_bytes, bytes_per_element, optimizer) / device.memory_bandwidth_bytes_per_s
+
+
+# ---------------------------------------------------------------------------
+# statistical efficiency
+# ---------------------------------------------------------------------------
+
+
+def estimate_samples_to_accuracy_factor(global_batch: int, critical_batch: float) -> float:
+    """How many more samples a global batch needs to reach a target, relative to tiny batches.
+
+    ``E(B) = E_min * (1 + B / B_crit)``: McCandlish et al., "An empirical model of
+    large-batch training", 2018, eq. 2.11. Below the critical batch the cost is
+    near 1; beyond it, samples (and epochs) grow linearly with B, which is why
+    Pal et al. (IEEE Micro 2019) argue for hybrid parallelism over ever-larger DP batches.
+    """
+    return 1.0 + global_batch / critical_batch

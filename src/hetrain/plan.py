@@ -1,0 +1,402 @@
+"""A Plan: every decision the planner made, and what it predicts. Plan is data.
+
+A plan is a JSON file a person can read and edit (docs/plan.md). It embeds the
+cluster and the profile it was made for, so the simulator and the runtime need
+nothing else. Picture of a plan with two virtual workers (VWs)::
+
+    VW0  mini-batch 96, 4 x 24   fast:0 [0..12) ──► fast:1 [12..24)
+    VW1  mini-batch 32, 2 x 16   old:0  [0..8)  ──► old:1  [8..24)
+    sync bsp: segment [0..8) among fast:0, old:0; [8..12) among fast:0, old:1; ...
+
+Example:
+    >>> plan = load_plan("plan.json")           # doctest: +SKIP
+    >>> print(plan.summary())                   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from hetrain.cluster import Cluster, parse_cluster
+from hetrain.profile import ModelProfile, parse_profile
+from hetrain.units import format_bytes, format_time
+
+Schedule = Literal["gpipe", "1f1b"]
+SyncMode = Literal["bsp", "wsp", "hybrid-ps", "daso", "local-sgd"]
+Optimizer = Literal["sgd", "momentum", "adam"]
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
+SYNC_MODES: tuple[str, ...] = ("bsp", "wsp", "hybrid-ps", "daso", "local-sgd")
+OPTIMIZERS: tuple[str, ...] = ("sgd", "momentum", "adam")
+FORMAT_VERSION = 1
+
+
+class PlanError(ValueError):
+    """A plan that is inconsistent with itself, its cluster or its profile."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Layers ``[first_layer, end_layer)`` on one device, with their recompute set.
+
+    The ``predicted_*`` figures are per micro-batch of the VW's micro-batch size.
+    """
+
+    device: str
+    first_layer: int
+    end_layer: int
+    recompute: tuple[int, ...] = ()
+    predicted_forward_s: float = 0.0
+    predicted_backward_s: float = 0.0
+    predicted_memory_bytes: float = 0.0
+
+    @property
+    def layers(self) -> range:
+        return range(self.first_layer, self.end_layer)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "layers": [self.first_layer, self.end_layer],
+            "recompute": list(self.recompute),
+            "predicted_forward_s": self.predicted_forward_s,
+            "predicted_backward_s": self.predicted_backward_s,
+            "predicted_memory_bytes": self.predicted_memory_bytes,
+        }
+
+
+@dataclass(frozen=True)
+class VirtualWorker:
+    """An ordered list of stages on distinct devices that holds the whole model.
+
+    It processes ``mini_batch`` samples per iteration as ``micro_batches``
+    micro-batches, sized as evenly as possible (``micro_batch_sizes``).
+    """
+
+    stages: tuple[Stage, ...]
+    mini_batch: int
+    micro_batches: int
+    predicted_pipeline_s: float = 0.0
+
+    @property
+    def micro_batch_size(self) -> int:
+        """The largest micro-batch (the one costs are predicted for)."""
+        return -(-self.mini_batch // self.micro_batches)
+
+    @property
+    def micro_batch_sizes(self) -> list[int]:
+        """Sizes of micro-batches 0..m-1: ``mini_batch`` split as evenly as possible."""
+        q, r = divmod(self.mini_batch, self.micro_batches)
+        return [q + 1 if i < r else q for i in range(self.micro_batches)]
+
+    @property
+    def devices(self) -> list[str]:
+        return [s.device for s in self.stages]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mini_batch": self.mini_batch,
+            "micro_batches": self.micro_batches,
+            "predicted_pipeline_s": self.predicted_pipeline_s,
+            "stages": [s.to_dict() for s in self.stages],
+        }
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """Predicted peak memory of one device against its capacity."""
+
+    device: str
+    peak_bytes: float
+    capacity_bytes: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"device": self.device, "peak_bytes": self.peak_bytes, "capacity_bytes": self.capacity_bytes}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the cost model (and, where run, the simulator) predicts for one iteration."""
+
+    iteration_s: float
+    samples_per_s: float
+    pipeline_s: float
+    sync_s: float
+    optimizer_s: float
+    memory: tuple[DeviceMemory, ...] = ()
+    simulated_iteration_s: float | None = None
+    time_to_accuracy_s: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "iteration_s": self.iteration_s,
+            "samples_per_s": self.samples_per_s,
+            "pipeline_s": self.pipeline_s,
+            "sync_s": self.sync_s,
+            "optimizer_s": self.optimizer_s,
+            "simulated_iteration_s": self.simulated_iteration_s,
+            "time_to_accuracy_s": self.time_to_accuracy_s,
+            "memory": [m.to_dict() for m in self.memory],
+        }
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Consecutive layers with the same owners; synchronised among those owners."""
+
+    first_layer: int
+    end_layer: int
+    owners: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every decision of the planner, and its prediction.
+
+    Attributes:
+        model: the profile's model name.
+        global_batch: samples per iteration over all VWs.
+        schedule: ``"gpipe"`` or ``"1f1b"``.
+        sync: the sync mode among VWs.
+        optimizer: ``"sgd"``, ``"momentum"`` or ``"adam"`` (sets optimizer-state memory).
+        virtual_workers: the VWs, each a pipeline over its devices.
+        prediction: the predicted iteration time, throughput and memory.
+        strategy: ``"dp"``, ``"pp"`` or ``"hybrid"``: the family the plan belongs to.
+        formation: how the VWs were formed (``"node"``, ``"spread"``, ``"contiguous"``...).
+        cluster: the cluster the plan is for.
+        profile: the model profile the plan is for.
+        options: planner options that shaped it (objective, critical batch...).
+    """
+
+    model: str
+    global_batch: int
+    schedule: Schedule
+    sync: SyncMode
+    optimizer: Optimizer
+    virtual_workers: tuple[VirtualWorker, ...]
+    prediction: Prediction
+    strategy: str
+    formation: str
+    cluster: Cluster = field(repr=False)
+    profile: ModelProfile = field(repr=False)
+    options: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        validate_plan(self)
+
+    # --- derived views -----------------------------------------------------
+
+    @property
+    def devices_used(self) -> list[str]:
+        return [s.device for vw in self.virtual_workers for s in vw.stages]
+
+    @property
+    def unused_devices(self) -> list[str]:
+        used = set(self.devices_used)
+        return [d.name for d in self.cluster.devices if d.name not in used]
+
+    def segments(self) -> list[Segment]:
+        """Layers grouped by the set of devices that hold them.
+
+        Under data parallelism across VWs that partition the model differently,
+        each segment's gradients are reduced among exactly its owners.
+        """
+        owners_of = [tuple(sorted({s.device for vw in self.virtual_workers for s in vw.stages
+                                   if s.first_layer <= i < s.end_layer}))
+                     for i in range(self.profile.num_layers)]
+        out: list[Segment] = []
+        start = 0
+        for i in range(1, len(owners_of) + 1):
+            if i == len(owners_of) or owners_of[i] != owners_of[start]:
+                out.append(Segment(start, i, owners_of[start]))
+                start = i
+        return out
+
+    def stage_of(self, device: str) -> tuple[int, int]:
+        """(VW index, stage index) of the stage on ``device``."""
+        for v, vw in enumerate(self.virtual_workers):
+            for j, s in enumerate(vw.stages):
+                if s.device == device:
+                    return v, j
+        raise PlanError(f"device {device} holds no stage in this plan")
+
+    # --- (de)serialisation ---------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format_version": FORMAT_VERSION,
+            "model": self.model,
+            "global_batch": self.global_batch,
+            "schedule": self.schedule,
+            "sync": self.sync,
+            "optimizer": self.optimizer,
+            "strategy": self.strategy,
+            "formation": self.formation,
+            "options": dict(self.options),
+            "prediction": self.prediction.to_dict(),
+            "virtual_workers": [vw.to_dict() for vw in self.virtual_workers],
+            "cluster": self.cluster.to_dict(),
+            "profile": self.profile.to_dict(),
+        }
+
+    @staticmethod
+    def from_dict(data: Mapping[str, Any]) -> Plan:
+        return parse_plan(data)
+
+    def save(self, path: str | Path) -> None:
+        """Write plan.json atomically (temporary file, then rename)."""
+        p = Path(path)
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        tmp.replace(p)
+
+    def summary(self) -> str:
+        """A readable table: VWs, stages, batch split, prediction and memory."""
+        pr = self.prediction
+        lines = [
+            f"plan for {self.model} on {self.cluster.name}: {self.strategy} ({self.formation}), "
+            f"{len(self.virtual_workers)} VW(s), schedule {self.schedule}, sync {self.sync}, "
+            f"global batch {self.global_batch}",
+        ]
+        mem = {m.device: m for m in pr.memory}
+        for v, vw in enumerate(self.virtual_workers):
+            lines.append(
+                f"  VW{v}: mini-batch {vw.mini_batch} = {vw.micro_batches} micro-batches of <= "
+                f"{vw.micro_batch_size}, pipeline {format_time(vw.predicted_pipeline_s)}"
+            )
+            for j, s in enumerate(vw.stages):
+                m = mem.get(s.device)
+                mem_text = f"{format_bytes(m.peak_bytes)} / {format_bytes(m.capacity_bytes)}" if m else "?"
+                rc = f" recompute {len(s.recompute)} layer(s)" if s.recompute else ""
+                lines.append(
+                    f"    stage {j}  {s.device:<12} layers [{s.first_layer:>3}, {s.end_layer:>3})"
+                    f"  F {format_time(s.predicted_forward_s):>9}  B {format_time(s.predicted_backward_s):>9}"
+                    f"  mem {mem_text}{rc}"
+                )
+        if self.unused_devices:
+            lines.append(f"  unused devices: {', '.join(self.unused_devices)}")
+        sim = (f", simulated {format_time(pr.simulated_iteration_s)}"
+               if pr.simulated_iteration_s is not None else "")
+        lines.append(
+            f"  predicted iteration {format_time(pr.iteration_s)} (pipeline {format_time(pr.pipeline_s)}"
+            f" + sync {format_time(pr.sync_s)} + optimizer {format_time(pr.optimizer_s)}){sim}, "
+            f"{pr.samples_per_s:.1f} samples/s"
+        )
+        return "\n".join(lines)
+
+
+def validate_plan(plan: Plan) -> None:
+    """Check a plan against itself, its cluster and its profile.
+
+    Every VW covers all layers with contiguous stages on distinct devices that
+    exist; no device is in two stages; the mini-batches add up to the global
+    batch; recompute sets lie inside their stage.
+    """
+    if plan.schedule not in SCHEDULES:
+        raise PlanError(f"schedule must be one of {SCHEDULES}, got {plan.schedule!r}")
+    if plan.sync not in SYNC_MODES:
+        raise PlanError(f"sync mode must be one of {SYNC_MODES}, got {plan.sync!r}")
+    if plan.optimizer not in OPTIMIZERS:
+        raise PlanError(f"optimizer must be one of {OPTIMIZERS}, got {plan.optimizer!r}")
+    if not plan.virtual_workers:
+        raise PlanError("a plan needs at least one virtual worker")
+    names = {d.name for d in plan.cluster.devices}
+    seen: set[str] = set()
+    L = plan.profile.num_layers
+    for v, vw in enumerate(plan.virtual_workers):
+        if vw.mini_batch < 1 or vw.micro_batches < 1:
+            raise PlanError(f"VW{v}: mini_batch {vw.mini_batch} and micro_batches {vw.micro_batches} must be >= 1")
+        if vw.micro_batches > vw.mini_batch:
+            raise PlanError(f"VW{v}: {vw.micro_batches} micro-batches for a mini-batch of {vw.mini_batch}")
+        expect = 0
+        for j, s in enumerate(vw.stages):
+            if s.device not in names:
+                raise PlanError(f"VW{v} stage {j}: device {s.device!r} is not in cluster {plan.cluster.name!r}")
+            if s.device in seen:
+                raise PlanError(f"VW{v} stage {j}: device {s.device} already holds another stage")
+            seen.add(s.device)
+            if s.first_layer != expect or s.end_layer <= s.first_layer:
+                raise PlanError(
+                    f"VW{v} stage {j}: layers [{s.first_layer}, {s.end_layer}) do not continue from layer {expect}"
+                )
+            bad = [i for i in s.recompute if not s.first_layer <= i < s.end_layer]
+            if bad:
+                raise PlanError(f"VW{v} stage {j}: recompute layers {bad} are outside [{s.first_layer}, {s.end_layer})")
+            expect = s.end_layer
+        if expect != L:
+            raise PlanError(f"VW{v}: stages cover layers [0, {expect}) but the model has {L} layers")
+    total = sum(vw.mini_batch for vw in plan.virtual_workers)
+    if total != plan.global_batch:
+        raise PlanError(f"mini-batches add up to {total}, global batch is {plan.global_batch}")
+
+
+def _stage_from(raw: Mapping[str, Any], where: str) -> Stage:
+    try:
+        first, end = raw["layers"]
+        return Stage(
+            device=str(raw["device"]), first_layer=int(first), end_layer=int(end),
+            recompute=tuple(int(i) for i in raw.get("recompute", ())),
+            predicted_forward_s=float(raw.get("predicted_forward_s", 0.0)),
+            predicted_backward_s=float(raw.get("predicted_backward_s", 0.0)),
+            predicted_memory_bytes=float(raw.get("predicted_memory_bytes", 0.0)),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise PlanError(f"{where}: malformed stage ({e!r}); a stage is {{device, layers: [first, end], recompute}}") from None
+
+
+def parse_plan(data: Mapping[str, Any]) -> Plan:
+    """Build a Plan from its JSON dict, validating it."""
+    version = data.get("format_version", FORMAT_VERSION)
+    if version != FORMAT_VERSION:
+        raise PlanError(f"plan format_version {version} is not supported (this hetrain reads {FORMAT_VERSION})")
+    for key in ("cluster", "profile", "virtual_workers", "global_batch"):
+        if key not in data:
+            raise PlanError(f"plan is missing {key!r}")
+    cluster = parse_cluster(data["cluster"])
+    profile = parse_profile(data["profile"])
+    vws = []
+    for v, raw in enumerate(data["virtual_workers"]):
+        stages = tuple(_stage_from(s, f"VW{v} stage {j}") for j, s in enumerate(raw.get("stages", [])))
+        vws.append(VirtualWorker(stages, int(raw["mini_batch"]), int(raw["micro_batches"]),
+                                 float(raw.get("predicted_pipeline_s", 0.0))))
+    raw_pred = data.get("prediction", {})
+    pred = Prediction(
+        iteration_s=float(raw_pred.get("iteration_s", 0.0)),
+        samples_per_s=float(raw_pred.get("samples_per_s", 0.0)),
+        pipeline_s=float(raw_pred.get("pipeline_s", 0.0)),
+        sync_s=float(raw_pred.get("sync_s", 0.0)),
+        optimizer_s=float(raw_pred.get("optimizer_s", 0.0)),
+        memory=tuple(DeviceMemory(str(m["device"]), float(m["peak_bytes"]), float(m["capacity_bytes"]))
+                     for m in raw_pred.get("memory", [])),
+        simulated_iteration_s=raw_pred.get("simulated_iteration_s"),
+        time_to_accuracy_s=raw_pred.get("time_to_accuracy_s"),
+    )
+    return Plan(
+        model=str(data.get("model", profile.name)),
+        global_batch=int(data["global_batch"]),
+        schedule=data.get("schedule", "1f1b"),
+        sync=data.get("sync", "bsp"),
+        optimizer=data.get("optimizer", "adam"),
+        virtual_workers=tuple(vws),
+        prediction=pred,
+        strategy=str(data.get("strategy", "hybrid")),
+        formation=str(data.get("formation", "manual")),
+        cluster=cluster,
+        profile=profile,
+        options=dict(data.get("options", {})),
+    )
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read and validate plan.json; PlanError names what is wrong."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except OSError as e:
+        raise PlanError(f"cannot read plan {p}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise PlanError(f"{p}: not valid JSON: {e}") from None
+    return parse_plan(data)

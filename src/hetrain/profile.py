@@ -1,0 +1,264 @@
+"""What a model costs, layer by layer: ModelProfile, its JSON form, and scaling.
+
+A profile holds, per layer, the figures the cost model needs: parameter bytes,
+output activation bytes per sample (what crosses a stage boundary), bytes kept
+for backward per sample, forward FLOPs per sample and, for device types where it
+was measured, forward and backward seconds at one or more micro-batch sizes.
+docs/profile.md documents the JSON; the profiler writes it, people may edit it.
+
+Example:
+    >>> from hetrain.models.analytic import build_profile
+    >>> p = build_profile("gpt2-small")                          # doctest: +SKIP
+    >>> p.save("gpt2-small.json"); load_profile("gpt2-small.json")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+PRECISIONS = ("fp32", "fp16", "bf16")
+Precision = Literal["fp32", "fp16", "bf16"]
+FORMAT_VERSION = 1
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be used; the message names the layer and the field."""
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Timed forward and backward of one layer at one micro-batch size.
+
+    ``source`` is ``"measured"`` (profiled on that device type) or ``"scaled"``
+    (derived from another type's measurement by the roofline ratio).
+    """
+
+    micro_batch: int
+    forward_s: float
+    backward_s: float
+    source: str = "measured"
+
+    def __post_init__(self) -> None:
+        if self.micro_batch < 1:
+            raise ProfileError(f"measurement micro_batch must be >= 1, got {self.micro_batch}")
+        if not (self.forward_s >= 0 and self.backward_s >= 0):
+            raise ProfileError(
+                f"measured times must be >= 0, got forward {self.forward_s} s, backward {self.backward_s} s"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"micro_batch": self.micro_batch, "forward_s": self.forward_s,
+                               "backward_s": self.backward_s}
+        if self.source != "measured":
+            out["source"] = self.source
+        return out
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """Costs of one layer (one entry of the model's layer list).
+
+    Attributes:
+        name: a label, e.g. ``"block3"``.
+        param_bytes: bytes of its parameters in the training precision.
+        output_bytes_per_sample: bytes of its output per sample (sent to the next stage).
+        saved_bytes_per_sample: activation bytes kept for backward per sample.
+        forward_flops_per_sample: forward FLOPs per sample (backward is taken as 2x).
+        measured: per device type, measurements at one or more micro-batch sizes.
+    """
+
+    name: str
+    param_bytes: float
+    output_bytes_per_sample: float
+    saved_bytes_per_sample: float
+    forward_flops_per_sample: float
+    measured: tuple[tuple[str, tuple[Measurement, ...]], ...] = ()
+
+    def __post_init__(self) -> None:
+        for key in ("param_bytes", "output_bytes_per_sample", "saved_bytes_per_sample",
+                    "forward_flops_per_sample"):
+            value = getattr(self, key)
+            if not value >= 0:
+                raise ProfileError(f"layer {self.name!r}: {key} must be >= 0, got {value}")
+
+    def measurements(self, type_name: str) -> tuple[Measurement, ...]:
+        for t, ms in self.measured:
+            if t == type_name:
+                return ms
+        return ()
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "name": self.name,
+            "param_bytes": self.param_bytes,
+            "output_bytes_per_sample": self.output_bytes_per_sample,
+            "saved_bytes_per_sample": self.saved_bytes_per_sample,
+            "forward_flops_per_sample": self.forward_flops_per_sample,
+        }
+        if self.measured:
+            out["measured"] = {t: [m.to_dict() for m in ms] for t, ms in self.measured}
+        return out
+
+
+@dataclass(frozen=True)
+class DeviceFigures:
+    """Peak figures of a device type a profile was measured on (for roofline scaling)."""
+
+    peak_flops: float
+    memory_bandwidth_bytes_per_s: float
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """A model as the planner sees it: an ordered list of LayerProfiles.
+
+    Attributes:
+        name: model name, e.g. ``"gpt2-medium"``.
+        layers: the layers, in order; the output of layer i feeds layer i + 1.
+        input_bytes_per_sample: bytes of one sample of the model's input.
+        precision: training precision of compute (``fp32``, ``fp16``, ``bf16``).
+        compute_efficiency: fraction of the roofline peak that layers reach when
+            their time is estimated rather than measured (0 < e <= 1).
+        measured_on: peak figures of the device types with measurements, so
+            other types can be scaled from them by the roofline ratio.
+    """
+
+    name: str
+    layers: tuple[LayerProfile, ...]
+    input_bytes_per_sample: float
+    precision: Precision = "fp32"
+    compute_efficiency: float = 0.5
+    measured_on: tuple[tuple[str, DeviceFigures], ...] = ()
+    _cache: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ProfileError(f"profile {self.name!r} has no layers")
+        if self.precision not in PRECISIONS:
+            raise ProfileError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if not 0 < self.compute_efficiency <= 1:
+            raise ProfileError(f"compute_efficiency must be in (0, 1], got {self.compute_efficiency}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def param_bytes(self) -> float:
+        return float(sum(layer.param_bytes for layer in self.layers))
+
+    @property
+    def bytes_per_element(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+    def figures_of(self, type_name: str) -> DeviceFigures | None:
+        for t, f in self.measured_on:
+            if t == type_name:
+                return f
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "format_version": FORMAT_VERSION,
+            "name": self.name,
+            "precision": self.precision,
+            "compute_efficiency": self.compute_efficiency,
+            "input_bytes_per_sample": self.input_bytes_per_sample,
+            "layers": [layer.to_dict() for layer in self.layers],
+        }
+        if self.measured_on:
+            out["measured_on"] = {
+                t: {"peak_flops": f.peak_flops, "memory_bandwidth_bytes_per_s": f.memory_bandwidth_bytes_per_s}
+                for t, f in self.measured_on
+            }
+        return out
+
+    @staticmethod
+    def from_dict(data: Mapping[str, Any]) -> ModelProfile:
+        return parse_profile(data)
+
+    def save(self, path: str | Path) -> None:
+        """Write the profile as JSON (atomically: write a temporary file, then rename)."""
+        p = Path(path)
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        tmp.replace(p)
+
+
+def _number(raw: Mapping[str, Any], key: str, where: str, default: float | None = None) -> float:
+    if key not in raw:
+        if default is not None:
+            return default
+        raise ProfileError(f"{where}: missing {key!r}")
+    value = raw[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProfileError(f"{where}: {key} must be a number, got {value!r}")
+    return float(value)
+
+
+def parse_profile(data: Mapping[str, Any]) -> ModelProfile:
+    """Build a ModelProfile from its JSON dict; ProfileError names the layer and field."""
+    version = data.get("format_version", FORMAT_VERSION)
+    if version != FORMAT_VERSION:
+        raise ProfileError(f"profile format_version {version} is not supported (this hetrain reads {FORMAT_VERSION})")
+    raw_layers = data.get("layers")
+    if not isinstance(raw_layers, list) or not raw_layers:
+        raise ProfileError("profile needs a non-empty 'layers' list")
+    layers = []
+    for i, raw in enumerate(raw_layers):
+        where = f"layer {i}"
+        if not isinstance(raw, Mapping):
+            raise ProfileError(f"{where}: expected an object, got {raw!r}")
+        measured: list[tuple[str, tuple[Measurement, ...]]] = []
+        for type_name, ms in (raw.get("measured") or {}).items():
+            if not isinstance(ms, list):
+                raise ProfileError(f"{where}: measured[{type_name!r}] must be a list")
+            try:
+                items = tuple(
+                    Measurement(int(m["micro_batch"]), float(m["forward_s"]), float(m["backward_s"]),
+                                str(m.get("source", "measured")))
+                    for m in ms
+                )
+            except (KeyError, TypeError, ValueError) as e:
+                raise ProfileError(f"{where}: measured[{type_name!r}] entry is malformed ({e})") from None
+            measured.append((str(type_name), tuple(sorted(items, key=lambda m: m.micro_batch))))
+        layers.append(LayerProfile(
+            name=str(raw.get("name", f"layer{i}")),
+            param_bytes=_number(raw, "param_bytes", where),
+            output_bytes_per_sample=_number(raw, "output_bytes_per_sample", where),
+            saved_bytes_per_sample=_number(raw, "saved_bytes_per_sample", where),
+            forward_flops_per_sample=_number(raw, "forward_flops_per_sample", where),
+            measured=tuple(measured),
+        ))
+    measured_on = tuple(
+        (str(t), DeviceFigures(_number(f, "peak_flops", f"measured_on {t}"),
+                               _number(f, "memory_bandwidth_bytes_per_s", f"measured_on {t}")))
+        for t, f in (data.get("measured_on") or {}).items()
+    )
+    return ModelProfile(
+        name=str(data.get("name", "model")),
+        layers=tuple(layers),
+        input_bytes_per_sample=_number(data, "input_bytes_per_sample", "profile"),
+        precision=data.get("precision", "fp32"),
+        compute_efficiency=_number(data, "compute_efficiency", "profile", 0.5),
+        measured_on=measured_on,
+    )
+
+
+def load_profile(path: str | Path) -> ModelProfile:
+    """Read a profile JSON file; ProfileError on a missing file or bad content."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except OSError as e:
+        raise ProfileError(f"cannot read profile {p}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"{p}: not valid JSON: {e}") from None
+    try:
+        return parse_profile(data)
+    except ProfileError as e:
+        raise ProfileError(f"{p}: {e}") from None
