@@ -1,0 +1,361 @@
+"""The planner: a pure function of (cluster, profile, options) to a Plan.
+
+Search, per candidate formation (formation.py):
+
+1. score each VW shape against mini-batch size (vw.VWEvaluator.estimate_time);
+2. split the global batch over VWs by water-filling: give samples one at a time
+   to the VW that would finish soonest with one more, which minimises the
+   slowest VW's time for monotone costs, so no VW waits at the sync;
+3. refine each VW at its mini-batch: exact micro-batch size, count and partition;
+4. add synchronisation (sync.py) and the optimizer step.
+
+The formations are ranked by the objective (throughput, or time to accuracy
+with a critical batch size), and the best few are re-ranked by the simulator
+where it is available.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from hetrain.cluster import Cluster
+from hetrain.cost import (
+    estimate_optimizer_time,
+    estimate_samples_to_accuracy_factor,
+    estimate_stage_memory,
+    estimate_weight_memory,
+    in_flight,
+)
+from hetrain.plan import (
+    OPTIMIZERS,
+    SCHEDULES,
+    SYNC_MODES,
+    DeviceMemory,
+    Optimizer,
+    Plan,
+    Prediction,
+    Schedule,
+    Stage,
+    SyncMode,
+    VirtualWorker,
+)
+from hetrain.planner.formation import Formation, build_formations
+from hetrain.planner.partition import PartitionResult
+from hetrain.planner.sync import estimate_sync_time
+from hetrain.planner.vw import VWEvaluator, canonical_devices, vw_signature
+from hetrain.profile import ModelProfile
+from hetrain.units import format_bytes
+
+INF = float("inf")
+
+
+class PlannerError(ValueError):
+    """No plan satisfies the request; the message says why, with the numbers."""
+
+
+@dataclass(frozen=True)
+class PlannerOptions:
+    """What the planner may choose and what it optimises.
+
+    Attributes:
+        strategy: ``auto`` searches all formations; ``dp`` / ``pp`` force a family.
+        schedule: ``gpipe``, ``1f1b``, or ``auto`` (both tried).
+        sync: the sync mode recorded in the plan (``bsp`` is costed here).
+        optimizer: sets optimizer-state memory and step time.
+        objective: ``throughput`` or ``time-to-accuracy``.
+        critical_batch: the critical batch size B_crit (for time-to-accuracy).
+        target_samples: samples to reach the target at small batch (E_min).
+        global_batch_choices: with time-to-accuracy, other global batches to try.
+        micro_batch_sizes: micro-batch sizes to try (default powers of two).
+        allow_recompute: let stages recompute activations to fit memory.
+        max_caps: bottleneck caps tried per partition before sampling.
+        order_budget: DP cells allowed for trying every device order of a VW.
+        exhaustive_devices: clusters this small also try every set partition.
+        simulate_top_k: re-rank this many best candidates by simulation (0: off).
+    """
+
+    strategy: Literal["auto", "dp", "pp", "hybrid"] = "auto"
+    schedule: Literal["auto", "gpipe", "1f1b"] = "auto"
+    sync: SyncMode = "bsp"
+    optimizer: Optimizer = "adam"
+    objective: Literal["throughput", "time-to-accuracy"] = "throughput"
+    critical_batch: float | None = None
+    target_samples: float = 1e6
+    global_batch_choices: tuple[int, ...] = ()
+    micro_batch_sizes: tuple[int, ...] | None = None
+    allow_recompute: bool = True
+    max_caps: int = 64
+    order_budget: float = 2e6
+    exhaustive_devices: int = 6
+    simulate_top_k: int = 3
+
+    def __post_init__(self) -> None:
+        if self.strategy not in ("auto", "dp", "pp", "hybrid"):
+            raise ValueError(f"strategy must be auto, dp, pp or hybrid, got {self.strategy!r}")
+        if self.schedule not in ("auto", *SCHEDULES):
+            raise ValueError(f"schedule must be auto, gpipe or 1f1b, got {self.schedule!r}")
+        if self.sync not in SYNC_MODES:
+            raise ValueError(f"sync must be one of {SYNC_MODES}, got {self.sync!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.objective not in ("throughput", "time-to-accuracy"):
+            raise ValueError(f"objective must be throughput or time-to-accuracy, got {self.objective!r}")
+        if self.objective == "time-to-accuracy" and not (self.critical_batch and self.critical_batch > 0):
+            raise ValueError("objective time-to-accuracy needs a positive critical_batch (--critical-batch)")
+        if self.micro_batch_sizes is not None and any(b < 1 for b in self.micro_batch_sizes):
+            raise ValueError(f"micro-batch sizes must be >= 1, got {list(self.micro_batch_sizes)}")
+
+
+@dataclass
+class Candidate:
+    """One scored formation: its VWs' partitions, batch split and predicted times."""
+
+    formation: Formation
+    schedule: str
+    global_batch: int
+    parts: list[PartitionResult]
+    mini_batches: list[int]
+    pipeline_s: float
+    sync_s: float
+    optimizer_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def iteration_s(self) -> float:
+        return self.pipeline_s + self.sync_s + self.optimizer_s
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.global_batch / self.iteration_s
+
+    def score(self, opts: PlannerOptions) -> float:
+        """Lower is better: seconds per sample, or predicted time to accuracy."""
+        if opts.objective == "time-to-accuracy":
+            assert opts.critical_batch is not None
+            factor = estimate_samples_to_accuracy_factor(self.global_batch, opts.critical_batch)
+            return opts.target_samples * factor / self.samples_per_s
+        return 1.0 / self.samples_per_s
+
+
+def _split_batch(times: Sequence[Any], global_batch: int) -> list[int] | None:
+    """Water-filling: mini-batches summing to ``global_batch`` minimising the slowest VW.
+
+    ``times[v](B)`` is VW v's time for mini-batch B (non-decreasing in B). Every
+    VW gets at least one sample. Optimal for monotone costs: each step gives a
+    sample to the VW whose time after taking it is smallest.
+    """
+    k = len(times)
+    if global_batch < k:
+        return None
+    alloc = [1] * k
+    if any(not math.isfinite(t(1)) for t in times):
+        return None
+    heap = [(times[v](2), v) for v in range(k)]
+    heapq.heapify(heap)
+    for _ in range(global_batch - k):
+        t, v = heapq.heappop(heap)
+        if not math.isfinite(t):
+            return None
+        alloc[v] += 1
+        heapq.heappush(heap, (times[v](alloc[v] + 1), v))
+    return alloc
+
+
+def _evaluate(cluster: Cluster, profile: ModelProfile, formation: Formation, schedule: str, global_batch: int,
+              opts: PlannerOptions, evaluators: dict[tuple[object, ...], VWEvaluator]) -> Candidate | None:
+    groups = formation.vws
+    sigs = [(vw_signature(cluster, g), schedule) for g in groups]
+    for sig, g in zip(sigs, groups, strict=True):
+        if sig not in evaluators:
+            evaluators[sig] = VWEvaluator(
+                cluster, profile, canonical_devices(cluster, g), schedule, opts.optimizer, opts.allow_recompute,
+                opts.order_budget, opts.max_caps, opts.micro_batch_sizes)
+    if global_batch < len(groups):
+        return None
+    # Guess each VW's share by peak compute, to size the coarse partitions' micro-batch count.
+    speed = [sum(cluster.devices[d].peak_flops(profile.precision) for d in g) for g in groups]
+    total_speed = sum(speed)
+    memo: dict[tuple[object, ...], dict[int, float]] = {}
+
+    def time_fn(v: int) -> Any:
+        sig = sigs[v]
+        ev = evaluators[sig]
+        m_ref = max(1, round(global_batch * speed[v] / total_speed))
+        table = memo.setdefault(sig, {})
+
+        def t(mini_batch: int) -> float:
+            if mini_batch not in table:
+                table[mini_batch] = ev.estimate_time(mini_batch, m_ref)
+            return table[mini_batch]
+        return t
+
+    split = _split_batch([time_fn(v) for v in range(len(groups))], global_batch)
+    if split is None:
+        return None
+    parts: list[PartitionResult] = []
+    for v, g in enumerate(groups):
+        r = evaluators[sigs[v]].refine(split[v])
+        if r is None:
+            return None
+        # map canonical positions back to this VW's devices
+        canon = canonical_devices(cluster, g)
+        pos = {d.index: q for q, d in enumerate(evaluators[sigs[v]].devices)}
+        mapped = tuple(canon[pos[d.index]] for d in r.devices)
+        parts.append(replace(r, devices=mapped))
+    pipeline_s = max(r.pipeline_s for r in parts)
+    layouts = [[(d.index, r.cuts[j], r.cuts[j + 1]) for j, d in enumerate(r.devices)] for r in parts]
+    sync_s = estimate_sync_time(cluster, profile, layouts) if opts.sync == "bsp" else 0.0
+    optimizer_s = max(
+        estimate_optimizer_time(sum(profile.layers[i].param_bytes for i in range(k, l)),
+                                profile.bytes_per_element, cluster.devices[d], opts.optimizer)
+        for layout in layouts for d, k, l in layout
+    )
+    return Candidate(formation, schedule, global_batch, parts, split, pipeline_s, sync_s, optimizer_s)
+
+
+def _to_plan(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: PlannerOptions) -> Plan:
+    vws = []
+    memory = []
+    for r, mini in zip(c.parts, c.mini_batches, strict=True):
+        p = len(r.devices)
+        stages = []
+        for j, d in enumerate(r.devices):
+            k, l = r.cuts[j], r.cuts[j + 1]
+            mem = estimate_stage_memory(profile, k, l, r.recompute[j], r.b, in_flight(c.schedule, r.m, p, j),
+                                        opts.optimizer)
+            stages.append(Stage(d.name, k, l, r.recompute[j], r.forward_s[j], r.backward_s[j], mem))
+            memory.append(DeviceMemory(d.name, mem, d.memory_bytes))
+        vws.append(VirtualWorker(tuple(stages), mini, r.m, r.pipeline_s))
+    tta = None
+    if opts.critical_batch:
+        tta = opts.target_samples * estimate_samples_to_accuracy_factor(c.global_batch, opts.critical_batch) \
+            / c.samples_per_s
+    prediction = Prediction(
+        iteration_s=c.iteration_s, samples_per_s=c.samples_per_s, pipeline_s=c.pipeline_s, sync_s=c.sync_s,
+        optimizer_s=c.optimizer_s, memory=tuple(memory), time_to_accuracy_s=tta,
+    )
+    schedule: Schedule = "gpipe" if c.schedule == "gpipe" else "1f1b"
+    options: dict[str, Any] = {"objective": opts.objective, "strategy": opts.strategy}
+    if opts.critical_batch:
+        options["critical_batch"] = opts.critical_batch
+    return Plan(
+        model=profile.name, global_batch=c.global_batch, schedule=schedule, sync=opts.sync,
+        optimizer=opts.optimizer, virtual_workers=tuple(vws), prediction=prediction,
+        strategy=c.formation.strategy, formation=c.formation.name, cluster=cluster, profile=profile,
+        options=options,
+    )
+
+
+def _explain_no_fit(cluster: Cluster, profile: ModelProfile, opts: PlannerOptions) -> str:
+    """Smallest memory the model needs vs the largest any arrangement offers."""
+    weights = estimate_weight_memory(profile.param_bytes, profile.bytes_per_element, opts.optimizer)
+    # one sample, every layer recomputed: each layer keeps only its input
+    acts = profile.input_bytes_per_sample + sum(x.output_bytes_per_sample for x in profile.layers[:-1])
+    need = weights + acts
+    mems = sorted((d.memory_bytes for d in cluster.devices), reverse=True)
+    offer = sum(mems[: profile.num_layers])
+    biggest_layer = max(profile.layers, key=lambda x: x.param_bytes)
+    layer_need = estimate_weight_memory(biggest_layer.param_bytes, profile.bytes_per_element, opts.optimizer)
+    return (
+        f"{profile.name} fits no arrangement of cluster {cluster.name!r}: it needs at least "
+        f"{format_bytes(need)} (parameters, gradients and {opts.optimizer} state of "
+        f"{format_bytes(profile.param_bytes)} of weights, plus one sample's activations with full "
+        f"recomputation); the largest any arrangement offers is {format_bytes(offer)} "
+        f"({min(profile.num_layers, len(mems))} devices, at most one stage per layer). Its largest layer "
+        f"{biggest_layer.name!r} alone needs {format_bytes(layer_need)}; the largest device has "
+        f"{format_bytes(mems[0])}. Add devices, use a smaller model, or --optimizer sgd."
+    )
+
+
+def search(cluster: Cluster, profile: ModelProfile, global_batch: int, opts: PlannerOptions) -> list[Candidate]:
+    """Every feasible candidate, best first by the objective (closed forms only)."""
+    if global_batch < 1:
+        raise PlannerError(f"global batch must be >= 1, got {global_batch}")
+    formations = build_formations(cluster, profile.num_layers, opts.strategy, profile.precision,
+                                  opts.exhaustive_devices)
+    if not formations:
+        raise PlannerError(
+            f"strategy {opts.strategy!r} has no arrangement for {profile.num_layers} layers on "
+            f"{cluster.num_devices} devices: every stage needs at least one layer"
+            + (", so a pure pipeline can use at most one device per layer" if opts.strategy == "pp" else "")
+        )
+    fewest = min(len(f.vws) for f in formations)
+    if global_batch < fewest:
+        raise PlannerError(
+            f"global batch {global_batch} is smaller than the {fewest} virtual workers of the "
+            f"{opts.strategy} strategy on {cluster.num_devices} devices: every VW needs at least one sample. "
+            f"Use --global-batch >= {fewest}" + ("" if opts.strategy != "dp" else ", or --strategy auto/pp")
+        )
+    schedules = ("1f1b", "gpipe") if opts.schedule == "auto" else (opts.schedule,)
+    batches = sorted({global_batch, *opts.global_batch_choices}) if opts.objective == "time-to-accuracy" \
+        else [global_batch]
+    evaluators: dict[tuple[object, ...], VWEvaluator] = {}
+    found: list[Candidate] = []
+    for f in formations:
+        for sched in schedules:
+            for g in batches:
+                c = _evaluate(cluster, profile, f, sched, g, opts, evaluators)
+                if c is not None:
+                    found.append(c)
+    if not found:
+        raise PlannerError(_explain_no_fit(cluster, profile, opts))
+    found.sort(key=lambda c: (c.score(opts), c.schedule != "1f1b", len(c.formation.vws)))
+    return found
+
+
+def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: PlannerOptions | None = None,
+         **kwargs: Any) -> Plan:
+    """Plan a hybrid pipeline + data parallel run of ``profile`` on ``cluster``.
+
+    Args:
+        cluster: the devices and links.
+        profile: the model's per-layer costs.
+        global_batch: samples per iteration over all virtual workers.
+        options: a PlannerOptions; or pass its fields as keyword arguments.
+
+    Returns:
+        The best Plan by the objective: by simulation among the closed form's
+        best ``simulate_top_k`` where the simulator is available.
+
+    Raises:
+        PlannerError: no arrangement fits, or the batch is too small; the message has the numbers.
+
+    Example:
+        >>> import hetrain
+        >>> c = hetrain.load_cluster("examples/clusters/hetpipe.toml")            # doctest: +SKIP
+        >>> p = hetrain.plan(c, hetrain.build_profile("gpt2-medium"), 512)        # doctest: +SKIP
+        >>> print(p.summary())                                                     # doctest: +SKIP
+    """
+    opts = options if options is not None else PlannerOptions(**kwargs)
+    if options is not None and kwargs:
+        opts = replace(options, **kwargs)
+    found = search(cluster, profile, global_batch, opts)
+    plans = [_to_plan(cluster, profile, c, opts) for c in found[: max(1, opts.simulate_top_k)]]
+    if opts.simulate_top_k > 0:
+        plans = rerank_by_simulation(plans, opts)
+    return plans[0]
+
+
+def rerank_by_simulation(plans: list[Plan], opts: PlannerOptions) -> list[Plan]:
+    """Simulate each plan, record the figure, and order by simulated time (or TTA)."""
+    try:
+        from hetrain.simulator import simulate
+    except ImportError:  # the simulator is optional for the closed-form planner
+        return plans
+    out = []
+    for p in plans:
+        sim = simulate(p)
+        pred = replace(p.prediction, simulated_iteration_s=sim.iteration_s)
+        out.append(replace(p, prediction=pred))
+
+    def key(p: Plan) -> float:
+        assert p.prediction.simulated_iteration_s is not None
+        t = p.prediction.simulated_iteration_s
+        if opts.objective == "time-to-accuracy" and opts.critical_batch:
+            return t * estimate_samples_to_accuracy_factor(p.global_batch, opts.critical_batch) / p.global_batch
+        return t / p.global_batch
+    return sorted(out, key=key)

@@ -1,0 +1,212 @@
+"""Evaluate one virtual worker: best device order, partition and micro-batching.
+
+A VW is scored as a function of its mini-batch ``B``: for each candidate
+micro-batch size ``b``, ``m = ceil(B / b)`` micro-batches, and the best
+partition over the best device order. VWs with the same device types, node
+pattern and links share one evaluator (``vw_signature``), so a 1024-device
+cluster of identical nodes costs a handful of searches, not hundreds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from hetrain.cluster import Cluster, Device
+from hetrain.planner.partition import PartitionResult, partition
+from hetrain.profile import ModelProfile
+
+INF = float("inf")
+
+
+def vw_signature(cluster: Cluster, group: Sequence[int]) -> tuple[object, ...]:
+    """What determines a VW's costs: device figures, node pattern and links, in canonical order."""
+    devs = sorted(group, key=lambda d: (int(cluster.node_index[d]), cluster.devices[d].type_name, d))
+    relabel: dict[int, int] = {}
+    kinds = []
+    for d in devs:
+        dev = cluster.devices[d]
+        node = relabel.setdefault(int(cluster.node_index[d]), len(relabel))
+        kinds.append((node, dev.type_name, dev.peak_fp32_flops, dev.peak_fp16_flops, dev.memory_bytes,
+                      dev.memory_bandwidth_bytes_per_s))
+    links = tuple(
+        (float(cluster.bandwidth_bytes_per_s[a, b]), float(cluster.latency_s[a, b]))
+        for a in devs for b in devs if a != b
+    )
+    return (tuple(kinds), links)
+
+
+def canonical_devices(cluster: Cluster, group: Sequence[int]) -> list[Device]:
+    """The VW's devices in the canonical order of ``vw_signature``."""
+    devs = sorted(group, key=lambda d: (int(cluster.node_index[d]), cluster.devices[d].type_name, d))
+    return [cluster.devices[d] for d in devs]
+
+
+def _multiset_permutations(items: list[int]) -> Iterator[tuple[int, ...]]:
+    """Distinct permutations of a list with repeated values (lexicographic, no duplicates)."""
+    a = sorted(items)
+    while True:
+        yield tuple(a)
+        i = len(a) - 2
+        while i >= 0 and a[i] >= a[i + 1]:
+            i -= 1
+        if i < 0:
+            return
+        j = len(a) - 1
+        while a[j] <= a[i]:
+            j -= 1
+        a[i], a[j] = a[j], a[i]
+        a[i + 1:] = reversed(a[i + 1:])
+
+
+def _distinct_orders(n_by_class: list[int]) -> int:
+    total = math.factorial(sum(n_by_class))
+    for c in n_by_class:
+        total //= math.factorial(c)
+    return total
+
+
+def candidate_orders(cluster: Cluster, devices: Sequence[Device], num_layers: int,
+                     budget: float) -> list[tuple[int, ...]]:
+    """Device orders (as positions into ``devices``) to try for the pipeline.
+
+    Devices of the same type on the same node are interchangeable. If the
+    distinct orders are few enough for ``budget`` (orders x p x L^2 DP cells),
+    all are tried (exact); otherwise: devices grouped by node, nodes chained by
+    the fastest next link from each starting node, and inside a node larger
+    memory first (1F1B's early stages hold more micro-batches) or faster first.
+    """
+    p = len(devices)
+    cls: dict[tuple[object, ...], int] = {}
+    labels = [cls.setdefault((d.node, d.type_name, d.memory_bytes, d.peak_fp32_flops), len(cls)) for d in devices]
+    counts = [labels.count(c) for c in range(len(cls))]
+    if _distinct_orders(counts) * p * num_layers**2 <= budget:
+        firsts: dict[int, int] = {}
+        for pos, c in enumerate(labels):
+            firsts.setdefault(c, pos)
+        orders = []
+        for perm in _multiset_permutations(labels):
+            used: dict[int, int] = {}
+            order = []
+            for c in perm:
+                # the used[c]-th device of class c
+                members = [pos for pos, lab in enumerate(labels) if lab == c]
+                order.append(members[used.get(c, 0)])
+                used[c] = used.get(c, 0) + 1
+            orders.append(tuple(order))
+        return orders
+    nodes: dict[str, list[int]] = {}
+    for pos, d in enumerate(devices):
+        nodes.setdefault(d.node, []).append(pos)
+    node_names = list(nodes)
+
+    def bw(a: str, b: str) -> float:
+        return float(cluster.bandwidth_bytes_per_s[devices[nodes[a][0]].index, devices[nodes[b][0]].index])
+
+    chains = []
+    for start in node_names[:4]:
+        chain = [start]
+        left = [n for n in node_names if n != start]
+        while left:
+            nxt = max(left, key=lambda n: bw(chain[-1], n))
+            chain.append(nxt)
+            left.remove(nxt)
+        chains.append(chain)
+    orders_set: dict[tuple[int, ...], None] = {}
+    for chain in chains:
+        for key in (lambda q: (-devices[q].memory_bytes, -devices[q].peak_fp32_flops),
+                    lambda q: (-devices[q].peak_fp32_flops, -devices[q].memory_bytes)):
+            order = tuple(q for n in chain for q in sorted(nodes[n], key=key))
+            orders_set[order] = None
+            orders_set[tuple(reversed(order))] = None
+    return list(orders_set)
+
+
+def micro_batch_candidates(limit: int, fixed: Sequence[int] | None) -> list[int]:
+    """Micro-batch sizes to try: the user's, or powers of two up to ``limit``."""
+    if fixed:
+        return sorted({b for b in fixed if b >= 1})
+    out = [1]
+    while out[-1] * 2 <= max(1, limit):
+        out.append(out[-1] * 2)
+    return out
+
+
+@dataclass
+class VWEvaluator:
+    """Scores one VW shape for any mini-batch; caches partitions by (b, m)."""
+
+    cluster: Cluster
+    profile: ModelProfile
+    devices: list[Device]
+    schedule: str
+    optimizer: str
+    allow_recompute: bool
+    order_budget: float
+    max_caps: int
+    micro_batch_sizes: Sequence[int] | None
+    _orders: list[tuple[int, ...]] | None = None
+    _cache: dict[tuple[int, int], PartitionResult | None] = field(default_factory=dict)
+    _coarse: dict[int, PartitionResult | None] = field(default_factory=dict)
+
+    def orders(self) -> list[tuple[int, ...]]:
+        if self._orders is None:
+            self._orders = candidate_orders(self.cluster, self.devices, self.profile.num_layers, self.order_budget)
+        return self._orders
+
+    def best(self, b: int, m: int) -> PartitionResult | None:
+        """Best partition over candidate orders at micro-batch ``b`` and ``m`` micro-batches."""
+        key = (b, m)
+        if key not in self._cache:
+            best: PartitionResult | None = None
+            for order in self.orders():
+                r = partition(self.cluster, self.profile, [self.devices[q] for q in order], b, m,
+                              self.schedule, self.optimizer, self.allow_recompute, self.max_caps)
+                if r is not None and (best is None or r.pipeline_s < best.pipeline_s):
+                    best = r
+            self._cache[key] = best
+        return self._cache[key]
+
+    def coarse(self, b: int, m_ref: int) -> PartitionResult | None:
+        """Partition used to estimate time against mini-batch before the batch split.
+
+        For 1F1B it is computed at ``m >= p`` (the most activation memory a stage
+        ever holds), so it stays memory-feasible for any m.
+        """
+        if b not in self._coarse:
+            m = max(m_ref, len(self.devices)) if self.schedule == "1f1b" else m_ref
+            self._coarse[b] = self.best(b, m)
+        return self._coarse[b]
+
+    def estimate_time(self, mini_batch: int, m_ref: int) -> float:
+        """Closed-form pipeline seconds for ``mini_batch`` from the coarse partitions."""
+        best = INF
+        for b in micro_batch_candidates(mini_batch, self.micro_batch_sizes):
+            r = self.coarse(b, m_ref)
+            if r is None:
+                continue
+            m = -(-mini_batch // b)
+            if self.schedule == "gpipe" and m > r.m:
+                continue  # GPipe holds all m micro-batches: not checked beyond r.m
+            best = min(best, r.sum_s + (m - 1) * r.max_s)
+        return best
+
+    def refine(self, mini_batch: int) -> PartitionResult | None:
+        """Exact best (b, m, partition) for ``mini_batch``: m = ceil(B / b), sized evenly."""
+        best: PartitionResult | None = None
+        for b in micro_batch_candidates(mini_batch, self.micro_batch_sizes):
+            m = -(-mini_batch // b)
+            b_eff = -(-mini_batch // m)
+            r = self.best(b_eff, m)
+            if r is not None and (best is None or r.pipeline_s < best.pipeline_s):
+                best = r
+        return best
+
+
+def all_orders_count(devices: Sequence[Device]) -> int:
+    """Number of distinct device orders (for reports)."""
+    labels = [(d.node, d.type_name) for d in devices]
+    counts = [labels.count(x) for x in dict.fromkeys(labels)]
+    return _distinct_orders(counts)
+
