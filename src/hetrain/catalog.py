@@ -14,8 +14,12 @@ Sources (vendor datasheets and whitepapers):
   [L4]     NVIDIA L4 datasheet, 2023 (dense = half the sparse figure).
   [T4]     NVIDIA T4 datasheet, 2019.
   [A10]    NVIDIA A10 datasheet, 2021 (dense).
-  [TU]     NVIDIA Turing GPU architecture whitepaper, 2018, appendix A (RTX 2060/2080,
-           TITAN RTX: fp16 tensor with fp32 accumulate).
+  [TU]     NVIDIA Turing GPU architecture whitepaper, 2018, appendix A (RTX 2080; GeForce
+           Turing runs fp16 tensor ops with fp32 accumulate at half the fp16-accumulate
+           rate) and the GeForce RTX 2060 specifications, 2019 (its tensor rate derived
+           the same way: 240 tensor cores x 64 FMA x 2 FLOP x 1.68 GHz / 2).
+  [TITANRTX] NVIDIA TITAN RTX product page, 2018: 130 tensor TFLOPS; unlike GeForce
+           Turing, fp32 accumulate runs at the full rate.
   [GA102]  NVIDIA Ampere GA102 GPU architecture whitepaper, 2020 (RTX 3090).
   [AD102]  NVIDIA Ada GPU architecture whitepaper, 2022 (RTX 4090).
   [TITANV] NVIDIA TITAN V product page, 2017; Volta whitepaper.
@@ -28,6 +32,9 @@ Links:
   [NVLink] NVIDIA: NVLink 2 (V100) 150 GB/s, NVLink 3 (A100) 300 GB/s,
            NVLink 4 (H100) 450 GB/s per direction per GPU.
   [IB]     InfiniBand Trade Association roadmap: EDR 100, HDR 200, NDR 400 Gbit/s per port.
+  [Ethernet] IEEE 802.3 line rates: 10GBASE (802.3ae), 25GBASE (802.3by), 100GBASE (802.3ba).
+  The ``loopback`` preset ([CPU]) is a nominal figure for processes on one host
+  talking over TCP loopback in emulation.
   Latencies are typical one-way small-message figures reported by NCCL-tests and
   OSU micro-benchmarks: ~2-5 us on NVLink/PCIe, ~1-3 us on InfiniBand, ~10-50 us
   over TCP on Ethernet.
@@ -101,7 +108,7 @@ DEVICE_TYPES: dict[str, DeviceType] = {
         _d("RTX3090", 35.6, 71.0, 24 * GiB, 936, "GA102"),
         _d("RTX4090", 82.6, 165.2, 24 * GiB, 1008, "AD102"),
         _d("TITAN-V", 14.9, 110.0, 12 * GiB, 653, "TITANV"),
-        _d("TITAN-RTX", 16.3, 65.0, 24 * GiB, 672, "TU"),
+        _d("TITAN-RTX", 16.3, 130.0, 24 * GiB, 672, "TITANRTX"),
         _d("P4000", 5.3, 5.3, 8 * GiB, 243, "P4000"),
         _d("cpu", 0.096, 0.096, 16 * GiB, 20, "CPU"),
     ]
@@ -144,7 +151,7 @@ def _suggest(name: str, known: list[str]) -> str:
     near = difflib.get_close_matches(name, known, n=3, cutoff=0.4)
     if not near:
         near = [k for k in known if name.lower()[:3] in k.lower()][:3]
-    return f"; did you mean {', '.join(repr(n) for n in near)}?" if near else ""
+    return f"; did you mean {', '.join(repr(n) for n in near)}?" if near else "."
 
 
 def lookup_device_type(name: str) -> DeviceType:

@@ -49,7 +49,7 @@ from hetrain.units import UnitError, parse_bandwidth, parse_bytes, parse_time
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
+    import tomli as tomllib  # type: ignore[import-not-found, unused-ignore]
 
 
 class ClusterError(ValueError):
@@ -296,6 +296,10 @@ def _quantity(spec: Mapping[str, Any], human_key: str, si_key: str, parse: Any, 
 
 def _parse_link(spec: Any, where: str, default_latency_s: float) -> Link:
     """A link: preset name, bandwidth string, or table {bandwidth, latency}."""
+    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+        raise ClusterError(
+            f"{where}: {spec!r} has no unit; write a bandwidth such as '10Gbit/s' or a preset such as '10gbe'"
+        )
     if isinstance(spec, str):
         try:
             p = lookup_link_preset(spec)
@@ -303,10 +307,12 @@ def _parse_link(spec: Any, where: str, default_latency_s: float) -> Link:
         except KeyError as preset_error:
             try:
                 bw = parse_bandwidth(spec, where)
-            except UnitError:
+            except UnitError as unit_error:
+                if spec.strip()[:1] in set("0123456789.+-"):  # meant as a bandwidth: say what is wrong with it
+                    raise ClusterError(f"{unit_error}; or name a link preset such as '10gbe'") from None
                 raise ClusterError(f"{where}: {preset_error.args[0]}; or give a bandwidth such as '10Gbit/s'") from None
             if not bw > 0:
-                raise ClusterError(f"{where}: bandwidth must be positive, got {spec!r}")
+                raise ClusterError(f"{where}: bandwidth must be positive, got {spec!r}") from None
             return Link(bw, default_latency_s)
     if isinstance(spec, Mapping):
         known = {"bandwidth", "latency", "bandwidth_bytes_per_s", "latency_s", "preset"}
@@ -398,6 +404,8 @@ def parse_cluster(data: Mapping[str, Any], name: str = "cluster") -> Cluster:
     if extra:
         raise ClusterError(f"unknown top-level keys {sorted(extra)}; a cluster file has [[node]] and [[link]]")
     raw_nodes = data.get("node", [])
+    if isinstance(raw_nodes, Mapping):
+        raise ClusterError("'node' is a single table; write each node as [[node]] (an array of tables)")
     if not isinstance(raw_nodes, list) or not raw_nodes:
         raise ClusterError("the cluster is empty: add at least one [[node]] with devices")
     cluster_name = str(data.get("name", name))
@@ -437,7 +445,11 @@ def parse_cluster(data: Mapping[str, Any], name: str = "cluster") -> Cluster:
             raise ClusterError(f"link #{k}: 'nodes' must name exactly two nodes, got {pair!r}")
         spec = {key: v for key, v in raw.items() if key != "nodes"}
         link = _parse_link(spec, f"link {pair}", DEFAULT_INTER_NODE_LATENCY_S)
-        node_links.append(NodeLink((str(pair[0]), str(pair[1])), link))
+        nl = NodeLink((str(pair[0]), str(pair[1])), link)
+        for earlier in node_links:
+            if set(earlier.nodes) == set(nl.nodes):
+                raise ClusterError(f"link #{k}: nodes {pair} already have a [[link]]; give each pair one")
+        node_links.append(nl)
     return Cluster(cluster_name, tuple(nodes), tuple(node_links))
 
 

@@ -15,8 +15,9 @@ Example:
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
-_NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(\S*)\s*$")
+_NUMBER = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(\S*)\s*$")
 
 _BYTE_UNITS: dict[str, float] = {
     "B": 1.0,
@@ -63,7 +64,11 @@ def _parse(text: str | float | int, units: dict[str, float], what: str, field: s
     if scale is None:
         known = ", ".join(units)
         raise UnitError(f"{field}: unknown unit {unit!r} in {text!r}; known units: {known}")
-    return float(value_text) * scale
+    value = float(value_text)
+    if value < 0:
+        raise UnitError(f"{field}: {text!r} is negative; a {what} must be >= 0")
+    # Decimal arithmetic so that '50us' is exactly 5e-05, not 4.9999999999999996e-05.
+    return float(Decimal(value_text) * Decimal(repr(scale)))
 
 
 def _example(units: dict[str, float]) -> str:
