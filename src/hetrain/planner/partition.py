@@ -67,18 +67,19 @@ class PartitionResult:
         return self.sum_s + (self.m - 1) * self.max_s
 
 
-def _min_sum(cost: list[np.ndarray], cap: float) -> tuple[float, list[int]] | None:
+def _min_sum(cost: list[np.ndarray], peak: list[np.ndarray], cap: float) -> tuple[float, list[int]] | None:
     """Min over cuts of the sum of costs with every term <= cap; (sum, cuts) or None.
 
-    ``cost[j][k, l]`` is stage j on layers [k, l) plus the transfer into it. A
-    term above ``cap`` is forbidden. DP over positions, vectorised over layers.
+    ``cost[j][k, l]`` is stage j on layers [k, l) plus the transfer into it;
+    ``peak[j][k, l]`` the larger of the two, which must not exceed ``cap``.
+    DP over positions, vectorised over layers.
     """
     L = cost[0].shape[0] - 1
     dp = np.full(L + 1, INF)
     dp[0] = 0.0
     back = []
-    for c in cost:
-        masked = np.where(c <= cap, c, INF)
+    for c, top in zip(cost, peak, strict=True):
+        masked = np.where(top <= cap, c, INF)
         total = dp[:, None] + masked  # (k, l)
         arg = np.argmin(total, axis=0)
         dp = total[arg, np.arange(L + 1)]
@@ -125,7 +126,7 @@ def partition(cluster: Cluster, profile: ModelProfile, devices: Sequence[Device]
     t_star = _min_max(peak)
     if not np.isfinite(t_star):
         return None
-    unconstrained = _min_sum(cost, INF)
+    unconstrained = _min_sum(cost, peak, INF)
     assert unconstrained is not None  # t_star finite implies a feasible cut
     s_min = unconstrained[0]
     values = np.unique(np.concatenate([c[np.isfinite(c) & (c >= t_star)] for c in peak]))
@@ -139,7 +140,7 @@ def partition(cluster: Cluster, profile: ModelProfile, devices: Sequence[Device]
     for cap in values:
         if s_min + (m - 1) * cap >= best_f:
             break
-        found = _min_sum(cost, float(cap))
+        found = _min_sum(cost, peak, float(cap))
         if found is None:
             continue
         total, cuts = found
