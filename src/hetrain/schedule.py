@@ -1,0 +1,604 @@
+"""Schedules as data: the Actions every device runs in one iteration.
+
+A schedule is generated once from a Plan (DESIGN.md decision 2) and consumed,
+unchanged, by the validator, the simulator and the runtime. Its language is
+small: ``1F0`` is the forward of micro-batch 0 on stage 1, ``1B3`` a backward,
+``SEND_F 1->2 mb0 to n0:2`` ships stage 1's activation of micro-batch 0 to the
+device of stage 2, ``RECV_B 2->1 mb3 from n0:2`` waits for a gradient,
+``ALLREDUCE seg2`` all-reduces the gradients of ``Plan.segments()[2]`` among its
+owners, ``STEP`` runs the optimizer. 1F1B with p = 2 stages and m = 3
+micro-batches, as ``format_grid`` prints it::
+
+    step | n0:0                      | n0:1
+    -----+---------------------------+---------------------------
+       0 | 0F0                       | RECV_F 0->1 mb0 from n0:0
+       1 | SEND_F 0->1 mb0 to n0:1   | 1F0
+       2 | 0F1                       | 1B0
+       3 | SEND_F 0->1 mb1 to n0:1   | SEND_B 1->0 mb0 to n0:0
+       4 | RECV_B 1->0 mb0 from n0:1 | RECV_F 0->1 mb1 from n0:0
+       5 | 0B0                       | 1F1
+       ...
+      12 | STEP                      | STEP
+
+Semantics (what the validator checks, the simulator times and the runtime must
+do): a SEND is posted and does not hold the device (an ``isend`` whose handle
+is waited on before the optimizer step); a RECV holds the device until the data
+has arrived; an ALLREDUCE holds every owner of its segment until all of them
+reach it and the collective completes. Every device issues its ALLREDUCEs in
+decreasing segment order, which keeps the collectives of all devices in one
+global order and so free of deadlock; decreasing because the last stages finish
+their backward first, so the last layers' segments can sync while the first
+stages still compute (data-parallel frameworks reduce gradient buckets in
+reverse layer order for the same reason).
+
+Example:
+    >>> schedule = build_schedule(plan)            # doctest: +SKIP
+    >>> validate(schedule, plan)                   # doctest: +SKIP
+    >>> print(format_grid(schedule))               # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from hetrain.plan import Plan
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run: the message holds a step-by-device grid marking the faulty action."""
+
+
+class ActionKind(str, Enum):
+    """What an Action does. Later sync modes add kinds (PUSH, PULL) to the groups below."""
+
+    F = "F"
+    B = "B"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+    ALLREDUCE = "ALLREDUCE"
+    STEP = "STEP"
+
+
+K = ActionKind
+#: forward / backward of one micro-batch on one stage
+COMPUTE_KINDS: frozenset[ActionKind] = frozenset({K.F, K.B})
+#: point-to-point kinds -> (stage offset of the peer, is a send)
+P2P_KINDS: dict[ActionKind, tuple[int, bool]] = {
+    K.SEND_F: (+1, True), K.RECV_F: (-1, False), K.SEND_B: (-1, True), K.RECV_B: (+1, False),
+}
+#: the receive that matches each send, and back
+COUNTERPART: dict[ActionKind, ActionKind] = {
+    K.SEND_F: K.RECV_F, K.RECV_F: K.SEND_F, K.SEND_B: K.RECV_B, K.RECV_B: K.SEND_B,
+}
+#: kinds that act on one segment of layers (``Plan.segments()``)
+SEGMENT_KINDS: frozenset[ActionKind] = frozenset({K.ALLREDUCE})
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One step of one device: enough to execute it with only the Plan at hand.
+
+    Attributes:
+        kind: what it does.
+        stage: ``j``, the stage of the device that runs it (compute and send/receive).
+        micro_batch: ``i`` (compute and send/receive).
+        peer: the device sent to or received from (send/receive).
+        segment: index into ``Plan.segments()`` (ALLREDUCE).
+
+    Example:
+        >>> str(Action(ActionKind.SEND_F, stage=1, micro_batch=0, peer="n0:2"))
+        'SEND_F 1->2 mb0 to n0:2'
+        >>> parse_action("1B3")
+        Action(kind=<ActionKind.B: 'B'>, stage=1, micro_batch=3, peer=None, segment=None)
+    """
+
+    kind: ActionKind
+    stage: int | None = None
+    micro_batch: int | None = None
+    peer: str | None = None
+    segment: int | None = None
+
+    def __str__(self) -> str:
+        k = self.kind
+        if k in COMPUTE_KINDS:
+            return f"{self.stage}{k.value}{self.micro_batch}"
+        if k in P2P_KINDS:
+            src, dst = self.stages_joined
+            text = f"{k.value} {src}->{dst} mb{self.micro_batch}"
+            if self.peer is not None:
+                text += f" {'to' if P2P_KINDS[k][1] else 'from'} {self.peer}"
+            return text
+        if k in SEGMENT_KINDS:
+            return f"{k.value} seg{self.segment}"
+        return k.value
+
+    @property
+    def stages_joined(self) -> tuple[int, int]:
+        """(sending stage, receiving stage) of a send or receive."""
+        j = self.stage if self.stage is not None else 0
+        offset, is_send = P2P_KINDS[self.kind]
+        return (j, j + offset) if is_send else (j + offset, j)
+
+
+_COMPUTE_RE = re.compile(r"^(\d+)([A-Z])(\d+)$")
+_P2P_RE = re.compile(r"^([A-Z_]+) (\d+)->(\d+) mb(\d+)(?: (to|from) (\S+))?$")
+_SEGMENT_RE = re.compile(r"^([A-Z_]+) seg(\d+)$")
+
+
+def parse_action(text: str) -> Action:
+    """The Action that ``str(action)`` printed: ``"1F0"``, ``"SEND_F 1->2 mb0 to n0:2"``, ``"STEP"``.
+
+    Raises:
+        ScheduleError: text that is none of the forms, naming the forms.
+    """
+    s = text.strip()
+    forms = "'1F0', '1B3', 'SEND_F 1->2 mb0 to n0:2', 'RECV_B 2->1 mb3 from n0:2', 'ALLREDUCE seg2', 'STEP'"
+    if (mt := _COMPUTE_RE.match(s)) and mt.group(2) in ActionKind.__members__:
+        kind = ActionKind(mt.group(2))
+        if kind in COMPUTE_KINDS:
+            return Action(kind, stage=int(mt.group(1)), micro_batch=int(mt.group(3)))
+    if (mt := _P2P_RE.match(s)) and mt.group(1) in ActionKind.__members__:
+        kind = ActionKind(mt.group(1))
+        if kind in P2P_KINDS:
+            src, dst = int(mt.group(2)), int(mt.group(3))
+            offset, is_send = P2P_KINDS[kind]
+            j = src if is_send else dst
+            if (dst if is_send else src) != j + offset:
+                raise ScheduleError(f"{text!r}: {kind.value} joins stage j and j{offset:+d}, not {src}->{dst}")
+            if mt.group(5) is not None and (mt.group(5) == "to") != is_send:
+                raise ScheduleError(f"{text!r}: a {kind.value} names its peer with {'to' if is_send else 'from'}")
+            return Action(kind, stage=j, micro_batch=int(mt.group(4)), peer=mt.group(6))
+    if (mt := _SEGMENT_RE.match(s)) and mt.group(1) in ActionKind.__members__:
+        kind = ActionKind(mt.group(1))
+        if kind in SEGMENT_KINDS:
+            return Action(kind, segment=int(mt.group(2)))
+    if s in ActionKind.__members__:
+        kind = ActionKind(s)
+        if kind not in COMPUTE_KINDS | P2P_KINDS.keys() | SEGMENT_KINDS:
+            return Action(kind)
+    raise ScheduleError(f"cannot read action {text!r}; actions look like {forms}")
+
+
+#: the Actions of each device for one iteration, keyed by device name
+Schedule = dict[str, list[Action]]
+
+
+def schedule_to_dict(schedule: Mapping[str, Sequence[Action]]) -> dict[str, list[str]]:
+    """``{device: ["0F0", "SEND_F 0->1 mb0 to n0:1", ...]}``: the JSON form of a schedule."""
+    return {dev: [str(a) for a in actions] for dev, actions in schedule.items()}
+
+
+def parse_schedule(data: Mapping[str, Sequence[str]]) -> Schedule:
+    """Read back what ``schedule_to_dict`` wrote."""
+    return {str(dev): [parse_action(t) for t in texts] for dev, texts in data.items()}
+
+
+# ---------------------------------------------------------------------------
+# generators: compute order per stage, then communication and sync added
+# ---------------------------------------------------------------------------
+
+
+def _f(j: int, i: int) -> Action:
+    return Action(K.F, stage=j, micro_batch=i)
+
+
+def _b(j: int, i: int) -> Action:
+    return Action(K.B, stage=j, micro_batch=i)
+
+
+def gpipe(m: int, p: int) -> list[list[Action]]:
+    """Compute order of each of ``p`` stages under GPipe: all m forwards, then all m backwards.
+
+    Stage j holds the activations of all m micro-batches (Huang et al., 2019)::
+
+        stage 0: 0F0 0F1 0F2 0B0 0B1 0B2
+        stage 1: 1F0 1F1 1F2 1B0 1B1 1B2
+    """
+    return [[*(_f(j, i) for i in range(m)), *(_b(j, i) for i in range(m))] for j in range(p)]
+
+
+def one_f_one_b(m: int, p: int) -> list[list[Action]]:
+    """Compute order of each of ``p`` stages under 1F1B (PipeDream-Flush, Narayanan et al., 2021).
+
+    Stage j runs ``min(p - j - 1, m)`` warm-up forwards, then alternates one
+    forward and one backward, then drains the remaining backwards, so it holds
+    at most ``p - j`` micro-batches' activations::
+
+        stage 0: 0F0 0F1 0B0 0F2 0B1 0B2
+        stage 1: 1F0 1B0 1F1 1B1 1F2 1B2
+    """
+    out = []
+    for j in range(p):
+        warmup = min(p - j - 1, m)
+        order = [_f(j, i) for i in range(warmup)]
+        for k in range(m - warmup):
+            order += [_f(j, warmup + k), _b(j, k)]
+        order += [_b(j, i) for i in range(m - warmup, m)]
+        out.append(order)
+    return out
+
+
+#: ``Plan.schedule`` -> generator of the compute order per stage
+GENERATORS: dict[str, Callable[[int, int], list[list[Action]]]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+def add_p2p(compute: Sequence[Action], prev_device: str | None, next_device: str | None) -> list[Action]:
+    """Insert sends and receives around one stage's compute actions.
+
+    A receive goes right before the compute that needs it (RECV_F before F of a
+    stage with a predecessor, RECV_B before B of a stage with a successor); a
+    send right after the compute that produced it.
+    """
+    out: list[Action] = []
+    for a in compute:
+        j, i = a.stage, a.micro_batch
+        if a.kind is K.F:
+            if prev_device is not None:
+                out.append(Action(K.RECV_F, stage=j, micro_batch=i, peer=prev_device))
+            out.append(a)
+            if next_device is not None:
+                out.append(Action(K.SEND_F, stage=j, micro_batch=i, peer=next_device))
+        elif a.kind is K.B:
+            if next_device is not None:
+                out.append(Action(K.RECV_B, stage=j, micro_batch=i, peer=next_device))
+            out.append(a)
+            if prev_device is not None:
+                out.append(Action(K.SEND_B, stage=j, micro_batch=i, peer=prev_device))
+        else:
+            out.append(a)
+    return out
+
+
+def add_bsp_sync(actions: list[Action], segments: Sequence[int]) -> list[Action]:
+    """Append one ALLREDUCE per owned segment, last layers first (decreasing segment index), then STEP."""
+    return [*actions, *(Action(K.ALLREDUCE, segment=s) for s in sorted(segments, reverse=True)), Action(K.STEP)]
+
+
+def owned_segments(plan: Plan) -> dict[str, list[int]]:
+    """Per device, the segments it all-reduces: those it owns with at least one other device.
+
+    A segment held by one device only has nothing to reduce and gets no action.
+    """
+    out: dict[str, list[int]] = {}
+    for s, seg in enumerate(plan.segments()):
+        if len(seg.owners) > 1:
+            for dev in seg.owners:
+                out.setdefault(dev, []).append(s)
+    return out
+
+
+def build_schedule(plan: Plan) -> Schedule:
+    """Every device's Actions for one iteration of ``plan``.
+
+    Each VW gets its own pipeline from ``GENERATORS[plan.schedule]`` (its own
+    stage count p and micro-batch count m); sends and receives join its stages;
+    then every device all-reduces its segments and steps.
+
+    Raises:
+        ScheduleError: a schedule or sync mode with no generator yet.
+    """
+    if plan.schedule not in GENERATORS:
+        raise ScheduleError(f"no generator for schedule {plan.schedule!r}; known: {', '.join(GENERATORS)}")
+    if plan.sync != "bsp":
+        raise ScheduleError(f"sync mode {plan.sync!r} has no schedule yet; only 'bsp' (all-reduce every iteration)")
+    generate = GENERATORS[plan.schedule]
+    owned = owned_segments(plan)
+    orders: dict[tuple[int, int], list[list[Action]]] = {}
+    out: Schedule = {}
+    for vw in plan.virtual_workers:
+        m, p, devices = vw.micro_batches, len(vw.stages), vw.devices
+        if (m, p) not in orders:
+            orders[(m, p)] = generate(m, p)
+        for j, compute in enumerate(orders[(m, p)]):
+            prev_device = devices[j - 1] if j > 0 else None
+            next_device = devices[j + 1] if j < p - 1 else None
+            out[devices[j]] = add_bsp_sync(add_p2p(compute, prev_device, next_device), owned.get(devices[j], []))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# the text grid
+# ---------------------------------------------------------------------------
+
+ERROR_MARK = "<-- ERROR HERE"
+
+
+def format_grid(schedule: Mapping[str, Sequence[Action]], devices: Sequence[str] | None = None,
+                steps: range | None = None, marks: Mapping[tuple[str, int], str] | None = None) -> str:
+    """A step-by-device table of the schedule: columns are devices, rows steps.
+
+    Args:
+        schedule: the schedule.
+        devices: the columns (default: every device, in schedule order).
+        steps: the rows (default: all).
+        marks: text appended to cells, keyed by (device, step), e.g. ``ERROR_MARK``.
+    """
+    cols = list(schedule) if devices is None else list(devices)
+    depth = max((len(schedule[d]) for d in cols), default=0)
+    rows = range(depth) if steps is None else steps
+    marks = marks or {}
+
+    def cell(dev: str, k: int) -> str:
+        actions = schedule[dev]
+        text = str(actions[k]) if 0 <= k < len(actions) else ""
+        if (dev, k) in marks:
+            text = f"{text}  {marks[(dev, k)]}" if text else marks[(dev, k)]
+        return text
+
+    table = [[cell(d, k) for d in cols] for k in rows]
+    widths = [max([len(d), *(len(r[c]) for r in table)]) for c, d in enumerate(cols)]
+    step_w = max(4, len(str(max(rows, default=0))))
+    lines = [(f"{'step':>{step_w}} | " + " | ".join(d.ljust(w) for d, w in zip(cols, widths, strict=True))).rstrip(),
+             "-" * (step_w + 1) + "+" + "+".join("-" * (w + 2) for w in widths)]
+    if len(rows) and rows[0] > 0:
+        lines.append(f"{'...':>{step_w}} |")
+    for k, r in zip(rows, table, strict=True):
+        lines.append(f"{k:>{step_w}} | " + " | ".join(t.ljust(w) for t, w in zip(r, widths, strict=True)).rstrip())
+    if len(rows) and rows[-1] < depth - 1:
+        lines.append(f"{'...':>{step_w}} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# validation: static checks, then the dependencies executed abstractly
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Role:
+    """Where a device sits in the plan."""
+
+    vw: int
+    j: int
+    p: int
+    m: int
+    prev: str | None
+    next: str | None
+    vw_devices: tuple[str, ...]
+
+
+def _roles(plan: Plan) -> dict[str, _Role]:
+    out = {}
+    for v, vw in enumerate(plan.virtual_workers):
+        devs = tuple(vw.devices)
+        p = len(devs)
+        for j, dev in enumerate(devs):
+            out[dev] = _Role(v, j, p, vw.micro_batches, devs[j - 1] if j > 0 else None,
+                             devs[j + 1] if j < p - 1 else None, devs)
+    return out
+
+
+_MAX_GRID_COLUMNS = 8
+_MAX_GRID_ROWS = 40
+
+
+def _fail(schedule: Mapping[str, Sequence[Action]], roles: Mapping[str, _Role], device: str | None,
+          step: int | None, message: str, also: Mapping[tuple[str, int], str] | None = None) -> ScheduleError:
+    """A ScheduleError whose message is ``message`` above the grid, the failing cell marked."""
+    marks = dict(also or {})
+    if device is not None and step is not None:
+        marks[(device, step)] = ERROR_MARK
+    cols = list(schedule)
+    if len(cols) > _MAX_GRID_COLUMNS and device is not None and device in roles:
+        # the failing device's VW around it, then the other devices the marks name
+        vw_devs = [d for d in roles[device].vw_devices if d in schedule]
+        k = vw_devs.index(device) if device in vw_devs else 0
+        lo = max(0, min(k - _MAX_GRID_COLUMNS // 2, len(vw_devs) - _MAX_GRID_COLUMNS))
+        cols = vw_devs[lo:lo + _MAX_GRID_COLUMNS]
+        cols += [d for d, _ in marks if d not in cols and d in schedule][:max(0, _MAX_GRID_COLUMNS - len(cols))]
+    elif len(cols) > _MAX_GRID_COLUMNS:
+        keep = cols[:_MAX_GRID_COLUMNS]
+        if device is not None and device in schedule and device not in keep:
+            keep[-1] = device  # the failing device always gets a column
+        cols = keep
+    depth = max((len(schedule[d]) for d in cols), default=0)
+    rows = range(depth)
+    if depth > _MAX_GRID_ROWS and step is not None:
+        lo = max(0, min(step - _MAX_GRID_ROWS + 6, depth - _MAX_GRID_ROWS))
+        rows = range(lo, lo + _MAX_GRID_ROWS)
+    shown = f" ({len(cols)} of {len(schedule)} devices)" if len(cols) < len(schedule) else ""
+    where = f"{device} step {step}: " if device is not None and step is not None else ""
+    grid = format_grid(schedule, cols, rows, marks) if cols else "(empty schedule)"
+    return ScheduleError(f"invalid schedule: {where}{message}\n\nschedule{shown}:\n{grid}")
+
+
+def _static_problem(a: Action, role: _Role, num_segments: int, owned: set[int], device: str) -> str | None:
+    """What is wrong with action ``a`` on its own, or None."""
+    if a.kind in COMPUTE_KINDS or a.kind in P2P_KINDS:
+        if a.stage != role.j:
+            return f"{a} names stage {a.stage}, but {device} holds stage {role.j}"
+        if a.micro_batch is None or not 0 <= a.micro_batch < role.m:
+            return f"{a}: micro-batch {a.micro_batch} is outside 0..{role.m - 1} of VW{role.vw}"
+    if a.kind in P2P_KINDS:
+        offset, _ = P2P_KINDS[a.kind]
+        want = role.next if offset > 0 else role.prev
+        if want is None:
+            return f"{a}: stage {role.j} of VW{role.vw} has no stage {role.j + offset}"
+        if a.peer != want:
+            return f"{a}: the peer must be {want} (stage {role.j + offset} of VW{role.vw}), not {a.peer}"
+    if a.kind in SEGMENT_KINDS:
+        if a.segment is None or not 0 <= a.segment < num_segments:
+            return f"{a}: the plan has segments 0..{num_segments - 1}"
+        if a.segment not in owned:
+            return f"{a}: {device} does not hold segment {a.segment}"
+    return None
+
+
+def validate(schedule: Mapping[str, Sequence[Action]], plan: Plan) -> None:
+    """Check that ``schedule`` runs ``plan`` to the end.
+
+    Static: every device of the plan has actions and no other device does;
+    each action names its device's stage, an existing micro-batch and the right
+    peer; every stage has one F and one B per micro-batch and one STEP. Then the
+    dependencies are executed abstractly: a device runs its actions in order; a
+    RECV waits for the matching SEND (same kind, micro-batch and pair of
+    devices); an ALLREDUCE waits for every owner of its segment; F needs its
+    RECV_F, B needs its F and RECV_B, a send needs the compute it ships,
+    ALLREDUCE and STEP need every backward. If nothing can run while actions
+    remain, that is a deadlock. Every send must be received.
+
+    Raises:
+        ScheduleError: the first problem, with the step-by-device grid and ``<-- ERROR HERE``.
+    """
+    roles = _roles(plan)
+    segments = plan.segments()
+    owners = {s: set(seg.owners) for s, seg in enumerate(segments)}
+    owned: dict[str, set[int]] = {}
+    for s, devs in owners.items():
+        for dev in devs:
+            owned.setdefault(dev, set()).add(s)
+
+    # --- static ---------------------------------------------------------------
+    for dev in roles:
+        if dev not in schedule:
+            raise _fail(schedule, roles, None, None, f"{dev} holds stage {roles[dev].j} of VW{roles[dev].vw} "
+                        "in the plan but has no actions")
+    for dev, actions in schedule.items():
+        if dev not in roles:
+            raise _fail(schedule, roles, dev, 0, f"{dev} holds no stage in the plan")
+        role = roles[dev]
+        seen: dict[tuple[ActionKind, int | None], int] = {}
+        for k, a in enumerate(actions):
+            problem = _static_problem(a, role, len(segments), owned.get(dev, set()), dev)
+            if problem is not None:
+                raise _fail(schedule, roles, dev, k, problem)
+            if a.kind in COMPUTE_KINDS or a.kind in P2P_KINDS or a.kind in SEGMENT_KINDS or a.kind is K.STEP:
+                key = (a.kind, a.segment if a.kind in SEGMENT_KINDS else a.micro_batch)
+                if key in seen:
+                    raise _fail(schedule, roles, dev, k, f"{a} appears twice (first at step {seen[key]})")
+                seen[key] = k
+        last = len(actions) - 1
+        for kind in (K.F, K.B):
+            missing = [i for i in range(role.m) if (kind, i) not in seen]
+            if missing:
+                raise _fail(schedule, roles, dev, last, f"{dev} never runs {Action(kind, role.j, missing[0])} "
+                            f"({len(missing)} {kind.value} action(s) missing)")
+        if (K.STEP, None) not in seen:
+            raise _fail(schedule, roles, dev, last, f"{dev} has no STEP")
+
+    # --- dynamic: run the dependencies ------------------------------------------
+    _execute(schedule, roles, owners)
+
+
+_SendKey = tuple[ActionKind, str, str, int | None]  # (send kind, sender, receiver, micro-batch)
+
+
+def _execute(schedule: Mapping[str, Sequence[Action]], roles: Mapping[str, _Role],
+             owners: Mapping[int, set[str]]) -> None:
+    pc = dict.fromkeys(schedule, 0)
+    done: dict[str, set[tuple[ActionKind, int | None]]] = {dev: set() for dev in schedule}
+    posted: dict[_SendKey, int] = {}  # send key -> step of the send
+    received: set[_SendKey] = set()
+    waiting: dict[_SendKey, str] = {}
+    arrived: dict[int, set[str]] = {}
+    runnable = deque(schedule)
+
+    backwards = dict.fromkeys(schedule, 0)  # backwards done per device
+
+    while runnable:
+        dev = runnable.popleft()
+        actions = schedule[dev]
+        role = roles[dev]
+        mine = done[dev]
+        k = pc[dev]
+        while k < len(actions):
+            a = actions[k]
+            kind, i = a.kind, a.micro_batch
+            # the messages are built only on failure: this loop runs once per action of the cluster
+            if kind is K.F:
+                if role.prev is not None and (K.RECV_F, i) not in mine:
+                    raise _fail(schedule, roles, dev, k, f"{a} runs before its input arrives: no "
+                                f"{Action(K.RECV_F, role.j, i, role.prev)} precedes it (missing receive)")
+            elif kind is K.B:
+                if (K.F, i) not in mine:
+                    raise _fail(schedule, roles, dev, k,
+                                f"{a} runs before {Action(K.F, role.j, i)} (F before B for every micro-batch)")
+                if role.next is not None and (K.RECV_B, i) not in mine:
+                    raise _fail(schedule, roles, dev, k, f"{a} runs before its gradient arrives: no "
+                                f"{Action(K.RECV_B, role.j, i, role.next)} precedes it (missing receive)")
+                backwards[dev] += 1
+            elif kind is K.SEND_F or kind is K.SEND_B:
+                source = K.F if kind is K.SEND_F else K.B
+                if (source, i) not in mine:
+                    raise _fail(schedule, roles, dev, k,
+                                f"{a} sends what {Action(source, role.j, i)} has not computed yet")
+                assert a.peer is not None
+                key: _SendKey = (kind, dev, a.peer, i)
+                posted[key] = k
+                if key in waiting:
+                    runnable.append(waiting.pop(key))
+            elif kind is K.RECV_F or kind is K.RECV_B:
+                assert a.peer is not None
+                key = (COUNTERPART[kind], a.peer, dev, i)
+                if key not in posted:
+                    waiting[key] = dev
+                    break
+                received.add(key)
+            elif kind in SEGMENT_KINDS or kind is K.STEP:
+                if backwards[dev] < role.m:
+                    missing = next(b for b in range(role.m) if (K.B, b) not in mine)
+                    raise _fail(schedule, roles, dev, k, f"{a} comes before {Action(K.B, role.j, missing)}: "
+                                "gradients are complete only after every backward")
+                if kind is K.STEP:
+                    left = sorted(s for s, devs in owners.items() if dev in devs and len(devs) > 1
+                                  and (K.ALLREDUCE, s) not in mine)
+                    if left:
+                        raise _fail(schedule, roles, dev, k, f"STEP before ALLREDUCE seg{left[0]}: {dev} shares "
+                                    f"segment {left[0]} with {', '.join(sorted(owners[left[0]] - {dev}))}")
+                else:
+                    assert a.segment is not None
+                    s = a.segment
+                    arrived.setdefault(s, set()).add(dev)
+                    if len(arrived[s]) < len(owners[s]):
+                        break
+                    for other in arrived[s] - {dev}:  # the collective completes for all owners
+                        done[other].add((kind, s))
+                        pc[other] += 1
+                        runnable.append(other)
+            mine.add((kind, a.segment if kind in SEGMENT_KINDS else i))
+            k += 1
+        pc[dev] = k
+
+    stuck = [dev for dev in schedule if pc[dev] < len(schedule[dev])]
+    if stuck:
+        raise _deadlock(schedule, roles, owners, pc, stuck, posted, arrived)
+    for sent, k in posted.items():
+        if sent not in received:
+            kind, src, dst, i = sent
+            recv = Action(COUNTERPART[kind], roles[dst].j, i, src)
+            raise _fail(schedule, roles, src, k, f"{schedule[src][k]} is never received: {dst} has no {recv}")
+
+
+def _deadlock(schedule: Mapping[str, Sequence[Action]], roles: Mapping[str, _Role], owners: Mapping[int, set[str]],
+              pc: Mapping[str, int], stuck: list[str], posted: Mapping[_SendKey, int],
+              arrived: Mapping[int, set[str]]) -> ScheduleError:
+    """Explain why the first stuck device cannot go on."""
+    dev = stuck[0]
+    k = pc[dev]
+    a = schedule[dev][k]
+    also = {(d, pc[d]): "<-- blocked" for d in stuck if d != dev}
+    if a.kind in P2P_KINDS:
+        assert a.peer is not None
+        peer = a.peer
+        send = Action(COUNTERPART[a.kind], roles[peer].j, a.micro_batch, dev)
+        at = [n for n, b in enumerate(schedule[peer]) if b == send]
+        if not at:
+            why = f"{peer} never sends it (missing {send} on {peer})"
+        elif pc[peer] < len(schedule[peer]):
+            why = (f"{peer} would send it at step {at[0]} but is itself blocked at step {pc[peer]} "
+                   f"({schedule[peer][pc[peer]]})")
+        else:
+            why = f"{peer} finished without sending it"
+        return _fail(schedule, roles, dev, k, f"deadlock: {a} waits for {send} and {why}", also)
+    assert a.segment is not None
+    absent = sorted(owners[a.segment] - arrived.get(a.segment, set()))
+    where = "; ".join(
+        f"{d} is at step {pc[d]} ({schedule[d][pc[d]]})" if pc[d] < len(schedule[d]) else f"{d} finished without it"
+        for d in absent[:4])
+    return _fail(schedule, roles, dev, k, f"deadlock: {a} waits for {', '.join(absent)} to reach it: {where}", also)

@@ -1,0 +1,604 @@
+"""Discrete-event replay of a schedule, with durations from cost.py and link contention.
+
+The simulator runs every device's Actions (``hetrain.schedule``) in global time
+order. Durations come from the one cost model (DESIGN.md decision 4); what the
+closed forms cannot see comes from the replay: the exact action order, transfers
+queueing on shared links, all-reduces of different segments contending for NICs,
+and sync of one segment overlapping the backward passes still running elsewhere.
+
+What each action costs:
+
+- ``jFi`` / ``jBi``: the stage's layer times at micro-batch i's size
+  (``estimate_layer_times``); a backward also re-runs the forward of the
+  recompute set.
+- ``SEND_F`` / ``SEND_B``: ``estimate_p2p_time`` of ``b_i x`` the output bytes per
+  sample of the layer before the stage boundary (activation forward, its gradient
+  of the same size backward). The sender does not wait (the runtime posts an
+  ``isend``); the transfer starts when its link resources are free and the
+  receiver's ``RECV`` holds it until the data has arrived.
+- ``ALLREDUCE segN``: when every owner of the segment has reached it,
+  ``estimate_allreduce`` of the segment's gradient bytes, run as phases over the
+  link resources it crosses: a flat ring as reduce-scatter then all-gather over
+  its ring's links; the hierarchical scheme as intra-node reduce-scatter,
+  inter-node all-reduce over the NICs, intra-node all-gather.
+- ``STEP``: ``estimate_optimizer_time`` of the stage's parameters.
+
+Link resources and contention::
+
+    same node:    n0:0 ──(resource "n0:0->n0:1")──► n0:1        one per ordered pair
+    across nodes: a:0 ──► ("a NIC out") ═══ network ═══ ("b NIC in") ──► b:1
+
+A resource carries one transfer at a time, in the order transfers ask for it
+(FIFO; each transfer gets the link's full bandwidth). We chose this over fair
+bandwidth sharing because (1) it is what the runtime does: NCCL and Gloo run
+the operations of one communicator in issue order, and a NIC's queue pairs
+drain largely in order; (2) for the equal-sized, in-order messages of a
+pipeline it finishes the last message at the same time as sharing would and
+the first ones earlier, which is when their receivers need them; (3) a
+transfer's end is known when it starts, so one event per transfer suffices,
+where sharing would re-time every active transfer at each start and end. All
+transfers leaving one node share its NIC out, all entering it share its NIC in
+(full duplex).
+
+Memory: weights, gradients and optimizer state from t = 0; a micro-batch's kept
+activations are added when its forward ends and freed when its backward ends;
+the largest recomputed layer's activations reappear during each backward.
+Figures come from ``estimate_stage_memory``, so the simulated peak equals the
+closed form with ``in_flight`` for the schedule.
+
+Example:
+    >>> result = simulate(load_plan("plan.json"))        # doctest: +SKIP
+    >>> print(result.summary())                          # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import gc
+import heapq
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hetrain.cluster import Cluster
+from hetrain.cost import (
+    allreduce_shape,
+    estimate_allreduce,
+    estimate_hierarchical_allreduce_time,
+    estimate_layer_times,
+    estimate_optimizer_time,
+    estimate_p2p_time,
+    estimate_ring_allreduce_time,
+    estimate_stage_memory,
+)
+from hetrain.plan import Plan, PlanError, load_plan
+from hetrain.schedule import ActionKind, Schedule, ScheduleError, build_schedule, validate
+from hetrain.timeline import Event, Timeline
+from hetrain.units import format_bytes, format_time
+
+
+@dataclass(frozen=True)
+class DeviceStats:
+    """What one device did during the simulated iteration.
+
+    ``busy_s`` is compute (forward, backward, optimizer step), ``sync_s`` time in
+    all-reduces, ``bubble_s`` the rest of the iteration: waiting for data, for
+    the other owners of a segment, or for the slowest device to finish.
+    """
+
+    device: str
+    vw: int
+    stage: int
+    iteration_s: float
+    busy_s: float
+    sync_s: float
+    bubble_s: float
+    peak_memory_bytes: float
+    capacity_bytes: float
+    max_in_flight: int
+
+    @property
+    def busy_fraction(self) -> float:
+        return self.busy_s / self.iteration_s if self.iteration_s > 0 else 0.0
+
+    @property
+    def sync_fraction(self) -> float:
+        return self.sync_s / self.iteration_s if self.iteration_s > 0 else 0.0
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.bubble_s / self.iteration_s if self.iteration_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "device": self.device, "vw": self.vw, "stage": self.stage,
+            "busy_fraction": self.busy_fraction, "sync_fraction": self.sync_fraction,
+            "bubble_fraction": self.bubble_fraction, "busy_s": self.busy_s, "sync_s": self.sync_s,
+            "bubble_s": self.bubble_s, "peak_memory_bytes": self.peak_memory_bytes,
+            "capacity_bytes": self.capacity_bytes, "max_in_flight": self.max_in_flight,
+        }
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """The simulated iteration.
+
+    Attributes:
+        timeline: events per device and per link, memory per device over time.
+        iteration_s: from start to the last device's end (its optimizer step).
+        pipeline_s: from start to the end of the last backward on any device.
+        samples_per_s: global batch / iteration_s.
+        devices: per device: busy, sync and bubble time, peak memory, activations in flight.
+        closed_form_iteration_s: the plan's own prediction (``Plan.prediction.iteration_s``).
+    """
+
+    timeline: Timeline
+    iteration_s: float
+    pipeline_s: float
+    samples_per_s: float
+    devices: Mapping[str, DeviceStats]
+    closed_form_iteration_s: float = 0.0
+
+    def memory_curve(self, device: str) -> list[tuple[float, float]]:
+        """``[(time_s, bytes), ...]`` of ``device``: a step function over the iteration."""
+        return self.timeline.memory[device]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Metrics as JSON (the timeline is written separately, it can be large)."""
+        return {
+            "iteration_s": self.iteration_s,
+            "pipeline_s": self.pipeline_s,
+            "samples_per_s": self.samples_per_s,
+            "closed_form_iteration_s": self.closed_form_iteration_s,
+            "devices": [s.to_dict() for s in self.devices.values()],
+        }
+
+    def summary(self, max_rows: int = 64) -> str:
+        """Iteration time, throughput, and a per-device table."""
+        cf = (f"; closed form {format_time(self.closed_form_iteration_s)}"
+              if self.closed_form_iteration_s > 0 else "")
+        lines = [
+            f"simulated iteration {format_time(self.iteration_s)} (pipeline {format_time(self.pipeline_s)}), "
+            f"{self.samples_per_s:.1f} samples/s{cf}",
+            f"  {'device':<14} {'VW':>4} {'stage':>5} {'busy':>6} {'sync':>6} {'bubble':>6} "
+            f"{'peak memory':>11} / {'capacity':<9} {'in flight':>9}",
+        ]
+        for s in list(self.devices.values())[:max_rows]:
+            over = "  OVER" if s.peak_memory_bytes > s.capacity_bytes else ""
+            lines.append(
+                f"  {s.device:<14} {s.vw:>4} {s.stage:>5} {100 * s.busy_fraction:>5.1f}% "
+                f"{100 * s.sync_fraction:>5.1f}% {100 * s.bubble_fraction:>5.1f}% "
+                f"{format_bytes(s.peak_memory_bytes):>11} / {format_bytes(s.capacity_bytes):<9} "
+                f"{s.max_in_flight:>9}{over}"
+            )
+        if len(self.devices) > max_rows:
+            lines.append(f"  ... {len(self.devices) - max_rows} more devices (--json lists all)")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# link resources
+# ---------------------------------------------------------------------------
+
+
+class _Resources:
+    """Named link resources, each free from ``free_at[r]``; FIFO in the order of requests."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.ids: dict[str, int] = {}
+        self.free_at: list[float] = []
+        self.events: list[list[Event]] = []
+
+    def id(self, name: str) -> int:
+        r = self.ids.get(name)
+        if r is None:
+            r = self.ids[name] = len(self.names)
+            self.names.append(name)
+            self.free_at.append(0.0)
+            self.events.append([])
+        return r
+
+
+def _edge(cluster: Cluster, a: int, b: int, res: _Resources) -> tuple[int, ...]:
+    """The resources a transfer from device index ``a`` to ``b`` occupies."""
+    da, db = cluster.devices[a], cluster.devices[b]
+    if da.node == db.node:
+        return (res.id(f"{da.name}->{db.name}"),)
+    return (res.id(f"{da.node} NIC out"), res.id(f"{db.node} NIC in"))
+
+
+def _ring_edges(cluster: Cluster, order: Sequence[int], res: _Resources) -> tuple[int, ...]:
+    if len(order) < 2:
+        return ()
+    ids = [r for k in range(len(order)) for r in _edge(cluster, order[k], order[(k + 1) % len(order)], res)]
+    return tuple(dict.fromkeys(ids))
+
+
+def _allreduce_phases(cluster: Cluster, owners: Sequence[int], num_bytes: float,
+                      res: _Resources) -> list[tuple[float, tuple[int, ...], str]]:
+    """(seconds, resources, name) of each phase of one all-reduce; the seconds add up to ``estimate_allreduce``."""
+    shape = allreduce_shape(cluster, owners)
+    total, algorithm = estimate_allreduce(num_bytes, shape)
+    if total <= 0:
+        return []
+    if algorithm == "ring":
+        ring = _ring_edges(cluster, shape.order, res)
+        return [(total / 2, ring, "reduce-scatter"), (total / 2, ring, "all-gather")]
+    # hierarchical: 2 * intra + inter (estimate_hierarchical_allreduce_time)
+    inter = estimate_ring_allreduce_time(num_bytes, shape.nodes, shape.inter_bandwidth_bytes_per_s,
+                                         shape.inter_latency_s)
+    intra = (estimate_hierarchical_allreduce_time(num_bytes, shape) - inter) / 2
+    by_node: dict[str, list[int]] = {}
+    for d in shape.order:
+        by_node.setdefault(cluster.devices[d].node, []).append(d)
+    intra_ids = tuple(r for members in by_node.values() for r in _ring_edges(cluster, members, res))
+    nic_ids = tuple(r for node in by_node for r in (res.id(f"{node} NIC out"), res.id(f"{node} NIC in")))
+    return [(intra, intra_ids, "intra-node reduce-scatter"), (inter, nic_ids, "inter-node all-reduce"),
+            (intra, intra_ids, "intra-node all-gather")]
+
+
+# ---------------------------------------------------------------------------
+# the replay
+# ---------------------------------------------------------------------------
+
+# op codes of the precompiled actions
+_F, _B, _SEND, _RECV, _SYNC, _STEP = range(6)
+
+
+def simulate(plan: Plan, schedule: Schedule | None = None) -> SimResult:
+    """Replay one iteration of ``plan`` and time every action.
+
+    Args:
+        plan: the plan (cluster and profile included).
+        schedule: the Actions to replay; by default ``build_schedule(plan)``. A
+            schedule passed in is validated first.
+
+    Raises:
+        ScheduleError: an invalid schedule, or an action kind the simulator cannot time yet.
+
+    Example:
+        >>> r = simulate(plan)                                     # doctest: +SKIP
+        >>> r.iteration_s, r.devices["n0:0"].bubble_fraction       # doctest: +SKIP
+    """
+    if schedule is None:
+        schedule = build_schedule(plan)
+    else:
+        validate(schedule, plan)
+    # The replay allocates one tuple per event and frees none: the cyclic garbage collector
+    # would re-scan them over and over (a third of the time on 1024 devices) and find nothing.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _Replay(plan, schedule).run()
+    finally:
+        if enabled:
+            gc.enable()
+
+
+class _Replay:
+    """Precompiles every action to a tuple of figures, then runs the event loop."""
+
+    def __init__(self, plan: Plan, schedule: Schedule) -> None:
+        self.plan = plan
+        self.schedule = schedule
+        cluster, profile = plan.cluster, plan.profile
+        self.names = list(schedule)
+        index = {name: k for k, name in enumerate(self.names)}
+        cluster_index = {d.name: d.index for d in cluster.devices}
+        self.res = _Resources()
+        segments = plan.segments()
+        n = len(self.names)
+        self.fwd: list[list[float]] = [[] for _ in range(n)]
+        self.bwd: list[list[float]] = [[] for _ in range(n)]
+        self.act: list[list[float]] = [[] for _ in range(n)]
+        self.transient: list[list[float]] = [[] for _ in range(n)]
+        self.weights = [0.0] * n
+        self.optimizer_s = [0.0] * n
+        self.where: list[tuple[int, int]] = []
+        self.ops: list[list[tuple[Any, ...]]] = []
+        p2p_cache: dict[tuple[int, int, float], tuple[float, tuple[int, ...]]] = {}
+
+        where = {s.device: (v, j) for v, vw in enumerate(plan.virtual_workers) for j, s in enumerate(vw.stages)}
+        devices = {dev.name: dev for dev in cluster.devices}
+        labels: dict[tuple[str, int, int], list[str]] = {}  # "jFi" strings, shared by devices of equal (j, m)
+        KF, KB, SEND_F, SEND_B, RECV_F, RECV_B = (ActionKind.F, ActionKind.B, ActionKind.SEND_F, ActionKind.SEND_B,
+                                                  ActionKind.RECV_F, ActionKind.RECV_B)
+        for d, name in enumerate(self.names):
+            if name not in where:
+                raise ScheduleError(f"{name} has actions but holds no stage in the plan")
+            v, j = where[name]
+            self.where.append((v, j))
+            vw = plan.virtual_workers[v]
+            stage = vw.stages[j]
+            device = devices[name]
+            first, end, rc = stage.first_layer, stage.end_layer, list(stage.recompute)
+            weights = estimate_stage_memory(profile, first, end, rc, 0, 0, plan.optimizer)
+            self.weights[d] = weights
+            param_bytes = float(sum(profile.layers[i].param_bytes for i in stage.layers))
+            self.optimizer_s[d] = estimate_optimizer_time(param_bytes, profile.bytes_per_element, device,
+                                                          plan.optimizer)
+            per_size: dict[int, tuple[float, float, float, float]] = {}
+            for b in set(vw.micro_batch_sizes):
+                f, g = estimate_layer_times(profile, device, b)
+                held0 = estimate_stage_memory(profile, first, end, rc, b, 0, plan.optimizer)
+                held1 = estimate_stage_memory(profile, first, end, rc, b, 1, plan.optimizer)
+                per_size[b] = (float(f[first:end].sum()), float(g[first:end].sum() + f[rc].sum()),
+                               held1 - held0, held0 - weights)
+            sizes = vw.micro_batch_sizes
+            self.fwd[d] = [per_size[b][0] for b in sizes]
+            self.bwd[d] = [per_size[b][1] for b in sizes]
+            self.act[d] = [per_size[b][2] for b in sizes]
+            self.transient[d] = [per_size[b][3] for b in sizes]
+            out_bytes = profile.layers[end - 1].output_bytes_per_sample
+            in_bytes = profile.layers[first - 1].output_bytes_per_sample if first > 0 else 0.0
+            m = len(sizes)
+            for letter in "FB":
+                if (letter, j, m) not in labels:
+                    labels[(letter, j, m)] = [f"{j}{letter}{i}" for i in range(m)]
+            f_labels, b_labels = labels[("F", j, m)], labels[("B", j, m)]
+
+            ops: list[tuple[Any, ...]] = []
+            for a in schedule[name]:
+                k, i = a.kind, a.micro_batch
+                if k is KF:
+                    ops.append((_F, i, f_labels[i]))  # type: ignore[index]
+                elif k is KB:
+                    ops.append((_B, i, b_labels[i]))  # type: ignore[index]
+                elif k is SEND_F or k is SEND_B:
+                    assert a.peer is not None and i is not None
+                    peer = index[a.peer]
+                    num_bytes = sizes[i] * (out_bytes if k is SEND_F else in_bytes)
+                    ckey = (d, peer, num_bytes)
+                    if ckey not in p2p_cache:
+                        a_idx, b_idx = cluster_index[name], cluster_index[a.peer]
+                        p2p_cache[ckey] = (estimate_p2p_time(num_bytes, cluster.link(a_idx, b_idx)),
+                                           _edge(cluster, a_idx, b_idx, self.res))
+                    dur, rids = p2p_cache[ckey]
+                    src, dst = a.stages_joined
+                    label = f"{k.value} {src}->{dst} mb{i} {name}->{a.peer}"
+                    ops.append((_SEND, i, label, (k is SEND_B, d, peer, i), dur, rids,
+                                "send_f" if k is SEND_F else "send_b"))
+                elif k is RECV_F or k is RECV_B:
+                    assert a.peer is not None
+                    ops.append((_RECV, i, a, (k is RECV_B, index[a.peer], d, i)))  # label: str(a) when it waits
+                elif k is ActionKind.ALLREDUCE:
+                    ops.append((_SYNC, a.segment, str(a)))
+                elif k is ActionKind.STEP:
+                    ops.append((_STEP, 0, str(a)))
+                else:
+                    raise ScheduleError(f"the simulator cannot time {a} on {name} yet")
+            self.ops.append(ops)
+
+        # all-reduce phases per segment that some device syncs
+        self.phases: dict[int, list[tuple[float, tuple[int, ...], str]]] = {}
+        self.owners: dict[int, list[int]] = {}
+        synced = {op[1] for ops in self.ops for op in ops if op[0] == _SYNC}
+        for s in sorted(synced):
+            seg = segments[s]
+            num_bytes = float(sum(profile.layers[i].param_bytes for i in range(seg.first_layer, seg.end_layer)))
+            owners = [cluster_index[o] for o in seg.owners]
+            self.phases[s] = _allreduce_phases(cluster, owners, num_bytes, self.res)
+            self.owners[s] = [index[o] for o in seg.owners]
+
+    def run(self) -> SimResult:
+        n = len(self.names)
+        ops_of, fwd, bwd, act, transient = self.ops, self.fwd, self.bwd, self.act, self.transient
+        free_at, link_events = self.res.free_at, self.res.events
+        heap: list[tuple[float, int, int, int]] = [(0.0, d, 0, d) for d in range(n)]  # (time, seq, what, who)
+        seq = n
+        push, pop = heapq.heappush, heapq.heappop
+        new = tuple.__new__  # Event(...) without NamedTuple's Python-level __new__: the loop's hot path
+        pc = [0] * n
+        finish = [0.0] * n
+        last_backward = 0.0
+        events: list[list[Event]] = [[] for _ in range(n)]
+        memory = list(self.weights)
+        curves: list[list[tuple[float, float]]] = [[(0.0, w)] for w in self.weights]
+        in_flight = [0] * n
+        max_in_flight = [0] * n
+        busy = [0.0] * n
+        sync = [0.0] * n
+        arrivals: dict[tuple[bool, int, int, int], float] = {}
+        waiting: dict[tuple[bool, int, int, int], tuple[int, float]] = {}
+        arrived: dict[int, list[int]] = {}
+        phase_of: dict[int, int] = {}
+        sync_start: dict[int, float] = {}
+
+        while heap:
+            t, _, what, who = pop(heap)
+            if what == 1:  # an all-reduce phase ended at t (or the collective starts): run the next phase
+                s = who
+                k = phase_of[s]
+                phases = self.phases[s]
+                if k == len(phases):
+                    start = sync_start[s]
+                    for o in self.owners[s]:
+                        if t > start:
+                            events[o].append(Event(start, t, "sync", f"ALLREDUCE seg{s}"))
+                            sync[o] += t - start
+                        pc[o] += 1
+                        push(heap, (t, seq, 0, o))
+                        seq += 1
+                    continue
+                dur, rids, name = phases[k]
+                start = max(t, *(free_at[r] for r in rids)) if rids else t
+                end = start + dur
+                for r in rids:
+                    free_at[r] = end
+                    link_events[r].append(Event(start, end, "allreduce", f"ALLREDUCE seg{s} {name}"))
+                if k == 0:
+                    sync_start[s] = start
+                phase_of[s] = k + 1
+                push(heap, (end, seq, 1, s))
+                seq += 1
+                continue
+
+            d = who
+            ops = ops_of[d]
+            k = pc[d]
+            while True:
+                if k == len(ops):
+                    finish[d] = t
+                    break
+                op = ops[k]
+                code = op[0]
+                if code == _F:
+                    i = op[1]
+                    end = t + fwd[d][i]
+                    events[d].append(new(Event, (t, end, "forward", op[2], i)))
+                    busy[d] += end - t
+                    memory[d] += act[d][i]
+                    curves[d].append((end, memory[d]))
+                    in_flight[d] += 1
+                    if in_flight[d] > max_in_flight[d]:
+                        max_in_flight[d] = in_flight[d]
+                    k += 1
+                    push(heap, (end, seq, 0, d))
+                    seq += 1
+                    break
+                if code == _B:
+                    i = op[1]
+                    end = t + bwd[d][i]
+                    events[d].append(new(Event, (t, end, "backward", op[2], i)))
+                    busy[d] += end - t
+                    if transient[d][i] > 0:
+                        curves[d].append((t, memory[d] + transient[d][i]))
+                    memory[d] -= act[d][i]
+                    curves[d].append((end, memory[d]))
+                    in_flight[d] -= 1
+                    if end > last_backward:
+                        last_backward = end
+                    k += 1
+                    push(heap, (end, seq, 0, d))
+                    seq += 1
+                    break
+                if code == _SEND:
+                    _, i, label, key, dur, rids, kind = op
+                    start = t
+                    for r in rids:
+                        if free_at[r] > start:
+                            start = free_at[r]
+                    end = start + dur
+                    for r in rids:
+                        free_at[r] = end
+                        link_events[r].append(new(Event, (start, end, kind, label, i)))
+                    waiter = waiting.pop(key, None)
+                    if waiter is None:
+                        arrivals[key] = end
+                    else:
+                        w, since = waiter
+                        if end > since:
+                            events[w].append(new(Event, (since, end, "recv", str(ops_of[w][pc[w]][2]), i)))
+                        pc[w] += 1
+                        push(heap, (end, seq, 0, w))
+                        seq += 1
+                    k += 1
+                    continue
+                if code == _RECV:
+                    key = op[3]
+                    at = arrivals.pop(key, None)
+                    if at is None:
+                        waiting[key] = (d, t)
+                        break
+                    k += 1
+                    if at > t:
+                        events[d].append(new(Event, (t, at, "recv", str(op[2]), op[1])))
+                        push(heap, (at, seq, 0, d))
+                        seq += 1
+                        break
+                    continue
+                if code == _SYNC:
+                    s = op[1]
+                    here = arrived.setdefault(s, [])
+                    here.append(d)
+                    if len(here) == len(self.owners[s]):
+                        phase_of[s] = 0
+                        sync_start[s] = t
+                        push(heap, (t, seq, 1, s))
+                        seq += 1
+                    break  # every owner resumes when the collective ends
+                # _STEP
+                end = t + self.optimizer_s[d]
+                events[d].append(Event(t, end, "optimizer", op[2]))
+                busy[d] += end - t
+                k += 1
+                push(heap, (end, seq, 0, d))
+                seq += 1
+                break
+            pc[d] = k
+
+        stuck = [self.names[d] for d in range(n) if pc[d] < len(ops_of[d])]
+        if stuck:
+            validate(self.schedule, self.plan)  # raises with the grid
+            raise ScheduleError(f"simulation stalled with {', '.join(stuck[:4])} unfinished")
+        return self._result(finish, last_backward, events, curves, busy, sync, max_in_flight)
+
+    def _result(self, finish: list[float], last_backward: float, events: list[list[Event]],
+                curves: list[list[tuple[float, float]]], busy: list[float], sync: list[float],
+                max_in_flight: list[int]) -> SimResult:
+        plan = self.plan
+        iteration_s = max(finish, default=0.0)
+        timeline = Timeline(
+            devices={name: events[d] for d, name in enumerate(self.names)},
+            links={name: evs for name, evs in zip(self.res.names, self.res.events, strict=True) if evs},
+            memory={name: curves[d] for d, name in enumerate(self.names)},
+            source="simulated",
+            meta={"model": plan.model, "cluster": plan.cluster.name, "schedule": plan.schedule, "sync": plan.sync,
+                  "iteration_s": iteration_s},
+        )
+        capacity = {dev.name: dev.memory_bytes for dev in plan.cluster.devices}
+        stats = {}
+        for d, name in enumerate(self.names):
+            v, j = self.where[d]
+            stats[name] = DeviceStats(
+                device=name, vw=v, stage=j, iteration_s=iteration_s, busy_s=busy[d], sync_s=sync[d],
+                bubble_s=max(0.0, iteration_s - busy[d] - sync[d]),
+                peak_memory_bytes=max(b for _, b in curves[d]),
+                capacity_bytes=capacity[name], max_in_flight=max_in_flight[d],
+            )
+        return SimResult(
+            timeline=timeline, iteration_s=iteration_s, pipeline_s=last_backward,
+            samples_per_s=plan.global_batch / iteration_s if iteration_s > 0 else 0.0,
+            devices=stats, closed_form_iteration_s=plan.prediction.iteration_s,
+        )
+
+
+# ---------------------------------------------------------------------------
+# the command
+# ---------------------------------------------------------------------------
+
+
+def run_simulate_command(plan_path: str, trace: str | None, gantt: str | None, as_json: bool) -> int:
+    """``hetrain simulate plan.json [--trace out.json] [--gantt out.png] [--json]``.
+
+    Prints the summary (or the metrics as JSON), writes the Chrome trace and the
+    Gantt picture if asked. Returns the exit status: 0, or 1 with the reason on
+    stderr.
+    """
+    try:
+        plan = load_plan(plan_path)
+        result = simulate(plan)
+    except (PlanError, ScheduleError, ValueError) as e:
+        print(f"hetrain simulate: {e}", file=sys.stderr)
+        return 1
+    written = []
+    try:
+        if trace:
+            result.timeline.to_chrome_trace(trace)
+            written.append(f"trace: {trace} (open in https://ui.perfetto.dev)")
+        if gantt:
+            result.timeline.save_gantt(gantt, title=f"{plan.model} on {plan.cluster.name}: {plan.schedule}, "
+                                       f"iteration {format_time(result.iteration_s)}")
+            written.append(f"gantt: {gantt}")
+    except OSError as e:
+        print(f"hetrain simulate: cannot write {e.filename}: {e.strerror}", file=sys.stderr)
+        return 1
+    if as_json:
+        print(json.dumps(result.to_dict(), indent=1))
+    else:
+        print(result.summary())
+        for line in written:
+            print(line)
+    return 0

@@ -1,0 +1,294 @@
+"""Schedules: the action language, the generators against literal actions, the validator."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetrain.cluster import Cluster, parse_cluster
+from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
+from hetrain.profile import LayerProfile, Measurement, ModelProfile
+from hetrain.schedule import (
+    ERROR_MARK,
+    Action,
+    ActionKind,
+    ScheduleError,
+    build_schedule,
+    format_grid,
+    gpipe,
+    one_f_one_b,
+    parse_action,
+    parse_schedule,
+    schedule_to_dict,
+    validate,
+)
+
+
+def make_cluster(per_node: int = 6) -> Cluster:
+    link = {"bandwidth_bytes_per_s": 1e10, "latency_s": 1e-6}
+    return parse_cluster({"name": "t", "node": [
+        {"name": "n0", "devices": [{"type": "A100-40GB", "count": per_node}], "intra_link": link, "nic": link}]})
+
+
+def make_profile(num_layers: int = 6) -> ModelProfile:
+    ms = (("A100-40GB", (Measurement(1, 0.01, 0.02),)),)
+    return ModelProfile("toy", tuple(LayerProfile(f"l{i}", 1e6, 1e3, 1e4, 1e9, ms) for i in range(num_layers)), 1e3)
+
+
+def make_plan(vws: list[tuple[list[str], list[int], int, int]], schedule: str = "1f1b", sync: str = "bsp") -> Plan:
+    """``vws``: (devices, layer boundaries, mini-batch, micro-batches) per VW."""
+    built = tuple(VirtualWorker(tuple(Stage(d, bounds[j], bounds[j + 1]) for j, d in enumerate(devs)), mb, m)
+                  for devs, bounds, mb, m in vws)
+    return Plan("toy", sum(v.mini_batch for v in built), schedule, sync, "sgd", built,  # type: ignore[arg-type]
+                Prediction(0, 0, 0, 0, 0), "pp", "manual", make_cluster(), make_profile())
+
+
+def two_stage_plan(schedule: str) -> Plan:
+    return make_plan([(["n0:0", "n0:1"], [0, 3, 6], 3, 3)], schedule)
+
+
+# --- the action language --------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", [
+    "1F0", "1B3", "0F12", "SEND_F 1->2 mb0 to n0:2", "RECV_F 1->2 mb0 from n0:1", "SEND_B 2->1 mb3 to n0:1",
+    "RECV_B 2->1 mb3 from n0:2", "SEND_F 1->2 mb0", "ALLREDUCE seg2", "STEP",
+])
+def test_action_print_parse_round_trip(text: str) -> None:
+    a = parse_action(text)
+    assert str(a) == text
+    assert parse_action(str(a)) == a
+
+
+def test_action_fields() -> None:
+    a = parse_action("RECV_B 2->1 mb3 from n0:2")
+    assert (a.kind, a.stage, a.micro_batch, a.peer) == (ActionKind.RECV_B, 1, 3, "n0:2")
+    assert a.stages_joined == (2, 1)
+    assert parse_action("ALLREDUCE seg4") == Action(ActionKind.ALLREDUCE, segment=4)
+    assert str(Action(ActionKind.SEND_F, stage=1, micro_batch=0, peer="b:1")) == "SEND_F 1->2 mb0 to b:1"
+
+
+@pytest.mark.parametrize("text", ["1X0", "SEND_F 1->3 mb0", "SEND_F 1->2 mb0 from n0:2", "ALLREDUCE", "STEP seg1",
+                                  "F", "RECV_B 1->2 mb0"])
+def test_parse_action_rejects_malformed(text: str) -> None:
+    with pytest.raises(ScheduleError):
+        parse_action(text)
+
+
+def test_schedule_dict_round_trip() -> None:
+    schedule = build_schedule(make_plan([(["n0:0", "n0:1", "n0:2"], [0, 2, 4, 6], 4, 4),
+                                         (["n0:3", "n0:4"], [0, 3, 6], 4, 2)]))
+    assert parse_schedule(schedule_to_dict(schedule)) == schedule
+
+
+# --- generators -----------------------------------------------------------------
+
+
+def texts(actions: list[Action]) -> list[str]:
+    return [str(a) for a in actions]
+
+
+def test_gpipe_compute_order() -> None:
+    assert [texts(s) for s in gpipe(3, 2)] == [
+        ["0F0", "0F1", "0F2", "0B0", "0B1", "0B2"],
+        ["1F0", "1F1", "1F2", "1B0", "1B1", "1B2"],
+    ]
+
+
+def test_one_f_one_b_compute_order() -> None:
+    assert [texts(s) for s in one_f_one_b(3, 2)] == [
+        ["0F0", "0F1", "0B0", "0F2", "0B1", "0B2"],
+        ["1F0", "1B0", "1F1", "1B1", "1F2", "1B2"],
+    ]
+    # fewer micro-batches than the warm-up needs: all forwards, then all backwards
+    assert texts(one_f_one_b(2, 4)[0]) == ["0F0", "0F1", "0B0", "0B1"]
+
+
+def test_gpipe_schedule_p2_m3() -> None:
+    assert schedule_to_dict(build_schedule(two_stage_plan("gpipe"))) == {
+        "n0:0": ["0F0", "SEND_F 0->1 mb0 to n0:1", "0F1", "SEND_F 0->1 mb1 to n0:1",
+                 "0F2", "SEND_F 0->1 mb2 to n0:1",
+                 "RECV_B 1->0 mb0 from n0:1", "0B0", "RECV_B 1->0 mb1 from n0:1", "0B1",
+                 "RECV_B 1->0 mb2 from n0:1", "0B2", "STEP"],
+        "n0:1": ["RECV_F 0->1 mb0 from n0:0", "1F0", "RECV_F 0->1 mb1 from n0:0", "1F1",
+                 "RECV_F 0->1 mb2 from n0:0", "1F2",
+                 "1B0", "SEND_B 1->0 mb0 to n0:0", "1B1", "SEND_B 1->0 mb1 to n0:0",
+                 "1B2", "SEND_B 1->0 mb2 to n0:0", "STEP"],
+    }
+
+
+def test_one_f_one_b_schedule_p2_m3() -> None:
+    assert schedule_to_dict(build_schedule(two_stage_plan("1f1b"))) == {
+        "n0:0": ["0F0", "SEND_F 0->1 mb0 to n0:1", "0F1", "SEND_F 0->1 mb1 to n0:1",
+                 "RECV_B 1->0 mb0 from n0:1", "0B0", "0F2", "SEND_F 0->1 mb2 to n0:1",
+                 "RECV_B 1->0 mb1 from n0:1", "0B1", "RECV_B 1->0 mb2 from n0:1", "0B2", "STEP"],
+        "n0:1": ["RECV_F 0->1 mb0 from n0:0", "1F0", "1B0", "SEND_B 1->0 mb0 to n0:0",
+                 "RECV_F 0->1 mb1 from n0:0", "1F1", "1B1", "SEND_B 1->0 mb1 to n0:0",
+                 "RECV_F 0->1 mb2 from n0:0", "1F2", "1B2", "SEND_B 1->0 mb2 to n0:0", "STEP"],
+    }
+
+
+def hetero_plan(schedule: str = "1f1b") -> Plan:
+    """Three VWs with different stage counts, partitions and micro-batch counts."""
+    return make_plan([
+        (["n0:0", "n0:1", "n0:2"], [0, 2, 4, 6], 8, 4),
+        (["n0:3", "n0:4"], [0, 3, 6], 4, 2),
+        (["n0:5"], [0, 6], 1, 1),
+    ], schedule)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_multi_vw_schedule_is_valid_and_syncs_every_shared_segment(schedule: str) -> None:
+    plan = hetero_plan(schedule)
+    built = build_schedule(plan)
+    validate(built, plan)
+    # segments: [0,2) [2,3) [3,4) [4,6), each shared by three devices
+    segs = plan.segments()
+    assert [(s.first_layer, s.end_layer) for s in segs] == [(0, 2), (2, 3), (3, 4), (4, 6)]
+    # last layers first: the last stages finish their backward first
+    assert texts(built["n0:4"])[-3:] == ["ALLREDUCE seg3", "ALLREDUCE seg2", "STEP"]
+    assert texts(built["n0:5"])[-5:] == ["ALLREDUCE seg3", "ALLREDUCE seg2", "ALLREDUCE seg1", "ALLREDUCE seg0",
+                                         "STEP"]
+    assert texts(built["n0:5"])[:2] == ["0F0", "0B0"]
+    for dev, actions in built.items():
+        v, j = plan.stage_of(dev)
+        m = plan.virtual_workers[v].micro_batches
+        assert sum(a.kind is ActionKind.F for a in actions) == m
+        assert all(a.stage == j for a in actions if a.stage is not None)
+
+
+def test_build_schedule_refuses_sync_modes_without_a_schedule() -> None:
+    plan = make_plan([(["n0:0"], [0, 6], 2, 2), (["n0:1"], [0, 6], 2, 2)], sync="wsp")
+    with pytest.raises(ScheduleError, match="wsp"):
+        build_schedule(plan)
+
+
+# --- the validator and its grid ---------------------------------------------------
+
+
+def without(schedule: dict[str, list[Action]], device: str, text: str) -> dict[str, list[Action]]:
+    out = {d: list(a) for d, a in schedule.items()}
+    out[device] = [a for a in out[device] if str(a) != text]
+    assert len(out[device]) == len(schedule[device]) - 1
+    return out
+
+
+def marked_line(message: str) -> str:
+    lines = [line for line in message.splitlines() if ERROR_MARK in line]
+    assert len(lines) == 1, message
+    return lines[0]
+
+
+def test_missing_receive_is_rejected_with_the_grid() -> None:
+    plan = two_stage_plan("1f1b")
+    broken = without(build_schedule(plan), "n0:1", "RECV_F 0->1 mb1 from n0:0")
+    with pytest.raises(ScheduleError) as err:
+        validate(broken, plan)
+    message = str(err.value)
+    assert "RECV_F 0->1 mb1 from n0:0" in message and "missing receive" in message
+    assert "step | n0:0" in message  # the grid's header: a column per device
+    line = marked_line(message)
+    # the failing cell is 1F1 on n0:1, at step 4 once the receive is gone
+    assert line.split("|")[0].strip() == "4"
+    assert "1F1  <-- ERROR HERE" in line.split("|")[2]
+
+
+def test_missing_gradient_receive_is_rejected() -> None:
+    plan = two_stage_plan("gpipe")
+    broken = without(build_schedule(plan), "n0:0", "RECV_B 1->0 mb2 from n0:1")
+    with pytest.raises(ScheduleError, match="0B2 runs before its gradient arrives") as err:
+        validate(broken, plan)
+    assert "0B2  <-- ERROR HERE" in marked_line(str(err.value))
+
+
+def test_deadlock_is_reported_with_the_waiting_action() -> None:
+    plan = two_stage_plan("gpipe")
+    schedule = build_schedule(plan)
+    # stage 0 waits for mb0's gradient before shipping mb0's activation: a cycle
+    s0 = schedule["n0:0"]
+    recv = parse_action("RECV_B 1->0 mb0 from n0:1")
+    schedule["n0:0"] = [recv, *(a for a in s0 if a != recv)]
+    with pytest.raises(ScheduleError, match="deadlock") as err:
+        validate(schedule, plan)
+    message = str(err.value)
+    assert "RECV_B 1->0 mb0 from n0:1  <-- ERROR HERE" in message
+    assert "<-- blocked" in message  # the peer it waits for is blocked too
+
+
+def test_backward_before_forward_is_rejected() -> None:
+    plan = make_plan([(["n0:0"], [0, 6], 2, 2)], "gpipe")
+    schedule = {"n0:0": [parse_action(t) for t in ["0B0", "0F0", "0F1", "0B1", "STEP"]]}
+    with pytest.raises(ScheduleError, match="F before B"):
+        validate(schedule, plan)
+
+
+def test_allreduce_missing_on_one_owner_is_rejected() -> None:
+    plan = hetero_plan()
+    broken = without(build_schedule(plan), "n0:5", "ALLREDUCE seg1")
+    with pytest.raises(ScheduleError, match="ALLREDUCE seg1"):
+        validate(broken, plan)
+
+
+def test_allreduces_in_different_orders_deadlock() -> None:
+    plan = hetero_plan()
+    schedule = build_schedule(plan)
+    tail = schedule["n0:5"][-5:]
+    schedule["n0:5"] = [*schedule["n0:5"][:-5], tail[1], tail[0], *tail[2:]]  # seg2 before seg3
+    with pytest.raises(ScheduleError, match="deadlock"):
+        validate(schedule, plan)
+
+
+@pytest.mark.parametrize(("device", "old", "new", "match"), [
+    ("n0:1", "1F0", "0F0", "holds stage 1"),
+    ("n0:0", "SEND_F 0->1 mb0 to n0:1", "SEND_F 0->1 mb0 to n0:2", "peer must be n0:1"),
+    ("n0:0", "0F2", "0F7", "outside 0..2"),
+    ("n0:1", "1B0", "1F0", "appears twice"),
+])
+def test_static_errors_name_the_action(device: str, old: str, new: str, match: str) -> None:
+    plan = two_stage_plan("gpipe")
+    schedule = build_schedule(plan)
+    schedule[device] = [parse_action(new) if str(a) == old else a for a in schedule[device]]
+    with pytest.raises(ScheduleError, match=match) as err:
+        validate(schedule, plan)
+    assert ERROR_MARK in str(err.value)
+
+
+def test_missing_device_and_extra_device() -> None:
+    plan = two_stage_plan("gpipe")
+    schedule = build_schedule(plan)
+    with pytest.raises(ScheduleError, match="n0:1 holds stage 1"):
+        validate({"n0:0": schedule["n0:0"]}, plan)
+    with pytest.raises(ScheduleError, match="n0:5 holds no stage"):
+        validate({**schedule, "n0:5": [parse_action("STEP")]}, plan)
+
+
+def test_format_grid() -> None:
+    grid = format_grid(build_schedule(two_stage_plan("1f1b")))
+    lines = grid.splitlines()
+    assert lines[0].split("|")[1].strip() == "n0:0" and lines[0].split("|")[2].strip() == "n0:1"
+    assert lines[2].split("|")[1].strip() == "0F0"
+    assert lines[2].split("|")[2].strip() == "RECV_F 0->1 mb0 from n0:0"
+    assert len(lines) == 2 + 13
+
+
+def test_large_schedule_error_shows_a_window() -> None:
+    devs = [f"n0:{k}" for k in range(6)]
+    plan = make_plan([([d], [0, 6], 60, 60) for d in devs], "gpipe")
+    schedule = build_schedule(plan)
+    schedule["n0:3"] = [a for a in schedule["n0:3"] if str(a) != "0F59"]
+    with pytest.raises(ScheduleError) as err:
+        validate(schedule, plan)
+    assert len(str(err.value).splitlines()) < 60
+
+
+def test_error_grid_of_a_wide_schedule_shows_the_failing_device() -> None:
+    devs = [f"n0:{k}" for k in range(8)]
+    cluster = parse_cluster({"name": "w", "node": [{"name": "n0", "devices": [{"type": "A100-40GB", "count": 12}],
+                                                    "intra_link": "nvlink3", "nic": "ib-hdr"}]})
+    built = tuple(VirtualWorker((Stage(d, 0, 6),), 1, 1) for d in devs)
+    plan = Plan("toy", len(devs), "gpipe", "bsp", "sgd", built, Prediction(0, 0, 0, 0, 0), "dp", "manual",
+                cluster, make_profile())
+    schedule = {**build_schedule(plan), "n0:11": [parse_action("STEP")]}
+    with pytest.raises(ScheduleError, match="n0:11 holds no stage") as err:
+        validate(schedule, plan)
+    header = str(err.value).split("schedule (8 of 9 devices):\n")[1].splitlines()[0]
+    assert "n0:11" in header and "n0:7" not in header

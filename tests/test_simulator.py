@@ -1,0 +1,289 @@
+"""The simulator against closed forms, hand-computed timelines and the memory model."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hetrain.cluster import Cluster, parse_cluster
+from hetrain.cost import (
+    estimate_allreduce_time,
+    estimate_optimizer_time,
+    estimate_pipeline_time,
+    estimate_stage_memory,
+    in_flight,
+)
+from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
+from hetrain.profile import LayerProfile, Measurement, ModelProfile
+from hetrain.schedule import ScheduleError, build_schedule, parse_action
+from hetrain.simulator import run_simulate_command, simulate
+
+A100 = "A100-40GB"
+V100 = "V100-16GB"
+
+
+def link(bandwidth_bytes_per_s: float, latency_s: float) -> dict[str, float]:
+    return {"bandwidth_bytes_per_s": bandwidth_bytes_per_s, "latency_s": latency_s}
+
+
+def one_node(count: int, bandwidth_bytes_per_s: float = 1e30, latency_s: float = 0.0) -> Cluster:
+    """One node of A100s joined by a link so fast that transfers take ~0 s (no contention)."""
+    return parse_cluster({"name": "flat", "node": [{
+        "name": "n0", "devices": [{"type": A100, "count": count}],
+        "intra_link": link(bandwidth_bytes_per_s, latency_s), "nic": link(bandwidth_bytes_per_s, latency_s)}]})
+
+
+def layer(name: str, times: dict[str, tuple[float, float]], b: int, param_bytes: float = 0.0,
+          output_bytes: float = 1e3, saved_bytes: float = 1e4) -> LayerProfile:
+    """A layer measured at micro-batch ``b`` on each device type of ``times`` (forward_s, backward_s)."""
+    measured = tuple((t, (Measurement(b, f, g),)) for t, (f, g) in times.items())
+    return LayerProfile(name, param_bytes, output_bytes, saved_bytes, 1e9, measured)
+
+
+def make_plan(cluster: Cluster, profile: ModelProfile, vws: list[tuple[list[str], list[int], int, int]],
+              schedule: str = "1f1b", optimizer: str = "sgd",
+              recompute: dict[str, tuple[int, ...]] | None = None) -> Plan:
+    """``vws``: (devices, layer boundaries, mini-batch, micro-batches) per VW."""
+    rc = recompute or {}
+    built = tuple(VirtualWorker(tuple(Stage(d, bounds[j], bounds[j + 1], rc.get(d, ()))
+                                      for j, d in enumerate(devs)), mb, m) for devs, bounds, mb, m in vws)
+    return Plan(profile.name, sum(v.mini_batch for v in built), schedule, "bsp", optimizer,  # type: ignore[arg-type]
+                built, Prediction(0, 0, 0, 0, 0), "pp", "manual", cluster, profile)
+
+
+# --- closed forms ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("p", "m"), [(4, 6), (3, 1), (1, 5), (5, 3), (2, 8)])
+def test_uniform_stages_match_the_closed_form(schedule: str, p: int, m: int) -> None:
+    t_f, t_b, b = 0.3, 0.7, 2
+    profile = ModelProfile("uniform", tuple(layer(f"l{j}", {A100: (t_f, t_b)}, b) for j in range(p)), 1e3)
+    plan = make_plan(one_node(p), profile, [([f"n0:{j}" for j in range(p)], list(range(p + 1)), m * b, m)],
+                     schedule)
+    result = simulate(plan)
+    expected = (m + p - 1) * (t_f + t_b)
+    assert result.iteration_s == pytest.approx(expected, rel=1e-9)
+    assert result.pipeline_s == pytest.approx(expected, rel=1e-9)
+    assert result.iteration_s == pytest.approx(estimate_pipeline_time([t_f + t_b] * p, m), rel=1e-9)
+    assert result.samples_per_s == pytest.approx(m * b / expected, rel=1e-9)
+    # the last stage idles exactly the bubble (p - 1)(t_f + t_b)
+    last = result.devices[f"n0:{p - 1}"]
+    assert last.bubble_s == pytest.approx((p - 1) * (t_f + t_b), rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize(("p", "m"), [(4, 8), (4, 2), (3, 3)])
+def test_one_f_one_b_keeps_at_most_p_minus_j_micro_batches_in_flight(p: int, m: int) -> None:
+    profile = ModelProfile("uniform", tuple(layer(f"l{j}", {A100: (0.1, 0.2)}, 1) for j in range(p)), 1e3)
+    devices = [f"n0:{j}" for j in range(p)]
+    for schedule, bound in (("1f1b", lambda j: min(m, p - j)), ("gpipe", lambda j: m)):
+        result = simulate(make_plan(one_node(p), profile, [(devices, list(range(p + 1)), m, m)], schedule))
+        for j, dev in enumerate(devices):
+            assert result.devices[dev].max_in_flight == bound(j), (schedule, j)
+
+
+# --- a heterogeneous case by hand -------------------------------------------------
+
+
+def hetero_plan(schedule: str, m: int) -> Plan:
+    """Stage 0 on a fast A100 (F 1 s, B 2 s), stage 1 on a slow V100 (F 2 s, B 4 s), micro-batches of 4.
+
+    The nodes are joined at 1 MB/s with 0.1 s latency; an activation is 4 x 350 kB
+    = 1.4 MB, so each transfer takes 0.1 + 1.4 = 1.5 s in either direction.
+    """
+    cluster = parse_cluster({"name": "hetero", "node": [
+        {"name": "fast", "devices": [A100], "intra_link": "nvlink3", "nic": link(1e6, 0.1)},
+        {"name": "slow", "devices": [V100], "intra_link": "nvlink2", "nic": link(1e6, 0.1)},
+    ]})
+    profile = ModelProfile("two", (layer("l0", {A100: (1.0, 2.0)}, 4, output_bytes=350e3),
+                                   layer("l1", {V100: (2.0, 4.0)}, 4)), 1e3)
+    return make_plan(cluster, profile, [(["fast:0", "slow:0"], [0, 1, 2], 4 * m, m)], schedule)
+
+
+def spans(result: Any, track: str, kind: str) -> list[tuple[float, float]]:
+    return [(round(e.start_s, 9), round(e.end_s, 9)) for e in result.timeline.devices.get(track, [])
+            + result.timeline.links.get(track, []) if e.kind == kind]
+
+
+def test_heterogeneous_gpipe_by_hand() -> None:
+    # GPipe, m = 2. T = 1.5 s per transfer; the fast node's NIC carries one transfer at a time.
+    #   fast:0  F0 [0,1]  F1 [1,2]                             B0 [12,14]      B1 [16,18]
+    #   link ->     SEND_F0 [1,2.5]  SEND_F1 [2.5,4] (queued behind mb0 until 2.5)
+    #   slow:0  F0 [2.5,4.5] F1 [4.5,6.5] B0 [6.5,10.5] B1 [10.5,14.5]
+    #   link <-                                 SEND_B0 [10.5,12]  SEND_B1 [14.5,16]
+    # iteration 18 s = closed form 3 + 3 + 6 + (2 - 1) * 6 (the link as a stage of 1.5 + 1.5)
+    result = simulate(hetero_plan("gpipe", 2))
+    assert result.iteration_s == pytest.approx(18.0, rel=1e-12)
+    assert result.iteration_s == pytest.approx(estimate_pipeline_time([3.0, 3.0, 6.0], 2), rel=1e-12)
+    assert spans(result, "fast NIC out", "send_f") == [(1.0, 2.5), (2.5, 4.0)]
+    assert spans(result, "slow NIC in", "send_f") == [(1.0, 2.5), (2.5, 4.0)]
+    assert spans(result, "slow:0", "forward") == [(2.5, 4.5), (4.5, 6.5)]
+    assert spans(result, "fast:0", "backward") == [(12.0, 14.0), (16.0, 18.0)]
+    assert spans(result, "fast:0", "recv") == [(2.0, 12.0), (14.0, 16.0)]  # waiting for gradients
+    fast = result.devices["fast:0"]
+    assert fast.busy_s == pytest.approx(6.0) and fast.bubble_fraction == pytest.approx(12 / 18)
+
+
+def test_heterogeneous_one_f_one_b_by_hand() -> None:
+    # 1F1B, m = 3: fast:0 runs F0 F1 B0 F2 B1 B2, slow:0 runs F0 B0 F1 B1 F2 B2.
+    #   fast:0  F0 [0,1] F1 [1,2] . B0 [10,12] F2 [12,13] . B1 [16,18] . B2 [22,24]
+    #   ->      SEND_F0 [1,2.5] SEND_F1 [2.5,4]       SEND_F2 [13,14.5]
+    #   slow:0  F0 [2.5,4.5] B0 [4.5,8.5] F1 [8.5,10.5] B1 [10.5,14.5] F2 [14.5,16.5] B2 [16.5,20.5]
+    #   <-      SEND_B0 [8.5,10]  SEND_B1 [14.5,16]  SEND_B2 [20.5,22]
+    result = simulate(hetero_plan("1f1b", 3))
+    assert result.iteration_s == pytest.approx(24.0, rel=1e-12)
+    assert spans(result, "fast:0", "backward") == [(10.0, 12.0), (16.0, 18.0), (22.0, 24.0)]
+    assert spans(result, "fast:0", "forward") == [(0.0, 1.0), (1.0, 2.0), (12.0, 13.0)]
+    assert spans(result, "slow:0", "forward") == [(2.5, 4.5), (8.5, 10.5), (14.5, 16.5)]
+    assert spans(result, "slow NIC out", "send_b") == [(8.5, 10.0), (14.5, 16.0), (20.5, 22.0)]
+    assert result.devices["slow:0"].max_in_flight == 1 and result.devices["fast:0"].max_in_flight == 2
+
+
+# --- memory -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_peak_memory_equals_the_cost_model(schedule: str) -> None:
+    saved = [4e6, 9e6, 2e6, 7e6, 5e6, 3e6]
+    layers = tuple(layer(f"l{i}", {A100: (0.01 * (i + 1), 0.02 * (i + 1))}, 2, param_bytes=1e7 * (i + 1),
+                         output_bytes=1e5, saved_bytes=s) for i, s in enumerate(saved))
+    profile = ModelProfile("mem", layers, 1e5)
+    plan = make_plan(one_node(5, 1e11, 1e-6), profile, [
+        (["n0:0", "n0:1", "n0:2"], [0, 2, 5, 6], 8, 4),
+        (["n0:3", "n0:4"], [0, 3, 6], 9, 3),
+    ], schedule, optimizer="adam", recompute={"n0:1": (3, 4), "n0:3": (0, 1)})
+    result = simulate(plan)
+    for vw in plan.virtual_workers:
+        p = len(vw.stages)
+        for j, stage in enumerate(vw.stages):
+            expected = estimate_stage_memory(profile, stage.first_layer, stage.end_layer, stage.recompute,
+                                             vw.micro_batch_size, in_flight(schedule, vw.micro_batches, p, j),
+                                             "adam")
+            assert result.devices[stage.device].peak_memory_bytes == pytest.approx(expected, rel=1e-9), stage
+            curve = result.memory_curve(stage.device)
+            weights = estimate_stage_memory(profile, stage.first_layer, stage.end_layer, (), 0, 0, "adam")
+            assert curve[0] == (0.0, pytest.approx(weights))
+            assert curve[-1][1] == pytest.approx(weights)  # every activation freed at the end
+            assert [t for t, _ in curve] == sorted(t for t, _ in curve)
+
+
+# --- links, sync and the optimizer ---------------------------------------------------
+
+
+def two_node_cluster(nic_bytes_per_s: float, latency_s: float = 0.0) -> Cluster:
+    return parse_cluster({"name": "pair", "node": [
+        {"name": name, "devices": [{"type": A100, "count": 2}], "intra_link": link(1e30, 0.0),
+         "nic": link(nic_bytes_per_s, latency_s)} for name in ("a", "b")]})
+
+
+def test_transfers_leaving_one_node_share_its_nic() -> None:
+    # two VWs a:0 -> b:0 and a:1 -> b:1; both ship mb0 at t = 1 through "a NIC out" (1 s each)
+    profile = ModelProfile("two", (layer("l0", {A100: (1.0, 1.0)}, 1, output_bytes=1e6),
+                                   layer("l1", {A100: (1.0, 1.0)}, 1)), 1e3)
+    plan = make_plan(two_node_cluster(1e6), profile, [(["a:0", "b:0"], [0, 1, 2], 1, 1),
+                                                      (["a:1", "b:1"], [0, 1, 2], 1, 1)], "gpipe")
+    result = simulate(plan)
+    assert sorted(spans(result, "a NIC out", "send_f")) == [(1.0, 2.0), (2.0, 3.0)]
+    starts = sorted([spans(result, "b:0", "forward")[0][0], spans(result, "b:1", "forward")[0][0]])
+    assert starts == [2.0, 3.0]
+
+
+def test_data_parallel_sync_takes_the_allreduce_time() -> None:
+    # one stage per VW on two nodes: compute, all-reduce of all gradients, step
+    params = 4e6
+    profile = ModelProfile("dp", (layer("l0", {A100: (0.5, 1.0)}, 2, param_bytes=params),), 1e3)
+    cluster = two_node_cluster(1e8, 1e-3)
+    plan = make_plan(cluster, profile, [(["a:0"], [0, 1], 2, 1), (["b:0"], [0, 1], 2, 1)], "gpipe")
+    assert [str(a) for a in build_schedule(plan)["a:0"]] == ["0F0", "0B0", "ALLREDUCE seg0", "STEP"]
+    result = simulate(plan)
+    sync = estimate_allreduce_time(cluster, [0, 2], params)
+    step = estimate_optimizer_time(params, 4, cluster.devices[0], "sgd")
+    assert result.iteration_s == pytest.approx(1.5 + sync + step, rel=1e-12)
+    assert result.devices["a:0"].sync_s == pytest.approx(sync, rel=1e-12)
+    phases = result.timeline.links["a NIC out"]
+    assert [e.label for e in phases] == ["ALLREDUCE seg0 reduce-scatter", "ALLREDUCE seg0 all-gather"]
+    assert phases[-1].end_s == pytest.approx(1.5 + sync)
+
+
+def test_concurrent_allreduces_contend_for_the_nics() -> None:
+    # VWs a:0 -> a:1 and b:0 -> b:1; segment 1 (stage 1) syncs while stage 0 still runs its
+    # backward (sync overlaps compute), and segment 0 then contends with it for the NICs
+    params = 1e8
+    layers = (layer("l0", {A100: (0.1, 0.2)}, 1, param_bytes=params, output_bytes=10.0),
+              layer("l1", {A100: (0.1, 0.2)}, 1, param_bytes=params))
+    cluster = two_node_cluster(1e8)
+    plan = make_plan(cluster, ModelProfile("c", layers, 1e3), [(["a:0", "a:1"], [0, 1, 2], 1, 1),
+                                                               (["b:0", "b:1"], [0, 1, 2], 1, 1)], "gpipe")
+    result = simulate(plan)
+    assert estimate_allreduce_time(cluster, [0, 2], params) == pytest.approx(1.0)  # 0.5 s per ring phase
+    # stage 1 is done at 0.4 s, stage 0 at 0.6 s. The NICs serve the phases in the order they ask:
+    #   seg1 reduce-scatter [0.4, 0.9]; seg0 asked at 0.6: reduce-scatter [0.9, 1.4];
+    #   seg1 all-gather asked at 0.9: [1.4, 1.9]; seg0 all-gather asked at 1.4: [1.9, 2.4]
+    phases = {s: [(round(e.start_s, 9), round(e.end_s, 9)) for e in result.timeline.links["a NIC out"]
+                  if f"seg{s} " in e.label] for s in (0, 1)}
+    assert phases == {1: [(0.4, 0.9), (1.4, 1.9)], 0: [(0.9, 1.4), (1.9, 2.4)]}
+    assert result.pipeline_s == pytest.approx(0.6)
+    assert result.devices["a:0"].sync_s == pytest.approx(1.5)
+    step = estimate_optimizer_time(params, 4, cluster.devices[0], "sgd")
+    assert result.iteration_s == pytest.approx(2.4 + step)
+    for tracks in (result.timeline.devices, result.timeline.links):
+        for name, evs in tracks.items():
+            ordered = sorted(evs)
+            assert all(x.end_s <= y.start_s + 1e-12 for x, y in itertools.pairwise(ordered)), name
+
+
+def test_hierarchical_allreduce_runs_in_three_phases() -> None:
+    # four one-stage VWs on two nodes of two: NVLink-fast inside, 1 GB/s between, so the
+    # cost model picks intra-node reduce-scatter, inter-node all-reduce, intra-node all-gather
+    params = 1e8
+    cluster = parse_cluster({"name": "h", "node": [
+        {"name": name, "devices": [{"type": A100, "count": 2}], "intra_link": "nvlink3", "nic": link(1e9, 1e-5)}
+        for name in ("a", "b")]})
+    profile = ModelProfile("dp", (layer("l0", {A100: (0.5, 1.0)}, 2, param_bytes=params),), 1e3)
+    plan = make_plan(cluster, profile, [([d], [0, 1], 2, 1) for d in ("a:0", "a:1", "b:0", "b:1")], "gpipe")
+    result = simulate(plan)
+    sync = estimate_allreduce_time(cluster, [0, 1, 2, 3], params)
+    assert result.devices["b:1"].sync_s == pytest.approx(sync, rel=1e-12)
+    assert result.pipeline_s == pytest.approx(1.5)
+    assert [e.label for e in result.timeline.links["a:0->a:1"]] == [
+        "ALLREDUCE seg0 intra-node reduce-scatter", "ALLREDUCE seg0 intra-node all-gather"]
+    assert [e.label for e in result.timeline.links["b NIC in"]] == ["ALLREDUCE seg0 inter-node all-reduce"]
+    assert result.timeline.links["b NIC in"][0].end_s < 1.5 + sync
+
+
+def test_a_schedule_passed_in_is_validated() -> None:
+    plan = hetero_plan("gpipe", 2)
+    schedule = build_schedule(plan)
+    schedule["slow:0"] = [a for a in schedule["slow:0"] if str(a) != "RECV_F 0->1 mb1 from fast:0"]
+    with pytest.raises(ScheduleError, match="ERROR HERE"):
+        simulate(plan, schedule)
+    good = build_schedule(plan)
+    assert simulate(plan, good).iteration_s == pytest.approx(18.0)
+    good["fast:0"].insert(0, parse_action("STEP"))
+    with pytest.raises(ScheduleError, match="appears twice"):
+        simulate(plan, good)
+
+
+# --- the command ---------------------------------------------------------------------
+
+
+def test_run_simulate_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = hetero_plan("1f1b", 3)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    trace, gantt = tmp_path / "trace.json", tmp_path / "gantt.png"
+    assert run_simulate_command(str(path), str(trace), str(gantt), as_json=False) == 0
+    out = capsys.readouterr().out
+    assert "simulated iteration 24 s" in out and "fast:0" in out and "slow:0" in out
+    assert json.loads(trace.read_text())["traceEvents"]
+    assert gantt.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert run_simulate_command(str(path), None, None, as_json=True) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["iteration_s"] == pytest.approx(24.0)
+    assert {d["device"] for d in data["devices"]} == {"fast:0", "slow:0"}
+    assert run_simulate_command(str(tmp_path / "missing.json"), None, None, as_json=False) == 1
+    assert "cannot read plan" in capsys.readouterr().err
