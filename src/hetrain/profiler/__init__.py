@@ -1,0 +1,39 @@
+"""Measure what the planner needs: per-layer costs (torch) and the cluster's links (torch.distributed).
+
+- ``profile_layers``: per-layer forward/backward seconds and bytes -> ModelProfile;
+- ``merge_profiles`` / ``scale_to`` / ``fit_error``: combine and check profiles (pure);
+- ``discover``: under torchrun, measure devices and links -> cluster TOML.
+
+Names load lazily: ``import hetrain.profiler.fit`` imports no torch.
+
+Example:
+    >>> from hetrain.profiler import profile_layers, scale_to             # doctest: +SKIP
+    >>> p = scale_to(profile_layers(layers, x), ["A100-40GB"])           # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "profile_layers": "layers", "measure_layers": "layers", "LayerReport": "layers",
+    "LayersMeasurement": "layers", "match_device_type": "layers", "measure_device_figures": "layers",
+    "run_profile_command": "layers",
+    "fit_error": "fit", "FitError": "fit", "fit_link": "fit", "fit_linear": "fit", "merge_profiles": "fit",
+    "predict_layer_time": "fit", "scale_to": "fit",
+    "discover": "network", "DiscoveryError": "network", "DiscoveryResult": "network",
+    "build_plan": "network", "round_robin": "network", "run_discover_command": "network",
+    "parse_message_sizes": "network", "add_discover_arguments": "network",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hetrain.profiler' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"hetrain.profiler.{module}"), name)
+    globals()[name] = value
+    return value

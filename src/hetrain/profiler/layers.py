@@ -1,0 +1,505 @@
+"""Measure layers with torch: time, parameter, output and saved-activation bytes.
+
+``profile_layers`` runs each layer alone, as a pipeline stage would, and writes a
+``ModelProfile`` (docs/profile.md). Per layer and micro-batch size ``b``:
+
+    x_i ──detach, requires_grad──► layer_i ──► y_i ──► x_{i+1}
+           forward timed: layer_i(x_i)
+           backward timed: y_i.backward(random grad of y_i's shape)
+
+- times: median of ``repeats`` runs after ``warmup`` runs; CUDA events on a GPU,
+  ``time.perf_counter`` on the CPU;
+- ``param_bytes``: exact, the sum of parameter storage in the training precision;
+- ``output_bytes_per_sample``: the layer's output (what crosses a stage boundary);
+- ``saved_bytes_per_sample``: what autograd keeps for backward, caught with
+  ``torch.autograd.graph.saved_tensors_hooks``, counted once per storage, parameters
+  and buffers excluded. A layer counts what it saves even when that is its input
+  (the previous layer's output): a stage boundary can fall anywhere, and the first
+  layer of a stage does keep its input. Inside a stage this counts such a tensor
+  twice (a ReLU's output that the next Linear also saves), an upper bound;
+- ``forward_flops_per_sample``: from ``torch.utils.flop_counter.FlopCounterMode``
+  (matrix products, convolutions, attention; element-wise work is not counted);
+- peak memory of forward + backward on CUDA (``LayerReport.peak_memory_bytes``).
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> p = profile_layers([nn.Linear(8, 16), nn.ReLU()], torch.randn(1, 8), micro_batches=(1, 2))
+    >>> p.layers[0].param_bytes
+    576.0
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from hetrain.catalog import lookup_device_type
+from hetrain.profile import PRECISIONS, DeviceFigures, LayerProfile, Measurement, ModelProfile, Precision
+
+SampleInput = Any  # a tensor, a tuple of tensors, or a callable b -> batch of size b
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+# ---------------------------------------------------------------------------
+# device types
+# ---------------------------------------------------------------------------
+
+# torch.cuda.get_device_name -> catalog name; first match wins. Names as drivers
+# report them, e.g. "NVIDIA A100-SXM4-40GB", "Tesla V100-SXM2-16GB", "NVIDIA GeForce RTX 3090".
+_GPU_NAMES: tuple[tuple[str, str | tuple[str, str, float]], ...] = (
+    (r"\bH200\b", "H200"),
+    (r"\bH100\b", "H100"),
+    (r"\bA100\b", ("A100-40GB", "A100-80GB", 60e9)),  # (small, large, memory threshold)
+    (r"\bV100\b", ("V100-16GB", "V100-32GB", 24e9)),
+    (r"\bA10\b", "A10"),
+    (r"\bL4\b", "L4"),
+    (r"\bT4\b", "T4"),
+    (r"\bRTX 2060$", "RTX2060"),
+    (r"\bRTX 2080$", "RTX2080"),
+    (r"\bRTX 3090$", "RTX3090"),
+    (r"\bRTX 4090$", "RTX4090"),
+    (r"\bTITAN V$", "TITAN-V"),
+    (r"\bTITAN RTX$", "TITAN-RTX"),
+    (r"\bP4000$", "P4000"),
+)
+
+
+def match_device_type(gpu_name: str, memory_bytes: float) -> str | None:
+    """The catalog name for a GPU as ``torch.cuda.get_device_name`` reports it, or None.
+
+    Memory tells variants apart (A100 40 GB / 80 GB). A model the catalog lacks
+    (an "A10G", an "RTX 3090 Ti") gives None rather than a near miss.
+
+    Example:
+        >>> match_device_type("NVIDIA A100-SXM4-80GB", 85e9)
+        'A100-80GB'
+        >>> match_device_type("NVIDIA GeForce RTX 3090 Ti", 25e9) is None
+        True
+    """
+    name = re.sub(r"\b(NVIDIA|Tesla|GeForce|Quadro)\b", " ", gpu_name, flags=re.IGNORECASE)
+    name = re.sub(r"\s+", " ", name).strip()
+    for pattern, target in _GPU_NAMES:
+        if re.search(pattern, name, flags=re.IGNORECASE):
+            if isinstance(target, tuple):
+                small, large, threshold = target
+                return large if memory_bytes > threshold else small
+            return target
+    return None
+
+
+def describe_device(device: torch.device) -> tuple[str, float]:
+    """``(device type name, memory bytes)``: ``"cpu"`` on a CPU; a GPU's catalog name
+    where it has one, else its name as the driver reports it without the vendor prefix."""
+    if device.type != "cuda":
+        return "cpu", float(lookup_device_type("cpu").memory_bytes)
+    props = torch.cuda.get_device_properties(device)
+    raw = torch.cuda.get_device_name(device)
+    name = match_device_type(raw, props.total_memory)
+    if name is None:
+        name = re.sub(r"^NVIDIA\s+", "", raw).strip().replace(" ", "-")
+    return name, float(props.total_memory)
+
+
+def measure_device_figures(device: torch.device | str, precision: Precision = "fp32", matmul_size: int = 4096,
+                           copy_bytes: int = 256 * 2**20, repeats: int = 5) -> DeviceFigures:
+    """Attained FLOP/s of a square matmul and memory bandwidth of a copy on ``device``.
+
+    For device types the catalog lacks, so the roofline has figures to scale by.
+    A copy of ``n`` bytes moves ``2n`` (read + write); a matmul of size ``s`` does
+    ``2 s^3`` FLOPs. Best of ``repeats`` after one warm-up.
+    """
+    dev = torch.device(device)
+    dtype = DTYPES[precision]
+    a = torch.randn(matmul_size, matmul_size, device=dev, dtype=dtype)
+    src = torch.empty(copy_bytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+
+    def best(fn: Callable[[], object]) -> float:
+        times = []
+        for k in range(repeats + 1):
+            t = _Timer(dev)
+            t.start()
+            fn()
+            t.stop()
+            if k:
+                times.append(t.seconds())
+        return min(times)
+
+    flops = 2 * matmul_size**3 / best(lambda: a @ a)
+    bandwidth = 2 * copy_bytes / best(lambda: dst.copy_(src))
+    return DeviceFigures(peak_flops=flops, memory_bandwidth_bytes_per_s=bandwidth)
+
+
+def device_figures(type_name: str, device: torch.device, precision: Precision) -> DeviceFigures:
+    """Catalog peak figures of ``type_name``, or measured ones for a type it lacks."""
+    try:
+        t = lookup_device_type(type_name)
+    except KeyError:
+        return measure_device_figures(device, precision)
+    return DeviceFigures(t.peak_flops(precision), t.memory_bandwidth_bytes_per_s)
+
+
+# ---------------------------------------------------------------------------
+# helpers: timing and tensor trees
+# ---------------------------------------------------------------------------
+
+
+class _Timer:
+    """Wall time of a region: CUDA events on a GPU (read after a synchronize), else perf_counter."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.begin = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            self.end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        self.t0 = self.t1 = 0.0
+
+    def start(self) -> None:
+        if self.cuda:
+            self.begin.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self.end.record()
+        else:
+            self.t1 = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self.cuda:
+            self.end.synchronize()
+            return float(self.begin.elapsed_time(self.end)) / 1e3
+        return self.t1 - self.t0
+
+
+def _map(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """Apply ``fn`` to every tensor in nested tuples, lists and dicts."""
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, tuple):
+        return tuple(_map(x, fn) for x in tree)
+    if isinstance(tree, list):
+        return [_map(x, fn) for x in tree]
+    if isinstance(tree, dict):
+        return {k: _map(v, fn) for k, v in tree.items()}
+    return tree
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    _map(tree, out.append)
+    return out
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(tree))
+
+
+def _leaf(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    x = t.detach()
+    return x.requires_grad_(requires_grad and (x.is_floating_point() or x.is_complex()))
+
+
+def _replicate(sample: Any, b: int) -> Any:
+    """A batch of ``b`` from one sample: tensors with leading size 1 are repeated ``b`` times."""
+    def rep(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() > 0 and t.shape[0] == 1:
+            return t.repeat(b, *([1] * (t.dim() - 1)))
+        return t
+    return _map(sample, rep)
+
+
+# ---------------------------------------------------------------------------
+# measurement
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerReport:
+    """What was measured for one layer.
+
+    Attributes:
+        times_s: ``(micro_batch, forward_s, backward_s)`` per measured size.
+        peak_memory_bytes: CUDA only: peak memory of forward + backward at the
+            largest micro-batch above what was allocated before (None on CPU).
+    """
+
+    name: str
+    param_bytes: int
+    output_bytes_per_sample: float
+    saved_bytes_per_sample: float
+    forward_flops_per_sample: float
+    times_s: tuple[tuple[int, float, float], ...]
+    peak_memory_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class LayersMeasurement:
+    """``measure_layers``'s result: per-layer reports and the device they ran on."""
+
+    layers: tuple[LayerReport, ...]
+    input_bytes_per_sample: float
+    type_name: str
+    device: str
+    precision: Precision
+    figures: DeviceFigures
+
+    def to_profile(self, model_name: str = "model") -> ModelProfile:
+        """The ModelProfile of these measurements (``measured`` under ``type_name``)."""
+        layers = tuple(
+            LayerProfile(
+                name=r.name,
+                param_bytes=float(r.param_bytes),
+                output_bytes_per_sample=r.output_bytes_per_sample,
+                saved_bytes_per_sample=r.saved_bytes_per_sample,
+                forward_flops_per_sample=r.forward_flops_per_sample,
+                measured=((self.type_name, tuple(Measurement(b, f, g) for b, f, g in r.times_s)),),
+            )
+            for r in self.layers
+        )
+        return ModelProfile(name=model_name, layers=layers, input_bytes_per_sample=self.input_bytes_per_sample,
+                            precision=self.precision, measured_on=((self.type_name, self.figures),))
+
+    def table(self) -> str:
+        """One line per layer: times at each size, bytes, FLOPs (and peak memory on CUDA)."""
+        sizes = [b for b, _, _ in self.layers[0].times_s]
+        head = f"{'layer':<16}" + "".join(f"{'fwd/bwd ms @' + str(b):>20}" for b in sizes)
+        head += f"{'params MB':>11}{'out KB':>10}{'saved KB':>11}{'MFLOP':>10}"
+        if any(r.peak_memory_bytes is not None for r in self.layers):
+            head += f"{'peak MB':>9}"
+        lines = [f"{self.type_name} ({self.device}, {self.precision}); per sample: out, saved, FLOPs", head]
+        for r in self.layers:
+            row = f"{r.name[:15]:<16}" + "".join(f"{f * 1e3:>11.3f}/{g * 1e3:<8.3f}" for _, f, g in r.times_s)
+            row += (f"{r.param_bytes / 1e6:>11.2f}{r.output_bytes_per_sample / 1e3:>10.1f}"
+                    f"{r.saved_bytes_per_sample / 1e3:>11.1f}{r.forward_flops_per_sample / 1e6:>10.1f}")
+            if r.peak_memory_bytes is not None:
+                row += f"{r.peak_memory_bytes / 1e6:>9.1f}"
+            lines.append(row)
+        return "\n".join(lines)
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
+    try:
+        st = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # sparse or otherwise storage-less tensors
+        return None
+    return (str(t.device), st.data_ptr())
+
+
+def _measure_saved(layer: nn.Module, args: tuple[Any, ...]) -> tuple[int, float, Any]:
+    """One forward under saved-tensor hooks and a FLOP counter: (saved bytes, FLOPs, output)."""
+    own = {_storage_key(t) for t in [*layer.parameters(), *layer.buffers()]}
+    saved: dict[tuple[str, int], int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key is not None and key not in own and key[1] != 0:
+            saved[key] = max(saved.get(key, 0), t.untyped_storage().nbytes())
+        return t
+
+    counter = FlopCounterMode(display=False)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter:
+        out = layer(*args)
+    return sum(saved.values()), float(counter.get_total_flops()), out
+
+
+def _time_layer(layer: nn.Module, args: tuple[Any, ...], grad_inputs: bool, repeats: int, warmup: int,
+                device: torch.device) -> tuple[float, float, Any]:
+    """Median forward and backward seconds of ``layer(*args)``, and its (detached) output."""
+    fwd: list[float] = []
+    bwd: list[float] = []
+    out: Any = None
+    for k in range(warmup + repeats):
+        inputs = _map(args, lambda t: _leaf(t, grad_inputs))
+        layer.zero_grad(set_to_none=True)
+        tf, tb = _Timer(device), _Timer(device)
+        tf.start()
+        out = layer(*inputs)
+        tf.stop()
+        outs = [t for t in _tensors(out) if t.requires_grad]
+        grads = [torch.randn_like(t) for t in outs]  # a random upstream gradient, outside the timed region
+        tb.start()
+        if outs:
+            torch.autograd.backward(outs, grads)
+        tb.stop()
+        if k >= warmup:
+            fwd.append(tf.seconds())
+            bwd.append(tb.seconds() if outs else 0.0)
+    layer.zero_grad(set_to_none=True)
+    return statistics.median(fwd), statistics.median(bwd), _map(out, lambda t: t.detach())
+
+
+def _check_arguments(layers: Sequence[nn.Module], micro_batches: Sequence[int], repeats: int, warmup: int,
+                     precision: str) -> list[int]:
+    if not layers:
+        raise ValueError("profile_layers needs at least one layer")
+    sizes = sorted(set(micro_batches))
+    if not sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in sizes):
+        raise ValueError(f"micro_batches must be positive integers, got {list(micro_batches)}")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    return sizes
+
+
+def measure_layers(layers: Sequence[nn.Module], sample_input: SampleInput,
+                   micro_batches: Sequence[int] = (1, 2, 4, 8), device: str | torch.device = "cpu",
+                   repeats: int = 5, warmup: int = 2, precision: Precision = "fp32",
+                   names: Sequence[str] | None = None, unpack_tuples: bool = True) -> LayersMeasurement:
+    """Measure every layer at every micro-batch size; ``profile_layers`` without the conversion.
+
+    Arguments as ``profile_layers``. Layers are moved to ``device`` (and, for fp16
+    or bf16, cast) in place and left in training mode as they were found.
+    """
+    sizes = _check_arguments(layers, micro_batches, repeats, warmup, precision)
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    dtype = DTYPES[precision]
+    if names is not None and len(names) != len(layers):
+        raise ValueError(f"{len(names)} names for {len(layers)} layers")
+    names = list(names) if names is not None else [f"{type(m).__name__.lower()}{i}" for i, m in enumerate(layers)]
+    if not callable(sample_input) and not any(t.dim() > 0 and t.shape[0] == 1 for t in _tensors(sample_input)):
+        shapes = [tuple(t.shape) for t in _tensors(sample_input)]
+        raise ValueError(f"sample_input must be one sample with a leading batch dimension of 1 (got shapes {shapes}), "
+                         "or a callable b -> batch of b samples")
+    modes = [m.training for m in layers]
+    for m in layers:
+        m.to(device=dev, dtype=dtype if precision != "fp32" else None).train()
+
+    def batch(b: int) -> Any:
+        x = sample_input(b) if callable(sample_input) else _replicate(sample_input, b)
+        return _map(x, lambda t: t.to(dev, dtype=dtype if t.is_floating_point() else t.dtype))
+
+    def as_args(x: Any) -> tuple[Any, ...]:
+        return x if unpack_tuples and isinstance(x, tuple) else (x,)
+
+    times: list[list[tuple[int, float, float]]] = [[] for _ in layers]
+    static: list[tuple[int, float, float, int | None]] = [(0, 0.0, 0.0, None)] * len(layers)
+    b_max = sizes[-1]
+    input_bytes = 0.0
+    try:
+        for b in sizes:
+            x = batch(b)
+            if b == b_max:
+                input_bytes = _nbytes(x) / b
+            for i, layer in enumerate(layers):
+                args = as_args(x)
+                fwd, bwd, out = _time_layer(layer, args, i > 0, repeats, warmup, dev)
+                times[i].append((b, fwd, bwd))
+                if b == b_max:
+                    leaves = _map(args, functools.partial(_leaf, requires_grad=i > 0))
+                    saved, flops, y = _measure_saved(layer, leaves)
+                    static[i] = (saved, flops, _nbytes(y), _peak_memory(layer, args, i > 0, dev))
+                    del y
+                x = out
+    finally:
+        for m, mode in zip(layers, modes, strict=True):
+            m.train(mode)
+    type_name, _ = describe_device(dev)
+    reports = tuple(
+        LayerReport(
+            name=names[i],
+            param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
+            output_bytes_per_sample=static[i][2] / b_max,
+            saved_bytes_per_sample=static[i][0] / b_max,
+            forward_flops_per_sample=static[i][1] / b_max,
+            times_s=tuple(times[i]),
+            peak_memory_bytes=static[i][3],
+        )
+        for i, layer in enumerate(layers)
+    )
+    return LayersMeasurement(reports, input_bytes, type_name, str(dev), precision,
+                             device_figures(type_name, dev, precision))
+
+
+def _peak_memory(layer: nn.Module, args: tuple[Any, ...], grad_inputs: bool, dev: torch.device) -> int | None:
+    """CUDA: peak bytes allocated by one forward + backward beyond what was allocated before."""
+    if dev.type != "cuda":
+        return None
+    torch.cuda.synchronize(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    before = torch.cuda.memory_allocated(dev)
+    _time_layer(layer, args, grad_inputs, repeats=1, warmup=0, device=dev)
+    torch.cuda.synchronize(dev)
+    return int(torch.cuda.max_memory_allocated(dev) - before)
+
+
+def profile_layers(layers: Sequence[nn.Module], sample_input: SampleInput,
+                   micro_batches: Sequence[int] = (1, 2, 4, 8), device: str | torch.device = "cpu",
+                   repeats: int = 5, warmup: int = 2, model_name: str = "model", precision: Precision = "fp32",
+                   names: Sequence[str] | None = None, unpack_tuples: bool = True) -> ModelProfile:
+    """Profile a model given as a list of layers; each layer's output feeds the next.
+
+    Args:
+        layers: the layers in order (an ``nn.Sequential`` works too).
+        sample_input: the first layer's input for micro-batch 1 (a tensor or tuple of
+            tensors with leading dimension 1, repeated to make a batch of ``b``), or a
+            callable ``b -> batch of b samples``.
+        micro_batches: sizes to time at; saved, output and FLOP counts are taken at
+            the largest and divided by it.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``.
+        repeats / warmup: timed runs (median taken) and untimed runs before them.
+        model_name: the profile's name.
+        precision: ``"fp32"``, or ``"fp16"`` / ``"bf16"`` (layers and floating inputs cast).
+        names: one label per layer (default ``"<class><index>"``).
+        unpack_tuples: a tuple output is passed to the next layer as ``*args``; with
+            False it is passed as one argument (``hetrain.models``' convention).
+
+    Returns:
+        A ModelProfile with ``measured`` under the device type (``"cpu"``, or the
+        GPU's catalog name) and that type's figures under ``measured_on``.
+
+    Example:
+        >>> p = profile_layers(nn.Sequential(nn.Linear(32, 64), nn.ReLU()), torch.randn(1, 32))
+        >>> p.layers[1].measurements("cpu")[0].micro_batch
+        1
+    """
+    m = measure_layers(layers, sample_input, micro_batches, device, repeats, warmup, precision, names, unpack_tuples)
+    return m.to_profile(model_name)
+
+
+def run_profile_command(model: str, micro_batches: Sequence[int], output: str, device: str = "cpu",
+                        repeats: int = 5, warmup: int = 2, precision: Precision = "fp32", seed: int = 0) -> int:
+    """``hetrain profile``: profile a reference model of ``hetrain.models``, write the JSON; exit status.
+
+    Builds the layers with ``hetrain.models.registry.build_layers``, feeds them
+    ``sample_batch`` inputs, prints the per-layer table and the time model's error
+    on held-out micro-batch sizes (with 3 or more sizes), and saves the profile.
+    Returns 0, or 1 with the reason on stderr.
+    """
+    from hetrain.models.registry import build_layers, layer_names, sample_batch
+    from hetrain.profiler.fit import TIME_MODELS, fit_error
+
+    try:
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: CUDA is not available here; use --device cpu")
+        layers = build_layers(model, seed=seed)
+        generator = torch.Generator().manual_seed(seed)
+        measured = measure_layers(layers, lambda b: sample_batch(model, b, generator)[0], micro_batches, dev,
+                                  repeats, warmup, precision, layer_names(model), unpack_tuples=False)
+        profile = measured.to_profile(model)
+        profile.save(output)
+    except (ValueError, RuntimeError, OSError) as e:
+        print(f"hetrain profile: error: {e}", file=sys.stderr)
+        return 1
+    print(measured.table())
+    if len(set(micro_batches)) >= 3:
+        for time_model in TIME_MODELS:
+            print(fit_error(profile, measured.type_name, model=time_model).summary())  # type: ignore[arg-type]
+    print(f"wrote {output}")
+    return 0

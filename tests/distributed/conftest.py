@@ -1,0 +1,51 @@
+"""Helpers for tests that start processes: a spawner that always cleans up, a free port, a clean environment."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+from collections.abc import Callable, Iterator
+
+import pytest
+
+Spawn = Callable[..., subprocess.Popen]
+
+
+@pytest.fixture
+def spawn() -> Iterator[Spawn]:
+    """``spawn(cmd, env)`` starts a process in its own session; teardown kills its whole group."""
+    procs: list[subprocess.Popen] = []
+
+    def start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+        procs.append(p)
+        return p
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+
+
+@pytest.fixture
+def free_port() -> Callable[[], int]:
+    def pick() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    return pick
+
+
+@pytest.fixture
+def clean_env() -> dict[str, str]:
+    """This process's environment without torchrun's variables, single-threaded, unbuffered."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HETRAIN_HOST")}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    return env
