@@ -30,7 +30,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from hetrain.cluster import Cluster, Device
-from hetrain.planner.stage_cost import INF, build_model_arrays, build_stage_costs, link_time_table
+from hetrain.planner.stage_cost import (
+    INF,
+    StageTableCache,
+    build_model_arrays,
+    build_stage_costs,
+    link_time_table,
+)
 from hetrain.profile import ModelProfile
 
 
@@ -104,7 +110,7 @@ def _min_max(peak: list[np.ndarray]) -> float:
 
 def partition(cluster: Cluster, profile: ModelProfile, devices: Sequence[Device], b: int, m: int,
               schedule: str, optimizer: str, allow_recompute: bool = True,
-              max_caps: int = 64) -> PartitionResult | None:
+              max_caps: int = 64, cache: StageTableCache | None = None) -> PartitionResult | None:
     """Best cuts of the model over ``devices`` in this order; None if no cut fits memory.
 
     Every device gets at least one layer, so ``len(devices) <= L`` is required.
@@ -118,7 +124,7 @@ def partition(cluster: Cluster, profile: ModelProfile, devices: Sequence[Device]
     p = len(devices)
     if p == 0 or p > L:
         return None
-    stages = build_stage_costs(profile, devices, b, m, schedule, optimizer, allow_recompute)
+    stages = build_stage_costs(profile, devices, b, m, schedule, optimizer, allow_recompute, cache)
     links = link_time_table(cluster, devices, build_model_arrays(profile, optimizer), b)
     # cost[j][k, l] = t_j(k, l) + c_j(k); peak[j][k, l] = max(t_j(k, l), c_j(k)).
     cost = [s.time_s + links[j][:, None] for j, s in enumerate(stages)]
@@ -132,9 +138,12 @@ def partition(cluster: Cluster, profile: ModelProfile, devices: Sequence[Device]
     values = np.unique(np.concatenate([c[np.isfinite(c) & (c >= t_star)] for c in peak]))
     exact = len(values) <= max_caps
     if not exact:
-        head = values[: max_caps // 2]
-        tail_idx = np.unique(np.geomspace(1, len(values) - max_caps // 2, max_caps // 2).astype(int))
-        values = np.concatenate([head, values[max_caps // 2 - 1 + tail_idx]])
+        # the first caps above the bottleneck, then a geometric sample of the rest
+        n_head = max(1, max_caps // 2)
+        rest = values[n_head:]
+        picks = np.unique(np.geomspace(1, len(rest), max_caps - n_head).astype(int) - 1) if max_caps > n_head \
+            else np.zeros(0, dtype=int)
+        values = np.concatenate([values[:n_head], rest[picks]])
     best: tuple[float, list[int]] | None = None
     best_f = INF
     for cap in values:

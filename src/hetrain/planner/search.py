@@ -45,6 +45,7 @@ from hetrain.plan import (
 )
 from hetrain.planner.formation import Formation, build_formations
 from hetrain.planner.partition import PartitionResult
+from hetrain.planner.stage_cost import StageTableCache
 from hetrain.planner.sync import estimate_sync_time
 from hetrain.planner.vw import VWEvaluator, canonical_devices, vw_signature
 from hetrain.profile import ModelProfile
@@ -74,7 +75,9 @@ class PlannerOptions:
         allow_recompute: let stages recompute activations to fit memory.
         max_caps: bottleneck caps tried per partition before sampling.
         order_budget: DP cells allowed for trying every device order of a VW.
+        exhaustive_orders: try every device order of a VW when it has at most this many.
         exhaustive_devices: clusters this small also try every set partition.
+        refine_top_k: search this many best screened candidates exactly.
         simulate_top_k: re-rank this many best candidates by simulation (0: off).
     """
 
@@ -90,7 +93,9 @@ class PlannerOptions:
     allow_recompute: bool = True
     max_caps: int = 64
     order_budget: float = 2e6
+    exhaustive_orders: int = 120
     exhaustive_devices: int = 6
+    refine_top_k: int = 4
     simulate_top_k: int = 3
 
     def __post_init__(self) -> None:
@@ -165,15 +170,24 @@ def _split_batch(times: Sequence[Any], global_batch: int) -> list[int] | None:
     return alloc
 
 
+def evaluators_cache(evaluators: dict[tuple[object, ...], VWEvaluator]) -> StageTableCache:
+    """The stage-table cache shared by all evaluators of one search."""
+    for ev in evaluators.values():
+        return ev.cache
+    return StageTableCache()
+
+
 def _evaluate(cluster: Cluster, profile: ModelProfile, formation: Formation, schedule: str, global_batch: int,
-              opts: PlannerOptions, evaluators: dict[tuple[object, ...], VWEvaluator]) -> Candidate | None:
+              opts: PlannerOptions, evaluators: dict[tuple[object, ...], VWEvaluator],
+              exact: bool = True) -> Candidate | None:
     groups = formation.vws
+    cache = evaluators_cache(evaluators)
     sigs = [(vw_signature(cluster, g), schedule) for g in groups]
     for sig, g in zip(sigs, groups, strict=True):
         if sig not in evaluators:
             evaluators[sig] = VWEvaluator(
                 cluster, profile, canonical_devices(cluster, g), schedule, opts.optimizer, opts.allow_recompute,
-                opts.order_budget, opts.max_caps, opts.micro_batch_sizes)
+                opts.order_budget, opts.max_caps, opts.micro_batch_sizes, cache, opts.exhaustive_orders)
     if global_batch < len(groups):
         return None
     # Guess each VW's share by peak compute, to size the coarse partitions' micro-batch count.
@@ -198,7 +212,7 @@ def _evaluate(cluster: Cluster, profile: ModelProfile, formation: Formation, sch
         return None
     parts: list[PartitionResult] = []
     for v, g in enumerate(groups):
-        r = evaluators[sigs[v]].refine(split[v])
+        r = evaluators[sigs[v]].refine(split[v], fast=not exact)
         if r is None:
             return None
         # map canonical positions back to this VW's devices
@@ -294,17 +308,27 @@ def search(cluster: Cluster, profile: ModelProfile, global_batch: int, opts: Pla
     batches = sorted({global_batch, *opts.global_batch_choices}) if opts.objective == "time-to-accuracy" \
         else [global_batch]
     evaluators: dict[tuple[object, ...], VWEvaluator] = {}
-    found: list[Candidate] = []
+
+    def rank(cs: list[Candidate]) -> list[Candidate]:
+        return sorted(cs, key=lambda c: (c.score(opts), c.schedule != "1f1b", len(c.formation.vws)))
+
+    # Screen every (formation, schedule, batch) with fast partitions, then search
+    # the most promising ones exactly (all orders, all bottleneck caps).
+    screened: list[Candidate] = []
     for f in formations:
         for sched in schedules:
             for g in batches:
-                c = _evaluate(cluster, profile, f, sched, g, opts, evaluators)
+                c = _evaluate(cluster, profile, f, sched, g, opts, evaluators, exact=False)
                 if c is not None:
-                    found.append(c)
-    if not found:
+                    screened.append(c)
+    if not screened:
         raise PlannerError(_explain_no_fit(cluster, profile, opts))
-    found.sort(key=lambda c: (c.score(opts), c.schedule != "1f1b", len(c.formation.vws)))
-    return found
+    screened = rank(screened)
+    found = []
+    for c in screened[: max(1, opts.refine_top_k)]:
+        exact = _evaluate(cluster, profile, c.formation, c.schedule, c.global_batch, opts, evaluators, exact=True)
+        found.append(exact if exact is not None and exact.score(opts) <= c.score(opts) else c)
+    return rank(found) + screened[max(1, opts.refine_top_k):]
 
 
 def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: PlannerOptions | None = None,

@@ -16,6 +16,7 @@ stages with slack, so the bottleneck does not grow.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -46,11 +47,17 @@ class StageCosts:
     time_s: np.ndarray
     fwd_s: np.ndarray
     bwd_s: np.ndarray
-    _recompute: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
+    # Greedy order of layers for recomputation, and per (k, l) how long a prefix
+    # of that order (restricted to [k, l)) is recomputed: 0 = nothing.
+    recompute_order: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    recompute_prefix: np.ndarray | None = None
 
     def recompute(self, k: int, l: int) -> tuple[int, ...]:
         """The recompute set chosen for layers ``[k, l)`` (empty if it fits as is)."""
-        return self._recompute.get((k, l), ())
+        if self.recompute_prefix is None:
+            return ()
+        t = int(self.recompute_prefix[k, l])
+        return tuple(sorted(int(i) for i in self.recompute_order[:t] if k <= i < l))
 
     def forward_backward(self, k: int, l: int) -> tuple[float, float]:
         """(forward, backward incl. recomputation) seconds per micro-batch for ``[k, l)``."""
@@ -126,33 +133,118 @@ def choose_recompute(fwd_s: np.ndarray, arrays: ModelArrays, k: int, l: int, b: 
     return None
 
 
-def build_stage_costs(profile: ModelProfile, devices: Sequence[Device], b: int, m: int, schedule: str,
-                      optimizer: str, allow_recompute: bool = True) -> list[StageCosts]:
-    """Stage tables for each position ``j`` of a VW over ``devices`` (in that order)."""
-    arrays = build_model_arrays(profile, optimizer)
-    p = len(devices)
+class StageTableCache:
+    """LRU cache of stage tables keyed by (device figures, micro-batches in flight, b).
+
+    A stage's table depends on its device and on how many micro-batches it holds,
+    not on the rest of the VW, so one table serves every device order that puts
+    that device where it holds that many (1F1B: position p - n).
+    """
+
+    def __init__(self, max_entries: int = 512) -> None:
+        self.max_entries = max_entries
+        self._data: OrderedDict[tuple[object, ...], StageCosts] = OrderedDict()
+
+    def get(self, key: tuple[object, ...]) -> StageCosts | None:
+        hit = self._data.get(key)
+        if hit is not None:
+            self._data.move_to_end(key)
+        return hit
+
+    def put(self, key: tuple[object, ...], value: StageCosts) -> None:
+        self._data[key] = value
+        if len(self._data) > self.max_entries:
+            self._data.popitem(last=False)
+
+
+def _build_one(profile: ModelProfile, arrays: ModelArrays, dev: Device, b: int, n: int,
+               allow_recompute: bool) -> StageCosts:
+    """The stage table of ``dev`` holding ``n`` micro-batches of size ``b``."""
     L = profile.num_layers
     weight_table = arrays.weight_factor * _range_table(_prefix(arrays.param))
     saved_table = _range_table(_prefix(arrays.saved))
-    # A recomputed range keeps at least the inputs of its layers: the lower bound
-    # of its activation memory, used to skip hopeless ranges without a greedy pass.
-    floor_table = _range_table(_prefix(np.minimum(arrays.saved, arrays.input)))
     upper = np.triu(np.ones((L + 1, L + 1), dtype=bool), k=1)
+    fwd, bwd = estimate_layer_times(profile, dev, b)
+    time = _range_table(_prefix(fwd + bwd))
+    mem = weight_table + n * b * saved_table
+    fits = (mem <= dev.memory_bytes) & upper
+    costs = StageCosts(dev, n, b, np.where(fits, time, INF), fwd, bwd)
+    if allow_recompute:
+        # A recomputed range keeps at least the inputs of its layers: the lower bound
+        # of its activation memory, used to skip hopeless ranges.
+        floor_table = _range_table(_prefix(np.minimum(arrays.saved, arrays.input)))
+        maybe = upper & ~fits & (weight_table + n * b * floor_table <= dev.memory_bytes)
+        if maybe.any():
+            _add_recompute(costs, arrays, time, weight_table, saved_table, maybe, dev.memory_bytes)
+    return costs
+
+
+def recompute_order(fwd_s: np.ndarray, arrays: ModelArrays) -> np.ndarray:
+    """Layers worth recomputing, cheapest first: added seconds per byte saved per sample."""
+    gain = arrays.saved - arrays.input
+    useful = gain > 0
+    ratio = np.where(useful, fwd_s / np.where(useful, gain, 1.0), np.inf)
+    order = np.argsort(ratio, kind="stable")
+    return order[useful[order]]
+
+
+def _add_recompute(costs: StageCosts, arrays: ModelArrays, time: np.ndarray, weight_table: np.ndarray,
+                   saved_table: np.ndarray, maybe: np.ndarray, capacity_bytes: float) -> None:
+    """``choose_recompute`` for every range in ``maybe`` at once, one start layer at a time.
+
+    For start k and every end l, take the layers of [k, l) in greedy order; the
+    t-th row of the cumulative tables is the state after recomputing the first t
+    of them (bytes saved, largest transient, seconds added). The first row that
+    fits is the greedy's answer.
+    """
+    b, n = costs.b, costs.n_in_flight
+    order = recompute_order(costs.fwd_s, arrays)
+    if len(order) == 0:
+        return
+    L = len(arrays.param)
+    gain = (arrays.saved - arrays.input)[order][:, None]  # (T, 1)
+    transient = (b * arrays.saved)[order][:, None]
+    added = costs.fwd_s[order][:, None]
+    prefix = np.zeros((L + 1, L + 1), dtype=np.int64)
+    starts = np.nonzero(maybe.any(axis=1))[0]
+    # Process as many start layers at once as keep the (T, starts, L+1) arrays small.
+    chunk = max(1, int(4_000_000 // max(1, len(order) * (L + 1))))
+    ends = np.arange(L + 1)
+    for c0 in range(0, len(starts), chunk):
+        ks = starts[c0:c0 + chunk]
+        o = order[:, None, None]
+        inside = (o >= ks[None, :, None]) & (o < ends[None, None, :]) & maybe[ks][None, :, :]  # (T, k, l)
+        saved_t = np.cumsum(np.where(inside, gain[:, :, None], 0.0), axis=0)
+        transient_t = np.maximum.accumulate(np.where(inside, transient[:, :, None], 0.0), axis=0)
+        added_t = np.cumsum(np.where(inside, added[:, :, None], 0.0), axis=0)
+        need = weight_table[ks][None] + n * b * (saved_table[ks][None] - saved_t) + transient_t
+        fit = need <= capacity_bytes
+        usable = fit.any(axis=0) & maybe[ks]  # (k, l)
+        first = np.argmax(fit, axis=0)  # (k, l)
+        kk, ll = np.nonzero(usable)
+        rows = ks[kk]
+        costs.time_s[rows, ll] = time[rows, ll] + added_t[first[kk, ll], kk, ll]
+        prefix[rows, ll] = first[kk, ll] + 1
+    costs.recompute_order = order
+    costs.recompute_prefix = prefix
+
+
+def build_stage_costs(profile: ModelProfile, devices: Sequence[Device], b: int, m: int, schedule: str,
+                      optimizer: str, allow_recompute: bool = True,
+                      cache: StageTableCache | None = None) -> list[StageCosts]:
+    """Stage tables for each position ``j`` of a VW over ``devices`` (in that order)."""
+    arrays = build_model_arrays(profile, optimizer)
+    p = len(devices)
     out = []
     for j, dev in enumerate(devices):
-        fwd, bwd = estimate_layer_times(profile, dev, b)
         n = in_flight(schedule, m, p, j)
-        time = _range_table(_prefix(fwd + bwd))
-        mem = weight_table + n * b * saved_table
-        fits = (mem <= dev.memory_bytes) & upper
-        costs = StageCosts(dev, n, b, np.where(fits, time, INF), fwd, bwd)
-        if allow_recompute:
-            maybe = upper & ~fits & (weight_table + n * b * floor_table <= dev.memory_bytes)
-            for k, l in zip(*np.nonzero(maybe), strict=True):
-                rc = choose_recompute(fwd, arrays, int(k), int(l), b, n, dev.memory_bytes)
-                if rc is not None:
-                    costs.time_s[k, l] = time[k, l] + float(fwd[list(rc)].sum())
-                    costs._recompute[(int(k), int(l))] = rc
+        key = (dev.type_name, dev.peak_fp32_flops, dev.peak_fp16_flops, dev.memory_bytes,
+               dev.memory_bandwidth_bytes_per_s, n, b, optimizer, allow_recompute)
+        costs = cache.get(key) if cache is not None else None
+        if costs is None:
+            costs = _build_one(profile, arrays, dev, b, n, allow_recompute)
+            if cache is not None:
+                cache.put(key, costs)
         out.append(costs)
     return out
 

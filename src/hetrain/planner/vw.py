@@ -9,12 +9,14 @@ cluster of identical nodes costs a handful of searches, not hundreds.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from hetrain.cluster import Cluster, Device
 from hetrain.planner.partition import PartitionResult, partition
+from hetrain.planner.stage_cost import StageTableCache
 from hetrain.profile import ModelProfile
 
 INF = float("inf")
@@ -67,60 +69,91 @@ def _distinct_orders(n_by_class: list[int]) -> int:
     return total
 
 
+def _positions_orders(positions: list[int], labels: list[int], limit: int) -> list[tuple[int, ...]] | None:
+    """Every distinct order of ``positions`` (devices with equal labels are interchangeable).
+
+    None if there are more than ``limit`` of them.
+    """
+    sub = [labels[q] for q in positions]
+    counts = [sub.count(c) for c in dict.fromkeys(sub)]
+    if _distinct_orders(counts) > limit:
+        return None
+    members: dict[int, list[int]] = {}
+    for q in positions:
+        members.setdefault(labels[q], []).append(q)
+    orders = []
+    for perm in _multiset_permutations(sub):
+        used: dict[int, int] = {}
+        order = []
+        for c in perm:
+            order.append(members[c][used.get(c, 0)])
+            used[c] = used.get(c, 0) + 1
+        orders.append(tuple(order))
+    return orders
+
+
 def candidate_orders(cluster: Cluster, devices: Sequence[Device], num_layers: int,
-                     budget: float) -> list[tuple[int, ...]]:
+                     budget: float, exhaustive_limit: int = 120) -> list[tuple[int, ...]]:
     """Device orders (as positions into ``devices``) to try for the pipeline.
 
-    Devices of the same type on the same node are interchangeable. If the
-    distinct orders are few enough for ``budget`` (orders x p x L^2 DP cells),
-    all are tried (exact); otherwise: devices grouped by node, nodes chained by
-    the fastest next link from each starting node, and inside a node larger
-    memory first (1F1B's early stages hold more micro-batches) or faster first.
+    Devices of the same type on the same node are interchangeable. When the
+    distinct orders are few (at most ``exhaustive_limit``, and orders x p x L^2
+    DP cells within ``budget``) all are tried, which makes the search exact over orders.
+    Otherwise the devices of a node stay together (interleaving nodes only adds
+    slow inter-node boundaries): every order of up to 4 nodes, or chains along
+    the fastest next link from 4 starting nodes; inside a node, every order of
+    up to 6 distinct devices, else larger memory first (1F1B's early stages hold
+    more micro-batches) or faster first.
     """
     p = len(devices)
     cls: dict[tuple[object, ...], int] = {}
-    labels = [cls.setdefault((d.node, d.type_name, d.memory_bytes, d.peak_fp32_flops), len(cls)) for d in devices]
+    labels = [cls.setdefault((d.node, d.type_name, d.memory_bytes, d.peak_fp32_flops, d.peak_fp16_flops,
+                              d.memory_bandwidth_bytes_per_s), len(cls)) for d in devices]
     counts = [labels.count(c) for c in range(len(cls))]
-    if _distinct_orders(counts) * p * num_layers**2 <= budget:
-        firsts: dict[int, int] = {}
-        for pos, c in enumerate(labels):
-            firsts.setdefault(c, pos)
-        orders = []
-        for perm in _multiset_permutations(labels):
-            used: dict[int, int] = {}
-            order = []
-            for c in perm:
-                # the used[c]-th device of class c
-                members = [pos for pos, lab in enumerate(labels) if lab == c]
-                order.append(members[used.get(c, 0)])
-                used[c] = used.get(c, 0) + 1
-            orders.append(tuple(order))
-        return orders
+    total = _distinct_orders(counts)
+    if total <= exhaustive_limit and total * p * num_layers**2 <= budget:
+        every = _positions_orders(list(range(p)), labels, exhaustive_limit)
+        assert every is not None
+        return every
     nodes: dict[str, list[int]] = {}
     for pos, d in enumerate(devices):
         nodes.setdefault(d.node, []).append(pos)
-    node_names = list(nodes)
+    names = list(nodes)
 
     def bw(a: str, b: str) -> float:
         return float(cluster.bandwidth_bytes_per_s[devices[nodes[a][0]].index, devices[nodes[b][0]].index])
 
-    chains = []
-    for start in node_names[:4]:
-        chain = [start]
-        left = [n for n in node_names if n != start]
-        while left:
-            nxt = max(left, key=lambda n: bw(chain[-1], n))
-            chain.append(nxt)
-            left.remove(nxt)
-        chains.append(chain)
-    orders_set: dict[tuple[int, ...], None] = {}
+    chains: list[list[str]]
+    if len(names) <= 4:
+        chains = [list(c) for c in itertools.permutations(names)]
+    else:
+        chains = []
+        for start in names[:4]:
+            chain = [start]
+            left = [n for n in names if n != start]
+            while left:
+                nxt = max(left, key=lambda n: bw(chain[-1], n))
+                chain.append(nxt)
+                left.remove(nxt)
+            chains += [chain, chain[::-1]]
+    inside: dict[str, list[tuple[int, ...]]] = {}
+    for n, members in nodes.items():
+        every_inside = _positions_orders(members, labels, 6)
+        if every_inside is None:
+            by_mem = tuple(sorted(members, key=lambda q: (-devices[q].memory_bytes, -devices[q].peak_fp32_flops)))
+            by_speed = tuple(sorted(members, key=lambda q: (-devices[q].peak_fp32_flops, -devices[q].memory_bytes)))
+            every_inside = list(dict.fromkeys([by_mem, by_speed]))
+        inside[n] = every_inside
+    combos = 1
+    for v in inside.values():
+        combos *= len(v)
+    if combos * len(chains) > 64:
+        inside = {n: v[:1] for n, v in inside.items()}
+    orders: dict[tuple[int, ...], None] = {}
     for chain in chains:
-        for key in (lambda q: (-devices[q].memory_bytes, -devices[q].peak_fp32_flops),
-                    lambda q: (-devices[q].peak_fp32_flops, -devices[q].memory_bytes)):
-            order = tuple(q for n in chain for q in sorted(nodes[n], key=key))
-            orders_set[order] = None
-            orders_set[tuple(reversed(order))] = None
-    return list(orders_set)
+        for parts in itertools.product(*(inside[n] for n in chain)):
+            orders[tuple(q for part in parts for q in part)] = None
+    return list(orders)
 
 
 def micro_batch_candidates(limit: int, fixed: Sequence[int] | None) -> list[int]:
@@ -146,23 +179,32 @@ class VWEvaluator:
     order_budget: float
     max_caps: int
     micro_batch_sizes: Sequence[int] | None
+    cache: StageTableCache = field(default_factory=StageTableCache)
+    exhaustive_orders: int = 120
     _orders: list[tuple[int, ...]] | None = None
-    _cache: dict[tuple[int, int], PartitionResult | None] = field(default_factory=dict)
+    _cache: dict[tuple[int, int, bool], PartitionResult | None] = field(default_factory=dict)
     _coarse: dict[int, PartitionResult | None] = field(default_factory=dict)
 
     def orders(self) -> list[tuple[int, ...]]:
         if self._orders is None:
-            self._orders = candidate_orders(self.cluster, self.devices, self.profile.num_layers, self.order_budget)
+            self._orders = candidate_orders(self.cluster, self.devices, self.profile.num_layers, self.order_budget,
+                                            self.exhaustive_orders)
         return self._orders
 
-    def best(self, b: int, m: int) -> PartitionResult | None:
-        """Best partition over candidate orders at micro-batch ``b`` and ``m`` micro-batches."""
-        key = (b, m)
+    def best(self, b: int, m: int, fast: bool = False) -> PartitionResult | None:
+        """Best partition over candidate orders at micro-batch ``b`` and ``m`` micro-batches.
+
+        ``fast`` screens: two device orders, and only the min-max bottleneck cap
+        (the partition that minimises the slowest stage, then the sum under it).
+        """
+        key = (b, m, fast)
         if key not in self._cache:
             best: PartitionResult | None = None
-            for order in self.orders():
+            orders = self.orders()[:2] if fast else self.orders()
+            caps = 1 if fast else self.max_caps
+            for order in orders:
                 r = partition(self.cluster, self.profile, [self.devices[q] for q in order], b, m,
-                              self.schedule, self.optimizer, self.allow_recompute, self.max_caps)
+                              self.schedule, self.optimizer, self.allow_recompute, caps, self.cache)
                 if r is not None and (best is None or r.pipeline_s < best.pipeline_s):
                     best = r
             self._cache[key] = best
@@ -176,7 +218,7 @@ class VWEvaluator:
         """
         if b not in self._coarse:
             m = max(m_ref, len(self.devices)) if self.schedule == "1f1b" else m_ref
-            self._coarse[b] = self.best(b, m)
+            self._coarse[b] = self.best(b, m, fast=True)
         return self._coarse[b]
 
     def estimate_time(self, mini_batch: int, m_ref: int) -> float:
@@ -192,21 +234,17 @@ class VWEvaluator:
             best = min(best, r.sum_s + (m - 1) * r.max_s)
         return best
 
-    def refine(self, mini_batch: int) -> PartitionResult | None:
-        """Exact best (b, m, partition) for ``mini_batch``: m = ceil(B / b), sized evenly."""
+    def refine(self, mini_batch: int, fast: bool = False) -> PartitionResult | None:
+        """Best (b, m, partition) for ``mini_batch``: m = ceil(B / b), sized evenly.
+
+        Exact over the candidate orders and caps unless ``fast`` (see ``best``).
+        """
         best: PartitionResult | None = None
         for b in micro_batch_candidates(mini_batch, self.micro_batch_sizes):
             m = -(-mini_batch // b)
             b_eff = -(-mini_batch // m)
-            r = self.best(b_eff, m)
+            r = self.best(b_eff, m, fast)
             if r is not None and (best is None or r.pipeline_s < best.pipeline_s):
                 best = r
         return best
-
-
-def all_orders_count(devices: Sequence[Device]) -> int:
-    """Number of distinct device orders (for reports)."""
-    labels = [(d.node, d.type_name) for d in devices]
-    counts = [labels.count(x) for x in dict.fromkeys(labels)]
-    return _distinct_orders(counts)
 
