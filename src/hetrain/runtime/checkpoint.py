@@ -1,0 +1,705 @@
+"""Checkpoints in per-layer files with global names: atomic, collective, loadable under any plan.
+
+Parameters are named by global layer index (``layers.3.weight``, DESIGN.md decision 6)
+and stored one file per layer, so a rank under another plan reads only the layers it
+holds. On disk::
+
+    DIR/
+      step-00000020/              complete: it has a manifest
+        manifest.json             written last, by rank 0 (step, world size, files, names, meta)
+        layers.0.pt               {"tensors": {name: tensor}, "optimizer_state": {name: {key: value}}}
+        layers.1.pt               ...
+      step-00000030/
+      .step-00000040.tmp/         a save in progress, or one a crash interrupted: ignored
+
+A save under torch.distributed is a collective over the default group::
+
+    every rank   write own files into .step-N.tmp/ (each: tmp file, fsync, rename)
+                 post "arrived" with its file list in the process group's store
+    barrier      every rank waits at most timeout_s for all others; names the missing ranks
+    rank 0       check the lists (one writer per file, every file visible, sizes), write
+                 manifest.json (tmp, fsync, rename), rename .step-N.tmp/ -> step-N/,
+                 fsync DIR, post "done"; then prune to the newest ``keep`` checkpoints
+    other ranks  wait at most timeout_s for "done"; name rank 0 if it does not come
+
+A rank that fails posts its error in the store and every rank raises it. A crash at
+any point leaves either a hidden ``.step-N.tmp/`` (ignored, removed by the next save)
+or a complete ``step-N/``; older checkpoints are deleted only after the new one is
+complete, and renamed to a hidden name before they are removed, so a crash while
+deleting never leaves a damaged directory that looks complete. Saving a step that
+already exists replaces it; between the two renames that do so, only the replaced
+step is out of sight (it lies in ``.step-N.replaced/``).
+
+Files are written with ``torch.save`` and read with ``torch.load(weights_only=True)``
+(no pickled code runs on load). ``torch.distributed.checkpoint`` was not used: it
+writes one file per rank rather than per layer, loading is itself a collective,
+its files are written in place (no rename) and carry no checksum. Here every file
+has its size and SHA-256 in the manifest and is checked before it is read.
+
+All ranks write into the same directory: under several hosts it must be on a shared
+file system (rank 0 says so when a file another rank wrote is not visible to it).
+
+Example:
+    >>> import tempfile, torch
+    >>> d = tempfile.mkdtemp()
+    >>> w = {"layers.0.weight": torch.ones(2, 2)}
+    >>> path = save_checkpoint(d, 10, w, {"layers.0.weight": {"step": 1.0}}, {"loss": 0.5})
+    >>> path.name, latest_checkpoint(d)[0]
+    ('step-00000010', 10)
+    >>> tensors, state, meta = load_checkpoint(d, ["layers.0.weight"])
+    >>> tensors["layers.0.weight"].sum().item(), state["layers.0.weight"], meta
+    (4.0, {'step': 1.0}, {'loss': 0.5})
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import hashlib
+import itertools
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import PrefixStore  # type: ignore[attr-defined]
+
+__all__ = [
+    "MANIFEST",
+    "CheckpointError",
+    "latest_checkpoint",
+    "layer_file_name",
+    "load_checkpoint",
+    "load_manifest",
+    "save_checkpoint",
+    "step_dir_name",
+]
+
+FORMAT = "hetrain-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_LEFTOVER = re.compile(r"^\.step-(\d{8,})\.(tmp|replaced|deleting)$")
+_LAYER = re.compile(r"^(layers\.\d+)\.")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+_SAVES = itertools.count()  # save_checkpoint calls in this process: keeps the store keys of two saves apart
+_POLL_MAX_S = 0.05
+_CHUNK_BYTES = 1 << 20
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or loaded; the message names the step, file, name or rank."""
+
+
+def step_dir_name(step: int) -> str:
+    """``step-00000010``: the directory of a complete checkpoint of ``step``."""
+    return f"step-{step:08d}"
+
+
+def layer_file_name(name: str) -> str:
+    """The file that holds parameter ``name``: ``layers.3.weight`` -> ``layers.3.pt``.
+
+    Names outside ``layers.{i}.`` go by their first component (``head.bias`` -> ``head.pt``).
+    """
+    match = _LAYER.match(name)
+    group = match.group(1) if match else name.split(".", 1)[0]
+    group = _UNSAFE.sub("_", group)
+    if not group or group.startswith("."):
+        group = "_" + group
+    return f"{group}.pt"
+
+
+# ---------------------------------------------------------------------------
+# save
+# ---------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    directory: str | os.PathLike[str],
+    step: int,
+    tensors: Mapping[str, torch.Tensor],
+    optimizer_state: Mapping[str, Mapping[str, Any]],
+    meta: Mapping[str, Any],
+    *,
+    owned_names: Iterable[str] | None = None,
+    keep: int | None = 3,
+    timeout_s: float = 60.0,
+) -> Path:
+    """Write a checkpoint of ``step``; a collective over the default group when torch.distributed is up.
+
+    Args:
+        directory: where ``step-NNNNNNNN/`` directories live (created if needed).
+        step: the step number, ``>= 0``; the same on every rank.
+        tensors: this rank's parameters by global name (``layers.3.weight``).
+        optimizer_state: per global name, that parameter's optimizer state (AdamW: ``exp_avg``,
+            ``exp_avg_sq``, ``step``); names without state may be left out.
+        meta: JSON-able facts to keep (data position, seeds, plan summary, loss); rank 0's is written.
+        owned_names: the names this rank writes; under data parallelism exactly one holder of
+            each layer owns it. Default: all of ``tensors``.
+        keep: how many checkpoints to keep (the newest steps, and always the one just written);
+            ``None`` keeps all. Older ones are removed only after this one is complete.
+        timeout_s: how long a rank waits for the others (from when its own files are written).
+
+    Returns:
+        The complete checkpoint's directory, on every rank once rank 0 has completed it.
+
+    Raises:
+        CheckpointError: a rank failed or did not arrive within ``timeout_s`` (named), two ranks
+            wrote the same file, or a file is not visible to rank 0.
+        ValueError, TypeError: bad arguments (a name not in ``tensors``, meta not JSON-able, ...).
+
+    Example:
+        >>> state = {n: opt.state[p] for n, p in stage.named_parameters()}    # doctest: +SKIP
+        >>> save_checkpoint("ckpt", 100, dict(stage.named_parameters()), state, {"loss": 1.7},
+        ...                 owned_names=mine)                                  # doctest: +SKIP
+    """
+    directory = Path(directory)
+    rendezvous = _Rendezvous(step, timeout_s)
+    try:
+        owned = set(tensors) if owned_names is None else set(owned_names)
+        _check_save_arguments(step, tensors, optimizer_state, meta, owned, keep, timeout_s)
+        tmp = directory / f".{step_dir_name(step)}.tmp"
+        report = _write_files(tmp, tensors, optimizer_state, owned)
+    except Exception as e:
+        rendezvous.abort(f"rank {rendezvous.rank} failed to write its part of checkpoint step {step}: {e}")
+        raise
+    reports = rendezvous.gather({"step": step, **report})
+    final = directory / step_dir_name(step)
+    if reports is None:  # not rank 0
+        rendezvous.wait_done()
+        return final
+    try:
+        _complete(directory, tmp, final, step, reports, dict(meta))
+    except Exception as e:
+        rendezvous.abort(str(e))
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    rendezvous.done()
+    if keep is not None:
+        _prune(directory, keep, step)
+    return final
+
+
+def _is_step(step: object) -> bool:
+    return isinstance(step, int) and not isinstance(step, bool) and step >= 0
+
+
+def _check_save_arguments(step: int, tensors: Mapping[str, torch.Tensor],
+                          optimizer_state: Mapping[str, Mapping[str, Any]], meta: Mapping[str, Any],
+                          owned: set[str], keep: int | None, timeout_s: float) -> None:
+    if not _is_step(step):
+        raise ValueError(f"step must be an integer >= 0, got {step!r}")
+    if keep is not None and keep < 1:
+        raise ValueError(f"keep must be >= 1 (or None to keep every checkpoint), got {keep}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensors[{name!r}] is a {type(t).__name__}, not a torch.Tensor")
+    unknown = sorted(owned - set(tensors))
+    if unknown:
+        raise ValueError(f"owned_names has {len(unknown)} name(s) not in tensors: {_preview(unknown)}")
+    stray = sorted(set(optimizer_state) - set(tensors))
+    if stray:
+        raise ValueError(f"optimizer_state has {len(stray)} name(s) not in tensors: {_preview(stray)}")
+    for name, state in optimizer_state.items():
+        for key in state:
+            if not isinstance(key, str):
+                raise TypeError(f"optimizer_state[{name!r}] has key {key!r}: keys must be strings")
+    try:
+        json.dumps(meta)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"meta must be JSON-able (str, int, float, bool, None, lists, dicts): {e}") from None
+
+
+def _write_files(tmp: Path, tensors: Mapping[str, torch.Tensor],
+                 optimizer_state: Mapping[str, Mapping[str, Any]], owned: set[str]) -> dict[str, Any]:
+    """Write this rank's per-layer files into ``tmp``; return ``{"files": {file: {bytes, sha256, names}}}``."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    by_file: dict[str, list[str]] = {}
+    for name in sorted(owned):
+        by_file.setdefault(layer_file_name(name), []).append(name)
+    files: dict[str, Any] = {}
+    for file, names in by_file.items():
+        content: dict[str, Any] = {"tensors": {}, "optimizer_state": {}}
+        described: dict[str, Any] = {}
+        for name in names:
+            t = _portable(tensors[name], name)
+            content["tensors"][name] = t
+            state = optimizer_state.get(name) or {}
+            if state:
+                content["optimizer_state"][name] = {k: _portable(v, f"{name} / {k}") for k, v in state.items()}
+            described[name] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+                               "optimizer_state": sorted(state)}
+        size, digest = _save_atomic(tmp / file, content)
+        files[file] = {"bytes": size, "sha256": digest, "names": described}
+    _fsync_dir(tmp)
+    return {"files": files}
+
+
+def _portable(value: Any, where: str) -> Any:
+    """A copy fit for ``torch.save`` and ``torch.load(weights_only=True)``: tensors on the CPU, compact."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach()
+        if t.device.type != "cpu":
+            return t.cpu()  # a new, compact tensor
+        whole = t.untyped_storage().nbytes() == t.numel() * t.element_size() and t.storage_offset() == 0
+        # torch.save writes a view's whole storage: copy views (of a flat buffer, say) to their own
+        return t if whole and t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_portable(v, where) for v in value)
+    if isinstance(value, dict):
+        return {k: _portable(v, where) for k, v in value.items()}
+    raise TypeError(f"optimizer state {where} is a {type(value).__name__}: only tensors, numbers, strings, "
+                    "None, lists and dicts can be saved")
+
+
+def _part(path: Path) -> Path:
+    """A hidden temporary beside ``path``, its name unique to this write (two ranks may aim at one file)."""
+    return path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.part")
+
+
+def _save_atomic(path: Path, content: Any) -> tuple[int, str]:
+    """``torch.save`` to a hidden temporary, fsync, rename onto ``path``; return (bytes, SHA-256)."""
+    part = _part(path)
+    with open(part, "wb") as f:
+        torch.save(content, f)
+        f.flush()
+        os.fsync(f.fileno())
+    size, digest = _digest(part)
+    os.replace(part, path)
+    return size, digest
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    part = _part(path)
+    with open(part, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, path)
+
+
+def _digest(path: Path) -> tuple[int, str]:
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK_BYTES):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make renames inside ``path`` durable (POSIX; a no-op where directories cannot be opened)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _complete(directory: Path, tmp: Path, final: Path, step: int, reports: list[dict[str, Any]],
+              meta: dict[str, Any]) -> None:
+    """Rank 0: check every rank's report, write the manifest, rename the step directory into place."""
+    steps = {r: rep["step"] for r, rep in enumerate(reports)}
+    if len(set(steps.values())) > 1:
+        raise CheckpointError(f"ranks disagree about the step to save: {_by_value(steps)}")
+    writer: dict[str, int] = {}
+    files: dict[str, Any] = {}
+    names: dict[str, Any] = {}
+    for rank, rep in enumerate(reports):
+        for file, entry in rep["files"].items():
+            if file in writer:
+                raise CheckpointError(
+                    f"checkpoint step {step}: {file} is written by ranks {writer[file]} and {rank}; every layer "
+                    "needs exactly one owner (pass owned_names so that one holder of each layer writes it)")
+            writer[file] = rank
+            files[file] = {"bytes": entry["bytes"], "sha256": entry["sha256"], "rank": rank}
+            for name, described in entry["names"].items():
+                names[name] = {"file": file, **described}
+    for file, entry in files.items():
+        try:
+            size = (tmp / file).stat().st_size
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"checkpoint step {step}: {file}, written by rank {entry['rank']}, is not visible to rank 0 in "
+                f"{tmp}; the checkpoint directory must be on a file system that every rank shares") from None
+        if size != entry["bytes"]:
+            raise CheckpointError(f"checkpoint step {step}: {file} in {tmp} has {size} bytes, rank "
+                                  f"{entry['rank']} wrote {entry['bytes']}")
+    for stale in tmp.iterdir():  # left by an interrupted save of the same step
+        if stale.name not in files:
+            _remove(stale)
+    manifest = {
+        "format": FORMAT, "version": VERSION, "step": step, "world_size": len(reports),
+        "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "torch_version": torch.__version__,
+        "files": dict(sorted(files.items(), key=lambda kv: _natural_key(kv[0]))),
+        "tensors": dict(sorted(names.items(), key=lambda kv: _natural_key(kv[0]))),
+        "meta": meta,
+    }
+    _write_manifest(tmp / MANIFEST, manifest)
+    _fsync_dir(tmp)
+    replaced = directory / f".{final.name}.replaced"
+    if final.exists():
+        _remove(replaced)
+        os.replace(final, replaced)
+    os.replace(tmp, final)
+    _fsync_dir(directory)
+    _remove(replaced)
+
+
+def _write_manifest(path: Path, manifest: dict[str, Any]) -> None:
+    _write_text_atomic(path, json.dumps(manifest, indent=1) + "\n")
+
+
+def _prune(directory: Path, keep: int, current: int) -> None:
+    """Keep the ``keep`` newest complete checkpoints and step ``current``; clear leftovers of older saves.
+
+    Leftovers (``.step-N.tmp``, ``.replaced``, ``.deleting``) of steps after ``current`` stay: the other
+    ranks, already released, might be writing the next save.
+    """
+    complete = _complete_checkpoints(directory)
+    kept = {step for step, _ in complete[-keep:]} | {current}
+    doomed = [path for step, path in complete if step not in kept]
+    for entry in directory.iterdir():
+        match = _LEFTOVER.match(entry.name)
+        if match and int(match.group(1)) <= current and entry.is_dir():
+            doomed.append(entry)
+    for path in doomed:
+        try:
+            if not path.name.startswith("."):  # out of sight first: a crash mid-delete leaves nothing that looks whole
+                hidden = directory / f".{path.name}.deleting"
+                os.replace(path, hidden)
+                path = hidden
+            shutil.rmtree(path)
+        except OSError as e:
+            warnings.warn(f"could not remove old checkpoint {path}: {e}", RuntimeWarning, stacklevel=3)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+# ---------------------------------------------------------------------------
+# the barrier: the process group's store, with timeouts that name ranks
+# ---------------------------------------------------------------------------
+
+
+class _Rendezvous:
+    """Gather the ranks' file lists at rank 0 and hand its verdict back, through the default group's store.
+
+    Without torch.distributed (or with one rank) every method is immediate. Keys live under
+    ``hetrain/checkpoint/{k}/``, ``k`` counting this process's saves (the same on every rank,
+    since a save is collective): ``arrived/{rank}`` (that rank's report), ``arrivals`` (their
+    count, what a waiting rank polls), ``abort`` (an error
+    any rank posts), ``done`` (rank 0, once ``step-N/`` is in place).
+    """
+
+    def __init__(self, step: int, timeout_s: float) -> None:
+        self.step, self.timeout_s = step, timeout_s
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if distributed else 0
+        self.world = dist.get_world_size() if distributed else 1
+        self.store: Any = None
+        if self.world > 1:
+            # The store the default group was set up with (torchrun's, or env:// / tcp:// / file://).
+            # No tensor collective is used, so this works the same under Gloo and NCCL.
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            self.store = PrefixStore(f"hetrain/checkpoint/{next(_SAVES)}/", _get_default_store())
+
+    def gather(self, report: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """Post ``report``; wait for every rank's. Rank 0 gets all reports (by rank), the others ``None``."""
+        if self.store is None:
+            return [report]
+        self._call(self.store.set, f"arrived/{self.rank}", json.dumps(report))
+        self._call(self.store.add, "arrivals", 1)
+        self._wait(lambda: self._call(self.store.add, "arrivals", 0) >= self.world,  # one request per poll
+                   lambda: [r for r in range(self.world) if not self._call(self.store.check, [f"arrived/{r}"])],
+                   "reach the checkpoint barrier")
+        if self.rank != 0:
+            return None
+        return [json.loads(self._call(self.store.get, f"arrived/{r}")) for r in range(self.world)]
+
+    def done(self) -> None:
+        if self.store is not None:
+            self._call(self.store.set, "done", "ok")
+
+    def wait_done(self) -> None:
+        self._wait(lambda: bool(self._call(self.store.check, ["done"])), lambda: [0],
+                   "complete the checkpoint (manifest and rename)")
+
+    def abort(self, message: str) -> None:
+        """Post an error so the other ranks raise it at once instead of waiting for this rank."""
+        if self.store is not None:
+            with contextlib.suppress(Exception):
+                self.store.set("abort", message)
+
+    def _wait(self, ready: Callable[[], bool], missing: Callable[[], list[int]], what: str) -> None:
+        """Poll ``ready`` until true; after ``timeout_s``, post and raise an error naming the ``missing`` ranks."""
+        deadline = time.monotonic() + self.timeout_s
+        delay = 0.001
+        while True:
+            self._raise_if_aborted()
+            if ready():
+                return
+            if time.monotonic() >= deadline:
+                message = (f"checkpoint step {self.step}: {_ranks(missing())} did not {what} within "
+                           f"{self.timeout_s:g} s (rank {self.rank} waited)")
+                self.abort(message)
+                raise CheckpointError(message)
+            time.sleep(delay)
+            delay = min(2 * delay, _POLL_MAX_S)
+
+    def _raise_if_aborted(self) -> None:
+        if self._call(self.store.check, ["abort"]):
+            message = self._call(self.store.get, "abort").decode(errors="replace")
+            raise CheckpointError(f"rank {self.rank} stops: {message}")
+
+    def _call(self, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except (RuntimeError, OSError) as e:  # the store's host (rank 0 or the torchrun agent) went away
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointError(f"checkpoint step {self.step}: rank {self.rank} lost the process group's "
+                                  f"store: {first}") from None
+
+
+# ---------------------------------------------------------------------------
+# find and load
+# ---------------------------------------------------------------------------
+
+
+def latest_checkpoint(directory: str | os.PathLike[str]) -> tuple[int, Path] | None:
+    """The newest complete checkpoint in ``directory`` as ``(step, path)``, or ``None``.
+
+    Complete means a ``step-NNNNNNNN/`` directory with a readable manifest; interrupted
+    saves (hidden ``.step-*.tmp/``, or a step directory without manifest) are ignored.
+
+    Example:
+        >>> found = latest_checkpoint("ckpt")                                   # doctest: +SKIP
+        >>> start = 0 if found is None else found[0]                            # doctest: +SKIP
+    """
+    for step, path in reversed(_step_dirs(Path(directory))):
+        try:
+            _read_manifest(path, step)
+        except CheckpointError as e:
+            if (path / MANIFEST).exists():  # a manifest that exists but cannot be read is worth a word
+                warnings.warn(f"skipping {path}: {e}", RuntimeWarning, stacklevel=2)
+            continue
+        return step, path
+    return None
+
+
+def load_manifest(directory: str | os.PathLike[str], step: int | None = None) -> dict[str, Any]:
+    """The manifest of checkpoint ``step`` (default: the newest complete one) as a dict.
+
+    Keys: ``format``, ``version``, ``step``, ``world_size``, ``saved_at``, ``torch_version``,
+    ``files`` (``{file: {bytes, sha256, rank}}``), ``tensors`` (``{name: {file, shape, dtype,
+    optimizer_state}}``), ``meta``.
+    """
+    return _read_manifest(_find(Path(directory), step), step)
+
+
+def load_checkpoint(
+    directory: str | os.PathLike[str],
+    names: Iterable[str],
+    step: int | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], dict[str, Any]]:
+    """Read the parameters ``names`` (global names) and their optimizer state from a checkpoint.
+
+    Opens only the files that hold ``names``, checks each one's size and SHA-256 against the
+    manifest, and loads it with ``torch.load(weights_only=True)`` onto the CPU. Needs no
+    process group: every rank reads what its plan holds, whatever plan wrote the checkpoint.
+
+    Args:
+        directory: the directory ``save_checkpoint`` wrote into.
+        names: the global parameter names to read (``layers.3.weight``, ...).
+        step: which checkpoint; default the newest complete one (``latest_checkpoint``).
+
+    Returns:
+        ``(tensors, optimizer_state, meta)``: tensors by name (CPU); optimizer state by name,
+        only for names that had some; the ``meta`` given to ``save_checkpoint``.
+
+    Raises:
+        CheckpointError: no such checkpoint, a name it does not hold (named, with the step and
+            what it holds), or a file that is missing, truncated or damaged (named).
+
+    Example:
+        >>> mine = [n for n, _ in stage.named_parameters()]                     # doctest: +SKIP
+        >>> tensors, state, meta = load_checkpoint("ckpt", mine)                 # doctest: +SKIP
+    """
+    if isinstance(names, str):
+        raise TypeError(f"names must be a collection of names, not one string ({names!r})")
+    path = _find(Path(directory), step)
+    manifest = _read_manifest(path, step)
+    held: dict[str, Any] = manifest["tensors"]
+    wanted = list(dict.fromkeys(names))
+    missing = [n for n in wanted if n not in held]
+    if missing:
+        raise CheckpointError(_missing_message(missing, manifest, path))
+    by_file: dict[str, list[str]] = {}
+    for name in wanted:
+        by_file.setdefault(held[name]["file"], []).append(name)
+    tensors: dict[str, torch.Tensor] = {}
+    optimizer_state: dict[str, dict[str, Any]] = {}
+    for file, group in by_file.items():
+        content = _read_layer_file(path / file, manifest["files"].get(file))
+        for name in group:
+            try:
+                tensors[name] = content["tensors"][name]
+            except (KeyError, TypeError):
+                raise CheckpointError(f"{path / file} does not hold {name!r}, which the manifest puts there") from None
+            state = content.get("optimizer_state", {}).get(name)
+            if state:
+                optimizer_state[name] = state
+    return tensors, optimizer_state, manifest["meta"]
+
+
+def _step_dirs(directory: Path) -> list[tuple[int, Path]]:
+    if not directory.is_dir():
+        return []
+    found = []
+    for entry in directory.iterdir():
+        match = _STEP_DIR.match(entry.name)
+        if match and entry.is_dir():
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def _complete_checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    return [(s, p) for s, p in _step_dirs(directory) if (p / MANIFEST).is_file()]
+
+
+def _find(directory: Path, step: int | None) -> Path:
+    if step is None:
+        latest = latest_checkpoint(directory)
+        if latest is None:
+            raise CheckpointError(f"no complete checkpoint in {directory}{_incomplete_note(directory)}")
+        return latest[1]
+    path = directory / step_dir_name(step)
+    if not (path / MANIFEST).is_file():
+        steps = [s for s, _ in _complete_checkpoints(directory)]
+        have = f"complete checkpoints: steps {', '.join(map(str, steps))}" if steps else "no complete checkpoint"
+        why = " (its directory has no manifest: the save was interrupted)" if path.is_dir() else ""
+        raise CheckpointError(f"no complete checkpoint of step {step} in {directory}{why}; {have}"
+                              f"{_incomplete_note(directory)}")
+    return path
+
+
+def _incomplete_note(directory: Path) -> str:
+    if not directory.is_dir():
+        return " (the directory does not exist)"
+    partial = sorted(p.name for p in directory.iterdir() if p.name.endswith(".tmp"))
+    return f"; interrupted saves: {', '.join(partial)}" if partial else ""
+
+
+def _read_manifest(path: Path, step: int | None) -> dict[str, Any]:
+    file = path / MANIFEST
+    try:
+        manifest = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{file} is missing: the save of this checkpoint was interrupted") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{file} cannot be read: {e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{file} is not a hetrain checkpoint manifest")
+    if manifest.get("version") != VERSION:
+        raise CheckpointError(f"{file} has format version {manifest.get('version')}; this hetrain reads {VERSION}")
+    if step is not None and manifest.get("step") != step:
+        raise CheckpointError(f"{file} says step {manifest.get('step')}, its directory says {step}")
+    for key in ("files", "tensors", "meta"):
+        if not isinstance(manifest.get(key), dict):
+            raise CheckpointError(f"{file} lacks its {key!r} table")
+    return manifest
+
+
+def _read_layer_file(file: Path, expected: Mapping[str, Any] | None) -> dict[str, Any]:
+    if expected is None:
+        raise CheckpointError(f"{file.parent / MANIFEST} lists no entry for {file.name}")
+    try:
+        size, digest = _digest(file)
+    except FileNotFoundError:
+        raise CheckpointError(f"{file} is missing (the manifest lists it, written by rank "
+                              f"{expected.get('rank')})") from None
+    if size != expected["bytes"]:
+        raise CheckpointError(f"{file} is truncated or damaged: {size} bytes, the manifest says {expected['bytes']}")
+    if digest != expected["sha256"]:
+        raise CheckpointError(f"{file} is damaged: its SHA-256 differs from the manifest's")
+    try:
+        content = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{file} cannot be loaded: {e}") from None
+    if not isinstance(content, dict) or not isinstance(content.get("tensors"), dict):
+        raise CheckpointError(f"{file} is not a hetrain layer file")
+    return content
+
+
+def _missing_message(missing: list[str], manifest: dict[str, Any], path: Path) -> str:
+    held = list(manifest["tensors"])
+    hint = difflib.get_close_matches(missing[0], held, n=1)
+    return (f"checkpoint step {manifest['step']} ({path}) has no parameter {_preview(missing)}; it holds "
+            f"{_describe_names(held)}" + (f"; did you mean {hint[0]!r}?" if hint else ""))
+
+
+def _describe_names(names: list[str]) -> str:
+    """``16 parameters: layers 0-7`` (plus names outside ``layers.{i}.``)."""
+    layers = sorted({int(m.group(1).split(".")[1]) for n in names if (m := _LAYER.match(n))})
+    others = sorted(n for n in names if not _LAYER.match(n))
+    parts = [f"layers {_ranges(layers)}"] if layers else []
+    if others:
+        parts.append(_preview(others))
+    return f"{len(names)} parameter{'s' if len(names) != 1 else ''}" + (f": {'; '.join(parts)}" if parts else "")
+
+
+# ---------------------------------------------------------------------------
+# words
+# ---------------------------------------------------------------------------
+
+
+def _ranges(values: list[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``0-2, 5, 7-8``."""
+    out: list[str] = []
+    for _, run in itertools.groupby(enumerate(values), key=lambda iv: iv[1] - iv[0]):
+        vals = [v for _, v in run]
+        out.append(str(vals[0]) if len(vals) == 1 else f"{vals[0]}-{vals[-1]}")
+    return ", ".join(out)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_ranges(ranks)}"
+
+
+def _preview(names: list[str], limit: int = 5) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _by_value(by_rank: dict[int, Any]) -> str:
+    groups: dict[str, list[int]] = {}
+    for rank, value in by_rank.items():
+        groups.setdefault(repr(value), []).append(rank)
+    return "; ".join(f"{_ranks(rs)} {v}" for v, rs in groups.items())
+
+
+def _natural_key(name: str) -> list[Any]:
+    """Sort ``layers.10`` after ``layers.9``."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name)]

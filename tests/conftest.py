@@ -1,0 +1,27 @@
+"""Shared test set-up: seeded randomness, and one torch thread per process.
+
+On a 2-core machine torch's default thread pool makes small CPU kernels 15-90x
+slower when other processes run, so tests use one thread (torchrun does the same).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(autouse=True)
+def _seed_everything() -> None:
+    random.seed(0)
+    np.random.seed(0)
+    try:
+        import torch
+    except ImportError:  # the planning-side tests need no torch
+        return
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
