@@ -134,7 +134,7 @@ def estimate_layer_times(profile: ModelProfile, device: Device, b: int) -> tuple
         pairs = [estimate_layer_time(profile, i, device, b) for i in range(profile.num_layers)]
         cached = (np.array([f for f, _ in pairs]), np.array([g for _, g in pairs]))
         profile._cache[key] = cached
-    return cached  # type: ignore[no-any-return]
+    return cached
 
 
 # ---------------------------------------------------------------------------

@@ -344,7 +344,9 @@ def _stage_from(raw: Mapping[str, Any], where: str) -> Stage:
             predicted_memory_bytes=float(raw.get("predicted_memory_bytes", 0.0)),
         )
     except (KeyError, TypeError, ValueError) as e:
-        raise PlanError(f"{where}: malformed stage ({e!r}); a stage is {{device, layers: [first, end], recompute}}") from None
+        raise PlanError(
+            f"{where}: malformed stage ({e!r}); a stage is {{device, layers: [first, end], recompute}}"
+        ) from None
 
 
 def parse_plan(data: Mapping[str, Any]) -> Plan:

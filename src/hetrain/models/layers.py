@@ -54,7 +54,7 @@ def build_seeded(make: Callable[[], M], seed: int, index: int) -> M:
     layers on the CPU (a CUDA generator draws other numbers) and move them after.
     """
     with torch.random.fork_rng(devices=[]):
-        torch.random.default_generator.manual_seed(layer_seed(seed, index))
+        torch.default_generator.manual_seed(layer_seed(seed, index))
         return make()
 
 

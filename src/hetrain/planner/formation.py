@@ -116,8 +116,8 @@ def build_formations(cluster: Cluster, num_layers: int, strategy: str = "auto", 
             groups: list[list[int]] = [[] for _ in range(k)]
             slot = 0
             for members in by_type.values():
-                for d in members:
-                    groups[slot % k].append(d)
+                for idx in members:
+                    groups[slot % k].append(idx)
                     slot += 1
             add(f"spread-{k}", [sorted(g) for g in groups])
             size, extra = divmod(n, k)

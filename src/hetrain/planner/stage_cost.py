@@ -103,7 +103,8 @@ def _prefix(a: np.ndarray) -> np.ndarray:
 
 def _range_table(prefix: np.ndarray) -> np.ndarray:
     """``out[k, l] = prefix[l] - prefix[k]`` for all k, l."""
-    return prefix[None, :] - prefix[:, None]  # (L+1, L+1)
+    out: np.ndarray = prefix[None, :] - prefix[:, None]  # (L+1, L+1)
+    return out
 
 
 def choose_recompute(fwd_s: np.ndarray, arrays: ModelArrays, k: int, l: int, b: int, n: int,
@@ -185,7 +186,8 @@ def recompute_order(fwd_s: np.ndarray, arrays: ModelArrays) -> np.ndarray:
     useful = gain > 0
     ratio = np.where(useful, fwd_s / np.where(useful, gain, 1.0), np.inf)
     order = np.argsort(ratio, kind="stable")
-    return order[useful[order]]
+    out: np.ndarray = order[useful[order]]
+    return out
 
 
 def _add_recompute(costs: StageCosts, arrays: ModelArrays, time: np.ndarray, weight_table: np.ndarray,

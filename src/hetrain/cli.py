@@ -1,0 +1,227 @@
+"""The ``hetrain`` command.
+
+    hetrain plan --cluster C.toml --model gpt2-medium --global-batch 512 [-o plan.json] [--json]
+    hetrain simulate plan.json [--trace out.json] [--gantt out.png] [--json]
+    hetrain profile --model NAME [--micro-batch 1,2,4,8] [-o profile.json]
+    torchrun --nproc-per-node N --no-python hetrain discover -o cluster.toml
+    hetrain models | hetrain demo
+
+Torch-side commands import torch only when run; the planning commands never do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from hetrain.cluster import Cluster, ClusterError, load_cluster
+from hetrain.plan import Plan, PlanError
+from hetrain.profile import ModelProfile, ProfileError, load_profile
+from hetrain.units import format_time
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _load_model_profile(model: str | None, profile_path: str | None) -> ModelProfile:
+    if profile_path:
+        return load_profile(profile_path)
+    if not model:
+        raise ProfileError("give --model NAME (see `hetrain models`) or --profile profile.json")
+    from hetrain.models.analytic import build_profile
+
+    try:
+        return build_profile(model)
+    except KeyError as e:
+        raise ProfileError(str(e.args[0])) from None
+
+
+def _planner_options(args: argparse.Namespace) -> dict[str, Any]:
+    opts: dict[str, Any] = {
+        "strategy": args.strategy, "schedule": args.schedule, "sync": args.sync, "optimizer": args.optimizer,
+        "objective": args.objective, "allow_recompute": not args.no_recompute,
+    }
+    if args.critical_batch is not None:
+        opts["critical_batch"] = args.critical_batch
+    if args.micro_batch:
+        opts["micro_batch_sizes"] = tuple(args.micro_batch)
+    if args.objective == "time-to-accuracy":
+        g = args.global_batch
+        opts["global_batch_choices"] = tuple(sorted({max(1, g // 4), max(1, g // 2), g, 2 * g, 4 * g}))
+    return opts
+
+
+def compare_strategies(cluster: Cluster, profile: ModelProfile, global_batch: int, best: Plan,
+                       options: dict[str, Any]) -> list[dict[str, Any]]:
+    """The plan against pure data parallelism and pure pipeline on the same cluster."""
+    from hetrain.planner import PlannerError, plan
+
+    rows: list[dict[str, Any]] = [{"strategy": f"hetrain ({best.strategy}, {best.formation})",
+                                   "samples_per_s": best.prediction.samples_per_s,
+                                   "iteration_s": best.prediction.iteration_s, "note": ""}]
+    for family, label in (("dp", "pure data parallelism"), ("pp", "pure pipeline")):
+        try:
+            other = plan(cluster, profile, global_batch, **{**options, "strategy": family, "simulate_top_k": 0,
+                                                            "global_batch_choices": ()})
+            rows.append({"strategy": label, "samples_per_s": other.prediction.samples_per_s,
+                         "iteration_s": other.prediction.iteration_s,
+                         "note": f"{len(other.virtual_workers)} VW(s)"
+                         + (f", {len(other.unused_devices)} devices unused" if other.unused_devices else "")})
+        except PlannerError as e:
+            rows.append({"strategy": label, "samples_per_s": None, "iteration_s": None,
+                         "note": f"infeasible: {str(e).split(':')[0]}"})
+    return rows
+
+
+def format_comparison(rows: list[dict[str, Any]]) -> str:
+    base = rows[0]["samples_per_s"]
+    lines = [f"  {'strategy':<44} {'samples/s':>10} {'iteration':>10} {'plan is':>9}  note"]
+    for r in rows:
+        sps = r["samples_per_s"]
+        if sps is None:
+            lines.append(f"  {r['strategy']:<44} {'-':>10} {'-':>10} {'-':>9}  {r['note']}")
+            continue
+        ratio = f"{base / sps:.2f}x" if r is not rows[0] else ""
+        lines.append(f"  {r['strategy']:<44} {sps:>10.1f} {format_time(r['iteration_s']):>10} {ratio:>9}  {r['note']}")
+    return "\n".join(lines)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from hetrain.planner import plan
+
+    cluster = load_cluster(args.cluster)
+    profile = _load_model_profile(args.model, args.profile)
+    options = _planner_options(args)
+    result = plan(cluster, profile, args.global_batch, **options)
+    if args.output:
+        result.save(args.output)
+    rows = compare_strategies(cluster, profile, result.global_batch, result, options)
+    if args.json:
+        print(json.dumps({"plan": result.to_dict() if not args.output else args.output,
+                          "comparison": rows}, indent=1))
+        return 0
+    print(cluster.summary())
+    print()
+    print(result.summary())
+    print()
+    print("predicted against the pure families on the same cluster:")
+    print(format_comparison(rows))
+    if args.output:
+        print(f"\nplan written to {args.output}")
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from hetrain.simulator import run_simulate_command
+
+    return run_simulate_command(args.plan, args.trace, args.gantt, args.json)
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from hetrain.models.analytic import MODEL_NAMES, build_profile
+    from hetrain.units import format_bytes
+
+    print(f"{'model':<14} {'layers':>6} {'parameters':>12} {'precision':>9}")
+    for name in MODEL_NAMES:
+        p = build_profile(name)
+        print(f"{name:<14} {p.num_layers:>6} {format_bytes(p.param_bytes):>12} {p.precision:>9}")
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from hetrain.profiler.layers import run_profile_command
+
+    return run_profile_command(args.model, args.micro_batch, args.output, device=args.device,
+                               repeats=args.repeats, precision=args.precision)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from hetrain.demo import run_demo
+
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hetrain", description=__doc__.split("\n")[0] if __doc__ else None)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="plan a hybrid pipeline + data parallel run")
+    p.add_argument("--cluster", required=True, help="cluster TOML file")
+    p.add_argument("--model", help="a reference model (see `hetrain models`)")
+    p.add_argument("--profile", help="a profile JSON file instead of --model")
+    p.add_argument("--global-batch", type=int, required=True, help="samples per iteration")
+    p.add_argument("--strategy", choices=["auto", "dp", "pp"], default="auto")
+    p.add_argument("--schedule", choices=["auto", "gpipe", "1f1b"], default="auto")
+    p.add_argument("--sync", choices=["bsp", "wsp", "hybrid-ps", "daso", "local-sgd"], default="bsp")
+    p.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default="adam")
+    p.add_argument("--objective", choices=["throughput", "time-to-accuracy"], default="throughput")
+    p.add_argument("--critical-batch", type=float, help="critical batch size (time-to-accuracy)")
+    p.add_argument("--micro-batch", type=_ints, help="micro-batch sizes to try, e.g. 1,2,4")
+    p.add_argument("--no-recompute", action="store_true", help="never recompute activations")
+    p.add_argument("-o", "--output", help="write plan.json here")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.set_defaults(func=cmd_plan)
+
+    s = sub.add_parser("simulate", help="simulate a plan's iteration, action by action")
+    s.add_argument("plan")
+    s.add_argument("--trace", help="write a Chrome trace JSON (Perfetto, chrome://tracing)")
+    s.add_argument("--gantt", help="write a Gantt chart PNG")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_simulate)
+
+    m = sub.add_parser("models", help="list the reference models")
+    m.set_defaults(func=cmd_models)
+
+    pr = sub.add_parser("profile", help="measure a model's layers on this device")
+    pr.add_argument("--model", required=True)
+    pr.add_argument("--micro-batch", type=_ints, default=[1, 2, 4, 8])
+    pr.add_argument("-o", "--output", default="profile.json")
+    pr.add_argument("--device", default="cpu")
+    pr.add_argument("--repeats", type=int, default=5)
+    pr.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32")
+    pr.set_defaults(func=cmd_profile)
+
+    # Listed for --help; `main` hands `discover` to the profiler's own parser (it imports torch).
+    sub.add_parser("discover", help="under torchrun: measure devices and links, write a cluster file",
+                   add_help=False)
+
+    demo = sub.add_parser("demo", help="the main job on an embedded default cluster")
+    demo.add_argument("--model", default="gpt2-medium")
+    demo.add_argument("--global-batch", type=int, default=512)
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``hetrain`` command; returns the exit status."""
+    from hetrain.planner import PlannerError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["discover"]:
+        from hetrain.profiler.network import main as discover_main
+
+        return discover_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.func(args)
+        return code
+    except (ClusterError, ProfileError, PlanError, PlannerError, ValueError) as e:
+        print(f"hetrain {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"hetrain {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

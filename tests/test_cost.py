@@ -1,0 +1,142 @@
+"""Cost formulas against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from hetrain.cluster import Link, parse_cluster
+from hetrain.cost import (
+    allreduce_shape,
+    estimate_allreduce,
+    estimate_hierarchical_allreduce_time,
+    estimate_layer_time,
+    estimate_optimizer_time,
+    estimate_p2p_time,
+    estimate_pipeline_time,
+    estimate_ring_allreduce_time,
+    estimate_roofline_time,
+    estimate_samples_to_accuracy_factor,
+    estimate_stage_memory,
+    estimate_weight_memory,
+    in_flight,
+    interpolate_measurements,
+)
+from hetrain.profile import DeviceFigures, LayerProfile, Measurement, ModelProfile
+
+
+def test_p2p_is_latency_plus_bytes_over_bandwidth() -> None:
+    assert estimate_p2p_time(1e9, Link(1.25e9, 10e-6)) == pytest.approx(0.8 + 10e-6)
+    assert estimate_p2p_time(0, Link(1.25e9, 10e-6)) == 0.0
+
+
+def test_ring_allreduce_hand_value() -> None:
+    # 4 members, 100 MB, 10 GB/s, 5 us: 2*3*5us + 2*3/4 * 1e8/1e10 = 30us + 15 ms
+    assert estimate_ring_allreduce_time(1e8, 4, 1e10, 5e-6) == pytest.approx(30e-6 + 0.015)
+    assert estimate_ring_allreduce_time(1e8, 1, 1e10, 5e-6) == 0.0
+
+
+def test_roofline_takes_the_binding_limit() -> None:
+    # 1 TFLOP on 100 TFLOP/s = 10 ms; 1 GB over 1 TB/s = 1 ms; efficiency 0.5 doubles it
+    assert estimate_roofline_time(1e12, 1e9, 100e12, 1e12, 0.5) == pytest.approx(0.02)
+    assert estimate_roofline_time(1e9, 1e10, 100e12, 1e12, 1.0) == pytest.approx(0.01)
+
+
+def test_pipeline_closed_form() -> None:
+    # stages 2, 3, 1 s (+ a 0.5 s transfer as its own stage), 4 micro-batches: 6.5 + 3 * 3
+    assert estimate_pipeline_time([2.0, 0.5, 3.0, 1.0], 4) == pytest.approx(15.5)
+    with pytest.raises(ValueError, match="micro-batch count"):
+        estimate_pipeline_time([1.0], 0)
+
+
+def test_in_flight_per_schedule() -> None:
+    assert [in_flight("1f1b", 8, 4, j) for j in range(4)] == [4, 3, 2, 1]
+    assert [in_flight("1f1b", 2, 4, j) for j in range(4)] == [2, 2, 2, 1]
+    assert [in_flight("gpipe", 8, 4, j) for j in range(4)] == [8] * 4
+
+
+def test_weight_memory_per_optimizer() -> None:
+    # 1e6 fp32 params (4 MB): params + grads = 8 MB; Adam adds 8 MB; SGD none
+    assert estimate_weight_memory(4e6, 4, "sgd") == pytest.approx(8e6)
+    assert estimate_weight_memory(4e6, 4, "adam") == pytest.approx(16e6)
+    assert estimate_weight_memory(4e6, 4, "momentum") == pytest.approx(12e6)
+    # fp16: 2e6 params -> 4 MB params+grads, 16 MB Adam state, 8 MB fp32 master copy
+    assert estimate_weight_memory(4e6, 2, "adam") == pytest.approx(8e6 + 16e6 + 8e6)
+
+
+def _profile() -> ModelProfile:
+    layers = (
+        LayerProfile("a", 4e6, 100.0, 1000.0, 1e9),
+        LayerProfile("b", 4e6, 200.0, 3000.0, 1e9),
+        LayerProfile("c", 4e6, 50.0, 500.0, 1e9),
+    )
+    return ModelProfile("p", layers, 10.0, "fp32", 1.0)
+
+
+def test_stage_memory_with_and_without_recompute() -> None:
+    p = _profile()
+    # layers [0, 3), b = 4, 2 in flight, SGD: weights 2 * 12 MB; activations 2 * 4 * (1000+3000+500)
+    assert estimate_stage_memory(p, 0, 3, (), 4, 2, "sgd") == pytest.approx(24e6 + 8 * 4500)
+    # recompute layer 1: it keeps its input (layer 0's output, 100 B) instead of 3000 B,
+    # and its 3000 B/sample come back for one micro-batch of 4 while recomputed
+    assert estimate_stage_memory(p, 0, 3, (1,), 4, 2, "sgd") == pytest.approx(24e6 + 8 * 1600 + 4 * 3000)
+
+
+def test_layer_time_interpolates_scales_and_falls_back_to_roofline() -> None:
+    layers = (LayerProfile("a", 0.0, 0.0, 0.0, 1e9, measured=(
+        ("T4", (Measurement(1, 0.010, 0.020), Measurement(4, 0.025, 0.050))),)),)
+    p = ModelProfile("p", layers, 0.0, "fp32", 1.0, measured_on=(("T4", DeviceFigures(8.1e12, 320e9)),))
+    cluster = parse_cluster({"node": [{"name": "n", "devices": ["T4", "A100-40GB"]}]})
+    t4, a100 = cluster.devices
+    assert estimate_layer_time(p, 0, t4, 2) == pytest.approx((0.015, 0.030))
+    # A100 fp32 is 19.5 / 8.1 faster on this compute-bound layer
+    fwd, bwd = estimate_layer_time(p, 0, a100, 4)
+    assert fwd == pytest.approx(0.025 * 8.1 / 19.5)
+    assert bwd == pytest.approx(0.050 * 8.1 / 19.5)
+    unmeasured = ModelProfile("q", (LayerProfile("a", 0.0, 0.0, 0.0, 1e9),), 0.0, "fp32", 0.5)
+    assert estimate_layer_time(unmeasured, 0, a100, 2)[0] == pytest.approx(2e9 / 19.5e12 / 0.5)
+
+
+def test_interpolation_outside_and_single_point() -> None:
+    ms = (Measurement(2, 0.02, 0.04),)
+    assert interpolate_measurements(ms, 6) == pytest.approx((0.06, 0.12))
+    two = (Measurement(2, 0.02, 0.04), Measurement(4, 0.03, 0.06))
+    assert interpolate_measurements(two, 8) == pytest.approx((0.05, 0.10))
+
+
+def test_hierarchical_beats_flat_ring_across_slow_nodes() -> None:
+    cluster = parse_cluster({"node": [
+        {"name": "a", "devices": [{"type": "A100-40GB", "count": 4}], "intra_link": "nvlink3", "nic": "10Gbit/s"},
+        {"name": "b", "devices": [{"type": "A100-40GB", "count": 4}], "intra_link": "nvlink3", "nic": "10Gbit/s"},
+    ]})
+    shape = allreduce_shape(cluster, range(8))
+    assert shape.nodes == 2 and shape.intra_p == 4
+    assert shape.ring_bandwidth_bytes_per_s == pytest.approx(1.25e9)
+    t, algo = estimate_allreduce(1e9, shape)
+    assert algo == "hierarchical"
+    # intra: 3/4 * 1e9 / 300e9 + 3 * 2us, twice; inter: ring of 2 over 1.25 GB/s: 2 * 1/2 * 1e9/1.25e9 + 2 * 20us
+    intra = 0.75 * 1e9 / 300e9 + 3 * 2e-6
+    inter = 1e9 / 1.25e9 + 2 * 20e-6
+    assert t == pytest.approx(2 * intra + inter)
+    assert t == pytest.approx(estimate_hierarchical_allreduce_time(1e9, shape))
+
+
+def test_ring_order_maximises_the_slowest_link() -> None:
+    # four nodes; a-c and b-d are slow overrides: the best ring avoids both (a b c d a)
+    nodes = [{"name": x, "devices": ["T4"], "nic": "100Gbit/s"} for x in "abcd"]
+    links = [{"nodes": ["a", "c"], "bandwidth": "1Gbit/s"}, {"nodes": ["b", "d"], "bandwidth": "1Gbit/s"}]
+    cluster = parse_cluster({"node": nodes, "link": links})
+    shape = allreduce_shape(cluster, range(4))
+    assert shape.ring_bandwidth_bytes_per_s == pytest.approx(100e9 / 8)
+    order = [cluster.devices[d].node for d in shape.order]
+    for x, y in zip(order, order[1:] + order[:1], strict=True):
+        assert {x, y} not in ({"a", "c"}, {"b", "d"})
+
+
+def test_optimizer_time_and_statistical_efficiency() -> None:
+    cluster = parse_cluster({"node": [{"name": "n", "devices": ["A100-40GB"]}]})
+    # Adam fp32, 4 GB of params: 16 GB of weight memory read and written at 1555 GB/s
+    assert estimate_optimizer_time(4e9, 4, cluster.devices[0], "adam") == pytest.approx(32e9 / 1555e9)
+    assert estimate_samples_to_accuracy_factor(256, 256) == 2.0
+    assert math.isclose(estimate_samples_to_accuracy_factor(1, 1e9), 1.0, rel_tol=1e-6)

@@ -1,0 +1,86 @@
+"""Plan as data: JSON round trip, validation errors, segments, agreement with the simulator."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from hetrain.cluster import load_cluster, parse_cluster
+from hetrain.models.analytic import build_profile
+from hetrain.plan import PlanError, Stage, VirtualWorker, load_plan, parse_plan
+from hetrain.planner import plan
+from hetrain.simulator import simulate
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "clusters"
+
+
+@pytest.fixture(scope="module")
+def small_plan():
+    cluster = parse_cluster({"node": [
+        {"name": "a", "devices": [{"type": "A100-40GB", "count": 2}], "intra_link": "nvlink3", "nic": "25Gbit/s"},
+        {"name": "b", "devices": [{"type": "T4", "count": 2}], "intra_link": "pcie3", "nic": "10Gbit/s"}]})
+    return plan(cluster, build_profile("gpt2-small"), 64, simulate_top_k=0)
+
+
+def test_json_round_trip(tmp_path: Path, small_plan) -> None:
+    path = tmp_path / "plan.json"
+    small_plan.save(path)
+    again = load_plan(path)
+    assert again.to_dict() == small_plan.to_dict()
+    assert json.loads(path.read_text())["virtual_workers"][0]["stages"][0]["device"]
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_validation_names_the_problem(small_plan) -> None:
+    data = small_plan.to_dict()
+    data["virtual_workers"][0]["stages"][0]["layers"] = [0, 1]
+    if len(data["virtual_workers"][0]["stages"]) == 1:
+        with pytest.raises(PlanError, match=r"VW0: stages cover layers \[0, 1\) but the model has 14 layers"):
+            parse_plan(data)
+    else:
+        with pytest.raises(PlanError, match="do not continue from layer 1"):
+            parse_plan(data)
+    data = small_plan.to_dict()
+    data["global_batch"] = 1000
+    with pytest.raises(PlanError, match="mini-batches add up to 64, global batch is 1000"):
+        parse_plan(data)
+    data = small_plan.to_dict()
+    data["virtual_workers"][0]["stages"][0]["device"] = "zz:9"
+    with pytest.raises(PlanError, match="device 'zz:9' is not in cluster"):
+        parse_plan(data)
+
+
+def test_a_device_in_two_stages_is_refused(small_plan) -> None:
+    vw = small_plan.virtual_workers[0]
+    dup = VirtualWorker((Stage(vw.stages[0].device, 0, 14),), 1, 1)
+    with pytest.raises(PlanError, match="already holds another stage"):
+        replace(small_plan, virtual_workers=(vw, dup), global_batch=vw.mini_batch + 1)
+
+
+def test_segments_group_layers_by_owners(small_plan) -> None:
+    segs = small_plan.segments()
+    assert segs[0].first_layer == 0 and segs[-1].end_layer == 14
+    for a, b in itertools.pairwise(segs):
+        assert a.end_layer == b.first_layer and a.owners != b.owners
+    n_vw = len(small_plan.virtual_workers)
+    assert all(len(s.owners) == n_vw for s in segs)
+
+
+def test_micro_batch_sizes_split_evenly() -> None:
+    vw = VirtualWorker((Stage("a:0", 0, 1),), 10, 4)
+    assert vw.micro_batch_sizes == [3, 3, 2, 2]
+    assert vw.micro_batch_size == 3
+
+
+@pytest.mark.parametrize("name", ["hetpipe", "pipetorch", "cloud-mixed", "gpu256"])
+def test_simulated_peak_memory_agrees_with_closed_form(name: str) -> None:
+    cluster = load_cluster(EXAMPLES / f"{name}.toml")
+    p = plan(cluster, build_profile("gpt2-medium"), 512, simulate_top_k=0)
+    sim = simulate(p)
+    for m in p.prediction.memory:
+        assert sim.devices[m.device].peak_memory_bytes == pytest.approx(m.peak_bytes, rel=1e-9)
+        assert m.peak_bytes <= m.capacity_bytes
