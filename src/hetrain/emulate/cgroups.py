@@ -1,0 +1,199 @@
+"""Compute throttling: one cgroup per emulated device, CPU quota = cpu_share x period.
+
+A device with ``cpu_share = 0.4`` and a 10 ms period may run 4 ms of CPU time in
+every 10 ms; its process (and its threads and children) wait out the rest::
+
+    cgroup v1 (cpu controller mount)         cgroup v2 (unified mount)
+    <cpu>/hetrain-emu-1a2b3c/                <root>/hetrain-emu-1a2b3c/    (+cpu in subtree_control)
+          cpu.shares 10240 (10x default)           cpu.weight 1000 (10x default)
+        0-fast-0/  cpu.cfs_period_us 10000       0-fast-0/  cpu.max "10000 10000"
+                   cpu.cfs_quota_us  10000       1-slow-0/  cpu.max "4000 10000"
+        1-slow-0/  cpu.cfs_quota_us  4000
+
+Which one is used is found at run time from ``/proc/self/mounts``: a v1 hierarchy
+with the ``cpu`` controller first, else a cgroup2 mount whose root offers ``cpu``.
+Neither (or no permission): ``find_cpu_cgroups`` says why, and the launcher then
+runs unthrottled with a warning (or refuses, with ``throttle = "cgroup"``).
+
+The launcher makes the cgroups; each rank's wrapper (``rankwrap``) writes its own
+pid into ``cgroup.procs`` before it execs the real command.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hetrain.emulate.network import PREFIX, kill_pids, run_id_of
+
+MIN_QUOTA_S = 0.001  # the kernel refuses a CFS quota below 1 ms
+
+
+@dataclass(frozen=True)
+class CgroupRoot:
+    """Where cgroups with a CPU controller can be made: version 1 or 2, and the directory."""
+
+    version: int
+    path: Path
+
+    def describe(self) -> str:
+        return f"cgroup v{self.version} at {self.path}"
+
+
+def estimate_quota(cpu_share: float, period_s: float) -> tuple[int, int]:
+    """``(quota_us, period_us)`` for a CPU share: quota = share x period.
+
+    The period is lengthened where the quota would fall under the kernel's 1 ms minimum
+    (share 0.05 at 10 ms -> 1 ms per 20 ms).
+
+    Example:
+        >>> estimate_quota(0.4, 0.010)
+        (4000, 10000)
+        >>> estimate_quota(0.05, 0.010)
+        (1000, 20000)
+    """
+    if not cpu_share > 0:
+        raise ValueError(f"cpu_share must be positive, got {cpu_share!r}")
+    period_s = max(period_s, MIN_QUOTA_S / cpu_share)
+    period_us = round(period_s * 1e6)
+    return max(round(cpu_share * period_us), round(MIN_QUOTA_S * 1e6)), period_us
+
+
+def _mounts(mounts_text: str | None) -> list[tuple[str, str, set[str]]]:
+    if mounts_text is None:
+        try:
+            mounts_text = Path("/proc/self/mounts").read_text()
+        except OSError:
+            return []
+    out = []
+    for line in mounts_text.splitlines():
+        parts = line.split()
+        if len(parts) >= 4:
+            out.append((parts[1].replace("\\040", " "), parts[2], set(parts[3].split(","))))
+    return out
+
+
+def find_cpu_cgroups(mounts_text: str | None = None) -> tuple[CgroupRoot | None, str]:
+    """The cgroup hierarchy to throttle with, or None and the reason there is none.
+
+    Args:
+        mounts_text: the text of ``/proc/self/mounts`` (read when None; tests pass their own).
+    """
+    mounts = _mounts(mounts_text)
+    for point, fstype, options in mounts:
+        if fstype == "cgroup" and "cpu" in options:
+            path = Path(point)
+            if not os.access(path, os.W_OK):
+                return None, f"the cgroup v1 cpu hierarchy at {path} is not writable (run as root)"
+            return CgroupRoot(1, path), ""
+    for point, fstype, _ in mounts:
+        if fstype == "cgroup2":
+            path = Path(point)
+            try:
+                controllers = (path / "cgroup.controllers").read_text().split()
+            except OSError as e:
+                return None, f"cannot read {path / 'cgroup.controllers'}: {e.strerror}"
+            if "cpu" not in controllers:
+                return None, (f"the cgroup v2 hierarchy at {path} offers no cpu controller "
+                              f"(it has: {' '.join(controllers) or 'none'})")
+            if not os.access(path, os.W_OK):
+                return None, f"the cgroup v2 hierarchy at {path} is not writable (run as root)"
+            return CgroupRoot(2, path), ""
+    return None, "no cgroup hierarchy with a cpu controller is mounted"
+
+
+def run_dir(root: CgroupRoot, run_id: str) -> Path:
+    return root.path / f"{PREFIX}{run_id}"
+
+
+def create_device_cgroup(root: CgroupRoot, run_id: str, key: str, cpu_share: float, period_s: float) -> Path:
+    """Make ``<root>/hetrain-emu-<run>/<key>`` with quota ``cpu_share x period``; returns its ``cgroup.procs``.
+
+    Raises:
+        OSError: the cgroup filesystem refused (the caller names the device and falls back or stops).
+    """
+    parent = run_dir(root, run_id)
+    if not parent.exists():
+        parent.mkdir()
+        if root.version == 2:
+            _enable_cpu_controller(root.path)
+            _enable_cpu_controller(parent)
+        # The run's tree is one entity to the scheduler, weighed against every other task of
+        # the host: a weight of 10x the default keeps other work from eating into the quotas.
+        if root.version == 1:
+            (parent / "cpu.shares").write_text(str(10 * 1024))
+        else:
+            (parent / "cpu.weight").write_text(str(10 * 100))
+    group = parent / key
+    group.mkdir(exist_ok=True)
+    quota_us, period_us = estimate_quota(cpu_share, period_s)
+    if root.version == 1:
+        (group / "cpu.cfs_period_us").write_text(str(period_us))
+        (group / "cpu.cfs_quota_us").write_text(str(quota_us))
+    else:
+        (group / "cpu.max").write_text(f"{quota_us} {period_us}")
+    return group / "cgroup.procs"
+
+
+def _enable_cpu_controller(path: Path) -> None:
+    control = path / "cgroup.subtree_control"
+    enabled = control.read_text().split() if control.exists() else []  # always there on a real cgroupfs
+    if "cpu" not in enabled:
+        control.write_text("+cpu")  # EBUSY where path holds processes itself (a container's root): told to the user
+
+
+def list_run_dirs(roots: list[CgroupRoot] | None = None) -> dict[str, list[Path]]:
+    """Cgroup directories made by emulation runs, by run id."""
+    if roots is None:
+        root, _ = find_cpu_cgroups()
+        roots = [root] if root else []
+    out: dict[str, list[Path]] = {}
+    for root in roots:
+        with contextlib.suppress(OSError):
+            for entry in root.path.iterdir():
+                rid = run_id_of(entry.name)
+                if rid and entry.is_dir():
+                    out.setdefault(rid, []).append(entry)
+    return out
+
+
+def cgroup_pids(group: Path) -> list[int]:
+    try:
+        return [int(t) for t in (group / "cgroup.procs").read_text().split()]
+    except OSError:
+        return []
+
+
+def remove_run_dir(path: Path) -> list[str]:
+    """Kill the processes left in a run's cgroups, then remove them; returns problems ([] when all went)."""
+    problems = []
+    children = [c for c in path.iterdir() if c.is_dir()] if path.exists() else []
+    for group in [*children, path]:
+        pids = cgroup_pids(group)
+        survivors = kill_pids(pids) if pids else []
+        for attempt in range(50):  # the kernel empties a cgroup a moment after its last process exits
+            try:
+                group.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError as e:
+                if attempt == 49:
+                    left = f" (processes {survivors} would not die)" if survivors else ""
+                    problems.append(f"cannot remove cgroup {group}: {e.strerror}{left}")
+                time.sleep(0.05)
+    return problems
+
+
+def read_cpu_stat(group: Path) -> dict[str, int]:
+    """``cpu.stat`` of a cgroup as numbers (v1: nr_throttled, throttled_time ns; v2: usage_usec, ...)."""
+    out = {}
+    with contextlib.suppress(OSError):
+        for line in (group / "cpu.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if value.strip().isdigit():
+                out[key] = int(value)
+    return out

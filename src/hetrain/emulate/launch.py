@@ -1,0 +1,212 @@
+"""Launch a job on an emulated cluster: one torchrun per node, inside the node's namespace.
+
+For node k of N (``d_k`` devices), the launcher runs, in its own session::
+
+    nsenter --net=/run/netns/hetrain-emu-<id>-<k>-<node> -- \\
+      python -m torch.distributed.run --nnodes N --nproc-per-node d_k \\
+        --rdzv-backend c10d --rdzv-endpoint 10.213.0.100:29400 --rdzv-id hetrain-emu-<id> \\
+        --rdzv-conf is_host=<1 on node 0, else 0>,join_timeout=120 --local-addr <node k's address> \\
+        --max-restarts 0 --no-python python -m hetrain.emulate.rankwrap COMMAND...
+
+with ``HETRAIN_NODE`` and ``HETRAIN_HOST`` set to the node's name and
+``GLOO_SOCKET_IFNAME=nic``. The c10d rendezvous is the one a real multi-node job
+uses: node 0's torchrun hosts the store, every node joins it over the emulated
+network, and since the rendezvous orders nodes by ``--local-addr`` (sorting as
+node order) global ranks follow the cluster file's device order. Each rank
+process is ``rankwrap``, which joins its device's cgroup and execs COMMAND.
+``nsenter`` is used rather than ``ip netns exec``, which remounts /sys and would
+hide the cgroup tree from the rank.
+
+The job's output comes back line by line, each prefixed with ``[node]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import IO, TYPE_CHECKING, TextIO
+
+from hetrain.emulate.network import NIC, PREFIX, kill_pids, namespace_pids
+from hetrain.emulate.rankwrap import CGROUPS_ENV
+from hetrain.emulate.settings import EmulationError, EmulationSettings
+
+if TYPE_CHECKING:
+    from hetrain.emulate.emulator import EmulatedCluster
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                  "MASTER_ADDR", "MASTER_PORT", "HETRAIN_HOST", "HETRAIN_NODE", CGROUPS_ENV)
+FAILURE_GRACE_S = 2.0  # after one node fails, how long the others may take to stop on their own
+STOP_GRACE_S = 2.0     # after SIGTERM, how long a torchrun may take to stop its ranks
+
+
+class EmulationInterrupted(KeyboardInterrupt):
+    """SIGINT, SIGTERM or SIGHUP arrived while an emulated cluster was up."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def signals_raise() -> Iterator[None]:
+    """Turn SIGINT, SIGTERM and SIGHUP into ``EmulationInterrupted`` (main thread only), so ``with`` blocks
+    and ``finally`` clauses tear the cluster down."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise EmulationInterrupted(signum)
+
+    signums = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, handler) for s in signums}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def build_torchrun_command(em: EmulatedCluster, k: int, command: Sequence[str]) -> list[str]:
+    """The argv that runs ``command`` on node ``k`` of ``em`` (nsenter + torchrun + rankwrap)."""
+    settings: EmulationSettings = em.settings
+    nodes = em.network.nodes
+    return [
+        "nsenter", f"--net={em.netns_path(k)}", "--",
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", str(len(nodes)),
+        "--nproc-per-node", str(len(em.cluster.nodes[k].devices)),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{nodes[0].address}:{settings.rdzv_port}",
+        "--rdzv-id", f"{PREFIX}{em.run_id}",
+        "--rdzv-conf", f"is_host={int(k == 0)},join_timeout={round(settings.join_timeout_s)}",
+        "--local-addr", nodes[k].address, "--max-restarts", "0",
+        "--no-python", sys.executable, "-m", "hetrain.emulate.rankwrap", *command,
+    ]
+
+
+def build_node_env(em: EmulatedCluster, k: int, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of node ``k``'s torchrun (its ranks inherit it)."""
+    env = {key: v for key, v in (os.environ if base is None else base).items()
+           if key not in _TORCHRUN_VARS and not key.startswith("TORCHELASTIC_")}
+    name = em.cluster.nodes[k].name
+    # the interpreter's bin directory first: `python` and `hetrain` in COMMAND are this environment's
+    bin_dir = str(Path(sys.executable).parent)
+    env.update(
+        HETRAIN_NODE=name, HETRAIN_HOST=name, GLOO_SOCKET_IFNAME=NIC, TP_SOCKET_IFNAME=NIC,
+        PATH=os.pathsep.join([bin_dir, env.get("PATH", os.defpath)]), PYTHONUNBUFFERED="1",
+    )
+    env[CGROUPS_ENV] = json.dumps(em.node_cgroups(k))
+    return env
+
+
+def _forward(pipe: IO[str], out: TextIO, prefix: str) -> None:
+    for line in iter(pipe.readline, ""):
+        try:
+            out.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
+            out.flush()
+        except (ValueError, OSError):  # the stream was closed under us: keep draining the pipe
+            pass
+    pipe.close()
+
+
+def _stop(procs: Sequence[subprocess.Popen[str]], grace_s: float) -> None:
+    """SIGTERM each torchrun's process group (torchrun passes it to its ranks), SIGKILL after ``grace_s``."""
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def launch_job(em: EmulatedCluster, command: Sequence[str], timeout_s: float | None = None,
+               stdout: TextIO | None = None, stderr: TextIO | None = None,
+               log: Callable[[str], None] | None = None) -> int:
+    """Run ``command`` on every node of ``em`` under torchrun; the job's exit status.
+
+    0 when every node's torchrun exits 0; else the first non-zero status (the other nodes
+    get ``FAILURE_GRACE_S`` to stop, then are stopped); 124 when ``timeout_s`` passes.
+    Whatever happens, no process of the job is left in the namespaces afterwards.
+    """
+    command = list(command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        raise EmulationError("no command to run: give it after `--`, for example "
+                             "`hetrain emulate run cluster.toml -- python -m hetrain.profiler.network -o m.toml`")
+    out, err = stdout or sys.stdout, stderr or sys.stderr
+    say = log or (lambda m: print(f"hetrain emulate: {m}", file=err, flush=True))
+    procs: list[subprocess.Popen[str]] = []
+    threads: list[threading.Thread] = []
+    names = [n.name for n in em.cluster.nodes]
+    width = max(len(n) for n in names)
+    try:
+        for k, name in enumerate(names):
+            p = subprocess.Popen(build_torchrun_command(em, k, command), env=build_node_env(em, k),
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, errors="replace", bufsize=1, start_new_session=True)
+            procs.append(p)
+            prefix = f"[{name:<{width}}] "
+            for pipe, target in ((p.stdout, out), (p.stderr, err)):
+                t = threading.Thread(target=_forward, args=(pipe, target, prefix), daemon=True,
+                                     name=f"hetrain-emulate-{name}")
+                t.start()
+                threads.append(t)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        status: int | None = None
+        failed_at: float | None = None
+        while True:
+            codes = [p.poll() for p in procs]
+            bad = [(names[k], c) for k, c in enumerate(codes) if c not in (None, 0)]
+            if bad and status is None:
+                status = bad[0][1]
+                failed_at = time.monotonic()
+                say(f"node {bad[0][0]} failed with exit status {status}; stopping the other nodes")
+            if all(c is not None for c in codes):
+                return status or 0
+            now = time.monotonic()
+            if failed_at is not None and now - failed_at > FAILURE_GRACE_S:
+                return status or 1
+            if deadline is not None and now > deadline:
+                say(f"the job ran past its time limit of {timeout_s:g} s; stopping it")
+                return 124
+            time.sleep(0.05)
+    finally:
+        with signals_deferred():
+            _stop(procs, STOP_GRACE_S)
+            leftovers = [pid for nn in em.network.nodes for pid in namespace_pids(nn.namespace)]
+            if leftovers:
+                kill_pids(leftovers)
+            for t in threads:
+                t.join(timeout=2.0)
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Ignore SIGINT, SIGTERM and SIGHUP while tearing down, so a second Ctrl-C cannot leave half a cluster."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signums = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in signums}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)

@@ -1,0 +1,157 @@
+"""Emulation settings: the ``[emulation]`` table of a cluster file.
+
+``parse_cluster`` accepts the table and ignores it; this module reads it::
+
+    [emulation]
+    cpu_period = "10ms"     # cgroup CPU period; short, so throttling is smooth
+    cpu_scale = 1.0         # every cpu_share is multiplied by this (0.5: fit 4 devices on 2 cores)
+    throttle = "auto"       # "auto": cgroups if possible, else warn; "cgroup": refuse without; "off"
+    shape = true            # shape NICs and [[link]]s with tc; false: unshaped veths
+    shape_intra = false     # also shape each node's loopback at its intra_link rate
+    rdzv_port = 29400       # c10d rendezvous port on the first node's address
+    join_timeout = "120s"   # how long torchrun waits for every node to join
+
+Every key is optional. docs/emulate.md describes what each does.
+
+Example:
+    >>> parse_emulation_settings({"cpu_period": "20ms", "cpu_scale": 0.5}).cpu_period_s
+    0.02
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from hetrain.units import UnitError, parse_time
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib  # type: ignore[import-not-found, unused-ignore]
+
+Throttle = Literal["auto", "cgroup", "off"]
+THROTTLE_CHOICES: tuple[str, ...] = ("auto", "cgroup", "off")
+
+
+class EmulationError(RuntimeError):
+    """The emulated cluster cannot be built, run or removed; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class EmulationSettings:
+    """How a cluster file is emulated on one host.
+
+    Attributes:
+        cpu_period_s: cgroup CPU period (s). A device with share ``c`` may run ``c * period``
+            of CPU time per period; 10 ms keeps the stalls short. Raised for a device whose
+            quota would fall under the kernel's 1 ms minimum.
+        cpu_scale: factor applied to every ``cpu_share`` (keeps the ratios, changes the total).
+        throttle: ``"auto"`` uses cgroups where it can and warns where it cannot;
+            ``"cgroup"`` refuses to run without them; ``"off"`` never throttles.
+        shape: shape node NICs and ``[[link]]`` overrides with tc (htb).
+        shape_intra: also shape each node's loopback (all its intra-node traffic, both
+            directions together) at its ``intra_link`` bandwidth.
+        rdzv_port: c10d rendezvous port, on the first node's address.
+        join_timeout_s: how long each torchrun waits for all nodes to join the rendezvous.
+    """
+
+    cpu_period_s: float = 0.010
+    cpu_scale: float = 1.0
+    throttle: Throttle = "auto"
+    shape: bool = True
+    shape_intra: bool = False
+    rdzv_port: int = 29400
+    join_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not 0.001 <= self.cpu_period_s <= 1.0:
+            raise EmulationError(f"[emulation] cpu_period must be between 1ms and 1s, got {self.cpu_period_s:g} s")
+        if not 0 < self.cpu_scale <= 64:
+            raise EmulationError(f"[emulation] cpu_scale must be in (0, 64], got {self.cpu_scale!r}")
+        if self.throttle not in THROTTLE_CHOICES:
+            raise EmulationError(f"[emulation] throttle must be one of {', '.join(THROTTLE_CHOICES)}, "
+                                 f"got {self.throttle!r}")
+        if not 1 <= self.rdzv_port <= 65535:
+            raise EmulationError(f"[emulation] rdzv_port must be a port number, got {self.rdzv_port!r}")
+        if not self.join_timeout_s >= 1:
+            raise EmulationError(f"[emulation] join_timeout must be at least 1s, got {self.join_timeout_s:g} s")
+
+    def with_overrides(self, **changes: Any) -> EmulationSettings:
+        """A copy with the given fields replaced; ``None`` values are ignored (unset CLI flags)."""
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cpu_period_s": self.cpu_period_s, "cpu_scale": self.cpu_scale, "throttle": self.throttle,
+                "shape": self.shape, "shape_intra": self.shape_intra, "rdzv_port": self.rdzv_port,
+                "join_timeout_s": self.join_timeout_s}
+
+    @staticmethod
+    def from_dict(data: Mapping[str, Any]) -> EmulationSettings:
+        """The SI form written by ``to_dict`` (the run's state file)."""
+        return EmulationSettings(**dict(data))
+
+
+_KEYS = {"cpu_period", "cpu_scale", "throttle", "shape", "shape_intra", "rdzv_port", "join_timeout"}
+
+
+def parse_emulation_settings(table: Mapping[str, Any] | None) -> EmulationSettings:
+    """Settings from the ``[emulation]`` table of a cluster file (``None``: the defaults).
+
+    Raises:
+        EmulationError: an unknown key, or a value of the wrong kind (named, with the value).
+    """
+    if table is None:
+        return EmulationSettings()
+    if not isinstance(table, Mapping):
+        raise EmulationError(f"[emulation] must be a table, got {table!r}")
+    extra = set(table) - _KEYS
+    if extra:
+        raise EmulationError(f"[emulation]: unknown keys {sorted(extra)}; known: {sorted(_KEYS)}")
+    out: dict[str, Any] = {}
+    for key, field in (("cpu_period", "cpu_period_s"), ("join_timeout", "join_timeout_s")):
+        if key in table:
+            try:
+                out[field] = parse_time(table[key], f"[emulation] {key}")
+            except UnitError as e:
+                raise EmulationError(str(e)) from None
+    if "cpu_scale" in table:
+        value = table["cpu_scale"]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise EmulationError(f"[emulation] cpu_scale must be a number, got {value!r}")
+        out["cpu_scale"] = float(value)
+    for key in ("shape", "shape_intra"):
+        if key in table:
+            if not isinstance(table[key], bool):
+                raise EmulationError(f"[emulation] {key} must be true or false, got {table[key]!r}")
+            out[key] = table[key]
+    if "throttle" in table:
+        out["throttle"] = str(table["throttle"])
+    if "rdzv_port" in table:
+        port = table["rdzv_port"]
+        if isinstance(port, bool) or not isinstance(port, int):
+            raise EmulationError(f"[emulation] rdzv_port must be an integer, got {port!r}")
+        out["rdzv_port"] = port
+    return EmulationSettings(**out)
+
+
+def load_emulation_settings(path: str | Path) -> EmulationSettings:
+    """The ``[emulation]`` table of the cluster file at ``path`` (defaults where it has none).
+
+    Raises:
+        EmulationError: unreadable file, or an invalid ``[emulation]`` table (message starts with the path).
+    """
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except OSError as e:
+        raise EmulationError(f"cannot read cluster file {p}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise EmulationError(f"{p}: not valid TOML: {e}") from None
+    try:
+        return parse_emulation_settings(data.get("emulation"))
+    except EmulationError as e:
+        raise EmulationError(f"{p}: {e}") from None
