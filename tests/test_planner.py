@@ -61,6 +61,8 @@ def brute_force(cluster, profile, b, m, schedule, optimizer="adam"):
     best = math.inf
     for order in itertools.permutations(devices):
         stages = build_stage_costs(profile, order, b, m, schedule, optimizer)
+        for s in stages:
+            s.ensure_recompute(math.inf)  # every range's exact greedy recompute set
         links = link_time_table(cluster, order, arrays, b)
         for inner in itertools.combinations(range(1, L), p - 1):
             cuts = (0, *inner, L)
@@ -105,6 +107,7 @@ def test_vectorised_recompute_matches_scalar_greedy() -> None:
     arrays = build_model_arrays(profile, "adam")
     for dev in cluster.devices:
         (table,) = build_stage_costs(profile, [dev], 2, 4, "gpipe", "adam")
+        table.ensure_recompute(math.inf)
         for k in range(12):
             for l in range(k + 1, 13):
                 scalar = choose_recompute(table.fwd_s, arrays, k, l, 2, 4, dev.memory_bytes)

@@ -6,7 +6,7 @@ search tries several families and lets the cost model choose:
     dp          every device its own VW (pure data parallelism)
     pp          one VW of all devices (pure pipeline)
     node        one VW per node (HetPipe's NP policy)
-    spread-k    k VWs, each device type dealt round-robin over them, so every VW
+    spread-k    k VWs (k a power of two), each device type dealt round-robin over them, so every VW
                 gets an equal share of every type (HetPipe's ED policy)
     paired      nodes paired fastest-with-slowest, one VW per pair (HetPipe's HD
                 idea: mix fast and slow so VWs are equally strong)
@@ -66,12 +66,11 @@ def _node_speed(cluster: Cluster, n: int, precision: str) -> float:
 
 
 def _counts(n: int) -> list[int]:
-    """Candidate VW counts: powers of two and small multiples up to n."""
+    """Candidate VW counts: powers of two up to n, and n."""
     out = {1, n}
     k = 2
     while k < n:
         out.add(k)
-        out.add(3 * k // 2)
         k *= 2
     return sorted(x for x in out if 1 <= x <= n)
 

@@ -32,6 +32,7 @@ import numpy as np
 from hetrain.cluster import Cluster, Device
 from hetrain.planner.stage_cost import (
     INF,
+    StageCosts,
     StageTableCache,
     build_model_arrays,
     build_stage_costs,
@@ -110,10 +111,14 @@ def _min_max(peak: list[np.ndarray]) -> float:
 
 def partition(cluster: Cluster, profile: ModelProfile, devices: Sequence[Device], b: int, m: int,
               schedule: str, optimizer: str, allow_recompute: bool = True,
-              max_caps: int = 64, cache: StageTableCache | None = None) -> PartitionResult | None:
+              max_caps: int = 64, cache: StageTableCache | None = None,
+              full_recompute: bool = False) -> PartitionResult | None:
     """Best cuts of the model over ``devices`` in this order; None if no cut fits memory.
 
     Every device gets at least one layer, so ``len(devices) <= L`` is required.
+    ``full_recompute`` (for screening): a stage that needs recomputation recomputes
+    every useful layer instead of the greedy's cheapest set, an upper bound that
+    needs no per-range greedy.
 
     Example:
         >>> r = partition(cluster, profile, cluster.devices[:2], b=4, m=8,
@@ -126,9 +131,31 @@ def partition(cluster: Cluster, profile: ModelProfile, devices: Sequence[Device]
         return None
     stages = build_stage_costs(profile, devices, b, m, schedule, optimizer, allow_recompute, cache)
     links = link_time_table(cluster, devices, build_model_arrays(profile, optimizer), b)
-    # cost[j][k, l] = t_j(k, l) + c_j(k); peak[j][k, l] = max(t_j(k, l), c_j(k)).
-    cost = [s.time_s + links[j][:, None] for j, s in enumerate(stages)]
-    peak = [np.maximum(s.time_s, links[j][:, None]) for j, s in enumerate(stages)]
+    # An upper bound first, with every useful layer recomputed where memory needs it:
+    # any optimum has max stage time M* <= (f0 - S_lb) / (m - 1), S_lb a lower bound
+    # of the sum, so ranges slower than that need no exact recompute set.
+    peak_full = [np.maximum(s.full_s, links[j][:, None]) for j, s in enumerate(stages)]
+    cost_full = [s.full_s + links[j][:, None] for j, s in enumerate(stages)]
+    t_full = _min_max(peak_full)
+    if not np.isfinite(t_full):
+        return None
+    found_full = _min_sum(cost_full, peak_full, t_full)
+    assert found_full is not None
+    sum_full, cuts_full = found_full
+    f0 = sum_full + (m - 1) * max(float(peak_full[j][cuts_full[j], cuts_full[j + 1]]) for j in range(p))
+    if full_recompute:
+        return _result(devices, stages, links, cuts_full, m, b, full_recompute=True, exact=False)
+    s_lb = float(np.min(np.stack([s.fwd_s + s.bwd_s for s in stages]), axis=0).sum())
+    limit = f0 if m == 1 else min(f0, (f0 - s_lb) / (m - 1))
+    limit *= 1 + 1e-9
+    if not full_recompute:
+        for s in stages:
+            s.ensure_recompute(limit)
+    tables = [s.full_s if full_recompute else s.time_s for s in stages]
+    # cost[j][k, l] = t_j(k, l) + c_j(k); peak[j][k, l] = max(t_j(k, l), c_j(k)); ranges above the limit dropped.
+    peak = [np.maximum(t, links[j][:, None]) for j, t in enumerate(tables)]
+    peak = [np.where(pk <= limit, pk, INF) for pk in peak]
+    cost = [t + links[j][:, None] for j, t in enumerate(tables)]
     t_star = _min_max(peak)
     if not np.isfinite(t_star):
         return None
@@ -158,15 +185,21 @@ def partition(cluster: Cluster, profile: ModelProfile, devices: Sequence[Device]
         if f < best_f:
             best_f, best = f, (total, cuts)
     assert best is not None
-    total, cuts = best
+    return _result(devices, stages, links, best[1], m, b, full_recompute=False, exact=exact)
+
+
+def _result(devices: Sequence[Device], stages: list[StageCosts], links: np.ndarray, cuts: Sequence[int], m: int,
+            b: int, full_recompute: bool, exact: bool) -> PartitionResult:
+    """The PartitionResult of ``cuts`` over the given stage tables."""
+    p = len(devices)
     fwd, bwd, stage_s, rcs = [], [], [], []
     for j, s in enumerate(stages):
         k, l = cuts[j], cuts[j + 1]
-        rc = s.recompute(k, l)
-        f_s, b_s = s.forward_backward(k, l)
+        rc = s.recompute(k, l, full_recompute)
+        f_s, b_s = s.forward_backward(k, l, full_recompute)
         fwd.append(f_s)
         bwd.append(b_s)
-        stage_s.append(float(s.time_s[k, l]))
+        stage_s.append(float((s.full_s if full_recompute else s.time_s)[k, l]))
         rcs.append(rc)
     link_s = [float(links[j][cuts[j]]) for j in range(1, p)]
     return PartitionResult(

@@ -91,11 +91,11 @@ class PlannerOptions:
     global_batch_choices: tuple[int, ...] = ()
     micro_batch_sizes: tuple[int, ...] | None = None
     allow_recompute: bool = True
-    max_caps: int = 64
+    max_caps: int = 24
     order_budget: float = 2e6
     exhaustive_orders: int = 120
     exhaustive_devices: int = 6
-    refine_top_k: int = 4
+    refine_top_k: int = 3
     simulate_top_k: int = 3
 
     def __post_init__(self) -> None:
@@ -304,7 +304,9 @@ def search(cluster: Cluster, profile: ModelProfile, global_batch: int, opts: Pla
             f"{opts.strategy} strategy on {cluster.num_devices} devices: every VW needs at least one sample. "
             f"Use --global-batch >= {fewest}" + ("" if opts.strategy != "dp" else ", or --strategy auto/pp")
         )
-    schedules = ("1f1b", "gpipe") if opts.schedule == "auto" else (opts.schedule,)
+    # GPipe and 1F1B share the closed-form time, and 1F1B holds min(m, p - j) <= m
+    # micro-batches per stage, so under "auto" 1F1B dominates; GPipe when asked.
+    schedules = ("1f1b",) if opts.schedule == "auto" else (opts.schedule,)
     batches = sorted({global_batch, *opts.global_batch_choices}) if opts.objective == "time-to-accuracy" \
         else [global_batch]
     evaluators: dict[tuple[object, ...], VWEvaluator] = {}

@@ -31,13 +31,17 @@ INF = float("inf")
 
 @dataclass
 class StageCosts:
-    """Stage time and memory tables of one device at one position of a VW.
+    """Stage time tables of one device holding ``n_in_flight`` micro-batches of size ``b``.
 
     Attributes:
         device: the device.
         n_in_flight: micro-batches whose activations the stage holds at once.
-        time_s: (L+1, L+1) array, ``time_s[k, l]`` for layers ``[k, l)``, inf where
-            infeasible or ``k >= l``.
+        time_s: (L+1, L+1) array, ``time_s[k, l]`` for layers ``[k, l)`` with the
+            greedy recompute set where memory needs one; inf where infeasible, for
+            ``k >= l``, and for ranges needing recomputation that were not worked
+            out yet (``ensure_recompute``).
+        full_s: the same with every useful layer recomputed where memory needs it:
+            an upper bound of ``time_s`` over the same feasible ranges.
         fwd_s / bwd_s: per-layer forward / backward seconds at micro-batch ``b``.
     """
 
@@ -45,23 +49,41 @@ class StageCosts:
     n_in_flight: int
     b: int
     time_s: np.ndarray
+    full_s: np.ndarray
     fwd_s: np.ndarray
     bwd_s: np.ndarray
-    # Greedy order of layers for recomputation, and per (k, l) how long a prefix
-    # of that order (restricted to [k, l)) is recomputed: 0 = nothing.
-    recompute_order: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    recompute_prefix: np.ndarray | None = None
+    base_s: np.ndarray  # forward + backward without recomputation, every range
+    pending: np.ndarray  # ranges that need recomputation and could fit with it
+    arrays: ModelArrays
+    recompute_order: np.ndarray
+    recompute_prefix: np.ndarray
+    done_up_to_s: float = -1.0
 
-    def recompute(self, k: int, l: int) -> tuple[int, ...]:
-        """The recompute set chosen for layers ``[k, l)`` (empty if it fits as is)."""
-        if self.recompute_prefix is None:
-            return ()
+    def ensure_recompute(self, limit_s: float) -> None:
+        """Work out the greedy recompute set of every pending range whose time without
+        recomputation is at most ``limit_s`` (ranges above it cannot be in the answer)."""
+        if limit_s <= self.done_up_to_s or not self.pending.any():
+            return
+        todo = self.pending & (self.base_s <= limit_s) & (self.base_s > self.done_up_to_s)
+        if todo.any():
+            _add_recompute(self, todo)
+        self.done_up_to_s = limit_s
+
+    def recompute(self, k: int, l: int, full: bool = False) -> tuple[int, ...]:
+        """The recompute set chosen for layers ``[k, l)`` (empty if it fits as is).
+
+        ``full``: the set behind ``full_s`` (every useful layer, where memory needs any).
+        """
+        if full:
+            if not self.pending[k, l]:
+                return ()
+            return tuple(sorted(int(i) for i in self.recompute_order if k <= i < l))
         t = int(self.recompute_prefix[k, l])
         return tuple(sorted(int(i) for i in self.recompute_order[:t] if k <= i < l))
 
-    def forward_backward(self, k: int, l: int) -> tuple[float, float]:
+    def forward_backward(self, k: int, l: int, full: bool = False) -> tuple[float, float]:
         """(forward, backward incl. recomputation) seconds per micro-batch for ``[k, l)``."""
-        rc = self.recompute(k, l)
+        rc = self.recompute(k, l, full)
         fwd = float(self.fwd_s[k:l].sum())
         bwd = float(self.bwd_s[k:l].sum()) + float(sum(self.fwd_s[i] for i in rc))
         return fwd, bwd
@@ -76,6 +98,22 @@ class ModelArrays:
     input: np.ndarray  # (L,) input bytes per sample (previous layer's output)
     output: np.ndarray  # (L,) output bytes per sample
     weight_factor: float  # weight memory per parameter byte (params + grads + optimizer state)
+    # Range tables shared by every device: out[k, l] over layers [k, l).
+    weight_table: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # weight memory
+    saved_table: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # activation bytes per sample
+    kept_full_table: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # ... all useful layers recomputed
+    transient_table: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # largest useful layer's saved bytes
+    upper: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=bool))  # k < l
+    useful: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))  # recomputing saves memory
+
+
+def _range_max(values: np.ndarray) -> np.ndarray:
+    """``out[k, l] = max(values[k:l])`` (0 for empty ranges)."""
+    L = len(values)
+    out = np.zeros((L + 1, L + 1))
+    for k in range(L):
+        out[k, k + 1:] = np.maximum.accumulate(values[k:])
+    return out
 
 
 def build_model_arrays(profile: ModelProfile, optimizer: str) -> ModelArrays:
@@ -85,13 +123,22 @@ def build_model_arrays(profile: ModelProfile, optimizer: str) -> ModelArrays:
         return cached  # type: ignore[no-any-return]
     layers = profile.layers
     out = np.array([x.output_bytes_per_sample for x in layers], dtype=float)
+    param = np.array([x.param_bytes for x in layers], dtype=float)
+    saved = np.array([x.saved_bytes_per_sample for x in layers], dtype=float)
+    inputs = np.concatenate([[profile.input_bytes_per_sample], out[:-1]])
+    # estimate_weight_memory is linear in parameter bytes: take its slope once.
+    weight_factor = estimate_weight_memory(1.0, profile.bytes_per_element, optimizer)
+    useful = saved - inputs > 0
+    saved_table = _range_table(_prefix(saved))
+    L = len(layers)
     arrays = ModelArrays(
-        param=np.array([x.param_bytes for x in layers], dtype=float),
-        saved=np.array([x.saved_bytes_per_sample for x in layers], dtype=float),
-        input=np.concatenate([[profile.input_bytes_per_sample], out[:-1]]),
-        output=out,
-        # estimate_weight_memory is linear in parameter bytes: take its slope once.
-        weight_factor=estimate_weight_memory(1.0, profile.bytes_per_element, optimizer),
+        param=param, saved=saved, input=inputs, output=out, weight_factor=weight_factor,
+        weight_table=weight_factor * _range_table(_prefix(param)),
+        saved_table=saved_table,
+        kept_full_table=saved_table - _range_table(_prefix(np.where(useful, saved - inputs, 0.0))),
+        transient_table=_range_max(np.where(useful, saved, 0.0)),
+        upper=np.triu(np.ones((L + 1, L + 1), dtype=bool), k=1),
+        useful=useful,
     )
     profile._cache[key] = arrays
     return arrays
@@ -160,24 +207,25 @@ class StageTableCache:
 
 def _build_one(profile: ModelProfile, arrays: ModelArrays, dev: Device, b: int, n: int,
                allow_recompute: bool) -> StageCosts:
-    """The stage table of ``dev`` holding ``n`` micro-batches of size ``b``."""
+    """The stage tables of ``dev`` holding ``n`` micro-batches of size ``b``."""
     L = profile.num_layers
-    weight_table = arrays.weight_factor * _range_table(_prefix(arrays.param))
-    saved_table = _range_table(_prefix(arrays.saved))
-    upper = np.triu(np.ones((L + 1, L + 1), dtype=bool), k=1)
+    upper = arrays.upper
     fwd, bwd = estimate_layer_times(profile, dev, b)
-    time = _range_table(_prefix(fwd + bwd))
-    mem = weight_table + n * b * saved_table
-    fits = (mem <= dev.memory_bytes) & upper
-    costs = StageCosts(dev, n, b, np.where(fits, time, INF), fwd, bwd)
-    if allow_recompute:
-        # A recomputed range keeps at least the inputs of its layers: the lower bound
-        # of its activation memory, used to skip hopeless ranges.
-        floor_table = _range_table(_prefix(np.minimum(arrays.saved, arrays.input)))
-        maybe = upper & ~fits & (weight_table + n * b * floor_table <= dev.memory_bytes)
-        if maybe.any():
-            _add_recompute(costs, arrays, time, weight_table, saved_table, maybe, dev.memory_bytes)
-    return costs
+    base = np.where(upper, _range_table(_prefix(fwd + bwd)), INF)
+    fits = (arrays.weight_table + n * b * arrays.saved_table <= dev.memory_bytes) & upper
+    time = np.where(fits, base, INF)
+    order = recompute_order(fwd, arrays)
+    full = time
+    pending = np.zeros_like(fits)
+    if allow_recompute and len(order):
+        # Recompute every useful layer: each keeps only its input; the largest
+        # recomputed layer's activations come back for one micro-batch.
+        need_full = arrays.weight_table + n * b * arrays.kept_full_table + b * arrays.transient_table
+        fits_full = upper & ~fits & (need_full <= dev.memory_bytes)
+        full = np.where(fits_full, base + _range_table(_prefix(np.where(arrays.useful, fwd, 0.0))), time)
+        pending = fits_full
+    return StageCosts(dev, n, b, time.copy(), full, fwd, bwd, base, pending, arrays, order,
+                      np.zeros((L + 1, L + 1), dtype=np.int64))
 
 
 def recompute_order(fwd_s: np.ndarray, arrays: ModelArrays) -> np.ndarray:
@@ -190,45 +238,39 @@ def recompute_order(fwd_s: np.ndarray, arrays: ModelArrays) -> np.ndarray:
     return out
 
 
-def _add_recompute(costs: StageCosts, arrays: ModelArrays, time: np.ndarray, weight_table: np.ndarray,
-                   saved_table: np.ndarray, maybe: np.ndarray, capacity_bytes: float) -> None:
-    """``choose_recompute`` for every range in ``maybe`` at once, one start layer at a time.
+def _add_recompute(costs: StageCosts, todo: np.ndarray) -> None:
+    """``choose_recompute`` for every range in ``todo`` at once, a block of start layers at a time.
 
     For start k and every end l, take the layers of [k, l) in greedy order; the
     t-th row of the cumulative tables is the state after recomputing the first t
     of them (bytes saved, largest transient, seconds added). The first row that
     fits is the greedy's answer.
     """
-    b, n = costs.b, costs.n_in_flight
-    order = recompute_order(costs.fwd_s, arrays)
-    if len(order) == 0:
-        return
+    b, n, arrays, order = costs.b, costs.n_in_flight, costs.arrays, costs.recompute_order
     L = len(arrays.param)
+    weight_table, saved_table = arrays.weight_table, arrays.saved_table
     gain = (arrays.saved - arrays.input)[order][:, None]  # (T, 1)
     transient = (b * arrays.saved)[order][:, None]
     added = costs.fwd_s[order][:, None]
-    prefix = np.zeros((L + 1, L + 1), dtype=np.int64)
-    starts = np.nonzero(maybe.any(axis=1))[0]
+    starts = np.nonzero(todo.any(axis=1))[0]
     # Process as many start layers at once as keep the (T, starts, L+1) arrays small.
     chunk = max(1, int(4_000_000 // max(1, len(order) * (L + 1))))
     ends = np.arange(L + 1)
     for c0 in range(0, len(starts), chunk):
         ks = starts[c0:c0 + chunk]
         o = order[:, None, None]
-        inside = (o >= ks[None, :, None]) & (o < ends[None, None, :]) & maybe[ks][None, :, :]  # (T, k, l)
+        inside = (o >= ks[None, :, None]) & (o < ends[None, None, :]) & todo[ks][None, :, :]  # (T, k, l)
         saved_t = np.cumsum(np.where(inside, gain[:, :, None], 0.0), axis=0)
         transient_t = np.maximum.accumulate(np.where(inside, transient[:, :, None], 0.0), axis=0)
         added_t = np.cumsum(np.where(inside, added[:, :, None], 0.0), axis=0)
         need = weight_table[ks][None] + n * b * (saved_table[ks][None] - saved_t) + transient_t
-        fit = need <= capacity_bytes
-        usable = fit.any(axis=0) & maybe[ks]  # (k, l)
+        fit = need <= costs.device.memory_bytes
+        usable = fit.any(axis=0) & todo[ks]  # (k, l)
         first = np.argmax(fit, axis=0)  # (k, l)
         kk, ll = np.nonzero(usable)
         rows = ks[kk]
-        costs.time_s[rows, ll] = time[rows, ll] + added_t[first[kk, ll], kk, ll]
-        prefix[rows, ll] = first[kk, ll] + 1
-    costs.recompute_order = order
-    costs.recompute_prefix = prefix
+        costs.time_s[rows, ll] = costs.base_s[rows, ll] + added_t[first[kk, ll], kk, ll]
+        costs.recompute_prefix[rows, ll] = first[kk, ll] + 1
 
 
 def build_stage_costs(profile: ModelProfile, devices: Sequence[Device], b: int, m: int, schedule: str,

@@ -191,20 +191,23 @@ class VWEvaluator:
                                             self.exhaustive_orders)
         return self._orders
 
+    def _partition(self, order: tuple[int, ...], b: int, m: int, fast: bool) -> PartitionResult | None:
+        return partition(self.cluster, self.profile, [self.devices[q] for q in order], b, m, self.schedule,
+                         self.optimizer, self.allow_recompute, 1 if fast else self.max_caps, self.cache,
+                         full_recompute=fast)
+
     def best(self, b: int, m: int, fast: bool = False) -> PartitionResult | None:
         """Best partition over candidate orders at micro-batch ``b`` and ``m`` micro-batches.
 
-        ``fast`` screens: two device orders, and only the min-max bottleneck cap
-        (the partition that minimises the slowest stage, then the sum under it).
+        Exact over every candidate order, bottleneck cap and greedy recompute set.
+        ``fast`` screens instead: two device orders, the min-max bottleneck cap only,
+        and full recomputation where a stage needs any (an upper bound).
         """
         key = (b, m, fast)
         if key not in self._cache:
             best: PartitionResult | None = None
-            orders = self.orders()[:2] if fast else self.orders()
-            caps = 1 if fast else self.max_caps
-            for order in orders:
-                r = partition(self.cluster, self.profile, [self.devices[q] for q in order], b, m,
-                              self.schedule, self.optimizer, self.allow_recompute, caps, self.cache)
+            for order in self.orders()[:2] if fast else self.orders():
+                r = self._partition(order, b, m, fast)
                 if r is not None and (best is None or r.pipeline_s < best.pipeline_s):
                     best = r
             self._cache[key] = best
@@ -234,17 +237,36 @@ class VWEvaluator:
             best = min(best, r.sum_s + (m - 1) * r.max_s)
         return best
 
-    def refine(self, mini_batch: int, fast: bool = False) -> PartitionResult | None:
+    def refine(self, mini_batch: int, fast: bool = False, shortlist: int = 3) -> PartitionResult | None:
         """Best (b, m, partition) for ``mini_batch``: m = ceil(B / b), sized evenly.
 
-        Exact over the candidate orders and caps unless ``fast`` (see ``best``).
+        ``fast``: screening partitions (see ``best``). Otherwise every (b, order)
+        is screened and the ``shortlist`` best are searched exactly.
         """
+        if fast:
+            found = [self.best(*self._b_m(mini_batch, b), fast=True)
+                     for b in micro_batch_candidates(mini_batch, self.micro_batch_sizes)]
+            return min((r for r in found if r is not None), key=lambda r: r.pipeline_s, default=None)
+        # the two most promising micro-batch sizes by screening, then every order at those
+        sizes = sorted(micro_batch_candidates(mini_batch, self.micro_batch_sizes),
+                       key=lambda b: r.pipeline_s if (r := self.best(*self._b_m(mini_batch, b), fast=True)) else INF)
+        screened: list[tuple[float, tuple[int, ...], int, int]] = []
+        for b in sizes[:2]:
+            b_eff, m = self._b_m(mini_batch, b)
+            for order in self.orders():
+                r = self._partition(order, b_eff, m, fast=True)
+                if r is not None:
+                    screened.append((r.pipeline_s, order, b_eff, m))
+        screened.sort(key=lambda x: x[0])
         best: PartitionResult | None = None
-        for b in micro_batch_candidates(mini_batch, self.micro_batch_sizes):
-            m = -(-mini_batch // b)
-            b_eff = -(-mini_batch // m)
-            r = self.best(b_eff, m, fast)
+        for _, order, b_eff, m in screened[:shortlist]:
+            r = self._partition(order, b_eff, m, fast=False)
             if r is not None and (best is None or r.pipeline_s < best.pipeline_s):
                 best = r
         return best
 
+    @staticmethod
+    def _b_m(mini_batch: int, b: int) -> tuple[int, int]:
+        """(micro-batch size, count) for a mini-batch cut into micro-batches of at most b."""
+        m = -(-mini_batch // b)
+        return -(-mini_batch // m), m
