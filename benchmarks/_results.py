@@ -15,7 +15,8 @@ def write_section(title: str, command: str, table: str, notes: str = "") -> None
             f"Python {platform.python_version()}\n\n{table.rstrip()}\n")
     if notes:
         body += f"\n{notes.rstrip()}\n"
-    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n\nEach section is written by the script it names.\n"
+    header = "# Benchmark results\n\nEach section is written by the script it names.\n"
+    text = RESULTS.read_text() if RESULTS.exists() else header
     pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
     if pattern.search(text):
         text = pattern.sub(body + "\n", text)

@@ -15,7 +15,6 @@ import sys
 import time
 
 from _results import write_section
-
 from hetrain.cluster import Cluster, parse_cluster
 from hetrain.models.analytic import build_gpt_profile
 from hetrain.planner import plan

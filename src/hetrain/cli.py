@@ -4,6 +4,7 @@
     hetrain simulate plan.json [--trace out.json] [--gantt out.png] [--json]
     hetrain profile --model NAME [--micro-batch 1,2,4,8] [-o profile.json]
     torchrun --nproc-per-node N --no-python hetrain discover -o cluster.toml
+    hetrain emulate run CLUSTER.toml -- COMMAND...  (also up, down, status)
     hetrain models | hetrain demo
 
 Torch-side commands import torch only when run; the planning commands never do.
@@ -194,6 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
     # Listed for --help; `main` hands `discover` to the profiler's own parser (it imports torch).
     sub.add_parser("discover", help="under torchrun: measure devices and links, write a cluster file",
                    add_help=False)
+
+    from hetrain.emulate.cli import add_emulate_arguments, run_emulate_args
+
+    em = sub.add_parser("emulate", help="emulate a heterogeneous cluster on this host and run a job on it")
+    add_emulate_arguments(em)
+    em.set_defaults(func=run_emulate_args)
 
     demo = sub.add_parser("demo", help="the main job on an embedded default cluster")
     demo.add_argument("--model", default="gpt2-medium")

@@ -1,0 +1,235 @@
+"""Is hetrain's runtime as fast as PyTorch's own, on the same partition and schedule?
+
+Side by side in one run, on CPU Gloo ranks of this machine (one torch thread each):
+
+    pipeline, 1F1B    hetrain Trainer   vs  torch.distributed.pipelining PipelineStage + Schedule1F1B
+    pipeline, GPipe   hetrain Trainer   vs  PipelineStage + ScheduleGPipe
+    pure DP           hetrain Trainer   vs  DistributedDataParallel
+
+Same model (per-layer seeded layers), same stage boundaries, same micro-batches,
+same fixed global batch, SGD step included. For each comparison both runtimes
+are built side by side in the same processes, warmed up, then timed in blocks
+of ``--block-steps`` steps between barriers, taking turns (hetrain, torch,
+torch, hetrain, ...) so that both meet the same background load; the ratio is
+the median over adjacent pairs of blocks. Target: hetrain >= 1.0x of torch.
+
+    python benchmarks/runtime_vs_torch.py [--ranks 2] [--model gpt-tiny] [--blocks 20] [--block-steps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.nn.parallel import DistributedDataParallel
+
+from _results import write_section
+from hetrain.cluster import parse_cluster
+from hetrain.models.layers import LayerRange
+from hetrain.models.registry import build_layers, layer_names, loss_fn, num_layers, sample_batch
+from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
+from hetrain.profile import LayerProfile, ModelProfile
+from hetrain.runtime import Trainer, build_optimizer_fn
+
+LR = 0.01
+CASES = ("1f1b", "gpipe", "dp")
+TORCH_NAMES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "dp": "DistributedDataParallel"}
+
+
+def even_bounds(layers: int, parts: int) -> list[int]:
+    """Stage boundaries that give the stages as equal layer counts as possible."""
+    q, r = divmod(layers, parts)
+    bounds = [0]
+    for j in range(parts):
+        bounds.append(bounds[-1] + q + (1 if j < r else 0))
+    return bounds
+
+
+def build_plan(case: str, args: argparse.Namespace, layers: int) -> Plan:
+    """The plan both runtimes follow: one pipeline over every rank, or one single-stage VW per rank."""
+    p = args.ranks
+    cluster = parse_cluster({"name": "local", "node": [{"name": "n0", "devices": [{"type": "cpu", "count": p}],
+                                                       "intra_link": "loopback", "nic": "1Gbit/s"}]})
+    devices = [f"n0:{k}" for k in range(p)]
+    if case == "dp":
+        share = args.global_batch // p
+        vws = tuple(VirtualWorker((Stage(d, 0, layers),), share, 1) for d in devices)
+        strategy = "dp"
+    else:
+        b = even_bounds(layers, p)
+        vws = (VirtualWorker(tuple(Stage(d, b[j], b[j + 1]) for j, d in enumerate(devices)), args.global_batch,
+                             args.micro_batches),)
+        strategy = "pp"
+    # the runtime reads only the layer count of the profile
+    profile = ModelProfile(args.model, tuple(LayerProfile(name, 0, 0, 0, 0)
+                                             for name in layer_names(args.model, **args.config)), 0)
+    return Plan(args.model, args.global_batch, "gpipe" if case == "gpipe" else "1f1b", "bsp", "sgd", vws,
+                Prediction(0, 0, 0, 0, 0), strategy, "manual", cluster, profile)
+
+
+def build_hetrain(case: str, args: argparse.Namespace, layers: int,
+                  batch: tuple[torch.Tensor, torch.Tensor]) -> Callable[[int], None]:
+    """``run(k)``: k more steps of hetrain's Trainer."""
+    plan = build_plan(case, args, layers)
+    trainer = Trainer(lambda a, b: build_layers(args.model, a, b, seed=0, **args.config), plan,
+                      build_optimizer_fn("sgd", LR), loss_fn(args.model), timeout_s=120, progress=False,
+                      log_every=args.block_steps)
+    data = itertools.repeat(batch)
+
+    def run(k: int) -> None:
+        trainer.fit(data, trainer.step + k)
+
+    return run
+
+
+def build_torch(case: str, args: argparse.Namespace, layers: int,
+                batch: tuple[torch.Tensor, torch.Tensor]) -> Callable[[int], None]:
+    """``run(k)``: k more steps of torch's pipelining schedule, or of DistributedDataParallel."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    x, y = batch
+    lossf = loss_fn(args.model)
+    if case == "dp":
+        share = args.global_batch // p
+        xs, ys = x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
+        model = DistributedDataParallel(LayerRange(build_layers(args.model, seed=0, **args.config)))
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+
+        def step() -> None:
+            opt.zero_grad()
+            lossf(model(xs), ys).backward()
+            opt.step()
+    else:
+        b = even_bounds(layers, p)
+        module = LayerRange(build_layers(args.model, b[rank], b[rank + 1], seed=0, **args.config), b[rank])
+        stage = PipelineStage(module, rank, p, torch.device("cpu"))
+        schedule_cls = Schedule1F1B if case == "1f1b" else ScheduleGPipe
+        schedule = schedule_cls(stage, args.micro_batches, loss_fn=lossf)
+        opt = torch.optim.SGD(module.parameters(), lr=LR)
+
+        def step() -> None:
+            opt.zero_grad()
+            if rank == 0:
+                schedule.step(x)
+            elif rank == p - 1:
+                schedule.step(target=y, losses=[])
+            else:
+                schedule.step()
+            opt.step()
+
+    def run(k: int) -> None:
+        for _ in range(k):
+            step()
+
+    return run
+
+
+def measure_case(case: str, args: argparse.Namespace, layers: int,
+                 batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, list[float]]:
+    """Seconds of each block of ``block_steps`` steps, per runtime; the runtimes take turns (ABBA)."""
+    runs = {"hetrain": build_hetrain(case, args, layers, batch), "torch": build_torch(case, args, layers, batch)}
+    for run in runs.values():
+        run(args.warmup)
+    out: dict[str, list[float]] = {"hetrain": [], "torch": []}
+    for block in range(args.blocks):
+        order = ("hetrain", "torch") if block % 2 == 0 else ("torch", "hetrain")
+        for who in order:
+            dist.barrier()
+            start = time.perf_counter()
+            runs[who](args.block_steps)
+            dist.barrier()
+            out[who].append(time.perf_counter() - start)
+    return out
+
+
+def worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.ranks), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), HETRAIN_NODE="n0")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    layers = num_layers(args.model, **args.config)
+    batch = sample_batch(args.model, args.global_batch, torch.Generator().manual_seed(0), **args.config)
+    blocks = {}
+    for case in args.cases:
+        blocks[case] = measure_case(case, args, layers, batch)
+        if rank == 0:
+            rates = {w: args.global_batch * args.block_steps / statistics.median(t) for w, t in blocks[case].items()}
+            print(f"  {case:<6} hetrain {rates['hetrain']:8.1f}  torch {rates['torch']:8.1f} samples/s", flush=True)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(blocks, f)
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", type=int, default=2, help="Gloo ranks = pipeline stages = DP replicas (default 2)")
+    parser.add_argument("--model", default="gpt-tiny", help="reference model (default gpt-tiny)")
+    parser.add_argument("--set", dest="config", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a model preset field, e.g. --set n_blocks=6")
+    parser.add_argument("--global-batch", type=int, default=32)
+    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--blocks", type=int, default=20, help="timed blocks per runtime and case (default 20)")
+    parser.add_argument("--block-steps", type=int, default=5, help="steps per timed block (default 5)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per runtime and case (default 3)")
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES), help="what to compare (default all)")
+    parser.add_argument("--no-write", action="store_true", help="do not write benchmarks/RESULTS.md")
+    args = parser.parse_args()
+    args.config = {k: json.loads(v) for k, _, v in (item.partition("=") for item in args.config)}
+    if args.global_batch % args.ranks or args.global_batch < args.micro_batches:
+        parser.error("the global batch must divide among the ranks and hold the micro-batches")
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".runtime_vs_torch.json")
+    load_before = os.getloadavg()[0]
+    print(f"{args.model}, {args.ranks} Gloo ranks, global batch {args.global_batch}, {args.micro_batches} "
+          f"micro-batches; {args.blocks} blocks of {args.block_steps} steps per runtime, taking turns", flush=True)
+    mp.spawn(worker, args=(args, port, out_path), nprocs=args.ranks, join=True)
+    with open(out_path) as f:
+        blocks = json.load(f)
+    os.remove(out_path)
+    load_after = os.getloadavg()[0]
+
+    what = {"1f1b": f"pipeline of {args.ranks} stages, 1F1B, {args.micro_batches} micro-batches",
+            "gpipe": f"pipeline of {args.ranks} stages, GPipe, {args.micro_batches} micro-batches",
+            "dp": f"data parallel, {args.ranks} replicas"}
+    rows = ["| comparison | hetrain samples/s | torch samples/s | torch runtime | hetrain / torch (paired blocks: "
+            "median, quartiles) |", "|---|---:|---:|---|---:|"]
+    samples = args.global_batch * args.block_steps
+    for case in args.cases:
+        h, t = blocks[case]["hetrain"], blocks[case]["torch"]
+        ratios = sorted(tb / hb for hb, tb in zip(h, t, strict=True))  # > 1: hetrain's block was shorter
+        q1, q2, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+        rows.append(f"| {what[case]} | {samples / statistics.median(h):.1f} | {samples / statistics.median(t):.1f} "
+                    f"| {TORCH_NAMES[case]} | {q2:.2f}x ({q1:.2f}-{q3:.2f}) |")
+    table = "\n".join(rows)
+    print(table)
+    if not args.no_write:
+        command = "python benchmarks/runtime_vs_torch.py " + " ".join(sys.argv[1:])
+        config = ", ".join(f"{k}={v}" for k, v in args.config.items()) or "preset"
+        notes = (f"Model {args.model} ({config}), global batch {args.global_batch}, SGD step included, fixed batch. "
+                 f"{args.ranks} Gloo ranks on one host, one torch thread each ({os.cpu_count()} CPUs, "
+                 f"{platform.processor() or platform.machine()}), torch {torch.__version__}. Each runtime runs "
+                 f"{args.blocks} timed blocks of {args.block_steps} steps (after {args.warmup} warm-up steps), the "
+                 "two taking turns (ABBA) so that both see the same background load; samples/s from the median "
+                 "block, ratio = median over pairs of adjacent blocks of torch's time / hetrain's. Load average "
+                 f"of the host: {load_before:.1f} before, {load_after:.1f} after.")
+        write_section("Runtime vs torch", command.strip(), table, notes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
