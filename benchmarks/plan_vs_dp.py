@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 from _results import write_section
-
 from hetrain.cluster import load_cluster
 from hetrain.models.analytic import build_profile
 from hetrain.planner import PlannerError, plan
@@ -51,8 +50,8 @@ def main() -> int:
         elapsed = time.perf_counter() - start
         sim = best.prediction.simulated_iteration_s
         sim_sps = batch / sim if sim else float("nan")
-        dp, dp_note = samples_per_s(cluster, profile, batch, "dp")
-        pp, pp_note = samples_per_s(cluster, profile, batch, "pp")
+        dp, _ = samples_per_s(cluster, profile, batch, "dp")
+        pp, _ = samples_per_s(cluster, profile, batch, "pp")
         ours = best.prediction.samples_per_s
         vs_dp = f"{ours / dp:.2f}x" if dp else "-"
         vs_pp = f"{ours / pp:.2f}x" if pp else "-"
