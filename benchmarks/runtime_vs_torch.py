@@ -225,8 +225,10 @@ def main() -> int:
                  f"{platform.processor() or platform.machine()}), torch {torch.__version__}. Each runtime runs "
                  f"{args.blocks} timed blocks of {args.block_steps} steps (after {args.warmup} warm-up steps), the "
                  "two taking turns (ABBA) so that both see the same background load; samples/s from the median "
-                 "block, ratio = median over pairs of adjacent blocks of torch's time / hetrain's. Load average "
-                 f"of the host: {load_before:.1f} before, {load_after:.1f} after.")
+                 "block, ratio = median over pairs of adjacent blocks of torch's time / hetrain's (quartiles in "
+                 "brackets). The host's load average was "
+                 f"{load_before:.1f} before and {load_after:.1f} after: where other jobs share the CPUs, absolute "
+                 "samples/s move from row to row with their load; read the ratio within a row.")
         write_section("Runtime vs torch", command.strip(), table, notes)
     return 0
 

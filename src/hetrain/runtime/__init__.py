@@ -1,0 +1,37 @@
+"""The runtime: run a Plan with torch.distributed under torchrun.
+
+- ``roles``: which device (and so which stage) each rank drives.
+- ``p2p``: activations and gradients between neighbouring stages.
+- ``sync``: each segment's gradients all-reduced among its owners.
+- ``executor``: one rank's Actions of an iteration, as ``hetrain.schedule`` generates them.
+- ``health``: heartbeats, so a failed wait names the peer that died or hangs.
+- ``metrics``: the measured Timeline, JSONL metrics, TensorBoard, progress bar.
+- ``checkpoint``: atomic per-layer checkpoints with global names, loadable under any plan.
+- ``trainer``: ``Trainer(...).fit(data, steps)``: any model given as a list of layers.
+- ``command``: ``run_train_command`` (``hetrain train``; ``python -m hetrain.runtime.command``).
+
+Importing this package imports no torch; the names below load their module on first use.
+
+Example:
+    >>> from hetrain.runtime import Trainer, build_optimizer_fn     # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Trainer": "trainer", "build_optimizer_fn": "trainer", "init_distributed": "trainer",
+    "run_train_command": "command", "add_train_arguments": "command", "run_from_args": "command",
+    "PeerError": "health", "RoleError": "roles", "Role": "roles", "build_roles": "roles",
+    "StageModule": "executor", "Executor": "executor", "merge_timeline": "metrics",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'hetrain.runtime' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"hetrain.runtime.{_EXPORTS[name]}"), name)

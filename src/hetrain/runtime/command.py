@@ -1,0 +1,174 @@
+"""The ``train`` command: a reference model, a data set and a plan, on every rank of a torchrun job.
+
+    torchrun --nproc-per-node 4 -m hetrain.runtime.command --plan plan.json --model gpt-tiny --steps 100 \
+        --checkpoint-dir ckpt --checkpoint-every 50 --metrics-out metrics.jsonl --timeline-out measured.json
+
+``hetrain train`` takes the same options (``add_train_arguments``, ``run_from_args``).
+Restarted by ``torchrun --max-restarts N``, a job resumes from the newest complete
+checkpoint in ``--checkpoint-dir`` by itself, under the plan it is given then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from hetrain.plan import PlanError, load_plan
+from hetrain.runtime.checkpoint import CheckpointError
+from hetrain.runtime.health import PeerError
+from hetrain.runtime.roles import RoleError
+from hetrain.runtime.trainer import DEFAULT_TIMEOUT_S, OPTIMIZER_NAMES, Trainer, build_optimizer_fn
+from hetrain.schedule import ScheduleError
+
+
+def _model_config(items: Sequence[str]) -> dict[str, Any]:
+    """``["n_blocks=2", "hidden=64"]`` -> ``{"n_blocks": 2, "hidden": 64}`` (values read as JSON when they parse)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"model settings are KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def run_train_command(plan_path: str | Path, model: str, data: str | None = None, steps: int = 100,
+                      checkpoint_dir: str | Path | None = None, timeline_out: str | Path | None = None,
+                      metrics_out: str | Path | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, *,
+                      checkpoint_every: int = 0, optimizer: str | None = None, lr: float | None = None,
+                      weight_decay: float = 0.0, seed: int = 0, data_seed: int = 0, progress: bool | None = None,
+                      tensorboard_dir: str | Path | None = None, log_every: int = 10,
+                      model_config: dict[str, Any] | None = None) -> int:
+    """``hetrain train``: train a reference model with a plan, on every rank of a torchrun job.
+
+    Args:
+        plan_path: plan.json.
+        model: a reference model name (``hetrain.models.registry``); its layer count must be the plan's.
+        data: a data set name (``hetrain.data.registry``); default: the real one that fits the model.
+        steps: the step count to reach (a resumed run goes on from its checkpoint).
+        checkpoint_dir: where checkpoints go and are resumed from.
+        timeline_out: the measured Timeline of the last step (JSON).
+        metrics_out: per-step metrics (JSONL).
+        timeout_s: the longest any distributed wait may take.
+        checkpoint_every: steps between checkpoints (0: only at the end).
+        optimizer: ``sgd``, ``momentum`` or ``adamw``; default: the plan's.
+        lr: learning rate (default by optimizer: 0.05 SGD, 1e-3 AdamW).
+        weight_decay: weight decay.
+        seed: the model's seed (per-layer seeds derive from it).
+        data_seed: the seed of the order of the data.
+        progress: progress bar (None: when stdout is a terminal).
+        tensorboard_dir: TensorBoard scalars, if tensorboard is installed.
+        log_every: steps whose losses are reduced (and logged) together.
+        model_config: overrides of the model preset's fields.
+
+    Returns:
+        The exit status: 0, or 1 after an error printed to stderr.
+    """
+    from hetrain.data.registry import build_datasets, default_data
+    from hetrain.models.registry import build_layers, loss_fn, num_layers
+
+    trainer: Trainer | None = None
+    config = dict(model_config or {})
+    try:
+        plan = load_plan(plan_path)
+        n = num_layers(model, **config)
+        if n != plan.profile.num_layers:
+            raise PlanError(f"model {model!r} has {n} layers but the plan ({plan.model}) has "
+                            f"{plan.profile.num_layers}")
+        data_name = data or default_data(model, **config)
+        train_set = build_datasets(data_name, model, seed=data_seed, **config).train
+        opt_name = optimizer or {"adam": "adamw"}.get(plan.optimizer, plan.optimizer)
+
+        def layers_fn(first: int, end: int) -> list[nn.Module]:
+            return build_layers(model, first, end, seed=seed, **config)
+
+        trainer = Trainer(layers_fn, plan, build_optimizer_fn(opt_name, lr, weight_decay=weight_decay),
+                          loss_fn(model), timeout_s=timeout_s, checkpoint_dir=checkpoint_dir,
+                          checkpoint_every=checkpoint_every, metrics_out=metrics_out, timeline_out=timeline_out,
+                          progress=progress, tensorboard_dir=tensorboard_dir, log_every=log_every)
+        if trainer.is_reporting:
+            resumed = f", resuming at step {trainer.step}" if trainer.step else ""
+            print(f"hetrain train: {model} on {data_name}, {len(plan.devices_used)} device(s) of {trainer.world} "
+                  f"rank(s), {len(plan.virtual_workers)} VW(s), {plan.schedule}, global batch {plan.global_batch}, "
+                  f"{opt_name}{resumed}", flush=True)
+        start = trainer.step
+        history = trainer.fit(train_set, steps, seed=data_seed)
+        if trainer.is_reporting and history:
+            rates = [r["samples_per_s"] for r in history[1:]] or [history[0]["samples_per_s"]]
+            print(f"hetrain train: steps {start} -> {trainer.step}, loss {history[0]['loss']:.4f} -> "
+                  f"{history[-1]['loss']:.4f}, {sorted(rates)[len(rates) // 2]:.1f} samples/s (median)", flush=True)
+        elif not trainer.role.used:
+            print(f"hetrain train: rank {trainer.rank} ({trainer.role.device}) is unused by the plan; idle",
+                  flush=True)
+    except (PeerError, RoleError, CheckpointError, PlanError, ScheduleError, ValueError, TypeError, OSError) as e:
+        print(f"hetrain train: error: {e}", file=sys.stderr, flush=True)
+        if trainer is not None:
+            trainer.close()
+        return 1
+    trainer.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``train`` command's options (for ``hetrain train`` and ``python -m hetrain.runtime.trainer``)."""
+    parser.add_argument("--plan", required=True, help="plan.json")
+    parser.add_argument("--model", required=True, help="reference model name (hetrain.models.registry)")
+    parser.add_argument("--data", default=None, help="data set: shakespeare, digits, synthetic (default: fits model)")
+    parser.add_argument("--steps", type=int, default=100, help="step count to reach (default 100)")
+    parser.add_argument("--checkpoint-dir", default=None, help="write checkpoints here; resume from the newest")
+    parser.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)")
+    parser.add_argument("--timeline-out", default=None, help="measured timeline of the last step (JSON)")
+    parser.add_argument("--metrics-out", default=None, help="per-step metrics (JSONL)")
+    parser.add_argument("--tensorboard-dir", default=None, help="TensorBoard scalars (if tensorboard is installed)")
+    parser.add_argument("--log-every", type=int, default=10,
+                        help="steps whose losses are summed over the ranks together (default 10)")
+    parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
+                        help=f"longest distributed wait, seconds (default {DEFAULT_TIMEOUT_S:g})")
+    parser.add_argument("--optimizer", choices=[*OPTIMIZER_NAMES, "adam"], default=None,
+                        help="default: the plan's optimizer")
+    parser.add_argument("--lr", type=float, default=None, help="learning rate (default 0.05 SGD, 1e-3 AdamW)")
+    parser.add_argument("--weight-decay", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0, help="model seed (per-layer seeds derive from it)")
+    parser.add_argument("--data-seed", type=int, default=0, help="seed of the data order")
+    parser.add_argument("--set", dest="model_config", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a field of the model preset, e.g. --set n_blocks=2")
+    bar = parser.add_mutually_exclusive_group()
+    bar.add_argument("--progress", dest="progress", action="store_true", default=None, help="force the progress bar")
+    bar.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run the ``train`` command from parsed ``add_train_arguments`` options."""
+    try:
+        config = _model_config(args.model_config)
+    except ValueError as e:
+        print(f"hetrain train: error: {e}", file=sys.stderr)
+        return 2
+    return run_train_command(args.plan, args.model, args.data, args.steps, args.checkpoint_dir, args.timeline_out,
+                             args.metrics_out, args.timeout_s, checkpoint_every=args.checkpoint_every,
+                             optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
+                             data_seed=args.data_seed, progress=args.progress, tensorboard_dir=args.tensorboard_dir,
+                             log_every=args.log_every, model_config=config)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m hetrain.runtime.trainer --plan plan.json --model NAME ...`` (under torchrun)."""
+    parser = argparse.ArgumentParser(prog="hetrain train", description="Train a reference model with a plan.")
+    add_train_arguments(parser)
+    return run_from_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,330 @@
+"""Run one rank's Actions of one iteration: the same Actions the simulator replays.
+
+The executor is an interpreter of ``hetrain.schedule``'s action language; it
+holds no schedule of its own. Per micro-batch ``i`` it keeps what the next
+actions need::
+
+    RECV_F i   the input activation arrives          -> inputs[i]   (requires grad)
+    F i        out = stage(inputs[i])                -> outputs[i]  (last stage: losses[i])
+    SEND_F i   post outputs[i] to stage j + 1
+    RECV_B i   the gradient of outputs[i] arrives    -> grads[i]
+    B i        backward from losses[i], or outputs[i] with grads[i]; the input's gradient -> input_grads[i]
+    SEND_B i   post input_grads[i] to stage j - 1
+    ALLREDUCE s, STEP   after every B: sum segment s among its owners; wait for the sends, optimizer step
+
+The last stage's loss of micro-batch ``i`` counts as ``loss_fn(out, target) * n_i / N``
+(``loss_fn`` a mean over the micro-batch, ``n_i`` its samples, ``N`` the global
+batch; the backward starts from ``n_i / N`` instead of multiplying), so the
+gradients summed over micro-batches and owners are the global batch's mean
+gradient, whatever the VWs' mini-batch sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hetrain.models.layers import LayerRange, run_layers
+from hetrain.runtime.health import Health
+from hetrain.runtime.metrics import Recorder
+from hetrain.runtime.p2p import Transport, flatten, grad_slots
+from hetrain.runtime.roles import Role
+from hetrain.runtime.sync import GradientSync
+from hetrain.schedule import Action, ActionKind
+from hetrain.timeline import Event
+
+K = ActionKind
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class _At:
+    """``"RECV_B 1->0 mb2 from n0:1 (step 7)"``, formatted only when a message needs it."""
+
+    __slots__ = ("action", "step")
+
+    def __init__(self, action: Action, step: int) -> None:
+        self.action = action
+        self.step = step
+
+    def __str__(self) -> str:
+        return f"{self.action} (step {self.step})"
+
+
+class StageModule(LayerRange):
+    """A stage's layers with global names (``layers.{k}.…``); runs of recompute-set layers are checkpointed.
+
+    Consecutive layers of the recompute set form one ``torch.utils.checkpoint``
+    call (non-reentrant): only the run's input is kept after forward, and the
+    run is computed again during backward.
+
+    Example:
+        >>> stage = StageModule(build_layers("mlp-digits", 0, 2), first=0, recompute=(1,))  # doctest: +SKIP
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], first: int = 0, recompute: Iterable[int] = ()) -> None:
+        super().__init__(layers, first)
+        self.recompute = frozenset(recompute)
+        outside = sorted(k for k in self.recompute if not self.first <= k < self.end)
+        if outside:
+            raise ValueError(f"recompute layers {outside} are outside the stage's layers [{self.first}, {self.end})")
+        self._runs: list[tuple[bool, list[nn.Module]]] = []
+        for k in range(self.first, self.end):
+            rc = k in self.recompute
+            if self._runs and self._runs[-1][0] == rc:
+                self._runs[-1][1].append(self[k])
+            else:
+                self._runs.append((rc, [self[k]]))
+
+    def forward(self, x: Any) -> Any:
+        for rc, layers in self._runs:
+            if rc and torch.is_grad_enabled():
+                x = checkpoint(run_layers, layers, x, use_reentrant=False)
+            else:
+                x = run_layers(layers, x)
+        return x
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to(v, device) for v in value)
+    return value
+
+
+class Executor:
+    """Executes one rank's Actions, iteration after iteration.
+
+    Args:
+        role: where the rank sits in the plan.
+        module: its stage.
+        loss_fn: ``loss_fn(output, target)``, the mean over a micro-batch (last stage only).
+        transport: sends and receives to the neighbours.
+        sync: gradient buffers and all-reduce.
+        optimizer: steps the stage's parameters.
+        health: where the rank's current action is published.
+        recorder: times the actions when active.
+        device: where inputs go.
+    """
+
+    def __init__(self, role: Role, module: StageModule, loss_fn: LossFn, transport: Transport, sync: GradientSync,
+                 optimizer: torch.optim.Optimizer, health: Health, recorder: Recorder, device: torch.device) -> None:
+        self.role = role
+        self.module = module
+        self.loss_fn = loss_fn
+        self.transport = transport
+        self.sync = sync
+        self.optimizer = optimizer
+        self.health = health
+        self.recorder = recorder
+        self.device = device
+        # n_i / N, as the seed of each micro-batch's backward: the gradient of loss * n_i / N, without the product
+        self.loss_scale = [torch.full((), n / role.global_batch, device=device) for n in role.micro_batch_sizes]
+        self._record_memory = device.type == "cuda"
+        self._recv_orders: dict[int, tuple[Sequence[Action], list[int | None], list[int | None]]] = {}
+        self._run: dict[ActionKind, Callable[[Action], None]] = {
+            K.F: self._forward, K.B: self._backward, K.SEND_F: self._send_f, K.RECV_F: self._recv_f,
+            K.SEND_B: self._send_b, K.RECV_B: self._recv_b, K.ALLREDUCE: self._allreduce, K.STEP: self._step,
+        }
+
+    def run(self, actions: Sequence[Action], step: int, inputs: Sequence[Any] | None,
+            targets: Sequence[Any] | None) -> torch.Tensor:
+        """Run one iteration.
+
+        Args:
+            actions: this rank's Actions (``build_schedule(plan)[device]``).
+            step: the iteration's number (for messages).
+            inputs: the micro-batches' inputs (first stage), else None.
+            targets: the micro-batches' targets (last stage), else None.
+
+        Returns:
+            The sum of this rank's scaled micro-batch losses (0 except on last stages).
+        """
+        self.step = step
+        self.inputs_mb = inputs
+        self.targets_mb = targets
+        self.inputs: dict[int, list[torch.Tensor]] = {}
+        self.in_tuple: dict[int, bool] = {}
+        self.outputs: dict[int, Any] = {}
+        self.losses: dict[int, torch.Tensor] = {}
+        self.grads: dict[int, list[torch.Tensor]] = {}
+        self.input_grads: dict[int, list[torch.Tensor]] = {}
+        self.loss_sum = torch.zeros((), device=self.device)
+        # receives are posted one ahead of the one being waited for, per direction (see _post_ahead_*)
+        orders = self._recv_orders.get(id(actions))
+        if orders is None or orders[0] is not actions:
+            orders = self._recv_orders[id(actions)] = (actions, [a.micro_batch for a in actions if a.kind is K.RECV_F],
+                                                       [a.micro_batch for a in actions if a.kind is K.RECV_B])
+        _, self._recv_f_order, self._recv_b_order = orders
+        self._posted_f = self._posted_b = 0  # how many of each list are posted
+        self._done_f = self._done_b = 0  # how many were received
+        self.sync.zero()
+        self._post_ahead_f()
+        rec = self.recorder
+        for a in actions:
+            self.health.doing = (step, a)  # formatted by the heartbeat thread, only when it beats
+            if rec.active:
+                start = rec.now()
+                self._run[a.kind](a)
+                self._record(a, start, rec.now())
+            else:
+                self._run[a.kind](a)
+        if self.transport.posted_receives():
+            raise RuntimeError(f"internal error: receives {self.transport.posted_receives()} were posted ahead in "
+                               f"step {step} and never used")
+        self.health.doing = (step, "between iterations")
+        return self.loss_sum
+
+    # --- compute -----------------------------------------------------------------
+
+    def _forward(self, a: Action) -> None:
+        i = a.micro_batch
+        assert i is not None
+        if self.role.is_first:
+            assert self.inputs_mb is not None
+            x = _to(self.inputs_mb[i], self.device)
+        else:
+            tensors = self.inputs[i]
+            x = tuple(tensors) if self.in_tuple.pop(i) else tensors[0]
+        out = self.module(x)
+        if self.role.is_last:
+            assert self.targets_mb is not None
+            loss = self.loss_fn(out, _to(self.targets_mb[i], self.device))
+            self.losses[i] = loss
+            self.loss_sum.addcmul_(loss.detach(), self.loss_scale[i])
+        else:
+            self.outputs[i] = out
+            self._post_ahead_b()
+
+    def _backward(self, a: Action) -> None:
+        i = a.micro_batch
+        assert i is not None
+        if self.role.is_last:
+            torch.autograd.backward([self.losses.pop(i)], [self.loss_scale[i]])
+        else:
+            outs, _ = flatten(self.outputs.pop(i))
+            grads = self.grads.pop(i)
+            pairs = [(outs[k], g) for k, g in zip(grad_slots(outs), grads, strict=True) if outs[k].requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if not self.role.is_first:
+            tensors = self.inputs.pop(i)
+            grads_in = [tensors[k].grad for k in grad_slots(tensors)]
+            self.input_grads[i] = [g if g is not None else torch.zeros_like(tensors[k])
+                                   for k, g in zip(grad_slots(tensors), grads_in, strict=True)]
+
+    # --- communication ---------------------------------------------------------------
+
+    def _send_f(self, a: Action) -> None:
+        i = a.micro_batch
+        assert i is not None and self.role.next_rank is not None
+        tensors, is_tuple = flatten(self.outputs[i])
+        self.transport.send(tensors, is_tuple, self.role.next_rank, i, True, self._where(a))
+        if self.recorder.active:
+            self.recorder.sent.append(("send_f", a.peer or "", i, self.recorder.now(), self._link_label(a)))
+
+    def _recv_f(self, a: Action) -> None:
+        i = a.micro_batch
+        assert i is not None and self.role.prev_rank is not None
+        self._posted_f = max(self._posted_f, self._done_f + 1)  # not posted ahead: the receive posts itself
+        tensors, is_tuple = self.transport.recv_activation(self.role.prev_rank, i, self._where(a))
+        for t in tensors:
+            if t.is_floating_point():
+                t.requires_grad_(True)
+        self.inputs[i] = tensors
+        self.in_tuple[i] = is_tuple
+        self._done_f += 1
+        self._post_ahead_f()
+        if self.recorder.active:
+            self.recorder.received.append(("send_f", a.peer or "", i, self.recorder.now()))
+
+    def _send_b(self, a: Action) -> None:
+        i = a.micro_batch
+        assert i is not None and self.role.prev_rank is not None
+        self.transport.send(self.input_grads.pop(i), False, self.role.prev_rank, i, False, self._where(a))
+        if self.recorder.active:
+            self.recorder.sent.append(("send_b", a.peer or "", i, self.recorder.now(), self._link_label(a)))
+
+    def _recv_b(self, a: Action) -> None:
+        i = a.micro_batch
+        assert i is not None and self.role.next_rank is not None
+        outs, _ = flatten(self.outputs[i])
+        like = [outs[k] for k in grad_slots(outs)]
+        self._posted_b = max(self._posted_b, self._done_b + 1)
+        self.grads[i] = self.transport.recv_gradients(like, self.role.next_rank, i, self._where(a))
+        self._done_b += 1
+        self._post_ahead_b()
+        if self.recorder.active:
+            self.recorder.received.append(("send_b", a.peer or "", i, self.recorder.now()))
+
+    def _post_ahead_f(self) -> None:
+        """Post the next activation receive early (its shapes are known from the first iteration)."""
+        n = self._posted_f
+        if n <= self._done_f and n < len(self._recv_f_order):
+            i = self._recv_f_order[n]
+            assert i is not None and self.role.prev_rank is not None
+            if self.transport.can_post_activation(self.role.prev_rank, i):
+                self.transport.post_activation(self.role.prev_rank, i)
+                self._posted_f += 1
+
+    def _post_ahead_b(self) -> None:
+        """Post the next gradient receive early, once the forward it belongs to has run."""
+        n = self._posted_b
+        if n <= self._done_b and n < len(self._recv_b_order):
+            i = self._recv_b_order[n]
+            assert i is not None and self.role.next_rank is not None
+            if i in self.outputs:
+                outs, _ = flatten(self.outputs[i])
+                self.transport.post_gradients([outs[k] for k in grad_slots(outs)], self.role.next_rank, i)
+                self._posted_b += 1
+
+    # --- sync and step -------------------------------------------------------------
+
+    def _allreduce(self, a: Action) -> None:
+        assert a.segment is not None
+        self.sync.allreduce(a.segment, self._where(a))
+
+    def _step(self, a: Action) -> None:
+        if self.recorder.active:
+            start = self.recorder.now()
+            self.transport.wait_sends(self._where(a))
+            self.recorder.events.append(_event(start, self.recorder.now(), "send", "wait for sends", None))
+        else:
+            self.transport.wait_sends(self._where(a))
+        self.optimizer.step()
+
+    # --- helpers ---------------------------------------------------------------------
+
+    def _where(self, a: Action) -> _At:
+        return _At(a, self.step)
+
+    def _link_label(self, a: Action) -> str:
+        src, dst = a.stages_joined
+        return f"{a.kind.value} {src}->{dst} mb{a.micro_batch} {self.role.device}->{a.peer}"
+
+    def _record(self, a: Action, start: float, end: float) -> None:
+        kind = a.kind
+        if kind is K.F:
+            ev = _event(start, end, "forward", f"{a.stage}F{a.micro_batch}", a.micro_batch)
+        elif kind is K.B:
+            ev = _event(start, end, "backward", f"{a.stage}B{a.micro_batch}", a.micro_batch)
+        elif kind is K.RECV_F or kind is K.RECV_B:
+            ev = _event(start, end, "recv", str(a), a.micro_batch)
+        elif kind is K.SEND_F or kind is K.SEND_B:
+            ev = _event(start, end, "send", str(a), a.micro_batch)
+        elif kind is K.ALLREDUCE:
+            ev = _event(start, end, "sync", f"ALLREDUCE seg{a.segment}", None)
+        else:  # STEP: its wait for sends was recorded as its own event
+            sends = self.recorder.events[-1] if self.recorder.events else None
+            ev = _event(sends.end_s if sends is not None else start, end, "optimizer", "STEP", None)
+        self.recorder.events.append(ev)
+        if self._record_memory:
+            self.recorder.memory.append((end, float(torch.cuda.memory_allocated(self.device))))
+
+
+def _event(start: float, end: float, kind: str, label: str, i: int | None) -> Event:
+    return Event(start, end, kind, label, i)

@@ -1,0 +1,557 @@
+"""Train with a Plan under torchrun: the Trainer API (the ``train`` command is in ``command``).
+
+Every rank of the job runs the same program::
+
+    torchrun --nproc-per-node 4 -m hetrain.runtime.command --plan plan.json --model gpt-tiny --steps 100
+
+or, with a model of one's own as a list of layers::
+
+    trainer = Trainer(lambda first, end: my_layers(first, end), plan,
+                      lambda params: torch.optim.AdamW(params, lr=1e-3), my_mean_loss)
+    history = trainer.fit(dataset, steps=100)        # dataset.take(indices) -> (inputs, targets)
+
+What one step does on a rank (its Role in the plan)::
+
+    global batch (same on every rank, from the data seed)
+      └─ shard_batch: this VW's mini-batch ─ split_batch: micro-batches i = 0..m-1
+    Executor.run(build_schedule(plan)[device])       F/B, SEND/RECV, ALLREDUCE, STEP
+    losses: every log_every steps, summed over the used ranks by one all-reduce, asynchronously
+    checkpoint every N steps (collective over the job; unused ranks join when told)
+
+Start-up: each rank reports its device ``<node>:<LOCAL_RANK>`` and the reports
+are all-gathered and matched to the plan (``roles``); every rank creates the
+same process groups in the same order; each used rank builds only its own
+layers (per-layer seeds) and resumes from the newest complete checkpoint, if
+any, so ``torchrun --max-restarts N`` resumes by itself. A rank whose device
+the plan leaves unused takes part in nothing after that (it waits, idle, only
+to join checkpoint writes, which are collective over the job).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hetrain.data.sharding import batch_length, shard_batch, split_batch
+from hetrain.plan import Plan
+from hetrain.runtime.executor import Executor, LossFn, StageModule
+from hetrain.runtime.health import Health, PeerError
+from hetrain.runtime.metrics import MetricsLog, Recorder, merge_timeline
+from hetrain.runtime.p2p import Transport
+from hetrain.runtime.roles import Role, RoleError, build_roles, local_device_name
+from hetrain.runtime.sync import GradientSync, build_segment_groups
+from hetrain.schedule import build_schedule, validate
+from hetrain.timeline import Timeline
+
+LayersFn = Callable[[int, int], Sequence[nn.Module]]
+OptimizerFn = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+OPTIMIZER_NAMES = ("sgd", "momentum", "adamw")
+DEFAULT_TIMEOUT_S = 300.0
+_LAYER_RE = re.compile(r"^layers\.(\d+)\.")
+
+
+def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int, int, torch.device]:
+    """Join the job's default process group if not done yet: NCCL with CUDA, else Gloo.
+
+    Under torchrun (``RANK`` set) every rank joins; without it, a world of one
+    process. The device is ``cuda:LOCAL_RANK`` with NCCL, else the CPU.
+
+    Returns:
+        (rank, world size, local rank, device)
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(local_rank)
+        timeout = timedelta(seconds=timeout_s)
+        if "RANK" in os.environ:
+            store = _attempt_store(timeout)
+            if store is None:
+                dist.init_process_group(backend, timeout=timeout)
+            else:
+                dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                        world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+        else:
+            store = dist.HashStore()  # type: ignore[attr-defined]
+            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    rank = dist.get_rank()
+    if "LOCAL_RANK" not in os.environ:
+        local_rank = rank
+    on_cuda = "nccl" in str(dist.get_backend()).lower()
+    device = torch.device("cuda", local_rank) if on_cuda else torch.device("cpu")
+    return rank, dist.get_world_size(), local_rank, device
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _attempt_store(timeout: timedelta) -> Any:
+    """Under torchrun's agent store, a store whose keys belong to this restart attempt only; else None.
+
+    torchrun (2.13) keeps one store for every attempt of a job and the workers'
+    ``env://`` store has no per-attempt prefix, so after ``--max-restarts`` a
+    restarted rank can read the addresses its predecessors published and fail to
+    connect (pytorch/pytorch#135712). Prefixing by ``TORCHELASTIC_RESTART_COUNT``,
+    which the agents of a job restart together, keeps attempts apart.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),  # type: ignore[attr-defined]
+                         int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"hetrain/attempt_{attempt}/", base)  # type: ignore[attr-defined]
+
+
+def build_optimizer_fn(name: str, lr: float | None = None, momentum: float = 0.9,
+                       weight_decay: float = 0.0) -> OptimizerFn:
+    """An optimizer factory by name: ``sgd``, ``momentum`` (SGD with momentum) or ``adamw`` (``adam`` too).
+
+    Default learning rates: 0.05 for SGD, 1e-3 for AdamW.
+    """
+    key = "adamw" if name == "adam" else name
+    if key not in OPTIMIZER_NAMES:
+        raise ValueError(f"unknown optimizer {name!r}; known: {', '.join(OPTIMIZER_NAMES)}")
+
+    def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        if key == "adamw":
+            return torch.optim.AdamW(params, lr=1e-3 if lr is None else lr, weight_decay=weight_decay)
+        return torch.optim.SGD(params, lr=0.05 if lr is None else lr, momentum=momentum if key == "momentum" else 0.0,
+                               weight_decay=weight_decay)
+
+    return make
+
+
+class _Losses(NamedTuple):
+    """Per-step losses being summed over the used ranks: the steps' rows, the buffer, the pending work."""
+
+    rows: list[dict[str, Any]]
+    buf: torch.Tensor
+    work: Any
+
+
+class Trainer:
+    """Runs a Plan's share of training on this rank. Create it on every rank of the job, with the same arguments.
+
+    Args:
+        layers_fn: ``layers_fn(first, end)`` builds layers ``[first, end)`` of the model (each
+            layer initialised from its own seed, so any plan starts from the same weights).
+        plan: the plan; its devices are matched to ranks by node and local rank.
+        optimizer_fn: ``optimizer_fn(params)`` -> an optimizer over this rank's parameters.
+        loss_fn: ``loss_fn(output, target)``: the mean loss of a micro-batch.
+        timeout_s: the longest any distributed wait may take.
+        checkpoint_dir: where checkpoints go; the newest complete one is resumed from.
+        checkpoint_every: steps between checkpoints (0: only at the end of ``fit``).
+        metrics_out: JSONL file of per-step metrics (written by the reporting rank).
+        timeline_out: file for the measured Timeline of ``fit``'s last step.
+        progress: progress bar on the reporting rank: True, False, or None (when stdout is a terminal).
+        tensorboard_dir: TensorBoard scalars, when tensorboard is installed.
+        record_timeline: record the last step's Timeline even without ``timeline_out`` (``self.timeline``).
+        log_every: the losses of this many steps are summed over the ranks in one all-reduce, which
+            runs while training goes on; metrics lines and the progress bar follow in batches.
+
+    Example:
+        >>> trainer = Trainer(functools.partial(build_layers, "gpt-tiny", seed=0), plan,   # doctest: +SKIP
+        ...                   build_optimizer_fn("adamw"), loss_fn("gpt-tiny"))
+        >>> trainer.fit(build_datasets("shakespeare", "gpt-tiny").train, steps=10)      # doctest: +SKIP
+    """
+
+    def __init__(self, layers_fn: LayersFn, plan: Plan, optimizer_fn: OptimizerFn, loss_fn: LossFn, *,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, checkpoint_dir: str | Path | None = None,
+                 checkpoint_every: int = 0, metrics_out: str | Path | None = None,
+                 timeline_out: str | Path | None = None, progress: bool | None = None,
+                 tensorboard_dir: str | Path | None = None, record_timeline: bool = False,
+                 log_every: int = 10) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
+        if log_every < 1:
+            raise ValueError(f"log_every must be >= 1, got {log_every}")
+        self.log_every = log_every
+        self.plan = plan
+        self.timeout_s = timeout_s
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.checkpoint_every = checkpoint_every
+        self.metrics_out = metrics_out
+        self.timeline_out = timeline_out
+        self.progress = progress
+        self.tensorboard_dir = tensorboard_dir
+        self.record_timeline = record_timeline or timeline_out is not None
+        self.timeline: Timeline | None = None
+        self.step = 0
+        self.history: list[dict[str, Any]] = []
+
+        try:
+            self.rank, self.world, local_rank, self.device = init_distributed(timeout_s)
+        except RuntimeError as e:
+            raise RoleError(f"rank {os.environ.get('RANK', 0)} could not join the job within {timeout_s:g} s "
+                            f"(MASTER_ADDR {os.environ.get('MASTER_ADDR')}, MASTER_PORT "
+                            f"{os.environ.get('MASTER_PORT')}): {_first_line(e)}") from None
+        reported: list[Any] = [None] * self.world
+        try:
+            dist.all_gather_object(reported, local_device_name(self.rank, local_rank))
+        except RuntimeError as e:
+            raise RoleError(f"rank {self.rank}: the {self.world} ranks did not all report their device within "
+                            f"{timeout_s:g} s (a rank failed or never started): {_first_line(e)}") from None
+        self.reported: list[str] = [str(d) for d in reported]
+        roles = build_roles(plan, self.reported)
+        self.role: Role = roles[self.rank]
+        self.rank_of = {r.device: r.rank for r in roles}
+        self.actions = build_schedule(plan)
+        validate(self.actions, plan)
+
+        self.health = Health(self.rank, self.reported)
+        self.health.start()
+        self.used_ranks = sorted(self.rank_of[d] for d in plan.devices_used)
+        self.report_rank = self.used_ranks[0]
+        timeout = timedelta(seconds=timeout_s)
+        # every rank creates every group, in this order (new_group is collective over the job)
+        forward_group = dist.new_group(self.used_ranks, timeout=timeout)
+        # NCCL runs all operations of a pair of ranks in a group on one stream, so activations and
+        # gradients get a group each (or a send could queue behind a receive); Gloo needs one
+        backward_group = (dist.new_group(self.used_ranks, timeout=timeout) if self.device.type == "cuda"
+                          else forward_group)
+        self.work_group = dist.new_group(self.used_ranks, timeout=timeout)
+        segment_groups = build_segment_groups(plan, self.rank_of, timeout_s)
+
+        self.module: StageModule | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        if self.role.used:
+            stage = self.role.stage
+            assert stage is not None
+            layers = list(layers_fn(stage.first_layer, stage.end_layer))
+            if len(layers) != stage.end_layer - stage.first_layer:
+                raise ValueError(f"layers_fn({stage.first_layer}, {stage.end_layer}) returned {len(layers)} layers, "
+                                 f"expected {stage.end_layer - stage.first_layer}")
+            self.module = StageModule(layers, stage.first_layer, stage.recompute).to(self.device)
+            self.optimizer = optimizer_fn(list(self.module.parameters()))
+            by_index = {k: self.module[k] for k in stage.layers}
+            self.sync = GradientSync(plan, by_index, segment_groups, self.rank_of, self.health, timeout_s)
+            self.transport = Transport(self.health, forward_group, backward_group, self.device, timeout_s)
+            self.recorder = Recorder(self.role.device)
+            self.executor = Executor(self.role, self.module, loss_fn, self.transport, self.sync, self.optimizer,
+                                     self.health, self.recorder, self.device)
+        self._events = 0  # store events posted to (or read by) unused ranks
+        self._slices: list[tuple[int, int]] = []  # micro-batch i of this VW = global batch [lo, hi)
+        if self.role.vw is not None:
+            bounds = list(itertools.accumulate(self.role.micro_batch_sizes,
+                                               initial=sum(self.role.mini_batch_sizes[:self.role.vw])))
+            self._slices = list(itertools.pairwise(bounds))
+        self._restore()
+
+    # --- public --------------------------------------------------------------------
+
+    @property
+    def is_reporting(self) -> bool:
+        """Whether this rank writes metrics, the timeline and the progress bar (the lowest used rank)."""
+        return self.rank == self.report_rank
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's stage, with global names ``layers.{k}.…`` (empty on an unused rank)."""
+        return {} if self.module is None else self.module.state_dict()
+
+    def fit(self, data: Any, steps: int, *, seed: int = 0) -> list[dict[str, Any]]:
+        """Train until ``steps`` steps are done (counting those before a resume).
+
+        Args:
+            data: a dataset (``len`` and ``take(indices) -> (inputs, targets)``), from which
+                global batches are drawn by ``iter_batches(data, plan.global_batch, seed)``;
+                or an iterable of global batches ``(inputs, targets)``, the same on every rank,
+                from step 0 (batches before the resumed step are skipped).
+            steps: the step count to reach.
+            seed: the data seed (datasets only).
+
+        Returns:
+            Per-step metrics of this call (``step``, ``loss``, ``samples_per_s``, ``step_time_s``),
+            the same on every used rank; empty on an unused rank.
+
+        Raises:
+            PeerError: a peer died, or did not answer within ``timeout_s``; names it and the action.
+        """
+        if not self.role.used:
+            self._idle()
+            return []
+        start_step = self.step
+        log = (MetricsLog(self.metrics_out, self.tensorboard_dir, self.progress, steps, start_step)
+               if self.is_reporting else None)
+        out: list[dict[str, Any]] = []
+        try:
+            self._train(self._batches(data, seed), steps, log, out)
+        except Exception as e:
+            self.health.post_error(str(e))
+            raise
+        finally:
+            if log is not None:
+                log.close()
+        self._post_event({"kind": "done"})
+        return out
+
+    def close(self) -> None:
+        """Stop the heartbeat. The process group is left as it is."""
+        self.health.stop()
+
+    # --- the loop --------------------------------------------------------------------
+
+    def _train(self, batches: Iterator[Any], steps: int, log: MetricsLog | None, out: list[dict[str, Any]]) -> None:
+        assert self.module is not None
+        N = self.plan.global_batch
+        actions = self.actions[self.role.device]
+        waiting: list[tuple[dict[str, Any], torch.Tensor]] = []  # steps whose loss is not reduced yet
+        in_flight: _Losses | None = None  # reduced asynchronously, read at the next flush
+        t_begin = t_prev = time.perf_counter()
+        while self.step < steps:
+            s = self.step
+            record = self.record_timeline and s == steps - 1
+            try:
+                batch = next(batches)
+            except StopIteration:
+                raise ValueError(f"the data ran out at step {s} of {steps}") from None
+            inputs, targets = self._micro_batches(batch, s)
+            if record:
+                self._wait_collective(dist.all_reduce(torch.zeros(1, device=self.device), group=self.work_group,
+                                                      async_op=True), f"lining up for the recorded step {s}")
+                self.recorder.start()
+                t_prev = time.perf_counter()
+            loss = self.executor.run(actions, s, inputs, targets)
+            t_end = time.perf_counter()
+            if record:
+                self._merge_timeline(self.recorder.stop(), s, t_end - t_prev)
+            self.step += 1
+            step_time = t_end - t_prev
+            t_prev = t_end
+            row = {"step": self.step, "loss": None, "samples_per_s": N / step_time if step_time > 0 else 0.0,
+                   "step_time_s": step_time, "elapsed_s": t_end - t_begin}
+            waiting.append((row, loss.detach()))
+            checkpoint = self._checkpoint_due(steps)
+            if len(waiting) >= self.log_every or checkpoint or self.step == steps:
+                if in_flight is not None:
+                    self._finish_metrics(in_flight, log, out)
+                in_flight = self._reduce_losses(waiting)
+                waiting = []
+            if checkpoint:
+                assert in_flight is not None
+                self._finish_metrics(in_flight, log, out)
+                in_flight = None
+                self._save(out[-1]["loss"] if out else None)
+        if in_flight is not None:
+            self._finish_metrics(in_flight, log, out)
+
+    def _reduce_losses(self, waiting: list[tuple[dict[str, Any], torch.Tensor]]) -> _Losses:
+        """Start summing the steps' losses over the used ranks (only last stages hold a part of each)."""
+        buf = torch.stack([loss for _, loss in waiting])  # (steps,)
+        work = (dist.all_reduce(buf, group=self.work_group, async_op=True) if len(self.used_ranks) > 1 else None)
+        return _Losses([row for row, _ in waiting], buf, work)
+
+    def _finish_metrics(self, losses: _Losses, log: MetricsLog | None, out: list[dict[str, Any]]) -> None:
+        if losses.work is not None:
+            self._wait_collective(losses.work, f"the losses of steps {losses.rows[0]['step']}.."
+                                               f"{losses.rows[-1]['step']}")
+        for row, value in zip(losses.rows, losses.buf.tolist(), strict=True):
+            row["loss"] = float(value)
+            out.append(row)
+            self.history.append(row)
+            if log is not None:
+                log.log(row)
+
+    def _wait_collective(self, work: Any, what: str) -> None:
+        try:
+            done = work.wait(timeout=timedelta(seconds=self.timeout_s))
+        except RuntimeError as e:
+            raise self.health.peer_error(f"{what} among the used ranks failed or timed out ({self.timeout_s:g} s)",
+                                         self.used_ranks, e) from None
+        if done is False:
+            raise self.health.peer_error(f"{what} did not finish within {self.timeout_s:g} s", self.used_ranks)
+
+    # --- data ------------------------------------------------------------------------
+
+    def _batches(self, data: Any, seed: int) -> Iterator[Any]:
+        if hasattr(data, "take") and hasattr(data, "__len__"):
+            from hetrain.data.datasets import iter_batches
+
+            stream: Iterable[Any] = iter_batches(data, self.plan.global_batch, seed)
+        else:
+            stream = data
+        return itertools.islice(iter(stream), self.step, None)
+
+    def _micro_batches(self, batch: Any, step: int) -> tuple[list[Any] | None, list[Any] | None]:
+        """This VW's micro-batches of a global batch: inputs for the first stage, targets for the last.
+
+        VW ``v`` takes its contiguous share of the global batch (``data.sharding``), cut into
+        its micro-batches in order: micro-batch ``i`` is one slice of the global batch.
+        """
+        if not (self.role.is_first or self.role.is_last):
+            return None, None
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise TypeError(f"step {step}: a global batch must be a pair (inputs, targets), got {type(batch).__name__}")
+        x, y = batch
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):  # the common case, without the general code
+            if len(x) != self.plan.global_batch or len(y) != self.plan.global_batch:
+                raise ValueError(f"step {step}: a global batch of {len(x)} inputs and {len(y)} targets; the plan's "
+                                 f"global batch is {self.plan.global_batch}")
+            return ([x[lo:hi] for lo, hi in self._slices] if self.role.is_first else None,
+                    [y[lo:hi] for lo, hi in self._slices] if self.role.is_last else None)
+        batch = (x, y)
+        n = batch_length(batch)
+        if n != self.plan.global_batch:
+            raise ValueError(f"step {step}: a global batch of {n} samples; the plan's global batch is "
+                             f"{self.plan.global_batch}")
+        assert self.role.vw is not None
+        micro = split_batch(shard_batch(batch, self.role.mini_batch_sizes, self.role.vw), self.role.micro_batch_sizes)
+        return ([m[0] for m in micro] if self.role.is_first else None,
+                [m[1] for m in micro] if self.role.is_last else None)
+
+    # --- timeline --------------------------------------------------------------------
+
+    def _merge_timeline(self, part: dict[str, Any], step: int, iteration_s: float) -> None:
+        parts: list[Any] | None = [None] * len(self.used_ranks) if self.is_reporting else None
+        try:
+            dist.gather_object(part, parts, dst=self.report_rank, group=self.work_group)
+        except RuntimeError as e:
+            raise self.health.peer_error(f"gathering the timeline of step {step} on "
+                                         f"{self.health.name(self.report_rank)} failed or timed out "
+                                         f"({self.timeout_s:g} s)", self.used_ranks, e) from None
+        if not self.is_reporting:
+            return
+        assert parts is not None
+        meta = {"model": self.plan.model, "schedule": self.plan.schedule, "step": step,
+                "global_batch": self.plan.global_batch, "iteration_s": iteration_s,
+                "samples_per_s": self.plan.global_batch / iteration_s if iteration_s > 0 else 0.0,
+                "devices": {r: d for r, d in enumerate(self.reported)}}
+        order = {d: k for k, d in enumerate(self.plan.devices_used)}
+        parts.sort(key=lambda p: order.get(p["device"], len(order)))
+        self.timeline = merge_timeline(parts, self.plan.cluster, meta)
+        if self.timeline_out is not None:
+            Path(self.timeline_out).parent.mkdir(parents=True, exist_ok=True)
+            self.timeline.save(self.timeline_out)
+
+    # --- checkpoints -----------------------------------------------------------------
+
+    def _checkpoint_due(self, steps: int) -> bool:
+        if self.checkpoint_dir is None:
+            return False
+        return self.step == steps or (self.checkpoint_every > 0 and self.step % self.checkpoint_every == 0)
+
+    def _owned_names(self) -> set[str]:
+        """The names this rank writes: those of layers whose segment's first owner is this rank's device."""
+        assert self.module is not None
+        first_owner = {}
+        for seg in self.plan.segments():
+            for k in range(seg.first_layer, seg.end_layer):
+                first_owner[k] = seg.owners[0]
+        out = set()
+        for name in self.module.state_dict():
+            m = _LAYER_RE.match(name)
+            if m and first_owner.get(int(m.group(1))) == self.role.device:
+                out.add(name)
+        return out
+
+    def _optimizer_state(self) -> dict[str, dict[str, Any]]:
+        assert self.module is not None and self.optimizer is not None
+        name_of = {id(p): n for n, p in self.module.named_parameters()}
+        return {name_of[id(p)]: {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
+                for p, st in self.optimizer.state.items() if id(p) in name_of}
+
+    def _meta(self, loss: float | None) -> dict[str, Any]:
+        return {"step": self.step, "loss": loss, "model": self.plan.model, "global_batch": self.plan.global_batch,
+                "samples_seen": self.step * self.plan.global_batch, "devices": self.plan.devices_used}
+
+    def _save(self, loss: float | None) -> None:
+        from hetrain.runtime.checkpoint import save_checkpoint
+
+        assert self.module is not None and self.checkpoint_dir is not None
+        meta = self._meta(loss)
+        self._post_event({"kind": "checkpoint", "step": self.step, "meta": meta})
+        tensors = {n: t.detach().cpu() for n, t in self.module.state_dict().items()}
+        save_checkpoint(self.checkpoint_dir, self.step, tensors, self._optimizer_state(), meta,
+                        owned_names=self._owned_names(), timeout_s=self.timeout_s)
+
+    def _restore(self) -> None:
+        if self.checkpoint_dir is None:
+            return
+        from hetrain.runtime.checkpoint import latest_checkpoint, load_checkpoint
+
+        found = latest_checkpoint(self.checkpoint_dir)
+        if found is None:
+            return
+        step, _ = found
+        if self.module is None or self.optimizer is None:
+            self.step = step
+            return
+        names = list(self.module.state_dict())
+        tensors, optimizer_state, meta = load_checkpoint(self.checkpoint_dir, names, step)
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise ValueError(f"checkpoint step {step} in {self.checkpoint_dir} lacks {len(missing)} tensor(s) of "
+                             f"{self.role.device}'s stage, e.g. {missing[:3]}")
+        self.module.load_state_dict({n: tensors[n] for n in names})
+        for name, p in self.module.named_parameters():
+            if name in optimizer_state:
+                self.optimizer.state[p] = {k: (v.to(p.device) if isinstance(v, torch.Tensor) and k != "step" else v)
+                                           for k, v in optimizer_state[name].items()}
+        self.step = int(meta.get("step", step))
+
+    # --- unused ranks ----------------------------------------------------------------
+
+    def _post_event(self, event: dict[str, Any]) -> None:
+        """Tell unused ranks what to join (checkpoint writes) or that training is done."""
+        if not self.is_reporting or len(self.used_ranks) == self.world or self.checkpoint_dir is None:
+            return
+        if self.health.store is not None:
+            self.health.store.set(f"event/{self._events}", json.dumps(event))
+        self._events += 1
+
+    def _idle(self) -> None:
+        """An unused rank: nothing to do, except joining checkpoint writes (collective over the job)."""
+        if self.checkpoint_dir is None or self.health.store is None:
+            return
+        from hetrain.runtime.checkpoint import save_checkpoint
+
+        store = self.health.store
+        self.health.doing = "idle (device unused by the plan)"
+        while True:
+            key = f"event/{self._events}"
+            last_seen = time.monotonic()
+            while not store.check([key]):
+                errors = self.health.posted_errors()
+                if errors:
+                    r, msg = min(errors.items())
+                    raise PeerError(f"{self.health.name(self.rank)} (idle): {self.health.name(r)} failed: "
+                                    f"{msg.splitlines()[0]}")
+                if self._reporting_rank_alive():
+                    last_seen = time.monotonic()
+                elif time.monotonic() - last_seen > self.timeout_s:
+                    raise self.health.peer_error(f"idle, waiting for news from {self.health.name(self.report_rank)}",
+                                                 [self.report_rank])
+                time.sleep(0.2)
+            event = json.loads(store.get(key))
+            self._events += 1
+            if event["kind"] == "done":
+                return
+            self.step = int(event["step"])
+            save_checkpoint(self.checkpoint_dir, self.step, {}, {}, event["meta"], owned_names=set(),
+                            timeout_s=self.timeout_s)
+
+    def _reporting_rank_alive(self) -> bool:
+        store = self.health.store
+        key = f"beat/{self.report_rank}"
+        try:
+            if not store.check([key]):
+                return True  # not beating yet
+            beat = json.loads(store.get(key))
+        except Exception:
+            return False
+        return bool(time.time() - float(beat["t"]) < 3 * self.health.period_s)

@@ -1,0 +1,117 @@
+"""Save under plan A, crash, and resume under plan B by torchrun's restart: the weights of uninterrupted training.
+
+One torchrun job of 3 Gloo ranks, ``--max-restarts 1``::
+
+    attempt 0   plan A: pipeline n0:0 [0,3) -> n0:1 [3,6), GPipe; n0:2 unused (it idles, and joins the
+                checkpoint writes); checkpoints at steps 3 and 6; rank 1 dies at the start of step 8
+    attempt 1   plan B: VW0 n0:0 [0,6) (5 samples), VW1 n0:1 [0,2) -> n0:2 [2,6) (3 samples in 3), 1F1B;
+                resumes by itself from step 6 and trains to step 10 (checkpoints 9 and 10)
+
+The fault (and the switch of plan) is injected by a wrapper script; the runtime
+knows nothing of it. SGD with momentum, so the optimizer state must survive too.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from hetrain.cluster import parse_cluster
+from hetrain.data.datasets import iter_batches
+from hetrain.data.registry import build_datasets
+from hetrain.models.analytic import build_profile
+from hetrain.models.layers import LayerRange
+from hetrain.models.registry import build_layers, loss_fn
+from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
+from hetrain.runtime.checkpoint import latest_checkpoint, load_checkpoint, load_manifest
+from hetrain.runtime.trainer import build_optimizer_fn
+
+GPT = {"hidden": 32, "heads": 2, "seq_len": 16}
+STEPS, EVERY, DIES_AT = 10, 3, 7  # DIES_AT: the 0-based step at whose start rank 1 dies in attempt 0
+LR, MOMENTUM = 0.1, 0.9
+
+WRAPPER = textwrap.dedent(f"""
+    import os, sys
+    from hetrain.runtime import command, executor
+
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    plan_a, plan_b, *args = sys.argv[1:]
+    if attempt == 0 and os.environ["RANK"] == "1":
+        run = executor.Executor.run
+
+        def run_or_die(self, actions, step, inputs, targets):
+            if step == {DIES_AT}:
+                os._exit(17)
+            return run(self, actions, step, inputs, targets)
+
+        executor.Executor.run = run_or_die
+    sys.exit(command.main(["--plan", plan_a if attempt == 0 else plan_b, *args]))
+""")
+
+
+def make_plan(vws: list[tuple[list[str], list[int], int, int]], schedule: str) -> Plan:
+    cluster = parse_cluster({"name": "cpus", "node": [{"name": "n0", "devices": [{"type": "cpu", "count": 3}],
+                                                       "intra_link": "loopback", "nic": "1Gbit/s"}]})
+    built = tuple(VirtualWorker(tuple(Stage(d, b[j], b[j + 1]) for j, d in enumerate(devs)), mb, m)
+                  for devs, b, mb, m in vws)
+    return Plan("gpt-tiny", sum(v.mini_batch for v in built), schedule, "bsp", "momentum",  # type: ignore[arg-type]
+                built, Prediction(0, 0, 0, 0, 0), "hybrid", "manual", cluster, build_profile("gpt-tiny", **GPT))
+
+
+PLAN_A = make_plan([(["n0:0", "n0:1"], [0, 3, 6], 8, 4)], "gpipe")
+PLAN_B = make_plan([(["n0:0"], [0, 6], 5, 1), (["n0:1", "n0:2"], [0, 2, 6], 3, 3)], "1f1b")
+
+
+def reference() -> tuple[dict[str, torch.Tensor], list[float]]:
+    net = LayerRange(build_layers("gpt-tiny", seed=0, **GPT))
+    opt = build_optimizer_fn("momentum", LR, MOMENTUM)(list(net.parameters()))
+    data = build_datasets("synthetic", "gpt-tiny", seed=0, **GPT).train  # as the train command builds it
+    losses = []
+    for x, y in iter_batches(data, 8, seed=0, steps=STEPS):
+        opt.zero_grad()
+        loss = loss_fn("gpt-tiny")(net(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return net.state_dict(), losses
+
+
+def test_a_job_restarted_by_torchrun_resumes_under_another_plan(tmp_path: Path, spawn, clean_env) -> None:
+    PLAN_A.save(tmp_path / "a.json")
+    PLAN_B.save(tmp_path / "b.json")
+    (tmp_path / "wrapper.py").write_text(WRAPPER)
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    settings = [f"--set={k}={v}" for k, v in GPT.items()]
+    p = spawn([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+               "--max-restarts", "1", "--monitor-interval", "0.2", str(tmp_path / "wrapper.py"),
+               str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--model", "gpt-tiny", "--data", "synthetic",
+               *settings, "--steps", str(STEPS), "--optimizer", "momentum", "--lr", str(LR),
+               "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(EVERY), "--metrics-out", str(metrics),
+               "--timeout-s", "30", "--no-progress"], {**clean_env, "HETRAIN_NODE": "n0"})
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 0, stderr[-4000:]
+    assert "(exitcode: 17)" in stderr  # attempt 0 did fail
+    assert "resuming at step 6" in stdout, stdout
+
+    want, losses = reference()
+    found = latest_checkpoint(ckpt)
+    assert found is not None and found[0] == STEPS
+    got, state, meta = load_checkpoint(ckpt, list(want))
+    worst = max(((got[k] - want[k]).norm() / want[k].norm()).item() for k in want)
+    assert worst <= 1e-5, f"worst relative error {worst:.2e}"
+    assert set(state) == {n for n, t in want.items() if t.is_floating_point()}  # every momentum buffer saved
+    assert meta["step"] == STEPS and meta["devices"] == PLAN_B.devices_used
+    six = load_manifest(ckpt, 6)  # written under plan A, with the unused rank taking part
+    assert six["world_size"] == 3 and six["meta"]["devices"] == PLAN_A.devices_used
+
+    rows: dict[int, dict] = {}
+    for line in metrics.read_text().splitlines():  # attempt 1 appends; a step run twice keeps its last line
+        row = json.loads(line)
+        rows[row["step"]] = row
+    assert sorted(rows) == list(range(1, STEPS + 1))
+    assert [rows[s]["loss"] for s in sorted(rows)] == pytest.approx(losses, rel=1e-5)

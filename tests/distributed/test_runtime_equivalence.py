@@ -1,0 +1,221 @@
+"""Plans run on 4 Gloo ranks give, after three optimizer steps, the weights of single-process training.
+
+One job of 4 processes (RANK/WORLD_SIZE set as torchrun sets them) runs every
+case below in turn with the Trainer API, each with its own Trainer (its own
+process groups); each rank saves its stage's weights, and the test compares
+them with one process training the whole model on the same global batches.
+Float32; relative error (Frobenius norm of the difference over the norm) <= 1e-5.
+Synthetic data throughout (the real sets would add seconds of imports to every rank).
+
+    case          plan (gpt-tiny has 6 layers, mlp-digits 3)
+    dp-uneven     4 VWs of one stage, mini-batches 5, 3, 2, 2 (VW0 in 2 micro-batches)
+    pp4-gpipe     one pipeline of 4 stages, GPipe, 4 micro-batches
+    pp4-1f1b      one pipeline of 4 stages, 1F1B, 6 uneven micro-batches (2,2,2,2,1,1)
+    pp3-mlp       mlp-digits on 3 stages, 1F1B
+    two-vws       VW0 [0,2)+[2,6), mini-batch 6 in 3; VW1 [0,4)+[4,6), mini-batch 4 in 2
+    recompute     VW0 of 2 stages with recompute sets, VW1 one stage recomputing; n0:3 unused (idles)
+    adamw         mlp-digits on two VWs cut differently, AdamW with weight decay
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hetrain.cluster import parse_cluster
+from hetrain.data.datasets import iter_batches
+from hetrain.data.registry import build_datasets
+from hetrain.models.analytic import build_mlp_profile, build_profile
+from hetrain.models.layers import LayerRange
+from hetrain.models.registry import build_layers, loss_fn
+from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
+from hetrain.runtime.trainer import build_optimizer_fn
+from hetrain.simulator import simulate
+from hetrain.timeline import compare, load_timeline
+
+STEPS = 3
+GPT = {"hidden": 32, "heads": 2, "seq_len": 16}  # gpt-tiny, shrunk: 6 layers still
+WORLD = 4
+
+WORKER = textwrap.dedent("""
+    import json, sys, torch
+    from hetrain.data.registry import build_datasets
+    from hetrain.models.registry import build_layers, loss_fn
+    from hetrain.plan import load_plan
+    from hetrain.runtime import Trainer, build_optimizer_fn
+
+    torch.set_num_threads(1)
+    for case in json.load(open(sys.argv[1])):
+        model, config = case["model"], case["config"]
+        data = build_datasets(case["data"], model, seed=0, synthetic_samples=256, **config).train
+        trainer = Trainer(lambda a, b: build_layers(model, a, b, seed=0, **config), load_plan(case["plan"]),
+                          build_optimizer_fn(case["optimizer"], case["lr"], weight_decay=case["weight_decay"]),
+                          loss_fn(model), timeout_s=60, metrics_out=case.get("metrics"),
+                          timeline_out=case.get("timeline"), progress=False)
+        history = trainer.fit(data, case["steps"], seed=0)
+        torch.save({"weights": trainer.state_dict(), "history": history, "used": trainer.role.used},
+                   f"{case['out']}/rank{trainer.rank}.pt")
+        trainer.close()
+""")
+
+
+def make_plan(model: str, vws: list[tuple[list[str], list[int], int, int]], schedule: str = "1f1b",
+              recompute: dict[str, tuple[int, ...]] | None = None) -> Plan:
+    """``vws``: (devices, layer boundaries, mini-batch, micro-batches) per VW, on node n0 of 4 CPU devices."""
+    cluster = parse_cluster({"name": "cpus", "node": [{"name": "n0", "devices": [{"type": "cpu", "count": WORLD}],
+                                                       "intra_link": "loopback", "nic": "1Gbit/s"}]})
+    profile = (build_mlp_profile([64, 256, 256, 10], name=model) if model == "mlp-digits"
+               else build_profile(model, hidden=GPT["hidden"], heads=GPT["heads"], seq_len=GPT["seq_len"]))
+    rc = recompute or {}
+    built = tuple(VirtualWorker(tuple(Stage(d, b[j], b[j + 1], rc.get(d, ())) for j, d in enumerate(devs)), mb, m)
+                  for devs, b, mb, m in vws)
+    return Plan(model, sum(v.mini_batch for v in built), schedule, "bsp", "sgd", built,  # type: ignore[arg-type]
+                Prediction(0, 0, 0, 0, 0), "hybrid", "manual", cluster, profile)
+
+
+D = [f"n0:{k}" for k in range(WORLD)]
+TWO_VWS = [([D[0], D[1]], [0, 2, 6], 6, 3), ([D[2], D[3]], [0, 4, 6], 4, 2)]
+CASES: dict[str, dict[str, Any]] = {
+    "dp-uneven": {"plan": make_plan("gpt-tiny", [([D[0]], [0, 6], 5, 2), ([D[1]], [0, 6], 3, 1),
+                                                 ([D[2]], [0, 6], 2, 1), ([D[3]], [0, 6], 2, 2)])},
+    "pp4-gpipe": {"plan": make_plan("gpt-tiny", [(D, [0, 2, 3, 4, 6], 8, 4)], "gpipe"), "timeline": True},
+    "pp4-1f1b": {"plan": make_plan("gpt-tiny", [(D, [0, 1, 3, 5, 6], 10, 6)], "1f1b")},
+    "pp3-mlp": {"plan": make_plan("mlp-digits", [(D[:3], [0, 1, 2, 3], 16, 4)]), "model": "mlp-digits", "lr": 0.2},
+    "two-vws": {"plan": make_plan("gpt-tiny", TWO_VWS)},
+    "recompute": {"plan": make_plan("gpt-tiny", [([D[0], D[1]], [0, 3, 6], 6, 3), ([D[2]], [0, 6], 3, 3)],
+                                    recompute={D[0]: (0, 2), D[1]: (3, 4, 5), D[2]: (1, 2, 3)})},
+    # AdamW on mlp-digits: in gpt-tiny the key bias has a zero gradient (softmax ignores a shift), made of
+    # rounding noise only, which Adam's normalisation turns into full-size steps that no two summation orders share
+    "adamw": {"plan": make_plan("mlp-digits", [([D[0], D[1]], [0, 1, 3], 10, 2), ([D[2], D[3]], [0, 2, 3], 6, 3)]),
+              "model": "mlp-digits", "optimizer": "adamw", "lr": 3e-3, "weight_decay": 0.1},
+}
+
+
+def _case(name: str, root: Path) -> dict[str, Any]:
+    c = CASES[name]
+    out = root / name
+    out.mkdir()
+    c["plan"].save(out / "plan.json")
+    model = c.get("model", "gpt-tiny")
+    spec = {"plan": str(out / "plan.json"), "model": model, "config": GPT if model == "gpt-tiny" else {},
+            "data": c.get("data", "synthetic"), "optimizer": c.get("optimizer", "sgd"), "lr": c.get("lr", 0.5),
+            "weight_decay": c.get("weight_decay", 0.0), "steps": STEPS, "out": str(out),
+            "metrics": str(out / "metrics.jsonl")}
+    if c.get("timeline"):
+        spec["timeline"] = str(out / "timeline.json")
+    return spec
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Run every case in one 4-rank job; returns the specs by case name."""
+    import contextlib
+    import os
+    import signal
+    import socket
+    import subprocess
+
+    root = tmp_path_factory.mktemp("runtime")
+    specs = {name: _case(name, root) for name in CASES}
+    (root / "cases.json").write_text(json.dumps(list(specs.values())))
+    (root / "worker.py").write_text(WORKER)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HETRAIN_NODE="n0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port), WORLD_SIZE=str(WORLD))
+    procs = [subprocess.Popen([sys.executable, str(root / "worker.py"), str(root / "cases.json")],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True) for r in range(WORLD)]
+    try:
+        outputs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
+    for r, (p, (_, err)) in enumerate(zip(procs, outputs, strict=True)):
+        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{err[-4000:]}"
+    return specs
+
+
+def reference(spec: dict[str, Any], global_batch: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process, the whole model, the same global batches: weights after the steps and the losses."""
+    model, config = spec["model"], spec["config"]
+    torch.manual_seed(123)  # nothing below may depend on the global generator
+    net = LayerRange(build_layers(model, seed=0, **config))
+    opt = build_optimizer_fn(spec["optimizer"], spec["lr"], weight_decay=spec["weight_decay"])(list(net.parameters()))
+    data = build_datasets(spec["data"], model, seed=0, synthetic_samples=256, **config).train
+    losses = []
+    for x, y in iter_batches(data, global_batch, seed=0, steps=spec["steps"]):
+        opt.zero_grad()
+        loss = loss_fn(model)(net(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return net.state_dict(), losses
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_weights_after_three_steps_equal_single_process_training(job: dict[str, Any], name: str) -> None:
+    spec = job[name]
+    plan: Plan = CASES[name]["plan"]
+    parts = [torch.load(Path(spec["out"]) / f"rank{r}.pt") for r in range(WORLD)]
+    got: dict[str, torch.Tensor] = {}
+    for part in parts:
+        for key, value in part["weights"].items():
+            if key in got:  # a layer held by several VWs: their replicas must agree
+                torch.testing.assert_close(value, got[key], rtol=1e-6, atol=1e-7)
+            got[key] = value
+    want, losses = reference(spec, plan.global_batch)
+    assert set(got) == set(want)
+    worst = max(((got[k] - want[k]).norm() / want[k].norm()).item() for k in want)
+    assert worst <= 1e-5, f"{name}: worst relative error {worst:.2e}"
+    moved = min(((want[k] - w0).norm() / w0.norm()).item()
+                for k, w0 in LayerRange(build_layers(spec["model"], seed=0, **spec["config"])).state_dict().items()
+                if w0.is_floating_point() and w0.norm() > 0)
+    assert moved > 0, "the reference did not train"
+    used = [p for p in parts if p["used"]]
+    assert len(used) == len(plan.devices_used)
+    for part in used:  # every used rank knows the global loss of every step
+        assert [h["step"] for h in part["history"]] == [1, 2, 3]
+        assert [h["loss"] for h in part["history"]] == pytest.approx(losses, rel=1e-5)
+    rows = [json.loads(line) for line in Path(spec["metrics"]).read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["samples_per_s"] > 0 and r["step_time_s"] > 0 for r in rows)
+
+
+def test_an_unused_rank_idles_and_holds_nothing(job: dict[str, Any]) -> None:
+    idle = torch.load(Path(job["recompute"]["out"]) / "rank3.pt")
+    assert idle == {"weights": {}, "history": [], "used": False}
+
+
+def test_the_measured_timeline_lines_up_with_the_simulated_one(job: dict[str, Any]) -> None:
+    plan: Plan = CASES["pp4-gpipe"]["plan"]
+    measured = load_timeline(job["pp4-gpipe"]["timeline"])
+    assert measured.source == "measured" and measured.meta["step"] == STEPS - 1
+    assert list(measured.devices) == D
+    m = plan.virtual_workers[0].micro_batches
+    for j, dev in enumerate(D):
+        events = measured.devices[dev]
+        assert [e.label for e in events if e.kind == "forward"] == [f"{j}F{i}" for i in range(m)]
+        assert [e.label for e in events if e.kind == "backward"] == [f"{j}B{i}" for i in range(m)]
+        assert [e.kind for e in events][-1] == "optimizer"
+        assert all(e.end_s >= e.start_s >= 0 for e in events)
+        assert sum(e.kind == "recv" for e in events) == (m if j in (0, WORLD - 1) else 2 * m)
+    for a, b in itertools.pairwise(D):  # activations one way, gradients the other
+        assert {e.kind for e in measured.links[f"{a}->{b}"]} == {"send_f"}
+        assert {e.kind for e in measured.links[f"{b}->{a}"]} == {"send_b"}
+    rows = {(r.device, r.kind): r for r in compare(simulate(plan).timeline, measured).rows}
+    for dev in D:
+        assert rows[(dev, "forward")].predicted_count == rows[(dev, "forward")].measured_count == m
+        assert rows[(dev, "iteration")].measured_s > 0

@@ -1,0 +1,129 @@
+"""A dead, stuck or misplaced rank ends the job with an error that names it, never a silent hang.
+
+Ranks are started one by one with torchrun's environment (RANK, WORLD_SIZE,
+MASTER_ADDR...), not under torchrun, whose agent would kill the survivors as soon
+as one rank dies and so hide what they report.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from hetrain.cluster import parse_cluster
+from hetrain.models.analytic import build_mlp_profile
+from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
+from hetrain.runtime.command import run_train_command
+
+TRAIN = [sys.executable, "-m", "hetrain.runtime.command"]
+
+
+def pipeline_plan(p: int, nodes: tuple[str, ...] = ("n0",)) -> Plan:
+    """mlp-digits (3 layers) as one pipeline of ``p`` stages over devices n0:0..n0:{p-1}, 1F1B, 4 micro-batches."""
+    cluster = parse_cluster({"name": "cpus", "node": [
+        {"name": n, "devices": [{"type": "cpu", "count": p}], "intra_link": "loopback", "nic": "1Gbit/s"}
+        for n in nodes]})
+    bounds = {1: [0, 3], 2: [0, 1, 3], 3: [0, 1, 2, 3]}[p]
+    vw = VirtualWorker(tuple(Stage(f"n0:{j}", bounds[j], bounds[j + 1]) for j in range(p)), 16, 4)
+    return Plan("mlp-digits", 16, "1f1b", "bsp", "sgd", (vw,), Prediction(0, 0, 0, 0, 0), "pp", "manual",
+                cluster, build_mlp_profile([64, 256, 256, 10], name="mlp-digits"))
+
+
+def start_ranks(spawn, clean_env, port: int, world: int, args: list[str], node: str | None = "n0") -> list:
+    env = {**clean_env, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    if node is not None:
+        env["HETRAIN_NODE"] = node
+    return [spawn([*TRAIN, *args], {**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
+
+
+def wait_for_lines(path: Path, count: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= count:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{path} did not reach {count} lines within {timeout_s} s")
+
+
+def train_args(tmp_path: Path, timeout_s: float) -> list[str]:
+    plan = pipeline_plan(3)
+    plan.save(tmp_path / "plan.json")
+    return ["--plan", str(tmp_path / "plan.json"), "--model", "mlp-digits", "--data", "synthetic",
+            "--steps", "1000000", "--metrics-out", str(tmp_path / "metrics.jsonl"), "--timeout-s", str(timeout_s),
+            "--no-progress"]
+
+
+def test_a_killed_rank_is_named_by_the_others_within_the_timeout(tmp_path, spawn, clean_env, free_port):
+    timeout_s = 10.0
+    ranks = start_ranks(spawn, clean_env, free_port(), 3, train_args(tmp_path, timeout_s))
+    wait_for_lines(tmp_path / "metrics.jsonl", 3, 60)  # training is under way
+    killed_at = time.monotonic()
+    os.kill(ranks[1].pid, signal.SIGKILL)  # the middle stage: both neighbours wait for it
+    for r in (0, 2):
+        _, stderr = ranks[r].communicate(timeout=timeout_s + 20)
+        assert ranks[r].returncode == 1, stderr[-3000:]
+        assert time.monotonic() - killed_at < timeout_s + 10
+        assert "hetrain train: error: rank" in stderr, stderr[-3000:]
+        assert "rank 1 (n0:1)" in stderr, stderr[-3000:]
+        assert "(step " in stderr and any(k in stderr for k in ("RECV_", "SEND_", "STEP", "ALLREDUCE")), stderr
+
+
+def test_a_stuck_rank_is_named_after_the_timeout(tmp_path, spawn, clean_env, free_port):
+    timeout_s = 3.0
+    ranks = start_ranks(spawn, clean_env, free_port(), 3, train_args(tmp_path, timeout_s))
+    wait_for_lines(tmp_path / "metrics.jsonl", 3, 60)
+    stopped_at = time.monotonic()
+    os.kill(ranks[2].pid, signal.SIGSTOP)  # the last stage hangs (its heartbeat stops too)
+    try:
+        _, stderr = ranks[1].communicate(timeout=timeout_s + 20)
+        waited = time.monotonic() - stopped_at
+        assert ranks[1].returncode == 1, stderr[-3000:]
+        assert timeout_s - 0.5 < waited < timeout_s + 10
+        # rank 1 waited for rank 2: a receive (from the last stage) or its send's completion
+        assert "no answer from rank 2 (n0:2) within 3 s, waiting at " in stderr, stderr[-3000:]
+        assert "rank 2 (n0:2): silent for" in stderr, stderr[-3000:]
+        _, stderr0 = ranks[0].communicate(timeout=timeout_s + 20)
+        assert ranks[0].returncode == 1, stderr0[-3000:]
+        assert "rank 1 (n0:1)" in stderr0, stderr0[-3000:]
+        assert "rank 2 (n0:2): silent for" in stderr0, stderr0[-3000:]  # the culprit, though not rank 0's peer
+    finally:
+        os.kill(ranks[2].pid, signal.SIGCONT)
+
+
+def test_ranks_on_a_node_the_plan_does_not_know_are_told_what_the_plan_expects(tmp_path, spawn, clean_env,
+                                                                                 free_port):
+    plan = pipeline_plan(2)
+    plan.save(tmp_path / "plan.json")
+    args = ["--plan", str(tmp_path / "plan.json"), "--model", "mlp-digits", "--data", "synthetic", "--steps", "1",
+            "--timeout-s", "20"]
+    ranks = start_ranks(spawn, clean_env, free_port(), 2, args, node="box")
+    for p in ranks:
+        _, stderr = p.communicate(timeout=60)
+        assert p.returncode == 1, stderr[-3000:]
+        assert "the world does not match the plan" in stderr
+        assert "rank 0 reports device box:0, which is not in the plan's cluster" in stderr
+        assert "no rank drives n0:1 (stage 1 of VW0, layers [1, 3))" in stderr
+        assert "nodes n0 (n0:0, n0:1)" in stderr and "rank 0 -> box:0, rank 1 -> box:1" in stderr
+
+
+def test_a_model_that_does_not_fit_the_plan_is_refused(tmp_path, capsys):
+    pipeline_plan(1).save(tmp_path / "plan.json")
+    assert run_train_command(tmp_path / "plan.json", "gpt-tiny", steps=1) == 1  # refused before any process group
+    assert "model 'gpt-tiny' has 6 layers but the plan (mlp-digits) has 3" in capsys.readouterr().err
+
+
+def test_a_rank_that_never_starts_is_reported_within_the_timeout(tmp_path, spawn, clean_env, free_port):
+    pipeline_plan(2).save(tmp_path / "plan.json")
+    env = {**clean_env, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "HETRAIN_NODE": "n0", "RANK": "0", "LOCAL_RANK": "0"}
+    start = time.monotonic()
+    p = spawn([*TRAIN, "--plan", str(tmp_path / "plan.json"), "--model", "mlp-digits", "--data", "synthetic",
+               "--timeout-s", "2"], env)
+    _, stderr = p.communicate(timeout=60)
+    assert p.returncode == 1, stderr[-3000:]
+    assert "rank 0 could not join the job within 2 s" in stderr, stderr[-3000:]
+    assert "1/2 clients joined" in stderr or "did not all report" in stderr, stderr[-3000:]
+    assert time.monotonic() - start < 30
