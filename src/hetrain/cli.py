@@ -2,6 +2,8 @@
 
     hetrain plan --cluster C.toml --model gpt2-medium --global-batch 512 [-o plan.json] [--json]
     hetrain simulate plan.json [--trace out.json] [--gantt out.png] [--json]
+    torchrun ... -m hetrain train --plan plan.json --model NAME [--steps N] [--checkpoint-dir D]
+    hetrain compare predicted.json measured.json [--gantt both.png]
     hetrain profile --model NAME [--micro-batch 1,2,4,8] [-o profile.json]
     torchrun --nproc-per-node N --no-python hetrain discover -o cluster.toml
     hetrain emulate run CLUSTER.toml -- COMMAND...  (also up, down, status)
@@ -128,6 +130,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return run_simulate_command(args.plan, args.trace, args.gantt, args.json)
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from hetrain.timeline import compare, load_timeline, save_side_by_side
+
+    predicted, measured = load_timeline(args.predicted), load_timeline(args.measured)
+    print(compare(predicted, measured))
+    if args.gantt:
+        save_side_by_side(predicted, measured, args.gantt)
+        print(f"Gantt charts written to {args.gantt}")
+    return 0
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from hetrain.models.analytic import MODEL_NAMES, build_profile
     from hetrain.units import format_bytes
@@ -192,9 +205,17 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32")
     pr.set_defaults(func=cmd_profile)
 
-    # Listed for --help; `main` hands `discover` to the profiler's own parser (it imports torch).
+    # Listed for --help; `main` hands `discover` and `train` to their own parsers (they import torch).
     sub.add_parser("discover", help="under torchrun: measure devices and links, write a cluster file",
                    add_help=False)
+    sub.add_parser("train", help="under torchrun: train a model with a plan (torchrun ... -m hetrain train --plan P)",
+                   add_help=False)
+
+    c = sub.add_parser("compare", help="predicted vs measured timeline: error per device and action kind")
+    c.add_argument("predicted", help="a timeline JSON (hetrain simulate --json ... or the simulator's timeline)")
+    c.add_argument("measured", help="the runtime's measured timeline JSON (hetrain train --timeline-out)")
+    c.add_argument("--gantt", help="write both timelines as one PNG, predicted above measured")
+    c.set_defaults(func=cmd_compare)
 
     from hetrain.emulate.cli import add_emulate_arguments, run_emulate_args
 
@@ -218,6 +239,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from hetrain.profiler.network import main as discover_main
 
         return discover_main(argv[1:])
+    if argv[:1] == ["train"]:
+        from hetrain.runtime.command import main as train_main
+
+        return train_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         code: int = args.func(args)

@@ -310,3 +310,28 @@ def compare(predicted: Timeline, measured: Timeline) -> Comparison:
         rows.append(KindError(dev, "iteration", 1, 1, max((e.end_s for e in pe), default=0.0),
                               max((e.end_s for e in me), default=0.0)))
     return Comparison(tuple(rows))
+
+
+def save_side_by_side(predicted: Timeline, measured: Timeline, path: str | Path) -> None:
+    """One PNG with the predicted Gantt chart above the measured one, on their own time axes."""
+    import tempfile
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.image as mpimg
+    import matplotlib.pyplot as plt
+
+    with tempfile.TemporaryDirectory() as tmp:
+        top, bottom = Path(tmp) / "predicted.png", Path(tmp) / "measured.png"
+        predicted.save_gantt(top, title=f"predicted ({predicted.source})")
+        measured.save_gantt(bottom, title=f"measured ({measured.source})")
+        images = [mpimg.imread(top), mpimg.imread(bottom)]
+    heights = [img.shape[0] for img in images]
+    fig, axes = plt.subplots(2, 1, figsize=(14, sum(heights) / 100), gridspec_kw={"height_ratios": heights})
+    for ax, img in zip(axes, images, strict=True):
+        ax.imshow(img)
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
