@@ -57,3 +57,9 @@ def test_planning_commands_do_not_import_torch() -> None:
             f"main(['plan', '--cluster', {str(CLUSTER)!r}, '--model', 'mlp', '--global-batch', '16']); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)
+
+
+def test_top_level_api_without_torch() -> None:
+    code = ("import sys, hetrain; assert callable(hetrain.plan); from hetrain.plan import Plan; "
+            "assert 'torch' not in sys.modules; hetrain.Trainer; assert 'torch' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)

@@ -12,14 +12,41 @@ simulator, timeline) imports no torch. Example::
 
 from __future__ import annotations
 
+from typing import Any
+
 from hetrain.cluster import Cluster, ClusterError, Device, Link, Node, load_cluster, parse_cluster
+from hetrain.models.analytic import build_profile
 from hetrain.plan import Plan, PlanError, load_plan
+from hetrain.planner import PlannerError, PlannerOptions
+from hetrain.planner import plan as _plan
 from hetrain.profile import LayerProfile, ModelProfile, ProfileError, load_profile
+from hetrain.simulator import simulate
+
+# `hetrain.plan(...)` is the planner; the module of the Plan type stays importable
+# as `hetrain.plan` through `from hetrain.plan import Plan` (sys.modules).
+plan = _plan
 
 __version__ = "0.1.0"
 
+# Torch-side names load on first use, so `import hetrain` never imports torch.
+_LAZY = {
+    "Trainer": "hetrain.runtime.trainer",
+    "profile_layers": "hetrain.profiler.layers",
+    "merge_profiles": "hetrain.profiler.fit",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hetrain' has no attribute {name!r}")
+
+
 __all__ = [
     "Cluster", "ClusterError", "Device", "LayerProfile", "Link", "ModelProfile", "Node", "Plan",
-    "PlanError", "ProfileError", "__version__", "load_cluster", "load_plan", "load_profile",
-    "parse_cluster",
+    "PlanError", "PlannerError", "PlannerOptions", "ProfileError", "Trainer", "__version__", "build_profile",
+    "load_cluster", "load_plan", "load_profile", "merge_profiles", "parse_cluster", "plan", "profile_layers",
+    "simulate",
 ]
