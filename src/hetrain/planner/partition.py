@@ -74,39 +74,65 @@ class PartitionResult:
         return self.sum_s + (self.m - 1) * self.max_s
 
 
-def _min_sum(cost: list[np.ndarray], peak: list[np.ndarray], cap: float) -> tuple[float, list[int]] | None:
+def _band(j: int, p: int, L: int) -> tuple[slice, slice]:
+    """Stage j of p starts in [j, L-p+j] (stage 0 at layer 0) and ends in [j+1, L-p+j+1]: a layer per stage."""
+    return slice(j, L - p + j + 1) if j else slice(0, 1), slice(j + 1, L - p + j + 2)
+
+
+def _banded(tables: list[np.ndarray], links: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray], list[int]]:
+    """Per stage j, within its band: cost = t_j(k, l) + c_j(k) and peak = max(t_j(k, l), c_j(k)).
+
+    Returns (cost blocks, peak blocks, first row layer k of each block).
+    """
+    p, L = len(tables), tables[0].shape[0] - 1
+    cost, peak, starts = [], [], []
+    for j, t in enumerate(tables):
+        ks, ls = _band(j, p, L)
+        block = t[ks, ls]
+        c = links[j][ks][:, None]
+        cost.append(block + c)
+        peak.append(np.maximum(block, c))
+        starts.append(ks.start)
+    return cost, peak, starts
+
+
+def _min_sum(cost: list[np.ndarray], peak: list[np.ndarray], starts: list[int],
+             cap: float) -> tuple[float, list[int]] | None:
     """Min over cuts of the sum of costs with every term <= cap; (sum, cuts) or None.
 
-    ``cost[j][k, l]`` is stage j on layers [k, l) plus the transfer into it;
-    ``peak[j][k, l]`` the larger of the two, which must not exceed ``cap``.
-    DP over positions, vectorised over layers.
+    Banded blocks (``_banded``): ``cost[j][k - start_j, l - (j + 1)]`` is stage j
+    on layers [k, l) plus the transfer into it, ``peak`` the larger of the two,
+    which must not exceed ``cap``. DP over stages, vectorised over layers;
+    ``dp[r]``: best sum with the stages so far ending at the r-th layer of the band.
     """
-    L = cost[0].shape[0] - 1
-    dp = np.full(L + 1, INF)
-    dp[0] = 0.0
+    p = len(cost)
+    dp = np.zeros(1)  # stage 0 starts at layer 0
     back = []
     for c, top in zip(cost, peak, strict=True):
-        masked = np.where(top <= cap, c, INF)
-        total = dp[:, None] + masked  # (k, l)
+        total = dp[:, None] + (np.where(top <= cap, c, INF) if np.isfinite(cap) else c)  # (k, l) in the band
         arg = np.argmin(total, axis=0)
-        dp = total[arg, np.arange(L + 1)]
+        dp = total[arg, np.arange(total.shape[1])]
         back.append(arg)
-    if not np.isfinite(dp[L]):
+    if not np.isfinite(dp[-1]):
         return None
+    L = p + cost[-1].shape[1] - 1  # the last stage's band ends at layer L
     cuts = [L]
-    for arg in reversed(back):
-        cuts.append(int(arg[cuts[-1]]))
-    return float(dp[L]), cuts[::-1]
+    for j in range(p - 1, -1, -1):
+        cuts.append(int(back[j][cuts[-1] - (j + 1)]) + starts[j])
+    return float(dp[-1]), cuts[::-1]
 
 
 def _min_max(peak: list[np.ndarray]) -> float:
-    """The smallest achievable max term (the min-max bottleneck ``T*``)."""
-    L = peak[0].shape[0] - 1
-    dp = np.full(L + 1, INF)
-    dp[0] = 0.0
+    """The smallest achievable max term (the min-max bottleneck ``T*``), over banded blocks."""
+    dp = np.zeros(1)
     for c in peak:
         dp = np.min(np.maximum(dp[:, None], c), axis=0)
-    return float(dp[L])
+    return float(dp[-1])
+
+
+def _worst(peak: list[np.ndarray], starts: list[int], cuts: Sequence[int]) -> float:
+    """The largest term of the cuts: max over stages of peak_j(cuts[j], cuts[j+1])."""
+    return max(float(peak[j][cuts[j] - starts[j], cuts[j + 1] - (j + 1)]) for j in range(len(peak)))
 
 
 def partition(cluster: Cluster, profile: ModelProfile, devices: Sequence[Device], b: int, m: int,
@@ -134,32 +160,27 @@ def partition(cluster: Cluster, profile: ModelProfile, devices: Sequence[Device]
     # An upper bound first, with every useful layer recomputed where memory needs it:
     # any optimum has max stage time M* <= (f0 - S_lb) / (m - 1), S_lb a lower bound
     # of the sum, so ranges slower than that need no exact recompute set.
-    peak_full = [np.maximum(s.full_s, links[j][:, None]) for j, s in enumerate(stages)]
-    cost_full = [s.full_s + links[j][:, None] for j, s in enumerate(stages)]
+    cost_full, peak_full, starts = _banded([s.full_s for s in stages], links)
     t_full = _min_max(peak_full)
     if not np.isfinite(t_full):
         return None
-    found_full = _min_sum(cost_full, peak_full, t_full)
+    found_full = _min_sum(cost_full, peak_full, starts, t_full)
     assert found_full is not None
     sum_full, cuts_full = found_full
-    f0 = sum_full + (m - 1) * max(float(peak_full[j][cuts_full[j], cuts_full[j + 1]]) for j in range(p))
+    f0 = sum_full + (m - 1) * _worst(peak_full, starts, cuts_full)
     if full_recompute:
         return _result(devices, stages, links, cuts_full, m, b, full_recompute=True, exact=False)
     s_lb = float(np.min(np.stack([s.fwd_s + s.bwd_s for s in stages]), axis=0).sum())
     limit = f0 if m == 1 else min(f0, (f0 - s_lb) / (m - 1))
     limit *= 1 + 1e-9
-    if not full_recompute:
-        for s in stages:
-            s.ensure_recompute(limit)
-    tables = [s.full_s if full_recompute else s.time_s for s in stages]
-    # cost[j][k, l] = t_j(k, l) + c_j(k); peak[j][k, l] = max(t_j(k, l), c_j(k)); ranges above the limit dropped.
-    peak = [np.maximum(t, links[j][:, None]) for j, t in enumerate(tables)]
-    peak = [np.where(pk <= limit, pk, INF) for pk in peak]
-    cost = [t + links[j][:, None] for j, t in enumerate(tables)]
+    for s in stages:
+        s.ensure_recompute(limit)
+    cost, peak, starts = _banded([s.time_s for s in stages], links)
+    peak = [np.where(pk <= limit, pk, INF) for pk in peak]  # ranges above the limit cannot be in the answer
     t_star = _min_max(peak)
     if not np.isfinite(t_star):
         return None
-    unconstrained = _min_sum(cost, peak, INF)
+    unconstrained = _min_sum(cost, peak, starts, limit)
     assert unconstrained is not None  # t_star finite implies a feasible cut
     s_min = unconstrained[0]
     values = np.unique(np.concatenate([c[np.isfinite(c) & (c >= t_star)] for c in peak]))
@@ -171,21 +192,20 @@ def partition(cluster: Cluster, profile: ModelProfile, devices: Sequence[Device]
         picks = np.unique(np.geomspace(1, len(rest), max_caps - n_head).astype(int) - 1) if max_caps > n_head \
             else np.zeros(0, dtype=int)
         values = np.concatenate([values[:n_head], rest[picks]])
-    best: tuple[float, list[int]] | None = None
+    best: list[int] | None = None
     best_f = INF
     for cap in values:
         if s_min + (m - 1) * cap >= best_f:
             break
-        found = _min_sum(cost, peak, float(cap))
+        found = _min_sum(cost, peak, starts, float(cap))
         if found is None:
             continue
         total, cuts = found
-        worst = max(float(peak[j][cuts[j], cuts[j + 1]]) for j in range(p))
-        f = total + (m - 1) * worst
+        f = total + (m - 1) * _worst(peak, starts, cuts)
         if f < best_f:
-            best_f, best = f, (total, cuts)
+            best_f, best = f, cuts
     assert best is not None
-    return _result(devices, stages, links, best[1], m, b, full_recompute=False, exact=exact)
+    return _result(devices, stages, links, best, m, b, full_recompute=False, exact=exact)
 
 
 def _result(devices: Sequence[Device], stages: list[StageCosts], links: np.ndarray, cuts: Sequence[int], m: int,

@@ -77,15 +77,17 @@ class StageCosts:
         if full:
             if not self.pending[k, l]:
                 return ()
-            return tuple(sorted(int(i) for i in self.recompute_order if k <= i < l))
-        t = int(self.recompute_prefix[k, l])
-        return tuple(sorted(int(i) for i in self.recompute_order[:t] if k <= i < l))
+            chosen = self.recompute_order
+        else:
+            chosen = self.recompute_order[: int(self.recompute_prefix[k, l])]
+        inside = chosen[(chosen >= k) & (chosen < l)]
+        return tuple(int(i) for i in np.sort(inside))
 
     def forward_backward(self, k: int, l: int, full: bool = False) -> tuple[float, float]:
         """(forward, backward incl. recomputation) seconds per micro-batch for ``[k, l)``."""
         rc = self.recompute(k, l, full)
         fwd = float(self.fwd_s[k:l].sum())
-        bwd = float(self.bwd_s[k:l].sum()) + float(sum(self.fwd_s[i] for i in rc))
+        bwd = float(self.bwd_s[k:l].sum()) + float(self.fwd_s[list(rc)].sum())
         return fwd, bwd
 
 
