@@ -223,9 +223,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_emulate_arguments(em)
     em.set_defaults(func=run_emulate_args)
 
-    demo = sub.add_parser("demo", help="the main job on an embedded default cluster")
-    demo.add_argument("--model", default="gpt2-medium")
-    demo.add_argument("--global-batch", type=int, default=512)
+    demo = sub.add_parser("demo", help="the main job end to end on an emulated heterogeneous cluster (root)")
+    demo.add_argument("--model", default="gpt-tiny", help="reference model (default gpt-tiny)")
+    demo.add_argument("--global-batch", type=int, default=32, help="samples per iteration (default 32)")
+    demo.add_argument("--steps", type=int, default=20, help="training steps per plan (default 20)")
+    demo.add_argument("--warmup", type=int, default=5, help="first steps left out of samples/s (default 5)")
+    demo.add_argument("--cluster", default=None, help="cluster file (default: the embedded 2-node cluster)")
+    demo.add_argument("--out", default="out/demo", help="report and run files (default out/demo)")
+    demo.add_argument("--plan-only", action="store_true", help="plan and simulate only: no emulation, no root")
     demo.set_defaults(func=cmd_demo)
     return parser
 

@@ -1,72 +1,507 @@
-"""``hetrain demo``: the main job on an embedded default cluster.
+"""``hetrain demo``: the main job, end to end, on an emulated heterogeneous cluster.
 
-Plans a reference model on a mixed cloud cluster (A100, V100 and T4 nodes on
-networks of different speeds) and prints the plan against pure data
-parallelism and pure pipeline, with the simulator's view of the chosen plan.
+On one Linux host (root), ``hetrain.emulate`` turns the default cluster below into
+two network namespaces joined by shaped links, each device a CPU process held to
+its share of a core. On it the demo runs the whole path a user runs on a real
+cluster, each step a real ``torchrun`` job per node::
+
+    1 profile   the model once per device type, on a device of that type (throttled)
+    2 discover  the links (hetrain.profiler.network)          -> cluster with measured links
+    3 plan      hetrain's plan; pure DP (strategy="dp"); an even-split pipeline
+    4 simulate  each plan                                      -> predicted timeline, samples/s
+    5 train     each plan for the same steps on Shakespeare    -> metrics, measured timeline
+    6 report    out/demo/report.md with pictures (hetrain.report)
+
+Measured samples/s leave out the first ``warmup`` steps. Where the host cannot
+emulate (not root, no namespaces), the demo says why and only plans (``--plan-only``).
+
+The same steps serve ``benchmarks/emulated_speedup.py`` (``run_emulated_comparison``).
+
+Workers run as ``python -m hetrain.demo profile-worker ...`` on every rank.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import os
 import sys
 import time
-
-from hetrain.cluster import parse_cluster
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib  # type: ignore[import-not-found, unused-ignore]
 
+if TYPE_CHECKING:  # cheap imports for the workers
+    from hetrain.plan import Plan
+    from hetrain.profile import ModelProfile
+    from hetrain.simulator import SimResult
+
+# The default emulated cluster; examples/clusters/small-hetero.toml holds the same.
 DEFAULT_CLUSTER = """
-name = "demo-mixed-cloud"
+# 2 nodes, 4 devices, all CPU processes on one host. "fast": two devices of a
+# full share on a 1 Gbit/s NIC; "slow": two devices at 0.4 of that on 100 Mbit/s.
+#
+#   fast  2x cpu-fast (share 1.0)  loopback  nic 1 Gbit/s   ─┐
+#                                                            ├─ 100 Mbit/s (the slower NIC)
+#   slow  2x cpu-slow (share 0.4)  loopback  nic 100 Mbit/s ─┘
+#
+# cpu_scale 0.6 keeps the ratios and fits the 2.8 cores asked for into 1.7.
+name = "small-hetero"
 
 [[node]]
-name = "a100"
-devices = [{ type = "A100-40GB", count = 8 }]
-intra_link = "nvlink3"
-nic = "100Gbit/s"
+name = "fast"
+devices = [
+  { type = "cpu-fast", tflops = 0.012, memory = "4GB", memory_bandwidth = "10GB/s", cpu_share = 1.0, count = 2 },
+]
+intra_link = "loopback"
+nic = "1Gbit/s"
 
 [[node]]
-name = "v100"
-devices = [{ type = "V100-16GB", count = 4 }]
-intra_link = "nvlink2"
-nic = "25Gbit/s"
+name = "slow"
+devices = [
+  { type = "cpu-slow", tflops = 0.0048, memory = "4GB", memory_bandwidth = "4GB/s", cpu_share = 0.4, count = 2 },
+]
+intra_link = "loopback"
+nic = "100Mbit/s"
 
-[[node]]
-name = "t4a"
-devices = [{ type = "T4", count = 4 }]
-intra_link = "pcie3"
-nic = "10Gbit/s"
-
-[[node]]
-name = "t4b"
-devices = [{ type = "T4", count = 4 }]
-intra_link = "pcie3"
-nic = "10Gbit/s"
+[emulation]
+cpu_scale = 0.6
 """
+
+DEFAULT_OUT = "out/demo"
+PROFILE_MICRO_BATCHES = (2, 4, 8, 16)
+MICRO_BATCH_SIZES = (4, 8, 16)
+DISCOVER_ARGS = ("--sizes", "16KB..1MB", "--repeats", "3")
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+# ---------------------------------------------------------------------------
+# results
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class PlanRun:
+    """One plan: its prediction, and what training it on the emulated cluster measured."""
+
+    name: str
+    plan: Plan
+    sim: SimResult
+    plan_path: Path
+    metrics_path: Path
+    timeline_path: Path
+    status: int = -1
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    warmup: int = 0
+    wall_s: float = 0.0
+
+    @property
+    def predicted_iteration_s(self) -> float:
+        return float(self.sim.iteration_s)
+
+    @property
+    def predicted_samples_per_s(self) -> float:
+        return self.plan.global_batch / self.predicted_iteration_s
+
+    @property
+    def timed_steps(self) -> list[dict[str, Any]]:
+        """The steps after warm-up (all of them when there are too few)."""
+        rest = self.metrics[self.warmup:]
+        return rest or self.metrics
+
+    @property
+    def measured_iteration_s(self) -> float:
+        """Mean step time after warm-up; nan when nothing was measured."""
+        steps = self.timed_steps
+        if not steps:
+            return math.nan
+        return sum(float(s["step_time_s"]) for s in steps) / len(steps)
+
+    @property
+    def measured_samples_per_s(self) -> float:
+        return self.plan.global_batch / self.measured_iteration_s
+
+    @property
+    def prediction_error(self) -> float:
+        """``(predicted - measured) / measured`` iteration time."""
+        return (self.predicted_iteration_s - self.measured_iteration_s) / self.measured_iteration_s
+
+    def load_metrics(self) -> None:
+        self.metrics = []
+        if self.metrics_path.exists():
+            for line in self.metrics_path.read_text().splitlines():
+                if line.strip():
+                    row = json.loads(line)
+                    if "step_time_s" in row:
+                        self.metrics.append(row)
+
+
+@dataclass
+class Comparison:
+    """What ``run_emulated_comparison`` produced: the plans, their runs, where things are."""
+
+    out_dir: Path
+    cluster_path: Path
+    profile_path: Path
+    runs: dict[str, PlanRun]
+    discovered: str
+    timings_s: dict[str, float]
+
+    def speedup(self, over: str, of: str = "hetrain") -> float:
+        return self.runs[of].measured_samples_per_s / self.runs[over].measured_samples_per_s
+
+    def table(self) -> str:
+        """Predicted vs measured per plan, as a Markdown table."""
+        lines = ["| plan | VWs x stages | predicted samples/s | measured samples/s | iteration error |",
+                 "| --- | --- | ---: | ---: | ---: |"]
+        for r in self.runs.values():
+            shape = " + ".join(str(len(vw.stages)) for vw in r.plan.virtual_workers)
+            err = "n/a" if math.isnan(r.measured_iteration_s) else f"{100 * r.prediction_error:+.1f}%"
+            lines.append(f"| {r.name} | {shape} | {r.predicted_samples_per_s:.1f} | "
+                         f"{r.measured_samples_per_s:.1f} | {err} |")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# profiles: one per device type, measured on an emulated device of that type
+# ---------------------------------------------------------------------------
+
+
+def relabel_profile(profile: ModelProfile, type_name: str, figures: tuple[float, float] | None = None) -> ModelProfile:
+    """The profile with every measurement filed under ``type_name`` (and its peak figures, if given).
+
+    A CPU process always profiles as type ``cpu``; an emulated device of type
+    ``cpu-slow`` is a throttled CPU, so its measurements belong to ``cpu-slow``.
+    """
+    from hetrain.profile import parse_profile
+
+    data = profile.to_dict()
+    for layer in data["layers"]:
+        measured = layer.get("measured", {})
+        layer["measured"] = {type_name: [m for ms in measured.values() for m in ms]}
+    if figures is not None:
+        data["measured_on"] = {type_name: {"peak_flops": figures[0], "memory_bandwidth_bytes_per_s": figures[1]}}
+    else:
+        figs = list(data.get("measured_on", {}).values())
+        data["measured_on"] = {type_name: figs[0]} if figs else {}
+    return parse_profile(data)
+
+
+def profile_worker(argv: Sequence[str]) -> int:
+    """One rank of the profiling job: local rank 0 of each node profiles the model as its node's type."""
+    parser = argparse.ArgumentParser(prog="python -m hetrain.demo profile-worker")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out-dir", required=True)
+    parser.add_argument("--micro-batches", default=",".join(map(str, PROFILE_MICRO_BATCHES)))
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        return 0
+    import torch
+
+    from hetrain.models.registry import build_layers, layer_names, sample_batch
+    from hetrain.profiler.layers import measure_layers
+
+    torch.set_num_threads(1)
+    node = os.environ.get("HETRAIN_NODE", "local")
+    layers = build_layers(args.model, seed=0)
+    generator = torch.Generator().manual_seed(0)
+    sizes = [int(b) for b in args.micro_batches.split(",")]
+    measured = measure_layers(layers, lambda b: sample_batch(args.model, b, generator)[0], sizes, "cpu",
+                              args.repeats, 1, "fp32", layer_names(args.model), unpack_tuples=False)
+    measured.to_profile(args.model).save(Path(args.out_dir) / f"profile-node-{node}.json")
+    return 0
+
+
+def merge_node_profiles(cluster_dict: dict[str, Any], out_dir: Path) -> ModelProfile:
+    """Relabel each node's profile as its device type, then merge them (one measurement set per type)."""
+    from hetrain.cluster import parse_cluster
+    from hetrain.profile import load_profile
+    from hetrain.profiler.fit import merge_profiles
+
+    cluster = parse_cluster(cluster_dict)
+    profiles = []
+    seen: set[str] = set()
+    for node in cluster.nodes:
+        dev = node.devices[0]
+        if dev.type_name in seen:
+            continue
+        seen.add(dev.type_name)
+        path = out_dir / f"profile-node-{node.name}.json"
+        if not path.exists():
+            raise RuntimeError(f"the profiling job wrote no profile for node {node.name!r} ({path})")
+        profiles.append(relabel_profile(load_profile(path), dev.type_name,
+                                        (dev.peak_fp32_flops, dev.memory_bandwidth_bytes_per_s)))
+    return merge_profiles(profiles)
+
+
+# ---------------------------------------------------------------------------
+# the cluster the planner sees: the file's devices, the discovered links
+# ---------------------------------------------------------------------------
+
+
+def with_measured_links(nominal: dict[str, Any], discovered: dict[str, Any]) -> dict[str, Any]:
+    """The nominal cluster (device types, shares) with the discovered intra links, NICs and [[link]]s."""
+    out: dict[str, Any] = json.loads(json.dumps(nominal))
+    found = {n["name"]: n for n in discovered.get("node", [])}
+    for node in out["node"]:
+        d = found.get(node["name"])
+        if d is None:
+            continue
+        for key in ("intra_link", "nic"):
+            if isinstance(d.get(key), dict):
+                node[key] = d[key]
+    if discovered.get("link"):
+        out["link"] = discovered["link"]
+    out.pop("emulation", None)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# plans
+# ---------------------------------------------------------------------------
+
+
+def even_split_plan(base: Plan, device_order: Sequence[str] | None = None) -> Plan:
+    """One VW over all devices (cluster order), layers split as evenly as possible, earlier stages
+    taking the extra layers; micro-batching and schedule from ``base`` (a ``strategy="pp"`` plan)."""
+    from hetrain.cost import estimate_layer_times
+    from hetrain.plan import Prediction, Stage, VirtualWorker
+    from hetrain.simulator import simulate
+
+    devices = list(device_order or [d.name for d in base.cluster.devices])
+    n, p = base.profile.num_layers, len(devices)
+    p = min(p, n)
+    q, r = divmod(n, p)
+    m = max(vw.micro_batches for vw in base.virtual_workers)
+    b = -(-base.global_batch // min(m, base.global_batch))  # the largest micro-batch
+    stages, first = [], 0
+    for j, dev in enumerate(devices[:p]):
+        end = first + q + (1 if j < r else 0)
+        fwd, bwd = estimate_layer_times(base.profile, base.cluster.device(dev), b)
+        stages.append(Stage(dev, first, end, predicted_forward_s=float(fwd[first:end].sum()),
+                            predicted_backward_s=float(bwd[first:end].sum())))
+        first = end
+    vw = VirtualWorker(tuple(stages), base.global_batch, min(m, base.global_batch))
+    draft = replace(base, virtual_workers=(vw,), strategy="pp", formation="even-split",
+                    prediction=replace(base.prediction, memory=()))
+    sim = simulate(draft)
+    pred = Prediction(iteration_s=sim.iteration_s, samples_per_s=sim.samples_per_s, pipeline_s=sim.iteration_s,
+                      sync_s=0.0, optimizer_s=0.0, simulated_iteration_s=sim.iteration_s)
+    return replace(draft, prediction=pred)
+
+
+def build_plans(cluster_dict: dict[str, Any], profile: ModelProfile, global_batch: int) -> dict[str, Plan]:
+    """hetrain's plan, pure data parallelism and the even-split pipeline, in that order."""
+    from hetrain.cluster import parse_cluster
+    from hetrain.planner import plan
+
+    cluster = parse_cluster(cluster_dict)
+    # Micro-batches of at least 4: each action of an emulated device costs a few ms of
+    # scheduling (a throttled process waits for its next CPU period), which the profile
+    # of layer compute does not see; tiny micro-batches would multiply that cost.
+    sizes = tuple(b for b in MICRO_BATCH_SIZES if b <= global_batch) or (1,)
+    best = plan(cluster, profile, global_batch, simulate_top_k=5, micro_batch_sizes=sizes)
+    dp = plan(cluster, profile, global_batch, strategy="dp", simulate_top_k=3, micro_batch_sizes=sizes)
+    pp = plan(cluster, profile, global_batch, strategy="pp", simulate_top_k=3, micro_batch_sizes=sizes)
+    return {"hetrain": best, "dp": dp, "even-split": even_split_plan(pp)}
+
+
+# ---------------------------------------------------------------------------
+# the whole comparison on one emulated cluster
+# ---------------------------------------------------------------------------
+
+
+def run_emulated_comparison(cluster_text: str, out_dir: str | Path, model: str = "gpt-tiny", global_batch: int = 32,
+                            steps: int = 20, warmup: int = 5, log: Callable[[str], None] = _say,
+                            job_timeout_s: float = 300.0) -> Comparison:
+    """Profile, discover, plan, simulate and train three plans on one emulated cluster.
+
+    Args:
+        cluster_text: the cluster file (TOML; its ``[emulation]`` table is honoured).
+        out_dir: where profiles, plans, metrics, timelines go.
+        model: a reference model (``hetrain.models.registry``).
+        global_batch: samples per iteration, the same for every plan.
+        steps: training steps per plan; ``warmup`` of them are left out of the rates.
+        log: where progress lines go.
+        job_timeout_s: the longest one emulated job may run.
+
+    Raises:
+        EmulationError: the host cannot emulate (not root, no namespaces...).
+        RuntimeError: a job failed (the message names it).
+    """
+    from hetrain.cluster import parse_cluster
+    from hetrain.emulate import EmulatedCluster, parse_emulation_settings
+    from hetrain.plan import Plan
+    from hetrain.simulator import simulate
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    nominal = tomllib.loads(cluster_text)
+    cluster_path = out / "cluster.toml"
+    cluster_path.write_text(cluster_text)
+    cluster = parse_cluster(nominal)
+    settings = parse_emulation_settings(nominal.get("emulation"))
+    timings: dict[str, float] = {}
+    py = "python"
+
+    def job(what: str, command: list[str]) -> None:
+        log(f"-- {what}: {' '.join(command)}")
+        start = time.perf_counter()
+        status = em.launch(command, timeout_s=job_timeout_s, stdout=log_file, stderr=log_file)
+        timings[what] = time.perf_counter() - start
+        log(f"   {what}: exit {status} in {timings[what]:.1f} s")
+        if status != 0:
+            raise RuntimeError(f"{what} failed with exit status {status}; see {out / 'jobs.log'}")
+
+    runs: dict[str, PlanRun] = {}
+    with open(out / "jobs.log", "w") as log_file, EmulatedCluster(cluster, settings, source=str(cluster_path)) as em:
+        log(em.describe())
+        job("profile", [py, "-m", "hetrain.demo", "profile-worker", "--model", model, "--out-dir", str(out)])
+        profile = merge_node_profiles(nominal, out)
+        profile_path = out / "profile.json"
+        profile.save(profile_path)
+        discovered_path = out / "discovered.toml"
+        job("discover", [py, "-m", "hetrain.profiler.network", "-o", str(discovered_path), *DISCOVER_ARGS])
+        discovered = discovered_path.read_text()
+        planning = with_measured_links(nominal, tomllib.loads(discovered))
+        start = time.perf_counter()
+        plans = build_plans(planning, profile, global_batch)
+        timings["plan"] = time.perf_counter() - start
+        for name, p in plans.items():
+            path = out / f"plan-{name}.json"
+            p.save(path)
+            Plan.from_dict(json.loads(path.read_text()))  # the saved plan reads back
+            runs[name] = PlanRun(name, p, simulate(p), path, out / f"metrics-{name}.jsonl",
+                                 out / f"timeline-{name}.json", warmup=warmup)
+        for name, r in runs.items():
+            log(f"\n{name} plan (predicted {r.predicted_samples_per_s:.1f} samples/s):\n{r.plan.summary()}")
+        for name, r in runs.items():
+            r.metrics_path.unlink(missing_ok=True)
+            start = time.perf_counter()
+            job(f"train {name}", [py, "-m", "hetrain.runtime.command", "--plan", str(r.plan_path), "--model", model,
+                                  "--data", "shakespeare", "--steps", str(steps), "--metrics-out", str(r.metrics_path),
+                                  "--timeline-out", str(r.timeline_path), "--no-progress", "--log-every", "1"])
+            r.wall_s = time.perf_counter() - start
+            r.status = 0
+            r.load_metrics()
+            log(f"   {name}: {len(r.metrics)} steps, measured {r.measured_samples_per_s:.1f} samples/s "
+                f"(predicted {r.predicted_samples_per_s:.1f})")
+    return Comparison(out, cluster_path, profile_path, runs, discovered, timings)
+
+
+# ---------------------------------------------------------------------------
+# hetrain demo
+# ---------------------------------------------------------------------------
+
+
+def run_plan_only(args: argparse.Namespace) -> int:
+    """Plan on the default cluster with nominal links and analytic costs; no emulation, no root."""
+    from hetrain.cluster import parse_cluster
+    from hetrain.models.analytic import build_profile
+    from hetrain.models.registry import build_layers  # noqa: F401  (the model must exist)
+
+    nominal = tomllib.loads(_cluster_text(args))
+    cluster = parse_cluster({k: v for k, v in nominal.items() if k != "emulation"})
+    try:
+        profile = build_profile(args.model)
+    except (KeyError, ValueError):
+        from hetrain.profiler.layers import run_profile_command
+
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / "profile-local.json"
+        if run_profile_command(args.model, PROFILE_MICRO_BATCHES, str(path)) != 0:
+            return 1
+        from hetrain.profile import load_profile
+
+        local = load_profile(path)
+        from hetrain.profiler.fit import merge_profiles
+
+        profile = merge_profiles([relabel_profile(local, t) for t in
+                                  dict.fromkeys(d.type_name for d in cluster.devices)])
+    print("plan only: nominal links from the cluster file, layer costs "
+          f"{'estimated (analytic profile)' if not profile.measured_on else 'profiled on this host, unthrottled'}; "
+          "nothing is emulated or trained")
+    print(cluster.summary())
+    plans = build_plans({k: v for k, v in nominal.items() if k != "emulation"}, profile, args.global_batch)
+    from hetrain.simulator import simulate
+
+    for name, p in plans.items():
+        sim = simulate(p)
+        print(f"\n{name} plan: predicted {p.global_batch / sim.iteration_s:.1f} samples/s "
+              f"(iteration {sim.iteration_s * 1e3:.1f} ms)")
+        print(p.summary())
+    return 0
+
+
+def _cluster_text(args: argparse.Namespace) -> str:
+    path = getattr(args, "cluster", None)
+    return Path(path).read_text() if path else DEFAULT_CLUSTER
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    """Plan ``args.model`` on the default cluster and compare with DP and PP."""
-    from hetrain.cli import compare_strategies, format_comparison
-    from hetrain.models.analytic import build_profile
-    from hetrain.planner import plan
-    from hetrain.simulator import simulate
+    """``hetrain demo``: the main job end to end on the emulated default cluster; exit status."""
+    from hetrain.emulate import EmulationError
+    from hetrain.emulate.emulator import check_permissions
 
-    cluster = parse_cluster(tomllib.loads(DEFAULT_CLUSTER))
-    profile = build_profile(args.model)
-    print(cluster.summary())
-    print(f"\nmodel {profile.name}: {profile.num_layers} layers, global batch {args.global_batch}\n")
+    if getattr(args, "plan_only", False):
+        return run_plan_only(args)
+    try:
+        check_permissions("up")
+    except EmulationError as e:
+        print(f"hetrain demo: cannot emulate the cluster here: {e}\n"
+              "hetrain demo: planning only (no profiling, no training); run as root for the full demo\n",
+              file=sys.stderr, flush=True)
+        return run_plan_only(args)
     start = time.perf_counter()
-    best = plan(cluster, profile, args.global_batch)
-    planned_s = time.perf_counter() - start
-    print(best.summary())
-    print(f"  (planned in {planned_s:.1f} s)\n")
-    rows = compare_strategies(cluster, profile, args.global_batch, best, {})
-    print("predicted against the pure families on the same cluster:")
-    print(format_comparison(rows))
-    sim = simulate(best)
-    print(f"\nsimulated iteration {sim.iteration_s * 1e3:.1f} ms, {sim.samples_per_s:.1f} samples/s "
-          f"(closed form {best.prediction.iteration_s * 1e3:.1f} ms)")
+    try:
+        result = run_emulated_comparison(_cluster_text(args), args.out, args.model, args.global_batch, args.steps,
+                                         args.warmup)
+    except EmulationError as e:
+        print(f"hetrain demo: cannot emulate the cluster here: {e}\nhetrain demo: planning only\n",
+              file=sys.stderr, flush=True)
+        return run_plan_only(args)
+    except RuntimeError as e:
+        print(f"hetrain demo: error: {e}", file=sys.stderr)
+        return 1
+    from hetrain.report import write_report
+
+    report = write_report(result)
+    best, dp, even = (result.runs[k] for k in ("hetrain", "dp", "even-split"))
+    print("\n" + "=" * 72)
+    print(f"hetrain's plan ({best.plan.strategy}, {len(best.plan.virtual_workers)} VW(s)):")
+    print(best.plan.summary())
+    print("\n" + result.table())
+    print(f"\nmeasured speed-up of hetrain's plan: {result.speedup('dp'):.2f}x over pure data parallelism, "
+          f"{result.speedup('even-split'):.2f}x over the even-split pipeline")
+    print(f"(samples/s are the mean over steps {dp.warmup + 1}..{len(dp.metrics)} of {args.steps}; "
+          f"the first {dp.warmup} are warm-up)")
+    _ = even
+    print(f"report: {report}")
+    print(f"demo took {time.perf_counter() - start:.0f} s")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m hetrain.demo profile-worker ...``: the per-rank part of the demo's jobs."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "profile-worker":
+        return profile_worker(argv[1:])
+    print("usage: python -m hetrain.demo profile-worker --model NAME --out-dir DIR (under torchrun); "
+          "the demo itself is `hetrain demo`", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
