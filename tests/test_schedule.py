@@ -19,6 +19,7 @@ from hetrain.schedule import (
     parse_action,
     parse_schedule,
     schedule_to_dict,
+    sync_options,
     validate,
 )
 
@@ -51,7 +52,7 @@ def two_stage_plan(schedule: str) -> Plan:
 
 @pytest.mark.parametrize("text", [
     "1F0", "1B3", "0F12", "SEND_F 1->2 mb0 to n0:2", "RECV_F 1->2 mb0 from n0:1", "SEND_B 2->1 mb3 to n0:1",
-    "RECV_B 2->1 mb3 from n0:2", "SEND_F 1->2 mb0", "ALLREDUCE seg2", "STEP",
+    "RECV_B 2->1 mb3 from n0:2", "SEND_F 1->2 mb0", "ALLREDUCE seg2", "STEP", "PUSH seg1", "AVERAGE_MERGE seg0",
 ])
 def test_action_print_parse_round_trip(text: str) -> None:
     a = parse_action(text)
@@ -156,10 +157,52 @@ def test_multi_vw_schedule_is_valid_and_syncs_every_shared_segment(schedule: str
         assert all(a.stage == j for a in actions if a.stage is not None)
 
 
-def test_build_schedule_refuses_sync_modes_without_a_schedule() -> None:
+def two_node_plan(sync: str, **options: int) -> Plan:
+    """Four one-stage VWs on two nodes of two devices."""
+    link = {"bandwidth_bytes_per_s": 1e10, "latency_s": 1e-6}
+    cluster = parse_cluster({"name": "t2", "node": [
+        {"name": n, "devices": [{"type": "A100-40GB", "count": 2}], "intra_link": link, "nic": link}
+        for n in ("n0", "n1")]})
+    vws = tuple(VirtualWorker((Stage(d, 0, 6),), 2, 1) for d in ("n0:0", "n0:1", "n1:0", "n1:1"))
+    return Plan("toy", 8, "1f1b", sync, "sgd", vws, Prediction(0, 0, 0, 0, 0),  # type: ignore[arg-type]
+                "dp", "manual", cluster, make_profile(), options)
+
+
+def sync_texts(plan: Plan, iteration: int = 0, **kw: object) -> list[str]:
+    built = build_schedule(plan, iteration, **kw)  # type: ignore[arg-type]
+    validate(built, plan)
+    return [t for t in texts(built["n0:0"]) if not t[0].isdigit()]
+
+
+def test_wsp_pushes_and_pulls_every_wave() -> None:
     plan = make_plan([(["n0:0"], [0, 6], 2, 2), (["n0:1"], [0, 6], 2, 2)], sync="wsp")
-    with pytest.raises(ScheduleError, match="wsp"):
-        build_schedule(plan)
+    assert sync_texts(plan) == ["STEP", "PUSH seg0", "PULL seg0"]
+    assert sync_options(plan).staleness == 1
+
+
+def test_local_sgd_averages_every_k_iterations() -> None:
+    plan = two_node_plan("local-sgd", period=3)
+    assert [sync_texts(plan, t) for t in range(3)] == [["STEP"], ["STEP"], ["STEP", "AVERAGE seg0"]]
+
+
+def test_hybrid_ps_reduces_in_the_node_and_pushes_every_aggregate() -> None:
+    plan = two_node_plan("hybrid-ps", aggregate=2)
+    assert sync_texts(plan, 0) == ["LOCAL_ALLREDUCE seg0", "STEP"]
+    assert sync_texts(plan, 1) == ["LOCAL_ALLREDUCE seg0", "STEP", "PUSH seg0", "PULL seg0"]
+
+
+def test_daso_blocks_in_warmup_and_cooldown_and_starts_averages_between() -> None:
+    plan = two_node_plan("daso", period=2, warmup=1, cooldown=1)
+    assert sync_texts(plan, 0, steps=6) == ["LOCAL_ALLREDUCE seg0", "STEP", "AVERAGE seg0"]
+    assert sync_texts(plan, 1, steps=6) == ["LOCAL_ALLREDUCE seg0", "STEP", "AVERAGE_START seg0"]
+    assert sync_texts(plan, 2, steps=6, merge_pending=True) == ["LOCAL_ALLREDUCE seg0", "STEP",
+                                                                "AVERAGE_MERGE seg0"]
+    assert sync_texts(plan, 5, steps=6) == ["LOCAL_ALLREDUCE seg0", "STEP", "AVERAGE seg0"]
+
+
+def test_sync_options_are_checked() -> None:
+    with pytest.raises(ScheduleError, match="period must be >= 1"):
+        sync_options(two_node_plan("local-sgd", period=0))
 
 
 # --- the validator and its grid ---------------------------------------------------

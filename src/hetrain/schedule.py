@@ -63,6 +63,12 @@ class ActionKind(str, Enum):
     RECV_B = "RECV_B"
     ALLREDUCE = "ALLREDUCE"
     STEP = "STEP"
+    LOCAL_ALLREDUCE = "LOCAL_ALLREDUCE"
+    AVERAGE = "AVERAGE"
+    AVERAGE_START = "AVERAGE_START"
+    AVERAGE_MERGE = "AVERAGE_MERGE"
+    PUSH = "PUSH"
+    PULL = "PULL"
 
 
 K = ActionKind
@@ -76,8 +82,11 @@ P2P_KINDS: dict[ActionKind, tuple[int, bool]] = {
 COUNTERPART: dict[ActionKind, ActionKind] = {
     K.SEND_F: K.RECV_F, K.RECV_F: K.SEND_F, K.SEND_B: K.RECV_B, K.RECV_B: K.SEND_B,
 }
-#: kinds that act on one segment of layers (``Plan.segments()``)
-SEGMENT_KINDS: frozenset[ActionKind] = frozenset({K.ALLREDUCE})
+#: kinds that act on one segment of layers (``Plan.segments()``); docs/sync.md says what each does
+SEGMENT_KINDS: frozenset[ActionKind] = frozenset({K.ALLREDUCE, K.LOCAL_ALLREDUCE, K.AVERAGE, K.AVERAGE_START,
+                                                  K.AVERAGE_MERGE, K.PUSH, K.PULL})
+#: segment kinds that hold every participant until all of them reach it (a blocking collective)
+COLLECTIVE_KINDS: frozenset[ActionKind] = frozenset({K.ALLREDUCE, K.LOCAL_ALLREDUCE, K.AVERAGE})
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +147,8 @@ def parse_action(text: str) -> Action:
         ScheduleError: text that is none of the forms, naming the forms.
     """
     s = text.strip()
-    forms = "'1F0', '1B3', 'SEND_F 1->2 mb0 to n0:2', 'RECV_B 2->1 mb3 from n0:2', 'ALLREDUCE seg2', 'STEP'"
+    forms = ("'1F0', '1B3', 'SEND_F 1->2 mb0 to n0:2', 'RECV_B 2->1 mb3 from n0:2', 'ALLREDUCE seg2', "
+             "'PUSH seg0', 'STEP'")
     if (mt := _COMPUTE_RE.match(s)) and mt.group(2) in ActionKind.__members__:
         kind = ActionKind(mt.group(2))
         if kind in COMPUTE_KINDS:
@@ -273,22 +283,129 @@ def owned_segments(plan: Plan) -> dict[str, list[int]]:
     return out
 
 
-def build_schedule(plan: Plan) -> Schedule:
-    """Every device's Actions for one iteration of ``plan``.
+@dataclass(frozen=True)
+class SyncOptions:
+    """The sync mode's parameters, read from ``Plan.options`` (docs/plan.md, docs/sync.md).
+
+    Attributes:
+        staleness: D of ``wsp`` and ``hybrid-ps``: how many waves a worker may run ahead of the slowest.
+        period: k of ``local-sgd`` and ``daso``: iterations between global averages (DASO's initial k).
+        aggregate: iterations of ``hybrid-ps`` whose updates are aggregated into one push.
+        warmup: first iterations of ``daso`` that average globally every iteration, blocking.
+        cooldown: last iterations of ``daso`` that do the same.
+    """
+
+    staleness: int = 1
+    period: int = 4
+    aggregate: int = 4
+    warmup: int = 2
+    cooldown: int = 2
+
+    def __post_init__(self) -> None:
+        if self.staleness < 0:
+            raise ScheduleError(f"sync option staleness must be >= 0, got {self.staleness}")
+        for name in ("period", "aggregate"):
+            if getattr(self, name) < 1:
+                raise ScheduleError(f"sync option {name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup", "cooldown"):
+            if getattr(self, name) < 0:
+                raise ScheduleError(f"sync option {name} must be >= 0, got {getattr(self, name)}")
+
+
+SYNC_OPTION_NAMES: tuple[str, ...] = ("staleness", "period", "aggregate", "warmup", "cooldown")
+
+
+def sync_options(plan: Plan) -> SyncOptions:
+    """The plan's ``SyncOptions`` (defaults where ``Plan.options`` has none)."""
+    try:
+        return SyncOptions(**{k: int(plan.options[k]) for k in SYNC_OPTION_NAMES if k in plan.options})
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ScheduleError):
+            raise
+        raise ScheduleError(f"plan options {dict(plan.options)!r}: sync options must be integers ({e})") from None
+
+
+def ps_host(plan: Plan, s: int) -> str:
+    """The owner of segment ``s`` that hosts its parameter-server shard: round-robin over its owners by segment
+    index (HetPipe places shards round-robin, Park et al. ATC 2020, Sec. 5)."""
+    owners = plan.segments()[s].owners
+    return owners[s % len(owners)]
+
+
+def node_shared_segments(plan: Plan) -> dict[str, list[int]]:
+    """Per device, the segments it shares with another owner on its own node (LOCAL_ALLREDUCE)."""
+    node_of = {d.name: d.node for d in plan.cluster.devices}
+    out: dict[str, list[int]] = {}
+    for s, seg in enumerate(plan.segments()):
+        for dev in seg.owners:
+            if sum(node_of[o] == node_of[dev] for o in seg.owners) > 1:
+                out.setdefault(dev, []).append(s)
+    return out
+
+
+def is_global_sync(plan: Plan, iteration: int, period: int | None = None) -> bool:
+    """Whether iteration ``iteration`` (0-based) ends with the mode's periodic global sync."""
+    opts = sync_options(plan)
+    if plan.sync == "hybrid-ps":
+        return (iteration + 1) % opts.aggregate == 0
+    return (iteration + 1) % (opts.period if period is None else period) == 0
+
+
+def build_sync_actions(plan: Plan, device: str, iteration: int = 0, steps: int | None = None,
+                       period: int | None = None, merge_pending: bool = False) -> list[Action]:
+    """The sync actions of ``device`` that end iteration ``iteration`` under ``plan.sync`` (STEP included).
+
+    ``steps`` (the run's length) places DASO's cool-down; ``period`` overrides k (DASO adapts it);
+    ``merge_pending``: a non-blocking DASO average started earlier is merged here.
+    """
+    shared = owned_segments(plan).get(device, [])
+    down = sorted(shared, reverse=True)
+
+    def each(kind: ActionKind, segs: Sequence[int]) -> list[Action]:
+        return [Action(kind, segment=s) for s in sorted(segs, reverse=True)]
+
+    mode = plan.sync
+    if mode == "bsp":
+        return add_bsp_sync([], shared)
+    if mode == "wsp":  # every iteration is one wave: local step, push the wave's update, pull within D
+        return [Action(K.STEP), *each(K.PUSH, down), *each(K.PULL, down)]
+    if mode == "local-sgd":
+        return [Action(K.STEP), *(each(K.AVERAGE, down) if is_global_sync(plan, iteration, period) else [])]
+    local = each(K.LOCAL_ALLREDUCE, node_shared_segments(plan).get(device, []))
+    if mode == "hybrid-ps":
+        glob = [*each(K.PUSH, down), *each(K.PULL, down)] if is_global_sync(plan, iteration) else []
+        return [*local, Action(K.STEP), *glob]
+    if mode == "daso":
+        opts = sync_options(plan)
+        blocking = iteration < opts.warmup or (steps is not None and iteration >= steps - opts.cooldown)
+        out = [*local, Action(K.STEP)]
+        if merge_pending:
+            out += each(K.AVERAGE_MERGE, down)
+        if blocking:
+            out += each(K.AVERAGE, down)
+        elif is_global_sync(plan, iteration, period):
+            out += each(K.AVERAGE_START, down)
+        return out
+    raise ScheduleError(f"sync mode {mode!r} has no schedule; known: bsp, wsp, hybrid-ps, daso, local-sgd")
+
+
+def build_schedule(plan: Plan, iteration: int = 0, steps: int | None = None, period: int | None = None,
+                   merge_pending: bool = False) -> Schedule:
+    """Every device's Actions for iteration ``iteration`` of ``plan``.
 
     Each VW gets its own pipeline from ``GENERATORS[plan.schedule]`` (its own
     stage count p and micro-batch count m); sends and receives join its stages;
-    then every device all-reduces its segments and steps.
+    then every device runs its sync mode's actions (``build_sync_actions``):
+    for ``bsp`` it all-reduces its segments and steps, the same every iteration;
+    the other modes differ from one iteration to the next (periodic averages,
+    pushes), hence the iteration number.
 
     Raises:
-        ScheduleError: a schedule or sync mode with no generator yet.
+        ScheduleError: a schedule or sync mode with no generator.
     """
     if plan.schedule not in GENERATORS:
         raise ScheduleError(f"no generator for schedule {plan.schedule!r}; known: {', '.join(GENERATORS)}")
-    if plan.sync != "bsp":
-        raise ScheduleError(f"sync mode {plan.sync!r} has no schedule yet; only 'bsp' (all-reduce every iteration)")
     generate = GENERATORS[plan.schedule]
-    owned = owned_segments(plan)
     orders: dict[tuple[int, int], list[list[Action]]] = {}
     out: Schedule = {}
     for vw in plan.virtual_workers:
@@ -298,7 +415,8 @@ def build_schedule(plan: Plan) -> Schedule:
         for j, compute in enumerate(orders[(m, p)]):
             prev_device = devices[j - 1] if j > 0 else None
             next_device = devices[j + 1] if j < p - 1 else None
-            out[devices[j]] = add_bsp_sync(add_p2p(compute, prev_device, next_device), owned.get(devices[j], []))
+            out[devices[j]] = [*add_p2p(compute, prev_device, next_device),
+                               *build_sync_actions(plan, devices[j], iteration, steps, period, merge_pending)]
     return out
 
 
@@ -483,20 +601,29 @@ def validate(schedule: Mapping[str, Sequence[Action]], plan: Plan) -> None:
             raise _fail(schedule, roles, dev, last, f"{dev} has no STEP")
 
     # --- dynamic: run the dependencies ------------------------------------------
-    _execute(schedule, roles, owners)
+    node_of = {d.name: d.node for d in plan.cluster.devices}
+    _execute(schedule, roles, owners, node_of, plan.sync == "bsp")
 
 
 _SendKey = tuple[ActionKind, str, str, int | None]  # (send kind, sender, receiver, micro-batch)
 
 
 def _execute(schedule: Mapping[str, Sequence[Action]], roles: Mapping[str, _Role],
-             owners: Mapping[int, set[str]]) -> None:
+             owners: Mapping[int, set[str]], node_of: Mapping[str, str] | None = None, bsp: bool = True) -> None:
+    nodes = node_of or {}
+
+    def group(kind: ActionKind, s: int, dev: str) -> set[str]:
+        """Who takes part in collective ``kind`` of segment ``s`` with ``dev``."""
+        if kind is K.LOCAL_ALLREDUCE:
+            return {o for o in owners[s] if nodes.get(o) == nodes.get(dev)}
+        return set(owners[s])
+
     pc = dict.fromkeys(schedule, 0)
     done: dict[str, set[tuple[ActionKind, int | None]]] = {dev: set() for dev in schedule}
     posted: dict[_SendKey, int] = {}  # send key -> step of the send
     received: set[_SendKey] = set()
     waiting: dict[_SendKey, str] = {}
-    arrived: dict[int, set[str]] = {}
+    arrived: dict[tuple[ActionKind, int, str], set[str]] = {}  # (kind, segment, node or "") -> devices there
     runnable = deque(schedule)
 
     backwards = dict.fromkeys(schedule, 0)  # backwards done per device
@@ -545,19 +672,21 @@ def _execute(schedule: Mapping[str, Sequence[Action]], roles: Mapping[str, _Role
                     missing = next(b for b in range(role.m) if (K.B, b) not in mine)
                     raise _fail(schedule, roles, dev, k, f"{a} comes before {Action(K.B, role.j, missing)}: "
                                 "gradients are complete only after every backward")
-                if kind is K.STEP:
+                if kind is K.STEP and bsp:
                     left = sorted(s for s, devs in owners.items() if dev in devs and len(devs) > 1
                                   and (K.ALLREDUCE, s) not in mine)
                     if left:
                         raise _fail(schedule, roles, dev, k, f"STEP before ALLREDUCE seg{left[0]}: {dev} shares "
                                     f"segment {left[0]} with {', '.join(sorted(owners[left[0]] - {dev}))}")
-                else:
+                elif kind in COLLECTIVE_KINDS:  # the asynchronous kinds (PUSH, PULL...) wait for no one here
                     assert a.segment is not None
                     s = a.segment
-                    arrived.setdefault(s, set()).add(dev)
-                    if len(arrived[s]) < len(owners[s]):
+                    members = group(kind, s, dev)
+                    at = (kind, s, nodes.get(dev, "") if kind is K.LOCAL_ALLREDUCE else "")
+                    arrived.setdefault(at, set()).add(dev)
+                    if len(arrived[at]) < len(members):
                         break
-                    for other in arrived[s] - {dev}:  # the collective completes for all owners
+                    for other in arrived[at] - {dev}:  # the collective completes for all owners
                         done[other].add((kind, s))
                         pc[other] += 1
                         runnable.append(other)
@@ -577,7 +706,7 @@ def _execute(schedule: Mapping[str, Sequence[Action]], roles: Mapping[str, _Role
 
 def _deadlock(schedule: Mapping[str, Sequence[Action]], roles: Mapping[str, _Role], owners: Mapping[int, set[str]],
               pc: Mapping[str, int], stuck: list[str], posted: Mapping[_SendKey, int],
-              arrived: Mapping[int, set[str]]) -> ScheduleError:
+              arrived: Mapping[tuple[ActionKind, int, str], set[str]]) -> ScheduleError:
     """Explain why the first stuck device cannot go on."""
     dev = stuck[0]
     k = pc[dev]
@@ -597,7 +726,8 @@ def _deadlock(schedule: Mapping[str, Sequence[Action]], roles: Mapping[str, _Rol
             why = f"{peer} finished without sending it"
         return _fail(schedule, roles, dev, k, f"deadlock: {a} waits for {send} and {why}", also)
     assert a.segment is not None
-    absent = sorted(owners[a.segment] - arrived.get(a.segment, set()))
+    came = set().union(*(devs for (kind, s, _), devs in arrived.items() if kind is a.kind and s == a.segment))
+    absent = sorted(owners[a.segment] - came)
     where = "; ".join(
         f"{d} is at step {pc[d]} ({schedule[d][pc[d]]})" if pc[d] < len(schedule[d]) else f"{d} finished without it"
         for d in absent[:4])

@@ -73,7 +73,16 @@ from hetrain.cost import (
     estimate_stage_memory,
 )
 from hetrain.plan import Plan, PlanError, load_plan
-from hetrain.schedule import ActionKind, Schedule, ScheduleError, build_schedule, validate
+from hetrain.schedule import (
+    COLLECTIVE_KINDS,
+    ActionKind,
+    Schedule,
+    ScheduleError,
+    build_schedule,
+    ps_host,
+    sync_options,
+    validate,
+)
 from hetrain.timeline import Event, Timeline
 from hetrain.units import format_bytes, format_time
 
@@ -244,34 +253,54 @@ def _allreduce_phases(cluster: Cluster, owners: Sequence[int], num_bytes: float,
 # ---------------------------------------------------------------------------
 
 # op codes of the precompiled actions
-_F, _B, _SEND, _RECV, _SYNC, _STEP = range(6)
+_F, _B, _SEND, _RECV, _SYNC, _STEP, _ASYNC, _WAIT, _PUSH, _PULL = range(10)
+
+#: iterations replayed for a sync mode whose iterations differ (the result is their average)
+ASYNC_ITERATIONS = 12
 
 
-def simulate(plan: Plan, schedule: Schedule | None = None) -> SimResult:
-    """Replay one iteration of ``plan`` and time every action.
+def simulated_iterations(plan: Plan) -> int:
+    """How many iterations ``simulate`` replays: 1 for ``bsp``; for the other modes enough to cover their periods."""
+    if plan.sync == "bsp":
+        return 1
+    opts = sync_options(plan)
+    period = opts.aggregate if plan.sync == "hybrid-ps" else opts.period
+    return max(ASYNC_ITERATIONS, 3 * period, 2 * (opts.staleness + 1))
+
+
+def simulate(plan: Plan, schedule: Schedule | None = None, iterations: int | None = None) -> SimResult:
+    """Replay ``plan``'s iterations and time every action; the result is per iteration (an average over several
+    for the sync modes other than ``bsp``, whose iterations differ and whose fast VWs may run ahead).
 
     Args:
         plan: the plan (cluster and profile included).
-        schedule: the Actions to replay; by default ``build_schedule(plan)``. A
-            schedule passed in is validated first.
+        schedule: the Actions of one iteration to replay; by default ``build_schedule(plan, t)`` for
+            each iteration t. A schedule passed in is validated first and replayed once.
+        iterations: how many iterations to replay (default ``simulated_iterations(plan)``).
 
     Raises:
-        ScheduleError: an invalid schedule, or an action kind the simulator cannot time yet.
+        ScheduleError: an invalid schedule, or an action kind the simulator cannot time.
 
     Example:
         >>> r = simulate(plan)                                     # doctest: +SKIP
         >>> r.iteration_s, r.devices["n0:0"].bubble_fraction       # doctest: +SKIP
     """
     if schedule is None:
-        schedule = build_schedule(plan)
+        n = simulated_iterations(plan) if iterations is None else iterations
+        schedules = [build_schedule(plan, t, n) for t in range(n)]
+        if plan.sync == "daso":
+            schedules = [build_schedule(plan, t, n, None, t > 0 and any(
+                a.kind is ActionKind.AVERAGE_START for acts in schedules[t - 1].values() for a in acts))
+                for t in range(n)]
     else:
         validate(schedule, plan)
+        schedules = [schedule]
     # The replay allocates one tuple per event and frees none: the cyclic garbage collector
     # would re-scan them over and over (a third of the time on 1024 devices) and find nothing.
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _Replay(plan, schedule).run()
+        return _Replay(plan, schedules).run()
     finally:
         if enabled:
             gc.enable()
@@ -280,8 +309,11 @@ def simulate(plan: Plan, schedule: Schedule | None = None) -> SimResult:
 class _Replay:
     """Precompiles every action to a tuple of figures, then runs the event loop."""
 
-    def __init__(self, plan: Plan, schedule: Schedule) -> None:
+    def __init__(self, plan: Plan, schedules: Sequence[Schedule]) -> None:
         self.plan = plan
+        self.schedules = schedules
+        self.iterations = len(schedules)
+        schedule = schedules[0]
         self.schedule = schedule
         cluster, profile = plan.cluster, plan.profile
         self.names = list(schedule)
@@ -289,6 +321,15 @@ class _Replay:
         cluster_index = {d.name: d.index for d in cluster.devices}
         self.res = _Resources()
         segments = plan.segments()
+        self.segments = segments
+        self.node_of = {dev.name: dev.node for dev in cluster.devices}
+        self.staleness = sync_options(plan).staleness
+        # collectives: (kind, segment, members, iteration started) -> id; their phases, members and label
+        self.cids: dict[tuple[ActionKind, int, tuple[str, ...], int], int] = {}
+        self.phases: dict[int, list[tuple[float, tuple[int, ...], str]]] = {}
+        self.owners: dict[int, list[int]] = {}
+        self.clabel: dict[int, str] = {}
+        self.last_start: dict[tuple[int, int], int] = {}  # (device, segment) -> iteration of its AVERAGE_START
         n = len(self.names)
         self.fwd: list[list[float]] = [[] for _ in range(n)]
         self.bwd: list[list[float]] = [[] for _ in range(n)]
@@ -303,8 +344,6 @@ class _Replay:
         where = {s.device: (v, j) for v, vw in enumerate(plan.virtual_workers) for j, s in enumerate(vw.stages)}
         devices = {dev.name: dev for dev in cluster.devices}
         labels: dict[tuple[str, int, int], list[str]] = {}  # "jFi" strings, shared by devices of equal (j, m)
-        KF, KB, SEND_F, SEND_B, RECV_F, RECV_B = (ActionKind.F, ActionKind.B, ActionKind.SEND_F, ActionKind.SEND_B,
-                                                  ActionKind.RECV_F, ActionKind.RECV_B)
         for d, name in enumerate(self.names):
             if name not in where:
                 raise ScheduleError(f"{name} has actions but holds no stage in the plan")
@@ -340,47 +379,86 @@ class _Replay:
             f_labels, b_labels = labels[("F", j, m)], labels[("B", j, m)]
 
             ops: list[tuple[Any, ...]] = []
-            for a in schedule[name]:
-                k, i = a.kind, a.micro_batch
-                if k is KF:
-                    ops.append((_F, i, f_labels[i]))  # type: ignore[index]
-                elif k is KB:
-                    ops.append((_B, i, b_labels[i]))  # type: ignore[index]
-                elif k is SEND_F or k is SEND_B:
-                    assert a.peer is not None and i is not None
-                    peer = index[a.peer]
-                    num_bytes = sizes[i] * (out_bytes if k is SEND_F else in_bytes)
-                    ckey = (d, peer, num_bytes)
-                    if ckey not in p2p_cache:
-                        a_idx, b_idx = cluster_index[name], cluster_index[a.peer]
-                        p2p_cache[ckey] = (estimate_p2p_time(num_bytes, cluster.link(a_idx, b_idx)),
-                                           _edge(cluster, a_idx, b_idx, self.res))
-                    dur, rids = p2p_cache[ckey]
-                    src, dst = a.stages_joined
-                    label = f"{k.value} {src}->{dst} mb{i} {name}->{a.peer}"
-                    ops.append((_SEND, i, label, (k is SEND_B, d, peer, i), dur, rids,
-                                "send_f" if k is SEND_F else "send_b"))
-                elif k is RECV_F or k is RECV_B:
-                    assert a.peer is not None
-                    ops.append((_RECV, i, a, (k is RECV_B, index[a.peer], d, i)))  # label: str(a) when it waits
-                elif k is ActionKind.ALLREDUCE:
-                    ops.append((_SYNC, a.segment, str(a)))
-                elif k is ActionKind.STEP:
-                    ops.append((_STEP, 0, str(a)))
-                else:
-                    raise ScheduleError(f"the simulator cannot time {a} on {name} yet")
+            wave = 0
+            for it, sched in enumerate(schedules):
+                for a in sched[name]:
+                    ops.append(self._op(a, it, wave, d, name, sizes, out_bytes, in_bytes, f_labels, b_labels,
+                                        index, cluster_index, p2p_cache))
+                if any(a.kind is ActionKind.PULL for a in sched[name]):
+                    wave += 1
             self.ops.append(ops)
 
-        # all-reduce phases per segment that some device syncs
-        self.phases: dict[int, list[tuple[float, tuple[int, ...], str]]] = {}
-        self.owners: dict[int, list[int]] = {}
-        synced = {op[1] for ops in self.ops for op in ops if op[0] == _SYNC}
-        for s in sorted(synced):
-            seg = segments[s]
-            num_bytes = float(sum(profile.layers[i].param_bytes for i in range(seg.first_layer, seg.end_layer)))
-            owners = [cluster_index[o] for o in seg.owners]
-            self.phases[s] = _allreduce_phases(cluster, owners, num_bytes, self.res)
-            self.owners[s] = [index[o] for o in seg.owners]
+    def _op(self, a: Any, it: int, wave: int, d: int, name: str, sizes: Sequence[int], out_bytes: float,
+            in_bytes: float, f_labels: Sequence[str], b_labels: Sequence[str], index: Mapping[str, int],
+            cluster_index: Mapping[str, int],
+            p2p_cache: dict[tuple[int, int, float], tuple[float, tuple[int, ...]]]) -> tuple[Any, ...]:
+        """One action, precompiled to a tuple of figures (its code first)."""
+        k, i = a.kind, a.micro_batch
+        cluster = self.plan.cluster
+        if k is ActionKind.F:
+            return (_F, i, f_labels[i])
+        if k is ActionKind.B:
+            return (_B, i, b_labels[i])
+        if k is ActionKind.SEND_F or k is ActionKind.SEND_B:
+            assert a.peer is not None and i is not None
+            peer = index[a.peer]
+            num_bytes = sizes[i] * (out_bytes if k is ActionKind.SEND_F else in_bytes)
+            ckey = (d, peer, num_bytes)
+            if ckey not in p2p_cache:
+                a_idx, b_idx = cluster_index[name], cluster_index[a.peer]
+                p2p_cache[ckey] = (estimate_p2p_time(num_bytes, cluster.link(a_idx, b_idx)),
+                                   _edge(cluster, a_idx, b_idx, self.res))
+            dur, rids = p2p_cache[ckey]
+            src, dst = a.stages_joined
+            label = f"{k.value} {src}->{dst} mb{i} {name}->{a.peer}"
+            return (_SEND, i, label, (k is ActionKind.SEND_B, d, peer, i), dur, rids,
+                    "send_f" if k is ActionKind.SEND_F else "send_b")
+        if k is ActionKind.RECV_F or k is ActionKind.RECV_B:
+            assert a.peer is not None
+            return (_RECV, i, a, (k is ActionKind.RECV_B, index[a.peer], d, i))  # label: str(a) when it waits
+        if k is ActionKind.STEP:
+            return (_STEP, 0, str(a))
+        if k in COLLECTIVE_KINDS or k is ActionKind.AVERAGE_START or k is ActionKind.AVERAGE_MERGE:
+            assert a.segment is not None
+            seg = self.segments[a.segment]
+            members = list(seg.owners)
+            if k is ActionKind.LOCAL_ALLREDUCE:
+                members = [o for o in members if self.node_of[o] == self.node_of[name]]
+            kind = ActionKind.AVERAGE if k in (ActionKind.AVERAGE_START, ActionKind.AVERAGE_MERGE) else k
+            started = it - 1 if k is ActionKind.AVERAGE_MERGE else it
+            if k is ActionKind.AVERAGE_START:
+                self.last_start[(d, a.segment)] = it
+            elif k is ActionKind.AVERAGE_MERGE:  # the average this device started last
+                started = self.last_start[(d, a.segment)]
+            key = (kind, a.segment, tuple(members), started)
+            if key not in self.cids:
+                self.cids[key] = len(self.cids)
+                num_bytes = float(sum(self.plan.profile.layers[x].param_bytes
+                                      for x in range(seg.first_layer, seg.end_layer)))
+                self.phases[self.cids[key]] = _allreduce_phases(cluster, [cluster_index[o] for o in members],
+                                                                num_bytes, self.res)
+                self.owners[self.cids[key]] = [index[o] for o in members]
+                self.clabel[self.cids[key]] = f"{k.value if k in COLLECTIVE_KINDS else 'AVERAGE'} seg{a.segment}"
+            cid = self.cids[key]
+            if k is ActionKind.AVERAGE_START:
+                return (_ASYNC, cid, str(a))
+            if k is ActionKind.AVERAGE_MERGE:
+                return (_WAIT, cid, str(a))
+            return (_SYNC, cid, str(a))
+        if k is ActionKind.PUSH or k is ActionKind.PULL:
+            assert a.segment is not None
+            seg = self.segments[a.segment]
+            host = ps_host(self.plan, a.segment)
+            num_bytes = float(sum(self.plan.profile.layers[x].param_bytes
+                                  for x in range(seg.first_layer, seg.end_layer)))
+            here, there = cluster_index[name], cluster_index[host]
+            dur = estimate_p2p_time(num_bytes, cluster.link(here, there)) if host != name else 0.0
+            if k is ActionKind.PUSH:
+                rids = _edge(cluster, here, there, self.res) if host != name else ()
+                return (_PUSH, (a.segment, wave), f"PUSH seg{a.segment} {name}->{host}", dur, rids,
+                        len(seg.owners))
+            return (_PULL, (a.segment, wave - self.staleness), f"PULL seg{a.segment} {host}->{name}", dur)
+        raise ScheduleError(f"the simulator cannot time {a} on {name}")
 
     def run(self) -> SimResult:
         n = len(self.names)
@@ -405,6 +483,12 @@ class _Replay:
         arrived: dict[int, list[int]] = {}
         phase_of: dict[int, int] = {}
         sync_start: dict[int, float] = {}
+        async_done: dict[int, float] = {}  # posted averages: cid -> end (-1 while running)
+        cid_waiters: dict[int, list[int]] = {}
+        pushed: dict[tuple[int, int], list[float]] = {}  # (segment, wave) -> [pushes arrived, latest arrival]
+        ready: dict[tuple[int, int], float] = {}  # (segment, wave) -> when the shard holds every owner's update
+        pull_waiters: dict[tuple[int, int], list[int]] = {}
+        waits_since: dict[int, float] = {}
 
         while heap:
             t, _, what, who = pop(heap)
@@ -414,9 +498,15 @@ class _Replay:
                 phases = self.phases[s]
                 if k == len(phases):
                     start = sync_start[s]
+                    if s in async_done:  # a posted average: nobody waited; wake who waits at its merge
+                        async_done[s] = t
+                        for w in cid_waiters.pop(s, []):
+                            push(heap, (t, seq, 0, w))
+                            seq += 1
+                        continue
                     for o in self.owners[s]:
                         if t > start:
-                            events[o].append(Event(start, t, "sync", f"ALLREDUCE seg{s}"))
+                            events[o].append(Event(start, t, "sync", self.clabel[s]))
                             sync[o] += t - start
                         pc[o] += 1
                         push(heap, (t, seq, 0, o))
@@ -427,7 +517,7 @@ class _Replay:
                 end = start + dur
                 for r in rids:
                     free_at[r] = end
-                    link_events[r].append(Event(start, end, "allreduce", f"ALLREDUCE seg{s} {name}"))
+                    link_events[r].append(Event(start, end, "allreduce", f"{self.clabel[s]} {name}"))
                 if k == 0:
                     sync_start[s] = start
                 phase_of[s] = k + 1
@@ -519,6 +609,68 @@ class _Replay:
                         push(heap, (t, seq, 1, s))
                         seq += 1
                     break  # every owner resumes when the collective ends
+                if code == _ASYNC:
+                    s = op[1]
+                    here = arrived.setdefault(s, [])
+                    here.append(d)
+                    if len(here) == len(self.owners[s]):
+                        async_done[s] = -1.0
+                        phase_of[s] = 0
+                        sync_start[s] = t
+                        push(heap, (t, seq, 1, s))
+                        seq += 1
+                    k += 1
+                    continue
+                if code == _WAIT:
+                    s = op[1]
+                    at = async_done.get(s, -1.0)
+                    if at < 0:
+                        cid_waiters.setdefault(s, []).append(d)
+                        break
+                    k += 1
+                    if at > t:  # (woken at ``at``: never later than now)
+                        events[d].append(Event(t, at, "sync", op[2]))
+                    continue
+                if code == _PUSH:
+                    _, key, label, dur, rids, owners = op
+                    start = t
+                    for r in rids:
+                        if free_at[r] > start:
+                            start = free_at[r]
+                    end = start + dur
+                    for r in rids:
+                        free_at[r] = end
+                        link_events[r].append(Event(start, end, "push", label))
+                    got = pushed.setdefault(key, [0, 0.0])
+                    got[0] += 1
+                    got[1] = max(got[1], end)
+                    if got[0] == owners:
+                        ready[key] = got[1]
+                        for w in pull_waiters.pop(key, []):
+                            push(heap, (got[1], seq, 0, w))
+                            seq += 1
+                    k += 1
+                    continue
+                if code == _PULL:
+                    _, key, label, dur = op
+                    if key[1] < 0:
+                        k += 1
+                        continue
+                    if key not in ready:
+                        pull_waiters.setdefault(key, []).append(d)
+                        waits_since[d] = min(waits_since.get(d, t), t)
+                        break
+                    since = waits_since.pop(d, t)
+                    end = max(t, ready[key] + dur)
+                    k += 1
+                    if end > since:
+                        events[d].append(Event(since, end, "sync", label))
+                        sync[d] += end - since
+                    if end > t:
+                        push(heap, (end, seq, 0, d))
+                        seq += 1
+                        break
+                    continue
                 # _STEP
                 end = t + self.optimizer_s[d]
                 events[d].append(Event(t, end, "optimizer", op[2]))
@@ -539,28 +691,38 @@ class _Replay:
                 curves: list[list[tuple[float, float]]], busy: list[float], sync: list[float],
                 max_in_flight: list[int]) -> SimResult:
         plan = self.plan
-        iteration_s = max(finish, default=0.0)
+        total_s = max(finish, default=0.0)
+        iteration_s = total_s / self.iterations
         timeline = Timeline(
             devices={name: events[d] for d, name in enumerate(self.names)},
             links={name: evs for name, evs in zip(self.res.names, self.res.events, strict=True) if evs},
             memory={name: curves[d] for d, name in enumerate(self.names)},
             source="simulated",
             meta={"model": plan.model, "cluster": plan.cluster.name, "schedule": plan.schedule, "sync": plan.sync,
-                  "iteration_s": iteration_s},
+                  "iteration_s": iteration_s, "iterations": self.iterations},
         )
         capacity = {dev.name: dev.memory_bytes for dev in plan.cluster.devices}
         stats = {}
         for d, name in enumerate(self.names):
             v, j = self.where[d]
             stats[name] = DeviceStats(
-                device=name, vw=v, stage=j, iteration_s=iteration_s, busy_s=busy[d], sync_s=sync[d],
-                bubble_s=max(0.0, iteration_s - busy[d] - sync[d]),
+                device=name, vw=v, stage=j, iteration_s=iteration_s, busy_s=busy[d] / self.iterations,
+                sync_s=sync[d] / self.iterations,
+                bubble_s=max(0.0, iteration_s - (busy[d] + sync[d]) / self.iterations),
                 peak_memory_bytes=max(b for _, b in curves[d]),
                 capacity_bytes=capacity[name], max_in_flight=max_in_flight[d],
             )
+        samples_per_s = plan.global_batch / iteration_s if iteration_s > 0 else 0.0
+        if plan.sync != "bsp" and iteration_s > 0:
+            # VWs that run ahead finish their iterations sooner: each VW's own pace counts
+            samples_per_s = 0.0
+            for v, vw in enumerate(plan.virtual_workers):
+                end = max(finish[d] for d in range(len(self.names)) if self.where[d][0] == v)
+                samples_per_s += vw.mini_batch * self.iterations / end if end > 0 else 0.0
+            iteration_s = plan.global_batch / samples_per_s
         return SimResult(
-            timeline=timeline, iteration_s=iteration_s, pipeline_s=last_backward,
-            samples_per_s=plan.global_batch / iteration_s if iteration_s > 0 else 0.0,
+            timeline=timeline, iteration_s=iteration_s, pipeline_s=last_backward / self.iterations,
+            samples_per_s=samples_per_s,
             devices=stats, closed_form_iteration_s=plan.prediction.iteration_s,
         )
 

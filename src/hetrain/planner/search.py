@@ -46,7 +46,7 @@ from hetrain.plan import (
 from hetrain.planner.formation import Formation, build_formations
 from hetrain.planner.partition import PartitionResult
 from hetrain.planner.stage_cost import StageTableCache
-from hetrain.planner.sync import estimate_sync_time
+from hetrain.planner.sync import estimate_mode_sync_time
 from hetrain.planner.vw import VWEvaluator, canonical_devices, vw_signature
 from hetrain.profile import ModelProfile
 from hetrain.units import format_bytes
@@ -65,7 +65,8 @@ class PlannerOptions:
     Attributes:
         strategy: ``auto`` searches all formations; ``dp`` / ``pp`` force a family.
         schedule: ``gpipe``, ``1f1b``, or ``auto`` (both tried).
-        sync: the sync mode recorded in the plan (``bsp`` is costed here).
+        sync: the sync mode recorded in the plan and costed (``planner.sync.estimate_mode_sync_time``).
+        sync_options: the mode's parameters (staleness, period, aggregate...), copied into ``Plan.options``.
         optimizer: sets optimizer-state memory and step time.
         objective: ``throughput`` or ``time-to-accuracy``.
         critical_batch: the critical batch size B_crit (for time-to-accuracy).
@@ -84,6 +85,7 @@ class PlannerOptions:
     strategy: Literal["auto", "dp", "pp", "hybrid"] = "auto"
     schedule: Literal["auto", "gpipe", "1f1b"] = "auto"
     sync: SyncMode = "bsp"
+    sync_options: tuple[tuple[str, int], ...] = ()
     optimizer: Optimizer = "adam"
     objective: Literal["throughput", "time-to-accuracy"] = "throughput"
     critical_batch: float | None = None
@@ -222,13 +224,16 @@ def _evaluate(cluster: Cluster, profile: ModelProfile, formation: Formation, sch
         parts.append(replace(r, devices=mapped))
     pipeline_s = max(r.pipeline_s for r in parts)
     layouts = [[(d.index, r.cuts[j], r.cuts[j + 1]) for j, d in enumerate(r.devices)] for r in parts]
-    sync_s = estimate_sync_time(cluster, profile, layouts) if opts.sync == "bsp" else 0.0
     optimizer_s = max(
         estimate_optimizer_time(sum(profile.layers[i].param_bytes for i in range(k, l)),
                                 profile.bytes_per_element, cluster.devices[d], opts.optimizer)
         for layout in layouts for d, k, l in layout
     )
-    return Candidate(formation, schedule, global_batch, parts, split, pipeline_s, sync_s, optimizer_s)
+    sync_s = estimate_mode_sync_time(cluster, profile, layouts, opts.sync, dict(opts.sync_options),
+                                     pipeline_s + optimizer_s)
+    c = Candidate(formation, schedule, global_batch, parts, split, pipeline_s, sync_s, optimizer_s)
+    c.extra["layouts"] = layouts
+    return c
 
 
 def _to_plan(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: PlannerOptions) -> Plan:
@@ -253,7 +258,15 @@ def _to_plan(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: Planne
         optimizer_s=c.optimizer_s, memory=tuple(memory), time_to_accuracy_s=tta,
     )
     schedule: Schedule = "gpipe" if c.schedule == "gpipe" else "1f1b"
-    options: dict[str, Any] = {"objective": opts.objective, "strategy": opts.strategy}
+    options: dict[str, Any] = {"objective": opts.objective, "strategy": opts.strategy, **dict(opts.sync_options)}
+    layouts = c.extra.get("layouts")
+    if layouts is not None:  # every mode's prediction for this plan's VWs, so a user can compare (docs/sync.md)
+        options["sync_predictions"] = {
+            mode: {"sync_s": (s := estimate_mode_sync_time(cluster, profile, layouts, mode, dict(opts.sync_options),
+                                                           c.pipeline_s + c.optimizer_s)),
+                   "iteration_s": c.pipeline_s + c.optimizer_s + s,
+                   "samples_per_s": c.global_batch / (c.pipeline_s + c.optimizer_s + s)}
+            for mode in SYNC_MODES}
     if opts.critical_batch:
         options["critical_batch"] = opts.critical_batch
     return Plan(

@@ -13,10 +13,11 @@ and overlap with backward)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from hetrain.cluster import Cluster
-from hetrain.cost import estimate_allreduce_time
+from hetrain.cost import estimate_allreduce_time, estimate_p2p_time
 from hetrain.profile import ModelProfile
 
 Layout = Sequence[tuple[int, int, int]]  # (device index, first layer, end layer) per stage
@@ -50,3 +51,71 @@ def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequenc
         for d in owners:
             per_device[d] = per_device.get(d, 0.0) + t
     return max(per_device.values(), default=0.0)
+
+
+def estimate_local_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout]) -> float:
+    """Seconds of the node-local gradient all-reduce of ``hybrid-ps`` and ``daso``: each segment among its
+    owners on one node; the busiest device's sum."""
+    per_device: dict[int, float] = {}
+    for first, end, owners in build_segments(profile.num_layers, layouts):
+        num_bytes = sum(profile.layers[i].param_bytes for i in range(first, end))
+        by_node: dict[str, list[int]] = {}
+        for d in owners:
+            by_node.setdefault(cluster.devices[d].node, []).append(d)
+        for members in by_node.values():
+            if len(members) > 1:
+                t = estimate_allreduce_time(cluster, members, num_bytes)
+                for d in members:
+                    per_device[d] = per_device.get(d, 0.0) + t
+    return max(per_device.values(), default=0.0)
+
+
+def estimate_ps_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout]) -> float:
+    """Seconds one wave's pushes and pulls keep the busiest parameter-server host's links busy.
+
+    Segment s's shard is on owner ``owners[s % len(owners)]`` (``schedule.ps_host``); every
+    other owner pushes the segment's bytes to it and pulls them back: ``2 (latency + bytes / bandwidth)``
+    each, one after another on the host's link.
+    """
+    per_host: dict[int, float] = {}
+    for s, (first, end, owners) in enumerate(build_segments(profile.num_layers, layouts)):
+        if len(owners) < 2:
+            continue
+        host = owners[s % len(owners)]
+        num_bytes = sum(profile.layers[i].param_bytes for i in range(first, end))
+        t = sum(2 * estimate_p2p_time(num_bytes, cluster.link(d, host)) for d in owners if d != host)
+        per_host[host] = per_host.get(host, 0.0) + t
+    return max(per_host.values(), default=0.0)
+
+
+def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout], mode: str,
+                            options: Mapping[str, Any], compute_s: float) -> float:
+    """Seconds of synchronisation per iteration under sync mode ``mode`` (closed forms; docs/sync.md).
+
+    ``compute_s`` is the iteration's pipeline and optimizer time, what asynchronous traffic can hide behind.
+    With ``S`` the BSP all-reduce, ``L`` the node-local all-reduce, ``P`` one wave's push and pull traffic::
+
+        bsp        S
+        local-sgd  S / k                              (parameters averaged every k iterations, blocking)
+        daso       L + max(0, S - (k - 1) compute) / k   (global average every k, hidden behind k - 1 iterations)
+        hybrid-ps  L + max(0, P - D compute) / a      (one push per a iterations, D waves of slack)
+        wsp        max(0, P - D compute)              (one push per wave, D waves of slack)
+
+    Warm-up and cool-down iterations of DASO (blocking) are not counted: they are a fixed cost per run.
+    """
+    k = int(options.get("period", 4))
+    a = int(options.get("aggregate", 4))
+    stale = int(options.get("staleness", 1))
+    if mode == "bsp":
+        return estimate_sync_time(cluster, profile, layouts)
+    if mode == "local-sgd":
+        return estimate_sync_time(cluster, profile, layouts) / k
+    if mode == "daso":
+        glob = estimate_sync_time(cluster, profile, layouts)
+        return estimate_local_sync_time(cluster, profile, layouts) + max(0.0, glob - (k - 1) * compute_s) / k
+    if mode == "hybrid-ps":
+        ps = estimate_ps_time(cluster, profile, layouts)
+        return estimate_local_sync_time(cluster, profile, layouts) + max(0.0, ps - stale * compute_s) / a
+    if mode == "wsp":
+        return max(0.0, estimate_ps_time(cluster, profile, layouts) - stale * compute_s)
+    raise ValueError(f"unknown sync mode {mode!r}")

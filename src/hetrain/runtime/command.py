@@ -11,6 +11,7 @@ checkpoint in ``--checkpoint-dir`` by itself, under the plan it is given then.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -20,7 +21,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from hetrain.plan import PlanError, load_plan
+from hetrain.plan import SYNC_MODES, PlanError, load_plan
 from hetrain.runtime.checkpoint import CheckpointError
 from hetrain.runtime.health import PeerError
 from hetrain.runtime.roles import RoleError
@@ -48,7 +49,8 @@ def run_train_command(plan_path: str | Path, model: str, data: str | None = None
                       checkpoint_every: int = 0, optimizer: str | None = None, lr: float | None = None,
                       weight_decay: float = 0.0, seed: int = 0, data_seed: int = 0, progress: bool | None = None,
                       tensorboard_dir: str | Path | None = None, log_every: int = 10,
-                      model_config: dict[str, Any] | None = None) -> int:
+                      model_config: dict[str, Any] | None = None, sync: str | None = None,
+                      sync_options: dict[str, int] | None = None) -> int:
     """``hetrain train``: train a reference model with a plan, on every rank of a torchrun job.
 
     Args:
@@ -70,6 +72,8 @@ def run_train_command(plan_path: str | Path, model: str, data: str | None = None
         tensorboard_dir: TensorBoard scalars, if tensorboard is installed.
         log_every: steps whose losses are reduced (and logged) together.
         model_config: overrides of the model preset's fields.
+        sync: a sync mode to run instead of the plan's (docs/sync.md).
+        sync_options: the mode's parameters (staleness, period, aggregate, warmup, cooldown) over the plan's.
 
     Returns:
         The exit status: 0, or 1 after an error printed to stderr.
@@ -81,6 +85,9 @@ def run_train_command(plan_path: str | Path, model: str, data: str | None = None
     config = dict(model_config or {})
     try:
         plan = load_plan(plan_path)
+        if sync is not None or sync_options:
+            plan = dataclasses.replace(plan, sync=sync or plan.sync,  # type: ignore[arg-type]  # checked by Plan
+                                       options={**plan.options, **(sync_options or {})})
         n = num_layers(model, **config)
         if n != plan.profile.num_layers:
             raise PlanError(f"model {model!r} has {n} layers but the plan ({plan.model}) has "
@@ -145,6 +152,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="model_config", action="append", default=[], metavar="KEY=VALUE",
                         help="override a field of the model preset, e.g. --set n_blocks=2")
     bar = parser.add_mutually_exclusive_group()
+    parser.add_argument("--sync", choices=list(SYNC_MODES), default=None,
+                        help="sync mode to run instead of the plan's (docs/sync.md)")
+    parser.add_argument("--sync-option", dest="sync_options", action="append", default=[], metavar="KEY=N",
+                        help="a sync mode parameter over the plan's: staleness, period, aggregate, warmup, cooldown")
     bar.add_argument("--progress", dest="progress", action="store_true", default=None, help="force the progress bar")
     bar.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
@@ -153,6 +164,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     """Run the ``train`` command from parsed ``add_train_arguments`` options."""
     try:
         config = _model_config(args.model_config)
+        sync_options = _sync_options(args.sync_options)
     except ValueError as e:
         print(f"hetrain train: error: {e}", file=sys.stderr)
         return 2
@@ -160,7 +172,21 @@ def run_from_args(args: argparse.Namespace) -> int:
                              args.metrics_out, args.timeout_s, checkpoint_every=args.checkpoint_every,
                              optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
                              data_seed=args.data_seed, progress=args.progress, tensorboard_dir=args.tensorboard_dir,
-                             log_every=args.log_every, model_config=config)
+                             log_every=args.log_every, model_config=config, sync=args.sync,
+                             sync_options=sync_options)
+
+
+def _sync_options(items: Sequence[str]) -> dict[str, int]:
+    """``["staleness=2", "period=8"]`` -> ``{"staleness": 2, "period": 8}``, names checked."""
+    from hetrain.schedule import SYNC_OPTION_NAMES
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in SYNC_OPTION_NAMES or not value.strip().lstrip("-").isdigit():
+            raise ValueError(f"--sync-option {item!r}: expected KEY=N with KEY one of {', '.join(SYNC_OPTION_NAMES)}")
+        out[key] = int(value)
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -31,10 +31,11 @@ from torch.utils.checkpoint import checkpoint
 from hetrain.models.layers import LayerRange, run_layers
 from hetrain.runtime.health import Health
 from hetrain.runtime.metrics import Recorder
+from hetrain.runtime.modes import ModeSync
 from hetrain.runtime.p2p import Transport, flatten, grad_slots
 from hetrain.runtime.roles import Role
 from hetrain.runtime.sync import GradientSync
-from hetrain.schedule import Action, ActionKind
+from hetrain.schedule import SEGMENT_KINDS, Action, ActionKind
 from hetrain.timeline import Event
 
 K = ActionKind
@@ -112,7 +113,8 @@ class Executor:
     """
 
     def __init__(self, role: Role, module: StageModule, loss_fn: LossFn, transport: Transport, sync: GradientSync,
-                 optimizer: torch.optim.Optimizer, health: Health, recorder: Recorder, device: torch.device) -> None:
+                 optimizer: torch.optim.Optimizer, health: Health, recorder: Recorder, device: torch.device,
+                 modes: ModeSync | None = None) -> None:
         self.role = role
         self.module = module
         self.loss_fn = loss_fn
@@ -122,14 +124,21 @@ class Executor:
         self.health = health
         self.recorder = recorder
         self.device = device
-        # n_i / N, as the seed of each micro-batch's backward: the gradient of loss * n_i / N, without the product
-        self.loss_scale = [torch.full((), n / role.global_batch, device=device) for n in role.micro_batch_sizes]
+        self.modes = modes
+        # BSP: n_i / N, as the seed of each micro-batch's backward: the gradient of loss * n_i / N, without the product
+        # other sync modes: n_i / (this VW's mini-batch): each VW steps on its own mean gradient (docs/sync.md)
+        total = role.global_batch if modes is None else sum(role.micro_batch_sizes)
+        self.loss_scale = [torch.full((), n / total, device=device) for n in role.micro_batch_sizes]
+        # the reported loss is always the global batch's mean: n_i / N
+        self.report_scale = [torch.full((), n / role.global_batch, device=device) for n in role.micro_batch_sizes]
         self._record_memory = device.type == "cuda"
         self._recv_orders: dict[int, tuple[Sequence[Action], list[int | None], list[int | None]]] = {}
         self._run: dict[ActionKind, Callable[[Action], None]] = {
             K.F: self._forward, K.B: self._backward, K.SEND_F: self._send_f, K.RECV_F: self._recv_f,
             K.SEND_B: self._send_b, K.RECV_B: self._recv_b, K.ALLREDUCE: self._allreduce, K.STEP: self._step,
         }
+        for kind in (K.LOCAL_ALLREDUCE, K.AVERAGE, K.AVERAGE_START, K.AVERAGE_MERGE, K.PUSH, K.PULL):
+            self._run[kind] = self._mode_action
 
     def run(self, actions: Sequence[Action], step: int, inputs: Sequence[Any] | None,
             targets: Sequence[Any] | None) -> torch.Tensor:
@@ -195,7 +204,7 @@ class Executor:
             assert self.targets_mb is not None
             loss = self.loss_fn(out, _to(self.targets_mb[i], self.device))
             self.losses[i] = loss
-            self.loss_sum.addcmul_(loss.detach(), self.loss_scale[i])
+            self.loss_sum.addcmul_(loss.detach(), self.report_scale[i])
         else:
             self.outputs[i] = out
             self._post_ahead_b()
@@ -288,6 +297,11 @@ class Executor:
         assert a.segment is not None
         self.sync.allreduce(a.segment, self._where(a))
 
+    def _mode_action(self, a: Action) -> None:
+        if self.modes is None:
+            raise RuntimeError(f"{a}: the executor was built for bsp, which has no such action")
+        self.modes.run(a, self.step, self._where(a))
+
     def _step(self, a: Action) -> None:
         if self.recorder.active:
             start = self.recorder.now()
@@ -316,8 +330,8 @@ class Executor:
             ev = _event(start, end, "recv", str(a), a.micro_batch)
         elif kind is K.SEND_F or kind is K.SEND_B:
             ev = _event(start, end, "send", str(a), a.micro_batch)
-        elif kind is K.ALLREDUCE:
-            ev = _event(start, end, "sync", f"ALLREDUCE seg{a.segment}", None)
+        elif kind is K.ALLREDUCE or kind in SEGMENT_KINDS:
+            ev = _event(start, end, "sync", str(a), None)
         else:  # STEP: its wait for sends was recorded as its own event
             sends = self.recorder.events[-1] if self.recorder.events else None
             ev = _event(sends.end_s if sends is not None else start, end, "optimizer", "STEP", None)

@@ -48,10 +48,11 @@ from hetrain.plan import Plan
 from hetrain.runtime.executor import Executor, LossFn, StageModule
 from hetrain.runtime.health import Health, PeerError
 from hetrain.runtime.metrics import MetricsLog, Recorder, merge_timeline
+from hetrain.runtime.modes import ModeSync, build_mode_groups
 from hetrain.runtime.p2p import Transport
 from hetrain.runtime.roles import Role, RoleError, build_roles, local_device_name
 from hetrain.runtime.sync import GradientSync, build_segment_groups
-from hetrain.schedule import build_schedule, validate
+from hetrain.schedule import Action, ActionKind, build_schedule, build_sync_actions, sync_options, validate
 from hetrain.timeline import Timeline
 
 LayersFn = Callable[[int, int], Sequence[nn.Module]]
@@ -227,6 +228,13 @@ class Trainer:
                           else forward_group)
         self.work_group = dist.new_group(self.used_ranks, timeout=timeout)
         segment_groups = build_segment_groups(plan, self.rank_of, timeout_s)
+        mode_groups = build_mode_groups(plan, self.rank_of, timeout_s)
+        self.modes: ModeSync | None = None
+        self._schedules: dict[tuple[str, ...], list[Action]] = {}  # this device's actions, by its sync actions
+        self._daso_pending = False  # a DASO average was started last iteration: merge it in this one
+        self._daso_period = sync_options(plan).period  # DASO's k, halved when the loss plateaus
+        self._daso_losses: list[float] = []  # the global loss at each merged average
+        self._daso_loss: tuple[Any, torch.Tensor] | None = None  # (work, buffer) of the loss posted with an average
 
         self.module: StageModule | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -243,8 +251,11 @@ class Trainer:
             self.sync = GradientSync(plan, by_index, segment_groups, self.rank_of, self.health, timeout_s)
             self.transport = Transport(self.health, forward_group, backward_group, self.device, timeout_s)
             self.recorder = Recorder(self.role.device)
+            if plan.sync != "bsp":
+                self.modes = ModeSync(plan, self.role.device, self.sync, segment_groups, mode_groups, self.rank_of,
+                                      self.health, timeout_s)
             self.executor = Executor(self.role, self.module, loss_fn, self.transport, self.sync, self.optimizer,
-                                     self.health, self.recorder, self.device)
+                                     self.health, self.recorder, self.device, self.modes)
         self._events = 0  # store events posted to (or read by) unused ranks
         self._slices: list[tuple[int, int]] = []  # micro-batch i of this VW = global batch [lo, hi)
         if self.role.vw is not None:
@@ -300,16 +311,42 @@ class Trainer:
         self._post_event({"kind": "done"})
         return out
 
+    @property
+    def sync_stats(self) -> dict[str, int]:
+        """Sync-mode counters: ``max_lead_waves`` (how many waves this rank ran ahead of the slowest owner
+        of its segments, at most; ``wsp`` / ``hybrid-ps``), ``lead_checks``, ``waves``, ``period`` (DASO's k now)."""
+        if self.modes is None:
+            return {}
+        return {"max_lead_waves": self.modes.max_lead_waves, "lead_checks": self.modes.lead_checks,
+                "waves": self.modes.wave, "period": self._daso_period}
+
     def close(self) -> None:
-        """Stop the heartbeat. The process group is left as it is."""
+        """Stop the heartbeat and any parameter-server threads. The process group is left as it is."""
+        if self.modes is not None:
+            self.modes.close()
         self.health.stop()
+
+    def _actions_for(self, iteration: int, steps: int) -> list[Action]:
+        """This device's Actions of ``iteration``: the plan's schedule for that iteration, validated once per kind."""
+        if self.plan.sync == "bsp":
+            return self.actions[self.role.device]
+        merge = self._daso_pending
+        period = self._daso_period if self.plan.sync == "daso" else None
+        tail = build_sync_actions(self.plan, self.role.device, iteration, steps, period, merge)
+        key = tuple(str(a) for a in tail)
+        if key not in self._schedules:
+            schedule = build_schedule(self.plan, iteration, steps, period, merge)
+            validate(schedule, self.plan)
+            self._schedules[key] = schedule[self.role.device]
+        self._daso_pending = any(a.kind is ActionKind.AVERAGE_START for a in tail)
+        return self._schedules[key]
 
     # --- the loop --------------------------------------------------------------------
 
     def _train(self, batches: Iterator[Any], steps: int, log: MetricsLog | None, out: list[dict[str, Any]]) -> None:
         assert self.module is not None
         N = self.plan.global_batch
-        actions = self.actions[self.role.device]
+        self._daso_pending = False
         waiting: list[tuple[dict[str, Any], torch.Tensor]] = []  # steps whose loss is not reduced yet
         in_flight: _Losses | None = None  # reduced asynchronously, read at the next flush
         t_begin = t_prev = time.perf_counter()
@@ -326,7 +363,12 @@ class Trainer:
                                                       async_op=True), f"lining up for the recorded step {s}")
                 self.recorder.start()
                 t_prev = time.perf_counter()
+            actions = self._actions_for(s, steps)
             loss = self.executor.run(actions, s, inputs, targets)
+            if self.modes is not None and any(a.kind is ActionKind.PULL for a in actions):
+                self.modes.end_wave()
+            if self.plan.sync == "daso":
+                self._adapt_daso_period(actions, loss)
             t_end = time.perf_counter()
             if record:
                 self._merge_timeline(self.recorder.stop(), s, t_end - t_prev)
@@ -349,6 +391,33 @@ class Trainer:
                 self._save(out[-1]["loss"] if out else None)
         if in_flight is not None:
             self._finish_metrics(in_flight, log, out)
+        if self.modes is not None:
+            self.modes.finish(f"the end of training (step {self.step})")
+
+    def _adapt_daso_period(self, actions: Sequence[Action], loss: torch.Tensor) -> None:
+        """DASO's adaptive global sync rate (Coquelin et al. 2022, Sec. 3.3): the global loss travels with
+        each non-blocking average and is read when it is merged; when it has not improved by 1% over the last
+        two merges, k is halved (syncing more often near a plateau). Every used rank sees the same losses, so
+        all choose the same k."""
+        if self._daso_loss is not None and any(a.kind is ActionKind.AVERAGE_MERGE for a in actions):
+            work, buf = self._daso_loss
+            self._daso_loss = None
+            if work is not None:
+                self._wait_collective(work, "the loss sent with DASO's global average")
+            self._daso_losses.append(float(buf))
+            recent = self._daso_losses
+            if len(recent) >= 3 and recent[-1] > 0.99 * min(recent[:-1]) and self._daso_period > 1:
+                self._daso_period //= 2
+                self._daso_losses = []
+        if any(a.kind is ActionKind.AVERAGE_START for a in actions):
+            buf = loss.detach().clone()
+            work = (dist.all_reduce(buf, group=self.work_group, async_op=True) if len(self.used_ranks) > 1 else None)
+            self._daso_loss = (work, buf)
+
+    @property
+    def daso_period(self) -> int:
+        """DASO's current k (iterations between global averages)."""
+        return self._daso_period
 
     def _reduce_losses(self, waiting: list[tuple[dict[str, Any], torch.Tensor]]) -> _Losses:
         """Start summing the steps' losses over the used ranks (only last stages hold a part of each)."""

@@ -1,0 +1,393 @@
+"""Sync modes other than BSP: the runtime side of PUSH, PULL, AVERAGE(_START/_MERGE) and LOCAL_ALLREDUCE.
+
+docs/sync.md describes each mode; ``hetrain.schedule.build_sync_actions`` decides
+which of these actions a device runs at the end of each iteration, and this
+module only carries them out. Weights of a segment are the parameters of the
+layers of that segment held by this rank (a flat vector per segment)::
+
+    LOCAL_ALLREDUCE s   gradients of s summed among its owners on this node, weighted by mini-batch
+    AVERAGE s           parameters of s averaged among all owners, weighted by mini-batch (blocking)
+    AVERAGE_START s     the same average posted, not waited for (DASO)
+    AVERAGE_MERGE s     wait for it; x <- (2 x_local + S x_avg) / (S + 2), S = iterations since the start
+    PUSH s              this wave's update (parameters now - at the last pull) to the shard of s
+    PULL s              the global weights of wave c - D or newer, plus this worker's own newer updates
+
+Parameter servers (``wsp``, ``hybrid-ps``): segment s's shard lives in a thread
+on one of its owners (round-robin over the owners, by segment index), with a
+process group of the segment's owners to itself. Per wave c the shard thread
+reduces the owners' weighted updates to its rank (its own worker hands its
+update over through a queue), adds them to the global weights and broadcasts
+them; workers post their reduce and the broadcast's receive without waiting,
+so a worker waits only at a PULL that needs wave c - D (the staleness bound
+D, HetPipe's Wave Synchronous Parallel, Park et al. ATC 2020, Sec. 4)::
+
+    owner A (host)  worker ──queue──► shard thread: reduce(c) ─► w += Σ ─► broadcast(c) ──queue──► worker
+    owner B         worker: post reduce(c), post broadcast(c) ....................... wait at PULL c + D
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections import deque
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hetrain.plan import Plan
+from hetrain.runtime.health import Health, PeerError
+from hetrain.runtime.sync import GradientSync
+from hetrain.schedule import Action, ActionKind, node_shared_segments, ps_host, sync_options
+
+K = ActionKind
+_instances = itertools.count()  # store keys per ModeSync: trainers are built in the same order on every rank
+
+
+def build_mode_groups(plan: Plan, rank_of: Mapping[str, int], timeout_s: float) -> dict[tuple[str, int], Any]:
+    """The process groups of ``plan.sync`` that this rank is in, keyed by (purpose, segment).
+
+    ``("local", s)``: the owners of s on this rank's node (``hybrid-ps``, ``daso``);
+    ``("ps", s)``: all owners of s, for its parameter-server shard (``wsp``, ``hybrid-ps``).
+    Collective over the job: every rank creates every group, in segment order.
+    """
+    me = dist.get_rank()
+    timeout = timedelta(seconds=timeout_s)
+    node_of = {d.name: d.node for d in plan.cluster.devices}
+    out: dict[tuple[str, int], Any] = {}
+    for s, seg in enumerate(plan.segments()):
+        if len(seg.owners) < 2:
+            continue
+        if plan.sync in ("hybrid-ps", "daso"):
+            for node in sorted({node_of[o] for o in seg.owners}):
+                ranks = sorted(rank_of[o] for o in seg.owners if node_of[o] == node)
+                if len(ranks) > 1:
+                    group = dist.new_group(ranks, timeout=timeout)
+                    if me in ranks:
+                        out[("local", s)] = group
+        if plan.sync in ("wsp", "hybrid-ps"):
+            ranks = sorted(rank_of[o] for o in seg.owners)
+            group = dist.new_group(ranks, timeout=timeout)
+            if me in ranks:
+                out[("ps", s)] = group
+    return out
+
+
+def _flat(params: Sequence[nn.Parameter]) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in params]) if params else torch.zeros(0)
+
+
+def _assign(params: Sequence[nn.Parameter], flat: torch.Tensor) -> None:
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            p.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+class _Shard(threading.Thread):
+    """The parameter-server shard of one segment: global weights, one reduce and one broadcast per wave."""
+
+    def __init__(self, s: int, initial: torch.Tensor, group: Any, host_rank: int, timeout_s: float) -> None:
+        super().__init__(name=f"hetrain-ps-seg{s}", daemon=True)
+        self.s = s
+        self.weights = initial.clone()
+        self.group = group
+        self.host_rank = host_rank
+        self.timeout = timedelta(seconds=timeout_s)
+        self.timeout_s = timeout_s
+        self.updates: queue.Queue[torch.Tensor | None] = queue.Queue()
+        self.results: queue.Queue[tuple[int, torch.Tensor] | BaseException] = queue.Queue()
+        self.waves = 0
+
+    def run(self) -> None:
+        try:
+            while True:
+                update = self.updates.get()
+                if update is None:
+                    return
+                work = dist.reduce(update, dst=self.host_rank, group=self.group, async_op=True)
+                if work.wait(timeout=self.timeout) is False:
+                    raise RuntimeError("timed out")
+                self.weights += update
+                out = self.weights.clone()
+                work = dist.broadcast(out, src=self.host_rank, group=self.group, async_op=True)
+                if work.wait(timeout=self.timeout) is False:
+                    raise RuntimeError("timed out")
+                self.results.put((self.waves, out))
+                self.waves += 1
+        except BaseException as e:  # handed to the worker, which names the peers
+            self.results.put(e)
+
+
+class ModeSync:
+    """Carries out one rank's non-BSP sync actions.
+
+    Args:
+        plan: the plan (its ``sync`` and ``options``).
+        device: this rank's device.
+        sync: the stage's gradient buffers (they list the segment's parameters).
+        seg_groups: from ``build_segment_groups`` (all owners of a segment).
+        mode_groups: from ``build_mode_groups``.
+        rank_of: device -> rank.
+        health: names peers in errors; its store holds the wave clocks.
+        timeout_s: the longest one wait may take.
+    """
+
+    def __init__(self, plan: Plan, device: str, sync: GradientSync, seg_groups: Mapping[tuple[str, ...], Any],
+                 mode_groups: Mapping[tuple[str, int], Any], rank_of: Mapping[str, int], health: Health,
+                 timeout_s: float) -> None:
+        self.plan = plan
+        self.device = device
+        self.health = health
+        self.rank_of = dict(rank_of)
+        self.timeout = timedelta(seconds=timeout_s)
+        self.timeout_s = timeout_s
+        self.opts = sync_options(plan)
+        self.segments = plan.segments()
+        self.seg_groups = dict(seg_groups)
+        self.mode_groups = dict(mode_groups)
+        self.params: dict[int, list[nn.Parameter]] = {
+            s: [p for _, placed in entries for p, _ in placed] for s, entries in sync.buffers.items()}
+        self.grads = sync.buffers
+        mini = {dev: plan.virtual_workers[plan.stage_of(dev)[0]].mini_batch for dev in plan.devices_used}
+        node_of = {d.name: d.node for d in plan.cluster.devices}
+        n = plan.global_batch
+        self.share = mini[device] / n  # this VW's share of the global batch
+        # weights of this device's contribution, per segment
+        self.local_weight: dict[int, float] = {}
+        self.push_weight: dict[int, float] = {}
+        for s, seg in enumerate(self.segments):
+            if device not in seg.owners:
+                continue
+            mates = [o for o in seg.owners if node_of[o] == node_of[device]]
+            node_samples = sum(mini[o] for o in mates)
+            self.local_weight[s] = mini[device] / node_samples
+            # hybrid-ps: every node mate holds the same node update; together they push it once, weighted by the node
+            self.push_weight[s] = (node_samples / n / len(mates)) if plan.sync == "hybrid-ps" else self.share
+        self.node_shared = set(node_shared_segments(plan).get(device, []))
+        # parameter servers
+        self.wave = 0
+        self.shards: dict[int, _Shard] = {}
+        self.pending: dict[int, deque[tuple[int, Any, Any, torch.Tensor]]] = {}  # s -> (wave, reduce, bcast, buf)
+        self.own: dict[int, dict[int, torch.Tensor]] = {}  # s -> wave -> own update not yet in the global weights
+        self.global_wave: dict[int, int] = {}  # s -> newest wave of global weights applied
+        self.base: dict[int, torch.Tensor] = {}  # s -> parameters at the last pull
+        self.max_lead_waves = 0
+        self.lead_checks = 0
+        self._key = f"sync{next(_instances)}"
+        if plan.sync in ("wsp", "hybrid-ps"):
+            for s, ps in self.params.items():
+                if ("ps", s) not in self.mode_groups:
+                    continue
+                self.base[s] = _flat(ps)
+                self.own[s] = {}
+                self.global_wave[s] = -1
+                host = ps_host(plan, s)
+                if host == device:
+                    shard = _Shard(s, self.base[s], self.mode_groups[("ps", s)], rank_of[host], timeout_s)
+                    shard.start()
+                    self.shards[s] = shard
+                else:
+                    self.pending[s] = deque()
+        self.clock_ranks = sorted({rank_of[o] for s in self.base for o in self.segments[s].owners})
+        # daso
+        self.started: dict[int, tuple[int, Any, torch.Tensor]] = {}  # s -> (iteration, work, buffer)
+
+    # --- dispatch ------------------------------------------------------------------
+
+    def run(self, a: Action, step: int, where: object) -> None:
+        s = a.segment
+        assert s is not None
+        if a.kind is K.LOCAL_ALLREDUCE:
+            self._local_allreduce(s, where)
+        elif a.kind is K.AVERAGE:
+            self._average(s, where)
+        elif a.kind is K.AVERAGE_START:
+            self._average_start(s, step)
+        elif a.kind is K.AVERAGE_MERGE:
+            self._average_merge(s, step, where)
+        elif a.kind is K.PUSH:
+            self._push(s)
+        elif a.kind is K.PULL:
+            self._pull(s, where)
+        else:
+            raise ValueError(f"{a} is not a sync-mode action")
+
+    # --- averaging --------------------------------------------------------------------
+
+    def _peers(self, s: int) -> list[int]:
+        return sorted(self.rank_of[o] for o in self.segments[s].owners)
+
+    def _wait(self, work: Any, s: int, what: object, peers: Sequence[int]) -> None:
+        try:
+            done = work.wait(timeout=self.timeout)
+        except RuntimeError as e:
+            raise self.health.peer_error(f"{what} of segment {s} failed or timed out ({self.timeout_s:g} s)",
+                                         peers, e) from None
+        if done is False:
+            raise self.health.peer_error(f"{what} of segment {s} did not finish within {self.timeout_s:g} s", peers)
+
+    def _local_allreduce(self, s: int, where: object) -> None:
+        """Gradients of segment s: the mini-batch-weighted mean among the owners on this node."""
+        if s not in self.node_shared or s not in self.grads:
+            return
+        group = self.mode_groups[("local", s)]
+        w = self.local_weight[s]
+        node_of = {d.name: d.node for d in self.plan.cluster.devices}
+        peers = sorted(self.rank_of[o] for o in self.segments[s].owners if node_of[o] == node_of[self.device])
+        for flat, placed in self.grads[s]:
+            GradientSync._repoint(placed)
+            flat.mul_(w)
+            self._wait(dist.all_reduce(flat, group=group, async_op=True), s, where, peers)
+
+    def _weighted(self, s: int) -> torch.Tensor:
+        return _flat(self.params[s]) * self.share
+
+    def _average(self, s: int, where: object) -> None:
+        if s not in self.params:
+            return
+        buf = self._weighted(s)
+        self._wait(dist.all_reduce(buf, group=self.seg_groups[self.segments[s].owners], async_op=True), s, where,
+                   self._peers(s))
+        _assign(self.params[s], buf)
+
+    def _average_start(self, s: int, step: int) -> None:
+        if s not in self.params:
+            return
+        buf = self._weighted(s)
+        work = dist.all_reduce(buf, group=self.seg_groups[self.segments[s].owners], async_op=True)
+        self.started[s] = (step, work, buf)
+
+    def _average_merge(self, s: int, step: int, where: object) -> None:
+        """DASO's merge of a global average that arrives S iterations late (Coquelin et al. 2022, Sec. 3.2):
+        the local parameters weigh 2, the stale global average S: ``x = (2 x_local + S x_avg) / (S + 2)``."""
+        if s not in self.started:
+            return
+        started, work, buf = self.started.pop(s)
+        self._wait(work, s, where, self._peers(s))
+        stale = step - started
+        _assign(self.params[s], (2 * _flat(self.params[s]) + stale * buf) / (stale + 2))
+
+    # --- parameter servers -------------------------------------------------------------
+
+    def _push(self, s: int) -> None:
+        """Post this wave's update of segment s (weighted by its share) to the shard."""
+        if s not in self.base:
+            return
+        now = _flat(self.params[s])
+        update = now - self.base[s]
+        self.base[s] = now
+        self.own[s][self.wave] = update
+        weighted = update * self.push_weight[s]
+        if s in self.shards:
+            self.shards[s].updates.put(weighted)
+        else:
+            group = self.mode_groups[("ps", s)]
+            host = self.rank_of[ps_host(self.plan, s)]
+            reduce = dist.reduce(weighted, dst=host, group=group, async_op=True)
+            got = torch.empty_like(weighted)
+            bcast = dist.broadcast(got, src=host, group=group, async_op=True)
+            self.pending[s].append((self.wave, reduce, bcast, got))
+
+    def _pull(self, s: int, where: object) -> None:
+        """Take the newest global weights of s on hand, waiting for wave ``wave - D`` at least."""
+        if s not in self.base:
+            return
+        need = self.wave - self.opts.staleness
+        newest: tuple[int, torch.Tensor] | None = None
+        host = ps_host(self.plan, s)
+        if s in self.shards:
+            shard = self.shards[s]
+            while True:
+                block = (newest[0] if newest is not None else self.global_wave[s]) < need
+                try:
+                    got = shard.results.get(timeout=self.timeout_s) if block else shard.results.get_nowait()
+                except queue.Empty:
+                    if block:
+                        raise self.health.peer_error(
+                            f"{where}: the parameter-server shard of segment {s} on {self.device} got no update "
+                            f"of wave {need} from every owner within {self.timeout_s:g} s", self._peers(s)) from None
+                    break
+                if isinstance(got, BaseException):
+                    raise self.health.peer_error(
+                        f"{where}: the parameter-server shard of segment {s} on {self.device} lost a worker "
+                        f"(reduce or broadcast of wave {shard.waves} failed or timed out, {self.timeout_s:g} s)",
+                        self._peers(s), got) from None
+                newest = got
+        else:
+            pending = self.pending[s]
+            while pending and (pending[0][0] <= need or pending[0][2].is_completed()):
+                wave, reduce, bcast, got_buf = pending.popleft()
+                for work in (reduce, bcast):
+                    try:
+                        done = work.wait(timeout=self.timeout)
+                    except RuntimeError as e:
+                        raise self.health.peer_error(
+                            f"{where}: pushing to / pulling from the parameter-server shard of segment {s} on "
+                            f"{host} (wave {wave}) failed or timed out ({self.timeout_s:g} s)",
+                            self._peers(s), e) from None
+                    if done is False:
+                        raise self.health.peer_error(f"{where}: the shard of segment {s} on {host} did not answer "
+                                                     f"within {self.timeout_s:g} s", self._peers(s))
+                newest = (wave, got_buf)
+        if newest is not None:
+            wave, weights = newest
+            self.global_wave[s] = wave
+            own = self.own[s]
+            for c in [c for c in own if c <= wave]:
+                del own[c]
+            local = weights.clone()
+            for update in own.values():  # own updates the global weights do not hold yet
+                local += update
+            _assign(self.params[s], local)
+            self.base[s] = local
+
+    def end_wave(self) -> None:
+        """After the last PULL of a wave: publish this rank's clock, and check how far ahead of the slowest it is."""
+        if not self.base:
+            return
+        self.wave += 1
+        store = self.health.store
+        if store is None:
+            return
+        store.set(f"{self._key}/clock/{self.health.rank}", str(self.wave))
+        slowest = min(int(store.get(f"{self._key}/clock/{r}")) if store.check([f"{self._key}/clock/{r}"]) else 0
+                      for r in self.clock_ranks)
+        self.max_lead_waves = max(self.max_lead_waves, self.wave - slowest)
+        self.lead_checks += 1
+
+    def finish(self, where: object) -> None:
+        """Wait for every wave in flight and take the final global weights; stop the shard threads."""
+        for s in list(self.started):  # a DASO average still in flight: merge it
+            self._average_merge(s, self.started[s][0] + 1, where)
+        saved = self.opts
+        try:
+            from dataclasses import replace
+
+            self.opts = replace(self.opts, staleness=0)
+            self.wave -= 1  # the last wave pushed
+            for s in self.base:
+                if self.wave >= 0 and self.global_wave[s] < self.wave:
+                    drift = _flat(self.params[s]) - self.base[s]  # local steps since the last push: kept
+                    self._pull(s, where)
+                    _assign(self.params[s], self.base[s] + drift)
+            self.wave += 1
+        finally:
+            self.opts = saved
+            for shard in self.shards.values():
+                shard.updates.put(None)
+            for shard in self.shards.values():
+                shard.join(timeout=self.timeout_s)
+
+    def close(self) -> None:
+        for shard in self.shards.values():
+            if shard.is_alive():
+                shard.updates.put(None)
+
+
+__all__ = ["ModeSync", "PeerError", "build_mode_groups", "ps_host"]

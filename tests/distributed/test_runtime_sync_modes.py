@@ -1,0 +1,239 @@
+"""Sync modes on 4 Gloo ranks (two nodes of two devices): WSP, local SGD, hybrid-ps, DASO.
+
+One job of 4 processes runs every case in turn, each with its own Trainer::
+
+    case            plan                                              checked against
+    wsp-d0          mlp-digits, two pipelines cut differently, D = 0  single-process SGD: the same weights (BSP's)
+    wsp-d1-slow     linreg, 4 one-stage VWs, D = 1, n1:1 slowed       no rank more than D = 1 wave ahead
+    local-sgd       linreg, 4 one-stage VWs, average every 4 steps    BSP's loss on the convex problem
+    hybrid-ps       linreg, all-reduce in the node, PS between nodes  BSP's loss
+    daso            linreg, local every step, global every 4 steps    BSP's loss
+
+``linreg`` is one Linear(8 -> 1) layer under mean squared error on fixed
+synthetic data: convex, so every mode should get near BSP's loss in a few dozen steps.
+A second test kills a worker of a parameter-server shard and expects the shard's
+host to name it instead of hanging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hetrain.cluster import parse_cluster
+from hetrain.data.datasets import iter_batches
+from hetrain.data.registry import build_datasets
+from hetrain.models.analytic import build_mlp_profile
+from hetrain.models.layers import LayerRange
+from hetrain.models.registry import build_layers, loss_fn
+from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
+from hetrain.runtime.trainer import build_optimizer_fn
+
+WORLD = 4
+NODES = "n0,n0,n1,n1"
+D = ["n0:0", "n0:1", "n1:0", "n1:1"]
+LINREG_STEPS = 40
+
+WORKER = textwrap.dedent("""
+    import json, sys, time, torch
+    from torch import nn
+    from hetrain.data.registry import build_datasets
+    from hetrain.models.registry import build_layers, loss_fn
+    from hetrain.plan import load_plan
+    from hetrain.runtime import Trainer, build_optimizer_fn
+
+    torch.set_num_threads(1)
+
+    def linreg_data(steps, batch):
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(256, 8, generator=g)
+        y = x @ torch.arange(1.0, 9.0).unsqueeze(1) / 8 + 0.1 * torch.randn(256, 1, generator=g)
+        for s in range(steps):
+            idx = torch.randperm(256, generator=torch.Generator().manual_seed(100 + s))[:batch]
+            yield x[idx], y[idx]
+
+    def linreg_layers(first, end):
+        torch.manual_seed(0)
+        return [nn.Linear(8, 1)]
+
+    for case in json.load(open(sys.argv[1])):
+        plan = load_plan(case["plan"])
+        if case["model"] == "linreg":
+            layers, loss, data = linreg_layers, nn.functional.mse_loss, linreg_data(case["steps"], plan.global_batch)
+        else:
+            data = build_datasets("synthetic", case["model"], seed=0, synthetic_samples=256).train
+            layers, loss = (lambda a, b: build_layers(case["model"], a, b, seed=0)), loss_fn(case["model"])
+        trainer = Trainer(layers, plan, build_optimizer_fn("sgd", case["lr"]), loss, timeout_s=60, progress=False)
+        if trainer.role.device == case.get("slow"):
+            trainer.module.register_forward_hook(lambda *a: time.sleep(0.03))
+        history = trainer.fit(data, case["steps"], seed=0)
+        torch.save({"weights": trainer.state_dict(), "history": history, "stats": trainer.sync_stats},
+                   f"{case['out']}/rank{trainer.rank}.pt")
+        trainer.close()
+""")
+
+
+def cluster() -> Any:
+    return parse_cluster({"name": "two-nodes", "node": [
+        {"name": n, "devices": [{"type": "cpu", "count": 2}], "intra_link": "loopback", "nic": "1Gbit/s"}
+        for n in ("n0", "n1")]})
+
+
+def make_plan(model: str, sync: str, vws: list[tuple[list[str], list[int], int, int]], **options: int) -> Plan:
+    profile = build_mlp_profile([64, 256, 256, 10], name=model) if model == "mlp-digits" else \
+        build_mlp_profile([8, 1], name=model)
+    built = tuple(VirtualWorker(tuple(Stage(d, b[j], b[j + 1]) for j, d in enumerate(devs)), mb, m)
+                  for devs, b, mb, m in vws)
+    return Plan(model, sum(v.mini_batch for v in built), "1f1b", sync, "sgd", built,  # type: ignore[arg-type]
+                Prediction(0, 0, 0, 0, 0), "hybrid", "manual", cluster(), profile, options)
+
+
+DP4 = [([d], [0, 1], 8, 1) for d in D]
+CASES: dict[str, dict[str, Any]] = {
+    "wsp-d0": {"plan": make_plan("mlp-digits", "wsp", [([D[0], D[1]], [0, 1, 3], 10, 2),
+                                                       ([D[2], D[3]], [0, 2, 3], 6, 3)], staleness=0),
+               "model": "mlp-digits", "lr": 0.2, "steps": 3},
+    "wsp-d1-slow": {"plan": make_plan("linreg", "wsp", DP4, staleness=1), "slow": D[3], "steps": 12},
+    "bsp": {"plan": make_plan("linreg", "bsp", DP4)},
+    "local-sgd": {"plan": make_plan("linreg", "local-sgd", DP4, period=4)},
+    "hybrid-ps": {"plan": make_plan("linreg", "hybrid-ps", DP4, aggregate=2, staleness=1)},
+    "daso": {"plan": make_plan("linreg", "daso", DP4, period=4, warmup=2, cooldown=2)},
+}
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("sync_modes")
+    specs = {}
+    for name, c in CASES.items():
+        out = root / name
+        out.mkdir()
+        c["plan"].save(out / "plan.json")
+        specs[name] = {"plan": str(out / "plan.json"), "model": c.get("model", "linreg"), "lr": c.get("lr", 0.1),
+                       "steps": c.get("steps", LINREG_STEPS), "out": str(out), "slow": c.get("slow")}
+    (root / "cases.json").write_text(json.dumps(list(specs.values())))
+    (root / "worker.py").write_text(WORKER)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HETRAIN_NODE=NODES, MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port), WORLD_SIZE=str(WORLD))
+    procs = [subprocess.Popen([sys.executable, str(root / "worker.py"), str(root / "cases.json")],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r % 2)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True) for r in range(WORLD)]
+    try:
+        outputs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
+    for r, (p, (_, err)) in enumerate(zip(procs, outputs, strict=True)):
+        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{err[-4000:]}"
+    return specs
+
+
+def parts(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    return [torch.load(Path(spec["out"]) / f"rank{r}.pt") for r in range(WORLD)]
+
+
+def test_wsp_with_no_staleness_gives_bsp_weights(job: dict[str, Any]) -> None:
+    spec = job["wsp-d0"]
+    got: dict[str, torch.Tensor] = {}
+    for part in parts(spec):
+        for key, value in part["weights"].items():
+            if key in got:  # the replicas of a layer agree: all hold the global weights
+                torch.testing.assert_close(value, got[key], rtol=1e-6, atol=1e-7)
+            got[key] = value
+    torch.manual_seed(123)
+    net = LayerRange(build_layers("mlp-digits", seed=0))
+    opt = build_optimizer_fn("sgd", spec["lr"])(list(net.parameters()))
+    data = build_datasets("synthetic", "mlp-digits", seed=0, synthetic_samples=256).train
+    losses = []
+    for x, y in iter_batches(data, 16, seed=0, steps=spec["steps"]):
+        opt.zero_grad()
+        loss = loss_fn("mlp-digits")(net(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    want = net.state_dict()
+    for part in parts(spec):  # the reported loss is the global batch's mean, as under BSP
+        assert [h["loss"] for h in part["history"]] == pytest.approx(losses, rel=1e-5)
+    worst = max(((got[k] - want[k]).norm() / want[k].norm()).item() for k in want)
+    assert worst <= 1e-5, f"worst relative error {worst:.2e}"
+
+
+def test_no_worker_runs_more_than_d_waves_ahead(job: dict[str, Any]) -> None:
+    stats = [p["stats"] for p in parts(job["wsp-d1-slow"])]
+    assert all(s["waves"] == 12 and s["lead_checks"] == 12 for s in stats), stats
+    assert max(s["max_lead_waves"] for s in stats) <= 1, stats
+    assert max(s["max_lead_waves"] for s in stats) == 1, f"no worker ran ahead of the slowed one: {stats}"
+
+
+def linreg_loss(weights: dict[str, torch.Tensor]) -> float:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(256, 8, generator=g)
+    y = x @ torch.arange(1.0, 9.0).unsqueeze(1) / 8 + 0.1 * torch.randn(256, 1, generator=g)
+    pred = x @ weights["layers.0.weight"].T + weights["layers.0.bias"]
+    return float(torch.nn.functional.mse_loss(pred, y))
+
+
+@pytest.mark.parametrize("mode", ["local-sgd", "hybrid-ps", "daso"])
+def test_mode_reaches_bsp_loss_on_a_convex_problem(job: dict[str, Any], mode: str) -> None:
+    bsp = linreg_loss(parts(job["bsp"])[0]["weights"])
+    start = linreg_loss({"layers.0.weight": torch.zeros(1, 8), "layers.0.bias": torch.zeros(1)})
+    got = [linreg_loss(p["weights"]) for p in parts(job[mode])]
+    assert bsp < 0.1 * start
+    assert max(got) <= 1.25 * bsp + 0.005, f"{mode}: losses {got} against BSP's {bsp:.4f}"
+
+
+FAIL_WORKER = textwrap.dedent("""
+    import os, sys, torch
+    from torch import nn
+    from hetrain.plan import load_plan
+    from hetrain.runtime import Trainer, build_optimizer_fn
+
+    torch.set_num_threads(1)
+    def data():
+        g = torch.Generator().manual_seed(1)
+        while True:
+            yield torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
+    trainer = Trainer(lambda a, b: [nn.Linear(8, 1)], load_plan(sys.argv[1]), build_optimizer_fn("sgd", 0.1),
+                      nn.functional.mse_loss, timeout_s=float(sys.argv[2]), progress=False)
+    if trainer.rank == 1:
+        trainer.module.register_forward_hook(lambda m, i, o: os._exit(3) if trainer.step == 3 else None)
+    trainer.fit(data(), 1000)
+""")
+
+
+def test_a_shard_whose_worker_disappears_names_it(tmp_path: Path, spawn: Any, clean_env: dict[str, str],
+                                                  free_port: Any) -> None:
+    plan = make_plan("linreg", "wsp", [([D[0]], [0, 1], 4, 1), ([D[1]], [0, 1], 4, 1)], staleness=0)
+    plan.save(tmp_path / "plan.json")
+    (tmp_path / "worker.py").write_text(FAIL_WORKER)
+    port = free_port()
+    env = {**clean_env, "HETRAIN_NODE": "n0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "WORLD_SIZE": "2"}
+    timeout_s = 5.0
+    ranks = [spawn([sys.executable, str(tmp_path / "worker.py"), str(tmp_path / "plan.json"), str(timeout_s)],
+                   {**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+    started = time.monotonic()
+    _, err = ranks[0].communicate(timeout=60)
+    assert ranks[0].returncode != 0
+    assert time.monotonic() - started < 40
+    assert "parameter-server shard of segment 0" in err, err[-3000:]
+    assert "n0:1" in err, err[-3000:]
