@@ -1,0 +1,118 @@
+"""A segment the cost model all-reduces hierarchically is all-reduced hierarchically at run time, and exactly.
+
+4 Gloo ranks pretend to be 2 nodes x 2 devices (``HETRAIN_NODE`` a list by rank);
+the cluster's intra link is fast and its NIC slow, so ``estimate_allreduce`` picks
+``"hierarchical"`` for the pure data-parallel plan's one segment. After three SGD
+steps the weights equal single-process training's (relative error <= 1e-5), and
+every rank's ``GradientSync`` counted hierarchical all-reduces only.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from hetrain.cluster import parse_cluster
+from hetrain.cost import allreduce_shape, estimate_allreduce
+from hetrain.data.datasets import iter_batches
+from hetrain.data.registry import build_datasets
+from hetrain.models.analytic import build_profile
+from hetrain.models.layers import LayerRange
+from hetrain.models.registry import build_layers, loss_fn
+from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
+from hetrain.runtime.sync import segment_algorithm
+from hetrain.runtime.trainer import build_optimizer_fn
+
+STEPS = 3
+GPT = {"hidden": 32, "heads": 2, "seq_len": 16}
+NODES = ["n0", "n0", "n1", "n1"]  # by rank
+LR = 0.5
+
+WORKER = textwrap.dedent("""
+    import json, sys, torch
+    from hetrain.data.registry import build_datasets
+    from hetrain.models.registry import build_layers, loss_fn
+    from hetrain.plan import load_plan
+    from hetrain.runtime import Trainer, build_optimizer_fn
+
+    torch.set_num_threads(1)
+    spec = json.load(open(sys.argv[1]))
+    config = spec["config"]
+    data = build_datasets("synthetic", "gpt-tiny", seed=0, synthetic_samples=256, **config).train
+    trainer = Trainer(lambda a, b: build_layers("gpt-tiny", a, b, seed=0, **config), load_plan(spec["plan"]),
+                      build_optimizer_fn("sgd", spec["lr"]), loss_fn("gpt-tiny"), timeout_s=60, progress=False)
+    history = trainer.fit(data, spec["steps"], seed=0)
+    torch.save({"weights": trainer.state_dict(), "history": history, "calls": dict(trainer.sync.calls)},
+               f"{spec['out']}/rank{trainer.rank}.pt")
+    trainer.close()
+""")
+
+
+def make_plan() -> Plan:
+    """Pure data parallelism: 4 VWs of one stage each, on 2 nodes of 2 CPU devices (fast intra link, slow NIC)."""
+    cluster = parse_cluster({"name": "2x2", "node": [
+        {"name": n, "devices": [{"type": "cpu", "count": 2}], "intra_link": "100Gbit/s", "nic": "10Mbit/s"}
+        for n in ("n0", "n1")]})
+    profile = build_profile("gpt-tiny", hidden=GPT["hidden"], heads=GPT["heads"], seq_len=GPT["seq_len"])
+    vws = tuple(VirtualWorker((Stage(d, 0, 6, ()),), mb, 1)
+                for d, mb in zip(["n0:0", "n0:1", "n1:0", "n1:1"], [3, 2, 2, 1], strict=True))
+    return Plan("gpt-tiny", sum(v.mini_batch for v in vws), "1f1b", "bsp", "sgd", vws,
+                Prediction(0, 0, 0, 0, 0), "hybrid", "manual", cluster, profile)
+
+
+def test_the_cost_model_picks_hierarchical_for_the_plan() -> None:
+    plan = make_plan()
+    (seg,) = plan.segments()
+    assert len(seg.owners) == 4
+    num_bytes = float(sum(plan.profile.layers[x].param_bytes for x in range(seg.first_layer, seg.end_layer)))
+    _, algorithm = estimate_allreduce(num_bytes, allreduce_shape(plan.cluster, [0, 1, 2, 3]))
+    assert algorithm == "hierarchical"
+    assert segment_algorithm(plan, seg) == "hierarchical"
+
+
+def reference(global_batch: int) -> dict[str, torch.Tensor]:
+    """One process, the whole model, the same global batches: the weights after the steps."""
+    net = LayerRange(build_layers("gpt-tiny", seed=0, **GPT))
+    opt = build_optimizer_fn("sgd", LR)(list(net.parameters()))
+    data = build_datasets("synthetic", "gpt-tiny", seed=0, synthetic_samples=256, **GPT).train
+    for x, y in iter_batches(data, global_batch, seed=0, steps=STEPS):
+        opt.zero_grad()
+        loss_fn("gpt-tiny")(net(x), y).backward()
+        opt.step()
+    return net.state_dict()
+
+
+def test_hierarchical_allreduce_matches_single_process_training(tmp_path: Path, spawn: Callable[..., subprocess.Popen],
+                                                                 free_port: Callable[[], int],
+                                                                 clean_env: dict[str, str]) -> None:
+    plan = make_plan()
+    plan.save(tmp_path / "plan.json")
+    (tmp_path / "worker.py").write_text(WORKER)
+    spec = {"plan": str(tmp_path / "plan.json"), "config": GPT, "lr": LR, "steps": STEPS, "out": str(tmp_path)}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    env = {**clean_env, "HETRAIN_NODE": ",".join(NODES), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(len(NODES))}
+    local = [NODES[:r].count(NODES[r]) for r in range(len(NODES))]
+    procs = [spawn([sys.executable, str(tmp_path / "worker.py"), str(tmp_path / "spec.json")],
+                   {**env, "RANK": str(r), "LOCAL_RANK": str(local[r])}) for r in range(len(NODES))]
+    for r, p in enumerate(procs):
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{err[-4000:]}"
+    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(len(NODES))]
+    for part in parts:  # every rank ran every step's all-reduce hierarchically
+        assert part["calls"] == {"ring": 0, "hierarchical": STEPS}
+    got = parts[0]["weights"]
+    for part in parts[1:]:  # the replicas agree
+        assert set(part["weights"]) == set(got)
+        for key, value in part["weights"].items():
+            torch.testing.assert_close(value, got[key], rtol=1e-6, atol=1e-7)
+    want = reference(plan.global_batch)
+    assert set(got) == set(want)
+    worst = max(((got[k] - want[k]).norm() / want[k].norm()).item() for k in want)
+    assert worst <= 1e-5, f"worst relative error {worst:.2e}"
