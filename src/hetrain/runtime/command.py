@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -193,7 +194,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m hetrain.runtime.trainer --plan plan.json --model NAME ...`` (under torchrun)."""
     parser = argparse.ArgumentParser(prog="hetrain train", description="Train a reference model with a plan.")
     add_train_arguments(parser)
-    return run_from_args(parser.parse_args(argv))
+    code = run_from_args(parser.parse_args(argv))
+    if code != 0 and dist.is_initialized():
+        # A process group with a dead or stuck peer cannot be torn down cleanly: its
+        # transport threads may abort the interpreter at exit ("terminate called
+        # without an active exception"). The error is printed; leave at once with it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":
