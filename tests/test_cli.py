@@ -47,7 +47,10 @@ def test_simulate_command_writes_trace_and_gantt(tmp_path: Path, capsys) -> None
                  "-o", str(out)]) == 0
     capsys.readouterr()
     trace, gantt = tmp_path / "t.json", tmp_path / "g.png"
-    assert main(["simulate", str(out), "--trace", str(trace), "--gantt", str(gantt)]) == 0
+    timeline = tmp_path / "predicted.json"
+    assert main(["simulate", str(out), "--trace", str(trace), "--gantt", str(gantt), "--timeline", str(timeline)]) == 0
+    assert main(["compare", str(timeline), str(timeline)]) == 0
+    assert "iteration" in capsys.readouterr().out
     assert "traceEvents" in json.loads(trace.read_text())
     assert gantt.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -125,9 +125,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from hetrain.simulator import run_simulate_command
+    from hetrain.simulator import run_simulate_command, simulate
 
-    return run_simulate_command(args.plan, args.trace, args.gantt, args.json)
+    code = run_simulate_command(args.plan, args.trace, args.gantt, args.json)
+    if code == 0 and args.timeline:
+        from hetrain.plan import load_plan
+
+        simulate(load_plan(args.plan)).timeline.save(args.timeline)
+    return code
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -190,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("plan")
     s.add_argument("--trace", help="write a Chrome trace JSON (Perfetto, chrome://tracing)")
     s.add_argument("--gantt", help="write a Gantt chart PNG")
+    s.add_argument("--timeline", help="write the predicted timeline JSON (for hetrain compare)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_simulate)
 
