@@ -95,7 +95,9 @@ def test_a_job_restarted_by_torchrun_resumes_under_another_plan(tmp_path: Path, 
                "--timeout-s", "30", "--no-progress"], {**clean_env, "HETRAIN_NODE": "n0"})
     stdout, stderr = p.communicate(timeout=120)
     assert p.returncode == 0, stderr[-4000:]
-    assert "(exitcode: 17)" in stderr  # attempt 0 did fail
+    # attempt 0 did fail: torchrun reports whichever rank it saw exit first, rank 1 itself
+    # (exit 17) or a peer that found rank 1 gone and left with the error naming it
+    assert "(exitcode: 17)" in stderr or "rank 1 (n0:1) failed" in stderr, stderr[-4000:]
     assert "resuming at step 6" in stdout, stdout
 
     want, losses = reference()
