@@ -17,12 +17,7 @@ host to name it instead of hanging.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import textwrap
 import time
@@ -31,6 +26,7 @@ from typing import Any
 
 import pytest
 import torch
+from worker_ranks import run_worker_ranks
 
 from hetrain.cluster import parse_cluster
 from hetrain.data.datasets import iter_batches
@@ -125,25 +121,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                        "steps": c.get("steps", LINREG_STEPS), "out": str(out), "slow": c.get("slow")}
     (root / "cases.json").write_text(json.dumps(list(specs.values())))
     (root / "worker.py").write_text(WORKER)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HETRAIN_NODE=NODES, MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(port), WORLD_SIZE=str(WORLD))
-    procs = [subprocess.Popen([sys.executable, str(root / "worker.py"), str(root / "cases.json")],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r % 2)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, start_new_session=True) for r in range(WORLD)]
-    try:
-        outputs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.communicate()
-    for r, (p, (_, err)) in enumerate(zip(procs, outputs, strict=True)):
-        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{err[-4000:]}"
+    run_worker_ranks(root, NODES, [r % 2 for r in range(WORLD)])
     return specs
 
 

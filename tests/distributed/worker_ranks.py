@@ -1,0 +1,44 @@
+"""Launch one worker script as N ranks on this host and check they all succeed.
+
+Shared by the multi-rank runtime tests; every rank gets its own process group of
+processes, killed if it outlives the timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def run_worker_ranks(root: Path, nodes: str, local_ranks: Sequence[int], timeout_s: float = 120) -> None:
+    """Run ``root/worker.py root/cases.json`` as ``len(local_ranks)`` Gloo ranks; assert every rank exits 0.
+
+    ``nodes`` is HETRAIN_NODE: one node name, or a comma list indexed by rank.
+    """
+    world = len(local_ranks)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HETRAIN_NODE=nodes, MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port), WORLD_SIZE=str(world))
+    procs = [subprocess.Popen([sys.executable, str(root / "worker.py"), str(root / "cases.json")],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(local)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+             for r, local in enumerate(local_ranks)]
+    try:
+        outputs = [p.communicate(timeout=timeout_s) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
+    for r, (p, (_, err)) in enumerate(zip(procs, outputs, strict=True)):
+        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{err[-4000:]}"
