@@ -59,9 +59,8 @@ def interpolate_measurements(ms: Sequence[Measurement], b: int) -> tuple[float, 
     """Forward and backward seconds at micro-batch ``b`` from measurements.
 
     Piecewise linear between measured sizes; outside them, the nearest segment's
-    line, floored at the proportional value of the nearest measurement (time
-    never grows slower than... nor drops below b/b0 of a measured point scaled
-    by 0.5, so a steep fitted segment cannot go negative). One measurement:
+    line, floored at half the value proportional to the nearest measurement (so a
+    steep segment cannot extrapolate to zero or below). One measurement:
     proportional to ``b``.
     """
     if len(ms) == 1:

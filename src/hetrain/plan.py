@@ -150,6 +150,7 @@ class Segment:
     first_layer: int
     end_layer: int
     owners: tuple[str, ...]
+    param_bytes: float = 0.0  # bytes of the segment's parameters (and of its gradients)
 
 
 @dataclass(frozen=True)
@@ -211,7 +212,8 @@ class Plan:
         start = 0
         for i in range(1, len(owners_of) + 1):
             if i == len(owners_of) or owners_of[i] != owners_of[start]:
-                out.append(Segment(start, i, owners_of[start]))
+                num_bytes = float(sum(self.profile.layers[x].param_bytes for x in range(start, i)))
+                out.append(Segment(start, i, owners_of[start], num_bytes))
                 start = i
         return out
 

@@ -252,6 +252,19 @@ def _allreduce_phases(cluster: Cluster, owners: Sequence[int], num_bytes: float,
 # the replay
 # ---------------------------------------------------------------------------
 
+def _occupy(free_at: list[float], rids: Sequence[int], t: float, dur: float) -> tuple[float, float]:
+    """Reserve link resources ``rids`` for ``dur`` seconds from the first moment at or after ``t``
+    when all are free (one transfer per direction at a time); returns (start, end)."""
+    start = t
+    for r in rids:
+        if free_at[r] > start:
+            start = free_at[r]
+    end = start + dur
+    for r in rids:
+        free_at[r] = end
+    return start, end
+
+
 # op codes of the precompiled actions
 _F, _B, _SEND, _RECV, _SYNC, _STEP, _ASYNC, _WAIT, _PUSH, _PULL = range(10)
 
@@ -433,10 +446,8 @@ class _Replay:
             key = (kind, a.segment, tuple(members), started)
             if key not in self.cids:
                 self.cids[key] = len(self.cids)
-                num_bytes = float(sum(self.plan.profile.layers[x].param_bytes
-                                      for x in range(seg.first_layer, seg.end_layer)))
                 self.phases[self.cids[key]] = _allreduce_phases(cluster, [cluster_index[o] for o in members],
-                                                                num_bytes, self.res)
+                                                                seg.param_bytes, self.res)
                 self.owners[self.cids[key]] = [index[o] for o in members]
                 self.clabel[self.cids[key]] = f"{k.value if k in COLLECTIVE_KINDS else 'AVERAGE'} seg{a.segment}"
             cid = self.cids[key]
@@ -449,8 +460,7 @@ class _Replay:
             assert a.segment is not None
             seg = self.segments[a.segment]
             host = ps_host(self.plan, a.segment)
-            num_bytes = float(sum(self.plan.profile.layers[x].param_bytes
-                                  for x in range(seg.first_layer, seg.end_layer)))
+            num_bytes = seg.param_bytes
             here, there = cluster_index[name], cluster_index[host]
             dur = estimate_p2p_time(num_bytes, cluster.link(here, there)) if host != name else 0.0
             if k is ActionKind.PUSH:
@@ -566,13 +576,8 @@ class _Replay:
                     break
                 if code == _SEND:
                     _, i, label, key, dur, rids, kind = op
-                    start = t
+                    start, end = _occupy(free_at, rids, t, dur)
                     for r in rids:
-                        if free_at[r] > start:
-                            start = free_at[r]
-                    end = start + dur
-                    for r in rids:
-                        free_at[r] = end
                         link_events[r].append(new(Event, (start, end, kind, label, i)))
                     waiter = waiting.pop(key, None)
                     if waiter is None:
@@ -633,13 +638,8 @@ class _Replay:
                     continue
                 if code == _PUSH:
                     _, key, label, dur, rids, owners = op
-                    start = t
+                    start, end = _occupy(free_at, rids, t, dur)
                     for r in rids:
-                        if free_at[r] > start:
-                            start = free_at[r]
-                    end = start + dur
-                    for r in rids:
-                        free_at[r] = end
                         link_events[r].append(Event(start, end, "push", label))
                     got = pushed.setdefault(key, [0, 0.0])
                     got[0] += 1

@@ -172,18 +172,10 @@ def _split_batch(times: Sequence[Any], global_batch: int) -> list[int] | None:
     return alloc
 
 
-def evaluators_cache(evaluators: dict[tuple[object, ...], VWEvaluator]) -> StageTableCache:
-    """The stage-table cache shared by all evaluators of one search."""
-    for ev in evaluators.values():
-        return ev.cache
-    return StageTableCache()
-
-
 def _evaluate(cluster: Cluster, profile: ModelProfile, formation: Formation, schedule: str, global_batch: int,
-              opts: PlannerOptions, evaluators: dict[tuple[object, ...], VWEvaluator],
+              opts: PlannerOptions, evaluators: dict[tuple[object, ...], VWEvaluator], cache: StageTableCache,
               exact: bool = True) -> Candidate | None:
     groups = formation.vws
-    cache = evaluators_cache(evaluators)
     sigs = [(vw_signature(cluster, g), schedule) for g in groups]
     for sig, g in zip(sigs, groups, strict=True):
         if sig not in evaluators:
@@ -323,6 +315,7 @@ def search(cluster: Cluster, profile: ModelProfile, global_batch: int, opts: Pla
     batches = sorted({global_batch, *opts.global_batch_choices}) if opts.objective == "time-to-accuracy" \
         else [global_batch]
     evaluators: dict[tuple[object, ...], VWEvaluator] = {}
+    cache = StageTableCache()  # stage tables shared by every VW shape of this search
 
     def rank(cs: list[Candidate]) -> list[Candidate]:
         return sorted(cs, key=lambda c: (c.score(opts), c.schedule != "1f1b", len(c.formation.vws)))
@@ -333,7 +326,7 @@ def search(cluster: Cluster, profile: ModelProfile, global_batch: int, opts: Pla
     for f in formations:
         for sched in schedules:
             for g in batches:
-                c = _evaluate(cluster, profile, f, sched, g, opts, evaluators, exact=False)
+                c = _evaluate(cluster, profile, f, sched, g, opts, evaluators, cache, exact=False)
                 if c is not None:
                     screened.append(c)
     if not screened:
@@ -341,7 +334,8 @@ def search(cluster: Cluster, profile: ModelProfile, global_batch: int, opts: Pla
     screened = rank(screened)
     found = []
     for c in screened[: max(1, opts.refine_top_k)]:
-        exact = _evaluate(cluster, profile, c.formation, c.schedule, c.global_batch, opts, evaluators, exact=True)
+        exact = _evaluate(cluster, profile, c.formation, c.schedule, c.global_batch, opts, evaluators, cache,
+                          exact=True)
         found.append(exact if exact is not None and exact.score(opts) <= c.score(opts) else c)
     return rank(found) + screened[max(1, opts.refine_top_k):]
 

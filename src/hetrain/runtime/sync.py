@@ -74,8 +74,7 @@ class SegmentGroups(dict[tuple[str, ...], Any]):
 def segment_algorithm(plan: Plan, seg: Segment) -> str:
     """``"ring"`` or ``"hierarchical"``: what the cost model (and the simulator) picks for the segment's all-reduce."""
     index = {d.name: d.index for d in plan.cluster.devices}
-    num_bytes = float(sum(plan.profile.layers[x].param_bytes for x in range(seg.first_layer, seg.end_layer)))
-    return estimate_allreduce(num_bytes, allreduce_shape(plan.cluster, [index[o] for o in seg.owners]))[1]
+    return estimate_allreduce(seg.param_bytes, allreduce_shape(plan.cluster, [index[o] for o in seg.owners]))[1]
 
 
 def build_segment_groups(plan: Plan, rank_of: Mapping[str, int], timeout_s: float) -> SegmentGroups:
