@@ -283,6 +283,7 @@ class ModeSync:
         update = now - self.base[s]
         self.base[s] = now
         self.own[s][self.wave] = update
+        self._publish_clock(self.wave + 1)  # waves whose compute this rank has finished
         weighted = update * self.push_weight[s]
         if s in self.shards:
             self.shards[s].updates.put(weighted)
@@ -347,15 +348,24 @@ class ModeSync:
             _assign(self.params[s], local)
             self.base[s] = local
 
+    def _publish_clock(self, completed: int) -> None:
+        """Tell the other workers how many waves this rank has computed (at its push, before any wait)."""
+        if self.health.store is not None:
+            self.health.store.set(f"{self._key}/clock/{self.health.rank}", str(completed))
+
     def end_wave(self) -> None:
-        """After the last PULL of a wave: publish this rank's clock, and check how far ahead of the slowest it is."""
+        """After the last PULL of a wave: check how far ahead of the slowest worker this rank is.
+
+        Clocks count computed waves and are published at the push, so a worker
+        blocked in a PULL already shows the wave it pushed: the lead is then at most D.
+        """
         if not self.base:
             return
         self.wave += 1
         store = self.health.store
         if store is None:
             return
-        store.set(f"{self._key}/clock/{self.health.rank}", str(self.wave))
+        self._publish_clock(self.wave)
         slowest = min(int(store.get(f"{self._key}/clock/{r}")) if store.check([f"{self._key}/clock/{r}"]) else 0
                       for r in self.clock_ranks)
         self.max_lead_waves = max(self.max_lead_waves, self.wave - slowest)
