@@ -117,6 +117,54 @@ def test_vectorised_recompute_matches_scalar_greedy() -> None:
                     assert table.recompute(k, l) == scalar
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_stage_tables_shared_over_in_flight_counts_match_the_memory_rule(seed: int) -> None:
+    """Tables built from one per-device table for every in-flight count n equal the rule evaluated for each n."""
+    rng = random.Random(100 + seed)
+    cluster, profile = random_instance(rng, 3, rng.randint(4, 14), tight_memory=True)
+    arrays = build_model_arrays(profile, "adam")
+    upper = arrays.upper
+    for dev in cluster.devices:
+        for b in (1, 3, 8):
+            for n in (1, 2, 5, 17):
+                (table,) = build_stage_costs(profile, [dev], b, n, "gpipe", "adam")
+                fits = (arrays.weight_table + n * b * arrays.saved_table <= dev.memory_bytes) & upper
+                need_full = arrays.weight_table + n * b * arrays.kept_full_table + b * arrays.transient_table
+                fits_full = upper & ~fits & (need_full <= dev.memory_bytes)
+                assert np.array_equal(np.isfinite(table.time_s), fits)
+                assert np.array_equal(table.pending, fits_full)
+                assert np.array_equal(np.isfinite(table.full_s), fits | fits_full)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_screening_partition_is_min_sum_at_the_min_max_bottleneck(seed: int) -> None:
+    """The screening partition (full recomputation) against brute force over every cut: the smallest
+    bottleneck, then the smallest sum among cuts within it (the banded, length-limited DP must not miss any)."""
+    rng = random.Random(200 + seed)
+    n = rng.randint(2, 5)
+    cluster, profile = random_instance(rng, n, rng.randint(n, 11), tight_memory=seed % 2 == 0)
+    b, m, schedule = rng.choice([1, 2, 4]), rng.randint(1, 8), rng.choice(["gpipe", "1f1b"])
+    devices = list(cluster.devices)
+    L, p = profile.num_layers, len(devices)
+    stages = build_stage_costs(profile, devices, b, m, schedule, "adam")
+    links = link_time_table(cluster, devices, build_model_arrays(profile, "adam"), b)
+    scored = []
+    for inner in itertools.combinations(range(1, L), p - 1):
+        cuts = (0, *inner, L)
+        terms = [stages[j].full_s[cuts[j], cuts[j + 1]] for j in range(p)] + [links[j][cuts[j]] for j in range(1, p)]
+        if all(np.isfinite(terms)):
+            scored.append((max(terms), sum(terms)))
+    found = partition(cluster, profile, devices, b, m, schedule, "adam", full_recompute=True)
+    if not scored:
+        assert found is None
+        return
+    bottleneck = min(x for x, _ in scored)
+    least_sum = min(s for x, s in scored if x <= bottleneck)
+    assert found is not None
+    assert found.max_s == pytest.approx(bottleneck, rel=1e-12)
+    assert found.sum_s == pytest.approx(least_sum, rel=1e-9)
+
+
 def test_recompute_lands_off_the_bottleneck() -> None:
     """Cost-balanced recomputation: the fast device with little memory recomputes; the slow one does not."""
     layers = tuple(LayerProfile(f"l{i}", 1e6, 1e5, 4e7, 1e10) for i in range(8))

@@ -20,20 +20,28 @@ transfer times. Caps are tried in increasing order from the min-max bottleneck
 (the same early stop as Alpa's stage DP, Zheng et al. OSDI 2022, sec. 5.2).
 This is exact when all caps are tried; beyond ``max_caps`` caps, the remaining
 caps are sampled geometrically (reported in ``PartitionResult.exact``).
+
+The DPs run over every stage's ranges at once, as (stage, end layer, length)
+arrays holding only ranges short enough to be at most a bound on the bottleneck
+(``_span``), a guess checked afterwards; docs/planner.md, "Cost of planning".
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from hetrain.cluster import Cluster, Device
+from hetrain.cost import in_flight
 from hetrain.planner.stage_cost import (
     INF,
+    KindTables,
     StageCosts,
     StageTableCache,
+    build_kind_tables,
     build_model_arrays,
     build_stage_costs,
     link_time_table,
@@ -74,65 +82,119 @@ class PartitionResult:
         return self.sum_s + (self.m - 1) * self.max_s
 
 
-def _band(j: int, p: int, L: int) -> tuple[slice, slice]:
-    """Stage j of p starts in [j, L-p+j] (stage 0 at layer 0) and ends in [j+1, L-p+j+1]: a layer per stage."""
-    return slice(j, L - p + j + 1) if j else slice(0, 1), slice(j + 1, L - p + j + 2)
+def _span(bases: Sequence[np.ndarray], limit: float) -> int:
+    """Most layers any stage can hold with a time <= ``limit``: beyond it every range is slower.
 
-
-def _banded(tables: list[np.ndarray], links: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray], list[int]]:
-    """Per stage j, within its band: cost = t_j(k, l) + c_j(k) and peak = max(t_j(k, l), c_j(k)).
-
-    Returns (cost blocks, peak blocks, first row layer k of each block).
+    Read off the tables without recomputation, which are lower bounds of the
+    others and grow with the range.
     """
-    p, L = len(tables), tables[0].shape[0] - 1
-    cost, peak, starts = [], [], []
-    for j, t in enumerate(tables):
-        ks, ls = _band(j, p, L)
-        block = t[ks, ls]
-        c = links[j][ks][:, None]
-        cost.append(block + c)
-        peak.append(np.maximum(block, c))
-        starts.append(ks.start)
-    return cost, peak, starts
+    if not np.isfinite(limit):
+        return int(bases[0].shape[0]) - 1
+    return max(1, max(int((base <= limit).sum(axis=1).max()) for base in bases))
 
 
-def _min_sum(cost: list[np.ndarray], peak: list[np.ndarray], starts: list[int],
-             cap: float) -> tuple[float, list[int]] | None:
+@dataclass(frozen=True)
+class _Cells:
+    """The ranges each stage may hold, in the banded layout of ``_banded``.
+
+    Stage j of p ends in [j + 1, j + W] (every stage holds a layer), W = L - p + 1,
+    and holds at most ``span`` layers. Entry ``[j, c, e]`` is the range ending at
+    l = j + 1 + c and starting at k = l - span + e, so along e the start layer
+    grows (ties in the DP go to the earliest start, as in a plain (k, l) table).
+    """
+
+    rows: np.ndarray  # (W, span): k - j, negative where no such range
+    start: np.ndarray  # (p, W, span): k (clipped to a valid layer)
+    end: np.ndarray  # (p, W, 1): l
+    flat: np.ndarray  # (p, W, span): k * (L + 1) + l, into a flattened (L+1, L+1) table
+    invalid: np.ndarray  # (p, W, span): ranges that do not exist, and stage 0 not starting at layer 0
+
+
+def _cells(p: int, L: int, span: int) -> _Cells:
+    """The layout for p stages over L layers, ranges of at most ``span`` layers (small ones are kept)."""
+    span = min(span, L - p + 1)
+    return _cells_cached(p, L, span) if p * (L - p + 1) * span <= 1 << 17 else _build_cells(p, L, span)
+
+
+@functools.lru_cache(maxsize=64)
+def _cells_cached(p: int, L: int, span: int) -> _Cells:
+    return _build_cells(p, L, span)
+
+
+def _build_cells(p: int, L: int, span: int) -> _Cells:
+    W = L - p + 1
+    c_idx = np.arange(W)
+    rows = c_idx[:, None] - (span - 1 - np.arange(span))[None, :]
+    j = np.arange(p)[:, None, None]
+    invalid = np.broadcast_to(rows < 0, (p, W, span)).copy()
+    invalid[0] |= rows != 0
+    prev = np.maximum(rows, 0)
+    start = j + prev[None]
+    end = j + 1 + c_idx[None, :, None]
+    return _Cells(rows, start, end, start * (L + 1) + end, invalid)
+
+
+def _banded(block: np.ndarray, links: np.ndarray, cells: _Cells) -> tuple[np.ndarray, np.ndarray]:
+    """Per stage j and range: cost = t_j(k, l) + c_j(k) and peak = max(t_j(k, l), c_j(k)), (p, W, span) each.
+
+    ``block`` holds t_j at ``cells``; ``links[j, k]`` is the transfer into stage j cut before layer k.
+    """
+    block[cells.invalid] = INF
+    p, W, span = block.shape
+    # c[j, c, e] = links[j, k] with k = j + c + e + 1 - span: a strided view of the rows padded by span in
+    # front (the padding only meets ranges that do not exist, which are inf already).
+    padded = np.zeros((p, links.shape[1] + span))
+    padded[:, span:] = links
+    step = padded.itemsize
+    c = np.lib.stride_tricks.as_strided(padded.ravel()[1:], shape=(p, W, span),
+                                        strides=(step * (padded.shape[1] + 1), step, step), writeable=False)
+    return block + c, np.maximum(block, c)
+
+
+def _min_sum(cost: np.ndarray, peak: np.ndarray, rows: np.ndarray, cap: float) -> tuple[float, list[int]] | None:
     """Min over cuts of the sum of costs with every term <= cap; (sum, cuts) or None.
 
-    Banded blocks (``_banded``): ``cost[j][k - start_j, l - (j + 1)]`` is stage j
-    on layers [k, l) plus the transfer into it, ``peak`` the larger of the two,
-    which must not exceed ``cap``. DP over stages, vectorised over layers;
-    ``dp[r]``: best sum with the stages so far ending at the r-th layer of the band.
+    Banded blocks (``_banded``): ``cost[j, c, e]`` is stage j on its range plus
+    the transfer into it, ``peak`` the larger of the two, which must not exceed
+    ``cap``. DP over stages, vectorised over layers; ``dp[c]``: best sum with
+    the stages so far ending at layer j + 1 + c.
     """
-    p = len(cost)
-    dp = np.zeros(1)  # stage 0 starts at layer 0
-    back = []
-    for c, top in zip(cost, peak, strict=True):
-        total = dp[:, None] + (np.where(top <= cap, c, INF) if np.isfinite(cap) else c)  # (k, l) in the band
-        arg = np.argmin(total, axis=0)
-        dp = total[arg, np.arange(total.shape[1])]
-        back.append(arg)
+    p, W = cost.shape[0], cost.shape[1]
+    allowed = np.where(peak <= cap, cost, INF) if np.isfinite(cap) else cost
+    prev = np.maximum(rows, 0)  # the previous stage ends at layer k = j + rows: its own c is rows
+    span = cost.shape[2]
+    at = np.arange(W) * span
+    dp = np.zeros(W)  # before stage 0: its range starts at layer 0 (other rows are inf)
+    back = np.empty((p, W), dtype=np.intp)
+    for j in range(p):
+        total = (dp.take(prev) if j else 0.0) + allowed[j]  # (W, span)
+        arg = np.argmin(total, axis=1)
+        dp = total.take(at + arg)
+        back[j] = arg
     if not np.isfinite(dp[-1]):
         return None
-    L = p + cost[-1].shape[1] - 1  # the last stage's band ends at layer L
+    L = p + W - 1
     cuts = [L]
     for j in range(p - 1, -1, -1):
-        cuts.append(int(back[j][cuts[-1] - (j + 1)]) + starts[j])
+        cuts.append(int(rows[cuts[-1] - (j + 1), back[j, cuts[-1] - (j + 1)]]) + j)
     return float(dp[-1]), cuts[::-1]
 
 
-def _min_max(peak: list[np.ndarray]) -> float:
+def _min_max(peak: np.ndarray, rows: np.ndarray) -> float:
     """The smallest achievable max term (the min-max bottleneck ``T*``), over banded blocks."""
-    dp = np.zeros(1)
-    for c in peak:
-        dp = np.min(np.maximum(dp[:, None], c), axis=0)
+    prev = np.maximum(rows, 0)
+    dp = peak[0].min(axis=1)
+    for j in range(1, peak.shape[0]):
+        dp = np.maximum(dp.take(prev), peak[j]).min(axis=1)
     return float(dp[-1])
 
 
-def _worst(peak: list[np.ndarray], starts: list[int], cuts: Sequence[int]) -> float:
+def _worst(peak: np.ndarray, cuts: Sequence[int]) -> float:
     """The largest term of the cuts: max over stages of peak_j(cuts[j], cuts[j+1])."""
-    return max(float(peak[j][cuts[j] - starts[j], cuts[j + 1] - (j + 1)]) for j in range(len(peak)))
+    span = peak.shape[2]
+    j = np.arange(peak.shape[0])
+    c = np.asarray(cuts)
+    return float(peak[j, c[1:] - (j + 1), span - (c[1:] - c[:-1])].max())
 
 
 def partition(cluster: Cluster, profile: ModelProfile, devices: Sequence[Device], b: int, m: int,
@@ -155,35 +217,56 @@ def partition(cluster: Cluster, profile: ModelProfile, devices: Sequence[Device]
     p = len(devices)
     if p == 0 or p > L:
         return None
-    stages = build_stage_costs(profile, devices, b, m, schedule, optimizer, allow_recompute, cache)
+    kinds, kind_of = build_kind_tables(profile, devices, b, optimizer, allow_recompute, cache)
     links = link_time_table(cluster, devices, build_model_arrays(profile, optimizer), b)
+    n = np.array([in_flight(schedule, m, p, j) for j in range(p)], dtype=float)[:, None, None]
+    bases = [t.base_s for t in kinds.kinds]
     # An upper bound first, with every useful layer recomputed where memory needs it:
     # any optimum has max stage time M* <= (f0 - S_lb) / (m - 1), S_lb a lower bound
     # of the sum, so ranges slower than that need no exact recompute set.
-    cost_full, peak_full, starts = _banded([s.full_s for s in stages], links)
-    t_full = _min_max(peak_full)
+    # Ranges slower than a guess U of the bottleneck are left out of the tables; if the
+    # bottleneck found is at most U the answer is the same as with every range, else
+    # widen to the bottleneck found (an upper bound of the true one) or to every range.
+    # The guess: 2 x a lower bound of the bottleneck, the model's work spread over the
+    # devices in proportion to their speed (a_d: device d's least time per unit of work).
+    work = kinds.layer_s.min(axis=0)  # (L,) each layer on its fastest kind
+    slowness = (kinds.layer_s / np.where(work > 0, work, 1.0)).min(axis=1)  # (u,) a_d per kind
+    guess = max(float(work.max()), 2.0 * float(work.sum()) / float((1.0 / slowness[kind_of]).sum()))
+    kind = np.array(kind_of)[:, None, None] * (L + 1) ** 2
+    for _ in range(3):
+        cells = _cells(p, L, _span(bases, guess))
+        block = kinds.full_at(kind + cells.flat, n)
+        cost_full, peak_full = _banded(block, links, cells)
+        t_full = _min_max(peak_full, cells.rows)
+        if t_full <= guess or not np.isfinite(guess):
+            break
+        guess = t_full if np.isfinite(t_full) else INF
     if not np.isfinite(t_full):
         return None
-    found_full = _min_sum(cost_full, peak_full, starts, t_full)
+    found_full = _min_sum(cost_full, peak_full, cells.rows, t_full)
     assert found_full is not None
     sum_full, cuts_full = found_full
-    f0 = sum_full + (m - 1) * _worst(peak_full, starts, cuts_full)
+    f0 = sum_full + (m - 1) * _worst(peak_full, cuts_full)
     if full_recompute:
-        return _result(devices, stages, links, cuts_full, m, b, full_recompute=True, exact=False)
+        return _result_full(devices, kinds, kind_of, n[:, 0, 0], links, cuts_full, m, b)
+    stages = build_stage_costs(profile, devices, b, m, schedule, optimizer, allow_recompute, cache)
     s_lb = float(np.min(np.stack([s.fwd_s + s.bwd_s for s in stages]), axis=0).sum())
     limit = f0 if m == 1 else min(f0, (f0 - s_lb) / (m - 1))
     limit *= 1 + 1e-9
     for s in stages:
         s.ensure_recompute(limit)
-    cost, peak, starts = _banded([s.time_s for s in stages], links)
-    peak = [np.where(pk <= limit, pk, INF) for pk in peak]  # ranges above the limit cannot be in the answer
-    t_star = _min_max(peak)
+    cells = _cells(p, L, _span(bases, limit))
+    block = np.stack([s.time_s[cells.start[j], cells.end[j]] for j, s in enumerate(stages)])
+    cost, peak = _banded(block, links, cells)
+    rows = cells.rows
+    peak = np.where(peak <= limit, peak, INF)  # ranges above the limit cannot be in the answer
+    t_star = _min_max(peak, rows)
     if not np.isfinite(t_star):
         return None
-    unconstrained = _min_sum(cost, peak, starts, limit)
+    unconstrained = _min_sum(cost, peak, rows, limit)
     assert unconstrained is not None  # t_star finite implies a feasible cut
     s_min = unconstrained[0]
-    values = np.unique(np.concatenate([c[np.isfinite(c) & (c >= t_star)] for c in peak]))
+    values = np.unique(peak[np.isfinite(peak) & (peak >= t_star)])
     exact = len(values) <= max_caps
     if not exact:
         # the first caps above the bottleneck, then a geometric sample of the rest
@@ -197,15 +280,43 @@ def partition(cluster: Cluster, profile: ModelProfile, devices: Sequence[Device]
     for cap in values:
         if s_min + (m - 1) * cap >= best_f:
             break
-        found = _min_sum(cost, peak, starts, float(cap))
+        found = _min_sum(cost, peak, rows, float(cap))
         if found is None:
             continue
         total, cuts = found
-        f = total + (m - 1) * _worst(peak, starts, cuts)
+        f = total + (m - 1) * _worst(peak, cuts)
         if f < best_f:
             best_f, best = f, cuts
     assert best is not None
     return _result(devices, stages, links, best, m, b, full_recompute=False, exact=exact)
+
+
+def _result_full(devices: Sequence[Device], kinds: KindTables, kind_of: Sequence[int], n: np.ndarray,
+                 links: np.ndarray, cuts: Sequence[int], m: int, b: int) -> PartitionResult:
+    """The PartitionResult of ``cuts`` with full recomputation where a stage needs any (screening)."""
+    p = len(devices)
+    L = kinds.layer_s.shape[1]
+    k, l = np.asarray(cuts[:-1]), np.asarray(cuts[1:])
+    flat = np.asarray(kind_of) * (L + 1) ** 2 + k * (L + 1) + l
+    stage_s = kinds.full_at(flat, n).tolist()
+    pending = (n > kinds.fits_up_to.take(flat)) & (n <= kinds.full_fits_up_to.take(flat))
+    fwd, bwd, rcs = [], [], []
+    for j in range(p):
+        t = kinds.kinds[kind_of[j]]
+        rc: tuple[int, ...] = ()
+        extra = 0.0
+        if pending[j]:
+            rc = tuple(int(i) for i in np.sort(t.order[(t.order >= k[j]) & (t.order < l[j])]))
+            extra = float(t.fwd_s[list(rc)].sum())
+        fwd.append(float(t.fwd_s[k[j]:l[j]].sum()))
+        bwd.append(float(t.bwd_s[k[j]:l[j]].sum()) + extra)
+        rcs.append(rc)
+    link_s = [float(links[j][cuts[j]]) for j in range(1, p)]
+    return PartitionResult(
+        devices=tuple(devices), cuts=tuple(cuts), recompute=tuple(rcs), stage_s=tuple(stage_s),
+        forward_s=tuple(fwd), backward_s=tuple(bwd), link_s=tuple(link_s),
+        sum_s=float(sum(stage_s) + sum(link_s)), max_s=float(max(stage_s + link_s)), m=m, b=b, exact=False,
+    )
 
 
 def _result(devices: Sequence[Device], stages: list[StageCosts], links: np.ndarray, cuts: Sequence[int], m: int,

@@ -16,8 +16,9 @@ stages with slack, so the bottleneck does not grow.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -188,12 +189,16 @@ class StageTableCache:
 
     A stage's table depends on its device and on how many micro-batches it holds,
     not on the rest of the VW, so one table serves every device order that puts
-    that device where it holds that many (1F1B: position p - n).
+    that device where it holds that many (1F1B: position p - n). The parts that do
+    not depend on the in-flight count (times, and per range the most micro-batches
+    that fit) are kept once per (device figures, b) and shared by every count.
     """
 
     def __init__(self, max_entries: int = 512) -> None:
         self.max_entries = max_entries
         self._data: OrderedDict[tuple[object, ...], StageCosts] = OrderedDict()
+        self._devices: OrderedDict[tuple[object, ...], DeviceTables] = OrderedDict()
+        self._stacks: OrderedDict[tuple[object, ...], KindTables] = OrderedDict()
 
     def get(self, key: tuple[object, ...]) -> StageCosts | None:
         hit = self._data.get(key)
@@ -206,28 +211,165 @@ class StageTableCache:
         if len(self._data) > self.max_entries:
             self._data.popitem(last=False)
 
+    def device_tables(self, key: tuple[object, ...], build: Callable[[], DeviceTables]) -> DeviceTables:
+        hit = self._devices.get(key)
+        if hit is None:
+            hit = self._devices[key] = build()
+            if len(self._devices) > self.max_entries:
+                self._devices.popitem(last=False)
+        else:
+            self._devices.move_to_end(key)
+        return hit
 
-def _build_one(profile: ModelProfile, arrays: ModelArrays, dev: Device, b: int, n: int,
-               allow_recompute: bool) -> StageCosts:
-    """The stage tables of ``dev`` holding ``n`` micro-batches of size ``b``."""
-    L = profile.num_layers
+    def kind_tables(self, key: tuple[object, ...], build: Callable[[], KindTables]) -> KindTables:
+        hit = self._stacks.get(key)
+        if hit is None:
+            hit = self._stacks[key] = build()
+            if len(self._stacks) > self.max_entries:
+                self._stacks.popitem(last=False)
+        else:
+            self._stacks.move_to_end(key)
+        return hit
+
+
+@dataclass
+class DeviceTables:
+    """What a device's stage tables share over every in-flight count ``n``, at micro-batch ``b``.
+
+    ``fits_up_to[k, l]``: the most micro-batches ``[k, l)`` can hold without
+    recomputation (weights + n * b * saved <= memory); ``full_fits_up_to`` the
+    same with every useful layer recomputed; -1 where none fits, and for k >= l.
+    """
+
+    fwd_s: np.ndarray
+    bwd_s: np.ndarray
+    base_s: np.ndarray  # forward + backward without recomputation; inf for k >= l
+    full_s: np.ndarray  # ... plus every useful layer's forward again
+    order: np.ndarray
+    fits_up_to: np.ndarray
+    full_fits_up_to: np.ndarray | None  # None: recomputation off or useless
+
+
+def _most_in_flight(fixed: np.ndarray, per_n: np.ndarray, extra: np.ndarray | None, b: int, capacity: float,
+                    upper: np.ndarray) -> np.ndarray:
+    """Largest integer n with ``fixed + (n * b) * per_n (+ extra) <= capacity`` per range; -1 if none.
+
+    Exactly the n for which that inequality holds as evaluated in floating point
+    (the quotient may be a rounding step off; one correction each way fixes it),
+    so sharing these over n changes no table. Huge (1e15) where any n fits.
+    """
+    huge = 1e15
+
+    def fits(n: np.ndarray) -> np.ndarray:
+        need = fixed + (n * b) * per_n
+        out: np.ndarray = (need if extra is None else need + extra) <= capacity
+        return out
+
+    room = capacity - fixed - (0.0 if extra is None else extra)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        n = np.floor(np.where(per_n > 0, room / (b * per_n), np.where(room >= 0, huge, -1.0)))
+    n = np.clip(n, -1.0, huge)
+    bounded = (per_n > 0) & (n < huge)
+    n = np.where(bounded & (n >= 0) & ~fits(n), n - 1, n)
+    n = np.where(bounded & fits(n + 1), n + 1, n)
+    out: np.ndarray = np.where(upper, np.maximum(n, -1.0), -1.0)
+    return out
+
+
+def _build_device(profile: ModelProfile, arrays: ModelArrays, dev: Device, b: int,
+                  allow_recompute: bool) -> DeviceTables:
+    """The tables of ``dev`` at micro-batch ``b`` that every in-flight count shares."""
     upper = arrays.upper
     fwd, bwd = estimate_layer_times(profile, dev, b)
     base = np.where(upper, _range_table(_prefix(fwd + bwd)), INF)
-    fits = (arrays.weight_table + n * b * arrays.saved_table <= dev.memory_bytes) & upper
-    time = np.where(fits, base, INF)
     order = recompute_order(fwd, arrays)
-    full = time
-    pending = np.zeros_like(fits)
+    fits_up_to = _most_in_flight(arrays.weight_table, arrays.saved_table, None, b, dev.memory_bytes, upper)
+    full = base
+    full_fits: np.ndarray | None = None
     if allow_recompute and len(order):
         # Recompute every useful layer: each keeps only its input; the largest
         # recomputed layer's activations come back for one micro-batch.
-        need_full = arrays.weight_table + n * b * arrays.kept_full_table + b * arrays.transient_table
-        fits_full = upper & ~fits & (need_full <= dev.memory_bytes)
-        full = np.where(fits_full, base + _range_table(_prefix(np.where(arrays.useful, fwd, 0.0))), time)
-        pending = fits_full
-    return StageCosts(dev, n, b, time.copy(), full, fwd, bwd, base, pending, arrays, order,
+        full = base + _range_table(_prefix(np.where(arrays.useful, fwd, 0.0)))
+        full_fits = _most_in_flight(arrays.weight_table, arrays.kept_full_table, b * arrays.transient_table, b,
+                                    dev.memory_bytes, upper)
+    return DeviceTables(fwd, bwd, base, full, order, fits_up_to, full_fits)
+
+
+def _build_one(profile: ModelProfile, arrays: ModelArrays, dev: Device, b: int, n: int,
+               allow_recompute: bool, shared: DeviceTables | None = None) -> StageCosts:
+    """The stage tables of ``dev`` holding ``n`` micro-batches of size ``b``."""
+    L = profile.num_layers
+    d = shared if shared is not None else _build_device(profile, arrays, dev, b, allow_recompute)
+    fits = d.fits_up_to >= n
+    time = np.where(fits, d.base_s, INF)
+    full = time
+    pending = np.zeros_like(fits)
+    if d.full_fits_up_to is not None:
+        pending = ~fits & (d.full_fits_up_to >= n)
+        full = np.where(pending, d.full_s, time)
+    return StageCosts(dev, n, b, time, full, d.fwd_s, d.bwd_s, d.base_s, pending, arrays, d.order,
                       np.zeros((L + 1, L + 1), dtype=np.int64))
+
+
+@dataclass
+class KindTables:
+    """The DeviceTables of a VW's distinct device kinds at one ``b``, stacked (u, L+1, L+1), flattened.
+
+    Lets the partition search gather every stage's band in one indexing step
+    (``full_at``) instead of building a table per (device, in-flight count).
+    """
+
+    kinds: list[DeviceTables]
+    base_s: np.ndarray
+    full_s: np.ndarray
+    fits_up_to: np.ndarray
+    full_fits_up_to: np.ndarray
+    layer_s: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # (u, L) forward + backward per layer
+
+    def full_at(self, flat: np.ndarray, n: np.ndarray) -> np.ndarray:
+        """``StageCosts.full_s`` at flat indices ``kind * (L+1)^2 + k * (L+1) + l``, for in-flight counts ``n``."""
+        out: np.ndarray = np.where(n <= self.fits_up_to.take(flat), self.base_s.take(flat),
+                                   np.where(n <= self.full_fits_up_to.take(flat), self.full_s.take(flat), INF))
+        return out
+
+
+def device_key(dev: Device, b: int, optimizer: str, allow_recompute: bool) -> tuple[object, ...]:
+    """What a device's stage tables depend on, besides its in-flight count."""
+    return (dev.type_name, dev.peak_fp32_flops, dev.peak_fp16_flops, dev.memory_bytes,
+            dev.memory_bandwidth_bytes_per_s, b, optimizer, allow_recompute)
+
+
+def build_kind_tables(profile: ModelProfile, devices: Sequence[Device], b: int, optimizer: str,
+                      allow_recompute: bool, cache: StageTableCache | None) -> tuple[KindTables, list[int]]:
+    """Stacked tables of the distinct device kinds of ``devices``, and each position's kind."""
+    arrays = build_model_arrays(profile, optimizer)
+    keys = [device_key(d, b, optimizer, allow_recompute) for d in devices]
+    index: dict[tuple[object, ...], int] = {}
+    firsts: list[Device] = []
+    for key, d in zip(keys, devices, strict=True):
+        if key not in index:
+            index[key] = len(index)
+            firsts.append(d)
+    kind_of = [index[k] for k in keys]
+
+    def one(d: Device) -> DeviceTables:
+        if cache is None:
+            return _build_device(profile, arrays, d, b, allow_recompute)
+        return cache.device_tables(device_key(d, b, optimizer, allow_recompute),
+                                   functools.partial(_build_device, profile, arrays, d, b, allow_recompute))
+
+    def stack() -> KindTables:
+        kinds = [one(d) for d in firsts]
+        none = np.full_like(kinds[0].fits_up_to, -1.0)
+        return KindTables(kinds, np.stack([t.base_s for t in kinds]).ravel(),
+                          np.stack([t.full_s for t in kinds]).ravel(),
+                          np.stack([t.fits_up_to for t in kinds]).ravel(),
+                          np.stack([none if t.full_fits_up_to is None else t.full_fits_up_to
+                                    for t in kinds]).ravel(),
+                          np.stack([t.fwd_s + t.bwd_s for t in kinds]))
+
+    stack_key = tuple(index)
+    return (stack() if cache is None else cache.kind_tables(stack_key, stack)), kind_of
 
 
 def recompute_order(fwd_s: np.ndarray, arrays: ModelArrays) -> np.ndarray:
@@ -246,33 +388,42 @@ def _add_recompute(costs: StageCosts, todo: np.ndarray) -> None:
     For start k and every end l, take the layers of [k, l) in greedy order; the
     t-th row of the cumulative tables is the state after recomputing the first t
     of them (bytes saved, largest transient, seconds added). The first row that
-    fits is the greedy's answer.
+    fits is the greedy's answer. Each block only looks at the ends it needs and
+    the layers those ranges can contain (the partition search mostly asks for
+    short ranges), which leaves every answer as it is: a layer outside every range
+    of the block changes no row.
     """
     b, n, arrays, order = costs.b, costs.n_in_flight, costs.arrays, costs.recompute_order
-    L = len(arrays.param)
     weight_table, saved_table = arrays.weight_table, arrays.saved_table
-    gain = (arrays.saved - arrays.input)[order][:, None]  # (T, 1)
-    transient = (b * arrays.saved)[order][:, None]
-    added = costs.fwd_s[order][:, None]
+    gain_all = (arrays.saved - arrays.input)[order]  # (T,)
+    transient_all = (b * arrays.saved)[order]
+    added_all = costs.fwd_s[order]
     starts = np.nonzero(todo.any(axis=1))[0]
-    # Process as many start layers at once as keep the (T, starts, L+1) arrays small.
-    chunk = max(1, int(4_000_000 // max(1, len(order) * (L + 1))))
-    ends = np.arange(L + 1)
+    # Start layers per block: at most 32, and (T, starts, L+1) arrays of at most 4M entries.
+    chunk = max(1, min(32, 4_000_000 // max(1, len(order) * todo.shape[1])))
     for c0 in range(0, len(starts), chunk):
         ks = starts[c0:c0 + chunk]
-        o = order[:, None, None]
-        inside = (o >= ks[None, :, None]) & (o < ends[None, None, :]) & todo[ks][None, :, :]  # (T, k, l)
-        saved_t = np.cumsum(np.where(inside, gain[:, :, None], 0.0), axis=0)
-        transient_t = np.maximum.accumulate(np.where(inside, transient[:, :, None], 0.0), axis=0)
-        added_t = np.cumsum(np.where(inside, added[:, :, None], 0.0), axis=0)
-        need = weight_table[ks][None] + n * b * (saved_table[ks][None] - saved_t) + transient_t
+        rows_todo = todo[ks]  # (k, L+1)
+        cols = np.nonzero(rows_todo.any(axis=0))[0]
+        lo, hi = int(ks[0]), int(cols[-1])  # every range of the block lies in [lo, hi)
+        ends = np.arange(int(cols[0]), hi + 1)
+        keep = np.nonzero((order >= lo) & (order < hi))[0]  # positions in the greedy order
+        if not len(keep):
+            continue  # no layer worth recomputing: none of these ranges can fit
+        o = order[keep][:, None, None]
+        block = rows_todo[:, ends]  # (k, l)
+        inside = (o >= ks[None, :, None]) & (o < ends[None, None, :]) & block[None, :, :]  # (T', k, l)
+        saved_t = np.cumsum(np.where(inside, gain_all[keep][:, None, None], 0.0), axis=0)
+        transient_t = np.maximum.accumulate(np.where(inside, transient_all[keep][:, None, None], 0.0), axis=0)
+        added_t = np.cumsum(np.where(inside, added_all[keep][:, None, None], 0.0), axis=0)
+        need = weight_table[ks][:, ends][None] + n * b * (saved_table[ks][:, ends][None] - saved_t) + transient_t
         fit = need <= costs.device.memory_bytes
-        usable = fit.any(axis=0) & todo[ks]  # (k, l)
+        usable = fit.any(axis=0) & block  # (k, l)
         first = np.argmax(fit, axis=0)  # (k, l)
         kk, ll = np.nonzero(usable)
-        rows = ks[kk]
-        costs.time_s[rows, ll] = costs.base_s[rows, ll] + added_t[first[kk, ll], kk, ll]
-        costs.recompute_prefix[rows, ll] = first[kk, ll] + 1
+        rows, lcols = ks[kk], ends[ll]
+        costs.time_s[rows, lcols] = costs.base_s[rows, lcols] + added_t[first[kk, ll], kk, ll]
+        costs.recompute_prefix[rows, lcols] = keep[first[kk, ll]] + 1
 
 
 def build_stage_costs(profile: ModelProfile, devices: Sequence[Device], b: int, m: int, schedule: str,
@@ -284,11 +435,13 @@ def build_stage_costs(profile: ModelProfile, devices: Sequence[Device], b: int, 
     out = []
     for j, dev in enumerate(devices):
         n = in_flight(schedule, m, p, j)
-        key = (dev.type_name, dev.peak_fp32_flops, dev.peak_fp16_flops, dev.memory_bytes,
-               dev.memory_bandwidth_bytes_per_s, n, b, optimizer, allow_recompute)
+        figures = device_key(dev, b, optimizer, allow_recompute)
+        key = (*figures, n)
         costs = cache.get(key) if cache is not None else None
         if costs is None:
-            costs = _build_one(profile, arrays, dev, b, n, allow_recompute)
+            shared = None if cache is None else cache.device_tables(
+                figures, functools.partial(_build_device, profile, arrays, dev, b, allow_recompute))
+            costs = _build_one(profile, arrays, dev, b, n, allow_recompute, shared)
             if cache is not None:
                 cache.put(key, costs)
         out.append(costs)
@@ -301,14 +454,11 @@ def link_time_table(cluster: Cluster, devices: Sequence[Device], arrays: ModelAr
     Each is ``latency + b * output_bytes[k-1] / bandwidth`` (cost.estimate_p2p_time);
     row 0 is zero (no stage before the first).
     """
-    p = len(devices)
-    L = len(arrays.output)
-    c = np.zeros((p, L + 1))
-    for j in range(1, p):
-        a, d = devices[j - 1].index, devices[j].index
-        bw = float(cluster.bandwidth_bytes_per_s[a, d])
-        lat = float(cluster.latency_s[a, d])
-        boundary = np.concatenate([[0.0], arrays.output])  # bytes/sample crossing a cut before layer k
-        c[j] = 2 * (lat + b * boundary / bw)
-        c[j, 0] = INF  # a cut before layer 0 would leave stage j-1 empty
+    idx = np.array([d.index for d in devices])
+    bw = cluster.bandwidth_bytes_per_s[idx[:-1], idx[1:]].astype(float)[:, None]  # (p-1, 1)
+    lat = cluster.latency_s[idx[:-1], idx[1:]].astype(float)[:, None]
+    boundary = np.concatenate([[0.0], arrays.output])[None, :]  # bytes/sample crossing a cut before layer k
+    c = np.zeros((len(devices), len(arrays.output) + 1))
+    c[1:] = 2 * (lat + b * boundary / bw)
+    c[1:, 0] = INF  # a cut before layer 0 would leave stage j-1 empty
     return c

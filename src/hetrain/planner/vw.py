@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hetrain.cluster import Cluster, Device
 from hetrain.planner.partition import PartitionResult, partition
@@ -184,6 +184,8 @@ class VWEvaluator:
     _orders: list[tuple[int, ...]] | None = None
     _cache: dict[tuple[int, int, bool], PartitionResult | None] = field(default_factory=dict)
     _coarse: dict[int, PartitionResult | None] = field(default_factory=dict)
+    _parts: dict[tuple[tuple[int, ...], int, int, bool], PartitionResult | None] = field(default_factory=dict)
+    _refined: dict[tuple[int, bool, int], PartitionResult | None] = field(default_factory=dict)
 
     def orders(self) -> list[tuple[int, ...]]:
         if self._orders is None:
@@ -192,6 +194,16 @@ class VWEvaluator:
         return self._orders
 
     def _partition(self, order: tuple[int, ...], b: int, m: int, fast: bool) -> PartitionResult | None:
+        # A screening partition depends on m only through the stage tables, and under
+        # 1F1B those are the same for every m >= p (stage j holds min(m, p - j)): share it.
+        shared_m = min(m, len(self.devices)) if fast and self.schedule == "1f1b" else m
+        key = (order, b, shared_m, fast)
+        if key not in self._parts:
+            self._parts[key] = self._partition_uncached(order, b, m, fast)
+        r = self._parts[key]
+        return r if r is None or r.m == m else replace(r, m=m)
+
+    def _partition_uncached(self, order: tuple[int, ...], b: int, m: int, fast: bool) -> PartitionResult | None:
         return partition(self.cluster, self.profile, [self.devices[q] for q in order], b, m, self.schedule,
                          self.optimizer, self.allow_recompute, 1 if fast else self.max_caps, self.cache,
                          full_recompute=fast)
@@ -241,8 +253,15 @@ class VWEvaluator:
         """Best (b, m, partition) for ``mini_batch``: m = ceil(B / b), sized evenly.
 
         ``fast``: screening partitions (see ``best``). Otherwise every (b, order)
-        is screened and the ``shortlist`` best are searched exactly.
+        is screened and the ``shortlist`` best are searched exactly. Memoised: the
+        VWs of a formation that share this evaluator mostly get the same mini-batch.
         """
+        key = (mini_batch, fast, shortlist)
+        if key not in self._refined:
+            self._refined[key] = self._refine(mini_batch, fast, shortlist)
+        return self._refined[key]
+
+    def _refine(self, mini_batch: int, fast: bool, shortlist: int) -> PartitionResult | None:
         if fast:
             found = [self.best(*self._b_m(mini_batch, b), fast=True)
                      for b in micro_batch_candidates(mini_batch, self.micro_batch_sizes)]
