@@ -6,6 +6,11 @@ Side by side in one run, on CPU Gloo ranks of this machine (one torch thread eac
     pipeline, GPipe   hetrain Trainer   vs  PipelineStage + ScheduleGPipe
     pure DP           hetrain Trainer   vs  DistributedDataParallel
 
+Both data-parallel runtimes all-reduce the gradients in buckets (1 MiB first, then
+25 MiB, last layers first) posted during the backward as the buckets' gradients are
+final: DistributedDataParallel by its reducer, hetrain by its schedule's
+ALLREDUCE_START actions.
+
 Same model (per-layer seeded layers), same stage boundaries, same micro-batches,
 same fixed global batch, SGD step included. For each comparison both runtimes
 are built side by side in the same processes, warmed up, then timed in blocks
@@ -72,9 +77,12 @@ def build_plan(case: str, args: argparse.Namespace, layers: int) -> Plan:
         vws = (VirtualWorker(tuple(Stage(d, b[j], b[j + 1]) for j, d in enumerate(devices)), args.global_batch,
                              args.micro_batches),)
         strategy = "pp"
-    # the runtime reads only the layer count of the profile
-    profile = ModelProfile(args.model, tuple(LayerProfile(name, 0, 0, 0, 0)
-                                             for name in layer_names(args.model, **args.config)), 0)
+    # the runtime reads the layer count of the profile, and each layer's parameter bytes, from which
+    # schedule.build_buckets cuts the gradient buckets (DistributedDataParallel's sizes: 1 MiB first, then 25 MiB)
+    sizes = [float(sum(p.numel() * p.element_size() for p in layer.parameters()))
+             for layer in build_layers(args.model, seed=0, **args.config)]
+    profile = ModelProfile(args.model, tuple(LayerProfile(name, size, 0, 0, 0) for name, size in
+                                             zip(layer_names(args.model, **args.config), sizes, strict=True)), 0)
     return Plan(args.model, args.global_batch, "gpipe" if case == "gpipe" else "1f1b", "bsp", "sgd", vws,
                 Prediction(0, 0, 0, 0, 0), strategy, "manual", cluster, profile)
 

@@ -11,7 +11,9 @@ from hetrain.schedule import (
     ERROR_MARK,
     Action,
     ActionKind,
+    Bucket,
     ScheduleError,
+    build_buckets,
     build_schedule,
     format_grid,
     gpipe,
@@ -35,12 +37,13 @@ def make_profile(num_layers: int = 6) -> ModelProfile:
     return ModelProfile("toy", tuple(LayerProfile(f"l{i}", 1e6, 1e3, 1e4, 1e9, ms) for i in range(num_layers)), 1e3)
 
 
-def make_plan(vws: list[tuple[list[str], list[int], int, int]], schedule: str = "1f1b", sync: str = "bsp") -> Plan:
+def make_plan(vws: list[tuple[list[str], list[int], int, int]], schedule: str = "1f1b", sync: str = "bsp",
+              options: dict[str, float] | None = None) -> Plan:
     """``vws``: (devices, layer boundaries, mini-batch, micro-batches) per VW."""
     built = tuple(VirtualWorker(tuple(Stage(d, bounds[j], bounds[j + 1]) for j, d in enumerate(devs)), mb, m)
                   for devs, bounds, mb, m in vws)
     return Plan("toy", sum(v.mini_batch for v in built), schedule, sync, "sgd", built,  # type: ignore[arg-type]
-                Prediction(0, 0, 0, 0, 0), "pp", "manual", make_cluster(), make_profile())
+                Prediction(0, 0, 0, 0, 0), "pp", "manual", make_cluster(), make_profile(), options or {})
 
 
 def two_stage_plan(schedule: str) -> Plan:
@@ -145,11 +148,10 @@ def test_multi_vw_schedule_is_valid_and_syncs_every_shared_segment(schedule: str
     # segments: [0,2) [2,3) [3,4) [4,6), each shared by three devices
     segs = plan.segments()
     assert [(s.first_layer, s.end_layer) for s in segs] == [(0, 2), (2, 3), (3, 4), (4, 6)]
-    # last layers first: the last stages finish their backward first
-    assert texts(built["n0:4"])[-3:] == ["ALLREDUCE seg3", "ALLREDUCE seg2", "STEP"]
-    assert texts(built["n0:5"])[-5:] == ["ALLREDUCE seg3", "ALLREDUCE seg2", "ALLREDUCE seg1", "ALLREDUCE seg0",
-                                         "STEP"]
-    assert texts(built["n0:5"])[:2] == ["0F0", "0B0"]
+    # last layers first: the last stages finish their backward first; one bucket per segment (2 MB at most)
+    assert texts(built["n0:4"])[-3:] == ["ALLREDUCE_WAIT seg3 bucket0", "ALLREDUCE_WAIT seg2 bucket0", "STEP"]
+    assert texts(built["n0:5"]) == ["0F0", "0B0", *(f"ALLREDUCE_START seg{s} bucket0" for s in (3, 2, 1, 0)),
+                                    *(f"ALLREDUCE_WAIT seg{s} bucket0" for s in (3, 2, 1, 0)), "STEP"]
     for dev, actions in built.items():
         v, j = plan.stage_of(dev)
         m = plan.virtual_workers[v].micro_batches
@@ -266,18 +268,87 @@ def test_backward_before_forward_is_rejected() -> None:
 
 def test_allreduce_missing_on_one_owner_is_rejected() -> None:
     plan = hetero_plan()
-    broken = without(build_schedule(plan), "n0:5", "ALLREDUCE seg1")
-    with pytest.raises(ScheduleError, match="ALLREDUCE seg1"):
-        validate(broken, plan)
-
-
-def test_allreduces_in_different_orders_deadlock() -> None:
-    plan = hetero_plan()
     schedule = build_schedule(plan)
+    no_wait = without(schedule, "n0:5", "ALLREDUCE_WAIT seg1 bucket0")
+    with pytest.raises(ScheduleError, match="STEP before ALLREDUCE_WAIT seg1 bucket0"):
+        validate(no_wait, plan)
+    no_start = without(schedule, "n0:5", "ALLREDUCE_START seg1 bucket0")
+    with pytest.raises(ScheduleError, match="comes before its ALLREDUCE_START seg1 bucket0"):
+        validate(no_start, plan)
+    neither = without(no_start, "n0:5", "ALLREDUCE_WAIT seg1 bucket0")
+    with pytest.raises(ScheduleError, match="STEP before ALLREDUCE_WAIT seg1 bucket0"):
+        validate(neither, plan)
+
+
+def blocking(schedule: dict[str, list[Action]]) -> dict[str, list[Action]]:
+    """The schedule with one blocking ALLREDUCE per segment where it waits for the segment's buckets."""
+    return {d: [Action(ActionKind.ALLREDUCE, segment=a.segment) if a.kind is ActionKind.ALLREDUCE_WAIT else a
+                for a in acts if a.kind is not ActionKind.ALLREDUCE_START] for d, acts in schedule.items()}
+
+
+def test_bucket_starts_in_different_orders_are_rejected() -> None:
+    # segment 1 (layers [2, 6), owners n0:1 and n0:2) has two buckets: one process group, one order
+    plan = make_plan([(["n0:0", "n0:1"], [0, 2, 6], 2, 2), (["n0:2"], [0, 6], 1, 1)],
+                     options={"first_bucket_bytes": 1.5e6, "bucket_bytes": 2.5e6})
+    schedule = build_schedule(plan)
+    acts = schedule["n0:2"]
+    assert texts(acts[2:4]) == ["ALLREDUCE_START seg1 bucket0", "ALLREDUCE_START seg1 bucket1"]
+    schedule["n0:2"] = [*acts[:2], acts[3], acts[2], *acts[4:]]
+    with pytest.raises(ScheduleError, match="start their bucket all-reduces in different orders: n0:2 starts "
+                                            "seg1 bucket1 where n0:1 starts seg1 bucket0") as err:
+        validate(schedule, plan)
+    assert "ALLREDUCE_START seg1 bucket1  <-- ERROR HERE" in marked_line(str(err.value))
+    # segments of different owner sets may start in any order (their process groups are apart)
+    hetero = hetero_plan()
+    swapped = build_schedule(hetero)
+    acts = swapped["n0:5"]
+    swapped["n0:5"] = [*acts[:2], acts[3], acts[2], *acts[4:]]
+    validate(swapped, hetero)
+
+
+def test_blocking_allreduces_are_valid_and_in_different_orders_deadlock() -> None:
+    plan = hetero_plan()
+    schedule = blocking(build_schedule(plan))
+    validate(schedule, plan)
+    assert texts(schedule["n0:5"]) == ["0F0", "0B0", *(f"ALLREDUCE seg{s}" for s in (3, 2, 1, 0)), "STEP"]
     tail = schedule["n0:5"][-5:]
     schedule["n0:5"] = [*schedule["n0:5"][:-5], tail[1], tail[0], *tail[2:]]  # seg2 before seg3
     with pytest.raises(ScheduleError, match="deadlock"):
         validate(schedule, plan)
+
+
+def test_buckets_cut_each_segment_from_its_last_layers() -> None:
+    # layers of 1 MB; first bucket >= 1.5 MB, the others >= 2.5 MB; VW0 splits the model at layer 2
+    plan = make_plan([(["n0:0", "n0:1"], [0, 2, 6], 2, 2), (["n0:2"], [0, 6], 1, 1)],
+                     options={"first_bucket_bytes": 1.5e6, "bucket_bytes": 2.5e6})
+    assert build_buckets(plan) == [[Bucket(0, 0, 0, 2, 2e6)],
+                                   [Bucket(1, 0, 4, 6, 2e6), Bucket(1, 1, 2, 4, 2e6)]]
+    # one layer above the size: a bucket per layer
+    small = make_plan([(["n0:0"], [0, 6], 1, 1), (["n0:1"], [0, 6], 1, 1)], options={"first_bucket_bytes": 1,
+                                                                                      "bucket_bytes": 1})
+    assert [(b.first_layer, b.end_layer) for b in build_buckets(small)[0]] == [(k, k + 1) for k in range(5, -1, -1)]
+    with pytest.raises(ScheduleError, match="plan option bucket_bytes must be a positive number of bytes, got 0"):
+        build_buckets(make_plan([(["n0:0"], [0, 6], 1, 1)], options={"bucket_bytes": 0}))
+
+
+def test_bucket_starts_follow_the_last_backward_and_waits_precede_step() -> None:
+    plan = make_plan([(["n0:0", "n0:1"], [0, 2, 6], 2, 2), (["n0:2"], [0, 6], 1, 1)],
+                     options={"first_bucket_bytes": 1.5e6, "bucket_bytes": 2.5e6})
+    built = build_schedule(plan)
+    validate(built, plan)
+    # stage 1 of VW0 holds segment 1: its buckets start inside its last backward, before that backward's send
+    assert texts(built["n0:1"])[-7:] == [
+        "1B1", "ALLREDUCE_START seg1 bucket0", "ALLREDUCE_START seg1 bucket1", "SEND_B 1->0 mb1 to n0:0",
+        "ALLREDUCE_WAIT seg1 bucket0", "ALLREDUCE_WAIT seg1 bucket1", "STEP"]
+    assert texts(built["n0:0"])[-4:] == ["0B1", "ALLREDUCE_START seg0 bucket0", "ALLREDUCE_WAIT seg0 bucket0", "STEP"]
+    # the lone stage of VW1 holds both segments: the last layers' first
+    assert texts(built["n0:2"]) == ["0F0", "0B0", "ALLREDUCE_START seg1 bucket0", "ALLREDUCE_START seg1 bucket1",
+                                    "ALLREDUCE_START seg0 bucket0", "ALLREDUCE_WAIT seg1 bucket0",
+                                    "ALLREDUCE_WAIT seg1 bucket1", "ALLREDUCE_WAIT seg0 bucket0", "STEP"]
+    assert parse_schedule(schedule_to_dict(built)) == built
+    with pytest.raises(ScheduleError, match=r"segment 1 has buckets 0\.\.1"):
+        validate({**built, "n0:2": [parse_action("ALLREDUCE_WAIT seg1 bucket2") if str(a) == "ALLREDUCE_WAIT seg1 "
+                                    "bucket1" else a for a in built["n0:2"]]}, plan)
 
 
 @pytest.mark.parametrize(("device", "old", "new", "match"), [

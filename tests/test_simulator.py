@@ -46,13 +46,13 @@ def layer(name: str, times: dict[str, tuple[float, float]], b: int, param_bytes:
 
 def make_plan(cluster: Cluster, profile: ModelProfile, vws: list[tuple[list[str], list[int], int, int]],
               schedule: str = "1f1b", optimizer: str = "sgd",
-              recompute: dict[str, tuple[int, ...]] | None = None) -> Plan:
+              recompute: dict[str, tuple[int, ...]] | None = None, options: dict[str, Any] | None = None) -> Plan:
     """``vws``: (devices, layer boundaries, mini-batch, micro-batches) per VW."""
     rc = recompute or {}
     built = tuple(VirtualWorker(tuple(Stage(d, bounds[j], bounds[j + 1], rc.get(d, ()))
                                       for j, d in enumerate(devs)), mb, m) for devs, bounds, mb, m in vws)
     return Plan(profile.name, sum(v.mini_batch for v in built), schedule, "bsp", optimizer,  # type: ignore[arg-type]
-                built, Prediction(0, 0, 0, 0, 0), "pp", "manual", cluster, profile)
+                built, Prediction(0, 0, 0, 0, 0), "pp", "manual", cluster, profile, options or {})
 
 
 # --- closed forms ------------------------------------------------------------------
@@ -198,14 +198,15 @@ def test_data_parallel_sync_takes_the_allreduce_time() -> None:
     profile = ModelProfile("dp", (layer("l0", {A100: (0.5, 1.0)}, 2, param_bytes=params),), 1e3)
     cluster = two_node_cluster(1e8, 1e-3)
     plan = make_plan(cluster, profile, [(["a:0"], [0, 1], 2, 1), (["b:0"], [0, 1], 2, 1)], "gpipe")
-    assert [str(a) for a in build_schedule(plan)["a:0"]] == ["0F0", "0B0", "ALLREDUCE seg0", "STEP"]
+    assert [str(a) for a in build_schedule(plan)["a:0"]] == ["0F0", "0B0", "ALLREDUCE_START seg0 bucket0",
+                                                             "ALLREDUCE_WAIT seg0 bucket0", "STEP"]
     result = simulate(plan)
     sync = estimate_allreduce_time(cluster, [0, 2], params)
     step = estimate_optimizer_time(params, 4, cluster.devices[0], "sgd")
     assert result.iteration_s == pytest.approx(1.5 + sync + step, rel=1e-12)
     assert result.devices["a:0"].sync_s == pytest.approx(sync, rel=1e-12)
     phases = result.timeline.links["a NIC out"]
-    assert [e.label for e in phases] == ["ALLREDUCE seg0 reduce-scatter", "ALLREDUCE seg0 all-gather"]
+    assert [e.label for e in phases] == ["ALLREDUCE seg0 bucket0 reduce-scatter", "ALLREDUCE seg0 bucket0 all-gather"]
     assert phases[-1].end_s == pytest.approx(1.5 + sync)
 
 
@@ -227,7 +228,7 @@ def test_concurrent_allreduces_contend_for_the_nics() -> None:
                   if f"seg{s} " in e.label] for s in (0, 1)}
     assert phases == {1: [(0.4, 0.9), (1.4, 1.9)], 0: [(0.9, 1.4), (1.9, 2.4)]}
     assert result.pipeline_s == pytest.approx(0.6)
-    assert result.devices["a:0"].sync_s == pytest.approx(1.5)
+    assert result.devices["a:0"].sync_s == pytest.approx(1.8)  # waits from the end of its backward to 2.4 s
     step = estimate_optimizer_time(params, 4, cluster.devices[0], "sgd")
     assert result.iteration_s == pytest.approx(2.4 + step)
     for tracks in (result.timeline.devices, result.timeline.links):
@@ -250,9 +251,50 @@ def test_hierarchical_allreduce_runs_in_three_phases() -> None:
     assert result.devices["b:1"].sync_s == pytest.approx(sync, rel=1e-12)
     assert result.pipeline_s == pytest.approx(1.5)
     assert [e.label for e in result.timeline.links["a:0->a:1"]] == [
-        "ALLREDUCE seg0 intra-node reduce-scatter", "ALLREDUCE seg0 intra-node all-gather"]
-    assert [e.label for e in result.timeline.links["b NIC in"]] == ["ALLREDUCE seg0 inter-node all-reduce"]
+        "ALLREDUCE seg0 bucket0 intra-node reduce-scatter", "ALLREDUCE seg0 bucket0 intra-node all-gather"]
+    assert [e.label for e in result.timeline.links["b NIC in"]] == ["ALLREDUCE seg0 bucket0 inter-node all-reduce"]
     assert result.timeline.links["b NIC in"][0].end_s < 1.5 + sync
+
+
+def bucket_plan(recompute: tuple[int, ...] = ()) -> tuple[Plan, float]:
+    """Two one-stage VWs a:0, b:0 of 4 layers (forward 0.1 s, backward 0.2 s each), one bucket per layer,
+    each bucket's all-reduce 0.2 s between the nodes: as long as one layer's backward."""
+    params = 2e7
+    layers = tuple(layer(f"l{k}", {A100: (0.1, 0.2)}, 2, param_bytes=params) for k in range(4))
+    cluster = two_node_cluster(1e8)
+    plan = make_plan(cluster, ModelProfile("b", layers, 1e3), [(["a:0"], [0, 4], 2, 1), (["b:0"], [0, 4], 2, 1)],
+                     "gpipe", recompute={"a:0": recompute, "b:0": recompute} if recompute else None,
+                     options={"first_bucket_bytes": params, "bucket_bytes": params})
+    assert estimate_allreduce_time(cluster, [0, 2], params) == pytest.approx(0.2)
+    return plan, params
+
+
+def test_bucket_allreduces_overlap_the_backward() -> None:
+    plan, params = bucket_plan()
+    assert [str(a) for a in build_schedule(plan)["a:0"]] == [
+        "0F0", "0B0", *(f"ALLREDUCE_START seg0 bucket{b}" for b in range(4)),
+        *(f"ALLREDUCE_WAIT seg0 bucket{b}" for b in range(4)), "STEP"]
+    result = simulate(plan)
+    # backward [0.4, 1.2]: layer 3's gradients are final at 0.6, layer 2's at 0.8, ...; each bucket's
+    # all-reduce (two ring phases of 0.1 s) runs as soon as both owners have its gradients
+    link = [(round(e.start_s, 9), round(e.end_s, 9)) for e in result.timeline.links["a NIC out"]]
+    assert link == [(0.6, 0.7), (0.7, 0.8), (0.8, 0.9), (0.9, 1.0), (1.0, 1.1), (1.1, 1.2), (1.2, 1.3), (1.3, 1.4)]
+    assert spans(result, "a:0", "backward") == [(0.4, 1.2)]
+    assert spans(result, "a:0", "sync") == [(1.2, 1.4)]  # only the last bucket's all-reduce is left to wait for
+    step = estimate_optimizer_time(4 * params, 4, plan.cluster.devices[0], "sgd")
+    assert result.iteration_s == pytest.approx(1.4 + step)
+    # shorter than backward, then every all-reduce: 1.2 + 4 x 0.2
+    assert result.iteration_s < result.pipeline_s + 4 * estimate_allreduce_time(plan.cluster, [0, 2], params)
+    assert result.devices["a:0"].sync_s == pytest.approx(0.2)
+
+
+def test_recomputed_layers_delay_their_buckets() -> None:
+    # layers 2 and 3 recomputed: their forwards (0.1 s each) rerun inside the backward, before their gradients
+    plan, _ = bucket_plan(recompute=(2, 3))
+    result = simulate(plan)
+    assert spans(result, "a:0", "backward") == [(0.4, 1.4)]
+    starts = [round(e.start_s, 9) for e in result.timeline.links["a NIC out"] if "reduce-scatter" in e.label]
+    assert starts == [0.7, 1.0, 1.2, 1.4]
 
 
 def test_a_schedule_passed_in_is_validated() -> None:

@@ -5,8 +5,10 @@ unchanged, by the validator, the simulator and the runtime. Its language is
 small: ``1F0`` is the forward of micro-batch 0 on stage 1, ``1B3`` a backward,
 ``SEND_F 1->2 mb0 to n0:2`` ships stage 1's activation of micro-batch 0 to the
 device of stage 2, ``RECV_B 2->1 mb3 from n0:2`` waits for a gradient,
-``ALLREDUCE seg2`` all-reduces the gradients of ``Plan.segments()[2]`` among its
-owners, ``STEP`` runs the optimizer. 1F1B with p = 2 stages and m = 3
+``ALLREDUCE_START seg2 bucket0`` posts the all-reduce of the gradients of the
+first bucket (the last layers) of ``Plan.segments()[2]`` among the segment's
+owners, ``ALLREDUCE_WAIT seg2 bucket0`` waits for it, ``STEP`` runs the
+optimizer. 1F1B with p = 2 stages and m = 3
 micro-batches, as ``format_grid`` prints it::
 
     step | n0:0                      | n0:1
@@ -24,12 +26,31 @@ Semantics (what the validator checks, the simulator times and the runtime must
 do): a SEND is posted and does not hold the device (an ``isend`` whose handle
 is waited on before the optimizer step); a RECV holds the device until the data
 has arrived; an ALLREDUCE holds every owner of its segment until all of them
-reach it and the collective completes. Every device issues its ALLREDUCEs in
-decreasing segment order, which keeps the collectives of all devices in one
-global order and so free of deadlock; decreasing because the last stages finish
-their backward first, so the last layers' segments can sync while the first
-stages still compute (data-parallel frameworks reduce gradient buckets in
-reverse layer order for the same reason).
+reach it and the collective completes.
+
+Under ``bsp`` each segment is cut into gradient buckets (``build_buckets``: runs
+of layers of about ``BUCKET_BYTES``, the first one smaller, in reverse layer
+order, as PyTorch's DistributedDataParallel buckets its gradients). The
+``ALLREDUCE_START`` of every bucket follows the device's last backward: the
+bucket's all-reduce starts *during* that backward, as soon as it has computed
+the bucket's gradients (they are final then), and runs while the backward goes
+on through the earlier layers; it does not hold the device. The
+``ALLREDUCE_WAIT`` actions before STEP hold the device until their all-reduces
+are done (one device of pure data parallelism, two buckets)::
+
+    ... 0B2  ALLREDUCE_START seg0 bucket0  ALLREDUCE_START seg0 bucket1
+        ALLREDUCE_WAIT seg0 bucket0  ALLREDUCE_WAIT seg0 bucket1  STEP
+
+                     0B2, the last backward       WAITs       STEP
+    device  |=========|=========|=========|...............|=====|
+    link              |bucket0 all-reduce |bucket1 all-red|
+                      ^ bucket 0's gradients are final here
+
+Every device starts its buckets in decreasing segment order and, within a
+segment, from the last layers to the first (the order their gradients become
+final); the validator checks that the owners of each set of segments start
+theirs in the same order, since collectives of one process group must be issued
+in one order on all its members.
 
 Example:
     >>> schedule = build_schedule(plan)            # doctest: +SKIP
@@ -45,7 +66,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from hetrain.plan import Plan
+from hetrain.plan import Plan, Segment
 
 
 class ScheduleError(ValueError):
@@ -69,6 +90,8 @@ class ActionKind(str, Enum):
     AVERAGE_MERGE = "AVERAGE_MERGE"
     PUSH = "PUSH"
     PULL = "PULL"
+    ALLREDUCE_START = "ALLREDUCE_START"
+    ALLREDUCE_WAIT = "ALLREDUCE_WAIT"
 
 
 K = ActionKind
@@ -84,7 +107,10 @@ COUNTERPART: dict[ActionKind, ActionKind] = {
 }
 #: kinds that act on one segment of layers (``Plan.segments()``); docs/sync.md says what each does
 SEGMENT_KINDS: frozenset[ActionKind] = frozenset({K.ALLREDUCE, K.LOCAL_ALLREDUCE, K.AVERAGE, K.AVERAGE_START,
-                                                  K.AVERAGE_MERGE, K.PUSH, K.PULL})
+                                                  K.AVERAGE_MERGE, K.PUSH, K.PULL, K.ALLREDUCE_START,
+                                                  K.ALLREDUCE_WAIT})
+#: segment kinds that act on one gradient bucket of the segment (``build_buckets``)
+BUCKET_KINDS: frozenset[ActionKind] = frozenset({K.ALLREDUCE_START, K.ALLREDUCE_WAIT})
 #: segment kinds that hold every participant until all of them reach it (a blocking collective)
 COLLECTIVE_KINDS: frozenset[ActionKind] = frozenset({K.ALLREDUCE, K.LOCAL_ALLREDUCE, K.AVERAGE})
 
@@ -98,13 +124,14 @@ class Action:
         stage: ``j``, the stage of the device that runs it (compute and send/receive).
         micro_batch: ``i`` (compute and send/receive).
         peer: the device sent to or received from (send/receive).
-        segment: index into ``Plan.segments()`` (ALLREDUCE).
+        segment: index into ``Plan.segments()`` (ALLREDUCE and the other segment kinds).
+        bucket: index into ``build_buckets(plan)[segment]`` (ALLREDUCE_START, ALLREDUCE_WAIT).
 
     Example:
         >>> str(Action(ActionKind.SEND_F, stage=1, micro_batch=0, peer="n0:2"))
         'SEND_F 1->2 mb0 to n0:2'
         >>> parse_action("1B3")
-        Action(kind=<ActionKind.B: 'B'>, stage=1, micro_batch=3, peer=None, segment=None)
+        Action(kind=<ActionKind.B: 'B'>, stage=1, micro_batch=3, peer=None, segment=None, bucket=None)
     """
 
     kind: ActionKind
@@ -112,6 +139,7 @@ class Action:
     micro_batch: int | None = None
     peer: str | None = None
     segment: int | None = None
+    bucket: int | None = None
 
     def __str__(self) -> str:
         k = self.kind
@@ -124,7 +152,7 @@ class Action:
                 text += f" {'to' if P2P_KINDS[k][1] else 'from'} {self.peer}"
             return text
         if k in SEGMENT_KINDS:
-            return f"{k.value} seg{self.segment}"
+            return f"{k.value} seg{self.segment}" + (f" bucket{self.bucket}" if self.bucket is not None else "")
         return k.value
 
     @property
@@ -137,7 +165,7 @@ class Action:
 
 _COMPUTE_RE = re.compile(r"^(\d+)([A-Z])(\d+)$")
 _P2P_RE = re.compile(r"^([A-Z_]+) (\d+)->(\d+) mb(\d+)(?: (to|from) (\S+))?$")
-_SEGMENT_RE = re.compile(r"^([A-Z_]+) seg(\d+)$")
+_SEGMENT_RE = re.compile(r"^([A-Z_]+) seg(\d+)(?: bucket(\d+))?$")
 
 
 def parse_action(text: str) -> Action:
@@ -148,7 +176,7 @@ def parse_action(text: str) -> Action:
     """
     s = text.strip()
     forms = ("'1F0', '1B3', 'SEND_F 1->2 mb0 to n0:2', 'RECV_B 2->1 mb3 from n0:2', 'ALLREDUCE seg2', "
-             "'PUSH seg0', 'STEP'")
+             "'ALLREDUCE_START seg2 bucket0', 'PUSH seg0', 'STEP'")
     if (mt := _COMPUTE_RE.match(s)) and mt.group(2) in ActionKind.__members__:
         kind = ActionKind(mt.group(2))
         if kind in COMPUTE_KINDS:
@@ -166,8 +194,8 @@ def parse_action(text: str) -> Action:
             return Action(kind, stage=j, micro_batch=int(mt.group(4)), peer=mt.group(6))
     if (mt := _SEGMENT_RE.match(s)) and mt.group(1) in ActionKind.__members__:
         kind = ActionKind(mt.group(1))
-        if kind in SEGMENT_KINDS:
-            return Action(kind, segment=int(mt.group(2)))
+        if kind in SEGMENT_KINDS and (mt.group(3) is not None) == (kind in BUCKET_KINDS):
+            return Action(kind, segment=int(mt.group(2)), bucket=None if mt.group(3) is None else int(mt.group(3)))
     if s in ActionKind.__members__:
         kind = ActionKind(s)
         if kind not in COMPUTE_KINDS | P2P_KINDS.keys() | SEGMENT_KINDS:
@@ -265,9 +293,89 @@ def add_p2p(compute: Sequence[Action], prev_device: str | None, next_device: str
     return out
 
 
-def add_bsp_sync(actions: list[Action], segments: Sequence[int]) -> list[Action]:
-    """Append one ALLREDUCE per owned segment, last layers first (decreasing segment index), then STEP."""
-    return [*actions, *(Action(K.ALLREDUCE, segment=s) for s in sorted(segments, reverse=True)), Action(K.STEP)]
+#: DistributedDataParallel's default bucket size (``bucket_cap_mb=25``); plan option ``bucket_bytes``
+BUCKET_BYTES = 25 * 2**20
+#: its first bucket's (``_DEFAULT_FIRST_BUCKET_BYTES``), so the last layers' all-reduce starts early;
+#: plan option ``first_bucket_bytes``
+FIRST_BUCKET_BYTES = 2**20
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Layers ``[first_layer, end_layer)`` of a segment whose gradients are all-reduced together.
+
+    Attributes:
+        segment: index into ``Plan.segments()``.
+        index: its place in the segment's buckets: 0 holds the segment's last layers.
+        first_layer: the first layer it holds.
+        end_layer: one past its last layer.
+        param_bytes: bytes of its gradients (the profile's parameter bytes of its layers).
+    """
+
+    segment: int
+    index: int
+    first_layer: int
+    end_layer: int
+    param_bytes: float
+
+
+def build_buckets(plan: Plan) -> list[list[Bucket]]:
+    """Per segment, its gradient buckets, from its last layers to its first.
+
+    Walking a segment's layers backwards, a bucket closes once it holds at least
+    ``first_bucket_bytes`` (the first bucket) or ``bucket_bytes`` (the others) of
+    gradients (plan options; DistributedDataParallel's defaults, 1 MiB and 25 MiB,
+    otherwise). A layer is never split, so a bucket can be larger; a segment
+    smaller than the first bucket is one bucket. The simulator and the runtime
+    both take the buckets from here, so they all-reduce the same layers together.
+
+    Raises:
+        ScheduleError: a bucket size that is not a positive number.
+    """
+    sizes = []
+    for name, default in (("first_bucket_bytes", FIRST_BUCKET_BYTES), ("bucket_bytes", BUCKET_BYTES)):
+        value = plan.options.get(name, default)
+        try:
+            size = float(value)
+        except (TypeError, ValueError):
+            size = float("nan")
+        if not size > 0:
+            raise ScheduleError(f"plan option {name} must be a positive number of bytes, got {value!r}")
+        sizes.append(size)
+    layers = plan.profile.layers
+    out: list[list[Bucket]] = []
+    for s, seg in enumerate(plan.segments()):
+        buckets: list[Bucket] = []
+        end, held = seg.end_layer, 0.0
+        for k in range(seg.end_layer - 1, seg.first_layer - 1, -1):
+            held += layers[k].param_bytes
+            if held >= sizes[min(len(buckets), 1)] or k == seg.first_layer:
+                buckets.append(Bucket(s, len(buckets), k, end, held))
+                end, held = k, 0.0
+        out.append(buckets)
+    return out
+
+
+def add_bsp_sync(actions: list[Action], buckets: Sequence[Bucket]) -> list[Action]:
+    """Add the all-reduce of every bucket, in the order given, and STEP.
+
+    Each bucket's ALLREDUCE_START goes right after the last backward (its
+    all-reduce starts during that backward, once its gradients are final); the
+    ALLREDUCE_WAITs, in the same order, and STEP go at the end.
+    """
+    if not buckets:
+        return [*actions, Action(K.STEP)]
+    last_b = max((k for k, a in enumerate(actions) if a.kind is K.B), default=len(actions) - 1)
+    starts = [Action(K.ALLREDUCE_START, segment=b.segment, bucket=b.index) for b in buckets]
+    waits = [Action(K.ALLREDUCE_WAIT, segment=b.segment, bucket=b.index) for b in buckets]
+    return [*actions[:last_b + 1], *starts, *actions[last_b + 1:], *waits, Action(K.STEP)]
+
+
+def device_buckets(plan: Plan, device: str, buckets: Sequence[Sequence[Bucket]] | None = None) -> list[Bucket]:
+    """The buckets ``device`` all-reduces, in the order it starts them: last layers first
+    (decreasing segment, then increasing bucket index). Segments it alone holds have none."""
+    every = build_buckets(plan) if buckets is None else buckets
+    return [b for s in sorted(owned_segments(plan).get(device, []), reverse=True) for b in every[s]]
 
 
 def owned_segments(plan: Plan) -> dict[str, list[int]]:
@@ -326,10 +434,15 @@ def sync_options(plan: Plan) -> SyncOptions:
 
 
 def ps_host(plan: Plan, s: int) -> str:
-    """The owner of segment ``s`` that hosts its parameter-server shard: round-robin over its owners by segment
-    index (HetPipe places shards round-robin, Park et al. ATC 2020, Sec. 5)."""
-    owners = plan.segments()[s].owners
-    return owners[s % len(owners)]
+    """The owner of segment ``s`` that hosts its parameter-server shard, by the sync option ``placement``:
+    ``local`` (default: on the node with most of the segment's owners) or ``round-robin`` over its owners
+    (``planner.sync.place_ps_shard``; owners in cluster order, as the planner costs them)."""
+    from hetrain.planner.sync import PLACEMENTS, place_ps_shard
+
+    index = {d.name: k for k, d in enumerate(plan.cluster.devices)}
+    node_of = {d.name: d.node for d in plan.cluster.devices}
+    owners = sorted(plan.segments()[s].owners, key=index.__getitem__)
+    return place_ps_shard(owners, [node_of[o] for o in owners], s, str(plan.options.get("placement", PLACEMENTS[0])))
 
 
 def node_shared_segments(plan: Plan) -> dict[str, list[int]]:
@@ -366,7 +479,7 @@ def build_sync_actions(plan: Plan, device: str, iteration: int = 0, steps: int |
 
     mode = plan.sync
     if mode == "bsp":
-        return add_bsp_sync([], shared)
+        return add_bsp_sync([], device_buckets(plan, device))
     if mode == "wsp":  # every iteration is one wave: local step, push the wave's update, pull within D
         return [Action(K.STEP), *each(K.PUSH, down), *each(K.PULL, down)]
     if mode == "local-sgd":
@@ -396,7 +509,8 @@ def build_schedule(plan: Plan, iteration: int = 0, steps: int | None = None, per
     Each VW gets its own pipeline from ``GENERATORS[plan.schedule]`` (its own
     stage count p and micro-batch count m); sends and receives join its stages;
     then every device runs its sync mode's actions (``build_sync_actions``):
-    for ``bsp`` it all-reduces its segments and steps, the same every iteration;
+    for ``bsp`` it all-reduces its segments' gradient buckets, started during its
+    last backward (``add_bsp_sync``), and steps, the same every iteration;
     the other modes differ from one iteration to the next (periodic averages,
     pushes), hence the iteration number.
 
@@ -407,6 +521,7 @@ def build_schedule(plan: Plan, iteration: int = 0, steps: int | None = None, per
         raise ScheduleError(f"no generator for schedule {plan.schedule!r}; known: {', '.join(GENERATORS)}")
     generate = GENERATORS[plan.schedule]
     orders: dict[tuple[int, int], list[list[Action]]] = {}
+    buckets = build_buckets(plan) if plan.sync == "bsp" else []
     out: Schedule = {}
     for vw in plan.virtual_workers:
         m, p, devices = vw.micro_batches, len(vw.stages), vw.devices
@@ -415,8 +530,12 @@ def build_schedule(plan: Plan, iteration: int = 0, steps: int | None = None, per
         for j, compute in enumerate(orders[(m, p)]):
             prev_device = devices[j - 1] if j > 0 else None
             next_device = devices[j + 1] if j < p - 1 else None
-            out[devices[j]] = [*add_p2p(compute, prev_device, next_device),
-                               *build_sync_actions(plan, devices[j], iteration, steps, period, merge_pending)]
+            actions = add_p2p(compute, prev_device, next_device)
+            if plan.sync == "bsp":  # bucket all-reduces interleaved with the last backward
+                out[devices[j]] = add_bsp_sync(actions, device_buckets(plan, devices[j], buckets))
+            else:
+                out[devices[j]] = [*actions,
+                                   *build_sync_actions(plan, devices[j], iteration, steps, period, merge_pending)]
     return out
 
 
@@ -526,7 +645,7 @@ def _fail(schedule: Mapping[str, Sequence[Action]], roles: Mapping[str, _Role], 
     return ScheduleError(f"invalid schedule: {where}{message}\n\nschedule{shown}:\n{grid}")
 
 
-def _static_problem(a: Action, role: _Role, num_segments: int, owned: set[int], device: str) -> str | None:
+def _static_problem(a: Action, role: _Role, num_buckets: Sequence[int], owned: set[int], device: str) -> str | None:
     """What is wrong with action ``a`` on its own, or None."""
     if a.kind in COMPUTE_KINDS or a.kind in P2P_KINDS:
         if a.stage != role.j:
@@ -541,11 +660,20 @@ def _static_problem(a: Action, role: _Role, num_segments: int, owned: set[int], 
         if a.peer != want:
             return f"{a}: the peer must be {want} (stage {role.j + offset} of VW{role.vw}), not {a.peer}"
     if a.kind in SEGMENT_KINDS:
-        if a.segment is None or not 0 <= a.segment < num_segments:
-            return f"{a}: the plan has segments 0..{num_segments - 1}"
+        if a.segment is None or not 0 <= a.segment < len(num_buckets):
+            return f"{a}: the plan has segments 0..{len(num_buckets) - 1}"
         if a.segment not in owned:
             return f"{a}: {device} does not hold segment {a.segment}"
+        if a.kind in BUCKET_KINDS and (a.bucket is None or not 0 <= a.bucket < num_buckets[a.segment]):
+            return f"{a}: segment {a.segment} has buckets 0..{num_buckets[a.segment] - 1}"
     return None
+
+
+def _ident(a: Action) -> object:
+    """What tells two actions of one kind on one device apart: the micro-batch, the segment, or (segment, bucket)."""
+    if a.kind in BUCKET_KINDS:
+        return (a.segment, a.bucket)
+    return a.segment if a.kind in SEGMENT_KINDS else a.micro_batch
 
 
 def validate(schedule: Mapping[str, Sequence[Action]], plan: Plan) -> None:
@@ -558,14 +686,19 @@ def validate(schedule: Mapping[str, Sequence[Action]], plan: Plan) -> None:
     RECV waits for the matching SEND (same kind, micro-batch and pair of
     devices); an ALLREDUCE waits for every owner of its segment; F needs its
     RECV_F, B needs its F and RECV_B, a send needs the compute it ships,
-    ALLREDUCE and STEP need every backward. If nothing can run while actions
-    remain, that is a deadlock. Every send must be received.
+    ALLREDUCE and STEP need every backward. ALLREDUCE_START does not wait; an
+    ALLREDUCE_WAIT waits until every owner of its segment has started the
+    bucket, and the owners of one set of segments must start their buckets in
+    the same order (one process group runs its collectives in issue order). If
+    nothing can run while actions remain, that is a deadlock. Every send must be
+    received.
 
     Raises:
         ScheduleError: the first problem, with the step-by-device grid and ``<-- ERROR HERE``.
     """
     roles = _roles(plan)
     segments = plan.segments()
+    num_buckets = [len(b) for b in build_buckets(plan)]
     owners = {s: set(seg.owners) for s, seg in enumerate(segments)}
     owned: dict[str, set[int]] = {}
     for s, devs in owners.items():
@@ -581,13 +714,13 @@ def validate(schedule: Mapping[str, Sequence[Action]], plan: Plan) -> None:
         if dev not in roles:
             raise _fail(schedule, roles, dev, 0, f"{dev} holds no stage in the plan")
         role = roles[dev]
-        seen: dict[tuple[ActionKind, int | None], int] = {}
+        seen: dict[tuple[ActionKind, object], int] = {}
         for k, a in enumerate(actions):
-            problem = _static_problem(a, role, len(segments), owned.get(dev, set()), dev)
+            problem = _static_problem(a, role, num_buckets, owned.get(dev, set()), dev)
             if problem is not None:
                 raise _fail(schedule, roles, dev, k, problem)
             if a.kind in COMPUTE_KINDS or a.kind in P2P_KINDS or a.kind in SEGMENT_KINDS or a.kind is K.STEP:
-                key = (a.kind, a.segment if a.kind in SEGMENT_KINDS else a.micro_batch)
+                key = (a.kind, _ident(a))
                 if key in seen:
                     raise _fail(schedule, roles, dev, k, f"{a} appears twice (first at step {seen[key]})")
                 seen[key] = k
@@ -600,16 +733,46 @@ def validate(schedule: Mapping[str, Sequence[Action]], plan: Plan) -> None:
         if (K.STEP, None) not in seen:
             raise _fail(schedule, roles, dev, last, f"{dev} has no STEP")
 
+    _check_start_order(schedule, roles, segments)
+
     # --- dynamic: run the dependencies ------------------------------------------
     node_of = {d.name: d.node for d in plan.cluster.devices}
-    _execute(schedule, roles, owners, node_of, plan.sync == "bsp")
+    _execute(schedule, roles, owners, node_of, plan.sync == "bsp", num_buckets)
+
+
+def _check_start_order(schedule: Mapping[str, Sequence[Action]], roles: Mapping[str, _Role],
+                       segments: Sequence[Segment]) -> None:
+    """The owners of each owner set start its buckets in one order (their all-reduces share one process group)."""
+    first: dict[tuple[str, ...], tuple[str, list[tuple[int, int]]]] = {}  # owner set -> (device, its starts)
+    for dev, actions in schedule.items():
+        mine: dict[tuple[str, ...], list[tuple[int, int]]] = {}
+        for a in actions:
+            if a.kind is K.ALLREDUCE_START:
+                assert a.segment is not None and a.bucket is not None
+                mine.setdefault(tuple(segments[a.segment].owners), []).append((a.segment, a.bucket))
+        for group, order in mine.items():
+            if group not in first:
+                first[group] = (dev, order)
+                continue
+            other, want = first[group]
+            if order != want:
+                k = next((n for n, (x, y) in enumerate(zip(order, want, strict=False)) if x != y),
+                         min(len(order), len(want)))
+                got = f"seg{order[k][0]} bucket{order[k][1]}" if k < len(order) else "nothing"
+                exp = f"seg{want[k][0]} bucket{want[k][1]}" if k < len(want) else "nothing"
+                step = [n for n, a in enumerate(actions) if a.kind is K.ALLREDUCE_START][:len(order)]
+                raise _fail(schedule, roles, dev, step[min(k, len(step) - 1)] if step else None,
+                            f"the owners of {', '.join(group)} start their bucket all-reduces in different orders: "
+                            f"{dev} starts {got} where {other} starts {exp} (start number {k}); the all-reduces of "
+                            "one set of owners share a process group, which must see them in one order")
 
 
 _SendKey = tuple[ActionKind, str, str, int | None]  # (send kind, sender, receiver, micro-batch)
 
 
 def _execute(schedule: Mapping[str, Sequence[Action]], roles: Mapping[str, _Role],
-             owners: Mapping[int, set[str]], node_of: Mapping[str, str] | None = None, bsp: bool = True) -> None:
+             owners: Mapping[int, set[str]], node_of: Mapping[str, str] | None = None, bsp: bool = True,
+             num_buckets: Sequence[int] = ()) -> None:
     nodes = node_of or {}
 
     def group(kind: ActionKind, s: int, dev: str) -> set[str]:
@@ -619,11 +782,13 @@ def _execute(schedule: Mapping[str, Sequence[Action]], roles: Mapping[str, _Role
         return set(owners[s])
 
     pc = dict.fromkeys(schedule, 0)
-    done: dict[str, set[tuple[ActionKind, int | None]]] = {dev: set() for dev in schedule}
+    done: dict[str, set[tuple[ActionKind, object]]] = {dev: set() for dev in schedule}
     posted: dict[_SendKey, int] = {}  # send key -> step of the send
     received: set[_SendKey] = set()
     waiting: dict[_SendKey, str] = {}
     arrived: dict[tuple[ActionKind, int, str], set[str]] = {}  # (kind, segment, node or "") -> devices there
+    started: dict[tuple[int, int], set[str]] = {}  # (segment, bucket) -> devices that started its all-reduce
+    bucket_waiters: dict[tuple[int, int], list[str]] = {}
     runnable = deque(schedule)
 
     backwards = dict.fromkeys(schedule, 0)  # backwards done per device
@@ -674,10 +839,30 @@ def _execute(schedule: Mapping[str, Sequence[Action]], roles: Mapping[str, _Role
                                 "gradients are complete only after every backward")
                 if kind is K.STEP and bsp:
                     left = sorted(s for s, devs in owners.items() if dev in devs and len(devs) > 1
-                                  and (K.ALLREDUCE, s) not in mine)
+                                  and (K.ALLREDUCE, s) not in mine
+                                  and not all((K.ALLREDUCE_WAIT, (s, b)) in mine for b in range(num_buckets[s])))
                     if left:
-                        raise _fail(schedule, roles, dev, k, f"STEP before ALLREDUCE seg{left[0]}: {dev} shares "
-                                    f"segment {left[0]} with {', '.join(sorted(owners[left[0]] - {dev}))}")
+                        s = left[0]
+                        b = next(b for b in range(num_buckets[s]) if (K.ALLREDUCE_WAIT, (s, b)) not in mine)
+                        raise _fail(schedule, roles, dev, k, f"STEP before ALLREDUCE_WAIT seg{s} bucket{b} (or "
+                                    f"ALLREDUCE seg{s}): {dev} shares segment {s} with "
+                                    f"{', '.join(sorted(owners[s] - {dev}))}")
+                elif kind is K.ALLREDUCE_START:
+                    assert a.segment is not None and a.bucket is not None
+                    sb = (a.segment, a.bucket)
+                    there = started.setdefault(sb, set())
+                    there.add(dev)
+                    if len(there) == len(owners[a.segment]):
+                        runnable.extend(bucket_waiters.pop(sb, []))
+                elif kind is K.ALLREDUCE_WAIT:
+                    assert a.segment is not None and a.bucket is not None
+                    sb = (a.segment, a.bucket)
+                    if (K.ALLREDUCE_START, sb) not in mine:
+                        raise _fail(schedule, roles, dev, k, f"{a} comes before its "
+                                    f"{Action(K.ALLREDUCE_START, segment=sb[0], bucket=sb[1])} on {dev}")
+                    if len(started.get(sb, ())) < len(owners[a.segment]):
+                        bucket_waiters.setdefault(sb, []).append(dev)
+                        break
                 elif kind in COLLECTIVE_KINDS:  # the asynchronous kinds (PUSH, PULL...) wait for no one here
                     assert a.segment is not None
                     s = a.segment
@@ -690,13 +875,13 @@ def _execute(schedule: Mapping[str, Sequence[Action]], roles: Mapping[str, _Role
                         done[other].add((kind, s))
                         pc[other] += 1
                         runnable.append(other)
-            mine.add((kind, a.segment if kind in SEGMENT_KINDS else i))
+            mine.add((kind, _ident(a)))
             k += 1
         pc[dev] = k
 
     stuck = [dev for dev in schedule if pc[dev] < len(schedule[dev])]
     if stuck:
-        raise _deadlock(schedule, roles, owners, pc, stuck, posted, arrived)
+        raise _deadlock(schedule, roles, owners, pc, stuck, posted, arrived, started)
     for sent, k in posted.items():
         if sent not in received:
             kind, src, dst, i = sent
@@ -706,7 +891,8 @@ def _execute(schedule: Mapping[str, Sequence[Action]], roles: Mapping[str, _Role
 
 def _deadlock(schedule: Mapping[str, Sequence[Action]], roles: Mapping[str, _Role], owners: Mapping[int, set[str]],
               pc: Mapping[str, int], stuck: list[str], posted: Mapping[_SendKey, int],
-              arrived: Mapping[tuple[ActionKind, int, str], set[str]]) -> ScheduleError:
+              arrived: Mapping[tuple[ActionKind, int, str], set[str]],
+              started: Mapping[tuple[int, int], set[str]]) -> ScheduleError:
     """Explain why the first stuck device cannot go on."""
     dev = stuck[0]
     k = pc[dev]
@@ -726,9 +912,13 @@ def _deadlock(schedule: Mapping[str, Sequence[Action]], roles: Mapping[str, _Rol
             why = f"{peer} finished without sending it"
         return _fail(schedule, roles, dev, k, f"deadlock: {a} waits for {send} and {why}", also)
     assert a.segment is not None
-    came = set().union(*(devs for (kind, s, _), devs in arrived.items() if kind is a.kind and s == a.segment))
+    if a.kind is K.ALLREDUCE_WAIT:
+        came = set(started.get((a.segment, a.bucket if a.bucket is not None else -1), set()))
+    else:
+        came = set().union(*(devs for (kind, s, _), devs in arrived.items() if kind is a.kind and s == a.segment))
     absent = sorted(owners[a.segment] - came)
     where = "; ".join(
         f"{d} is at step {pc[d]} ({schedule[d][pc[d]]})" if pc[d] < len(schedule[d]) else f"{d} finished without it"
         for d in absent[:4])
-    return _fail(schedule, roles, dev, k, f"deadlock: {a} waits for {', '.join(absent)} to reach it: {where}", also)
+    verb = "start" if a.kind is K.ALLREDUCE_WAIT else "reach"
+    return _fail(schedule, roles, dev, k, f"deadlock: {a} waits for {', '.join(absent)} to {verb} it: {where}", also)

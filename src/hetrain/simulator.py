@@ -21,6 +21,13 @@ What each action costs:
   link resources it crosses: a flat ring as reduce-scatter then all-gather over
   its ring's links; the hierarchical scheme as intra-node reduce-scatter,
   inter-node all-reduce over the NICs, intra-node all-gather.
+- ``ALLREDUCE_START segN bucketK`` (after a backward): the same, for the bucket's
+  gradient bytes, started once every owner's backward has computed the bucket's
+  gradients: on each owner, at the backward's start plus the backward time of the
+  stage's layers from its last down to the bucket's first (with the recomputed
+  forwards among them). The device does not wait: its backward goes on while the
+  bucket's phases occupy the links. ``ALLREDUCE_WAIT segN bucketK`` holds the
+  device until that all-reduce has ended; the time held counts as sync.
 - ``STEP``: ``estimate_optimizer_time`` of the stage's parameters.
 
 Link resources and contention::
@@ -78,6 +85,7 @@ from hetrain.schedule import (
     ActionKind,
     Schedule,
     ScheduleError,
+    build_buckets,
     build_schedule,
     ps_host,
     sync_options,
@@ -266,7 +274,7 @@ def _occupy(free_at: list[float], rids: Sequence[int], t: float, dur: float) -> 
 
 
 # op codes of the precompiled actions
-_F, _B, _SEND, _RECV, _SYNC, _STEP, _ASYNC, _WAIT, _PUSH, _PULL = range(10)
+_F, _B, _SEND, _RECV, _SYNC, _STEP, _ASYNC, _WAIT, _PUSH, _PULL, _BSTART, _BWAIT = range(12)
 
 #: iterations replayed for a sync mode whose iterations differ (the result is their average)
 ASYNC_ITERATIONS = 12
@@ -338,11 +346,12 @@ class _Replay:
         self.node_of = {dev.name: dev.node for dev in cluster.devices}
         self.staleness = sync_options(plan).staleness
         # collectives: (kind, segment, members, iteration started) -> id; their phases, members and label
-        self.cids: dict[tuple[ActionKind, int, tuple[str, ...], int], int] = {}
+        self.cids: dict[tuple[ActionKind, int, tuple[Any, ...], int], int] = {}
         self.phases: dict[int, list[tuple[float, tuple[int, ...], str]]] = {}
         self.owners: dict[int, list[int]] = {}
         self.clabel: dict[int, str] = {}
         self.last_start: dict[tuple[int, int], int] = {}  # (device, segment) -> iteration of its AVERAGE_START
+        self.buckets = build_buckets(plan)
         n = len(self.names)
         self.fwd: list[list[float]] = [[] for _ in range(n)]
         self.bwd: list[list[float]] = [[] for _ in range(n)]
@@ -372,8 +381,10 @@ class _Replay:
             self.optimizer_s[d] = estimate_optimizer_time(param_bytes, profile.bytes_per_element, device,
                                                           plan.optimizer)
             per_size: dict[int, tuple[float, float, float, float]] = {}
+            layer_times = {}
             for b in set(vw.micro_batch_sizes):
                 f, g = estimate_layer_times(profile, device, b)
+                layer_times[b] = (f, g)
                 held0 = estimate_stage_memory(profile, first, end, rc, b, 0, plan.optimizer)
                 held1 = estimate_stage_memory(profile, first, end, rc, b, 1, plan.optimizer)
                 per_size[b] = (float(f[first:end].sum()), float(g[first:end].sum() + f[rc].sum()),
@@ -399,6 +410,24 @@ class _Replay:
                                         index, cluster_index, p2p_cache))
                 if any(a.kind is ActionKind.PULL for a in sched[name]):
                     wave += 1
+            # each ALLREDUCE_START rides on the backward before it: its bucket's gradients are final
+            # this long after that backward starts (the stage's layers run backwards, last layer first)
+            last_b = -1
+            for n, op in enumerate(ops):
+                if op[0] == _B:
+                    last_b = n
+                elif op[0] == _BSTART:
+                    if last_b < 0:
+                        raise ScheduleError(f"{op[2]} on {name} follows no backward")
+                    i, bucket = ops[last_b][1], op[3]
+                    if bucket.first_layer <= first:
+                        offset = self.bwd[d][i]
+                    else:
+                        f, g = layer_times[sizes[i]]
+                        later = [x for x in rc if x >= bucket.first_layer]
+                        offset = float(g[bucket.first_layer:end].sum() + f[later].sum())
+                    b_op = ops[last_b]
+                    ops[last_b] = (*b_op[:3], (*b_op[3], (offset, op[1])))
             self.ops.append(ops)
 
     def _op(self, a: Any, it: int, wave: int, d: int, name: str, sizes: Sequence[int], out_bytes: float,
@@ -411,7 +440,21 @@ class _Replay:
         if k is ActionKind.F:
             return (_F, i, f_labels[i])
         if k is ActionKind.B:
-            return (_B, i, b_labels[i])
+            return (_B, i, b_labels[i], ())  # (offset in the backward, collective) of the buckets it starts
+        if k is ActionKind.ALLREDUCE_START or k is ActionKind.ALLREDUCE_WAIT:
+            assert a.segment is not None and a.bucket is not None
+            bucket = self.buckets[a.segment][a.bucket]
+            key = (ActionKind.ALLREDUCE_START, a.segment, (a.bucket,), it)
+            if key not in self.cids:
+                cid = self.cids[key] = len(self.cids)
+                members = self.segments[a.segment].owners
+                self.phases[cid] = _allreduce_phases(cluster, [cluster_index[o] for o in members],
+                                                     bucket.param_bytes, self.res)
+                self.owners[cid] = [index[o] for o in members]
+                self.clabel[cid] = f"ALLREDUCE seg{a.segment} bucket{a.bucket}"
+            if k is ActionKind.ALLREDUCE_START:
+                return (_BSTART, self.cids[key], str(a), bucket)
+            return (_BWAIT, self.cids[key], str(a))
         if k is ActionKind.SEND_F or k is ActionKind.SEND_B:
             assert a.peer is not None and i is not None
             peer = index[a.peer]
@@ -467,7 +510,8 @@ class _Replay:
                 rids = _edge(cluster, here, there, self.res) if host != name else ()
                 return (_PUSH, (a.segment, wave), f"PUSH seg{a.segment} {name}->{host}", dur, rids,
                         len(seg.owners))
-            return (_PULL, (a.segment, wave - self.staleness), f"PULL seg{a.segment} {host}->{name}", dur)
+            back = _edge(cluster, there, here, self.res) if host != name else ()  # the shard's broadcast to it
+            return (_PULL, (a.segment, wave - self.staleness), f"PULL seg{a.segment} {host}->{name}", dur, back)
         raise ScheduleError(f"the simulator cannot time {a} on {name}")
 
     def run(self) -> SimResult:
@@ -493,7 +537,8 @@ class _Replay:
         arrived: dict[int, list[int]] = {}
         phase_of: dict[int, int] = {}
         sync_start: dict[int, float] = {}
-        async_done: dict[int, float] = {}  # posted averages: cid -> end (-1 while running)
+        async_done: dict[int, float] = {}  # posted averages and bucket all-reduces: cid -> end (-1 while running)
+        bucket_ready: dict[int, int] = {}  # bucket all-reduce -> owners whose gradients of it are final
         cid_waiters: dict[int, list[int]] = {}
         pushed: dict[tuple[int, int], list[float]] = {}  # (segment, wave) -> [pushes arrived, latest arrival]
         ready: dict[tuple[int, int], float] = {}  # (segment, wave) -> when the shard holds every owner's update
@@ -502,6 +547,16 @@ class _Replay:
 
         while heap:
             t, _, what, who = pop(heap)
+            if what == 2:  # a bucket's gradients are final on one more owner: start its all-reduce after the last
+                s = who
+                bucket_ready[s] = bucket_ready.get(s, 0) + 1
+                if bucket_ready[s] == len(self.owners[s]):
+                    async_done[s] = -1.0
+                    phase_of[s] = 0
+                    sync_start[s] = t
+                    push(heap, (t, seq, 1, s))
+                    seq += 1
+                continue
             if what == 1:  # an all-reduce phase ended at t (or the collective starts): run the next phase
                 s = who
                 k = phase_of[s]
@@ -570,10 +625,28 @@ class _Replay:
                     in_flight[d] -= 1
                     if end > last_backward:
                         last_backward = end
+                    for offset, cid in op[3]:
+                        push(heap, (t + offset, seq, 2, cid))
+                        seq += 1
                     k += 1
                     push(heap, (end, seq, 0, d))
                     seq += 1
                     break
+                if code == _BSTART:  # started by the backward before it (what == 2 above)
+                    k += 1
+                    continue
+                if code == _BWAIT:
+                    s = op[1]
+                    if async_done.get(s, -1.0) < 0:
+                        cid_waiters.setdefault(s, []).append(d)
+                        waits_since.setdefault(d, t)
+                        break
+                    since = waits_since.pop(d, t)
+                    if t > since:
+                        events[d].append(Event(since, t, "sync", op[2]))
+                        sync[d] += t - since
+                    k += 1
+                    continue
                 if code == _SEND:
                     _, i, label, key, dur, rids, kind = op
                     start, end = _occupy(free_at, rids, t, dur)
@@ -652,7 +725,7 @@ class _Replay:
                     k += 1
                     continue
                 if code == _PULL:
-                    _, key, label, dur = op
+                    _, key, label, dur, back = op
                     if key[1] < 0:
                         k += 1
                         continue
@@ -661,7 +734,11 @@ class _Replay:
                         waits_since[d] = min(waits_since.get(d, t), t)
                         break
                     since = waits_since.pop(d, t)
-                    end = max(t, ready[key] + dur)
+                    # the global weights travel back on the host's links from when the shard holds them
+                    start, arrive = _occupy(free_at, back, ready[key], dur)
+                    for r in back:
+                        link_events[r].append(Event(start, arrive, "pull", label))
+                    end = max(t, arrive)
                     k += 1
                     if end > since:
                         events[d].append(Event(since, end, "sync", label))

@@ -6,6 +6,8 @@ process groups); each rank saves its stage's weights, and the test compares
 them with one process training the whole model on the same global batches.
 Float32; relative error (Frobenius norm of the difference over the norm) <= 1e-5.
 Synthetic data throughout (the real sets would add seconds of imports to every rank).
+Gradient buckets of ~20-60 kB (``SMALL_BUCKETS``), so that a segment's all-reduce runs in two
+or three buckets overlapped with the last backward; ``adamw`` keeps the default sizes (one bucket).
 
     case          plan (gpt-tiny has 6 layers, mlp-digits 3)
     dp-uneven     4 VWs of one stage, mini-batches 5, 3, 2, 2 (VW0 in 2 micro-batches)
@@ -37,11 +39,14 @@ from hetrain.models.layers import LayerRange
 from hetrain.models.registry import build_layers, loss_fn
 from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
 from hetrain.runtime.trainer import build_optimizer_fn
+from hetrain.schedule import ActionKind, build_buckets, build_schedule
 from hetrain.simulator import simulate
 from hetrain.timeline import compare, load_timeline
 
 STEPS = 3
 GPT = {"hidden": 32, "heads": 2, "seq_len": 16}  # gpt-tiny, shrunk: 6 layers still
+# gpt-tiny's buckets: layers [4, 6), [2, 4), [0, 2); mlp-digits': [1, 3), [0, 1)
+SMALL_BUCKETS = {"first_bucket_bytes": 20_000, "bucket_bytes": 60_000}
 WORLD = 4
 
 WORKER = textwrap.dedent("""
@@ -60,14 +65,16 @@ WORKER = textwrap.dedent("""
                           loss_fn(model), timeout_s=60, metrics_out=case.get("metrics"),
                           timeline_out=case.get("timeline"), progress=False)
         history = trainer.fit(data, case["steps"], seed=0)
-        torch.save({"weights": trainer.state_dict(), "history": history, "used": trainer.role.used},
+        torch.save({"weights": trainer.state_dict(), "history": history, "used": trainer.role.used,
+                    "early": trainer.sync.posted_early if trainer.role.used else 0},
                    f"{case['out']}/rank{trainer.rank}.pt")
         trainer.close()
 """)
 
 
 def make_plan(model: str, vws: list[tuple[list[str], list[int], int, int]], schedule: str = "1f1b",
-              recompute: dict[str, tuple[int, ...]] | None = None) -> Plan:
+              recompute: dict[str, tuple[int, ...]] | None = None,
+              options: dict[str, Any] | None = SMALL_BUCKETS) -> Plan:
     """``vws``: (devices, layer boundaries, mini-batch, micro-batches) per VW, on node n0 of 4 CPU devices."""
     cluster = parse_cluster({"name": "cpus", "node": [{"name": "n0", "devices": [{"type": "cpu", "count": WORLD}],
                                                        "intra_link": "loopback", "nic": "1Gbit/s"}]})
@@ -77,7 +84,7 @@ def make_plan(model: str, vws: list[tuple[list[str], list[int], int, int]], sche
     built = tuple(VirtualWorker(tuple(Stage(d, b[j], b[j + 1], rc.get(d, ())) for j, d in enumerate(devs)), mb, m)
                   for devs, b, mb, m in vws)
     return Plan(model, sum(v.mini_batch for v in built), schedule, "bsp", "sgd", built,  # type: ignore[arg-type]
-                Prediction(0, 0, 0, 0, 0), "hybrid", "manual", cluster, profile)
+                Prediction(0, 0, 0, 0, 0), "hybrid", "manual", cluster, profile, dict(options or {}))
 
 
 D = [f"n0:{k}" for k in range(WORLD)]
@@ -93,7 +100,8 @@ CASES: dict[str, dict[str, Any]] = {
                                     recompute={D[0]: (0, 2), D[1]: (3, 4, 5), D[2]: (1, 2, 3)})},
     # AdamW on mlp-digits: in gpt-tiny the key bias has a zero gradient (softmax ignores a shift), made of
     # rounding noise only, which Adam's normalisation turns into full-size steps that no two summation orders share
-    "adamw": {"plan": make_plan("mlp-digits", [([D[0], D[1]], [0, 1, 3], 10, 2), ([D[2], D[3]], [0, 2, 3], 6, 3)]),
+    "adamw": {"plan": make_plan("mlp-digits", [([D[0], D[1]], [0, 1, 3], 10, 2), ([D[2], D[3]], [0, 2, 3], 6, 3)],
+                                options=None),
               "model": "mlp-digits", "optimizer": "adamw", "lr": 3e-3, "weight_decay": 0.1},
 }
 
@@ -142,6 +150,14 @@ def reference(spec: dict[str, Any], global_batch: int) -> tuple[dict[str, torch.
     return net.state_dict(), losses
 
 
+def test_the_plans_all_reduce_in_several_buckets() -> None:
+    plan = CASES["dp-uneven"]["plan"]
+    assert [(b.first_layer, b.end_layer) for b in build_buckets(plan)[0]] == [(4, 6), (2, 4), (0, 2)]
+    starts = [str(a) for a in build_schedule(plan)[D[0]] if a.kind is ActionKind.ALLREDUCE_START]
+    assert starts == [f"ALLREDUCE_START seg0 bucket{b}" for b in range(3)]
+    assert [len(b) for b in build_buckets(CASES["adamw"]["plan"])] == [1, 1, 1]
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_weights_after_three_steps_equal_single_process_training(job: dict[str, Any], name: str) -> None:
     spec = job[name]
@@ -163,6 +179,11 @@ def test_weights_after_three_steps_equal_single_process_training(job: dict[str, 
     assert moved > 0, "the reference did not train"
     used = [p for p in parts if p["used"]]
     assert len(used) == len(plan.devices_used)
+    schedule = build_schedule(plan)
+    for r, part in enumerate(parts):  # every bucket's all-reduce was posted from the backward, not at its START
+        if part["used"]:
+            starts = sum(a.kind is ActionKind.ALLREDUCE_START for a in schedule[D[r]])
+            assert part["early"] == STEPS * starts, (D[r], part["early"], starts)
     for part in used:  # every used rank knows the global loss of every step
         assert [h["step"] for h in part["history"]] == [1, 2, 3]
         assert [h["loss"] for h in part["history"]] == pytest.approx(losses, rel=1e-5)
@@ -173,7 +194,7 @@ def test_weights_after_three_steps_equal_single_process_training(job: dict[str, 
 
 def test_an_unused_rank_idles_and_holds_nothing(job: dict[str, Any]) -> None:
     idle = torch.load(Path(job["recompute"]["out"]) / "rank3.pt")
-    assert idle == {"weights": {}, "history": [], "used": False}
+    assert idle == {"weights": {}, "history": [], "used": False, "early": 0}
 
 
 def test_the_measured_timeline_lines_up_with_the_simulated_one(job: dict[str, Any]) -> None:

@@ -4,7 +4,8 @@
 the cluster's intra link is fast and its NIC slow, so ``estimate_allreduce`` picks
 ``"hierarchical"`` for the pure data-parallel plan's one segment. After three SGD
 steps the weights equal single-process training's (relative error <= 1e-5), and
-every rank's ``GradientSync`` counted hierarchical all-reduces only.
+every rank's ``GradientSync`` counted hierarchical all-reduces only: one per gradient
+bucket (three, of ~20-60 kB) and step, each posted during the backward.
 """
 
 from __future__ import annotations
@@ -28,11 +29,13 @@ from hetrain.models.registry import build_layers, loss_fn
 from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
 from hetrain.runtime.sync import segment_algorithm
 from hetrain.runtime.trainer import build_optimizer_fn
+from hetrain.schedule import build_buckets
 
 STEPS = 3
 GPT = {"hidden": 32, "heads": 2, "seq_len": 16}
 NODES = ["n0", "n0", "n1", "n1"]  # by rank
 LR = 0.5
+BUCKETS = {"first_bucket_bytes": 20_000, "bucket_bytes": 60_000}  # layers [4, 6), [2, 4), [0, 2)
 
 WORKER = textwrap.dedent("""
     import json, sys, torch
@@ -48,7 +51,8 @@ WORKER = textwrap.dedent("""
     trainer = Trainer(lambda a, b: build_layers("gpt-tiny", a, b, seed=0, **config), load_plan(spec["plan"]),
                       build_optimizer_fn("sgd", spec["lr"]), loss_fn("gpt-tiny"), timeout_s=60, progress=False)
     history = trainer.fit(data, spec["steps"], seed=0)
-    torch.save({"weights": trainer.state_dict(), "history": history, "calls": dict(trainer.sync.calls)},
+    torch.save({"weights": trainer.state_dict(), "history": history, "calls": dict(trainer.sync.calls),
+                "early": trainer.sync.posted_early},
                f"{spec['out']}/rank{trainer.rank}.pt")
     trainer.close()
 """)
@@ -63,7 +67,7 @@ def make_plan() -> Plan:
     vws = tuple(VirtualWorker((Stage(d, 0, 6, ()),), mb, 1)
                 for d, mb in zip(["n0:0", "n0:1", "n1:0", "n1:1"], [3, 2, 2, 1], strict=True))
     return Plan("gpt-tiny", sum(v.mini_batch for v in vws), "1f1b", "bsp", "sgd", vws,
-                Prediction(0, 0, 0, 0, 0), "hybrid", "manual", cluster, profile)
+                Prediction(0, 0, 0, 0, 0), "hybrid", "manual", cluster, profile, dict(BUCKETS))
 
 
 def test_the_cost_model_picks_hierarchical_for_the_plan() -> None:
@@ -74,6 +78,9 @@ def test_the_cost_model_picks_hierarchical_for_the_plan() -> None:
     _, algorithm = estimate_allreduce(num_bytes, allreduce_shape(plan.cluster, [0, 1, 2, 3]))
     assert algorithm == "hierarchical"
     assert segment_algorithm(plan, seg) == "hierarchical"
+    buckets = build_buckets(plan)[0]
+    assert [(b.first_layer, b.end_layer) for b in buckets] == [(4, 6), (2, 4), (0, 2)]
+    assert all(segment_algorithm(plan, seg, b.param_bytes) == "hierarchical" for b in buckets)
 
 
 def reference(global_batch: int) -> dict[str, torch.Tensor]:
@@ -105,8 +112,10 @@ def test_hierarchical_allreduce_matches_single_process_training(tmp_path: Path, 
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{err[-4000:]}"
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(len(NODES))]
-    for part in parts:  # every rank ran every step's all-reduce hierarchically
-        assert part["calls"] == {"ring": 0, "hierarchical": STEPS}
+    buckets = len(build_buckets(plan)[0])
+    for part in parts:  # every rank ran every step's bucket all-reduces hierarchically, posted from the backward
+        assert part["calls"] == {"ring": 0, "hierarchical": STEPS * buckets}
+        assert part["early"] == STEPS * buckets
     got = parts[0]["weights"]
     for part in parts[1:]:  # the replicas agree
         assert set(part["weights"]) == set(got)

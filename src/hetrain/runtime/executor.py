@@ -11,6 +11,9 @@ actions need::
     B i        backward from losses[i], or outputs[i] with grads[i]; the input's gradient -> input_grads[i]
     SEND_B i   post input_grads[i] to stage j - 1
     ALLREDUCE s, STEP   after every B: sum segment s among its owners; wait for the sends, optimizer step
+    ALLREDUCE_START s b the ALLREDUCE_STARTs after a B are armed before it runs: each bucket's all-reduce is
+                        posted from the backward, once its gradients are final (GradientSync's hooks)
+    ALLREDUCE_WAIT s b  wait for the bucket's all-reduce
 
 The last stage's loss of micro-batch ``i`` counts as ``loss_fn(out, target) * n_i / N``
 (``loss_fn`` a mean over the micro-batch, ``n_i`` its samples, ``N`` the global
@@ -132,10 +135,13 @@ class Executor:
         # the reported loss is always the global batch's mean: n_i / N
         self.report_scale = [torch.full((), n / role.global_batch, device=device) for n in role.micro_batch_sizes]
         self._record_memory = device.type == "cuda"
-        self._recv_orders: dict[int, tuple[Sequence[Action], list[int | None], list[int | None]]] = {}
+        # per action list: (the list, micro-batches of its RECV_Fs, of its RECV_Bs, buckets armed before each B)
+        self._orders: dict[int, tuple[Sequence[Action], list[int | None], list[int | None],
+                                      dict[int, list[tuple[int, int]]]]] = {}
         self._run: dict[ActionKind, Callable[[Action], None]] = {
             K.F: self._forward, K.B: self._backward, K.SEND_F: self._send_f, K.RECV_F: self._recv_f,
             K.SEND_B: self._send_b, K.RECV_B: self._recv_b, K.ALLREDUCE: self._allreduce, K.STEP: self._step,
+            K.ALLREDUCE_START: self._allreduce_start, K.ALLREDUCE_WAIT: self._allreduce_wait,
         }
         for kind in (K.LOCAL_ALLREDUCE, K.AVERAGE, K.AVERAGE_START, K.AVERAGE_MERGE, K.PUSH, K.PULL):
             self._run[kind] = self._mode_action
@@ -164,11 +170,12 @@ class Executor:
         self.input_grads: dict[int, list[torch.Tensor]] = {}
         self.loss_sum = torch.zeros((), device=self.device)
         # receives are posted one ahead of the one being waited for, per direction (see _post_ahead_*)
-        orders = self._recv_orders.get(id(actions))
+        orders = self._orders.get(id(actions))
         if orders is None or orders[0] is not actions:
-            orders = self._recv_orders[id(actions)] = (actions, [a.micro_batch for a in actions if a.kind is K.RECV_F],
-                                                       [a.micro_batch for a in actions if a.kind is K.RECV_B])
-        _, self._recv_f_order, self._recv_b_order = orders
+            orders = self._orders[id(actions)] = (actions, [a.micro_batch for a in actions if a.kind is K.RECV_F],
+                                                  [a.micro_batch for a in actions if a.kind is K.RECV_B],
+                                                  _armed_buckets(actions))
+        _, self._recv_f_order, self._recv_b_order, self._arms = orders
         self._posted_f = self._posted_b = 0  # how many of each list are posted
         self._done_f = self._done_b = 0  # how many were received
         self.sync.zero()
@@ -212,6 +219,9 @@ class Executor:
     def _backward(self, a: Action) -> None:
         i = a.micro_batch
         assert i is not None
+        arm = self._arms.get(i)
+        if arm is not None:  # the bucket all-reduces that start during this backward
+            self.sync.arm(arm)
         if self.role.is_last:
             torch.autograd.backward([self.losses.pop(i)], [self.loss_scale[i]])
         else:
@@ -297,6 +307,14 @@ class Executor:
         assert a.segment is not None
         self.sync.allreduce(a.segment, self._where(a))
 
+    def _allreduce_start(self, a: Action) -> None:
+        assert a.segment is not None and a.bucket is not None
+        self.sync.start(a.segment, a.bucket)
+
+    def _allreduce_wait(self, a: Action) -> None:
+        assert a.segment is not None and a.bucket is not None
+        self.sync.wait(a.segment, a.bucket, self._where(a))
+
     def _mode_action(self, a: Action) -> None:
         if self.modes is None:
             raise RuntimeError(f"{a}: the executor was built for bsp, which has no such action")
@@ -338,6 +356,21 @@ class Executor:
         self.recorder.events.append(ev)
         if self._record_memory:
             self.recorder.memory.append((end, float(torch.cuda.memory_allocated(self.device))))
+
+
+def _armed_buckets(actions: Sequence[Action]) -> dict[int, list[tuple[int, int]]]:
+    """Micro-batch of a B -> the (segment, bucket) of the ALLREDUCE_STARTs right after it (before the next F or B)."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    last_b: int | None = None
+    for a in actions:
+        if a.kind is K.B:
+            last_b = a.micro_batch
+        elif a.kind is K.F:
+            last_b = None
+        elif a.kind is K.ALLREDUCE_START and last_b is not None:
+            assert a.segment is not None and a.bucket is not None
+            out.setdefault(last_b, []).append((a.segment, a.bucket))
+    return out
 
 
 def _event(start: float, end: float, kind: str, label: str, i: int | None) -> Event:

@@ -23,10 +23,27 @@ node's buffer between nodes, not one per owner on the node. Gloo has no
 reduce-scatter, so the intra-node phases are a reduce and a broadcast of the
 whole buffer rather than the cost model's reduce-scatter and all-gather; the
 bytes each NIC moves between nodes are the same.
+
+Under ``bsp`` the schedule all-reduces each segment in gradient buckets
+(``schedule.build_buckets``), overlapped with the last backward, as
+DistributedDataParallel does. A segment's flat buffer holds its layers in
+order, so each bucket (a run of layers) is one contiguous slice of it. Every
+parameter has a post-accumulate-grad hook; ``arm`` (called by the executor
+before the backward that the ALLREDUCE_STARTs follow) tells them which buckets
+to launch: once every parameter of a bucket has its gradient of that backward,
+the bucket's all-reduce is posted (``async_op=True``) while autograd goes on
+through the earlier layers; buckets are posted strictly in the schedule's order
+(the owners of a process group must issue its collectives in one order), a
+ready bucket waiting for the ones before it. ``ALLREDUCE_START`` posts whatever
+the hooks have not (a parameter that got no gradient); ``ALLREDUCE_WAIT`` waits
+for the bucket, at most ``timeout_s``, naming the peers. A hierarchical bucket
+posts its reduce to the node leader from the hook and runs the leaders'
+all-reduce and the broadcast at its wait.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -39,6 +56,7 @@ from torch import nn
 from hetrain.cost import allreduce_shape, estimate_allreduce
 from hetrain.plan import Plan, Segment
 from hetrain.runtime.health import Health
+from hetrain.schedule import build_buckets
 
 
 @dataclass(frozen=True)
@@ -71,16 +89,29 @@ class SegmentGroups(dict[tuple[str, ...], Any]):
         self.hierarchical: dict[tuple[str, ...], Hierarchy] = {}
 
 
-def segment_algorithm(plan: Plan, seg: Segment) -> str:
-    """``"ring"`` or ``"hierarchical"``: what the cost model (and the simulator) picks for the segment's all-reduce."""
+def segment_algorithm(plan: Plan, seg: Segment, num_bytes: float | None = None) -> str:
+    """``"ring"`` or ``"hierarchical"``: what the cost model (and the simulator) picks for the segment's all-reduce
+    (of ``num_bytes``, one of its buckets, when given; else of all its gradients)."""
     index = {d.name: d.index for d in plan.cluster.devices}
-    return estimate_allreduce(seg.param_bytes, allreduce_shape(plan.cluster, [index[o] for o in seg.owners]))[1]
+    size = seg.param_bytes if num_bytes is None else num_bytes
+    return estimate_allreduce(size, allreduce_shape(plan.cluster, [index[o] for o in seg.owners]))[1]
+
+
+def _hierarchical_owner_sets(plan: Plan) -> set[tuple[str, ...]]:
+    """Owner sets for which the cost model picks the hierarchical all-reduce for a segment or one of its buckets."""
+    out = set()
+    for seg, buckets in zip(plan.segments(), build_buckets(plan), strict=True):
+        if len(seg.owners) > 1 and (segment_algorithm(plan, seg) == "hierarchical" or any(
+                segment_algorithm(plan, seg, b.param_bytes) == "hierarchical" for b in buckets)):
+            out.add(seg.owners)
+    return out
 
 
 def build_segment_groups(plan: Plan, rank_of: Mapping[str, int], timeout_s: float) -> SegmentGroups:
     """A process group per owner set of more than one device, for the owner sets this rank is in.
 
-    Where the cost model picks the hierarchical all-reduce for an owner set, also a
+    Where the cost model picks the hierarchical all-reduce for an owner set (for one of
+    its segments or gradient buckets), also a
     group per node holding more than one of its owners (in the cluster's node
     order) and one of the node leaders, right after the owner set's own group.
     Must run on every rank of the job, in the same order (it does: segment order).
@@ -90,6 +121,7 @@ def build_segment_groups(plan: Plan, rank_of: Mapping[str, int], timeout_s: floa
     node_of = {d.name: d.node for d in plan.cluster.devices}
     node_order = {n.name: k for k, n in enumerate(plan.cluster.nodes)}
     groups = SegmentGroups()
+    hierarchical = _hierarchical_owner_sets(plan)
     made: set[tuple[str, ...]] = set()
     for seg in plan.segments():
         if len(seg.owners) < 2 or seg.owners in made:
@@ -99,7 +131,7 @@ def build_segment_groups(plan: Plan, rank_of: Mapping[str, int], timeout_s: floa
         group = dist.new_group(ranks, timeout=timeout)
         if me in ranks:
             groups[seg.owners] = group
-        if segment_algorithm(plan, seg) != "hierarchical":
+        if seg.owners not in hierarchical:
             continue
         by_node: dict[str, list[int]] = {}
         for d in seg.owners:
@@ -126,6 +158,9 @@ def build_segment_groups(plan: Plan, rank_of: Mapping[str, int], timeout_s: floa
 class GradientSync:
     """Flat gradient buffers of one stage, per segment, and their all-reduce among the segment's owners.
 
+    Whole segments (``allreduce``, the blocking ALLREDUCE action) or gradient buckets overlapped with the
+    backward (``arm``, ``start``, ``wait``: ALLREDUCE_START and ALLREDUCE_WAIT).
+
     Args:
         plan: the plan.
         layers: this stage's layers by global index.
@@ -133,6 +168,11 @@ class GradientSync:
         rank_of: device -> rank (for messages).
         health: names peers in errors.
         timeout_s: the longest one all-reduce may take.
+
+    Example:
+        >>> sync.arm([(1, 0), (1, 1)])        # before the last backward     # doctest: +SKIP
+        >>> loss.backward()                   # posts bucket (1, 0), then (1, 1), as their gradients are final
+        >>> sync.start(1, 0); sync.start(1, 1); sync.wait(1, 0, "..."); sync.wait(1, 1, "...")
     """
 
     def __init__(self, plan: Plan, layers: Mapping[int, nn.Module], groups: Mapping[tuple[str, ...], Any],
@@ -145,27 +185,53 @@ class GradientSync:
         self.groups = dict(groups)
         # owner set -> this rank's part in its hierarchical all-reduce, where the cost model picks that
         self.hierarchical: dict[tuple[str, ...], Hierarchy] = dict(getattr(groups, "hierarchical", {}))
-        self.calls = {"ring": 0, "hierarchical": 0}  # all-reduces run, by algorithm
+        self.calls = {"ring": 0, "hierarchical": 0}  # all-reduces run (segments or buckets), by algorithm
+        self.posted_early = 0  # buckets posted during the backward, before their ALLREDUCE_START
         # segment index -> [(flat buffer, [(param, its .grad: a view of the buffer)])], one entry per dtype
         self.buffers: dict[int, list[tuple[torch.Tensor, list[tuple[nn.Parameter, torch.Tensor]]]]] = {}
+        # (segment, bucket) -> its slice of each flat buffer, its parameters, whether it goes hierarchically
+        self.bucket_views: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self.bucket_placed: dict[tuple[int, int], list[tuple[nn.Parameter, torch.Tensor]]] = {}
+        self.bucket_hierarchical: dict[tuple[int, int], bool] = {}
+        self.segment_hierarchical = [segment_algorithm(plan, seg) == "hierarchical" for seg in self.segments]
+        buckets = build_buckets(plan)
         for s, seg in enumerate(self.segments):
-            params = [p for k in range(seg.first_layer, seg.end_layer) if k in layers
-                      for p in layers[k].parameters() if p.requires_grad]
             if not any(k in layers for k in range(seg.first_layer, seg.end_layer)):
                 continue
-            by_dtype: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
-            for p in params:
-                by_dtype.setdefault((p.dtype, p.device), []).append(p)
+            by_dtype: dict[tuple[torch.dtype, torch.device], list[tuple[int, nn.Parameter]]] = {}
+            for k in range(seg.first_layer, seg.end_layer):
+                if k in layers:
+                    for p in layers[k].parameters():
+                        if p.requires_grad:
+                            by_dtype.setdefault((p.dtype, p.device), []).append((k, p))
             entries = []
             for (dtype, device), ps in by_dtype.items():
-                flat = torch.zeros(sum(p.numel() for p in ps), dtype=dtype, device=device)
-                placed, offset = [], 0
-                for p in ps:
+                flat = torch.zeros(sum(p.numel() for _, p in ps), dtype=dtype, device=device)
+                placed, spans, offset = [], [], 0
+                for k, p in ps:  # in layer order: a bucket's layers are one slice of the buffer
                     p.grad = flat[offset:offset + p.numel()].view_as(p)
                     placed.append((p, p.grad))
+                    spans.append((k, offset, offset + p.numel()))
                     offset += p.numel()
                 entries.append((flat, placed))
+                for bucket in buckets[s]:
+                    inside = [n for n, (k, _, _) in enumerate(spans) if bucket.first_layer <= k < bucket.end_layer]
+                    if inside:
+                        key = (s, bucket.index)
+                        self.bucket_views.setdefault(key, []).append(flat[spans[inside[0]][1]:spans[inside[-1]][2]])
+                        self.bucket_placed.setdefault(key, []).extend(placed[n] for n in inside)
             self.buffers[s] = entries
+            for bucket in buckets[s]:
+                self.bucket_hierarchical[(s, bucket.index)] = (
+                    segment_algorithm(plan, seg, bucket.param_bytes) == "hierarchical")
+        for key, placed_params in self.bucket_placed.items():
+            for p, _ in placed_params:
+                p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, key))  # type: ignore[no-untyped-call]
+        # the buckets armed for the coming backward, in the order they must be posted
+        self._queue: list[tuple[int, int]] = []
+        self._next = 0  # queue[:next] are posted
+        self._pending: dict[tuple[int, int], int] = {}  # armed bucket -> parameters still without their gradient
+        self._posted: dict[tuple[int, int], list[Any]] = {}  # bucket -> the works of its first phase
 
     def zero(self) -> None:
         """Zero every gradient of the stage (in place: ``.grad`` stay views of the buffers)."""
@@ -192,29 +258,119 @@ class GradientSync:
         """SUM-all-reduce segment ``s``'s gradients among its owners; waits, at most ``timeout_s``.
 
         Hierarchical (reduce to node leaders, all-reduce among them, broadcast) where
-        ``build_segment_groups`` made groups for it, else one flat all-reduce.
+        the cost model picks it for the segment, else one flat all-reduce.
         """
         seg = self.segments[s]
         flats = []
         for flat, placed in self.buffers.get(s, []):
             self._repoint(placed)
             flats.append(flat)
-        peers = sorted(self.rank_of[d] for d in seg.owners)
-        h = self.hierarchical.get(seg.owners)
+        h = self.hierarchical.get(seg.owners) if self.segment_hierarchical[s] else None
         if h is None:
+            peers = sorted(self.rank_of[d] for d in seg.owners)
             group = self.groups[seg.owners]
             self._wait_all([dist.all_reduce(f, op=dist.ReduceOp.SUM, group=group, async_op=True) for f in flats],
                            s, what, peers)
             self.calls["ring"] += 1
             return
+        self._hierarchical_rest(h, flats, self._first_phase(h, flats), s, what)
+
+    # --- buckets, overlapped with the backward -------------------------------------------
+
+    def arm(self, buckets: Sequence[tuple[int, int]]) -> None:
+        """Post the all-reduces of ``buckets`` ((segment, bucket) pairs), in this order, during the coming
+        backward, each once every parameter of it has received its gradient."""
+        self._queue = list(buckets)
+        self._next = 0
+        self._pending = {key: len(self.bucket_placed.get(key, ())) for key in self._queue}
+        self._post_ready()
+
+    def start(self, s: int, b: int) -> None:
+        """Post bucket ``b`` of segment ``s`` now if the backward has not (with every armed bucket before it)."""
+        key = (s, b)
+        if key in self._posted:
+            return
+        q = self._queue
+        if key in q[self._next:]:
+            stop = q.index(key, self._next)
+            while self._next <= stop:
+                self._post(q[self._next])
+                self._next += 1
+            if self._next == len(q):
+                self._pending.clear()
+        else:
+            self._post(key)
+
+    def wait(self, s: int, b: int, what: object) -> None:
+        """Wait for bucket ``b`` of segment ``s`` (posting it first if needed), at most ``timeout_s``."""
+        key = (s, b)
+        if key not in self._posted:
+            self.start(s, b)
+        works = self._posted.pop(key)
+        h = self.hierarchical.get(self.segments[s].owners) if self.bucket_hierarchical.get(key) else None
+        if h is None:
+            self._wait_all(works, s, what, sorted(self.rank_of[d] for d in self.segments[s].owners))
+            self.calls["ring"] += 1
+            return
+        self._hierarchical_rest(h, self.bucket_views.get(key, []), works, s, what)
+
+    def _grad_ready(self, key: tuple[int, int], param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook of every parameter of bucket ``key``."""
+        n = self._pending.get(key)
+        if n is not None:
+            self._pending[key] = n - 1
+            if n == 1:
+                self._post_ready()
+
+    def _post_ready(self) -> None:
+        """Post the armed buckets whose gradients are all final, in order, up to the first that is not."""
+        q, pending = self._queue, self._pending
+        while self._next < len(q) and pending.get(q[self._next], 0) <= 0:
+            self._post(q[self._next])
+            self._next += 1
+            self.posted_early += 1
+        if q and self._next == len(q):
+            pending.clear()
+
+    def _post(self, key: tuple[int, int]) -> None:
+        """Post the (first phase of the) all-reduce of bucket ``key``, without waiting."""
+        s, b = key
+        views = self.bucket_views.get(key, [])
+        self._repoint(self.bucket_placed.get(key, ()))
+        owners = self.segments[s].owners
+        h = self.hierarchical.get(owners) if self.bucket_hierarchical.get(key) else None
+        try:
+            if h is None:
+                group = self.groups[owners]
+                works = [dist.all_reduce(v, op=dist.ReduceOp.SUM, group=group, async_op=True) for v in views]
+            else:
+                works = self._first_phase(h, views)
+        except RuntimeError as e:
+            peers = sorted(self.rank_of[d] for d in owners)
+            raise self.health.peer_error(self._failure(s, f"ALLREDUCE_START seg{s} bucket{b}", e), peers,
+                                         e) from None
+        self._posted[key] = works
+
+    @staticmethod
+    def _first_phase(h: Hierarchy, tensors: Sequence[torch.Tensor]) -> list[Any]:
+        """Post the hierarchical all-reduce's first phase: the reduce to the node leader, or, for a leader alone
+        on its node, the leaders' all-reduce."""
         if h.node_group is not None:
-            self._wait_all([dist.reduce(f, dst=h.leader, op=dist.ReduceOp.SUM, group=h.node_group, async_op=True)
-                            for f in flats], s, what, list(h.node_ranks))
-        if h.leaders_group is not None:
-            self._wait_all([dist.all_reduce(f, op=dist.ReduceOp.SUM, group=h.leaders_group, async_op=True)
-                            for f in flats], s, what, list(h.leaders))
-        if h.node_group is not None:
-            self._wait_all([dist.broadcast(f, src=h.leader, group=h.node_group, async_op=True) for f in flats],
+            return [dist.reduce(t, dst=h.leader, op=dist.ReduceOp.SUM, group=h.node_group, async_op=True)
+                    for t in tensors]
+        return [dist.all_reduce(t, op=dist.ReduceOp.SUM, group=h.leaders_group, async_op=True) for t in tensors]
+
+    def _hierarchical_rest(self, h: Hierarchy, tensors: Sequence[torch.Tensor], first: Sequence[Any], s: int,
+                           what: object) -> None:
+        """Wait for the first phase, then run the leaders' all-reduce and the broadcast to the node."""
+        if h.node_group is None:
+            self._wait_all(first, s, what, list(h.leaders))
+        else:
+            self._wait_all(first, s, what, list(h.node_ranks))
+            if h.leaders_group is not None:
+                self._wait_all([dist.all_reduce(t, op=dist.ReduceOp.SUM, group=h.leaders_group, async_op=True)
+                                for t in tensors], s, what, list(h.leaders))
+            self._wait_all([dist.broadcast(t, src=h.leader, group=h.node_group, async_op=True) for t in tensors],
                            s, what, list(h.node_ranks))
         self.calls["hierarchical"] += 1
 
