@@ -66,3 +66,42 @@ def test_top_level_api_without_torch() -> None:
     code = ("import sys, hetrain; assert callable(hetrain.plan); from hetrain.plan import Plan; "
             "assert 'torch' not in sys.modules; hetrain.Trainer; assert 'torch' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)
+
+
+def test_plan_sync_auto_prints_every_mode_and_picks_one(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "plan.json"
+    code = main(["plan", "--cluster", str(CLUSTER), "--model", "gpt2-small", "--global-batch", "64", "--strategy",
+                 "dp", "--sync", "auto", "--staleness-penalty", "0.2", "--sync-option", "period=8",
+                 "--sync-option", "placement=round-robin", "-o", str(out)])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "sync mode chosen by predicted time to accuracy" in text and "staleness penalty 0.2" in text
+    for mode in ("bsp", "wsp", "hybrid-ps", "daso", "local-sgd"):
+        assert f"  {mode} " in text
+    saved = json.loads(out.read_text())
+    chosen = saved["options"]["sync_choice"]["modes"][0]["mode"]
+    assert saved["sync"] == chosen and f"  {chosen} " in text.split("<- chosen")[0].splitlines()[-1]
+    assert saved["options"]["period"] == 8 and saved["options"]["placement"] == "round-robin"
+
+
+def test_bad_sync_option_names_the_key_the_value_and_what_is_allowed(capsys) -> None:
+    base = ["plan", "--cluster", str(CLUSTER), "--model", "gpt2-small", "--global-batch", "64"]
+    assert main([*base, "--sync", "wsp", "--sync-option", "lag=2"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown key 'lag'" in err and "staleness=N" in err and "Traceback" not in err
+    assert main([*base, "--sync", "wsp", "--sync-option", "placement=nearest"]) == 2
+    err = capsys.readouterr().err
+    assert "placement must be one of local, round-robin, got 'nearest'" in err
+
+
+def test_train_reads_sync_options_with_the_same_checks(capsys) -> None:
+    import argparse
+
+    from hetrain.runtime.command import add_train_arguments, run_from_args
+
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    args = parser.parse_args(["--plan", "missing.json", "--model", "mlp-digits", "--sync-option", "aggregate=0"])
+    assert run_from_args(args) == 2
+    err = capsys.readouterr().err
+    assert "aggregate must be an integer >= 1, got 0" in err

@@ -1,13 +1,24 @@
-"""The planner costs every sync mode and reports each one's prediction in the plan."""
+"""The planner costs every sync mode, places parameter-server shards, reads --sync-option, and picks a mode by
+predicted time to accuracy."""
 
 from __future__ import annotations
+
+import json
+from typing import Any
 
 import pytest
 
 from hetrain.cluster import parse_cluster
 from hetrain.models.analytic import build_profile
-from hetrain.plan import SYNC_MODES
+from hetrain.plan import SYNC_MODES, Plan
 from hetrain.planner import plan
+from hetrain.planner.sync import (
+    estimate_mode_staleness,
+    estimate_ps_time,
+    estimate_time_to_accuracy,
+    parse_sync_options,
+    place_ps_shard,
+)
 
 
 def cloud():  # type: ignore[no-untyped-def]
@@ -36,3 +47,81 @@ def test_relaxed_modes_predict_less_sync_than_bsp_on_a_slow_network() -> None:
     assert table["local-sgd"]["sync_s"] == pytest.approx(table["bsp"]["sync_s"] / 4)
     for mode in ("local-sgd", "daso", "hybrid-ps"):
         assert table[mode]["samples_per_s"] > table["bsp"]["samples_per_s"], mode
+
+
+# --- parameter-server placement --------------------------------------------------------------------------
+
+
+def test_local_placement_puts_the_shard_on_the_node_with_most_owners() -> None:
+    owners, nodes = ["a:0", "b:0", "b:1"], ["a", "b", "b"]
+    assert place_ps_shard(owners, nodes, 0, "round-robin") == "a:0"
+    assert [place_ps_shard(owners, nodes, s, "local") for s in range(4)] == ["b:0", "b:1", "b:0", "b:1"]
+    # a tie between nodes goes round-robin over the nodes, then over the chosen node's owners
+    assert [place_ps_shard(["a:0", "b:0"], ["a", "b"], s, "local") for s in range(2)] == ["a:0", "b:0"]
+    with pytest.raises(ValueError, match="placement must be one of local, round-robin, got 'nearby'"):
+        place_ps_shard(owners, nodes, 0, "nearby")
+
+
+def test_local_placement_costs_less_than_round_robin_when_the_majority_node_hosts() -> None:
+    # three one-stage VWs: one on the fast node, two on the old one; one segment owned by all three
+    c = cloud()
+    prof = build_profile("resnet50")
+    layouts = [[(0, 0, prof.num_layers)], [(2, 0, prof.num_layers)], [(3, 0, prof.num_layers)]]
+    local = estimate_ps_time(c, prof, layouts, "local")
+    robin = estimate_ps_time(c, prof, layouts, "round-robin")
+    # round-robin: both old devices cross the 10 Gbit/s NIC; local: one crosses it, the other uses PCIe
+    assert local < 0.6 * robin, (local, robin)
+
+
+# --- --sync-option --------------------------------------------------------------------------------------
+
+
+def test_sync_options_are_parsed_and_checked() -> None:
+    assert parse_sync_options(["staleness=0", "period=8", "placement=round-robin"]) == \
+        {"staleness": 0, "period": 8, "placement": "round-robin"}
+    for item, words in [("speed=3", ["unknown key 'speed'", "placement=local|round-robin"]),
+                        ("period=0", ["period must be an integer >= 1", "got 0"]),
+                        ("staleness=two", ["staleness must be an integer >= 0", "got 'two'"]),
+                        ("placement=far", ["placement must be one of local, round-robin", "got 'far'"]),
+                        ("period", ["expected KEY=VALUE"])]:
+        with pytest.raises(ValueError) as e:
+            parse_sync_options([item])
+        assert all(w in str(e.value) for w in words) and repr(item) in str(e.value), (item, str(e.value))
+
+
+# --- choosing a mode by time to accuracy ------------------------------------------------------------------
+
+
+def test_staleness_model() -> None:
+    opts = {"period": 4, "aggregate": 2, "staleness": 1}
+    assert estimate_mode_staleness("bsp", opts, 4) == 0
+    assert estimate_mode_staleness("local-sgd", opts, 4) == 1.5
+    assert estimate_mode_staleness("daso", opts, 4) == 2.5
+    assert estimate_mode_staleness("wsp", opts, 4) == 1
+    assert estimate_mode_staleness("hybrid-ps", opts, 4) == 2.5
+    assert all(estimate_mode_staleness(m, opts, 1) == 0 for m in SYNC_MODES)  # one VW: nobody to be stale with
+    assert estimate_time_to_accuracy(100.0, 2.0, 0.5, 1000.0, 2.0) == pytest.approx(40.0)
+
+
+def test_auto_picks_the_fastest_mode_without_penalty_and_bsp_with_a_large_one() -> None:
+    kw: dict[str, Any] = {"strategy": "dp", "simulate_top_k": 0, "sync_options": (("period", 4), ("aggregate", 4))}
+    free = plan(cloud(), build_profile("resnet50"), 128, sync="auto", staleness_penalty=0.0, **kw)
+    rows = free.options["sync_choice"]["modes"]
+    assert {r["mode"] for r in rows} == set(SYNC_MODES)
+    fastest = max(rows, key=lambda r: r["samples_per_s"])
+    assert free.sync == fastest["mode"] != "bsp"
+    assert free.prediction.samples_per_s == pytest.approx(free.options["sync_predictions"][free.sync]["samples_per_s"])
+    strict = plan(cloud(), build_profile("resnet50"), 128, sync="auto", staleness_penalty=100.0, **kw)
+    assert strict.sync == "bsp"
+    tta = {r["mode"]: r["time_to_accuracy_s"] for r in strict.options["sync_choice"]["modes"]}
+    assert tta["bsp"] == min(tta.values())
+    Plan.from_dict(json.loads(json.dumps(strict.to_dict())))  # the table survives the JSON round trip
+
+
+def test_auto_with_simulation_ranks_by_simulated_throughput() -> None:
+    p = plan(cloud(), build_profile("resnet50"), 128, strategy="dp", sync="auto", staleness_penalty=0.1,
+             simulate_top_k=1, sync_options=(("period", 4),))
+    rows = p.options["sync_choice"]["modes"]
+    assert all(r["simulated"] for r in rows)
+    assert p.sync == rows[0]["mode"]
+    assert p.prediction.simulated_iteration_s == pytest.approx(p.global_batch / rows[0]["samples_per_s"])

@@ -36,6 +36,16 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
 def _load_model_profile(model: str | None, profile_path: str | None) -> ModelProfile:
     if profile_path:
         return load_profile(profile_path)
@@ -50,10 +60,16 @@ def _load_model_profile(model: str | None, profile_path: str | None) -> ModelPro
 
 
 def _planner_options(args: argparse.Namespace) -> dict[str, Any]:
+    from hetrain.planner.sync import parse_sync_options
+
     opts: dict[str, Any] = {
         "strategy": args.strategy, "schedule": args.schedule, "sync": args.sync, "optimizer": args.optimizer,
         "objective": args.objective, "allow_recompute": not args.no_recompute,
+        "sync_options": tuple(parse_sync_options(args.sync_options).items()),
+        "staleness_penalty": args.staleness_penalty,
     }
+    if args.target_samples is not None:
+        opts["target_samples"] = args.target_samples
     if args.critical_batch is not None:
         opts["critical_batch"] = args.critical_batch
     if args.micro_batch:
@@ -99,6 +115,27 @@ def format_comparison(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def format_sync_modes(result: Plan, staleness_penalty: float) -> str:
+    """Every sync mode's predicted samples/s, staleness and time to accuracy for the plan's VWs (docs/sync.md)."""
+    from hetrain.planner.sync import estimate_mode_table, format_mode_table
+
+    choice = result.options.get("sync_choice")
+    if choice is not None:
+        rows = choice["modes"]
+        how = "simulated" if rows and rows[0].get("simulated") else "closed form"
+        head = (f"sync mode chosen by predicted time to accuracy ({how}; staleness penalty {staleness_penalty:g} "
+                f"per iteration of mean staleness, {choice['target_samples']:g} samples to target):")
+    else:
+        table = result.options.get("sync_predictions", {})
+        samples = {mode: float(v["samples_per_s"]) for mode, v in table.items()}
+        rows = [r.to_dict() for r in estimate_mode_table(samples, result.options, len(result.virtual_workers),
+                                                         staleness_penalty,
+                                                         float(result.options.get("target_samples", 1e6)))]
+        head = (f"sync modes for this plan's VWs (closed form; staleness penalty {staleness_penalty:g}; "
+                "--sync auto picks by time to accuracy):")
+    return head + "\n" + format_mode_table(rows, result.sync)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from hetrain.planner import plan
 
@@ -108,7 +145,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     result = plan(cluster, profile, args.global_batch, **options)
     if args.output:
         result.save(args.output)
-    rows = compare_strategies(cluster, profile, result.global_batch, result, options)
+    # the families compared under the plan's sync mode (the one --sync auto chose, if so)
+    rows = compare_strategies(cluster, profile, result.global_batch, result, {**options, "sync": result.sync})
     if args.json:
         print(json.dumps({"plan": result.to_dict() if not args.output else args.output,
                           "comparison": rows}, indent=1))
@@ -119,6 +157,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print()
     print("predicted against the pure families on the same cluster:")
     print(format_comparison(rows))
+    print()
+    print(format_sync_modes(result, args.staleness_penalty))
     if args.output:
         print(f"\nplan written to {args.output}")
     return 0
@@ -181,7 +221,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch", type=int, required=True, help="samples per iteration")
     p.add_argument("--strategy", choices=["auto", "dp", "pp"], default="auto")
     p.add_argument("--schedule", choices=["auto", "gpipe", "1f1b"], default="auto")
-    p.add_argument("--sync", choices=["bsp", "wsp", "hybrid-ps", "daso", "local-sgd"], default="bsp")
+    p.add_argument("--sync", choices=["bsp", "wsp", "hybrid-ps", "daso", "local-sgd", "auto"], default="bsp",
+                   help="sync mode (docs/sync.md); auto: the soonest predicted time to accuracy")
+    p.add_argument("--sync-option", dest="sync_options", action="append", default=[], metavar="KEY=VALUE",
+                   help="a sync mode parameter (repeatable): staleness=N, period=N, aggregate=N, warmup=N, "
+                        "cooldown=N, placement=local|round-robin")
+    p.add_argument("--staleness-penalty", type=_non_negative, default=0.0, metavar="P",
+                   help="extra samples to accuracy per iteration of mean staleness, for --sync auto (default 0)")
+    p.add_argument("--target-samples", type=float, default=None,
+                   help="samples to reach the target at small batch (time to accuracy; default 1e6)")
     p.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default="adam")
     p.add_argument("--objective", choices=["throughput", "time-to-accuracy"], default="throughput")
     p.add_argument("--critical-batch", type=float, help="critical batch size (time-to-accuracy)")

@@ -5,9 +5,11 @@ One job of 4 processes runs every case in turn, each with its own Trainer::
     case            plan                                              checked against
     wsp-d0          mlp-digits, two pipelines cut differently, D = 0  single-process SGD: the same weights (BSP's)
     wsp-d1-slow     linreg, 4 one-stage VWs, D = 1, n1:1 slowed       no rank more than D = 1 wave ahead
+                    (shard placed round-robin; the other PS cases use the default, local)
     local-sgd       linreg, 4 one-stage VWs, average every 4 steps    BSP's loss on the convex problem
     hybrid-ps       linreg, all-reduce in the node, PS between nodes  BSP's loss
     daso            linreg, local every step, global every 4 steps    BSP's loss
+    *-ckpt          wsp, hybrid-ps, daso: checkpoint, resume          the shards' weights, DASO's k restored
 
 ``linreg`` is one Linear(8 -> 1) layer under mean squared error on fixed
 synthetic data: convex, so every mode should get near BSP's loss in a few dozen steps.
@@ -35,6 +37,8 @@ from hetrain.models.analytic import build_mlp_profile
 from hetrain.models.layers import LayerRange
 from hetrain.models.registry import build_layers, loss_fn
 from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
+from hetrain.runtime.checkpoint import load_checkpoint, load_manifest
+from hetrain.runtime.modes import DasoRate
 from hetrain.runtime.trainer import build_optimizer_fn
 
 WORLD = 4
@@ -71,12 +75,26 @@ WORKER = textwrap.dedent("""
         else:
             data = build_datasets("synthetic", case["model"], seed=0, synthetic_samples=256).train
             layers, loss = (lambda a, b: build_layers(case["model"], a, b, seed=0)), loss_fn(case["model"])
-        trainer = Trainer(layers, plan, build_optimizer_fn("sgd", case["lr"]), loss, timeout_s=60, progress=False)
-        if trainer.role.device == case.get("slow"):
-            trainer.module.register_forward_hook(lambda *a: time.sleep(0.03))
+        ckpt = case["out"] + "/ckpt" if case.get("resume_to") else None
+        def build():
+            t = Trainer(layers, plan, build_optimizer_fn("sgd", case["lr"]), loss, timeout_s=60, progress=False,
+                        checkpoint_dir=ckpt)
+            if t.role.device == case.get("slow"):
+                t.module.register_forward_hook(lambda *a: time.sleep(0.03))
+            return t
+        trainer = build()
         history = trainer.fit(data, case["steps"], seed=0)
-        torch.save({"weights": trainer.state_dict(), "history": history, "stats": trainer.sync_stats},
-                   f"{case['out']}/rank{trainer.rank}.pt")
+        result = {"weights": trainer.state_dict(), "history": history, "stats": trainer.sync_stats}
+        if case.get("resume_to"):  # a second Trainer resumes from the checkpoint the first wrote at its end
+            result["shards"] = {s: sh.weights.clone() for s, sh in trainer.modes.shards.items()}
+            trainer.close()
+            trainer = build()
+            result["resumed"] = {"step": trainer.step, "period": trainer.daso_period,
+                                 "shards": {s: sh.weights.clone() for s, sh in trainer.modes.shards.items()},
+                                 "base": {s: b.clone() for s, b in trainer.modes.base.items()}}
+            data = linreg_data(case["resume_to"], plan.global_batch)
+            result["resumed"]["history"] = trainer.fit(data, case["resume_to"], seed=0)
+        torch.save(result, f"{case['out']}/rank{trainer.rank}.pt")
         trainer.close()
 """)
 
@@ -87,7 +105,8 @@ def cluster() -> Any:
         for n in ("n0", "n1")]})
 
 
-def make_plan(model: str, sync: str, vws: list[tuple[list[str], list[int], int, int]], **options: int) -> Plan:
+def make_plan(model: str, sync: str, vws: list[tuple[list[str], list[int], int, int]],
+              **options: int | str) -> Plan:
     profile = build_mlp_profile([64, 256, 256, 10], name=model) if model == "mlp-digits" else \
         build_mlp_profile([8, 1], name=model)
     built = tuple(VirtualWorker(tuple(Stage(d, b[j], b[j + 1]) for j, d in enumerate(devs)), mb, m)
@@ -101,11 +120,18 @@ CASES: dict[str, dict[str, Any]] = {
     "wsp-d0": {"plan": make_plan("mlp-digits", "wsp", [([D[0], D[1]], [0, 1, 3], 10, 2),
                                                        ([D[2], D[3]], [0, 2, 3], 6, 3)], staleness=0),
                "model": "mlp-digits", "lr": 0.2, "steps": 3},
-    "wsp-d1-slow": {"plan": make_plan("linreg", "wsp", DP4, staleness=1), "slow": D[3], "steps": 12},
+    "wsp-d1-slow": {"plan": make_plan("linreg", "wsp", DP4, staleness=1, placement="round-robin"), "slow": D[3],
+                    "steps": 12},
     "bsp": {"plan": make_plan("linreg", "bsp", DP4)},
     "local-sgd": {"plan": make_plan("linreg", "local-sgd", DP4, period=4)},
     "hybrid-ps": {"plan": make_plan("linreg", "hybrid-ps", DP4, aggregate=2, staleness=1)},
     "daso": {"plan": make_plan("linreg", "daso", DP4, period=4, warmup=2, cooldown=2)},
+    # checkpoint at the end of a first run, resume it in a second Trainer
+    "wsp-ckpt": {"plan": make_plan("linreg", "wsp", DP4, staleness=1), "slow": D[3], "steps": 5, "resume_to": 8},
+    "hybrid-ps-ckpt": {"plan": make_plan("linreg", "hybrid-ps", DP4, aggregate=3, staleness=1), "steps": 7,
+                       "resume_to": 9},
+    "daso-ckpt": {"plan": make_plan("linreg", "daso", DP4, period=2, warmup=1, cooldown=0), "steps": 30,
+                  "resume_to": 32},
 }
 
 
@@ -118,7 +144,8 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         out.mkdir()
         c["plan"].save(out / "plan.json")
         specs[name] = {"plan": str(out / "plan.json"), "model": c.get("model", "linreg"), "lr": c.get("lr", 0.1),
-                       "steps": c.get("steps", LINREG_STEPS), "out": str(out), "slow": c.get("slow")}
+                       "steps": c.get("steps", LINREG_STEPS), "out": str(out), "slow": c.get("slow"),
+                       "resume_to": c.get("resume_to")}
     (root / "cases.json").write_text(json.dumps(list(specs.values())))
     (root / "worker.py").write_text(WORKER)
     run_worker_ranks(root, NODES, [r % 2 for r in range(WORLD)])
@@ -215,3 +242,57 @@ def test_a_shard_whose_worker_disappears_names_it(tmp_path: Path, spawn: Any, cl
     assert time.monotonic() - started < 40
     assert "parameter-server shard of segment 0" in err, err[-3000:]
     assert "n0:1" in err, err[-3000:]
+
+
+@pytest.mark.parametrize("case", ["wsp-ckpt", "hybrid-ps-ckpt"])
+def test_parameter_server_weights_survive_a_checkpoint(job: dict[str, Any], case: str) -> None:
+    spec = job[case]
+    step = CASES[case]["steps"]
+    ckpt = Path(spec["out"]) / "ckpt"
+    held = load_manifest(ckpt, step)["tensors"]
+    names = ["ps.layers.0.weight", "ps.layers.0.bias"]
+    assert all(n in held for n in names), sorted(held)
+    saved, _, _ = load_checkpoint(ckpt, names, step)
+    saved_flat = torch.cat([saved[n].reshape(-1) for n in names])
+    results = parts(spec)
+    hosts = [r for r in results if r["shards"]]
+    assert len(hosts) == 1 and list(hosts[0]["shards"]) == [0]  # one segment, one shard, on one rank
+    torch.testing.assert_close(hosts[0]["shards"][0], saved_flat, rtol=0, atol=0)
+    for r in results:
+        resumed = r["resumed"]
+        assert resumed["step"] == step
+        # the host's shard and every owner's base (what its next push is measured from) hold the saved weights
+        for weights in [*resumed["shards"].values(), *resumed["base"].values()]:
+            torch.testing.assert_close(weights, saved_flat, rtol=0, atol=0)
+        assert [h["step"] for h in resumed["history"]] == list(range(step + 1, CASES[case]["resume_to"] + 1))
+    # a checkpoint completes every wave in flight: the saved local weights are the global ones
+    local, _, _ = load_checkpoint(ckpt, ["layers.0.weight", "layers.0.bias"], step)
+    torch.testing.assert_close(torch.cat([local["layers.0.weight"].reshape(-1), local["layers.0.bias"]]),
+                               saved_flat, rtol=1e-6, atol=1e-7)
+
+
+def test_daso_period_adapts_and_survives_a_checkpoint(job: dict[str, Any]) -> None:
+    spec = job["daso-ckpt"]
+    results = parts(spec)
+    periods = {r["stats"]["period"] for r in results}
+    assert len(periods) == 1, periods  # every rank saw the same losses and chose the same k
+    assert periods != {2}, "the loss of a convex problem plateaued in 30 steps, yet k never changed"
+    meta = load_manifest(Path(spec["out"]) / "ckpt", CASES["daso-ckpt"]["steps"])["meta"]
+    assert meta["daso"]["period"] == periods.pop() and meta["daso"]["changes"] >= 1
+    assert {r["resumed"]["period"] for r in results} == {meta["daso"]["period"]}
+
+
+def test_daso_rate_halves_k_on_a_plateau_and_cycles_back() -> None:
+    rate = DasoRate(8, threshold=0.01, patience=2)
+    falling = [rate.observe(10.0 * 0.9 ** i) for i in range(10)]
+    assert falling == [8] * 10  # the loss keeps improving by 10 % a merge: k stays
+    # a plateau: the first 1.0 still improves; after two merges without a 1 % gain k halves, and the test
+    # starts over; from 1, k goes back to the maximum (2 x the initial k)
+    seen = [rate.observe(1.0) for _ in range(12)]
+    assert seen == [8, 8, 4, 4, 4, 2, 2, 2, 1, 1, 1, 16], seen
+    assert rate.changes == 4
+    again = DasoRate(8)
+    again.load_state_dict(json.loads(json.dumps(rate.state_dict())))
+    assert again.state_dict() == rate.state_dict()
+    with pytest.raises(ValueError, match="k must be >= 1, got 0"):
+        DasoRate(0)

@@ -65,8 +65,11 @@ class PlannerOptions:
     Attributes:
         strategy: ``auto`` searches all formations; ``dp`` / ``pp`` force a family.
         schedule: ``gpipe``, ``1f1b``, or ``auto`` (both tried).
-        sync: the sync mode recorded in the plan and costed (``planner.sync.estimate_mode_sync_time``).
-        sync_options: the mode's parameters (staleness, period, aggregate...), copied into ``Plan.options``.
+        sync: the sync mode recorded in the plan and costed (``planner.sync.estimate_mode_sync_time``); ``auto``:
+            plan for ``bsp``, then take the mode with the soonest predicted time to accuracy for those VWs
+            (``planner.sync.choose_sync_mode``, discounted by ``staleness_penalty``).
+        sync_options: the mode's parameters (staleness, period, aggregate, placement...), copied into ``Plan.options``.
+        staleness_penalty: with ``sync="auto"``, the extra samples to accuracy per iteration of mean staleness.
         optimizer: sets optimizer-state memory and step time.
         objective: ``throughput`` or ``time-to-accuracy``.
         critical_batch: the critical batch size B_crit (for time-to-accuracy).
@@ -84,8 +87,9 @@ class PlannerOptions:
 
     strategy: Literal["auto", "dp", "pp", "hybrid"] = "auto"
     schedule: Literal["auto", "gpipe", "1f1b"] = "auto"
-    sync: SyncMode = "bsp"
-    sync_options: tuple[tuple[str, int], ...] = ()
+    sync: SyncMode | Literal["auto"] = "bsp"
+    sync_options: tuple[tuple[str, int | str], ...] = ()
+    staleness_penalty: float = 0.0
     optimizer: Optimizer = "adam"
     objective: Literal["throughput", "time-to-accuracy"] = "throughput"
     critical_batch: float | None = None
@@ -105,8 +109,10 @@ class PlannerOptions:
             raise ValueError(f"strategy must be auto, dp, pp or hybrid, got {self.strategy!r}")
         if self.schedule not in ("auto", *SCHEDULES):
             raise ValueError(f"schedule must be auto, gpipe or 1f1b, got {self.schedule!r}")
-        if self.sync not in SYNC_MODES:
-            raise ValueError(f"sync must be one of {SYNC_MODES}, got {self.sync!r}")
+        if self.sync not in SYNC_MODES and self.sync != "auto":
+            raise ValueError(f"sync must be auto or one of {SYNC_MODES}, got {self.sync!r}")
+        if not self.staleness_penalty >= 0:
+            raise ValueError(f"staleness_penalty must be >= 0, got {self.staleness_penalty}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if self.objective not in ("throughput", "time-to-accuracy"):
@@ -262,8 +268,9 @@ def _to_plan(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: Planne
     if opts.critical_batch:
         options["critical_batch"] = opts.critical_batch
     return Plan(
-        model=profile.name, global_batch=c.global_batch, schedule=schedule, sync=opts.sync,
-        optimizer=opts.optimizer, virtual_workers=tuple(vws), prediction=prediction,
+        model=profile.name, global_batch=c.global_batch, schedule=schedule,
+        sync=opts.sync if opts.sync != "auto" else "bsp", optimizer=opts.optimizer,
+        virtual_workers=tuple(vws), prediction=prediction,
         strategy=c.formation.strategy, formation=c.formation.name, cluster=cluster, profile=profile,
         options=options,
     )
@@ -366,6 +373,12 @@ def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: Pl
     opts = options if options is not None else PlannerOptions(**kwargs)
     if options is not None and kwargs:
         opts = replace(options, **kwargs)
+    if opts.sync == "auto":  # plan for BSP, then pick the mode by predicted time to accuracy (docs/sync.md)
+        from hetrain.planner.sync import choose_sync_mode
+
+        return choose_sync_mode(plan(cluster, profile, global_batch, replace(opts, sync="bsp")),
+                                opts.staleness_penalty, opts.target_samples, opts.critical_batch,
+                                opts.simulate_top_k > 0)
     found = search(cluster, profile, global_batch, opts)
     plans = [_to_plan(cluster, profile, c, opts) for c in found[: max(1, opts.simulate_top_k)]]
     if opts.simulate_top_k > 0:

@@ -13,14 +13,93 @@ and overlap with backward)::
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 from hetrain.cluster import Cluster
 from hetrain.cost import estimate_allreduce_time, estimate_p2p_time
+from hetrain.plan import Plan
 from hetrain.profile import ModelProfile
 
 Layout = Sequence[tuple[int, int, int]]  # (device index, first layer, end layer) per stage
+T = TypeVar("T")
+
+#: where a segment's parameter-server shard lives (``wsp``, ``hybrid-ps``); the first is the default
+PLACEMENTS: tuple[str, ...] = ("local", "round-robin")
+#: integer sync options and their least value (``schedule.SyncOptions``)
+INT_SYNC_OPTIONS: dict[str, int] = {"staleness": 0, "period": 1, "aggregate": 1, "warmup": 0, "cooldown": 0}
+SYNC_OPTION_HELP = ("staleness=N (>= 0), period=N (>= 1), aggregate=N (>= 1), warmup=N (>= 0), cooldown=N (>= 0), "
+                    f"placement={'|'.join(PLACEMENTS)}")
+
+
+def parse_sync_options(items: Iterable[str]) -> dict[str, int | str]:
+    """``["staleness=2", "placement=round-robin"]`` -> ``{"staleness": 2, "placement": "round-robin"}``.
+
+    Raises:
+        ValueError: an unknown key, or a value that is not allowed, naming the key, the value and what is allowed.
+
+    Example:
+        >>> parse_sync_options(["period=8", "placement=local"])
+        {'period': 8, 'placement': 'local'}
+    """
+    out: dict[str, int | str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key:
+            raise ValueError(f"--sync-option {item!r}: expected KEY=VALUE, one of {SYNC_OPTION_HELP}")
+        if key == "placement":
+            if value not in PLACEMENTS:
+                raise ValueError(f"--sync-option {item!r}: placement must be one of {', '.join(PLACEMENTS)}, "
+                                 f"got {value!r}")
+            out[key] = value
+        elif key in INT_SYNC_OPTIONS:
+            least = INT_SYNC_OPTIONS[key]
+            try:
+                number = int(value)
+            except ValueError:
+                raise ValueError(f"--sync-option {item!r}: {key} must be an integer >= {least}, "
+                                 f"got {value!r}") from None
+            if number < least:
+                raise ValueError(f"--sync-option {item!r}: {key} must be an integer >= {least}, got {number}")
+            out[key] = number
+        else:
+            raise ValueError(f"--sync-option {item!r}: unknown key {key!r}; known: {SYNC_OPTION_HELP}")
+    return out
+
+
+def place_ps_shard(owners: Sequence[T], nodes: Sequence[str], s: int, placement: str = "local") -> T:
+    """The owner of segment ``s`` that hosts its parameter-server shard.
+
+    ``owners`` in device order, ``nodes[q]`` the node of ``owners[q]``.
+
+    - ``local``: on the node that hosts the most of the segment's stages, so that most
+      pushes and pulls stay on the node's fast links and only the other nodes' owners
+      cross the network (HetPipe places each layer's parameters with the stages that
+      compute it, Park et al. ATC 2020, Sec. 5); ties between nodes and between the
+      owners of the chosen node go round-robin by segment index, which spreads shards.
+    - ``round-robin``: ``owners[s mod |owners|]``, whatever the nodes.
+
+    Example:
+        >>> place_ps_shard(["a:0", "b:0", "b:1"], ["a", "b", "b"], 0, "local")
+        'b:0'
+        >>> place_ps_shard(["a:0", "b:0", "b:1"], ["a", "b", "b"], 0, "round-robin")
+        'a:0'
+    """
+    if not owners:
+        raise ValueError(f"segment {s} has no owners to host its parameter-server shard")
+    if placement == "round-robin":
+        return owners[s % len(owners)]
+    if placement == "local":
+        counts = Counter(nodes)
+        most = max(counts.values())
+        tied = sorted(n for n, c in counts.items() if c == most)
+        node = tied[s % len(tied)]
+        members = [o for o, n in zip(owners, nodes, strict=True) if n == node]
+        return members[s % len(members)]
+    raise ValueError(f"sync option placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
 
 
 def build_segments(num_layers: int, layouts: Sequence[Layout]) -> list[tuple[int, int, tuple[int, ...]]]:
@@ -70,10 +149,11 @@ def estimate_local_sync_time(cluster: Cluster, profile: ModelProfile, layouts: S
     return max(per_device.values(), default=0.0)
 
 
-def estimate_ps_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout]) -> float:
+def estimate_ps_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout],
+                     placement: str = "local") -> float:
     """Seconds one wave's pushes and pulls keep the busiest parameter-server host's links busy.
 
-    Segment s's shard is on owner ``owners[s % len(owners)]`` (``schedule.ps_host``); every
+    Segment s's shard is on the owner ``place_ps_shard`` picks (``schedule.ps_host``); every
     other owner pushes the segment's bytes to it and pulls them back: ``2 (latency + bytes / bandwidth)``
     each, one after another on the host's link.
     """
@@ -81,7 +161,7 @@ def estimate_ps_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[
     for s, (first, end, owners) in enumerate(build_segments(profile.num_layers, layouts)):
         if len(owners) < 2:
             continue
-        host = owners[s % len(owners)]
+        host = place_ps_shard(owners, [cluster.devices[d].node for d in owners], s, placement)
         num_bytes = sum(profile.layers[i].param_bytes for i in range(first, end))
         t = sum(2 * estimate_p2p_time(num_bytes, cluster.link(d, host)) for d in owners if d != host)
         per_host[host] = per_host.get(host, 0.0) + t
@@ -106,6 +186,7 @@ def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Se
     k = int(options.get("period", 4))
     a = int(options.get("aggregate", 4))
     stale = int(options.get("staleness", 1))
+    placement = str(options.get("placement", PLACEMENTS[0]))
     if mode == "bsp":
         return estimate_sync_time(cluster, profile, layouts)
     if mode == "local-sgd":
@@ -114,8 +195,151 @@ def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Se
         glob = estimate_sync_time(cluster, profile, layouts)
         return estimate_local_sync_time(cluster, profile, layouts) + max(0.0, glob - (k - 1) * compute_s) / k
     if mode == "hybrid-ps":
-        ps = estimate_ps_time(cluster, profile, layouts)
+        ps = estimate_ps_time(cluster, profile, layouts, placement)
         return estimate_local_sync_time(cluster, profile, layouts) + max(0.0, ps - stale * compute_s) / a
     if mode == "wsp":
-        return max(0.0, estimate_ps_time(cluster, profile, layouts) - stale * compute_s)
+        return max(0.0, estimate_ps_time(cluster, profile, layouts, placement) - stale * compute_s)
     raise ValueError(f"unknown sync mode {mode!r}")
+
+
+# ---------------------------------------------------------------------------
+# choosing a mode: predicted time to accuracy with a staleness penalty
+# ---------------------------------------------------------------------------
+
+
+def estimate_mode_staleness(mode: str, options: Mapping[str, Any], num_vws: int) -> float:
+    """Mean staleness of a mode in iterations: how late, on average, a VW sees the other VWs' updates.
+
+    With k = ``period``, a = ``aggregate``, D = ``staleness`` (docs/sync.md)::
+
+        bsp        0
+        local-sgd  (k - 1) / 2            others' updates arrive at the next average, on average (k - 1) / 2 late
+        daso       (k + 1) / 2            the same, and the non-blocking average is merged one iteration late
+        wsp        D                      a VW that runs ahead (the fast ones do) misses up to D waves of the others
+        hybrid-ps  (a - 1) / 2 + D a      one push per a iterations, pulls up to D pushes old
+
+    One VW has nobody to be stale with: 0. DASO's blocking warm-up and cool-down are left out.
+    """
+    if num_vws < 2 or mode == "bsp":
+        return 0.0
+    k = int(options.get("period", 4))
+    a = int(options.get("aggregate", 4))
+    d = int(options.get("staleness", 1))
+    if mode == "local-sgd":
+        return (k - 1) / 2
+    if mode == "daso":
+        return (k + 1) / 2
+    if mode == "wsp":
+        return float(d)
+    if mode == "hybrid-ps":
+        return (a - 1) / 2 + d * a
+    raise ValueError(f"unknown sync mode {mode!r}")
+
+
+@dataclass(frozen=True)
+class ModeEstimate:
+    """One row of the planner's comparison of sync modes for one plan's VWs.
+
+    Attributes:
+        mode: the sync mode.
+        samples_per_s: predicted throughput (closed form, or simulated when ``simulated``).
+        staleness: mean staleness in iterations (``estimate_mode_staleness``).
+        effective_samples_per_s: ``samples_per_s / (1 + penalty * staleness)``.
+        time_to_accuracy_s: ``target_samples * batch_factor / effective_samples_per_s``.
+        simulated: whether ``samples_per_s`` comes from the simulator.
+    """
+
+    mode: str
+    samples_per_s: float
+    staleness: float
+    effective_samples_per_s: float
+    time_to_accuracy_s: float
+    simulated: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "samples_per_s": self.samples_per_s, "staleness": self.staleness,
+                "effective_samples_per_s": self.effective_samples_per_s,
+                "time_to_accuracy_s": self.time_to_accuracy_s, "simulated": self.simulated}
+
+
+def estimate_time_to_accuracy(samples_per_s: float, staleness: float, staleness_penalty: float,
+                              target_samples: float, batch_factor: float = 1.0) -> float:
+    """Seconds to reach the target: ``target_samples * batch_factor * (1 + penalty * staleness) / samples_per_s``.
+
+    A stale mode computes on weights that miss some of the other VWs' updates, and so needs more samples
+    to reach the same loss; the penalty P says how many more per iteration of staleness (a user's
+    figure; 0 ignores statistical efficiency). ``batch_factor`` is the large-batch factor
+    (``cost.estimate_samples_to_accuracy_factor``), the same for every mode of one plan.
+
+    Example:
+        >>> estimate_time_to_accuracy(100.0, 2.0, 0.25, 1000.0)
+        15.0
+    """
+    if samples_per_s <= 0:
+        return float("inf")
+    if staleness_penalty < 0:
+        raise ValueError(f"staleness penalty must be >= 0, got {staleness_penalty}")
+    return target_samples * batch_factor * (1.0 + staleness_penalty * staleness) / samples_per_s
+
+
+def estimate_mode_table(samples_per_s: Mapping[str, float], options: Mapping[str, Any], num_vws: int,
+                        staleness_penalty: float, target_samples: float, batch_factor: float = 1.0,
+                        simulated: bool = False) -> list[ModeEstimate]:
+    """Every mode's predicted throughput, staleness and time to accuracy, best (soonest) first."""
+    rows = []
+    for mode, sps in samples_per_s.items():
+        stale = estimate_mode_staleness(mode, options, num_vws)
+        rows.append(ModeEstimate(mode, sps, stale, sps / (1.0 + staleness_penalty * stale),
+                                 estimate_time_to_accuracy(sps, stale, staleness_penalty, target_samples,
+                                                           batch_factor), simulated))
+    return sorted(rows, key=lambda r: (r.time_to_accuracy_s, r.staleness))
+
+
+def format_mode_table(rows: Sequence[Mapping[str, Any]], chosen: str | None = None) -> str:
+    """The table ``hetrain plan --sync auto`` prints (rows as ``ModeEstimate.to_dict``)."""
+    lines = [f"  {'mode':<10} {'samples/s':>10} {'staleness':>9} {'effective/s':>11} {'time to acc.':>12}"]
+    for r in rows:
+        mark = "  <- chosen" if r["mode"] == chosen else ""
+        lines.append(f"  {r['mode']:<10} {r['samples_per_s']:>10.1f} {r['staleness']:>9.2f} "
+                     f"{r['effective_samples_per_s']:>11.1f} {r['time_to_accuracy_s']:>11.1f}s{mark}")
+    return "\n".join(lines)
+
+
+def choose_sync_mode(plan: Plan, staleness_penalty: float, target_samples: float,
+                     critical_batch: float | None = None, simulate: bool = False) -> Plan:
+    """``plan`` under the sync mode with the soonest predicted time to accuracy, for its VWs and layouts.
+
+    Each mode's throughput is the plan's own prediction (``options["sync_predictions"]``, the
+    closed forms), or the simulator's when ``simulate``; its time to accuracy is discounted by
+    its staleness (``estimate_time_to_accuracy``). The returned plan records the table in
+    ``options["sync_choice"]`` and carries the chosen mode's prediction.
+
+    Raises:
+        ValueError: a plan without ``sync_predictions`` (not made by the planner).
+    """
+    from hetrain.cost import estimate_samples_to_accuracy_factor
+
+    predictions = plan.options.get("sync_predictions")
+    if not isinstance(predictions, Mapping) or not predictions:
+        raise ValueError("choosing a sync mode needs the plan's sync_predictions (a plan made by the planner)")
+    samples = {mode: float(v["samples_per_s"]) for mode, v in predictions.items()}
+    if simulate:
+        try:
+            from hetrain.simulator import simulate as run_simulation
+        except ImportError:  # the simulator is optional for the closed-form planner
+            simulate = False
+        else:
+            samples = {mode: run_simulation(replace(plan, sync=mode)).samples_per_s
+                       for mode in predictions}
+    factor = estimate_samples_to_accuracy_factor(plan.global_batch, critical_batch) if critical_batch else 1.0
+    rows = estimate_mode_table(samples, plan.options, len(plan.virtual_workers), staleness_penalty, target_samples,
+                               factor, simulate)
+    best = rows[0]
+    chosen = predictions[best.mode]
+    prediction = replace(plan.prediction, sync_s=float(chosen["sync_s"]), iteration_s=float(chosen["iteration_s"]),
+                         samples_per_s=float(chosen["samples_per_s"]), time_to_accuracy_s=best.time_to_accuracy_s,
+                         simulated_iteration_s=plan.global_batch / best.samples_per_s if simulate else None)
+    options = {**plan.options, "sync_choice": {"staleness_penalty": staleness_penalty,
+                                               "target_samples": target_samples,
+                                               "modes": [r.to_dict() for r in rows]}}
+    return replace(plan, sync=best.mode, prediction=prediction, options=options)  # type: ignore[arg-type]

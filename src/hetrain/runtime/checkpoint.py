@@ -9,6 +9,7 @@ holds. On disk::
         manifest.json             written last, by rank 0 (step, world size, files, names, meta)
         layers.0.pt               {"tensors": {name: tensor}, "optimizer_state": {name: {key: value}}}
         layers.1.pt               ...
+        ps.layers.0.pt            wsp / hybrid-ps: the parameter-server shard's global weights of layer 0
       step-00000030/
       .step-00000040.tmp/         a save in progress, or one a crash interrupted: ignored
 
@@ -90,7 +91,7 @@ MANIFEST = "manifest.json"
 
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _LEFTOVER = re.compile(r"^\.step-(\d{8,})\.(tmp|replaced|deleting)$")
-_LAYER = re.compile(r"^(layers\.\d+)\.")
+_LAYER = re.compile(r"^((?:ps\.)?layers\.\d+)\.")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 _SAVES = itertools.count()  # save_checkpoint calls in this process: keeps the store keys of two saves apart
 _POLL_MAX_S = 0.05
@@ -109,7 +110,9 @@ def step_dir_name(step: int) -> str:
 def layer_file_name(name: str) -> str:
     """The file that holds parameter ``name``: ``layers.3.weight`` -> ``layers.3.pt``.
 
-    Names outside ``layers.{i}.`` go by their first component (``head.bias`` -> ``head.pt``).
+    A parameter server's global weights of a layer (``ps.layers.3.weight``, written by the shard's
+    host, ``runtime.modes``) go to ``ps.layers.3.pt``. Names outside ``layers.{i}.`` go by their first
+    component (``head.bias`` -> ``head.pt``).
     """
     match = _LAYER.match(name)
     group = match.group(1) if match else name.split(".", 1)[0]
@@ -662,7 +665,7 @@ def _missing_message(missing: list[str], manifest: dict[str, Any], path: Path) -
 
 def _describe_names(names: list[str]) -> str:
     """``16 parameters: layers 0-7`` (plus names outside ``layers.{i}.``)."""
-    layers = sorted({int(m.group(1).split(".")[1]) for n in names if (m := _LAYER.match(n))})
+    layers = sorted({int(m.group(1).rsplit(".", 1)[1]) for n in names if (m := _LAYER.match(n))})
     others = sorted(n for n in names if not _LAYER.match(n))
     parts = [f"layers {_ranges(layers)}"] if layers else []
     if others:

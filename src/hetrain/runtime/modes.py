@@ -8,7 +8,7 @@ layers of that segment held by this rank (a flat vector per segment)::
     LOCAL_ALLREDUCE s   gradients of s summed among its owners on this node, weighted by mini-batch
     AVERAGE s           parameters of s averaged among all owners, weighted by mini-batch (blocking)
     AVERAGE_START s     the same average posted, not waited for (DASO)
-    AVERAGE_MERGE s     wait for it; x <- (2 x_local + S x_avg) / (S + 2), S = iterations since the start
+    AVERAGE_MERGE s     wait for it; x <- (2S x_local + P x_avg) / (2S + P), S iterations since the start, P owners
     PUSH s              this wave's update (parameters now - at the last pull) to the shard of s
     PULL s              the global weights of wave c - D or newer, plus this worker's own newer updates
 
@@ -33,6 +33,7 @@ import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,6 +46,8 @@ from hetrain.runtime.sync import GradientSync
 from hetrain.schedule import Action, ActionKind, node_shared_segments, ps_host, sync_options
 
 K = ActionKind
+#: checkpoint names of a parameter-server shard's global weights: ``ps.layers.3.weight`` (one file per layer)
+PS_PREFIX = "ps."
 _instances = itertools.count()  # store keys per ModeSync: trainers are built in the same order on every rank
 
 
@@ -87,6 +90,62 @@ def _assign(params: Sequence[nn.Parameter], flat: torch.Tensor) -> None:
         for p in params:
             p.copy_(flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
+
+
+class DasoRate:
+    """DASO's global sync period k, adapted to the loss (Coquelin et al., J. Big Data 2022, "Adaptive
+    synchronization"): as training settles the global averages come more often; at every k, long runs of
+    local steps with rare, stale averages are what buys time early on.
+
+    ``observe`` takes the global loss at each merged average. The loss is on a plateau when it has not
+    fallen below ``(1 - threshold)`` times its best for ``patience`` observations in a row; k is then
+    halved, and from 1 it goes back up to ``max_period`` (the paper cycles k down from its maximum, 8 in
+    its experiments, starting at 4 after the warm-up). After each change the plateau test starts over.
+
+    Example:
+        >>> rate = DasoRate(4)
+        >>> [rate.observe(loss) for loss in (1.0, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5)]
+        [4, 4, 4, 2, 2, 2, 1, 1]
+    """
+
+    def __init__(self, period: int, max_period: int | None = None, threshold: float = 0.01,
+                 patience: int = 2) -> None:
+        if period < 1:
+            raise ValueError(f"DASO's period k must be >= 1, got {period}")
+        self.period = period
+        self.max_period = max(period, max_period if max_period is not None else 2 * period)
+        self.threshold = threshold
+        self.patience = patience
+        self.best: float | None = None
+        self.bad = 0  # observations in a row without improvement
+        self.changes = 0
+
+    def observe(self, loss: float) -> int:
+        """Record the global loss at a merge; return k for the iterations that follow."""
+        if self.best is None or loss < self.best * (1.0 - self.threshold):
+            self.best = loss if self.best is None else min(self.best, loss)
+            self.bad = 0
+            return self.period
+        self.best = min(self.best, loss)
+        self.bad += 1
+        if self.bad >= self.patience:
+            self.period = self.period // 2 if self.period > 1 else self.max_period
+            self.best, self.bad = None, 0
+            self.changes += 1
+        return self.period
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able state, for the checkpoint's meta."""
+        return {"period": self.period, "max_period": self.max_period, "best": self.best, "bad": self.bad,
+                "changes": self.changes}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.period = int(state["period"])
+        self.max_period = int(state.get("max_period", self.max_period))
+        best = state.get("best")
+        self.best = None if best is None else float(best)
+        self.bad = int(state.get("bad", 0))
+        self.changes = int(state.get("changes", 0))
 
 
 class _Shard(threading.Thread):
@@ -264,14 +323,17 @@ class ModeSync:
         self.started[s] = (step, work, buf)
 
     def _average_merge(self, s: int, step: int, where: object) -> None:
-        """DASO's merge of a global average that arrives S iterations late (Coquelin et al. 2022, Sec. 3.2):
-        the local parameters weigh 2, the stale global average S: ``x = (2 x_local + S x_avg) / (S + 2)``."""
+        """DASO's merge of a global average that arrives S iterations late (Coquelin et al., J. Big Data 2022,
+        Sec. "Global synchronization"): the P participants' parameters count once each, the local parameters,
+        which went on training for S iterations, count 2S times: ``x = (2S x_local + P x_avg) / (2S + P)``.
+        The staler the average, the more the local parameters weigh; S = 0 (merged at once) counts them once."""
         if s not in self.started:
             return
         started, work, buf = self.started.pop(s)
         self._wait(work, s, where, self._peers(s))
-        stale = step - started
-        _assign(self.params[s], (2 * _flat(self.params[s]) + stale * buf) / (stale + 2))
+        local_weight = 2.0 * (step - started) if step > started else 1.0
+        p = len(self.segments[s].owners)
+        _assign(self.params[s], (local_weight * _flat(self.params[s]) + p * buf) / (local_weight + p))
 
     # --- parameter servers -------------------------------------------------------------
 
@@ -371,9 +433,10 @@ class ModeSync:
         self.max_lead_waves = max(self.max_lead_waves, self.wave - slowest)
         self.lead_checks += 1
 
-    def finish(self, where: object) -> None:
-        """Wait for every wave in flight and take the final global weights; stop the shard threads."""
-        for s in list(self.started):  # a DASO average still in flight: merge it
+    def _drain(self, where: object) -> None:
+        """Merge a DASO average in flight; wait until every wave this rank pushed is in the global weights
+        it holds, keeping its local steps since the last push."""
+        for s in list(self.started):
             self._average_merge(s, self.started[s][0] + 1, where)
         saved = self.opts
         try:
@@ -386,13 +449,70 @@ class ModeSync:
                     drift = _flat(self.params[s]) - self.base[s]  # local steps since the last push: kept
                     self._pull(s, where)
                     _assign(self.params[s], self.base[s] + drift)
-            self.wave += 1
         finally:
+            self.wave += 1
             self.opts = saved
+
+    def finish(self, where: object) -> None:
+        """Wait for every wave in flight and take the final global weights; stop the shard threads."""
+        try:
+            self._drain(where)
+        finally:
             for shard in self.shards.values():
                 shard.updates.put(None)
             for shard in self.shards.values():
                 shard.join(timeout=self.timeout_s)
+
+    # --- checkpoints -------------------------------------------------------------------
+
+    def checkpoint_state(self, module: nn.Module, where: object) -> dict[str, torch.Tensor]:
+        """Bring the mode to a state a checkpoint can hold, and return the shards this rank hosts.
+
+        Every owner does this at the same step: under ``hybrid-ps`` it first pushes its local steps
+        since the last push (one extra wave), then every owner waits until the global weights hold
+        all pushed waves (as at the end of training) and a DASO average in flight is merged. The
+        shards' global weights come back under ``ps.<parameter name>`` (``PS_PREFIX``), one file per
+        layer, written by the shard's host.
+        """
+        if self.plan.sync == "hybrid-ps" and self.base:
+            for s in sorted(self.base, reverse=True):
+                self._push(s)
+            self.wave += 1
+        self._drain(where)
+        name_of = {id(p): n for n, p in module.named_parameters()}
+        out: dict[str, torch.Tensor] = {}
+        for s, shard in self.shards.items():
+            offset = 0
+            for p in self.params[s]:
+                out[PS_PREFIX + name_of[id(p)]] = shard.weights[offset:offset + p.numel()].view_as(p).detach().cpu()
+                offset += p.numel()
+        return out
+
+    def restore_state(self, module: nn.Module, directory: str | Path, step: int) -> list[int]:
+        """After the module's weights are loaded from checkpoint ``step``: the shards' global weights from it.
+
+        Every owner of a segment reads them (its base for the next push); its host also puts them in
+        its shard. A checkpoint without them (written under another mode or plan) leaves the global
+        weights equal to the loaded ones. Returns the segments whose shard state was found.
+        """
+        if not self.base:
+            return []
+        from hetrain.runtime.checkpoint import load_checkpoint, load_manifest
+
+        held = load_manifest(directory, step)["tensors"]
+        name_of = {id(p): n for n, p in module.named_parameters()}
+        found = []
+        for s in self.base:
+            names = [PS_PREFIX + name_of[id(p)] for p in self.params[s]]
+            weights = _flat(self.params[s])
+            if names and all(n in held for n in names):
+                tensors, _, _ = load_checkpoint(directory, names, step)
+                weights = torch.cat([tensors[n].reshape(-1) for n in names]).to(weights)
+                found.append(s)
+            self.base[s] = weights.clone()
+            if s in self.shards:
+                self.shards[s].weights.copy_(weights)
+        return found
 
     def close(self) -> None:
         for shard in self.shards.values():
@@ -400,4 +520,4 @@ class ModeSync:
                 shard.updates.put(None)
 
 
-__all__ = ["ModeSync", "PeerError", "build_mode_groups", "ps_host"]
+__all__ = ["PS_PREFIX", "DasoRate", "ModeSync", "PeerError", "build_mode_groups", "ps_host"]
