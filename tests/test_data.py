@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import socket
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from hetrain.data.datasets import ArrayDataset, build_synthetic_dataset, iter_batches
+from hetrain.data.datasets import ArrayDataset, build_synthetic_dataset, eval_batches, iter_batches
 from hetrain.data.registry import build_datasets, default_data
 from hetrain.data.sharding import batch_slices, sample_weights, shard_batch, split_batch, split_evenly
 from hetrain.data.text import (
@@ -83,6 +84,42 @@ def test_text_batches_shapes_targets_and_split() -> None:
     assert decode_ids(val.ids) == load_text_corpus()[len(train.ids):]
     first_x, _ = val[0]
     assert decode_ids(first_x) == load_text_corpus()[len(train.ids):len(train.ids) + 64]
+
+
+def test_validation_text_is_held_out_and_the_same_every_time() -> None:
+    corpus = load_text_corpus()
+    train, val = build_datasets("shakespeare", "gpt-tiny")  # what hetrain train uses
+    cut = len(train.ids)
+    assert len(val.ids) == len(corpus) - cut == int(len(corpus) * 0.1)  # the last 10% of the text
+    # No training window reaches a validation character: the last one ends at the cut.
+    _, last_y = train.take(torch.tensor([len(train) - 1]))
+    assert decode_ids(last_y[0]) == corpus[cut - train.seq_len:cut]
+    with pytest.raises(IndexError):
+        train.take(torch.tensor([len(train)]))
+    assert torch.equal(train.ids, encode_text(corpus[:cut])) and torch.equal(val.ids, encode_text(corpus[cut:]))
+    # Deterministic: the same split and the same evaluation batches on every call (and so on every rank).
+    train2, val2 = build_datasets("shakespeare", "gpt-tiny")
+    assert torch.equal(train2.ids, train.ids) and torch.equal(val2.ids, val.ids)
+    one, two = eval_batches(val, 32, 8), eval_batches(val2, 32, 8)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(one, two, strict=True))
+
+
+def test_eval_batches_spread_over_the_whole_set() -> None:
+    ds = ArrayDataset(torch.arange(100), torch.arange(100) * 2)
+    batches = eval_batches(ds, 5, 2)
+    assert [x.tolist() for x, _ in batches] == [[0, 11, 22, 33, 44], [55, 66, 77, 88, 99]]
+    assert [y.tolist() for _, y in batches][1] == [110, 132, 154, 176, 198]
+    # 8 batches of 32 windows of the held-out text: from its start to its end, no two windows overlapping
+    train, val = load_text_datasets(seq_len=64)
+    held_out = load_text_corpus()[len(train.ids):]
+    windows = [decode_ids(row) for x, _ in eval_batches(val, 32, 8) for row in x]
+    assert windows[0] == held_out[:64] and windows[-1] == held_out[-65:-1]
+    at = [held_out.find(w) for w in windows]
+    assert min(b - a for a, b in itertools.pairwise(at)) >= 64
+    with pytest.raises(ValueError, match="need 101 samples, but the validation set has 100"):
+        eval_batches(ds, 101, 1)
+    with pytest.raises(ValueError, match="batch_size >= 1 and count >= 1"):
+        eval_batches(ds, 4, 0)
 
 
 def test_text_dataset_windows_and_epochs() -> None:

@@ -3,7 +3,7 @@
 - ``hetrain.data.text``: a real English text (Shakespeare) for character-level
   language modelling, packaged with hetrain (see README.md here for its origin).
 - ``hetrain.data.digits``: scikit-learn's bundled 8x8 handwritten digits.
-- ``hetrain.data.datasets``: tensor datasets, synthetic data, ``iter_batches``.
+- ``hetrain.data.datasets``: tensor datasets, synthetic data, ``iter_batches``, ``eval_batches``.
 - ``hetrain.data.sharding``: per-VW and per-micro-batch slices of a batch (pure Python).
 - ``hetrain.data.registry``: the data sets by name, matched to a model.
 
@@ -18,7 +18,7 @@ from typing import Any
 
 _EXPORTS = {
     "ArrayDataset": "datasets", "DatasetSplit": "datasets", "build_synthetic_dataset": "datasets",
-    "iter_batches": "datasets",
+    "eval_batches": "datasets", "iter_batches": "datasets",
     "TextDataset": "text", "VOCAB_SIZE": "text", "decode_ids": "text", "encode_text": "text",
     "load_text_corpus": "text", "load_text_datasets": "text",
     "load_digits_dataset": "digits",

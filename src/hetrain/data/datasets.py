@@ -95,6 +95,29 @@ def iter_batches(dataset: BatchSource, batch_size: int, seed: int = 0, *, shuffl
         epoch += 1
 
 
+def eval_batches(dataset: BatchSource, batch_size: int, count: int) -> list[Batch]:
+    """``count`` batches of ``batch_size`` samples spread evenly over ``dataset``, the same every call.
+
+    For measuring a validation loss at intervals during training: the samples are
+    indices ``round(k * (len - 1) / (count * batch_size - 1))``, k = 0, 1, ..., so
+    the batches cover the whole set (from its first sample to its last) without a
+    seed, and every evaluation sees the same samples. On the text validation set,
+    whose windows overlap, samples are at least ``seq_len`` apart when
+    ``count * batch_size <= len / seq_len``.
+
+    Raises:
+        ValueError: ``batch_size`` or ``count`` below 1, or more samples asked for than the set has.
+    """
+    n, total = len(dataset), count * batch_size
+    if batch_size < 1 or count < 1:
+        raise ValueError(f"eval batches need batch_size >= 1 and count >= 1, got {batch_size} and {count}")
+    if total > n:
+        raise ValueError(f"{count} validation batches of {batch_size} need {total} samples, but the validation "
+                         f"set has {n}")
+    indices = torch.linspace(0, n - 1, total, dtype=torch.float64).round().long()  # (count * batch_size,)
+    return [dataset.take(indices[k * batch_size:(k + 1) * batch_size]) for k in range(count)]
+
+
 def build_synthetic_dataset(model_name: str, num_samples: int, seed: int = 0, **config: Any) -> ArrayDataset:
     """``num_samples`` random samples of model ``model_name``'s input and target shapes.
 

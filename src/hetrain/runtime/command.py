@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hetrain.plan import SYNC_MODES, PlanError, load_plan
+from hetrain.planner.sync import parse_sync_options
 from hetrain.runtime.checkpoint import CheckpointError
 from hetrain.runtime.health import PeerError
 from hetrain.runtime.roles import RoleError
@@ -51,7 +52,8 @@ def run_train_command(plan_path: str | Path, model: str, data: str | None = None
                       weight_decay: float = 0.0, seed: int = 0, data_seed: int = 0, progress: bool | None = None,
                       tensorboard_dir: str | Path | None = None, log_every: int = 10,
                       model_config: dict[str, Any] | None = None, sync: str | None = None,
-                      sync_options: dict[str, int] | None = None) -> int:
+                      sync_options: dict[str, int | str] | None = None, eval_every: int = 0,
+                      eval_batches: int = 8) -> int:
     """``hetrain train``: train a reference model with a plan, on every rank of a torchrun job.
 
     Args:
@@ -74,7 +76,10 @@ def run_train_command(plan_path: str | Path, model: str, data: str | None = None
         log_every: steps whose losses are reduced (and logged) together.
         model_config: overrides of the model preset's fields.
         sync: a sync mode to run instead of the plan's (docs/sync.md).
-        sync_options: the mode's parameters (staleness, period, aggregate, warmup, cooldown) over the plan's.
+        sync_options: the mode's parameters (staleness, period, aggregate, warmup, cooldown, placement) over
+            the plan's (``planner.sync.parse_sync_options`` reads them from ``--sync-option``).
+        eval_every: validation loss on the data set's held-out part every this many steps (0: never).
+        eval_batches: global-batch-sized validation batches per evaluation.
 
     Returns:
         The exit status: 0, or 1 after an error printed to stderr.
@@ -94,7 +99,7 @@ def run_train_command(plan_path: str | Path, model: str, data: str | None = None
             raise PlanError(f"model {model!r} has {n} layers but the plan ({plan.model}) has "
                             f"{plan.profile.num_layers}")
         data_name = data or default_data(model, **config)
-        train_set = build_datasets(data_name, model, seed=data_seed, **config).train
+        train_set, val_set = build_datasets(data_name, model, seed=data_seed, **config)
         opt_name = optimizer or {"adam": "adamw"}.get(plan.optimizer, plan.optimizer)
 
         def layers_fn(first: int, end: int) -> list[nn.Module]:
@@ -110,11 +115,15 @@ def run_train_command(plan_path: str | Path, model: str, data: str | None = None
                   f"rank(s), {len(plan.virtual_workers)} VW(s), {plan.schedule}, global batch {plan.global_batch}, "
                   f"{opt_name}{resumed}", flush=True)
         start = trainer.step
-        history = trainer.fit(train_set, steps, seed=data_seed)
+        history = trainer.fit(train_set, steps, seed=data_seed, val_data=val_set, eval_every=eval_every,
+                              eval_batches=eval_batches)
         if trainer.is_reporting and history:
             rates = [r["samples_per_s"] for r in history[1:]] or [history[0]["samples_per_s"]]
             print(f"hetrain train: steps {start} -> {trainer.step}, loss {history[0]['loss']:.4f} -> "
                   f"{history[-1]['loss']:.4f}, {sorted(rates)[len(rates) // 2]:.1f} samples/s (median)", flush=True)
+            if trainer.val_history:
+                print(f"hetrain train: validation loss {trainer.val_history[0]['val_loss']:.4f} -> "
+                      f"{trainer.val_history[-1]['val_loss']:.4f}", flush=True)
         elif not trainer.role.used:
             print(f"hetrain train: rank {trainer.rank} ({trainer.role.device}) is unused by the plan; idle",
                   flush=True)
@@ -155,8 +164,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     bar = parser.add_mutually_exclusive_group()
     parser.add_argument("--sync", choices=list(SYNC_MODES), default=None,
                         help="sync mode to run instead of the plan's (docs/sync.md)")
-    parser.add_argument("--sync-option", dest="sync_options", action="append", default=[], metavar="KEY=N",
-                        help="a sync mode parameter over the plan's: staleness, period, aggregate, warmup, cooldown")
+    parser.add_argument("--sync-option", dest="sync_options", action="append", default=[], metavar="KEY=VALUE",
+                        help="a sync mode parameter over the plan's (repeatable): staleness=N, period=N, "
+                             "aggregate=N, warmup=N, cooldown=N, placement=local|round-robin")
+    parser.add_argument("--eval-every", type=int, default=0, metavar="N",
+                        help="validation loss on the held-out data every N steps, logged as val_loss (0: never)")
+    parser.add_argument("--eval-batches", type=int, default=8, metavar="K",
+                        help="global-batch-sized validation batches per evaluation (default 8)")
     bar.add_argument("--progress", dest="progress", action="store_true", default=None, help="force the progress bar")
     bar.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
@@ -165,7 +179,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     """Run the ``train`` command from parsed ``add_train_arguments`` options."""
     try:
         config = _model_config(args.model_config)
-        sync_options = _sync_options(args.sync_options)
+        sync_options = parse_sync_options(args.sync_options)
     except ValueError as e:
         print(f"hetrain train: error: {e}", file=sys.stderr)
         return 2
@@ -174,20 +188,8 @@ def run_from_args(args: argparse.Namespace) -> int:
                              optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
                              data_seed=args.data_seed, progress=args.progress, tensorboard_dir=args.tensorboard_dir,
                              log_every=args.log_every, model_config=config, sync=args.sync,
-                             sync_options=sync_options)
-
-
-def _sync_options(items: Sequence[str]) -> dict[str, int]:
-    """``["staleness=2", "period=8"]`` -> ``{"staleness": 2, "period": 8}``, names checked."""
-    from hetrain.schedule import SYNC_OPTION_NAMES
-
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or key not in SYNC_OPTION_NAMES or not value.strip().lstrip("-").isdigit():
-            raise ValueError(f"--sync-option {item!r}: expected KEY=N with KEY one of {', '.join(SYNC_OPTION_NAMES)}")
-        out[key] = int(value)
-    return out
+                             sync_options=sync_options, eval_every=args.eval_every,
+                             eval_batches=args.eval_batches)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,6 +14,10 @@ reporting rank into ``hetrain.timeline``'s format, so that
 A metrics line per step::
 
     {"step": 3, "loss": 4.21, "samples_per_s": 812.5, "step_time_s": 0.0394, "elapsed_s": 0.21}
+
+and, with a validation set (``Trainer.fit(..., eval_every=N)``), a line per evaluation::
+
+    {"step": 10, "val_loss": 3.02, "elapsed_s": 1.9, "eval_s": 0.31, "val_samples": 256}
 """
 
 from __future__ import annotations
@@ -132,10 +136,11 @@ class MetricsLog:
         if self.file is not None:
             self.file.write(json.dumps(dict(record)) + "\n")
         if self.writer is not None:
+            section = "val" if "val_loss" in record else "train"
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
-                    self.writer.add_scalar(f"train/{key}", value, int(record["step"]))
-        if self.progress is not None:
+                    self.writer.add_scalar(f"{section}/{key}", value, int(record["step"]))
+        if self.progress is not None and "loss" in record:  # not a validation record
             status = f"loss {record['loss']:.4f}  {record['samples_per_s']:.1f} samples/s"
             self.progress.update(self.task, completed=int(record["step"]), status=status)
 

@@ -45,10 +45,11 @@ from torch import nn
 
 from hetrain.data.sharding import batch_length, shard_batch, split_batch
 from hetrain.plan import Plan
+from hetrain.runtime.evaluate import evaluate_stage
 from hetrain.runtime.executor import Executor, LossFn, StageModule
 from hetrain.runtime.health import Health, PeerError
 from hetrain.runtime.metrics import MetricsLog, Recorder, merge_timeline
-from hetrain.runtime.modes import ModeSync, build_mode_groups
+from hetrain.runtime.modes import DasoRate, ModeSync, build_mode_groups
 from hetrain.runtime.p2p import Transport
 from hetrain.runtime.roles import Role, RoleError, build_roles, local_device_name
 from hetrain.runtime.sync import GradientSync, build_segment_groups
@@ -195,6 +196,10 @@ class Trainer:
         self.timeline: Timeline | None = None
         self.step = 0
         self.history: list[dict[str, Any]] = []
+        self.val_history: list[dict[str, Any]] = []  # validation-loss records of fit (reporting rank)
+        self._loss_fn = loss_fn
+        self._eval_set: list[Any] = []  # fixed validation batches (fit's val_data)
+        self._eval_every = 0
 
         try:
             self.rank, self.world, local_rank, self.device = init_distributed(timeout_s)
@@ -232,8 +237,8 @@ class Trainer:
         self.modes: ModeSync | None = None
         self._schedules: dict[tuple[str, ...], list[Action]] = {}  # this device's actions, by its sync actions
         self._daso_pending = False  # a DASO average was started last iteration: merge it in this one
-        self._daso_period = sync_options(plan).period  # DASO's k, halved when the loss plateaus
-        self._daso_losses: list[float] = []  # the global loss at each merged average
+        self._daso_rate = DasoRate(sync_options(plan).period)  # DASO's k, adapted when the loss plateaus
+        self._daso_period = self._daso_rate.period
         self._daso_loss: tuple[Any, torch.Tensor] | None = None  # (work, buffer) of the loss posted with an average
 
         self.module: StageModule | None = None
@@ -275,7 +280,8 @@ class Trainer:
         """This rank's stage, with global names ``layers.{k}.…`` (empty on an unused rank)."""
         return {} if self.module is None else self.module.state_dict()
 
-    def fit(self, data: Any, steps: int, *, seed: int = 0) -> list[dict[str, Any]]:
+    def fit(self, data: Any, steps: int, *, seed: int = 0, val_data: Any = None, eval_every: int = 0,
+            eval_batches: int = 8) -> list[dict[str, Any]]:
         """Train until ``steps`` steps are done (counting those before a resume).
 
         Args:
@@ -285,6 +291,14 @@ class Trainer:
                 from step 0 (batches before the resumed step are skipped).
             steps: the step count to reach.
             seed: the data seed (datasets only).
+            val_data: a held-out dataset (``len`` and ``take``) for the validation loss.
+            eval_every: evaluate before the first step, every ``eval_every`` steps and after the
+                last (0: never). VW 0 runs ``eval_batches`` fixed batches of ``plan.global_batch``
+                samples (``data.datasets.eval_batches``) forward through its pipeline
+                (``runtime.evaluate``); the reporting rank logs ``{"step", "val_loss", "elapsed_s",
+                "eval_s", "val_samples"}`` (also in ``val_history``). Evaluation time is left out of
+                every ``elapsed_s``; the wait for all ranks to finish the step before it is not.
+            eval_batches: batches per evaluation.
 
         Returns:
             Per-step metrics of this call (``step``, ``loss``, ``samples_per_s``, ``step_time_s``),
@@ -293,6 +307,13 @@ class Trainer:
         Raises:
             PeerError: a peer died, or did not answer within ``timeout_s``; names it and the action.
         """
+        if eval_every < 0 or (eval_every and val_data is None):
+            raise ValueError(f"eval_every={eval_every} needs eval_every >= 0 and, when > 0, val_data")
+        self._eval_every = eval_every
+        if eval_every:
+            from hetrain.data.datasets import eval_batches as fixed_batches
+
+            self._eval_set = fixed_batches(val_data, self.plan.global_batch, eval_batches)
         if not self.role.used:
             self._idle()
             return []
@@ -350,6 +371,10 @@ class Trainer:
         waiting: list[tuple[dict[str, Any], torch.Tensor]] = []  # steps whose loss is not reduced yet
         in_flight: _Losses | None = None  # reduced asynchronously, read at the next flush
         t_begin = t_prev = time.perf_counter()
+        excluded = 0.0  # seconds spent evaluating: left out of elapsed_s
+        if self._eval_every:
+            excluded += self._evaluate(log, 0.0)
+            t_prev = time.perf_counter()
         while self.step < steps:
             s = self.step
             record = self.record_timeline and s == steps - 1
@@ -376,10 +401,11 @@ class Trainer:
             step_time = t_end - t_prev
             t_prev = t_end
             row = {"step": self.step, "loss": None, "samples_per_s": N / step_time if step_time > 0 else 0.0,
-                   "step_time_s": step_time, "elapsed_s": t_end - t_begin}
+                   "step_time_s": step_time, "elapsed_s": (elapsed := t_end - t_begin - excluded)}
             waiting.append((row, loss.detach()))
             checkpoint = self._checkpoint_due(steps)
-            if len(waiting) >= self.log_every or checkpoint or self.step == steps:
+            evaluate = bool(self._eval_every) and (self.step % self._eval_every == 0 or self.step == steps)
+            if len(waiting) >= self.log_every or checkpoint or evaluate or self.step == steps:
                 if in_flight is not None:
                     self._finish_metrics(in_flight, log, out)
                 in_flight = self._reduce_losses(waiting)
@@ -389,10 +415,33 @@ class Trainer:
                 self._finish_metrics(in_flight, log, out)
                 in_flight = None
                 self._save(out[-1]["loss"] if out else None)
+            if evaluate:  # after every rank has finished this step (its losses are summed): evaluate, untimed
+                if in_flight is not None:
+                    self._finish_metrics(in_flight, log, out)
+                    in_flight = None
+                excluded += self._evaluate(log, elapsed)
+                t_prev = time.perf_counter()
         if in_flight is not None:
             self._finish_metrics(in_flight, log, out)
         if self.modes is not None:
             self.modes.finish(f"the end of training (step {self.step})")
+
+    def _evaluate(self, log: MetricsLog | None, elapsed_s: float) -> float:
+        """Validation loss of VW 0's weights now (``runtime.evaluate``); returns the seconds it took."""
+        t0 = time.perf_counter()
+        mine = evaluate_stage(self.role, self.module, self._loss_fn, self._eval_set, self.work_group, self.health,
+                              self.device, self.timeout_s)
+        buf = torch.tensor([0.0 if mine is None else mine], dtype=torch.float64)
+        if len(self.used_ranks) > 1:  # only VW 0's last stage adds its figure
+            self._wait_collective(dist.all_reduce(buf, group=self.work_group, async_op=True),
+                                  f"the validation loss at step {self.step}")
+        took = time.perf_counter() - t0
+        row = {"step": self.step, "val_loss": float(buf[0]), "elapsed_s": elapsed_s, "eval_s": took,
+               "val_samples": sum(len(y) for _, y in self._eval_set)}
+        self.val_history.append(row)
+        if log is not None:
+            log.log(row)
+        return took
 
     def _adapt_daso_period(self, actions: Sequence[Action], loss: torch.Tensor) -> None:
         """DASO's adaptive global sync rate (Coquelin et al. 2022, Sec. 3.3): the global loss travels with
@@ -404,11 +453,7 @@ class Trainer:
             self._daso_loss = None
             if work is not None:
                 self._wait_collective(work, "the loss sent with DASO's global average")
-            self._daso_losses.append(float(buf))
-            recent = self._daso_losses
-            if len(recent) >= 3 and recent[-1] > 0.99 * min(recent[:-1]) and self._daso_period > 1:
-                self._daso_period //= 2
-                self._daso_losses = []
+            self._daso_period = self._daso_rate.observe(float(buf))  # modes.DasoRate
         if any(a.kind is ActionKind.AVERAGE_START for a in actions):
             buf = loss.detach().clone()
             work = (dist.all_reduce(buf, group=self.work_group, async_op=True) if len(self.used_ranks) > 1 else None)
@@ -543,10 +588,15 @@ class Trainer:
 
         assert self.module is not None and self.checkpoint_dir is not None
         meta = self._meta(loss)
+        owned = self._owned_names()
+        mode_tensors = ({} if self.modes is None else  # parameter-server shards; DASO's k (runtime.modes)
+                        self.modes.checkpoint_state(self.module, f"the checkpoint of step {self.step}"))
+        if self.plan.sync == "daso":
+            meta["daso"] = self._daso_rate.state_dict()
         self._post_event({"kind": "checkpoint", "step": self.step, "meta": meta})
         tensors = {n: t.detach().cpu() for n, t in self.module.state_dict().items()}
-        save_checkpoint(self.checkpoint_dir, self.step, tensors, self._optimizer_state(), meta,
-                        owned_names=self._owned_names(), timeout_s=self.timeout_s)
+        save_checkpoint(self.checkpoint_dir, self.step, {**tensors, **mode_tensors}, self._optimizer_state(), meta,
+                        owned_names=owned | set(mode_tensors), timeout_s=self.timeout_s)
 
     def _restore(self) -> None:
         if self.checkpoint_dir is None:
@@ -572,6 +622,11 @@ class Trainer:
                 self.optimizer.state[p] = {k: (v.to(p.device) if isinstance(v, torch.Tensor) and k != "step" else v)
                                            for k, v in optimizer_state[name].items()}
         self.step = int(meta.get("step", step))
+        if self.modes is not None:  # the parameter-server shards' global weights, DASO's k (runtime.modes)
+            self.modes.restore_state(self.module, self.checkpoint_dir, step)
+        if self.plan.sync == "daso" and isinstance(meta.get("daso"), dict):
+            self._daso_rate.load_state_dict(meta["daso"])
+            self._daso_period = self._daso_rate.period
 
     # --- unused ranks ----------------------------------------------------------------
 
