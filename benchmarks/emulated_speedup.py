@@ -1,23 +1,32 @@
-"""Measured speed-up of hetrain's plan over data parallelism and an even-split pipeline, emulated.
+"""Measured speed-up of hetrain's plan over torch's DistributedDataParallel and pipelining, emulated.
 
 Three clusters emulated on this host (hetrain.emulate: namespaces, tc-shaped NICs,
 cgroup CPU quotas), 2 nodes x 2 devices each; on each, the demo's path
 (hetrain.demo.run_emulated_comparison): profile gpt-tiny per device type on an
-emulated device of that type, discover the links, plan, simulate, then train every
-plan the same number of steps on Shakespeare, one after the other:
+emulated device of that type, discover the links, plan, simulate, then train, one
+after the other, the same steps on Shakespeare with the same global batch and SGD:
 
     network    equal devices (share 0.4 each), NICs 1 Gbit/s and 50 Mbit/s
     compute    devices at shares 0.6 and 0.2, both NICs 1 Gbit/s
     both       shares 0.6 and 0.24, NICs 1 Gbit/s and 100 Mbit/s (the demo's cluster)
 
-Baselines, both run by hetrain's own runtime (not torch's DDP / pipelining):
-"dp" is the planner's pure data-parallel plan (strategy="dp": one VW per device,
-batch split by speed, all-reduce every iteration); "even-split" is one pipeline
-over all devices with layers split as evenly as possible. Samples/s leave out
-the warm-up steps; prediction error is (simulated - measured) / measured
-iteration time. Needs root (or is skipped, saying so).
+Rows per scenario:
 
-    sudo -E .venv/bin/python benchmarks/emulated_speedup.py [--steps 12]
+    hetrain            hetrain's plan, run by hetrain's runtime
+    dp                 the planner's data-parallel plan (batch split by device speed), hetrain's runtime
+    torch-ddp          torch.nn.parallel.DistributedDataParallel, one replica per device, batch split
+                       evenly (hetrain.baselines ddp)
+    torch-pipelining   torch.distributed.pipelining over the 4 devices, layers split evenly, the
+                       planner's pipeline micro-batch count and schedule (hetrain.baselines pipelining)
+
+"predicted" is the simulator's iteration for hetrain's plans; for the torch rows it is
+hetrain's model of them (the even-batch DP plan, the even-split pipeline plan), which
+models hetrain's runtime, not torch's. Samples/s leave out the warm-up steps; prediction
+error is (simulated - measured) / measured iteration time; speed-up is over torch-ddp.
+Needs root (or is skipped, saying so).
+
+    sudo -E .venv/bin/python benchmarks/emulated_speedup.py [--steps 12] [--scenarios both]
+    sudo -E .venv/bin/python benchmarks/emulated_speedup.py --quick   # 4 steps, 1 warm-up, no RESULTS.md
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ import time
 from pathlib import Path
 
 from _results import write_section
-from hetrain.demo import run_emulated_comparison
+from hetrain.demo import run_emulated_comparison, torch_pipelining_micro_batches
 from hetrain.emulate import EmulationError
 from hetrain.emulate.emulator import check_permissions
 
@@ -63,39 +72,65 @@ SCENARIOS = {
 }
 
 
+TRAIN = ("hetrain", "dp")
+BASELINES = ("ddp", "pipelining")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--global-batch", type=int, default=32)
+    parser.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: 4 steps, 1 warm-up, RESULTS.md left alone")
+    parser.add_argument("--no-write", action="store_true", help="do not write benchmarks/RESULTS.md")
     parser.add_argument("--out", default="out/bench-emulated")
     args = parser.parse_args()
+    if args.quick:
+        args.steps, args.warmup, args.no_write = 4, 1, True
+    if not 0 <= args.warmup < args.steps:
+        parser.error(f"--warmup must leave at least one timed step of --steps {args.steps}, got {args.warmup}")
     try:
         check_permissions("up")
     except EmulationError as e:
         print(f"skipped: {e}")
         return 0
-    rows = ["| scenario | plan | shape | predicted samples/s | measured samples/s | iteration error | "
-            "speed-up over dp |", "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
+    rows = ["| scenario | run | runtime | shape | predicted samples/s | measured samples/s | iteration error | "
+            "speed-up over torch DDP |", "| --- | --- | --- | --- | ---: | ---: | ---: | ---: |"]
     start, load0 = time.perf_counter(), os.getloadavg()[0]
-    for name, text in SCENARIOS.items():
-        result = run_emulated_comparison(text, Path(args.out) / name, "gpt-tiny", args.global_batch, args.steps,
-                                         args.warmup, log=lambda s: None)
+    optimizers = set()
+    for name in args.scenarios:
+        result = run_emulated_comparison(SCENARIOS[name], Path(args.out) / name, "gpt-tiny", args.global_batch,
+                                         args.steps, args.warmup, log=lambda s: None, train=TRAIN,
+                                         baselines=BASELINES)
+        optimizers.add(result.runs["hetrain"].plan.optimizer)
         for r in result.runs.values():
-            shape = f"{r.plan.strategy}: " + " + ".join(str(len(vw.stages)) for vw in r.plan.virtual_workers)
-            rows.append(f"| {name} | {r.name} | {shape} | {r.predicted_samples_per_s:.1f} | "
+            if r.runtime == "torch" and r.name == "torch-ddp":
+                shape = "DDP: 4 replicas, batch split evenly"
+            elif r.runtime == "torch":
+                vw = r.plan.virtual_workers[0]
+                shape = f"pipelining: {len(vw.stages)} even stages, m={torch_pipelining_micro_batches(r.plan)}"
+            else:
+                shape = f"{r.plan.strategy}: " + " + ".join(str(len(vw.stages)) for vw in r.plan.virtual_workers)
+            runtime = "torch" if r.runtime == "torch" else "hetrain"
+            rows.append(f"| {name} | {r.name} | {runtime} | {shape} | {r.predicted_samples_per_s:.1f} | "
                         f"{r.measured_samples_per_s:.1f} | {100 * r.prediction_error:+.1f}% | "
-                        f"{result.speedup('dp', r.name):.2f}x |")
+                        f"{result.speedup('torch-ddp', r.name):.2f}x |")
         print("\n".join(rows), flush=True)
     table = "\n".join(rows)
-    notes = (f"gpt-tiny, global batch {args.global_batch}, {args.steps} steps per plan, first {args.warmup} left out; "
-             f"2-core host, cgroup v1 quotas, tc htb (no latency emulation). Baselines are hetrain's runtime on "
-             f"the planner's dp plan and on a hand-built even-split pipeline, not torch DDP or "
-             f"torch.distributed.pipelining. Took {time.perf_counter() - start:.0f} s; host load average "
-             f"{load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.")
+    took = time.perf_counter() - start
+    notes = (f"gpt-tiny, global batch {args.global_batch}, the plan's optimizer ({', '.join(sorted(optimizers))}) in "
+             f"every run, the same data order and initial weights, {args.steps} steps per run, first {args.warmup} "
+             f"left out; 2-core host, cgroup CPU quotas, tc htb (no latency emulation). torch rows: "
+             f"hetrain.baselines (DistributedDataParallel; torch.distributed.pipelining), their predicted column is "
+             f"hetrain's model of the same partition run by hetrain's runtime. Took {took:.0f} s; host load "
+             f"average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.")
     print(notes)
-    write_section("Emulated speed-up (hetrain plan vs dp vs even-split pipeline)",
-                  "sudo -E .venv/bin/python benchmarks/emulated_speedup.py", table, notes)
+    if not args.no_write:
+        command = "sudo -E .venv/bin/python benchmarks/emulated_speedup.py " + " ".join(sys.argv[1:])
+        write_section("Emulated speed-up (hetrain plan vs torch DDP vs torch pipelining)", command.strip(), table,
+                      notes)
     return 0
 
 

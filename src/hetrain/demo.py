@@ -77,8 +77,13 @@ cpu_scale = 0.6
 
 DEFAULT_OUT = "out/demo"
 PROFILE_MICRO_BATCHES = (2, 4, 8, 16)
+# Each layer is timed over back-to-back calls of at least this long (ten 10 ms CPU-quota periods):
+# a single call shorter than a throttled device's quota runs at full speed (profiler.layers).
+PROFILE_MIN_TIME_S = 0.1
 MICRO_BATCH_SIZES = (4, 8, 16)
-DISCOVER_ARGS = ("--sizes", "16KB..1MB", "--repeats", "3")
+# Messages from 256 KiB up: a tc token bucket lets the first ~128 KB of a message through at once, so
+# smaller messages would measure the burst, not the NIC rate the gradients and activations meet.
+DISCOVER_ARGS = ("--sizes", "256KiB..4MiB", "--repeats", "3")
 
 
 def _say(text: str) -> None:
@@ -104,6 +109,7 @@ class PlanRun:
     metrics: list[dict[str, Any]] = field(default_factory=list)
     warmup: int = 0
     wall_s: float = 0.0
+    runtime: str = "hetrain"  # or "torch": a torch baseline, whose ``plan`` is hetrain's model of it
 
     @property
     def predicted_iteration_s(self) -> float:
@@ -198,15 +204,19 @@ def relabel_profile(profile: ModelProfile, type_name: str, figures: tuple[float,
 
 
 def profile_worker(argv: Sequence[str]) -> int:
-    """One rank of the profiling job: local rank 0 of each node profiles the model as its node's type."""
+    """One rank of the profiling job: every rank profiles the model at once, local rank 0 of each node
+    saves its measurements as its node's.
+
+    All ranks measure together so that each device meets the CPU contention it meets in training
+    (the emulated devices' shares add up to most of the host's cores); one device measuring alone
+    on an idle host ran faster than it then trained.
+    """
     parser = argparse.ArgumentParser(prog="python -m hetrain.demo profile-worker")
     parser.add_argument("--model", required=True)
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--micro-batches", default=",".join(map(str, PROFILE_MICRO_BATCHES)))
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
-        return 0
     import torch
 
     from hetrain.models.registry import build_layers, layer_names, sample_batch
@@ -218,8 +228,11 @@ def profile_worker(argv: Sequence[str]) -> int:
     generator = torch.Generator().manual_seed(0)
     sizes = [int(b) for b in args.micro_batches.split(",")]
     measured = measure_layers(layers, lambda b: sample_batch(args.model, b, generator)[0], sizes, "cpu",
-                              args.repeats, 1, "fp32", layer_names(args.model), unpack_tuples=False)
-    measured.to_profile(args.model).save(Path(args.out_dir) / f"profile-node-{node}.json")
+                              args.repeats, 1, "fp32", layer_names(args.model), unpack_tuples=False,
+                              min_time_s=PROFILE_MIN_TIME_S)
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+        measured.to_profile(args.model).save(Path(args.out_dir) / f"profile-node-{node}.json")
     return 0
 
 
@@ -301,6 +314,38 @@ def even_split_plan(base: Plan, device_order: Sequence[str] | None = None) -> Pl
     return replace(draft, prediction=pred)
 
 
+def even_dp_plan(base: Plan) -> Plan:
+    """DistributedDataParallel as hetrain models it: one replica per device of ``base`` (a ``strategy="dp"``
+    plan), the global batch split evenly (a DDP user does not weigh the devices), all-reduce every step."""
+    from hetrain.cost import estimate_layer_times
+    from hetrain.data.sharding import split_evenly
+    from hetrain.plan import Prediction, Stage, VirtualWorker
+    from hetrain.simulator import simulate
+
+    devices = [d.name for d in base.cluster.devices]
+    n = base.profile.num_layers
+    vws = []
+    for dev, share in zip(devices, split_evenly(base.global_batch, len(devices)), strict=True):
+        fwd, bwd = estimate_layer_times(base.profile, base.cluster.device(dev), share)
+        vws.append(VirtualWorker((Stage(dev, 0, n, predicted_forward_s=float(fwd.sum()),
+                                        predicted_backward_s=float(bwd.sum())),), share, 1))
+    draft = replace(base, virtual_workers=tuple(vws), strategy="dp", formation="even-batch",
+                    prediction=replace(base.prediction, memory=()))
+    sim = simulate(draft)
+    pred = Prediction(iteration_s=sim.iteration_s, samples_per_s=sim.samples_per_s, pipeline_s=sim.iteration_s,
+                      sync_s=0.0, optimizer_s=0.0, simulated_iteration_s=sim.iteration_s)
+    return replace(draft, prediction=pred)
+
+
+def torch_pipelining_micro_batches(plan: Plan) -> int:
+    """The micro-batch count of ``plan``'s one VW, lowered to a divisor of the global batch
+    (torch.distributed.pipelining cuts the batch into equal micro-batches)."""
+    m = plan.virtual_workers[0].micro_batches
+    while plan.global_batch % m:
+        m -= 1
+    return m
+
+
 def build_plans(cluster_dict: dict[str, Any], profile: ModelProfile, global_batch: int) -> dict[str, Plan]:
     """hetrain's plan, pure data parallelism and the even-split pipeline, in that order."""
     from hetrain.cluster import parse_cluster
@@ -324,8 +369,9 @@ def build_plans(cluster_dict: dict[str, Any], profile: ModelProfile, global_batc
 
 def run_emulated_comparison(cluster_text: str, out_dir: str | Path, model: str = "gpt-tiny", global_batch: int = 32,
                             steps: int = 20, warmup: int = 5, log: Callable[[str], None] = _say,
-                            job_timeout_s: float = 300.0) -> Comparison:
-    """Profile, discover, plan, simulate and train three plans on one emulated cluster.
+                            job_timeout_s: float = 300.0, train: Sequence[str] = ("hetrain", "dp", "even-split"),
+                            baselines: Sequence[str] = ()) -> Comparison:
+    """Profile, discover, plan, simulate and train plans (and torch baselines) on one emulated cluster.
 
     Args:
         cluster_text: the cluster file (TOML; its ``[emulation]`` table is honoured).
@@ -335,6 +381,12 @@ def run_emulated_comparison(cluster_text: str, out_dir: str | Path, model: str =
         steps: training steps per plan; ``warmup`` of them are left out of the rates.
         log: where progress lines go.
         job_timeout_s: the longest one emulated job may run.
+        train: which of ``build_plans``' plans hetrain's runtime trains, in order.
+        baselines: torch baselines to train after them (``hetrain.baselines``): ``ddp``
+            (DistributedDataParallel, batch split evenly; predicted as ``even_dp_plan``) and
+            ``pipelining`` (torch.distributed.pipelining over every device, layers split evenly,
+            the even-split plan's micro-batches and schedule; predicted as that plan). Their
+            runs are keyed ``torch-ddp`` and ``torch-pipelining``.
 
     Raises:
         EmulationError: the host cannot emulate (not root, no namespaces...).
@@ -378,16 +430,45 @@ def run_emulated_comparison(cluster_text: str, out_dir: str | Path, model: str =
         start = time.perf_counter()
         plans = build_plans(planning, profile, global_batch)
         timings["plan"] = time.perf_counter() - start
-        for name, p in plans.items():
+        unknown = [k for k in train if k not in plans] + [k for k in baselines if k not in ("ddp", "pipelining")]
+        if unknown:
+            raise ValueError(f"no plan or baseline named {', '.join(map(repr, unknown))}; plans: "
+                             f"{', '.join(plans)}; baselines: ddp, pipelining")
+        for name in train:
+            p = plans[name]
             path = out / f"plan-{name}.json"
             p.save(path)
             Plan.from_dict(json.loads(path.read_text()))  # the saved plan reads back
             runs[name] = PlanRun(name, p, simulate(p), path, out / f"metrics-{name}.jsonl",
                                  out / f"timeline-{name}.json", warmup=warmup)
+        for kind in baselines:
+            name, p = f"torch-{kind}", even_dp_plan(plans["dp"]) if kind == "ddp" else plans["even-split"]
+            path = out / f"plan-{name}-model.json"
+            p.save(path)
+            runs[name] = PlanRun(name, p, simulate(p), path, out / f"metrics-{name}.jsonl",
+                                 out / f"timeline-{name}.json", warmup=warmup, runtime="torch")
         for name, r in runs.items():
-            log(f"\n{name} plan (predicted {r.predicted_samples_per_s:.1f} samples/s):\n{r.plan.summary()}")
+            what = "plan" if r.runtime == "hetrain" else "baseline, as hetrain models it"
+            log(f"\n{name} {what} (predicted {r.predicted_samples_per_s:.1f} samples/s):\n{r.plan.summary()}")
+        opt_name = {"adam": "adamw"}.get(plans["hetrain"].optimizer, plans["hetrain"].optimizer)
         for name, r in runs.items():
             r.metrics_path.unlink(missing_ok=True)
+            if r.runtime == "torch":
+                kind = name.removeprefix("torch-")
+                extra = ([] if kind == "ddp" else
+                         ["--micro-batches", str(torch_pipelining_micro_batches(r.plan)),
+                          "--schedule", r.plan.schedule if r.plan.schedule in ("gpipe", "1f1b") else "1f1b"])
+                start = time.perf_counter()
+                job(f"train {name}", [py, "-m", "hetrain.baselines", kind, "--model", model, "--data", "shakespeare",
+                                      "--global-batch", str(global_batch), "--steps", str(steps), "--optimizer",
+                                      opt_name, "--metrics-out", str(r.metrics_path), "--timeout-s",
+                                      str(round(job_timeout_s)), *extra])
+                r.wall_s = time.perf_counter() - start
+                r.status = 0
+                r.load_metrics()
+                log(f"   {name}: {len(r.metrics)} steps, measured {r.measured_samples_per_s:.1f} samples/s "
+                    f"(hetrain's model of it: {r.predicted_samples_per_s:.1f})")
+                continue
             start = time.perf_counter()
             job(f"train {name}", [py, "-m", "hetrain.runtime.command", "--plan", str(r.plan_path), "--model", model,
                                   "--data", "shakespeare", "--steps", str(steps), "--metrics-out", str(r.metrics_path),

@@ -138,3 +138,32 @@ def test_even_split_plan_is_one_pipeline_over_every_device() -> None:
     counts = [s.end_layer - s.first_layer for s in vw.stages]
     assert sum(counts) == profile.num_layers and max(counts) - min(counts) <= 1
     assert even.prediction.simulated_iteration_s is not None and even.prediction.iteration_s > 0
+
+
+def test_even_dp_plan_splits_the_batch_evenly_over_every_device() -> None:
+    from hetrain.demo import even_dp_plan
+    from hetrain.models.analytic import build_profile
+
+    cluster = parse_cluster(CLUSTER)
+    profile = build_profile("gpt-tiny")
+    dp = plan(cluster, profile, 13, strategy="dp", micro_batch_sizes=(4,), simulate_top_k=0)
+    ddp = even_dp_plan(dp)
+    assert [vw.devices for vw in ddp.virtual_workers] == [["fast:0"], ["fast:1"], ["slow:0"]]
+    assert [vw.mini_batch for vw in ddp.virtual_workers] == [5, 4, 4]  # DDP's even split, not by speed
+    assert all(vw.micro_batches == 1 and len(vw.stages) == 1 for vw in ddp.virtual_workers)
+    assert ddp.strategy == "dp" and ddp.prediction.iteration_s > 0
+
+
+def test_torch_pipelining_micro_batches_divide_the_batch() -> None:
+    from dataclasses import replace
+
+    from hetrain.demo import even_split_plan, torch_pipelining_micro_batches
+    from hetrain.models.analytic import build_profile
+
+    pp = plan(parse_cluster(CLUSTER), build_profile("gpt-tiny"), 12, strategy="pp", micro_batch_sizes=(4,),
+              simulate_top_k=0)
+    even = even_split_plan(pp)
+    assert torch_pipelining_micro_batches(even) == even.virtual_workers[0].micro_batches == 3
+    (vw,) = even.virtual_workers
+    five = replace(even, virtual_workers=(replace(vw, micro_batches=5),))
+    assert torch_pipelining_micro_batches(five) == 4  # 12 samples do not cut into 5 equal micro-batches

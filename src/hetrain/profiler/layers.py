@@ -316,8 +316,11 @@ def _measure_saved(layer: nn.Module, args: tuple[Any, ...]) -> tuple[int, float,
 
 
 def _time_layer(layer: nn.Module, args: tuple[Any, ...], grad_inputs: bool, repeats: int, warmup: int,
-                device: torch.device) -> tuple[float, float, Any]:
-    """Median forward and backward seconds of ``layer(*args)``, and its (detached) output."""
+                device: torch.device, min_time_s: float = 0.0) -> tuple[float, float, Any]:
+    """Median forward and backward seconds of ``layer(*args)``, and its (detached) output.
+
+    With ``min_time_s > 0`` on a CPU, the times are means over blocks of back-to-back calls
+    of at least that long (``_time_layer_blocks``), for a process under a CPU quota."""
     fwd: list[float] = []
     bwd: list[float] = []
     out: Any = None
@@ -338,7 +341,49 @@ def _time_layer(layer: nn.Module, args: tuple[Any, ...], grad_inputs: bool, repe
             fwd.append(tf.seconds())
             bwd.append(tb.seconds() if outs else 0.0)
     layer.zero_grad(set_to_none=True)
-    return statistics.median(fwd), statistics.median(bwd), _map(out, lambda t: t.detach())
+    f_med, b_med = statistics.median(fwd), statistics.median(bwd)
+    if min_time_s > 0 and device.type == "cpu":
+        f_med, b_med = _time_layer_blocks(layer, args, grad_inputs, min_time_s)
+    return f_med, b_med, _map(out, lambda t: t.detach())
+
+
+def _time_layer_blocks(layer: nn.Module, args: tuple[Any, ...], grad_inputs: bool,
+                       min_time_s: float) -> tuple[float, float]:
+    """Mean forward and backward seconds over back-to-back calls lasting ``min_time_s`` or more.
+
+    Under a CPU quota (a cgroup's ``quota`` per ``period``) a call shorter than the
+    quota that is left runs at full speed and the process waits later, between calls;
+    the median of single calls then gives the unthrottled time, which a training step of
+    several layers does not see. Timing blocks of calls that span several periods
+    takes the waits in: forward alone, then forward + backward, each repeated until
+    ``min_time_s`` has passed; the backward time is the difference.
+    """
+    grads: list[torch.Tensor] | None = None
+
+    def call(backward: bool) -> None:
+        nonlocal grads
+        out = layer(*_map(args, lambda t: _leaf(t, grad_inputs)))
+        outs = [t for t in _tensors(out) if t.requires_grad]
+        if backward and outs:
+            if grads is None:
+                grads = [torch.randn_like(t) for t in outs]
+            torch.autograd.backward(outs, grads)
+
+    def block(backward: bool) -> float:
+        """Seconds per call over at least 2 calls and ``min_time_s``."""
+        n, start = 0, time.perf_counter()
+        while True:
+            call(backward)
+            n += 1
+            elapsed = time.perf_counter() - start
+            if n >= 2 and elapsed >= min_time_s:
+                return elapsed / n
+
+    call(True)  # allocates the gradients and the upstream ones outside the timed blocks
+    forward = block(False)
+    both = block(True)
+    layer.zero_grad(set_to_none=True)
+    return forward, max(both - forward, 0.0)
 
 
 def _check_arguments(layers: Sequence[nn.Module], micro_batches: Sequence[int], repeats: int, warmup: int,
@@ -358,11 +403,17 @@ def _check_arguments(layers: Sequence[nn.Module], micro_batches: Sequence[int], 
 def measure_layers(layers: Sequence[nn.Module], sample_input: SampleInput,
                    micro_batches: Sequence[int] = (1, 2, 4, 8), device: str | torch.device = "cpu",
                    repeats: int = 5, warmup: int = 2, precision: Precision = "fp32",
-                   names: Sequence[str] | None = None, unpack_tuples: bool = True) -> LayersMeasurement:
+                   names: Sequence[str] | None = None, unpack_tuples: bool = True,
+                   min_time_s: float = 0.0) -> LayersMeasurement:
     """Measure every layer at every micro-batch size; ``profile_layers`` without the conversion.
 
     Arguments as ``profile_layers``. Layers are moved to ``device`` (and, for fp16
     or bf16, cast) in place and left in training mode as they were found.
+
+    ``min_time_s > 0`` (CPU only): each layer's times are means over back-to-back calls
+    lasting at least that long instead of medians of single calls. Use it in a process
+    held to a CPU quota (an emulated device): give it several quota periods (0.1 s for
+    a 10 ms period), else calls shorter than the quota measure the unthrottled speed.
     """
     sizes = _check_arguments(layers, micro_batches, repeats, warmup, precision)
     dev = torch.device(device)
@@ -398,7 +449,7 @@ def measure_layers(layers: Sequence[nn.Module], sample_input: SampleInput,
                 input_bytes = _nbytes(x) / b
             for i, layer in enumerate(layers):
                 args = as_args(x)
-                fwd, bwd, out = _time_layer(layer, args, i > 0, repeats, warmup, dev)
+                fwd, bwd, out = _time_layer(layer, args, i > 0, repeats, warmup, dev, min_time_s)
                 times[i].append((b, fwd, bwd))
                 if b == b_max:
                     leaves = _map(args, functools.partial(_leaf, requires_grad=i > 0))

@@ -1,0 +1,279 @@
+"""PyTorch's own ways to train on several devices, as baselines for hetrain's plans.
+
+Run on every rank of a torchrun job (an emulated cluster's too), with the same model,
+data, global batch and optimizer that ``hetrain train`` runs a plan with::
+
+    torchrun --nproc-per-node 4 -m hetrain.baselines ddp --model gpt-tiny --global-batch 32 \\
+        --steps 12 --metrics-out ddp.jsonl
+    hetrain emulate run cluster.toml -- python -m hetrain.baselines pipelining --micro-batches 4 ...
+
+``ddp``
+    ``torch.nn.parallel.DistributedDataParallel``: one replica of the whole model per
+    rank, the global batch split EVENLY over the ranks (what a DDP user does; it does
+    not know one device is slower), gradients averaged by DDP's bucketed all-reduce.
+
+``pipelining``
+    ``torch.distributed.pipelining``: one ``PipelineStage`` per rank, rank ``j`` holding
+    the ``j``-th of ``p`` as-equal-as-possible runs of layers (earlier stages take the
+    extra layers), the global batch cut into ``m`` micro-batches by ``ScheduleGPipe`` or
+    ``Schedule1F1B``.
+
+    rank      0          1          2          3
+           [L0..L2] -> [L3..L5] -> [L6..L7] -> [L8..L9]      (10 layers, p = 4)
+
+Every rank draws the same global batches (``iter_batches(train, global_batch, data_seed)``),
+as hetrain's Trainer does, and builds its layers from the same per-layer seeds, so a
+baseline starts from the same weights and sees the same samples as a plan.
+
+The last rank writes ``--metrics-out``: a first line describing the run, then one JSON
+line per step with ``step``, ``step_time_s``, ``samples_per_s``, ``loss`` (the same keys
+as ``hetrain train --metrics-out``). A step's time is the time between the ends of two
+steps on that rank, the optimizer step included. Every collective and point-to-point
+transfer waits at most ``--timeout-s`` (the process group's timeout); a failure names
+the rank, the step and the peers it was waiting on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+BASELINES = ("ddp", "pipelining")
+SCHEDULES = ("gpipe", "1f1b")
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class BaselineError(RuntimeError):
+    """A baseline could not run: bad options for this world size, or a peer failed or timed out."""
+
+
+def even_bounds(layers: int, parts: int) -> list[int]:
+    """Stage boundaries ``[0, e_0, e_1, ..., layers]`` with layer counts as equal as possible, larger first.
+
+    >>> even_bounds(10, 4)
+    [0, 3, 6, 8, 10]
+    """
+    if parts < 1 or layers < parts:
+        raise BaselineError(f"cannot split {layers} layers into {parts} stages of at least one layer each")
+    q, r = divmod(layers, parts)
+    bounds = [0]
+    for j in range(parts):
+        bounds.append(bounds[-1] + q + (1 if j < r else 0))
+    return bounds
+
+
+def _global_batches(data: Any, global_batch: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    from hetrain.data.datasets import iter_batches
+
+    return iter_batches(data, global_batch, seed)
+
+
+def build_ddp_step(model: str, config: dict[str, Any], global_batch: int, optimizer: Callable[..., Any],
+                   seed: int) -> tuple[Callable[[Any], torch.Tensor], nn.Module]:
+    """``step(global_batch) -> loss``: one DDP step of this rank on its even share of the batch; and the module."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from hetrain.data.sharding import shard_batch, split_evenly
+    from hetrain.models.layers import LayerRange
+    from hetrain.models.registry import build_layers, loss_fn
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sizes = split_evenly(global_batch, world)
+    module = LayerRange(build_layers(model, seed=seed, **config))
+    ddp = DistributedDataParallel(module)
+    opt = optimizer(list(ddp.parameters()))
+    lossf = loss_fn(model)
+
+    def step(batch: Any) -> torch.Tensor:
+        x, y = shard_batch(batch, sizes, rank)
+        opt.zero_grad()
+        loss = lossf(ddp(x), y)
+        torch.autograd.backward([loss])  # DDP averages the gradients over the ranks here
+        opt.step()
+        return loss.detach()
+
+    return step, module
+
+
+def build_pipelining_step(model: str, config: dict[str, Any], micro_batches: int, schedule: str,
+                          optimizer: Callable[..., Any], seed: int) -> tuple[Callable[[Any], torch.Tensor], nn.Module]:
+    """``step(global_batch) -> loss``: one step of this rank's stage of an even-split torch pipeline; the stage."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from hetrain.models.layers import LayerRange
+    from hetrain.models.registry import build_layers, loss_fn, num_layers
+
+    rank, p = dist.get_rank(), dist.get_world_size()
+    b = even_bounds(num_layers(model, **config), p)
+    module = LayerRange(build_layers(model, b[rank], b[rank + 1], seed=seed, **config), b[rank])
+    stage = PipelineStage(module, rank, p, torch.device("cpu"))
+    schedule_cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+    lossf = loss_fn(model)
+    runner = schedule_cls(stage, micro_batches, loss_fn=lossf)  # scales gradients by 1/m: the batch mean
+    opt = optimizer(list(module.parameters()))
+
+    def step(batch: Any) -> torch.Tensor:
+        x, y = batch
+        opt.zero_grad()
+        losses: list[torch.Tensor] = []
+        if rank == 0 and p == 1:
+            runner.step(x, target=y, losses=losses)
+        elif rank == 0:
+            runner.step(x)
+        elif rank == p - 1:
+            runner.step(target=y, losses=losses)
+        else:
+            runner.step()
+        opt.step()
+        return torch.stack(losses).mean().detach() if losses else torch.zeros(())
+
+    return step, module
+
+
+def run_baseline(kind: str, model: str, *, data: str | None = None, global_batch: int = 32, steps: int = 10,
+                 micro_batches: int = 4, schedule: str = "1f1b", optimizer: str = "sgd", lr: float | None = None,
+                 seed: int = 0, data_seed: int = 0, model_config: dict[str, Any] | None = None,
+                 metrics_out: str | Path | None = None, weights_out: str | Path | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> list[dict[str, Any]]:
+    """Train ``model`` with a torch baseline on this rank of an initialised torchrun job; the per-step rows.
+
+    Args:
+        kind: ``ddp`` or ``pipelining``.
+        model: a reference model name (``hetrain.models.registry``).
+        data: a data set name (default: the real one that fits the model).
+        global_batch: samples per step over all ranks.
+        steps: steps to train.
+        micro_batches: ``m`` (pipelining only).
+        schedule: ``gpipe`` or ``1f1b`` (pipelining only).
+        optimizer, lr: as ``hetrain train``'s (``build_optimizer_fn``).
+        seed, data_seed: the model's seed and the data order's.
+        model_config: overrides of the model preset's fields.
+        metrics_out: where the last rank writes the rows (JSONL).
+        weights_out: a directory where every rank saves its module's ``state_dict`` as ``rank{r}.pt``.
+        timeout_s: the process group's timeout (every wait).
+
+    Returns:
+        The rows on every rank; ``loss`` is the batch's mean loss (summed over the ranks at the end).
+
+    Raises:
+        BaselineError: bad options, or a step failed or timed out (names the rank, the step and the peers).
+    """
+    from hetrain.data.registry import build_datasets, default_data
+    from hetrain.models.registry import num_layers
+    from hetrain.runtime.trainer import build_optimizer_fn
+
+    if kind not in BASELINES:
+        raise BaselineError(f"unknown baseline {kind!r}; known: {', '.join(BASELINES)}")
+    if schedule not in SCHEDULES:
+        raise BaselineError(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = dict(model_config or {})
+    if steps < 1:
+        raise BaselineError(f"steps must be >= 1, got {steps}")
+    if kind == "ddp" and global_batch < world:
+        raise BaselineError(f"a global batch of {global_batch} cannot be split over {world} DDP replicas")
+    if kind == "pipelining" and (micro_batches < 1 or global_batch % micro_batches):
+        raise BaselineError(f"torch pipelining needs equal micro-batches: global batch {global_batch} does not "
+                            f"split into {micro_batches}")
+    opt_fn = build_optimizer_fn(optimizer, lr)
+    if kind == "ddp":
+        step, module = build_ddp_step(model, config, global_batch, opt_fn, seed)
+        peers = f"ranks {', '.join(str(r) for r in range(world) if r != rank)} (DDP's all-reduce)"
+    else:
+        step, module = build_pipelining_step(model, config, micro_batches, schedule, opt_fn, seed)
+        peers = "stage ranks " + ", ".join(str(r) for r in (rank - 1, rank + 1) if 0 <= r < world)
+    train = build_datasets(data or default_data(model, **config), model, seed=data_seed, **config).train
+    batches = _global_batches(train, global_batch, data_seed)
+    rows: list[dict[str, Any]] = []
+    losses: list[torch.Tensor] = []
+    t_prev = time.perf_counter()
+    for s in range(steps):
+        try:
+            losses.append(step(next(batches)))
+        except RuntimeError as e:  # DistBackendError (a timeout) is one
+            raise BaselineError(f"{kind} baseline, rank {rank} of {world}: step {s} failed or timed out "
+                                f"({timeout_s:g} s) waiting on {peers}: {e}") from None
+        t_end = time.perf_counter()
+        rows.append({"step": s + 1, "step_time_s": t_end - t_prev,
+                     "samples_per_s": global_batch / (t_end - t_prev), "loss": None})
+        t_prev = t_end
+    # the losses once, after the timed steps: DDP's mean over the replicas, the last stage's alone for pipelining
+    buf = torch.stack(losses)
+    dist.all_reduce(buf)
+    for row, value in zip(rows, (buf / world if kind == "ddp" else buf).tolist(), strict=True):
+        row["loss"] = float(value)
+    if weights_out is not None:
+        Path(weights_out).mkdir(parents=True, exist_ok=True)
+        torch.save(module.state_dict(), Path(weights_out) / f"rank{rank}.pt")
+    if metrics_out is not None and rank == world - 1:
+        head = {"baseline": kind, "runtime": "torch " + torch.__version__, "model": model, "ranks": world,
+                "global_batch": global_batch, "optimizer": optimizer}
+        if kind == "pipelining":
+            head.update(micro_batches=micro_batches, schedule=schedule,
+                        stage_bounds=even_bounds(num_layers(model, **config), world))
+        path = Path(metrics_out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in [head, *rows]))
+        os.replace(tmp, path)
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m hetrain.baselines ddp|pipelining ...`` on every rank of a torchrun job; exit status."""
+    from hetrain.runtime.command import _model_config
+    from hetrain.runtime.trainer import OPTIMIZER_NAMES
+
+    parser = argparse.ArgumentParser(prog="python -m hetrain.baselines",
+                                     description="Train a reference model with torch's DDP or pipelining.")
+    parser.add_argument("kind", choices=BASELINES)
+    parser.add_argument("--model", default="gpt-tiny", help="reference model (default gpt-tiny)")
+    parser.add_argument("--data", default=None, help="data set (default: the real one that fits the model)")
+    parser.add_argument("--global-batch", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--micro-batches", type=int, default=4, help="m, pipelining only (default 4)")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipelining only (default 1f1b)")
+    parser.add_argument("--optimizer", choices=OPTIMIZER_NAMES, default="sgd")
+    parser.add_argument("--lr", type=float, default=None, help="learning rate (default as hetrain train's)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data-seed", type=int, default=0)
+    parser.add_argument("--set", dest="model_config", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--metrics-out", default=None, help="per-step rows, JSONL (written by the last rank)")
+    parser.add_argument("--weights-out", default=None, help="directory for each rank's state_dict")
+    parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S, help="longest wait, seconds")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    try:
+        rows = run_baseline(args.kind, args.model, data=args.data, global_batch=args.global_batch, steps=args.steps,
+                            micro_batches=args.micro_batches, schedule=args.schedule, optimizer=args.optimizer,
+                            lr=args.lr, seed=args.seed, data_seed=args.data_seed,
+                            model_config=_model_config(args.model_config), metrics_out=args.metrics_out,
+                            weights_out=args.weights_out, timeout_s=args.timeout_s)
+    except (BaselineError, ValueError) as e:
+        print(f"hetrain.baselines: error: {e}", file=sys.stderr, flush=True)
+        sys.stderr.flush()
+        os._exit(1)  # a group with a failed peer cannot be torn down cleanly
+    if dist.get_rank() == dist.get_world_size() - 1:
+        rates = sorted(r["samples_per_s"] for r in rows[1:]) or [rows[0]["samples_per_s"]]
+        print(f"hetrain.baselines: {args.kind}, {dist.get_world_size()} ranks, steps 1 -> {len(rows)}, loss "
+              f"{rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}, {rates[len(rates) // 2]:.1f} samples/s (median)",
+              flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""torch's DDP and pipelining baselines (``hetrain.baselines``) on 2 Gloo ranks of this host, under torchrun.
+
+Each trains a small gpt-tiny 2 SGD steps on synthetic data and writes its per-step
+rows; the weights of every rank after those steps equal single-process training on
+the same global batches (relative error <= 1e-5), so the baselines train the model
+the plans train, with the same data and optimizer.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hetrain.baselines import BaselineError, even_bounds
+from hetrain.data.datasets import iter_batches
+from hetrain.data.registry import build_datasets
+from hetrain.models.layers import LayerRange
+from hetrain.models.registry import build_layers, loss_fn
+
+STEPS = 2
+BATCH = 8
+LR = 0.5
+GPT = {"hidden": 32, "heads": 2, "seq_len": 16}
+
+
+def reference_weights() -> dict[str, torch.Tensor]:
+    """The whole model after ``STEPS`` SGD steps in one process, on the baselines' global batches."""
+    torch.manual_seed(0)
+    model = LayerRange(build_layers("gpt-tiny", seed=0, **GPT))
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    data = build_datasets("synthetic", "gpt-tiny", seed=0, **GPT).train
+    lossf = loss_fn("gpt-tiny")
+    for _, (x, y) in zip(range(STEPS), iter_batches(data, BATCH, 0), strict=False):
+        opt.zero_grad()
+        lossf(model(x), y).backward()
+        opt.step()
+    return model.state_dict()
+
+
+def run_baseline(kind: str, tmp_path: Path, clean_env: dict[str, str], free_port, spawn) -> Path:
+    out = tmp_path / kind
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", "0",
+           "-m", "hetrain.baselines", kind, "--data", "synthetic", "--global-batch", str(BATCH),
+           "--steps", str(STEPS), "--micro-batches", "2", "--lr", str(LR), "--timeout-s", "60",
+           "--metrics-out", str(out / "metrics.jsonl"), "--weights-out", str(out),
+           *(f"--set={k}={v}" for k, v in GPT.items())]
+    p = spawn(cmd, clean_env)
+    try:
+        _, err = p.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the {kind} baseline did not finish in 180 s")
+    assert p.returncode == 0, f"{kind} baseline exited {p.returncode}:\n{err[-4000:]}"
+    return out
+
+
+def check_rows(path: Path, kind: str) -> None:
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    head, rows = lines[0], lines[1:]
+    assert head["baseline"] == kind and head["ranks"] == 2 and head["global_batch"] == BATCH
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    for r in rows:
+        assert r["step_time_s"] > 0 and r["samples_per_s"] == pytest.approx(BATCH / r["step_time_s"])
+        assert 0 < r["loss"] < 10
+
+
+def assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    for key, value in got.items():
+        err = float((value - want[key]).norm() / want[key].norm().clamp_min(1e-12))
+        assert err <= 1e-5, f"{what}: {key} differs from single-process training by {err:.2e} (relative)"
+
+
+def test_ddp_baseline_trains_like_one_process(tmp_path: Path, clean_env, free_port, spawn) -> None:
+    out = run_baseline("ddp", tmp_path, clean_env, free_port, spawn)
+    check_rows(out / "metrics.jsonl", "ddp")
+    want = reference_weights()
+    for r in range(2):
+        got = torch.load(out / f"rank{r}.pt")
+        assert set(got) == set(want)
+        assert_close(got, want, f"DDP rank {r}")
+
+
+def test_pipelining_baseline_trains_like_one_process(tmp_path: Path, clean_env, free_port, spawn) -> None:
+    out = run_baseline("pipelining", tmp_path, clean_env, free_port, spawn)
+    check_rows(out / "metrics.jsonl", "pipelining")
+    want = reference_weights()
+    got = {**torch.load(out / "rank0.pt"), **torch.load(out / "rank1.pt")}
+    assert set(got) == set(want)  # the two stages hold every layer between them, once
+    assert_close(got, want, "pipelining")
+
+
+def test_even_bounds() -> None:
+    assert even_bounds(10, 4) == [0, 3, 6, 8, 10]
+    assert even_bounds(4, 4) == [0, 1, 2, 3, 4]
+    with pytest.raises(BaselineError, match="3 layers into 4 stages"):
+        even_bounds(3, 4)
