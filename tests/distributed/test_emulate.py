@@ -369,6 +369,59 @@ def test_discovery_measures_the_shaped_nics_and_link(tmp_path: Path, run_ids: Ca
     assert close, "\n".join(lines)
 
 
+SLOW_LINK = """
+name = "slow-link"
+[[node]]
+name = "fast"
+devices = [{ type = "cpu", cpu_share = 1.0 }]
+nic = "1Gbit/s"
+
+[[node]]
+name = "slow"
+devices = [{ type = "cpu", cpu_share = 1.0 }]
+nic = "50Mbit/s"
+"""
+
+PAUSED_MESSAGES_JOB = r"""
+import datetime, sys, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+msg, ack, times = torch.zeros(32768), torch.zeros(1), []   # 128 KiB, the size of a small activation
+for i in range(7):
+    if dist.get_rank() == 0:
+        time.sleep(0.2)   # a pause: the token bucket refills, as between a pipeline's micro-batches
+        t = time.perf_counter()
+        dist.send(msg, 1)
+        dist.recv(ack, 1)
+        times.append(time.perf_counter() - t)
+    else:
+        dist.recv(msg, 0)
+        dist.send(ack, 0)
+if dist.get_rank() == 0:
+    sys.stdout.write("TIMES " + " ".join(f"{x:.5f}" for x in times) + "\n")
+    sys.stdout.flush()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_small_message_after_a_pause_meets_the_shaped_rate(tmp_path: Path, run_ids: Callable[[], str]) -> None:
+    """A 128 KiB message on a 50 Mbit/s link takes about 21 ms, not the ~1 ms a 128 KB htb burst allowed."""
+    cluster = load_cluster(write(tmp_path / "slow.toml", SLOW_LINK))
+    script = write(tmp_path / "job.py", PAUSED_MESSAGES_JOB)
+    out, err = io.StringIO(), io.StringIO()
+    rid = run_ids()
+    with EmulatedCluster(cluster, EmulationSettings(), run_id=rid) as em:
+        status = em.launch(["python", str(script)], timeout_s=100, stdout=out, stderr=err)
+    assert status == 0, err.getvalue()[-3000:]
+    times = sorted(float(x) for line in out.getvalue().splitlines() if "TIMES " in line
+                   for x in line.split("TIMES ", 1)[1].split())
+    ideal = 32768 * 4 / (50e6 / 8)
+    assert len(times) == 7
+    assert times[3] >= 0.7 * ideal, f"median {times[3] * 1e3:.1f} ms for 128 KiB at 50 Mbit/s ({ideal * 1e3:.1f} ms)"
+    assert_nothing_left(rid)
+
+
 BURN_JOB = r"""
 import os, pathlib, sys, time
 flags = pathlib.Path(sys.argv[1])
