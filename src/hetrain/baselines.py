@@ -271,8 +271,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hetrain.baselines: {args.kind}, {dist.get_world_size()} ranks, steps 1 -> {len(rows)}, loss "
               f"{rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}, {rates[len(rates) // 2]:.1f} samples/s (median)",
               flush=True)
-    dist.destroy_process_group()
-    return 0
+    # Every rank passes the barrier before any leaves: torch pipelining can leave a peer's last
+    # receive posted, and a rank tearing the group down under it aborts that peer at exit.
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip the group's C++ teardown, which can abort ("terminate called") at interpreter exit
 
 
 if __name__ == "__main__":
