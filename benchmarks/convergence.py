@@ -13,6 +13,7 @@ data order for every run:
     hybrid-ps     the data-parallel plan                       hybrid-ps
     daso          the data-parallel plan                       daso
     local-sgd     the data-parallel plan                       local-sgd
+    wsp-hybrid    the planner's best plan                      wsp (HetPipe: VWs are pipelines)
 
 Every run trains ``--steps`` steps and measures the validation loss before the
 first step and every ``--eval-every`` steps (``hetrain train --eval-every``): VW
@@ -159,6 +160,9 @@ def main() -> int:
     runs = {"bsp-dp": dp, "bsp-hybrid": best}
     for mode in ("wsp", "hybrid-ps", "daso", "local-sgd"):
         runs[mode] = dataclasses.replace(dp, sync=mode, options={**dp.options, **opts})  # type: ignore[arg-type]
+    # HetPipe's own pairing: WSP across VWs that are pipelines (the planner's best plan), where only
+    # one VW's pushes and pulls of each segment cross a slow NIC instead of every replica's
+    runs["wsp-hybrid"] = dataclasses.replace(best, sync="wsp", options={**best.options, **opts})  # type: ignore[arg-type]
     rows: dict[str, list[dict[str, Any]]] = {}
     settings = parse_emulation_settings(nominal.get("emulation"))
     if args.reuse:
