@@ -227,10 +227,13 @@ def _evaluate(cluster: Cluster, profile: ModelProfile, formation: Formation, sch
                                 profile.bytes_per_element, cluster.devices[d], opts.optimizer)
         for layout in layouts for d, k, l in layout
     )
+    # what each device's last backward micro-batch can hide of its BSP gradient buckets
+    hide = {d.index: r.backward_s[j] for r in parts for j, d in enumerate(r.devices)}
     sync_s = estimate_mode_sync_time(cluster, profile, layouts, opts.sync, dict(opts.sync_options),
-                                     pipeline_s + optimizer_s)
+                                     pipeline_s + optimizer_s, hide)
     c = Candidate(formation, schedule, global_batch, parts, split, pipeline_s, sync_s, optimizer_s)
     c.extra["layouts"] = layouts
+    c.extra["hide"] = hide
     return c
 
 
@@ -261,7 +264,7 @@ def _to_plan(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: Planne
     if layouts is not None:  # every mode's prediction for this plan's VWs, so a user can compare (docs/sync.md)
         options["sync_predictions"] = {
             mode: {"sync_s": (s := estimate_mode_sync_time(cluster, profile, layouts, mode, dict(opts.sync_options),
-                                                           c.pipeline_s + c.optimizer_s)),
+                                                           c.pipeline_s + c.optimizer_s, c.extra.get("hide"))),
                    "iteration_s": c.pipeline_s + c.optimizer_s + s,
                    "samples_per_s": c.global_batch / (c.pipeline_s + c.optimizer_s + s)}
             for mode in SYNC_MODES}

@@ -3,8 +3,8 @@
 Layers are grouped into segments with the same owner devices; each segment's
 gradients are all-reduced among exactly its owners. Segments with disjoint
 owners run at once; a device runs its segments one after another, so the
-closed form is the largest per-device sum (the simulator adds link contention
-and overlap with backward)::
+closed form is the largest per-device sum, less what the gradient buckets hide
+behind the last backward micro-batch (the simulator adds link contention)::
 
     VW0: d0 [0..4)  d1 [4..8)        segment [0..3) owners {d0, d2}
     VW1: d2 [0..3)  d3 [3..8)        segment [3..4) owners {d0, d3}
@@ -119,17 +119,37 @@ def build_segments(num_layers: int, layouts: Sequence[Layout]) -> list[tuple[int
     return out
 
 
-def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout]) -> float:
-    """Seconds of BSP gradient all-reduce: the busiest device's sum over its segments."""
+#: the largest gradient bucket the runtime all-reduces while backward runs (``schedule.BUCKET_BYTES``,
+#: DistributedDataParallel's 25 MiB); plan option ``bucket_bytes``
+BUCKET_BYTES = 25 * 2**20
+
+
+def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout],
+                       hide_s: Mapping[int, float] | None = None, bucket_bytes: float = BUCKET_BYTES) -> float:
+    """Seconds of BSP gradient all-reduce left after the backward pass: the busiest device's.
+
+    Without ``hide_s``: the device's sum over its segments, as if every all-reduce waited for the
+    whole backward. With ``hide_s`` (device index -> seconds of its last micro-batch's backward):
+    the runtime all-reduces gradient buckets while that backward still runs (schedule
+    ``ALLREDUCE_START``, as DistributedDataParallel does), so a device's exposed sync is
+    ``max(sum - hide, the last bucket's all-reduce)``, the last bucket (a segment's first layers,
+    at most ``bucket_bytes``) being ready only when backward ends. The simulator replays the
+    buckets one by one on the links; this is its closed form.
+    """
     per_device: dict[int, float] = {}
+    tail: dict[int, float] = {}
     for first, end, owners in build_segments(profile.num_layers, layouts):
         if len(owners) < 2:
             continue
         num_bytes = sum(profile.layers[i].param_bytes for i in range(first, end))
         t = estimate_allreduce_time(cluster, owners, num_bytes)
+        last = t if num_bytes <= bucket_bytes else estimate_allreduce_time(cluster, owners, bucket_bytes)
         for d in owners:
             per_device[d] = per_device.get(d, 0.0) + t
-    return max(per_device.values(), default=0.0)
+            tail[d] = max(tail.get(d, 0.0), last)
+    if hide_s is None:
+        return max(per_device.values(), default=0.0)
+    return max((max(t - hide_s.get(d, 0.0), tail[d]) for d, t in per_device.items()), default=0.0)
 
 
 def estimate_local_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout]) -> float:
@@ -169,13 +189,15 @@ def estimate_ps_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[
 
 
 def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout], mode: str,
-                            options: Mapping[str, Any], compute_s: float) -> float:
+                            options: Mapping[str, Any], compute_s: float,
+                            hide_s: Mapping[int, float] | None = None) -> float:
     """Seconds of synchronisation per iteration under sync mode ``mode`` (closed forms; docs/sync.md).
 
-    ``compute_s`` is the iteration's pipeline and optimizer time, what asynchronous traffic can hide behind.
+    ``compute_s`` is the iteration's pipeline and optimizer time, what asynchronous traffic can hide behind;
+    ``hide_s`` per device the backward its BSP gradient buckets overlap (``estimate_sync_time``).
     With ``S`` the BSP all-reduce, ``L`` the node-local all-reduce, ``P`` one wave's push and pull traffic::
 
-        bsp        S
+        bsp        S, less what the buckets hide behind the last backward
         local-sgd  S / k                              (parameters averaged every k iterations, blocking)
         daso       L + max(0, S - (k - 1) compute) / k   (global average every k, hidden behind k - 1 iterations)
         hybrid-ps  L + max(0, P - D compute) / a      (one push per a iterations, D waves of slack)
@@ -188,7 +210,7 @@ def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Se
     stale = int(options.get("staleness", 1))
     placement = str(options.get("placement", PLACEMENTS[0]))
     if mode == "bsp":
-        return estimate_sync_time(cluster, profile, layouts)
+        return estimate_sync_time(cluster, profile, layouts, hide_s, float(options.get("bucket_bytes", BUCKET_BYTES)))
     if mode == "local-sgd":
         return estimate_sync_time(cluster, profile, layouts) / k
     if mode == "daso":
