@@ -22,6 +22,7 @@ from typing import Any
 
 from hetrain.cluster import Cluster, ClusterError, load_cluster
 from hetrain.plan import Plan, PlanError
+from hetrain.planner.sync import SYNC_OPTION_HELP
 from hetrain.profile import ModelProfile, ProfileError, load_profile
 from hetrain.units import format_time
 
@@ -224,8 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sync", choices=["bsp", "wsp", "hybrid-ps", "daso", "local-sgd", "auto"], default="bsp",
                    help="sync mode (docs/sync.md); auto: the soonest predicted time to accuracy")
     p.add_argument("--sync-option", dest="sync_options", action="append", default=[], metavar="KEY=VALUE",
-                   help="a sync mode parameter (repeatable): staleness=N, period=N, aggregate=N, warmup=N, "
-                        "cooldown=N, placement=local|round-robin")
+                   help=f"a sync mode parameter (repeatable): {SYNC_OPTION_HELP}")
     p.add_argument("--staleness-penalty", type=_non_negative, default=0.0, metavar="P",
                    help="extra samples to accuracy per iteration of mean staleness, for --sync auto (default 0)")
     p.add_argument("--target-samples", type=float, default=None,

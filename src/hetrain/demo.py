@@ -285,12 +285,22 @@ def with_measured_links(nominal: dict[str, Any], discovered: dict[str, Any]) -> 
 # ---------------------------------------------------------------------------
 
 
+def _with_simulated_prediction(draft: Plan) -> Plan:
+    """``draft`` with its prediction taken from the simulator (a hand-built plan has no closed form)."""
+    from hetrain.plan import Prediction
+    from hetrain.simulator import simulate
+
+    sim = simulate(draft)
+    pred = Prediction(iteration_s=sim.iteration_s, samples_per_s=sim.samples_per_s, pipeline_s=sim.iteration_s,
+                      sync_s=0.0, optimizer_s=0.0, simulated_iteration_s=sim.iteration_s)
+    return replace(draft, prediction=pred)
+
+
 def even_split_plan(base: Plan, device_order: Sequence[str] | None = None) -> Plan:
     """One VW over all devices (cluster order), layers split as evenly as possible, earlier stages
     taking the extra layers; micro-batching and schedule from ``base`` (a ``strategy="pp"`` plan)."""
     from hetrain.cost import estimate_layer_times
-    from hetrain.plan import Prediction, Stage, VirtualWorker
-    from hetrain.simulator import simulate
+    from hetrain.plan import Stage, VirtualWorker
 
     devices = list(device_order or [d.name for d in base.cluster.devices])
     n, p = base.profile.num_layers, len(devices)
@@ -308,10 +318,7 @@ def even_split_plan(base: Plan, device_order: Sequence[str] | None = None) -> Pl
     vw = VirtualWorker(tuple(stages), base.global_batch, min(m, base.global_batch))
     draft = replace(base, virtual_workers=(vw,), strategy="pp", formation="even-split",
                     prediction=replace(base.prediction, memory=()))
-    sim = simulate(draft)
-    pred = Prediction(iteration_s=sim.iteration_s, samples_per_s=sim.samples_per_s, pipeline_s=sim.iteration_s,
-                      sync_s=0.0, optimizer_s=0.0, simulated_iteration_s=sim.iteration_s)
-    return replace(draft, prediction=pred)
+    return _with_simulated_prediction(draft)
 
 
 def even_dp_plan(base: Plan) -> Plan:
@@ -319,8 +326,7 @@ def even_dp_plan(base: Plan) -> Plan:
     plan), the global batch split evenly (a DDP user does not weigh the devices), all-reduce every step."""
     from hetrain.cost import estimate_layer_times
     from hetrain.data.sharding import split_evenly
-    from hetrain.plan import Prediction, Stage, VirtualWorker
-    from hetrain.simulator import simulate
+    from hetrain.plan import Stage, VirtualWorker
 
     devices = [d.name for d in base.cluster.devices]
     n = base.profile.num_layers
@@ -331,10 +337,7 @@ def even_dp_plan(base: Plan) -> Plan:
                                         predicted_backward_s=float(bwd.sum())),), share, 1))
     draft = replace(base, virtual_workers=tuple(vws), strategy="dp", formation="even-batch",
                     prediction=replace(base.prediction, memory=()))
-    sim = simulate(draft)
-    pred = Prediction(iteration_s=sim.iteration_s, samples_per_s=sim.samples_per_s, pipeline_s=sim.iteration_s,
-                      sync_s=0.0, optimizer_s=0.0, simulated_iteration_s=sim.iteration_s)
-    return replace(draft, prediction=pred)
+    return _with_simulated_prediction(draft)
 
 
 def torch_pipelining_micro_batches(plan: Plan) -> int:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hetrain.plan import SYNC_MODES, PlanError, load_plan
-from hetrain.planner.sync import parse_sync_options
+from hetrain.planner.sync import SYNC_OPTION_HELP, parse_sync_options
 from hetrain.runtime.checkpoint import CheckpointError
 from hetrain.runtime.health import PeerError
 from hetrain.runtime.roles import RoleError
@@ -165,8 +165,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sync", choices=list(SYNC_MODES), default=None,
                         help="sync mode to run instead of the plan's (docs/sync.md)")
     parser.add_argument("--sync-option", dest="sync_options", action="append", default=[], metavar="KEY=VALUE",
-                        help="a sync mode parameter over the plan's (repeatable): staleness=N, period=N, "
-                             "aggregate=N, warmup=N, cooldown=N, placement=local|round-robin")
+                        help=f"a sync mode parameter over the plan's (repeatable): {SYNC_OPTION_HELP}")
     parser.add_argument("--eval-every", type=int, default=0, metavar="N",
                         help="validation loss on the held-out data every N steps, logged as val_loss (0: never)")
     parser.add_argument("--eval-batches", type=int, default=8, metavar="K",
