@@ -68,10 +68,17 @@ WORKER = textwrap.dedent("""
         torch.manual_seed(0)
         return [nn.Linear(8, 1)]
 
+    def deep_linreg_layers(first, end):  # the same two layers on every stage, whatever its cut
+        torch.manual_seed(0)
+        return [nn.Linear(8, 8), nn.Linear(8, 1)][first:end]
+
     for case in json.load(open(sys.argv[1])):
         plan = load_plan(case["plan"])
         if case["model"] == "linreg":
             layers, loss, data = linreg_layers, nn.functional.mse_loss, linreg_data(case["steps"], plan.global_batch)
+        elif case["model"] == "deep-linreg":
+            layers, loss = deep_linreg_layers, nn.functional.mse_loss
+            data = linreg_data(case["steps"], plan.global_batch)
         else:
             data = build_datasets("synthetic", case["model"], seed=0, synthetic_samples=256).train
             layers, loss = (lambda a, b: build_layers(case["model"], a, b, seed=0)), loss_fn(case["model"])
@@ -107,8 +114,8 @@ def cluster() -> Any:
 
 def make_plan(model: str, sync: str, vws: list[tuple[list[str], list[int], int, int]],
               **options: int | str) -> Plan:
-    profile = build_mlp_profile([64, 256, 256, 10], name=model) if model == "mlp-digits" else \
-        build_mlp_profile([8, 1], name=model)
+    widths = {"mlp-digits": [64, 256, 256, 10], "deep-linreg": [8, 8, 1]}.get(model, [8, 1])
+    profile = build_mlp_profile(widths, name=model)
     built = tuple(VirtualWorker(tuple(Stage(d, b[j], b[j + 1]) for j, d in enumerate(devs)), mb, m)
                   for devs, b, mb, m in vws)
     return Plan(model, sum(v.mini_batch for v in built), "1f1b", sync, "sgd", built,  # type: ignore[arg-type]
@@ -116,6 +123,7 @@ def make_plan(model: str, sync: str, vws: list[tuple[list[str], list[int], int, 
 
 
 DP4 = [([d], [0, 1], 8, 1) for d in D]
+PP2 = [([D[0], D[2]], [0, 1, 2], 8, 2), ([D[1], D[3]], [0, 1, 2], 8, 2)]  # two 2-stage pipelines across the nodes
 CASES: dict[str, dict[str, Any]] = {
     "wsp-d0": {"plan": make_plan("mlp-digits", "wsp", [([D[0], D[1]], [0, 1, 3], 10, 2),
                                                        ([D[2], D[3]], [0, 2, 3], 6, 3)], staleness=0),
@@ -126,6 +134,10 @@ CASES: dict[str, dict[str, Any]] = {
     "local-sgd": {"plan": make_plan("linreg", "local-sgd", DP4, period=4)},
     "hybrid-ps": {"plan": make_plan("linreg", "hybrid-ps", DP4, aggregate=2, staleness=1)},
     "daso": {"plan": make_plan("linreg", "daso", DP4, period=4, warmup=2, cooldown=2)},
+    # every segment owned by stages of two pipelines: one shard per segment, staleness D > 0
+    "bsp-pp": {"plan": make_plan("deep-linreg", "bsp", PP2), "model": "deep-linreg"},
+    "wsp-d1-pp": {"plan": make_plan("deep-linreg", "wsp", PP2, staleness=1), "model": "deep-linreg"},
+    "wsp-d2-pp": {"plan": make_plan("deep-linreg", "wsp", PP2, staleness=2), "model": "deep-linreg"},
     # checkpoint at the end of a first run, resume it in a second Trainer
     "wsp-ckpt": {"plan": make_plan("linreg", "wsp", DP4, staleness=1), "slow": D[3], "steps": 5, "resume_to": 8},
     "hybrid-ps-ckpt": {"plan": make_plan("linreg", "hybrid-ps", DP4, aggregate=3, staleness=1), "steps": 7,
@@ -204,6 +216,33 @@ def test_mode_reaches_bsp_loss_on_a_convex_problem(job: dict[str, Any], mode: st
     got = [linreg_loss(p["weights"]) for p in parts(job[mode])]
     assert bsp < 0.1 * start
     assert max(got) <= 1.25 * bsp + 0.005, f"{mode}: losses {got} against BSP's {bsp:.4f}"
+
+
+def deep_linreg_loss(weights: dict[str, torch.Tensor]) -> float:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(256, 8, generator=g)
+    y = x @ torch.arange(1.0, 9.0).unsqueeze(1) / 8 + 0.1 * torch.randn(256, 1, generator=g)
+    hidden = x @ weights["layers.0.weight"].T + weights["layers.0.bias"]
+    return float(torch.nn.functional.mse_loss(hidden @ weights["layers.1.weight"].T + weights["layers.1.bias"], y))
+
+
+def merged(spec: dict[str, Any]) -> list[dict[str, torch.Tensor]]:
+    """Each VW's full weights: its stages' parts put together (VW k on ranks k and k + 2 in ``PP2``)."""
+    got = parts(spec)
+    return [{**got[k]["weights"], **got[k + 2]["weights"]} for k in range(2)]
+
+
+@pytest.mark.parametrize("case", ["wsp-d1-pp", "wsp-d2-pp"])
+def test_wsp_on_pipelines_reaches_bsp_loss(job: dict[str, Any], case: str) -> None:
+    """Two 2-stage pipelines, each segment's owners are stages: with D = 1 or 2 each stage still pushes its
+    wave's update once and pulls the global weights, so a two-layer linear regression gets near BSP's loss."""
+    bsp = [deep_linreg_loss(w) for w in merged(job["bsp-pp"])]
+    torch.manual_seed(0)  # the workers' initial layers
+    initial = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    start = deep_linreg_loss({f"layers.{k}": v.detach() for k, v in initial.state_dict().items()})
+    got = [deep_linreg_loss(w) for w in merged(job[case])]
+    assert max(bsp) < 0.1 * start, f"BSP did not learn: {bsp} from {start:.4f}"
+    assert max(got) <= 1.25 * max(bsp) + 0.005, f"{case}: losses {got} against BSP's {bsp}"
 
 
 FAIL_WORKER = textwrap.dedent("""
