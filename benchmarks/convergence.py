@@ -27,7 +27,7 @@ to target is interpolated linearly between the two evaluations around the first
 crossing; a run that never reaches it shows "-". Needs root (the emulator), else
 it stops saying so. Full run: about 12 minutes on a quiet 2-core host.
 
-The optimizer is SGD with momentum 0.9 (lr 0.05) by default, not AdamW: with
+The optimizer is SGD with momentum 0.9 (lr 0.025) by default, not AdamW: with
 AdamW at lr 3e-3, BSP sits for about 100 steps on the unigram plateau (validation
 loss ~3.38), and the modes in which each VW steps its own Adam on its own
 mini-batch for a while before averaging (wsp with D >= 1, local-sgd with k >= 2)
@@ -118,7 +118,7 @@ def main() -> int:
     ap.add_argument("--eval-batches", type=int, default=4, help="validation batches (of the global batch) per eval")
     ap.add_argument("--global-batch", type=int, default=32)
     ap.add_argument("--optimizer", choices=["momentum", "sgd", "adamw"], default="momentum")
-    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--lr", type=float, default=0.025)
     ap.add_argument("--staleness", type=int, default=2)
     ap.add_argument("--period", type=int, default=4)
     ap.add_argument("--target", type=float, default=None, help="target validation loss (default: see --target-at)")
