@@ -37,12 +37,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.nn.parallel import DistributedDataParallel
 
 from _results import write_section
+from hetrain.baselines import build_ddp_step, build_pipelining_step, even_bounds
 from hetrain.cluster import parse_cluster
-from hetrain.models.layers import LayerRange
 from hetrain.models.registry import build_layers, layer_names, loss_fn, num_layers, sample_batch
 from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
 from hetrain.profile import LayerProfile, ModelProfile
@@ -51,15 +49,6 @@ from hetrain.runtime import Trainer, build_optimizer_fn
 LR = 0.01
 CASES = ("1f1b", "gpipe", "dp")
 TORCH_NAMES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "dp": "DistributedDataParallel"}
-
-
-def even_bounds(layers: int, parts: int) -> list[int]:
-    """Stage boundaries that give the stages as equal layer counts as possible."""
-    q, r = divmod(layers, parts)
-    bounds = [0]
-    for j in range(parts):
-        bounds.append(bounds[-1] + q + (1 if j < r else 0))
-    return bounds
 
 
 def build_plan(case: str, args: argparse.Namespace, layers: int) -> Plan:
@@ -104,41 +93,17 @@ def build_hetrain(case: str, args: argparse.Namespace, layers: int,
 
 def build_torch(case: str, args: argparse.Namespace, layers: int,
                 batch: tuple[torch.Tensor, torch.Tensor]) -> Callable[[int], None]:
-    """``run(k)``: k more steps of torch's pipelining schedule, or of DistributedDataParallel."""
-    rank, p = dist.get_rank(), dist.get_world_size()
-    x, y = batch
-    lossf = loss_fn(args.model)
+    """``run(k)``: k more steps of torch's pipelining schedule, or of DistributedDataParallel
+    (``hetrain.baselines``, the same runners the emulated benchmark launches)."""
+    opt_fn = build_optimizer_fn("sgd", LR)
     if case == "dp":
-        share = args.global_batch // p
-        xs, ys = x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
-        model = DistributedDataParallel(LayerRange(build_layers(args.model, seed=0, **args.config)))
-        opt = torch.optim.SGD(model.parameters(), lr=LR)
-
-        def step() -> None:
-            opt.zero_grad()
-            lossf(model(xs), ys).backward()
-            opt.step()
+        step, _ = build_ddp_step(args.model, args.config, args.global_batch, opt_fn, seed=0)
     else:
-        b = even_bounds(layers, p)
-        module = LayerRange(build_layers(args.model, b[rank], b[rank + 1], seed=0, **args.config), b[rank])
-        stage = PipelineStage(module, rank, p, torch.device("cpu"))
-        schedule_cls = Schedule1F1B if case == "1f1b" else ScheduleGPipe
-        schedule = schedule_cls(stage, args.micro_batches, loss_fn=lossf)
-        opt = torch.optim.SGD(module.parameters(), lr=LR)
-
-        def step() -> None:
-            opt.zero_grad()
-            if rank == 0:
-                schedule.step(x)
-            elif rank == p - 1:
-                schedule.step(target=y, losses=[])
-            else:
-                schedule.step()
-            opt.step()
+        step, _ = build_pipelining_step(args.model, args.config, args.micro_batches, case, opt_fn, seed=0)
 
     def run(k: int) -> None:
         for _ in range(k):
-            step()
+            step(batch)
 
     return run
 

@@ -22,6 +22,7 @@ from hetrain.cluster import Cluster
 from hetrain.cost import estimate_allreduce_time, estimate_p2p_time
 from hetrain.plan import Plan
 from hetrain.profile import ModelProfile
+from hetrain.schedule import BUCKET_BYTES
 
 Layout = Sequence[tuple[int, int, int]]  # (device index, first layer, end layer) per stage
 T = TypeVar("T")
@@ -117,11 +118,6 @@ def build_segments(num_layers: int, layouts: Sequence[Layout]) -> list[tuple[int
             out.append((start, i, keys[start]))
             start = i
     return out
-
-
-#: the largest gradient bucket the runtime all-reduces while backward runs (``schedule.BUCKET_BYTES``,
-#: DistributedDataParallel's 25 MiB); plan option ``bucket_bytes``
-BUCKET_BYTES = 25 * 2**20
 
 
 def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout],
