@@ -126,8 +126,11 @@ class Health:
             return out
         return out
 
-    def _beats(self) -> dict[int, tuple[float, str]]:
-        """Every rank's last beat: (seconds since, what it was doing); ranks not beating yet are left out."""
+    def _beats(self) -> dict[int, tuple[float, str]] | None:
+        """Every rank's last beat: (seconds since, what it was doing); ranks not beating yet are left out.
+
+        None when the store cannot be read (its host has exited).
+        """
         now = time.time()
         out = {}
         for r in range(len(self.devices)):
@@ -136,8 +139,27 @@ class Health:
                     beat = json.loads(self.store.get(f"beat/{r}"))
                     out[r] = (now - float(beat["t"]), str(beat["doing"]))
             except Exception:
-                break  # the store is gone
+                return None
         return out
+
+    def hosts_store(self) -> bool:
+        """Whether this process serves the rendezvous store: rank 0 unless torchrun's agent serves it."""
+        return self.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
+
+    def linger(self, grace_s: float) -> None:
+        """On the store's host, after a failure: wait until every other rank has posted its error or
+        gone silent (so that they can still read the heartbeats that name the culprit), at most ``grace_s``.
+        """
+        if self.store is None or not self.hosts_store():
+            return
+        deadline = time.monotonic() + grace_s
+        others = set(range(len(self.devices))) - {self.rank}
+        while time.monotonic() < deadline:
+            beats = self._beats() or {}
+            silent = {r for r, (age, _) in beats.items() if age > 2.5 * self.period_s}
+            if others <= silent | set(self.posted_errors()):
+                return
+            time.sleep(0.05)
 
     def describe(self, ranks: Sequence[int], stale_s: float, max_lines: int = 8) -> str:
         """What ``ranks`` and every silent rank last reported, and the errors other ranks posted.
@@ -148,6 +170,9 @@ class Health:
         if self.store is None:
             return ""
         beats = self._beats()
+        if beats is None:
+            return ("  (the other ranks' heartbeats cannot be read: the rendezvous store is gone, "
+                    "its host has exited)")
         silent = [r for r, (age, _) in sorted(beats.items()) if age > stale_s and r not in ranks]
         lines = []
         for r in [*ranks, *silent][:max_lines]:

@@ -325,6 +325,7 @@ class Trainer:
             self._train(self._batches(data, seed), steps, log, out)
         except Exception as e:
             self.health.post_error(str(e))
+            self.health.linger(min(self.timeout_s, 3 * self.health.period_s + 2))
             raise
         finally:
             if log is not None:
