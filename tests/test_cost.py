@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -140,3 +141,34 @@ def test_optimizer_time_and_statistical_efficiency() -> None:
     assert estimate_optimizer_time(4e9, 4, cluster.devices[0], "adam") == pytest.approx(32e9 / 1555e9)
     assert estimate_samples_to_accuracy_factor(256, 256) == 2.0
     assert math.isclose(estimate_samples_to_accuracy_factor(1, 1e9), 1.0, rel_tol=1e-6)
+
+
+def _with_rates(rates: dict[str, dict[str, float]]) -> ModelProfile:
+    """``_profile()`` with measured optimizer steps (seconds per parameter byte per type and optimizer)."""
+    return dataclasses.replace(_profile(), optimizer_step_s_per_byte=tuple(
+        (t, tuple(r.items())) for t, r in rates.items()))
+
+
+def test_optimizer_time_uses_the_measured_rate_scaled_or_the_formula() -> None:
+    cluster = parse_cluster({"node": [{"name": "n", "devices": ["T4", "A100-40GB", "V100-16GB"]}]})
+    t4, a100, v100 = cluster.devices
+    formula = 2 * 16e6 / 1555e9  # Adam fp32: 16 MB of weight memory read and written at the A100's 1555 GB/s
+    bare = _profile()
+    assert estimate_optimizer_time(4e6, 4, a100, "adam", bare) == pytest.approx(formula)
+    assert estimate_optimizer_time(4e6, 4, a100, "adam") == pytest.approx(formula)
+    p = dataclasses.replace(_with_rates({"A100-40GB": {"adam": 5e-11}, "T4": {"sgd": 1e-10}}),
+                            measured_on=(("T4", DeviceFigures(8.1e12, 320e9)),))
+    assert estimate_optimizer_time(4e6, 4, a100, "adam", p) == pytest.approx(4e6 * 5e-11)  # measured here
+    assert estimate_optimizer_time(4e6, 4, a100, "adamw", p) == pytest.approx(4e6 * 5e-11)
+    # measured on the T4 only: scaled by the memory bandwidths, the T4's from measured_on, the A100's 1555 GB/s
+    assert estimate_optimizer_time(4e6, 4, a100, "sgd", p) == pytest.approx(4e6 * 1e-10 * 320e9 / 1555e9)
+    # adam on the V100: the A100's rate (figures from the catalog) times 1555 / 900 GB/s
+    assert estimate_optimizer_time(4e6, 4, v100, "adam", p) == pytest.approx(4e6 * 5e-11 * 1555e9 / 900e9)
+    # momentum was measured nowhere: the formula (12 MB of weight memory at the T4's 320 GB/s)
+    assert estimate_optimizer_time(4e6, 4, t4, "momentum", p) == pytest.approx(2 * 12e6 / 320e9)
+
+
+def test_a_type_without_figures_is_not_scaled_from() -> None:
+    cluster = parse_cluster({"node": [{"name": "n", "devices": ["A100-40GB"]}]})
+    p = _with_rates({"my-npu": {"sgd": 1e-6}})  # neither in measured_on nor in the catalog
+    assert estimate_optimizer_time(4e6, 4, cluster.devices[0], "sgd", p) == pytest.approx(2 * 8e6 / 1555e9)

@@ -360,11 +360,32 @@ def estimate_stage_memory(profile: ModelProfile, first: int, end: int, recompute
     return estimate_weight_memory(params, profile.bytes_per_element, optimizer) + in_flight_count * b * kept + transient
 
 
-def estimate_optimizer_time(param_bytes: float, bytes_per_element: int, device: Device, optimizer: str) -> float:
-    """Optimizer step: memory-bound, reads and writes weights, gradients and state once.
+def estimate_optimizer_time(param_bytes: float, bytes_per_element: int, device: Device, optimizer: str,
+                            profile: ModelProfile | None = None) -> float:
+    """Seconds of one optimizer step over ``param_bytes`` of parameters on ``device``.
 
-    Bytes moved = 2 * (weight memory) (read + write); at the device's memory bandwidth.
+    The first of these that applies (as ``estimate_layer_time`` for layers):
+
+    1. ``profile`` has the step measured on this device type
+       (``ModelProfile.optimizer_s_per_byte``; PipeDream's profiler times the weight
+       update the same way): measured seconds per byte * ``param_bytes``;
+    2. measured on another type with known figures (``measured_on``, else the
+       catalog): that rate scaled by the ratio of memory bandwidths, the roofline
+       ratio of a memory-bound kernel;
+    3. never measured: memory-bound, reading and writing weights, gradients and
+       state once: bytes moved = 2 * weight memory, at the device's memory bandwidth.
+       Optimistic where the step is not one pass at full bandwidth: torch's
+       per-tensor CPU loops, a CPU-quota-throttled device (2-3x on emulated devices).
     """
+    if profile is not None:
+        rate = profile.optimizer_s_per_byte(device.type_name, optimizer)
+        if rate is not None:
+            return rate * param_bytes
+        for type_name, _ in profile.optimizer_step_s_per_byte:
+            rate = profile.optimizer_s_per_byte(type_name, optimizer)
+            fig = _device_figures(profile, type_name)
+            if rate is not None and fig is not None:
+                return rate * param_bytes * fig[1] / device.memory_bandwidth_bytes_per_s
     return 2 * estimate_weight_memory(param_bytes, bytes_per_element, optimizer) / device.memory_bandwidth_bytes_per_s
 
 

@@ -184,7 +184,8 @@ class Comparison:
 
 
 def relabel_profile(profile: ModelProfile, type_name: str, figures: tuple[float, float] | None = None) -> ModelProfile:
-    """The profile with every measurement filed under ``type_name`` (and its peak figures, if given).
+    """The profile with every measurement (layers, optimizer step) filed under ``type_name`` (and its
+    peak figures, if given).
 
     A CPU process always profiles as type ``cpu``; an emulated device of type
     ``cpu-slow`` is a throttled CPU, so its measurements belong to ``cpu-slow``.
@@ -195,6 +196,9 @@ def relabel_profile(profile: ModelProfile, type_name: str, figures: tuple[float,
     for layer in data["layers"]:
         measured = layer.get("measured", {})
         layer["measured"] = {type_name: [m for ms in measured.values() for m in ms]}
+    rates = data.get("optimizer_step_s_per_byte", {})
+    if rates:
+        data["optimizer_step_s_per_byte"] = {type_name: {k: v for r in rates.values() for k, v in r.items()}}
     if figures is not None:
         data["measured_on"] = {type_name: {"peak_flops": figures[0], "memory_bandwidth_bytes_per_s": figures[1]}}
     else:

@@ -4,6 +4,8 @@ A profile holds, per layer, the figures the cost model needs: parameter bytes,
 output activation bytes per sample (what crosses a stage boundary), bytes kept
 for backward per sample, forward FLOPs per sample and, for device types where it
 was measured, forward and backward seconds at one or more micro-batch sizes.
+Per device type it may also hold the measured optimizer step, in seconds per
+parameter byte, per optimizer (PipeDream's profiler times the weight update too).
 docs/profile.md documents the JSON; the profiler writes it, people may edit it.
 
 Example:
@@ -15,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +26,9 @@ from typing import Any, Literal
 PRECISIONS = ("fp32", "fp16", "bf16")
 Precision = Literal["fp32", "fp16", "bf16"]
 FORMAT_VERSION = 1
+# The cost model's optimizers (cost.OPTIMIZER_STATE_PER_PARAM); the runtime's name for adam is "adamw".
+OPTIMIZER_NAMES = ("sgd", "momentum", "adam")
+OPTIMIZER_ALIASES = {"adamw": "adam"}
 
 
 class ProfileError(ValueError):
@@ -125,6 +131,8 @@ class ModelProfile:
             their time is estimated rather than measured (0 < e <= 1).
         measured_on: peak figures of the device types with measurements, so
             other types can be scaled from them by the roofline ratio.
+        optimizer_step_s_per_byte: per device type, per optimizer (``OPTIMIZER_NAMES``),
+            the measured seconds of one optimizer step per parameter byte.
     """
 
     name: str
@@ -133,6 +141,7 @@ class ModelProfile:
     precision: Precision = "fp32"
     compute_efficiency: float = 0.5
     measured_on: tuple[tuple[str, DeviceFigures], ...] = ()
+    optimizer_step_s_per_byte: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()
     _cache: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -142,6 +151,15 @@ class ModelProfile:
             raise ProfileError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if not 0 < self.compute_efficiency <= 1:
             raise ProfileError(f"compute_efficiency must be in (0, 1], got {self.compute_efficiency}")
+        for type_name, rates in self.optimizer_step_s_per_byte:
+            for name, rate in rates:
+                where = f"optimizer_step_s_per_byte[{type_name!r}][{name!r}]"
+                if name not in OPTIMIZER_NAMES:
+                    raise ProfileError(f"{where}: unknown optimizer {name!r}; known: {', '.join(OPTIMIZER_NAMES)}")
+                if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (
+                        math.isfinite(rate) and rate > 0):
+                    raise ProfileError(f"{where} must be a positive finite number of seconds per parameter byte, "
+                                       f"got {rate!r}")
 
     @property
     def num_layers(self) -> int:
@@ -161,6 +179,19 @@ class ModelProfile:
                 return f
         return None
 
+    def optimizer_s_per_byte(self, type_name: str, optimizer: str) -> float | None:
+        """Measured seconds of one ``optimizer`` step per parameter byte on ``type_name``, or None.
+
+        ``optimizer`` is a cost-model name (``"sgd"``, ``"momentum"``, ``"adam"``) or ``"adamw"``.
+        """
+        name = OPTIMIZER_ALIASES.get(optimizer, optimizer)
+        for t, rates in self.optimizer_step_s_per_byte:
+            if t == type_name:
+                for n, rate in rates:
+                    if n == name:
+                        return rate
+        return None
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "format_version": FORMAT_VERSION,
@@ -175,6 +206,8 @@ class ModelProfile:
                 t: {"peak_flops": f.peak_flops, "memory_bandwidth_bytes_per_s": f.memory_bandwidth_bytes_per_s}
                 for t, f in self.measured_on
             }
+        if self.optimizer_step_s_per_byte:
+            out["optimizer_step_s_per_byte"] = {t: dict(rates) for t, rates in self.optimizer_step_s_per_byte}
         return out
 
     @staticmethod
@@ -246,7 +279,30 @@ def parse_profile(data: Mapping[str, Any]) -> ModelProfile:
         precision=data.get("precision", "fp32"),
         compute_efficiency=_number(data, "compute_efficiency", "profile", 0.5),
         measured_on=measured_on,
+        optimizer_step_s_per_byte=_parse_optimizer_rates(data.get("optimizer_step_s_per_byte") or {}),
     )
+
+
+def _parse_optimizer_rates(raw: Any) -> tuple[tuple[str, tuple[tuple[str, float], ...]], ...]:
+    """``{type: {optimizer: seconds per byte}}`` -> the tuple form; ``"adamw"`` is read as ``"adam"``.
+
+    Values are checked by ``ModelProfile``; here only the shape and the names."""
+    key = "optimizer_step_s_per_byte"
+    if not isinstance(raw, Mapping):
+        raise ProfileError(f"{key} must be an object {{device type: {{optimizer: seconds per byte}}}}, got {raw!r}")
+    out = []
+    for type_name, rates in raw.items():
+        if not isinstance(rates, Mapping):
+            raise ProfileError(f"{key}[{type_name!r}] must be an object {{optimizer: seconds per byte}}, "
+                               f"got {rates!r}")
+        by_name: dict[str, Any] = {}
+        for name, rate in rates.items():
+            canonical = OPTIMIZER_ALIASES.get(str(name), str(name))
+            if canonical in by_name:
+                raise ProfileError(f"{key}[{type_name!r}] gives {canonical!r} twice (as {name!r} too)")
+            by_name[canonical] = rate
+        out.append((str(type_name), tuple(by_name.items())))
+    return tuple(out)
 
 
 def load_profile(path: str | Path) -> ModelProfile:

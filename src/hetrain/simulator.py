@@ -379,7 +379,7 @@ class _Replay:
             self.weights[d] = weights
             param_bytes = float(sum(profile.layers[i].param_bytes for i in stage.layers))
             self.optimizer_s[d] = estimate_optimizer_time(param_bytes, profile.bytes_per_element, device,
-                                                          plan.optimizer)
+                                                          plan.optimizer, profile)
             per_size: dict[int, tuple[float, float, float, float]] = {}
             layer_times = {}
             for b in set(vw.micro_batch_sizes):

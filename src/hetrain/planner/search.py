@@ -224,7 +224,7 @@ def _evaluate(cluster: Cluster, profile: ModelProfile, formation: Formation, sch
     layouts = [[(d.index, r.cuts[j], r.cuts[j + 1]) for j, d in enumerate(r.devices)] for r in parts]
     optimizer_s = max(
         estimate_optimizer_time(sum(profile.layers[i].param_bytes for i in range(k, l)),
-                                profile.bytes_per_element, cluster.devices[d], opts.optimizer)
+                                profile.bytes_per_element, cluster.devices[d], opts.optimizer, profile)
         for layout in layouts for d, k, l in layout
     )
     # what each device's last backward micro-batch can hide of its BSP gradient buckets

@@ -236,7 +236,8 @@ def merge_profiles(profiles: Sequence[ModelProfile]) -> ModelProfile:
 
     Layers must match one to one (same count, same parameter bytes) and precisions
     must agree. Measured figures win over scaled ones; for the same device type and
-    micro-batch size a later profile's measurement replaces an earlier one's. Byte
+    micro-batch size a later profile's measurement replaces an earlier one's, and so
+    for the optimizer step of the same device type and optimizer. Byte
     and FLOP counts are taken as the largest reported (saved bytes can differ a
     little between backends). Name and input come from the first profile.
 
@@ -278,9 +279,13 @@ def merge_profiles(profiles: Sequence[ModelProfile]) -> ModelProfile:
             measured=measured,
         ))
     figures: dict[str, DeviceFigures] = {}
+    rates: dict[str, dict[str, float]] = {}
     for p in profiles:
         figures.update(dict(p.measured_on))
-    return dataclasses.replace(first, layers=tuple(layers), measured_on=tuple(figures.items()))
+        for type_name, by_optimizer in p.optimizer_step_s_per_byte:
+            rates.setdefault(type_name, {}).update(by_optimizer)
+    return dataclasses.replace(first, layers=tuple(layers), measured_on=tuple(figures.items()),
+                               optimizer_step_s_per_byte=tuple((t, tuple(r.items())) for t, r in rates.items()))
 
 
 def _catalog_device(type_name: str) -> Device:

@@ -19,7 +19,10 @@
   twice (a ReLU's output that the next Linear also saves), an upper bound;
 - ``forward_flops_per_sample``: from ``torch.utils.flop_counter.FlopCounterMode``
   (matrix products, convolutions, attention; element-wise work is not counted);
-- peak memory of forward + backward on CUDA (``LayerReport.peak_memory_bytes``).
+- peak memory of forward + backward on CUDA (``LayerReport.peak_memory_bytes``);
+- the optimizer step (``measure_optimizer_step``), per optimizer, in seconds per
+  parameter byte: the weight update over all the layers' parameters, as PipeDream's
+  profiler times it too.
 
 Example:
     >>> import torch
@@ -45,7 +48,16 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from hetrain.catalog import lookup_device_type
-from hetrain.profile import PRECISIONS, DeviceFigures, LayerProfile, Measurement, ModelProfile, Precision
+from hetrain.profile import (
+    OPTIMIZER_ALIASES,
+    OPTIMIZER_NAMES,
+    PRECISIONS,
+    DeviceFigures,
+    LayerProfile,
+    Measurement,
+    ModelProfile,
+    Precision,
+)
 
 SampleInput = Any  # a tensor, a tuple of tensors, or a callable b -> batch of size b
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -247,7 +259,10 @@ class LayerReport:
 
 @dataclass(frozen=True)
 class LayersMeasurement:
-    """``measure_layers``'s result: per-layer reports and the device they ran on."""
+    """``measure_layers``'s result: per-layer reports, the optimizer step, the device they ran on.
+
+    ``optimizer_s_per_byte``: ``(optimizer, seconds per parameter byte)`` per measured optimizer.
+    """
 
     layers: tuple[LayerReport, ...]
     input_bytes_per_sample: float
@@ -255,9 +270,10 @@ class LayersMeasurement:
     device: str
     precision: Precision
     figures: DeviceFigures
+    optimizer_s_per_byte: tuple[tuple[str, float], ...] = ()
 
     def to_profile(self, model_name: str = "model") -> ModelProfile:
-        """The ModelProfile of these measurements (``measured`` under ``type_name``)."""
+        """The ModelProfile of these measurements (``measured`` and the optimizer step under ``type_name``)."""
         layers = tuple(
             LayerProfile(
                 name=r.name,
@@ -269,8 +285,10 @@ class LayersMeasurement:
             )
             for r in self.layers
         )
+        rates = ((self.type_name, self.optimizer_s_per_byte),) if self.optimizer_s_per_byte else ()
         return ModelProfile(name=model_name, layers=layers, input_bytes_per_sample=self.input_bytes_per_sample,
-                            precision=self.precision, measured_on=((self.type_name, self.figures),))
+                            precision=self.precision, measured_on=((self.type_name, self.figures),),
+                            optimizer_step_s_per_byte=rates)
 
     def table(self) -> str:
         """One line per layer: times at each size, bytes, FLOPs (and peak memory on CUDA)."""
@@ -287,6 +305,9 @@ class LayersMeasurement:
             if r.peak_memory_bytes is not None:
                 row += f"{r.peak_memory_bytes / 1e6:>9.1f}"
             lines.append(row)
+        if self.optimizer_s_per_byte:
+            lines.append("optimizer step, ns per parameter byte: "
+                         + ", ".join(f"{name} {rate * 1e9:.3f}" for name, rate in self.optimizer_s_per_byte))
         return "\n".join(lines)
 
 
@@ -386,6 +407,89 @@ def _time_layer_blocks(layer: nn.Module, args: tuple[Any, ...], grad_inputs: boo
     return forward, max(both - forward, 0.0)
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _build_optimizer(name: str, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """The torch optimizer the runtime builds for a cost-model name (``runtime.trainer.build_optimizer_fn``)."""
+    if name == "adam":
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9 if name == "momentum" else 0.0)
+
+
+def _time_steps(optimizer: torch.optim.Optimizer, device: torch.device, min_time_s: float) -> float:
+    """Seconds per step over back-to-back steps lasting at least ``min_time_s`` (and 2 steps)."""
+    n = 0
+    _sync(device)
+    start = time.perf_counter()
+    while True:
+        optimizer.step()
+        n += 1
+        _sync(device)
+        elapsed = time.perf_counter() - start
+        if n >= 2 and elapsed >= min_time_s:
+            return elapsed / n
+
+
+def measure_optimizer_step(layers: Sequence[nn.Module], device: str | torch.device = "cpu",
+                           optimizers: Sequence[str] = OPTIMIZER_NAMES, min_time_s: float = 0.0,
+                           repeats: int = 3) -> dict[str, float]:
+    """Seconds of one optimizer step per parameter byte, per optimizer, over all of ``layers``' parameters.
+
+    The step runs on copies of the parameters (same shapes, dtypes and device; the layers
+    keep their weights) with random gradients (fixed seed): one untimed step allocates
+    the optimizer state, then each of ``repeats`` times back-to-back steps for at least
+    ``min_time_s`` (and at least 2 steps); the median time per step, divided by the
+    parameter bytes, is the rate. Under a CPU quota give ``min_time_s`` several quota
+    periods, as to ``measure_layers``: one step shorter than the quota left runs at full
+    speed, and the waits come between steps (``_time_layer_blocks``).
+
+    Args:
+        layers: the layers whose parameters one optimizer updates (a shared parameter once).
+        device: where the copies live (the layers' device, normally).
+        optimizers: cost-model names ``"sgd"`` (SGD), ``"momentum"`` (SGD, momentum 0.9),
+            ``"adam"`` (AdamW); ``"adamw"`` is taken as ``"adam"``.
+        min_time_s: least duration of one repeat.
+        repeats: timed repeats (median taken).
+
+    Returns:
+        ``{optimizer: seconds per parameter byte}`` under the cost-model names; empty when
+        the layers have no parameters.
+
+    Example:
+        >>> rates = measure_optimizer_step([nn.Linear(64, 64)], optimizers=("sgd", "adamw"))
+        >>> sorted(rates)
+        ['adam', 'sgd']
+    """
+    names = [OPTIMIZER_ALIASES.get(o, o) for o in optimizers]
+    unknown = [o for o, n in zip(optimizers, names, strict=True) if n not in OPTIMIZER_NAMES]
+    if unknown:
+        raise ValueError(f"unknown optimizers {unknown}; known: {', '.join(OPTIMIZER_NAMES)} (or adamw)")
+    if repeats < 1 or min_time_s < 0:
+        raise ValueError(f"repeats must be >= 1 and min_time_s >= 0, got repeats={repeats}, min_time_s={min_time_s}")
+    dev = torch.device(device)
+    unique = {id(p): p for layer in layers for p in layer.parameters()}
+    total_bytes = sum(p.numel() * p.element_size() for p in unique.values())
+    if total_bytes == 0:
+        return {}
+    generator = torch.Generator().manual_seed(0)
+    rates: dict[str, float] = {}
+    for name in dict.fromkeys(names):
+        params = []
+        for p in unique.values():
+            copy = p.detach().to(dev).clone().requires_grad_(True)
+            copy.grad = torch.randn(p.shape, generator=generator).to(dev, p.dtype)
+            params.append(copy)
+        optimizer = _build_optimizer(name, params)
+        optimizer.step()  # allocates the state outside the timed blocks
+        per_step = [_time_steps(optimizer, dev, min_time_s) for _ in range(repeats)]
+        rates[name] = statistics.median(per_step) / total_bytes
+        del optimizer, params
+    return rates
+
+
 def _check_arguments(layers: Sequence[nn.Module], micro_batches: Sequence[int], repeats: int, warmup: int,
                      precision: str) -> list[int]:
     if not layers:
@@ -404,11 +508,14 @@ def measure_layers(layers: Sequence[nn.Module], sample_input: SampleInput,
                    micro_batches: Sequence[int] = (1, 2, 4, 8), device: str | torch.device = "cpu",
                    repeats: int = 5, warmup: int = 2, precision: Precision = "fp32",
                    names: Sequence[str] | None = None, unpack_tuples: bool = True,
-                   min_time_s: float = 0.0) -> LayersMeasurement:
+                   min_time_s: float = 0.0, optimizers: Sequence[str] = OPTIMIZER_NAMES) -> LayersMeasurement:
     """Measure every layer at every micro-batch size; ``profile_layers`` without the conversion.
 
     Arguments as ``profile_layers``. Layers are moved to ``device`` (and, for fp16
     or bf16, cast) in place and left in training mode as they were found.
+
+    The optimizer step of each of ``optimizers`` (``measure_optimizer_step``, with
+    ``min_time_s`` and ``repeats``) is measured too; ``optimizers=()`` skips it.
 
     ``min_time_s > 0`` (CPU only): each layer's times are means over back-to-back calls
     lasting at least that long instead of medians of single calls. Use it in a process
@@ -473,8 +580,9 @@ def measure_layers(layers: Sequence[nn.Module], sample_input: SampleInput,
         )
         for i, layer in enumerate(layers)
     )
+    rates = measure_optimizer_step(layers, dev, optimizers, min_time_s, repeats) if optimizers else {}
     return LayersMeasurement(reports, input_bytes, type_name, str(dev), precision,
-                             device_figures(type_name, dev, precision))
+                             device_figures(type_name, dev, precision), tuple(rates.items()))
 
 
 def _peak_memory(layer: nn.Module, args: tuple[Any, ...], grad_inputs: bool, dev: torch.device) -> int | None:
@@ -512,7 +620,8 @@ def profile_layers(layers: Sequence[nn.Module], sample_input: SampleInput,
 
     Returns:
         A ModelProfile with ``measured`` under the device type (``"cpu"``, or the
-        GPU's catalog name) and that type's figures under ``measured_on``.
+        GPU's catalog name), that type's figures under ``measured_on`` and its
+        optimizer step (sgd, momentum, adam) under ``optimizer_step_s_per_byte``.
 
     Example:
         >>> p = profile_layers(nn.Sequential(nn.Linear(32, 64), nn.ReLU()), torch.randn(1, 32))
