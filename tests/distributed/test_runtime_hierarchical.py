@@ -5,7 +5,9 @@ the cluster's intra link is fast and its NIC slow, so ``estimate_allreduce`` pic
 ``"hierarchical"`` for the pure data-parallel plan's one segment. After three SGD
 steps the weights equal single-process training's (relative error <= 1e-5), and
 every rank's ``GradientSync`` counted hierarchical all-reduces only: one per gradient
-bucket (three, of ~20-60 kB) and step, each posted during the backward.
+bucket (three, of ~20-60 kB) and step, each posted during the backward; and a bucket
+posted and never waited for finishes all three phases by itself (the leaders'
+all-reduce and the broadcast follow the reduce from a background thread).
 """
 
 from __future__ import annotations
@@ -51,8 +53,17 @@ WORKER = textwrap.dedent("""
     trainer = Trainer(lambda a, b: build_layers("gpt-tiny", a, b, seed=0, **config), load_plan(spec["plan"]),
                       build_optimizer_fn("sgd", spec["lr"]), loss_fn("gpt-tiny"), timeout_s=60, progress=False)
     history = trainer.fit(data, spec["steps"], seed=0)
-    torch.save({"weights": trainer.state_dict(), "history": history, "calls": dict(trainer.sync.calls),
-                "early": trainer.sync.posted_early},
+    calls, early = dict(trainer.sync.calls), trainer.sync.posted_early
+    weights = {k: v.clone() for k, v in trainer.state_dict().items()}
+    # the later phases of a hierarchical all-reduce run by themselves once its reduce has landed:
+    # posted and never waited for, each bucket finishes (in the background thread) within the timeout
+    buckets = sorted(b for s, b in trainer.sync.bucket_views if s == 0)
+    for b in buckets:
+        trainer.sync.start(0, b)
+    landed = [trainer.sync.landed(0, b, timeout_s=30) for b in buckets]
+    for b in buckets:
+        trainer.sync.wait(0, b, "the test's extra all-reduce")
+    torch.save({"weights": weights, "history": history, "calls": calls, "early": early, "landed": landed},
                f"{spec['out']}/rank{trainer.rank}.pt")
     trainer.close()
 """)
@@ -116,6 +127,7 @@ def test_hierarchical_allreduce_matches_single_process_training(tmp_path: Path, 
     for part in parts:  # every rank ran every step's bucket all-reduces hierarchically, posted from the backward
         assert part["calls"] == {"ring": 0, "hierarchical": STEPS * buckets}
         assert part["early"] == STEPS * buckets
+        assert part["landed"] == [True] * buckets, part["landed"]
     got = parts[0]["weights"]
     for part in parts[1:]:  # the replicas agree
         assert set(part["weights"]) == set(got)

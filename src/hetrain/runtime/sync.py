@@ -38,13 +38,25 @@ ready bucket waiting for the ones before it. ``ALLREDUCE_START`` posts whatever
 the hooks have not (a parameter that got no gradient); ``ALLREDUCE_WAIT`` waits
 for the bucket, at most ``timeout_s``, naming the peers. A hierarchical bucket
 posts its reduce to the node leader from the hook and runs the leaders'
-all-reduce and the broadcast at its wait.
+all-reduce and the broadcast from a background thread as soon as the reduce
+has landed, so that the later phases overlap the rest of the backward (and the
+next buckets) as the simulator has them, not wait for the ALLREDUCE_WAIT.
+
+The owners of a process group must issue its collectives in one order. The
+reduces are posted by the main thread in bucket order; the later phases by one
+thread per rank (``_Chain``) that takes the buckets in the order their reduces
+were posted. The node's broadcast goes over a group of its own (``bcast_group``),
+so that the main thread's next reduces and the thread's broadcasts never
+interleave on one group in an order that differs between ranks.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -55,7 +67,7 @@ from torch import nn
 
 from hetrain.cost import allreduce_shape, estimate_allreduce
 from hetrain.plan import Plan, Segment
-from hetrain.runtime.health import Health
+from hetrain.runtime.health import Health, PeerError
 from hetrain.schedule import build_buckets
 
 
@@ -69,6 +81,7 @@ class Hierarchy:
         node_group: the group of ``node_ranks`` (None when this rank is alone on its node).
         leaders: every node's leader (global ranks, sorted).
         leaders_group: the group of ``leaders`` (None unless this rank is a leader).
+        bcast_group: a second group of ``node_ranks``, for the broadcast (None with ``node_group``).
     """
 
     leader: int
@@ -76,6 +89,7 @@ class Hierarchy:
     node_group: Any
     leaders: tuple[int, ...]
     leaders_group: Any
+    bcast_group: Any = None
 
 
 class SegmentGroups(dict[tuple[str, ...], Any]):
@@ -138,21 +152,66 @@ def build_segment_groups(plan: Plan, rank_of: Mapping[str, int], timeout_s: floa
             by_node.setdefault(node_of[d], []).append(rank_of[d])
         nodes = sorted(by_node, key=lambda n: node_order[n])
         mine: Hierarchy | None = None
-        node_groups: dict[str, Any] = {}
+        node_groups: dict[str, tuple[Any, Any]] = {}
         for n in nodes:
             members = sorted(by_node[n])
-            if len(members) > 1:
-                node_groups[n] = dist.new_group(members, timeout=timeout)
+            if len(members) > 1:  # the reduce's group, then the broadcast's
+                node_groups[n] = (dist.new_group(members, timeout=timeout), dist.new_group(members, timeout=timeout))
         leaders = tuple(sorted(min(by_node[n]) for n in nodes))
         leaders_group = dist.new_group(list(leaders), timeout=timeout)
         for n in nodes:
             members = sorted(by_node[n])
             if me in members:
-                mine = Hierarchy(members[0], tuple(members), node_groups.get(n),
-                                 leaders, leaders_group if me == members[0] else None)
+                reduce_group, bcast_group = node_groups.get(n, (None, None))
+                mine = Hierarchy(members[0], tuple(members), reduce_group, leaders,
+                                 leaders_group if me == members[0] else None, bcast_group)
         if mine is not None:
             groups.hierarchical[seg.owners] = mine
     return groups
+
+
+class _Done:
+    """The end of one hierarchical all-reduce run by ``_Chain``: set when it finished or failed."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.error: BaseException | None = None
+
+
+class _Chain:
+    """One background thread that runs, in order, the later phases of hierarchical all-reduces.
+
+    Jobs are taken in the order they were queued (that of their first phases), so every
+    owner issues the collectives of each group in the same order. After a failure the
+    remaining jobs are not run (their ``_Done`` carries the first error), so nothing more is
+    posted to groups whose peers may be gone.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], None], _Done] | None] = queue.SimpleQueue()
+        self._failed: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="hetrain-allreduce-chain", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> _Done:
+        done = _Done()
+        self._jobs.put((job, done))
+        return done
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            job, done = item
+            if self._failed is None:
+                try:
+                    job()
+                except BaseException as e:  # handed to the main thread's wait, which raises it
+                    self._failed = e
+            done.error = self._failed
+            done.event.set()
 
 
 class GradientSync:
@@ -231,7 +290,8 @@ class GradientSync:
         self._queue: list[tuple[int, int]] = []
         self._next = 0  # queue[:next] are posted
         self._pending: dict[tuple[int, int], int] = {}  # armed bucket -> parameters still without their gradient
-        self._posted: dict[tuple[int, int], list[Any]] = {}  # bucket -> the works of its first phase
+        self._posted: dict[tuple[int, int], list[Any] | _Done] = {}  # bucket -> its works, or its chain's end
+        self._chain: _Chain | None = None  # started with the first hierarchical all-reduce
 
     def zero(self) -> None:
         """Zero every gradient of the stage (in place: ``.grad`` stay views of the buffers)."""
@@ -273,7 +333,13 @@ class GradientSync:
                            s, what, peers)
             self.calls["ring"] += 1
             return
-        self._hierarchical_rest(h, flats, self._first_phase(h, flats), s, what)
+        self._wait_done(self._post_hierarchical(h, flats, s, what), s, what, seg.owners)
+
+    def close(self) -> None:
+        """Stop the background thread of the hierarchical all-reduces (if one was started)."""
+        if self._chain is not None:
+            self._chain.close()
+            self._chain = None
 
     # --- buckets, overlapped with the backward -------------------------------------------
 
@@ -307,12 +373,24 @@ class GradientSync:
         if key not in self._posted:
             self.start(s, b)
         works = self._posted.pop(key)
-        h = self.hierarchical.get(self.segments[s].owners) if self.bucket_hierarchical.get(key) else None
-        if h is None:
-            self._wait_all(works, s, what, sorted(self.rank_of[d] for d in self.segments[s].owners))
-            self.calls["ring"] += 1
+        if isinstance(works, _Done):
+            self._wait_done(works, s, what, self.segments[s].owners)
             return
-        self._hierarchical_rest(h, self.bucket_views.get(key, []), works, s, what)
+        self._wait_all(works, s, what, sorted(self.rank_of[d] for d in self.segments[s].owners))
+        self.calls["ring"] += 1
+
+    def landed(self, s: int, b: int, timeout_s: float = 0.0) -> bool:
+        """Whether bucket ``b`` of segment ``s``, posted and not yet waited for, has finished all its
+        phases by itself within ``timeout_s`` (no wait needed to drive it)."""
+        works = self._posted[(s, b)]
+        if isinstance(works, _Done):
+            return works.event.wait(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while not all(w.is_completed() for w in works):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+        return True
 
     def _grad_ready(self, key: tuple[int, int], param: torch.Tensor) -> None:
         """Post-accumulate-grad hook of every parameter of bucket ``key``."""
@@ -339,17 +417,38 @@ class GradientSync:
         self._repoint(self.bucket_placed.get(key, ()))
         owners = self.segments[s].owners
         h = self.hierarchical.get(owners) if self.bucket_hierarchical.get(key) else None
+        if h is not None:
+            self._posted[key] = self._post_hierarchical(h, views, s, f"ALLREDUCE seg{s} bucket{b}")
+            return
         try:
-            if h is None:
-                group = self.groups[owners]
-                works = [dist.all_reduce(v, op=dist.ReduceOp.SUM, group=group, async_op=True) for v in views]
-            else:
-                works = self._first_phase(h, views)
+            group = self.groups[owners]
+            works = [dist.all_reduce(v, op=dist.ReduceOp.SUM, group=group, async_op=True) for v in views]
         except RuntimeError as e:
             peers = sorted(self.rank_of[d] for d in owners)
             raise self.health.peer_error(self._failure(s, f"ALLREDUCE_START seg{s} bucket{b}", e), peers,
                                          e) from None
         self._posted[key] = works
+
+    def _post_hierarchical(self, h: Hierarchy, tensors: Sequence[torch.Tensor], s: int, what: object) -> _Done:
+        """Post the first phase now; the chain thread runs the rest as soon as it has landed."""
+        try:
+            first = self._first_phase(h, tensors)
+        except RuntimeError as e:
+            raise self.health.peer_error(self._failure(s, what, e), list(h.node_ranks or h.leaders), e) from None
+        if self._chain is None:
+            self._chain = _Chain()
+        return self._chain.submit(functools.partial(self._hierarchical_rest, h, list(tensors), first, s, what))
+
+    def _wait_done(self, done: _Done, s: int, what: object, owners: Sequence[str]) -> None:
+        """Wait for a hierarchical all-reduce's last phase (each phase waits at most ``timeout_s``)."""
+        if not done.event.wait(3 * self.timeout_s + 5):
+            peers = sorted(self.rank_of[d] for d in owners)
+            raise self.health.peer_error(self._failure(s, what, None), peers)
+        if done.error is not None:
+            if isinstance(done.error, PeerError):
+                raise done.error
+            raise self.health.peer_error(self._failure(s, what, done.error),
+                                         sorted(self.rank_of[d] for d in owners), done.error) from None
 
     @staticmethod
     def _first_phase(h: Hierarchy, tensors: Sequence[torch.Tensor]) -> list[Any]:
@@ -362,7 +461,8 @@ class GradientSync:
 
     def _hierarchical_rest(self, h: Hierarchy, tensors: Sequence[torch.Tensor], first: Sequence[Any], s: int,
                            what: object) -> None:
-        """Wait for the first phase, then run the leaders' all-reduce and the broadcast to the node."""
+        """Wait for the first phase, then run the leaders' all-reduce and the broadcast to the node
+        (on the chain thread)."""
         if h.node_group is None:
             self._wait_all(first, s, what, list(h.leaders))
         else:
@@ -370,7 +470,7 @@ class GradientSync:
             if h.leaders_group is not None:
                 self._wait_all([dist.all_reduce(t, op=dist.ReduceOp.SUM, group=h.leaders_group, async_op=True)
                                 for t in tensors], s, what, list(h.leaders))
-            self._wait_all([dist.broadcast(t, src=h.leader, group=h.node_group, async_op=True) for t in tensors],
+            self._wait_all([dist.broadcast(t, src=h.leader, group=h.bcast_group, async_op=True) for t in tensors],
                            s, what, list(h.node_ranks))
         self.calls["hierarchical"] += 1
 

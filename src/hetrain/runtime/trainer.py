@@ -346,6 +346,8 @@ class Trainer:
         """Stop the heartbeat and any parameter-server threads. The process group is left as it is."""
         if self.modes is not None:
             self.modes.close()
+        if self.role.used:
+            self.sync.close()
         self.health.stop()
 
     def _actions_for(self, iteration: int, steps: int) -> list[Action]:
