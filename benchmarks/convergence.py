@@ -4,7 +4,8 @@ One emulated cluster (hetrain.emulate: network namespaces, tc-shaped NICs, cgrou
 CPU quotas), the "both" cluster of emulated_speedup.py: node ``fast`` with two
 devices at CPU share 0.6 and a 1 Gbit/s NIC, node ``slow`` with two at 0.24 and
 100 Mbit/s. Same model (gpt-tiny), optimizer, learning rate, global batch and
-data order for every run:
+data order for every run, planned as the demo plans (hetrain.demo.build_plans: gpt-tiny
+profiled on each emulated device type, the links discovered, micro-batches of 4 or more):
 
     run           plan                                         sync
     bsp-dp        the planner's data-parallel plan (4 VWs)     bsp
@@ -136,10 +137,10 @@ def main() -> int:
         ap.error(f"--target-at must be between 0 and 1, got {args.target_at}")
 
     from hetrain.cluster import parse_cluster
+    from hetrain.demo import run_emulated_comparison
     from hetrain.emulate import EmulatedCluster, EmulationError, parse_emulation_settings
     from hetrain.emulate.emulator import check_permissions
-    from hetrain.models.analytic import build_profile
-    from hetrain.planner import plan
+    from hetrain.plan import load_plan
 
     if not args.reuse:
         try:
@@ -151,10 +152,18 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     nominal = tomllib.loads(CLUSTER)
     cluster = parse_cluster(nominal)
-    profile = build_profile("gpt-tiny")
     gb = args.global_batch
-    dp = plan(cluster, profile, gb, strategy="dp", optimizer="adam", simulate_top_k=0)
-    best = plan(cluster, profile, gb, optimizer="adam", simulate_top_k=0)
+    if args.reuse:
+        dp, best = (load_plan(out / f"plan-{name}.json") for name in ("bsp-dp", "bsp-hybrid"))
+    else:
+        # the demo's planning path: gpt-tiny profiled on each emulated device type, the links
+        # discovered, micro-batches of 4 or more (hetrain.demo.build_plans)
+        planned = run_emulated_comparison(CLUSTER, out / "planning", model="gpt-tiny", global_batch=gb,
+                                          train=(), baselines=(), log=lambda _: None)
+        dp, best = planned.plans["dp"], planned.plans["hetrain"]
+        print(f"planned on the profiled, discovered cluster: dp predicted {dp.prediction.samples_per_s:.1f} "
+              f"samples/s, best ({best.strategy}, {len(best.virtual_workers)} VWs) "
+              f"{best.prediction.samples_per_s:.1f}", flush=True)
     opts = {"staleness": args.staleness, "period": args.period, "aggregate": args.period, "warmup": 5,
             "cooldown": 5}
     runs = {"bsp-dp": dp, "bsp-hybrid": best}

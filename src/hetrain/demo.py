@@ -162,6 +162,7 @@ class Comparison:
     runs: dict[str, PlanRun]
     discovered: str
     timings_s: dict[str, float]
+    plans: dict[str, Plan] = field(default_factory=dict)  # build_plans' plans, trained or not
 
     def speedup(self, over: str, of: str = "hetrain") -> float:
         return self.runs[of].measured_samples_per_s / self.runs[over].measured_samples_per_s
@@ -485,7 +486,7 @@ def run_emulated_comparison(cluster_text: str, out_dir: str | Path, model: str =
             r.load_metrics()
             log(f"   {name}: {len(r.metrics)} steps, measured {r.measured_samples_per_s:.1f} samples/s "
                 f"(predicted {r.predicted_samples_per_s:.1f})")
-    return Comparison(out, cluster_path, profile_path, runs, discovered, timings)
+    return Comparison(out, cluster_path, profile_path, runs, discovered, timings, plans)
 
 
 # ---------------------------------------------------------------------------
