@@ -269,18 +269,37 @@ def merge_node_profiles(cluster_dict: dict[str, Any], out_dir: Path) -> ModelPro
 
 
 def with_measured_links(nominal: dict[str, Any], discovered: dict[str, Any]) -> dict[str, Any]:
-    """The nominal cluster (device types, shares) with the discovered intra links, NICs and [[link]]s."""
+    """The nominal cluster (device types, shares) with the discovered intra links, NICs and [[link]]s,
+    each link's latency raised by the expected quota stall of the emulated devices at its ends.
+
+    A throttled device that has used its CPU quota stalls until its next period: up to
+    (1 - share) x period, (1 - share) x period / 2 on average (``emulate.cgroups.quota_stall``).
+    A device in training runs out of quota at every stretch of compute, so each message it
+    sends or receives after one meets that stall at its end; the discovery's ping-pong runs
+    between idle processes, which never use up their quota, and does not see it. The stall is
+    added to the latency of every link at each end that is throttled (twice for a node's intra
+    link), taking the node's most throttled device.
+    """
+    from hetrain.emulate import parse_emulation_settings
+    from hetrain.emulate.cgroups import quota_stall
+
     out: dict[str, Any] = json.loads(json.dumps(nominal))
     found = {n["name"]: n for n in discovered.get("node", [])}
+    settings = parse_emulation_settings(nominal.get("emulation"))
+    stall: dict[str, float] = {}
     for node in out["node"]:
+        shares = [float(d["cpu_share"]) * settings.cpu_scale for d in node.get("devices", [])
+                  if isinstance(d, dict) and d.get("cpu_share") is not None]
+        stall[node["name"]] = max((quota_stall(s, settings.cpu_period_s) for s in shares), default=0.0)
         d = found.get(node["name"])
         if d is None:
             continue
-        for key in ("intra_link", "nic"):
+        for key, ends in (("intra_link", 2), ("nic", 1)):
             if isinstance(d.get(key), dict):
-                node[key] = d[key]
+                node[key] = {**d[key], "latency_s": float(d[key].get("latency_s", 0.0)) + ends * stall[node["name"]]}
     if discovered.get("link"):
-        out["link"] = discovered["link"]
+        out["link"] = [{**link, "latency_s": float(link.get("latency_s", 0.0))
+                        + sum(stall.get(n, 0.0) for n in link["nodes"])} for link in discovered["link"]]
     out.pop("emulation", None)
     return out
 

@@ -119,10 +119,18 @@ def test_measured_links_replace_the_nominal_ones() -> None:
                             "nic": {"bandwidth_bytes_per_s": 1.2e7, "latency_s": 2e-4}}],
                   "link": [{"nodes": ["fast", "slow"], "bandwidth_bytes_per_s": 1.2e7, "latency_s": 2e-4}]}
     merged = with_measured_links({**CLUSTER, "emulation": {"cpu_scale": 0.5}}, discovered)
-    assert merged["node"][0]["nic"] == {"bandwidth_bytes_per_s": 1.2e7, "latency_s": 2e-4}
+    # shares 0.25 and 0.125 at a 10 ms period: quotas 2.5 and 1.25 ms, stalls (10 - q) / 2 = 3.75 and 4.375 ms,
+    # added at each throttled end of a link
+    fast, slow = 3.75e-3, 4.375e-3
+    assert merged["node"][0]["nic"] == {"bandwidth_bytes_per_s": 1.2e7, "latency_s": pytest.approx(2e-4 + fast)}
+    assert merged["node"][0]["intra_link"]["latency_s"] == pytest.approx(1e-5 + 2 * fast)
     assert merged["node"][1]["nic"] == "100Mbit/s" and "emulation" not in merged
+    assert merged["link"][0]["latency_s"] == pytest.approx(2e-4 + fast + slow)
     c = parse_cluster(merged)
     assert c.link(c.device("fast:0").index, c.device("slow:0").index).bandwidth_bytes_per_s == 1.2e7
+    unthrottled = with_measured_links({**CLUSTER, "node": [{**n, "devices": [{"type": "cpu", "count": 2}]}
+                                                           for n in CLUSTER["node"]]}, discovered)
+    assert unthrottled["link"] == discovered["link"]  # no share, no stall
 
 
 def test_even_split_plan_is_one_pipeline_over_every_device() -> None:

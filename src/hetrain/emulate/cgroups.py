@@ -43,6 +43,20 @@ class CgroupRoot:
         return f"cgroup v{self.version} at {self.path}"
 
 
+def quota_stall(cpu_share: float, period_s: float) -> float:
+    """Seconds a throttled device waits, on average, once it has used its quota: half the
+    throttled part of its period, ``(period - quota) / 2`` (0 for a share of 1 or more).
+
+    Example:
+        >>> round(quota_stall(0.4, 0.010), 6)
+        0.003
+    """
+    if cpu_share >= 1:
+        return 0.0
+    quota_us, period_us = estimate_quota(cpu_share, period_s)
+    return max(period_us - quota_us, 0) / 2e6
+
+
 def estimate_quota(cpu_share: float, period_s: float) -> tuple[int, int]:
     """``(quota_us, period_us)`` for a CPU share: quota = share x period.
 
