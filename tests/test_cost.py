@@ -172,3 +172,18 @@ def test_a_type_without_figures_is_not_scaled_from() -> None:
     cluster = parse_cluster({"node": [{"name": "n", "devices": ["A100-40GB"]}]})
     p = _with_rates({"my-npu": {"sgd": 1e-6}})  # neither in measured_on nor in the catalog
     assert estimate_optimizer_time(4e6, 4, cluster.devices[0], "sgd", p) == pytest.approx(2 * 8e6 / 1555e9)
+
+
+def test_estimate_allreduce_can_be_held_to_the_flat_ring() -> None:
+    from hetrain.cost import allreduce_shape, estimate_allreduce, estimate_ring_allreduce_time
+
+    cluster = parse_cluster({"name": "2x2", "node": [
+        {"name": n, "devices": [{"type": "cpu", "count": 2}], "intra_link": "100Gbit/s", "nic": "100Mbit/s"}
+        for n in ("n0", "n1")]})
+    shape = allreduce_shape(cluster, [0, 1, 2, 3])
+    best, algorithm = estimate_allreduce(8e6, shape)
+    ring, flat = estimate_allreduce(8e6, shape, "ring")
+    assert (algorithm, flat) == ("hierarchical", "ring") and ring > best
+    assert ring == estimate_ring_allreduce_time(8e6, 4, shape.ring_bandwidth_bytes_per_s, shape.ring_latency_s)
+    with pytest.raises(ValueError, match="one of auto, ring, got 'tree'"):
+        estimate_allreduce(8e6, shape, "tree")

@@ -329,3 +329,31 @@ def test_run_simulate_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert {d["device"] for d in data["devices"]} == {"fast:0", "slow:0"}
     assert run_simulate_command(str(tmp_path / "missing.json"), None, None, as_json=False) == 1
     assert "cannot read plan" in capsys.readouterr().err
+
+
+def two_by_two_dp_plan(options: dict[str, Any]) -> Plan:
+    """Pure DP over 2 nodes x 2 CPU devices, fast intra link and slow NIC: the cost model picks hierarchical."""
+    from hetrain.models.analytic import build_profile
+
+    cluster = parse_cluster({"name": "2x2", "node": [
+        {"name": n, "devices": [{"type": "cpu", "count": 2}], "intra_link": "100Gbit/s", "nic": "100Mbit/s"}
+        for n in ("n0", "n1")]})
+    vws = tuple(VirtualWorker((Stage(d, 0, 6),), 4, 1) for d in ("n0:0", "n0:1", "n1:0", "n1:1"))
+    return Plan("gpt-tiny", 16, "1f1b", "bsp", "sgd", vws, Prediction(0, 0, 0, 0, 0), "dp", "manual", cluster,
+                build_profile("gpt-tiny"), options)
+
+
+def test_the_allreduce_option_ring_replays_a_flat_ring_where_auto_goes_hierarchical() -> None:
+    from hetrain.plan import PlanError
+
+    auto, ring = simulate(two_by_two_dp_plan({})), simulate(two_by_two_dp_plan({"allreduce": "ring"}))
+    phases = {name: {e.label.rsplit(" ", 1)[-1] for evs in r.timeline.links.values() for e in evs}
+              for name, r in (("auto", auto), ("ring", ring))}
+    # hierarchical: the NICs carry one node's buffer each way; the flat ring crosses each NIC twice as often
+    assert "n0 NIC out" in auto.timeline.links and "n0 NIC out" in ring.timeline.links
+    nic = {name: sum(e.duration_s for e in r.timeline.links["n0 NIC out"]) for name, r in (("auto", auto),
+                                                                                          ("ring", ring))}
+    assert nic["ring"] > 1.5 * nic["auto"], (nic, phases)
+    assert ring.iteration_s > auto.iteration_s
+    with pytest.raises(PlanError, match="allreduce must be one of auto, ring, got 'tree'"):
+        simulate(two_by_two_dp_plan({"allreduce": "tree"}))

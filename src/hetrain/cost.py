@@ -271,11 +271,20 @@ def estimate_hierarchical_allreduce_time(num_bytes: float, shape: AllReduceShape
     return 2 * intra + inter
 
 
-def estimate_allreduce(num_bytes: float, shape: AllReduceShape) -> tuple[float, str]:
-    """The cheaper of a flat ring and the hierarchical scheme: (seconds, ``"ring"``/``"hierarchical"``)."""
+ALLREDUCE_ALGORITHMS = ("auto", "ring")
+
+
+def estimate_allreduce(num_bytes: float, shape: AllReduceShape, algorithm: str = "auto") -> tuple[float, str]:
+    """The cheaper of a flat ring and the hierarchical scheme: (seconds, ``"ring"``/``"hierarchical"``).
+
+    ``algorithm="ring"``: the flat ring only, as DistributedDataParallel and NCCL's ring run it
+    (plan option ``allreduce``).
+    """
+    if algorithm not in ALLREDUCE_ALGORITHMS:
+        raise ValueError(f"all-reduce algorithm must be one of {', '.join(ALLREDUCE_ALGORITHMS)}, got {algorithm!r}")
     ring = estimate_ring_allreduce_time(num_bytes, shape.p, shape.ring_bandwidth_bytes_per_s,
                                         shape.ring_latency_s)
-    if shape.nodes > 1 and shape.intra_p > 1:
+    if algorithm == "auto" and shape.nodes > 1 and shape.intra_p > 1:
         hier = estimate_hierarchical_allreduce_time(num_bytes, shape)
         if hier < ring:
             return hier, "hierarchical"

@@ -347,7 +347,8 @@ def even_split_plan(base: Plan, device_order: Sequence[str] | None = None) -> Pl
 
 def even_dp_plan(base: Plan) -> Plan:
     """DistributedDataParallel as hetrain models it: one replica per device of ``base`` (a ``strategy="dp"``
-    plan), the global batch split evenly (a DDP user does not weigh the devices), all-reduce every step."""
+    plan), the global batch split evenly (a DDP user does not weigh the devices), all-reduce every step,
+    over one flat ring of every device (plan option ``allreduce = "ring"``: DDP has no hierarchical scheme)."""
     from hetrain.cost import estimate_layer_times
     from hetrain.data.sharding import split_evenly
     from hetrain.plan import Stage, VirtualWorker
@@ -360,7 +361,8 @@ def even_dp_plan(base: Plan) -> Plan:
         vws.append(VirtualWorker((Stage(dev, 0, n, predicted_forward_s=float(fwd.sum()),
                                         predicted_backward_s=float(bwd.sum())),), share, 1))
     draft = replace(base, virtual_workers=tuple(vws), strategy="dp", formation="even-batch",
-                    prediction=replace(base.prediction, memory=()))
+                    prediction=replace(base.prediction, memory=()),
+                    options={**base.options, "allreduce": "ring"})  # DDP's flat ring, never hierarchical
     return _with_simulated_prediction(draft)
 
 

@@ -404,3 +404,19 @@ def load_plan(path: str | Path) -> Plan:
     except json.JSONDecodeError as e:
         raise PlanError(f"{p}: not valid JSON: {e}") from None
     return parse_plan(data)
+
+
+def allreduce_algorithm(plan: Plan) -> str:
+    """The plan's ``allreduce`` option: ``"auto"`` (default; the cheaper of ring and hierarchical per
+    all-reduce, ``cost.estimate_allreduce``) or ``"ring"`` (always the flat ring, as
+    DistributedDataParallel runs it). The simulator and the runtime both read it here.
+
+    Raises:
+        PlanError: another value.
+    """
+    from hetrain.cost import ALLREDUCE_ALGORITHMS
+
+    value = plan.options.get("allreduce", "auto")
+    if value not in ALLREDUCE_ALGORITHMS:
+        raise PlanError(f"plan option allreduce must be one of {', '.join(ALLREDUCE_ALGORITHMS)}, got {value!r}")
+    return str(value)

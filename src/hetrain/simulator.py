@@ -79,7 +79,7 @@ from hetrain.cost import (
     estimate_ring_allreduce_time,
     estimate_stage_memory,
 )
-from hetrain.plan import Plan, PlanError, load_plan
+from hetrain.plan import Plan, PlanError, allreduce_algorithm, load_plan
 from hetrain.schedule import (
     COLLECTIVE_KINDS,
     ActionKind,
@@ -234,10 +234,10 @@ def _ring_edges(cluster: Cluster, order: Sequence[int], res: _Resources) -> tupl
 
 
 def _allreduce_phases(cluster: Cluster, owners: Sequence[int], num_bytes: float,
-                      res: _Resources) -> list[tuple[float, tuple[int, ...], str]]:
+                      res: _Resources, allowed: str = "auto") -> list[tuple[float, tuple[int, ...], str]]:
     """(seconds, resources, name) of each phase of one all-reduce; the seconds add up to ``estimate_allreduce``."""
     shape = allreduce_shape(cluster, owners)
-    total, algorithm = estimate_allreduce(num_bytes, shape)
+    total, algorithm = estimate_allreduce(num_bytes, shape, allowed)
     if total <= 0:
         return []
     if algorithm == "ring":
@@ -352,6 +352,7 @@ class _Replay:
         self.clabel: dict[int, str] = {}
         self.last_start: dict[tuple[int, int], int] = {}  # (device, segment) -> iteration of its AVERAGE_START
         self.buckets = build_buckets(plan)
+        self.allreduce = allreduce_algorithm(plan)
         n = len(self.names)
         self.fwd: list[list[float]] = [[] for _ in range(n)]
         self.bwd: list[list[float]] = [[] for _ in range(n)]
@@ -449,7 +450,7 @@ class _Replay:
                 cid = self.cids[key] = len(self.cids)
                 members = self.segments[a.segment].owners
                 self.phases[cid] = _allreduce_phases(cluster, [cluster_index[o] for o in members],
-                                                     bucket.param_bytes, self.res)
+                                                     bucket.param_bytes, self.res, self.allreduce)
                 self.owners[cid] = [index[o] for o in members]
                 self.clabel[cid] = f"ALLREDUCE seg{a.segment} bucket{a.bucket}"
             if k is ActionKind.ALLREDUCE_START:
@@ -490,7 +491,7 @@ class _Replay:
             if key not in self.cids:
                 self.cids[key] = len(self.cids)
                 self.phases[self.cids[key]] = _allreduce_phases(cluster, [cluster_index[o] for o in members],
-                                                                seg.param_bytes, self.res)
+                                                                seg.param_bytes, self.res, self.allreduce)
                 self.owners[self.cids[key]] = [index[o] for o in members]
                 self.clabel[self.cids[key]] = f"{k.value if k in COLLECTIVE_KINDS else 'AVERAGE'} seg{a.segment}"
             cid = self.cids[key]

@@ -27,7 +27,7 @@ import pytest
 from hetrain.cluster import load_cluster, parse_cluster
 from hetrain.emulate import cgroups, cli, network
 from hetrain.emulate.cgroups import CgroupRoot, estimate_quota, find_cpu_cgroups
-from hetrain.emulate.emulator import STATE_DIR, EmulatedCluster, check_permissions, list_runs, remove_run
+from hetrain.emulate.emulator import STATE_DIR, EmulatedCluster, assign_cpus, check_permissions, list_runs, remove_run
 from hetrain.emulate.launch import build_node_env, build_torchrun_command
 from hetrain.emulate.rankwrap import CGROUPS_ENV
 from hetrain.emulate.rootless import probe_user_namespaces
@@ -95,6 +95,7 @@ def test_settings_from_the_emulation_table() -> None:
     assert (s.cpu_period_s, s.cpu_scale, s.throttle, s.shape, s.shape_intra, s.rdzv_port, s.join_timeout_s) == (
         0.02, 0.5, "cgroup", True, True, 29555, 30.0)
     assert parse_emulation_settings(None) == EmulationSettings()
+    assert parse_emulation_settings({"pin_cpus": False}).pin_cpus is False and EmulationSettings().pin_cpus
     assert EmulationSettings.from_dict(s.to_dict()) == s
     assert s.with_overrides(cpu_scale=None, shape=False).shape is False
     for bad, words in (({"cpu_period": "0.1ms"}, "between 1ms and 1s"), ({"cpu_scale": 0}, "cpu_scale"),
@@ -209,6 +210,14 @@ def test_throttling_falls_back_loudly_or_refuses(tmp_path: Path, monkeypatch: py
     assert "fast:1         cpu_share 0.25: 2.5 ms CPU per 10 ms" in em.describe()
 
 
+def test_devices_are_pinned_with_their_shares_spread_over_the_cpus() -> None:
+    assert assign_cpus([("a", 0.6), ("b", 0.6), ("c", 0.2), ("d", 0.2)], [0, 1]) == {"a": 0, "b": 1, "c": 0, "d": 1}
+    # the largest first, each on the least-loaded CPU: 0.5 | 0.4 + 0.3 -> 0.5 + 0.2 | 0.7
+    assert assign_cpus([("x", 0.3), ("y", 0.5), ("z", 0.4), ("w", 0.2)], [2, 5]) == {
+        "x": 5, "y": 2, "z": 5, "w": 2}
+    assert assign_cpus([("a", 1.0)], []) == {}
+
+
 def test_torchrun_command_and_node_environment() -> None:
     cluster = parse_cluster(tomllib.loads(TWO_NODES))
     em = EmulatedCluster(cluster, EmulationSettings(rdzv_port=29555), run_id="00beef")
@@ -305,7 +314,8 @@ t = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(t)
 cpu = [line.strip().split(":", 2)[2] for line in open("/proc/self/cgroup") if line.split(":")[1] in ("cpu", "")]
 report = {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t.item(),
-          "node": os.environ["HETRAIN_NODE"], "local_rank": int(os.environ["LOCAL_RANK"]), "cgroup": cpu}
+          "node": os.environ["HETRAIN_NODE"], "local_rank": int(os.environ["LOCAL_RANK"]), "cgroup": cpu,
+          "cpus": sorted(os.sched_getaffinity(0))}
 sys.stdout.write("REPORT " + json.dumps(report) + "\n")  # one write: the node's ranks share its output pipe
 sys.stdout.flush()
 dist.destroy_process_group()
@@ -322,6 +332,7 @@ def test_gloo_job_runs_across_two_emulated_nodes(tmp_path: Path, run_ids: Callab
         assert len(network.list_namespaces()) >= 3 and (STATE_DIR / f"{rid}.json").exists()
         status = em.launch(["python", str(script)], timeout_s=100, stdout=out, stderr=err)
         throttled = em.cgroup_root is not None
+        pins = [cpus for k in range(len(cluster.nodes)) for cpus in em.node_cpus(k)]
     assert status == 0, err.getvalue()[-3000:]
     reports = sorted(((json.loads(line.split("REPORT ", 1)[1]), line.split("]", 1)[0].strip("[ "))
                       for line in out.getvalue().splitlines() if "REPORT " in line), key=lambda r: r[0]["rank"])
@@ -332,6 +343,10 @@ def test_gloo_job_runs_across_two_emulated_nodes(tmp_path: Path, run_ids: Callab
     if throttled:
         assert [r["cgroup"][0].rsplit("/", 2)[-2:] for r, _ in reports] == [
             [f"hetrain-emu-{rid}", "0-fast-0"], [f"hetrain-emu-{rid}", "0-fast-1"], [f"hetrain-emu-{rid}", "1-slow-0"]]
+        # each throttled device runs pinned to the CPU assign_cpus gave it (largest shares spread first)
+        host = sorted(os.sched_getaffinity(0))
+        assert pins == [[c] for c in assign_cpus([("fast:0", 1.0), ("fast:1", 0.5), ("slow:0", 0.5)], host).values()]
+        assert [r["cpus"] for r, _ in reports] == pins
     assert_nothing_left(rid)
 
 

@@ -216,6 +216,15 @@ class EmulatedCluster:
 
     # --- what a node's torchrun needs -----------------------------------------
 
+    def node_cpus(self, k: int) -> list[list[int]]:
+        """The CPUs of node k's devices by local rank (``[]``: not pinned); see ``assign_cpus``."""
+        throttled = {t.device for t in self.throttles if t.procs_file}
+        if not self.settings.pin_cpus or not throttled:
+            return [[] for _ in self.cluster.nodes[k].devices]
+        pins = assign_cpus([(t.device, t.cpu_share) for t in self.throttles if t.device in throttled and t.cpu_share],
+                           sorted(os.sched_getaffinity(0)))
+        return [[pins[d.name]] if d.name in pins else [] for d in self.cluster.nodes[k].devices]
+
     def node_cgroups(self, k: int) -> list[str]:
         """``cgroup.procs`` of node k's devices by local rank (``""``: unthrottled)."""
         by_name = {t.device: t for t in self.throttles}
@@ -235,6 +244,8 @@ class EmulatedCluster:
         lines = [f"emulated cluster {c.name!r}, run {self.run_id}: {counts}"
                  + (f" ({self.cgroup_root.describe()})" if self.cgroup_root else "")]
         by_name = {t.device: t for t in self.throttles}
+        pins = {d.name: cpus for k, n in enumerate(c.nodes) for d, cpus in zip(n.devices, self.node_cpus(k),
+                                                                                  strict=True)}
         for node, nn in zip(c.nodes, net.nodes, strict=True):
             nic = format_bandwidth(node.nic.bandwidth_bytes_per_s) if self.settings.shape else "unshaped"
             intra = f"  intra {format_bandwidth(node.intra_link.bandwidth_bytes_per_s)} (lo)" \
@@ -251,7 +262,8 @@ class EmulatedCluster:
                     cpu = f"cpu_share {d.cpu_share * self.settings.cpu_scale:g}: NOT enforced"
                 else:
                     cpu = "no cpu_share: unthrottled"
-                lines.append(f"    {d.name:<14} {cpu}")
+                pinned = pins.get(d.name)
+                lines.append(f"    {d.name:<14} {cpu}" + (f", pinned to CPU {pinned[0]}" if pinned else ""))
         if len(c.nodes) > 1:
             lines.append("  links between nodes (each direction):")
             overridden = {frozenset(nl.nodes) for nl in c.node_links}
@@ -427,3 +439,21 @@ def remove_run(run_id: str) -> list[str]:
     with contextlib.suppress(FileNotFoundError):
         (STATE_DIR / f"{run_id}.json").unlink()
     return problems
+
+
+def assign_cpus(shares: Sequence[tuple[str, float]], cpus: Sequence[int]) -> dict[str, int]:
+    """One CPU per device, the largest shares first, each on the CPU with the least share so far.
+
+    Example:
+        >>> assign_cpus([("fast:0", 0.6), ("fast:1", 0.6), ("slow:0", 0.2), ("slow:1", 0.2)], [0, 1])
+        {'fast:0': 0, 'fast:1': 1, 'slow:0': 0, 'slow:1': 1}
+    """
+    if not cpus:
+        return {}
+    load = dict.fromkeys(cpus, 0.0)
+    out = {}
+    for name, share in sorted(shares, key=lambda x: -x[1]):
+        cpu = min(cpus, key=lambda c: load[c])
+        out[name] = cpu
+        load[cpu] += share
+    return {name: out[name] for name, _ in shares}

@@ -3,7 +3,8 @@
 torchrun starts one of these per local rank (``--no-python python -m
 hetrain.emulate.rankwrap CMD...``). It reads ``LOCAL_RANK``, writes its own pid
 into that device's ``cgroup.procs`` (from ``HETRAIN_EMULATE_CGROUPS``, a JSON
-list indexed by local rank, ``""`` for an unthrottled device), removes its own
+list indexed by local rank, ``""`` for an unthrottled device), pins itself to
+that device's CPU (``HETRAIN_EMULATE_CPUS``, where ``pin_cpus`` is on), removes its own
 variables from the environment and replaces itself with ``CMD``, so the
 command's process is the rank process torchrun watches and signals. The command
 sees the environment torchrun gives it plus ``HETRAIN_NODE`` / ``HETRAIN_HOST``;
@@ -18,6 +19,7 @@ import sys
 from collections.abc import Sequence
 
 CGROUPS_ENV = "HETRAIN_EMULATE_CGROUPS"
+CPUS_ENV = "HETRAIN_EMULATE_CPUS"  # JSON list by local rank of the CPUs to pin to ([]: not pinned)
 
 
 def join_cgroup(procs_file: str, pid: int) -> None:
@@ -43,6 +45,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             node = os.environ.get("HETRAIN_NODE", "?")
             print(f"hetrain.emulate.rankwrap: node {node} local rank {local_rank}: cannot join cgroup "
                   f"{paths[local_rank]}: {e.strerror}", file=sys.stderr, flush=True)
+            return 1
+    cpus = json.loads(os.environ.pop(CPUS_ENV, "[]") or "[]")
+    if local_rank < len(cpus) and cpus[local_rank]:
+        try:
+            os.sched_setaffinity(0, cpus[local_rank])  # kept across exec, and by the threads it starts
+        except OSError as e:
+            print(f"hetrain.emulate.rankwrap: local rank {local_rank}: cannot pin to CPUs {cpus[local_rank]}: "
+                  f"{e.strerror}", file=sys.stderr, flush=True)
             return 1
     try:
         os.execvp(command[0], command)

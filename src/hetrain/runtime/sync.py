@@ -66,7 +66,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hetrain.cost import allreduce_shape, estimate_allreduce
-from hetrain.plan import Plan, Segment
+from hetrain.plan import Plan, Segment, allreduce_algorithm
 from hetrain.runtime.health import Health, PeerError
 from hetrain.schedule import build_buckets
 
@@ -108,7 +108,8 @@ def segment_algorithm(plan: Plan, seg: Segment, num_bytes: float | None = None) 
     (of ``num_bytes``, one of its buckets, when given; else of all its gradients)."""
     index = {d.name: d.index for d in plan.cluster.devices}
     size = seg.param_bytes if num_bytes is None else num_bytes
-    return estimate_allreduce(size, allreduce_shape(plan.cluster, [index[o] for o in seg.owners]))[1]
+    return estimate_allreduce(size, allreduce_shape(plan.cluster, [index[o] for o in seg.owners]),
+                              allreduce_algorithm(plan))[1]
 
 
 def _hierarchical_owner_sets(plan: Plan) -> set[tuple[str, ...]]:
