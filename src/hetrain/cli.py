@@ -266,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
 
     c = sub.add_parser("compare", help="predicted vs measured timeline: error per device and action kind")
-    c.add_argument("predicted", help="a timeline JSON (hetrain simulate --json ... or the simulator's timeline)")
+    c.add_argument("predicted", help="the predicted timeline JSON (hetrain simulate PLAN --timeline FILE)")
     c.add_argument("measured", help="the runtime's measured timeline JSON (hetrain train --timeline-out)")
     c.add_argument("--gantt", help="write both timelines as one PNG, predicted above measured")
     c.set_defaults(func=cmd_compare)

@@ -225,6 +225,13 @@ def parse_timeline(data: Mapping[str, Any]) -> Timeline:
         except (IndexError, TypeError, ValueError) as err:
             raise TimelineError(f"{where}: an event is [start_s, end_s, kind, label, micro_batch] ({err})") from None
 
+    if not isinstance(data, Mapping):
+        raise TimelineError(f"a timeline is a JSON object with devices, links and memory, got {type(data).__name__}")
+    for key in ("devices", "links", "memory", "meta"):
+        if not isinstance(data.get(key, {}), Mapping):
+            hint = (": this looks like the metrics of `hetrain simulate --json`; write the predicted timeline "
+                    "with `hetrain simulate PLAN --timeline FILE`" if "iteration_s" in data else "")
+            raise TimelineError(f"timeline {key!r} must map names to lists, got a {type(data[key]).__name__}{hint}")
     return Timeline(
         devices={str(d): events(evs, f"device {d}") for d, evs in data.get("devices", {}).items()},
         links={str(d): events(evs, f"link {d}") for d, evs in data.get("links", {}).items()},
