@@ -270,15 +270,18 @@ def merge_node_profiles(cluster_dict: dict[str, Any], out_dir: Path) -> ModelPro
 
 def with_measured_links(nominal: dict[str, Any], discovered: dict[str, Any]) -> dict[str, Any]:
     """The nominal cluster (device types, shares) with the discovered intra links, NICs and [[link]]s,
-    each link's latency raised by the expected quota stall of the emulated devices at its ends.
+    each link's latency raised by the expected quota stall of the emulated devices at its ends
+    where the discovery could not see it.
 
     A throttled device that has used its CPU quota stalls until its next period: up to
     (1 - share) x period, (1 - share) x period / 2 on average (``emulate.cgroups.quota_stall``).
-    A device in training runs out of quota at every stretch of compute, so each message it
-    sends or receives after one meets that stall at its end; the discovery's ping-pong runs
-    between idle processes, which never use up their quota, and does not see it. The stall is
-    added to the latency of every link at each end that is throttled (twice for a node's intra
-    link), taking the node's most throttled device.
+    With ``fill_idle`` (the default) every throttled device uses up its quota in every period,
+    idle or not, so the discovery's ping-pong meets the stall as training does, and nothing is
+    added. Without it, a device in training runs out of quota at every stretch of compute, so each
+    message it sends or receives after one meets that stall at its end, while the ping-pong runs
+    between idle processes, which never use up their quota; the stall is then added to the latency
+    of every link at each end that is throttled (twice for a node's intra link), taking the node's
+    most throttled device.
     """
     from hetrain.emulate import parse_emulation_settings
     from hetrain.emulate.cgroups import quota_stall
@@ -290,7 +293,8 @@ def with_measured_links(nominal: dict[str, Any], discovered: dict[str, Any]) -> 
     for node in out["node"]:
         shares = [float(d["cpu_share"]) * settings.cpu_scale for d in node.get("devices", [])
                   if isinstance(d, dict) and d.get("cpu_share") is not None]
-        stall[node["name"]] = max((quota_stall(s, settings.cpu_period_s) for s in shares), default=0.0)
+        stall[node["name"]] = 0.0 if settings.fill_idle else max(
+            (quota_stall(s, settings.cpu_period_s) for s in shares), default=0.0)
         d = found.get(node["name"])
         if d is None:
             continue

@@ -96,6 +96,9 @@ def test_settings_from_the_emulation_table() -> None:
         0.02, 0.5, "cgroup", True, True, 29555, 30.0)
     assert parse_emulation_settings(None) == EmulationSettings()
     assert parse_emulation_settings({"pin_cpus": False}).pin_cpus is False and EmulationSettings().pin_cpus
+    assert parse_emulation_settings({"fill_idle": False}).fill_idle is False and EmulationSettings().fill_idle
+    with pytest.raises(EmulationError, match="fill_idle must be true or false, got 'no'"):
+        parse_emulation_settings({"fill_idle": "no"})
     assert EmulationSettings.from_dict(s.to_dict()) == s
     assert s.with_overrides(cpu_scale=None, shape=False).shape is False
     for bad, words in (({"cpu_period": "0.1ms"}, "between 1ms and 1s"), ({"cpu_scale": 0}, "cpu_scale"),
@@ -313,9 +316,13 @@ dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 t = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(t)
 cpu = [line.strip().split(":", 2)[2] for line in open("/proc/self/cgroup") if line.split(":")[1] in ("cpu", "")]
+children = [int(c) for c in open(f"/proc/self/task/{os.getpid()}/children").read().split()]
+fillers = [{"pid": c, "idle": os.sched_getscheduler(c) == os.SCHED_IDLE, "cpus": sorted(os.sched_getaffinity(c)),
+            "cgroup": [line.strip().split(":", 2)[2] for line in open(f"/proc/{c}/cgroup")
+                       if line.split(":")[1] in ("cpu", "")]} for c in children]
 report = {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t.item(),
           "node": os.environ["HETRAIN_NODE"], "local_rank": int(os.environ["LOCAL_RANK"]), "cgroup": cpu,
-          "cpus": sorted(os.sched_getaffinity(0))}
+          "cpus": sorted(os.sched_getaffinity(0)), "fillers": fillers}
 sys.stdout.write("REPORT " + json.dumps(report) + "\n")  # one write: the node's ranks share its output pipe
 sys.stdout.flush()
 dist.destroy_process_group()
@@ -347,6 +354,16 @@ def test_gloo_job_runs_across_two_emulated_nodes(tmp_path: Path, run_ids: Callab
         host = sorted(os.sched_getaffinity(0))
         assert pins == [[c] for c in assign_cpus([("fast:0", 1.0), ("fast:1", 0.5), ("slow:0", 0.5)], host).values()]
         assert [r["cpus"] for r, _ in reports] == pins
+        # an idle filler beside each device throttled below one CPU (fast:1, slow:0), in its cgroup, on its CPU
+        assert [len(r["fillers"]) for r, _ in reports] == [0, 1, 1]
+        for r, _ in reports[1:]:
+            (f,) = r["fillers"]
+            assert f["idle"] and f["cpus"] == r["cpus"] and f["cgroup"] == r["cgroup"]
+    # the fillers ended with their ranks
+    for r, _ in reports:
+        for f in r["fillers"]:
+            stat = Path(f"/proc/{f['pid']}/stat")
+            assert not stat.exists() or stat.read_text().split()[2] == "Z"
     assert_nothing_left(rid)
 
 

@@ -225,6 +225,16 @@ class EmulatedCluster:
                            sorted(os.sched_getaffinity(0)))
         return [[pins[d.name]] if d.name in pins else [] for d in self.cluster.nodes[k].devices]
 
+    def node_fillers(self, k: int) -> list[bool]:
+        """Whether node k's devices, by local rank, get an idle filler (``fill_idle``): those throttled
+        below one CPU (a quota of a whole CPU per period banks nothing a pinned process could use)."""
+        by_name = {t.device: t for t in self.throttles}
+        out = []
+        for d in self.cluster.nodes[k].devices:
+            t = by_name.get(d.name)
+            out.append(bool(self.settings.fill_idle and t and t.procs_file and t.cpu_share and t.cpu_share < 1.0))
+        return out
+
     def node_cgroups(self, k: int) -> list[str]:
         """``cgroup.procs`` of node k's devices by local rank (``""``: unthrottled)."""
         by_name = {t.device: t for t in self.throttles}

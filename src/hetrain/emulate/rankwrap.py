@@ -4,8 +4,10 @@ torchrun starts one of these per local rank (``--no-python python -m
 hetrain.emulate.rankwrap CMD...``). It reads ``LOCAL_RANK``, writes its own pid
 into that device's ``cgroup.procs`` (from ``HETRAIN_EMULATE_CGROUPS``, a JSON
 list indexed by local rank, ``""`` for an unthrottled device), pins itself to
-that device's CPU (``HETRAIN_EMULATE_CPUS``, where ``pin_cpus`` is on), removes its own
-variables from the environment and replaces itself with ``CMD``, so the
+that device's CPU (``HETRAIN_EMULATE_CPUS``, where ``pin_cpus`` is on), starts the
+device's idle filler where ``fill_idle`` is on (``HETRAIN_EMULATE_FILL``; see
+``start_filler``), removes its own variables from the environment and replaces
+itself with ``CMD``, so the
 command's process is the rank process torchrun watches and signals. The command
 sees the environment torchrun gives it plus ``HETRAIN_NODE`` / ``HETRAIN_HOST``;
 nothing tells it that it is emulated.
@@ -13,19 +15,53 @@ nothing tells it that it is emulated.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
 CGROUPS_ENV = "HETRAIN_EMULATE_CGROUPS"
 CPUS_ENV = "HETRAIN_EMULATE_CPUS"  # JSON list by local rank of the CPUs to pin to ([]: not pinned)
+FILL_ENV = "HETRAIN_EMULATE_FILL"  # JSON list by local rank: whether the device gets an idle filler
+_PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 def join_cgroup(procs_file: str, pid: int) -> None:
     """Move process ``pid`` (with all its threads) into the cgroup whose ``cgroup.procs`` is ``procs_file``."""
     with open(procs_file, "w") as f:
         f.write(str(pid))
+
+
+def start_filler() -> int:
+    """Fork this device's idle filler; returns its pid (in the caller, which goes on to exec the rank).
+
+    The filler spins at ``SCHED_IDLE`` priority in the device's cgroup, on its CPU (both
+    inherited), so it runs only when the rank has nothing to run, and it uses up the
+    quota the rank leaves idle. Without it a throttled device banks quota while it
+    waits (for an all-reduce, a pipeline neighbour) and runs its next compute at full
+    host speed until that is spent: faster than its share, and faster after a pause
+    than back to back. A GPU computes at the same speed after a pause, and so does
+    a device with a filler. The filler dies with the rank (``PR_SET_PDEATHSIG``).
+    """
+    parent = os.getpid()
+    pid = os.fork()
+    if pid:
+        return pid
+    try:  # the filler: it must never return into the caller's code
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the rank ended before the line above
+            os._exit(0)
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):  # hold none of the rank's pipes open
+            os.dup2(null, fd)
+        os.closerange(3, 65536)
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        while True:
+            pass
+    finally:
+        os._exit(0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -53,6 +89,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError as e:
             print(f"hetrain.emulate.rankwrap: local rank {local_rank}: cannot pin to CPUs {cpus[local_rank]}: "
                   f"{e.strerror}", file=sys.stderr, flush=True)
+            return 1
+    fill = json.loads(os.environ.pop(FILL_ENV, "[]") or "[]")
+    if local_rank < len(fill) and fill[local_rank]:
+        try:
+            start_filler()
+        except OSError as e:
+            print(f"hetrain.emulate.rankwrap: local rank {local_rank}: cannot start the idle filler: {e.strerror}",
+                  file=sys.stderr, flush=True)
             return 1
     try:
         os.execvp(command[0], command)

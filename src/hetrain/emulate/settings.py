@@ -55,6 +55,10 @@ class EmulationSettings:
         pin_cpus: pin each throttled device's process to one of the host's CPUs, spreading the
             shares evenly (``emulate.emulator.assign_cpus``), so that two devices on one CPU never
             take turns with the scheduler moving them between CPUs: run-to-run speed varies less.
+        fill_idle: give each device throttled below one CPU an idle filler, a process in its
+            cgroup that spins at idle priority and uses the quota the device leaves idle
+            (``emulate.rankwrap.start_filler``), so that the device computes at its share after
+            a pause as back to back, as a GPU does, instead of banking quota while it waits.
         shape: shape node NICs and ``[[link]]`` overrides with tc (htb).
         shape_intra: also shape each node's loopback (all its intra-node traffic, both
             directions together) at its ``intra_link`` bandwidth.
@@ -66,6 +70,7 @@ class EmulationSettings:
     cpu_scale: float = 1.0
     throttle: Throttle = "auto"
     pin_cpus: bool = True
+    fill_idle: bool = True
     shape: bool = True
     shape_intra: bool = False
     rdzv_port: int = 29400
@@ -90,8 +95,8 @@ class EmulationSettings:
 
     def to_dict(self) -> dict[str, Any]:
         return {"cpu_period_s": self.cpu_period_s, "cpu_scale": self.cpu_scale, "throttle": self.throttle,
-                "pin_cpus": self.pin_cpus, "shape": self.shape, "shape_intra": self.shape_intra,
-                "rdzv_port": self.rdzv_port, "join_timeout_s": self.join_timeout_s}
+                "pin_cpus": self.pin_cpus, "fill_idle": self.fill_idle, "shape": self.shape,
+                "shape_intra": self.shape_intra, "rdzv_port": self.rdzv_port, "join_timeout_s": self.join_timeout_s}
 
     @staticmethod
     def from_dict(data: Mapping[str, Any]) -> EmulationSettings:
@@ -99,7 +104,8 @@ class EmulationSettings:
         return EmulationSettings(**dict(data))
 
 
-_KEYS = {"cpu_period", "cpu_scale", "throttle", "pin_cpus", "shape", "shape_intra", "rdzv_port", "join_timeout"}
+_KEYS = {"cpu_period", "cpu_scale", "throttle", "pin_cpus", "fill_idle", "shape", "shape_intra", "rdzv_port",
+         "join_timeout"}
 
 
 def parse_emulation_settings(table: Mapping[str, Any] | None) -> EmulationSettings:
@@ -127,7 +133,7 @@ def parse_emulation_settings(table: Mapping[str, Any] | None) -> EmulationSettin
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise EmulationError(f"[emulation] cpu_scale must be a number, got {value!r}")
         out["cpu_scale"] = float(value)
-    for key in ("shape", "shape_intra", "pin_cpus"):
+    for key in ("shape", "shape_intra", "pin_cpus", "fill_idle"):
         if key in table:
             if not isinstance(table[key], bool):
                 raise EmulationError(f"[emulation] {key} must be true or false, got {table[key]!r}")
