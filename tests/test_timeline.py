@@ -44,7 +44,7 @@ def test_bad_timeline_files(tmp_path: Path) -> None:
     with pytest.raises(TimelineError, match="format_version"):
         parse_timeline({"format_version": 99})
     # the metrics of `hetrain simulate --json` are not a timeline: said, with what to run instead
-    with pytest.raises(TimelineError, match="'devices' must map names to lists, got a list: .*--timeline FILE"):
+    with pytest.raises(TimelineError, match=r"'devices' must map names to lists, got a list: .*--timeline FILE"):
         parse_timeline({"iteration_s": 0.2, "devices": [{"device": "n0:0"}]})
 
 
