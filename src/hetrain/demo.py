@@ -275,13 +275,14 @@ def with_measured_links(nominal: dict[str, Any], discovered: dict[str, Any]) -> 
 
     A throttled device that has used its CPU quota stalls until its next period: up to
     (1 - share) x period, (1 - share) x period / 2 on average (``emulate.cgroups.quota_stall``).
-    With ``fill_idle`` (the default) every throttled device uses up its quota in every period,
-    idle or not, so the discovery's ping-pong meets the stall as training does, and nothing is
-    added. Without it, a device in training runs out of quota at every stretch of compute, so each
-    message it sends or receives after one meets that stall at its end, while the ping-pong runs
-    between idle processes, which never use up their quota; the stall is then added to the latency
-    of every link at each end that is throttled (twice for a node's intra link), taking the node's
-    most throttled device.
+    Without ``fill_idle``, a device in training runs out of quota at every stretch of compute, so
+    each message it sends or receives after one meets that stall at its end. With ``fill_idle``
+    (the default) every throttled device uses up its quota in every period, busy or idle, and is
+    throttled a (1 - share) part of the time, so a message meets (1 - share)^2 x period / 2 on
+    average. The discovery's fit over large messages does not resolve a few milliseconds of
+    latency (its intercept came out 0 to 10 ms on the same links from run to run), so the
+    expected stall is added to the latency of every link at each end that is throttled (twice
+    for a node's intra link), taking the node's most throttled device.
     """
     from hetrain.emulate import parse_emulation_settings
     from hetrain.emulate.cgroups import quota_stall
@@ -293,8 +294,8 @@ def with_measured_links(nominal: dict[str, Any], discovered: dict[str, Any]) -> 
     for node in out["node"]:
         shares = [float(d["cpu_share"]) * settings.cpu_scale for d in node.get("devices", [])
                   if isinstance(d, dict) and d.get("cpu_share") is not None]
-        stall[node["name"]] = 0.0 if settings.fill_idle else max(
-            (quota_stall(s, settings.cpu_period_s) for s in shares), default=0.0)
+        stall[node["name"]] = max((quota_stall(s, settings.cpu_period_s, settings.fill_idle) for s in shares),
+                                  default=0.0)
         d = found.get(node["name"])
         if d is None:
             continue
