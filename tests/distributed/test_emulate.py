@@ -25,11 +25,11 @@ from pathlib import Path
 import pytest
 
 from hetrain.cluster import load_cluster, parse_cluster
-from hetrain.emulate import cgroups, cli, network
+from hetrain.emulate import cgroups, cli, network, rankwrap
 from hetrain.emulate.cgroups import CgroupRoot, estimate_quota, find_cpu_cgroups
 from hetrain.emulate.emulator import STATE_DIR, EmulatedCluster, assign_cpus, check_permissions, list_runs, remove_run
 from hetrain.emulate.launch import build_node_env, build_torchrun_command
-from hetrain.emulate.rankwrap import CGROUPS_ENV
+from hetrain.emulate.rankwrap import CGROUPS_ENV, CPUS_ENV
 from hetrain.emulate.rootless import probe_user_namespaces
 from hetrain.emulate.settings import EmulationError, EmulationSettings, parse_emulation_settings
 
@@ -238,6 +238,20 @@ def test_torchrun_command_and_node_environment() -> None:
     assert "RANK" not in env and "TORCHELASTIC_RUN_ID" not in env and env["KEEP"] == "1"
     assert env["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)
     assert json.loads(env[CGROUPS_ENV]) == ["", ""]  # not up: no cgroups yet
+
+
+def test_rankwrap_names_the_step_it_could_not_take(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("HETRAIN_NODE", "slow")
+    gone = tmp_path / "gone" / "cgroup.procs"
+    monkeypatch.setenv(CGROUPS_ENV, json.dumps(["", str(gone)]))
+    assert rankwrap.main(["true"]) == 1  # returns before exec: the step failed
+    assert f"node slow local rank 1: cannot join cgroup {gone}: No such file or directory" in capsys.readouterr().err
+    assert CGROUPS_ENV not in os.environ  # its variables never reach the command
+    monkeypatch.setenv(CPUS_ENV, json.dumps([[], [1 << 20]]))
+    assert rankwrap.main(["true"]) == 1
+    assert f"local rank 1: cannot pin to CPUs [{1 << 20}]: Invalid argument" in capsys.readouterr().err
 
 
 def test_cli_arguments(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,7 +20,8 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 CGROUPS_ENV = "HETRAIN_EMULATE_CGROUPS"
 CPUS_ENV = "HETRAIN_EMULATE_CPUS"  # JSON list by local rank of the CPUs to pin to ([]: not pinned)
@@ -72,32 +73,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not command:
         print("hetrain.emulate.rankwrap: no command to run", file=sys.stderr)
         return 2
-    paths = json.loads(os.environ.pop(CGROUPS_ENV, "[]") or "[]")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if local_rank < len(paths) and paths[local_rank]:
-        try:
-            join_cgroup(paths[local_rank], os.getpid())
-        except OSError as e:
-            node = os.environ.get("HETRAIN_NODE", "?")
-            print(f"hetrain.emulate.rankwrap: node {node} local rank {local_rank}: cannot join cgroup "
-                  f"{paths[local_rank]}: {e.strerror}", file=sys.stderr, flush=True)
-            return 1
-    cpus = json.loads(os.environ.pop(CPUS_ENV, "[]") or "[]")
-    if local_rank < len(cpus) and cpus[local_rank]:
-        try:
-            os.sched_setaffinity(0, cpus[local_rank])  # kept across exec, and by the threads it starts
-        except OSError as e:
-            print(f"hetrain.emulate.rankwrap: local rank {local_rank}: cannot pin to CPUs {cpus[local_rank]}: "
-                  f"{e.strerror}", file=sys.stderr, flush=True)
-            return 1
-    fill = json.loads(os.environ.pop(FILL_ENV, "[]") or "[]")
-    if local_rank < len(fill) and fill[local_rank]:
-        try:
-            start_filler()
-        except OSError as e:
-            print(f"hetrain.emulate.rankwrap: local rank {local_rank}: cannot start the idle filler: {e.strerror}",
-                  file=sys.stderr, flush=True)
-            return 1
+    node = os.environ.get("HETRAIN_NODE", "?")
+    # each variable: a JSON list by local rank; the step runs where this rank's entry is set
+    steps: list[tuple[str, Callable[[Any], object], Callable[[Any], str]]] = [
+        (CGROUPS_ENV, lambda path: join_cgroup(path, os.getpid()), lambda path: f"join cgroup {path}"),
+        # the affinity is kept across exec, and by the threads the rank starts
+        (CPUS_ENV, lambda cpus: os.sched_setaffinity(0, cpus), lambda cpus: f"pin to CPUs {cpus}"),
+        (FILL_ENV, lambda _: start_filler(), lambda _: "start the idle filler"),
+    ]
+    for env, step, what in steps:
+        values = json.loads(os.environ.pop(env, "[]") or "[]")
+        value = values[local_rank] if local_rank < len(values) else None
+        if value:
+            try:
+                step(value)
+            except OSError as e:
+                print(f"hetrain.emulate.rankwrap: node {node} local rank {local_rank}: cannot {what(value)}: "
+                      f"{e.strerror}", file=sys.stderr, flush=True)
+                return 1
     try:
         os.execvp(command[0], command)
     except OSError as e:
