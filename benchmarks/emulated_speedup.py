@@ -14,6 +14,9 @@ Rows per scenario:
 
     hetrain            hetrain's plan, run by hetrain's runtime
     dp                 the planner's data-parallel plan (batch split by device speed), hetrain's runtime
+    even-split         one pipeline over the 4 devices, layers split evenly (the partition torch-pipelining
+                       runs), hetrain's runtime: the simulator's error on it, and torch's runtime against
+                       hetrain's on the same partition
     torch-ddp          torch.nn.parallel.DistributedDataParallel, one replica per device, batch split
                        evenly (hetrain.baselines ddp)
     torch-pipelining   torch.distributed.pipelining over the 4 devices, layers split evenly, the
@@ -21,11 +24,12 @@ Rows per scenario:
 
 "predicted" is the simulator's iteration for hetrain's plans; for the torch rows it is
 hetrain's model of them (the even-batch DP plan, the even-split pipeline plan), which
-models hetrain's runtime, not torch's. Samples/s leave out the warm-up steps; prediction
+models hetrain's runtime, not torch's: their "error" is how far torch's runtime is from
+what hetrain's would do on that partition. Samples/s leave out the warm-up steps; prediction
 error is (simulated - measured) / measured iteration time; speed-up is over torch-ddp.
 Needs root (or is skipped, saying so).
 
-    sudo -E .venv/bin/python benchmarks/emulated_speedup.py [--steps 12] [--scenarios both]
+    sudo -E .venv/bin/python benchmarks/emulated_speedup.py [--steps 20] [--scenarios both]
     sudo -E .venv/bin/python benchmarks/emulated_speedup.py --quick   # 4 steps, 1 warm-up, no RESULTS.md
 """
 
@@ -72,14 +76,14 @@ SCENARIOS = {
 }
 
 
-TRAIN = ("hetrain", "dp")
+TRAIN = ("hetrain", "dp", "even-split")
 BASELINES = ("ddp", "pipelining")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--global-batch", type=int, default=32)
     parser.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
     parser.add_argument("--quick", action="store_true",

@@ -340,12 +340,14 @@ def _time_layer(layer: nn.Module, args: tuple[Any, ...], grad_inputs: bool, repe
                 device: torch.device, min_time_s: float = 0.0) -> tuple[float, float, Any]:
     """Median forward and backward seconds of ``layer(*args)``, and its (detached) output.
 
-    With ``min_time_s > 0`` on a CPU, the times are means over blocks of back-to-back calls
-    of at least that long (``_time_layer_blocks``), for a process under a CPU quota."""
+    With ``min_time_s > 0`` on a CPU, the times are medians over ``repeats`` blocks of back-to-back
+    calls of at least that long (``_time_layer_blocks``), for a process under a CPU quota; single calls
+    then run only as warm-up (and for the output)."""
     fwd: list[float] = []
     bwd: list[float] = []
     out: Any = None
-    for k in range(warmup + repeats):
+    blocks = min_time_s > 0 and device.type == "cpu"
+    for k in range(warmup + (0 if blocks else repeats) or 1):
         inputs = _map(args, lambda t: _leaf(t, grad_inputs))
         layer.zero_grad(set_to_none=True)
         tf, tb = _Timer(device), _Timer(device)
@@ -362,22 +364,26 @@ def _time_layer(layer: nn.Module, args: tuple[Any, ...], grad_inputs: bool, repe
             fwd.append(tf.seconds())
             bwd.append(tb.seconds() if outs else 0.0)
     layer.zero_grad(set_to_none=True)
-    f_med, b_med = statistics.median(fwd), statistics.median(bwd)
-    if min_time_s > 0 and device.type == "cpu":
-        f_med, b_med = _time_layer_blocks(layer, args, grad_inputs, min_time_s)
+    if blocks:
+        f_med, b_med = _time_layer_blocks(layer, args, grad_inputs, min_time_s, repeats)
+    else:
+        f_med, b_med = statistics.median(fwd), statistics.median(bwd)
     return f_med, b_med, _map(out, lambda t: t.detach())
 
 
 def _time_layer_blocks(layer: nn.Module, args: tuple[Any, ...], grad_inputs: bool,
-                       min_time_s: float) -> tuple[float, float]:
-    """Mean forward and backward seconds over back-to-back calls lasting ``min_time_s`` or more.
+                       min_time_s: float, repeats: int = 1) -> tuple[float, float]:
+    """Forward and backward seconds per call over blocks of back-to-back calls lasting ``min_time_s`` or more:
+    the medians over ``repeats`` pairs of blocks.
 
     Under a CPU quota (a cgroup's ``quota`` per ``period``) a call shorter than the
     quota that is left runs at full speed and the process waits later, between calls;
     the median of single calls then gives the unthrottled time, which a training step of
     several layers does not see. Timing blocks of calls that span several periods
     takes the waits in: forward alone, then forward + backward, each repeated until
-    ``min_time_s`` has passed; the backward time is the difference.
+    ``min_time_s`` has passed; the backward time is the difference. One pair of blocks
+    varies by 10-30% under a quota (identical layers measured that far apart); the
+    median of several pairs, taken in turn, halves that.
     """
     grads: list[torch.Tensor] | None = None
 
@@ -401,10 +407,13 @@ def _time_layer_blocks(layer: nn.Module, args: tuple[Any, ...], grad_inputs: boo
                 return elapsed / n
 
     call(True)  # allocates the gradients and the upstream ones outside the timed blocks
-    forward = block(False)
-    both = block(True)
+    forward: list[float] = []
+    backward: list[float] = []
+    for _ in range(max(repeats, 1)):
+        forward.append(block(False))
+        backward.append(max(block(True) - forward[-1], 0.0))
     layer.zero_grad(set_to_none=True)
-    return forward, max(both - forward, 0.0)
+    return statistics.median(forward), statistics.median(backward)
 
 
 def _sync(device: torch.device) -> None:
