@@ -347,7 +347,8 @@ def _time_layer(layer: nn.Module, args: tuple[Any, ...], grad_inputs: bool, repe
     bwd: list[float] = []
     out: Any = None
     blocks = min_time_s > 0 and device.type == "cpu"
-    for k in range(warmup + (0 if blocks else repeats) or 1):
+    calls = warmup + (0 if blocks else repeats)
+    for k in range(max(calls, 1)):  # at least one: it gives the output
         inputs = _map(args, lambda t: _leaf(t, grad_inputs))
         layer.zero_grad(set_to_none=True)
         tf, tb = _Timer(device), _Timer(device)
