@@ -270,19 +270,18 @@ def merge_node_profiles(cluster_dict: dict[str, Any], out_dir: Path) -> ModelPro
 
 def with_measured_links(nominal: dict[str, Any], discovered: dict[str, Any]) -> dict[str, Any]:
     """The nominal cluster (device types, shares) with the discovered intra links, NICs and [[link]]s,
-    each link's latency raised by the expected quota stall of the emulated devices at its ends
-    where the discovery could not see it.
+    each link's latency raised by the quota stall of the emulated devices at its ends where the
+    discovery could not have met it.
 
-    A throttled device that has used its CPU quota stalls until its next period: up to
-    (1 - share) x period, (1 - share) x period / 2 on average (``emulate.cgroups.quota_stall``).
-    Without ``fill_idle``, a device in training runs out of quota at every stretch of compute, so
-    each message it sends or receives after one meets that stall at its end. With ``fill_idle``
-    (the default) every throttled device uses up its quota in every period, busy or idle, and is
-    throttled a (1 - share) part of the time, so a message meets (1 - share)^2 x period / 2 on
-    average. The discovery's fit over large messages does not resolve a few milliseconds of
-    latency (its intercept came out 0 to 10 ms on the same links from run to run), so the
-    expected stall is added to the latency of every link at each end that is throttled (twice
-    for a node's intra link), taking the node's most throttled device.
+    A throttled device that has used its CPU quota stalls until its next period before it
+    handles a message. With ``fill_idle`` (the default) every throttled device uses up its quota
+    in every period, busy or idle, so the discovery's ping-pong meets the stall as training does
+    (a message arriving at a random moment waits (1 - share)^2 x period / 2 on average), and it
+    is in the measured latency: nothing is added. Without ``fill_idle``, an idle device banks
+    quota and answers a ping at once, while a training device runs out of quota at every stretch
+    of compute, so each message it sends or receives after one meets (1 - share) x period / 2
+    on average (``emulate.cgroups.quota_stall``): that is added to the latency of every link at
+    each throttled end (twice for a node's intra link), taking the node's most throttled device.
     """
     from hetrain.emulate import parse_emulation_settings
     from hetrain.emulate.cgroups import quota_stall
@@ -294,8 +293,8 @@ def with_measured_links(nominal: dict[str, Any], discovered: dict[str, Any]) -> 
     for node in out["node"]:
         shares = [float(d["cpu_share"]) * settings.cpu_scale for d in node.get("devices", [])
                   if isinstance(d, dict) and d.get("cpu_share") is not None]
-        stall[node["name"]] = max((quota_stall(s, settings.cpu_period_s, settings.fill_idle) for s in shares),
-                                  default=0.0)
+        unseen = not settings.fill_idle  # with the filler, discovery met the stall: it is in the latency
+        stall[node["name"]] = max((quota_stall(s, settings.cpu_period_s) for s in shares if unseen), default=0.0)
         d = found.get(node["name"])
         if d is None:
             continue

@@ -29,7 +29,7 @@ from hetrain.emulate import cgroups, cli, network, rankwrap
 from hetrain.emulate.cgroups import CgroupRoot, estimate_quota, find_cpu_cgroups
 from hetrain.emulate.emulator import STATE_DIR, EmulatedCluster, assign_cpus, check_permissions, list_runs, remove_run
 from hetrain.emulate.launch import build_node_env, build_torchrun_command
-from hetrain.emulate.rankwrap import CGROUPS_ENV, CPUS_ENV
+from hetrain.emulate.rankwrap import CGROUPS_ENV, COMM_ENV, CPUS_ENV
 from hetrain.emulate.rootless import probe_user_namespaces
 from hetrain.emulate.settings import EmulationError, EmulationSettings, parse_emulation_settings
 
@@ -99,6 +99,9 @@ def test_settings_from_the_emulation_table() -> None:
     assert parse_emulation_settings({"fill_idle": False}).fill_idle is False and EmulationSettings().fill_idle
     with pytest.raises(EmulationError, match="fill_idle must be true or false, got 'no'"):
         parse_emulation_settings({"fill_idle": "no"})
+    off = parse_emulation_settings({"isolate_comm": False})
+    assert off.isolate_comm is False and EmulationSettings().isolate_comm
+    assert EmulationSettings.from_dict(off.to_dict()) == off
     assert EmulationSettings.from_dict(s.to_dict()) == s
     assert s.with_overrides(cpu_scale=None, shape=False).shape is False
     for bad, words in (({"cpu_period": "0.1ms"}, "between 1ms and 1s"), ({"cpu_scale": 0}, "cpu_scale"),
@@ -252,6 +255,10 @@ def test_rankwrap_names_the_step_it_could_not_take(tmp_path: Path, monkeypatch: 
     monkeypatch.setenv(CPUS_ENV, json.dumps([[], [1 << 20]]))
     assert rankwrap.main(["true"]) == 1
     assert f"local rank 1: cannot pin to CPUs [{1 << 20}]: Invalid argument" in capsys.readouterr().err
+    monkeypatch.setenv(COMM_ENV, json.dumps(["", str(gone.with_name("tasks"))]))
+    assert rankwrap.main(["true"]) == 1
+    assert (f"local rank 1: cannot start the mover of its threads into {gone.with_name('tasks')}: No such file or "
+            "directory") in capsys.readouterr().err
 
 
 def test_cli_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -324,19 +331,23 @@ def assert_nothing_left(run_id: str) -> None:
 
 
 GLOO_JOB = r"""
-import datetime, json, os, sys
+import datetime, json, os, sys, time
 import torch, torch.distributed as dist
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 t = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(t)
-cpu = [line.strip().split(":", 2)[2] for line in open("/proc/self/cgroup") if line.split(":")[1] in ("cpu", "")]
+def cpu_cgroup(path):
+    return [line.strip().split(":", 2)[2] for line in open(path) if line.split(":")[1] in ("cpu", "")]
+time.sleep(0.2)  # the thread mover (isolate_comm) looks for new threads every 20 ms
+cpu = cpu_cgroup("/proc/self/cgroup")
+threads = {t: cpu_cgroup(f"/proc/self/task/{t}/cgroup") for t in os.listdir("/proc/self/task")}
 children = [int(c) for c in open(f"/proc/self/task/{os.getpid()}/children").read().split()]
-fillers = [{"pid": c, "idle": os.sched_getscheduler(c) == os.SCHED_IDLE, "cpus": sorted(os.sched_getaffinity(c)),
-            "cgroup": [line.strip().split(":", 2)[2] for line in open(f"/proc/{c}/cgroup")
-                       if line.split(":")[1] in ("cpu", "")]} for c in children]
+helpers = [{"pid": c, "idle": os.sched_getscheduler(c) == os.SCHED_IDLE, "cpus": sorted(os.sched_getaffinity(c)),
+            "cgroup": cpu_cgroup(f"/proc/{c}/cgroup")} for c in children]
 report = {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t.item(),
           "node": os.environ["HETRAIN_NODE"], "local_rank": int(os.environ["LOCAL_RANK"]), "cgroup": cpu,
-          "cpus": sorted(os.sched_getaffinity(0)), "fillers": fillers}
+          "cpus": sorted(os.sched_getaffinity(0)), "fillers": [h for h in helpers if h["idle"]],
+          "movers": [h for h in helpers if not h["idle"]], "main": str(os.getpid()), "threads": threads}
 sys.stdout.write("REPORT " + json.dumps(report) + "\n")  # one write: the node's ranks share its output pipe
 sys.stdout.flush()
 dist.destroy_process_group()
@@ -353,6 +364,7 @@ def test_gloo_job_runs_across_two_emulated_nodes(tmp_path: Path, run_ids: Callab
         assert len(network.list_namespaces()) >= 3 and (STATE_DIR / f"{rid}.json").exists()
         status = em.launch(["python", str(script)], timeout_s=100, stdout=out, stderr=err)
         throttled = em.cgroup_root is not None
+        isolated = throttled and em.cgroup_root.version == 1  # type: ignore[union-attr]
         pins = [cpus for k in range(len(cluster.nodes)) for cpus in em.node_cpus(k)]
     assert status == 0, err.getvalue()[-3000:]
     reports = sorted(((json.loads(line.split("REPORT ", 1)[1]), line.split("]", 1)[0].strip("[ "))
@@ -373,9 +385,20 @@ def test_gloo_job_runs_across_two_emulated_nodes(tmp_path: Path, run_ids: Callab
         for r, _ in reports[1:]:
             (f,) = r["fillers"]
             assert f["idle"] and f["cpus"] == r["cpus"] and f["cgroup"] == r["cgroup"]
-    # the fillers ended with their ranks
+    if isolated:
+        # isolate_comm: the main thread computes under the device's quota; every other thread of the rank
+        # (Gloo's) and the mover itself run in the run's unthrottled cgroup
+        run_cgroup = [r["cgroup"][0].rsplit("/", 1)[0] for r, _ in reports]
+        for (r, _), outer in zip(reports, run_cgroup, strict=True):
+            assert outer.endswith(f"hetrain-emu-{rid}")
+            assert r["threads"][r["main"]] == r["cgroup"]
+            others = {tid: cg for tid, cg in r["threads"].items() if tid != r["main"]}
+            assert others and all(cg[0] == outer for cg in others.values()), others
+            (mover,) = r["movers"]
+            assert mover["cgroup"][0] == outer
+    # the fillers and movers ended with their ranks
     for r, _ in reports:
-        for f in r["fillers"]:
+        for f in r["fillers"] + r["movers"]:
             stat = Path(f"/proc/{f['pid']}/stat")
             assert not stat.exists() or stat.read_text().split()[2] == "Z"
     assert_nothing_left(rid)

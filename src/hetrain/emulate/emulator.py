@@ -235,6 +235,15 @@ class EmulatedCluster:
             out.append(bool(self.settings.fill_idle and t and t.procs_file and t.cpu_share and t.cpu_share < 1.0))
         return out
 
+    def node_comm_targets(self, k: int) -> list[str]:
+        """Where node k's ranks, by local rank, move their threads other than the main one (``isolate_comm``):
+        the run's cgroup ``tasks`` file for a throttled device under cgroup v1, else ``""`` (not moved)."""
+        root = self.cgroup_root
+        if not (self.settings.isolate_comm and root is not None and root.version == 1):
+            return ["" for _ in self.cluster.nodes[k].devices]
+        tasks = str(run_dir(root, self.run_id) / "tasks")
+        return [tasks if procs else "" for procs in self.node_cgroups(k)]
+
     def node_cgroups(self, k: int) -> list[str]:
         """``cgroup.procs`` of node k's devices by local rank (``""``: unthrottled)."""
         by_name = {t.device: t for t in self.throttles}
@@ -343,6 +352,11 @@ class EmulatedCluster:
                        "compute heterogeneity is not emulated (run as root with the cgroup cpu controller)")
             return
         self.cgroup_root = root
+        if self.settings.isolate_comm:
+            self.notes.append("each rank's threads but its main one (communication) run outside its quota "
+                              "(isolate_comm)" if root.version == 1 else
+                              "isolate_comm is not honoured on cgroup v2 (a process's threads share one cgroup "
+                              "there): each device's communication spends its quota")
         by_name = {t.device: t for t in made}
         self.throttles = tuple(by_name.get(t.device, t) for t in plain)
 

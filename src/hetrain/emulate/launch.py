@@ -36,7 +36,7 @@ from types import FrameType
 from typing import IO, TYPE_CHECKING, TextIO
 
 from hetrain.emulate.network import NIC, PREFIX, kill_pids, namespace_pids
-from hetrain.emulate.rankwrap import CGROUPS_ENV, CPUS_ENV, FILL_ENV
+from hetrain.emulate.rankwrap import CGROUPS_ENV, COMM_ENV, CPUS_ENV, FILL_ENV
 from hetrain.emulate.settings import EmulationError, EmulationSettings
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                   "MASTER_ADDR", "MASTER_PORT", "HETRAIN_HOST", "HETRAIN_NODE", CGROUPS_ENV, CPUS_ENV,
-                  FILL_ENV)
+                  FILL_ENV, COMM_ENV)
 FAILURE_GRACE_S = 2.0  # after one node fails, how long the others may take to stop on their own
 STOP_GRACE_S = 2.0     # after SIGTERM, how long a torchrun may take to stop its ranks
 
@@ -108,6 +108,7 @@ def build_node_env(em: EmulatedCluster, k: int, base: dict[str, str] | None = No
     env[CGROUPS_ENV] = json.dumps(em.node_cgroups(k))
     env[CPUS_ENV] = json.dumps(em.node_cpus(k))
     env[FILL_ENV] = json.dumps(em.node_fillers(k))
+    env[COMM_ENV] = json.dumps(em.node_comm_targets(k))
     return env
 
 

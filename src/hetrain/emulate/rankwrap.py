@@ -6,26 +6,32 @@ into that device's ``cgroup.procs`` (from ``HETRAIN_EMULATE_CGROUPS``, a JSON
 list indexed by local rank, ``""`` for an unthrottled device), pins itself to
 that device's CPU (``HETRAIN_EMULATE_CPUS``, where ``pin_cpus`` is on), starts the
 device's idle filler where ``fill_idle`` is on (``HETRAIN_EMULATE_FILL``; see
-``start_filler``), removes its own variables from the environment and replaces
-itself with ``CMD``, so the
-command's process is the rank process torchrun watches and signals. The command
+``start_filler``) and the mover of its communication threads where ``isolate_comm`` is
+on (``HETRAIN_EMULATE_COMM``; see ``start_comm_mover``), removes its own variables
+from the environment and replaces itself with ``CMD``, so the command's process is
+the rank process torchrun watches and signals. The command
 sees the environment torchrun gives it plus ``HETRAIN_NODE`` / ``HETRAIN_HOST``;
 nothing tells it that it is emulated.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 CGROUPS_ENV = "HETRAIN_EMULATE_CGROUPS"
 CPUS_ENV = "HETRAIN_EMULATE_CPUS"  # JSON list by local rank of the CPUs to pin to ([]: not pinned)
 FILL_ENV = "HETRAIN_EMULATE_FILL"  # JSON list by local rank: whether the device gets an idle filler
+COMM_ENV = "HETRAIN_EMULATE_COMM"  # JSON list by local rank: the cgroup ``tasks`` file for the rank's other threads
+COMM_SCAN_S = 0.02  # how often the mover looks for new threads
 _PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
@@ -51,18 +57,68 @@ def start_filler() -> int:
     if pid:
         return pid
     try:  # the filler: it must never return into the caller's code
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:  # the rank ended before the line above
-            os._exit(0)
-        null = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, 1, 2):  # hold none of the rank's pipes open
-            os.dup2(null, fd)
-        os.closerange(3, 65536)
+        _detach(parent)
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         while True:
             pass
     finally:
         os._exit(0)
+
+
+def _detach(parent: int) -> None:
+    """In a child forked to serve ``parent``: die with it, hold none of its files."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the rank ended before the line above
+        os._exit(0)
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):  # hold none of the rank's pipes open
+        os.dup2(null, fd)
+    os.closerange(3, 65536)
+
+
+def start_comm_mover(tasks_file: str, interval_s: float = COMM_SCAN_S) -> int:
+    """Fork a watcher that moves every thread of this process but the main one into ``tasks_file``'s cgroup;
+    returns its pid (in the caller, which goes on to exec the rank).
+
+    The rank computes on its main thread (one torch thread; autograd runs CPU work on
+    the thread that calls backward). Its other threads are Gloo's transport and work
+    threads (and the runtime's helpers), which move and sum the messages: on a GPU that
+    is NCCL's and the copy engines' work, which does not take the device's compute. The
+    watcher moves each new thread, within ``interval_s`` of its start, out of the
+    device's quota into the run's unthrottled cgroup (cgroup v1: a thread can leave its
+    process's cgroup; the file is that cgroup's ``tasks``), and moves itself there first.
+    It dies with the rank.
+
+    Raises:
+        OSError: ``tasks_file`` cannot be written (checked before forking, so the rank's wrapper says so).
+    """
+    os.stat(tasks_file)  # FileNotFoundError where the run's cgroup is gone
+    if not os.access(tasks_file, os.W_OK):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), tasks_file)
+    parent = os.getpid()
+    pid = os.fork()
+    if pid:
+        return pid
+    try:  # the mover: it must never return into the caller's code
+        _detach(parent)
+        _move_thread(tasks_file, os.getpid())  # its own scans take nothing from the device's quota
+        moved = {parent}
+        while True:
+            time.sleep(interval_s)
+            try:
+                tids = {int(t) for t in os.listdir(f"/proc/{parent}/task")}
+            except OSError:  # the rank is gone
+                os._exit(0)
+            for tid in tids - moved:
+                _move_thread(tasks_file, tid)
+            moved |= tids
+    finally:
+        os._exit(0)
+
+
+def _move_thread(tasks_file: str, tid: int) -> None:
+    with contextlib.suppress(OSError), open(tasks_file, "w") as f:  # a thread may end before it is moved
+        f.write(str(tid))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -81,6 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # the affinity is kept across exec, and by the threads the rank starts
         (CPUS_ENV, lambda cpus: os.sched_setaffinity(0, cpus), lambda cpus: f"pin to CPUs {cpus}"),
         (FILL_ENV, lambda _: start_filler(), lambda _: "start the idle filler"),
+        (COMM_ENV, start_comm_mover, lambda path: f"start the mover of its threads into {path}"),
     ]
     for env, step, what in steps:
         values = json.loads(os.environ.pop(env, "[]") or "[]")

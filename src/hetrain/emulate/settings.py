@@ -6,6 +6,7 @@
     cpu_period = "10ms"     # cgroup CPU period; short, so throttling is smooth
     cpu_scale = 1.0         # every cpu_share is multiplied by this (0.5: fit 4 devices on 2 cores)
     throttle = "auto"       # "auto": cgroups if possible, else warn; "cgroup": refuse without; "off"
+    isolate_comm = true     # only a rank's main thread is throttled; its communication threads are not
     shape = true            # shape NICs and [[link]]s with tc; false: unshaped veths
     shape_intra = false     # also shape each node's loopback at its intra_link rate
     rdzv_port = 29400       # c10d rendezvous port on the first node's address
@@ -59,6 +60,13 @@ class EmulationSettings:
             cgroup that spins at idle priority and uses the quota the device leaves idle
             (``emulate.rankwrap.start_filler``), so that the device computes at its share after
             a pause as back to back, as a GPU does, instead of banking quota while it waits.
+        isolate_comm: throttle only each rank's main thread, the one that computes (one torch
+            thread); its other threads (Gloo's transport and work threads, which move and sum the
+            messages) go to the run's unthrottled cgroup (``emulate.rankwrap.start_comm_mover``;
+            cgroup v1 only, where a thread can leave its process's cgroup). A GPU's compute does not
+            slow down while NCCL or a copy engine moves its messages; a throttled rank's whole
+            process did, by the CPU its transfers took (its backward ran 15-30% slower than
+            profiled while its gradients were all-reduced).
         shape: shape node NICs and ``[[link]]`` overrides with tc (htb).
         shape_intra: also shape each node's loopback (all its intra-node traffic, both
             directions together) at its ``intra_link`` bandwidth.
@@ -71,6 +79,7 @@ class EmulationSettings:
     throttle: Throttle = "auto"
     pin_cpus: bool = True
     fill_idle: bool = True
+    isolate_comm: bool = True
     shape: bool = True
     shape_intra: bool = False
     rdzv_port: int = 29400
@@ -95,7 +104,8 @@ class EmulationSettings:
 
     def to_dict(self) -> dict[str, Any]:
         return {"cpu_period_s": self.cpu_period_s, "cpu_scale": self.cpu_scale, "throttle": self.throttle,
-                "pin_cpus": self.pin_cpus, "fill_idle": self.fill_idle, "shape": self.shape,
+                "pin_cpus": self.pin_cpus, "fill_idle": self.fill_idle, "isolate_comm": self.isolate_comm,
+                "shape": self.shape,
                 "shape_intra": self.shape_intra, "rdzv_port": self.rdzv_port, "join_timeout_s": self.join_timeout_s}
 
     @staticmethod
@@ -104,8 +114,8 @@ class EmulationSettings:
         return EmulationSettings(**dict(data))
 
 
-_KEYS = {"cpu_period", "cpu_scale", "throttle", "pin_cpus", "fill_idle", "shape", "shape_intra", "rdzv_port",
-         "join_timeout"}
+_KEYS = {"cpu_period", "cpu_scale", "throttle", "pin_cpus", "fill_idle", "isolate_comm", "shape", "shape_intra",
+         "rdzv_port", "join_timeout"}
 
 
 def parse_emulation_settings(table: Mapping[str, Any] | None) -> EmulationSettings:
@@ -133,7 +143,7 @@ def parse_emulation_settings(table: Mapping[str, Any] | None) -> EmulationSettin
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise EmulationError(f"[emulation] cpu_scale must be a number, got {value!r}")
         out["cpu_scale"] = float(value)
-    for key in ("shape", "shape_intra", "pin_cpus", "fill_idle"):
+    for key in ("shape", "shape_intra", "pin_cpus", "fill_idle", "isolate_comm"):
         if key in table:
             if not isinstance(table[key], bool):
                 raise EmulationError(f"[emulation] {key} must be true or false, got {table[key]!r}")
