@@ -15,7 +15,15 @@ from hetrain.catalog import lookup_device_type
 from hetrain.cluster import Device, parse_cluster
 from hetrain.cost import estimate_layer_time
 from hetrain.profile import DeviceFigures, Measurement, ModelProfile, ProfileError, load_profile
-from hetrain.profiler.fit import fit_error, fit_linear, fit_link, merge_profiles, predict_layer_time, scale_to
+from hetrain.profiler.fit import (
+    average_profiles,
+    fit_error,
+    fit_linear,
+    fit_link,
+    merge_profiles,
+    predict_layer_time,
+    scale_to,
+)
 from hetrain.profiler.layers import match_device_type, measure_device_figures, profile_layers, run_profile_command
 from hetrain.profiler.network import (
     DiscoveryError,
@@ -209,6 +217,32 @@ def test_merge_then_scale(tmp_path):
     assert again.layers[0].measurements("A100-40GB")[0].source == "scaled"
     # scaling again recomputes from measured figures only
     assert scale_to(again, ["A100-40GB"]).to_dict() == scaled.to_dict()
+
+
+def test_average_takes_the_median_of_each_measurement():
+    cpu = cpu_profile()
+    rated = dataclasses.replace(cpu, optimizer_step_s_per_byte=(("cpu", (("sgd", 1e-10),)),))
+    runs = [renamed(rated, "cpu", f) for f in (1.0, 3.0, 2.0)]
+    runs = [dataclasses.replace(r, optimizer_step_s_per_byte=(("cpu", (("sgd", f * 1e-10),)),))
+            for r, f in zip(runs, (1.0, 3.0, 2.0), strict=True)]
+    avg = average_profiles(runs)
+    for i, layer in enumerate(avg.layers):
+        for m, base in zip(layer.measurements("cpu"), cpu.layers[i].measurements("cpu"), strict=True):
+            assert (m.micro_batch, m.source) == (base.micro_batch, "measured")
+            assert (m.forward_s, m.backward_s) == pytest.approx((2 * base.forward_s, 2 * base.backward_s))
+    assert dict(dict(avg.optimizer_step_s_per_byte)["cpu"])["sgd"] == pytest.approx(2e-10)
+    # two profiles: the median is their mean; a micro-batch size only one of them has is kept as it is
+    first = runs[0]
+    only_b1 = dataclasses.replace(runs[1], layers=tuple(dataclasses.replace(layer, measured=(("cpu", tuple(
+        m for m in layer.measurements("cpu") if m.micro_batch == 1)),)) for layer in runs[1].layers))
+    pair = average_profiles([first, only_b1])
+    for i, layer in enumerate(pair.layers):
+        by_b = {m.micro_batch: m for m in layer.measurements("cpu")}
+        base = {m.micro_batch: m for m in cpu.layers[i].measurements("cpu")}
+        assert by_b[1].forward_s == pytest.approx(2 * base[1].forward_s)
+        assert all(by_b[b].forward_s == pytest.approx(base[b].forward_s) for b in base if b != 1)
+    with pytest.raises(ProfileError, match="has 2 layers, profile 0"):
+        average_profiles([cpu, dataclasses.replace(cpu, layers=cpu.layers[:2])])
 
 
 def test_merge_and_scale_errors():

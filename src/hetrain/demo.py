@@ -209,8 +209,8 @@ def relabel_profile(profile: ModelProfile, type_name: str, figures: tuple[float,
 
 
 def profile_worker(argv: Sequence[str]) -> int:
-    """One rank of the profiling job: every rank profiles the model at once, local rank 0 of each node
-    saves its measurements as its node's.
+    """One rank of the profiling job: every rank profiles the model at once and saves its measurements
+    (``profile-node-<node>-<local rank>.json``); ``merge_node_profiles`` takes the median per device type.
 
     All ranks measure together so that each device meets the CPU contention it meets in training
     (the emulated devices' shares add up to most of the host's cores); one device measuring alone
@@ -235,32 +235,29 @@ def profile_worker(argv: Sequence[str]) -> int:
     measured = measure_layers(layers, lambda b: sample_batch(args.model, b, generator)[0], sizes, "cpu",
                               args.repeats, 1, "fp32", layer_names(args.model), unpack_tuples=False,
                               min_time_s=PROFILE_MIN_TIME_S)
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        Path(args.out_dir).mkdir(parents=True, exist_ok=True)
-        measured.to_profile(args.model).save(Path(args.out_dir) / f"profile-node-{node}.json")
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    measured.to_profile(args.model).save(Path(args.out_dir) / f"profile-node-{node}-{local_rank}.json")
     return 0
 
 
 def merge_node_profiles(cluster_dict: dict[str, Any], out_dir: Path) -> ModelProfile:
-    """Relabel each node's profile as its device type, then merge them (one measurement set per type)."""
+    """One measurement set per device type: each device's profile (device ``<node>:<k>`` is local rank k
+    of its node's job) filed under its type, the median over the devices of a type, the types merged."""
     from hetrain.cluster import parse_cluster
     from hetrain.profile import load_profile
-    from hetrain.profiler.fit import merge_profiles
+    from hetrain.profiler.fit import average_profiles, merge_profiles
 
     cluster = parse_cluster(cluster_dict)
-    profiles = []
-    seen: set[str] = set()
+    by_type: dict[str, list[ModelProfile]] = {}
     for node in cluster.nodes:
-        dev = node.devices[0]
-        if dev.type_name in seen:
-            continue
-        seen.add(dev.type_name)
-        path = out_dir / f"profile-node-{node.name}.json"
-        if not path.exists():
-            raise RuntimeError(f"the profiling job wrote no profile for node {node.name!r} ({path})")
-        profiles.append(relabel_profile(load_profile(path), dev.type_name,
-                                        (dev.peak_fp32_flops, dev.memory_bandwidth_bytes_per_s)))
-    return merge_profiles(profiles)
+        for k, dev in enumerate(node.devices):
+            path = out_dir / f"profile-node-{node.name}-{k}.json"
+            if not path.exists():
+                raise RuntimeError(f"the profiling job wrote no profile for device {dev.name!r} ({path})")
+            figures = (dev.peak_fp32_flops, dev.memory_bandwidth_bytes_per_s)
+            by_type.setdefault(dev.type_name, []).append(relabel_profile(load_profile(path), dev.type_name, figures))
+    return merge_profiles([average_profiles(ps) for ps in by_type.values()])
 
 
 # ---------------------------------------------------------------------------

@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -231,6 +232,36 @@ def _measured_only(layer: LayerProfile) -> tuple[tuple[str, tuple[Measurement, .
     return tuple((t, ms) for t, ms in kept if ms)
 
 
+def _check_same_model(profiles: Sequence[ModelProfile]) -> None:
+    """Raise unless every profile has the first one's layers (count, parameter bytes) and precision."""
+    if not profiles:
+        raise ProfileError("merging profiles needs at least one profile")
+    first = profiles[0]
+    for k, p in enumerate(profiles[1:], start=1):
+        if p.num_layers != first.num_layers:
+            raise ProfileError(f"profile {k} ({p.name!r}) has {p.num_layers} layers, "
+                               f"profile 0 ({first.name!r}) has {first.num_layers}: not the same model")
+        if p.precision != first.precision:
+            raise ProfileError(f"profile {k} ({p.name!r}) is {p.precision}, profile 0 is {first.precision}")
+        for i, (a, b) in enumerate(zip(first.layers, p.layers, strict=True)):
+            if abs(a.param_bytes - b.param_bytes) > 1e-9 * max(a.param_bytes, 1.0):
+                raise ProfileError(f"layer {i}: profile 0 has {a.param_bytes:.0f} parameter bytes "
+                                   f"({a.name}), profile {k} has {b.param_bytes:.0f} ({b.name})")
+
+
+def _with_measured(profiles: Sequence[ModelProfile], i: int,
+                   measured: tuple[tuple[str, tuple[Measurement, ...]], ...]) -> LayerProfile:
+    """Layer ``i`` of the first profile with ``measured``; byte and FLOP counts the largest any profile reports
+    (saved bytes can differ a little between backends)."""
+    return dataclasses.replace(
+        profiles[0].layers[i],
+        output_bytes_per_sample=max(p.layers[i].output_bytes_per_sample for p in profiles),
+        saved_bytes_per_sample=max(p.layers[i].saved_bytes_per_sample for p in profiles),
+        forward_flops_per_sample=max(p.layers[i].forward_flops_per_sample for p in profiles),
+        measured=measured,
+    )
+
+
 def merge_profiles(profiles: Sequence[ModelProfile]) -> ModelProfile:
     """One profile holding the measurements of several (one per device type, typically).
 
@@ -247,21 +278,10 @@ def merge_profiles(profiles: Sequence[ModelProfile]) -> ModelProfile:
     Example:
         >>> both = merge_profiles([load_profile("cpu.json"), load_profile("a100.json")])  # doctest: +SKIP
     """
-    if not profiles:
-        raise ProfileError("merge_profiles needs at least one profile")
+    _check_same_model(profiles)
     first = profiles[0]
-    for k, p in enumerate(profiles[1:], start=1):
-        if p.num_layers != first.num_layers:
-            raise ProfileError(f"profile {k} ({p.name!r}) has {p.num_layers} layers, "
-                               f"profile 0 ({first.name!r}) has {first.num_layers}: not the same model")
-        if p.precision != first.precision:
-            raise ProfileError(f"profile {k} ({p.name!r}) is {p.precision}, profile 0 is {first.precision}")
-        for i, (a, b) in enumerate(zip(first.layers, p.layers, strict=True)):
-            if abs(a.param_bytes - b.param_bytes) > 1e-9 * max(a.param_bytes, 1.0):
-                raise ProfileError(f"layer {i}: profile 0 has {a.param_bytes:.0f} parameter bytes "
-                                   f"({a.name}), profile {k} has {b.param_bytes:.0f} ({b.name})")
     layers = []
-    for i, base in enumerate(first.layers):
+    for i in range(first.num_layers):
         by_type: dict[str, dict[int, Measurement]] = {}
         for p in profiles:
             for type_name, ms in p.layers[i].measured:
@@ -270,14 +290,8 @@ def merge_profiles(profiles: Sequence[ModelProfile]) -> ModelProfile:
                     old = slot.get(m.micro_batch)
                     if old is None or m.source == "measured" or old.source != "measured":
                         slot[m.micro_batch] = m
-        measured = tuple((t, tuple(slot[b] for b in sorted(slot))) for t, slot in by_type.items())
-        layers.append(dataclasses.replace(
-            base,
-            output_bytes_per_sample=max(p.layers[i].output_bytes_per_sample for p in profiles),
-            saved_bytes_per_sample=max(p.layers[i].saved_bytes_per_sample for p in profiles),
-            forward_flops_per_sample=max(p.layers[i].forward_flops_per_sample for p in profiles),
-            measured=measured,
-        ))
+        layers.append(_with_measured(profiles, i, tuple((t, tuple(slot[b] for b in sorted(slot)))
+                                                        for t, slot in by_type.items())))
     figures: dict[str, DeviceFigures] = {}
     rates: dict[str, dict[str, float]] = {}
     for p in profiles:
@@ -286,6 +300,45 @@ def merge_profiles(profiles: Sequence[ModelProfile]) -> ModelProfile:
             rates.setdefault(type_name, {}).update(by_optimizer)
     return dataclasses.replace(first, layers=tuple(layers), measured_on=tuple(figures.items()),
                                optimizer_step_s_per_byte=tuple((t, tuple(r.items())) for t, r in rates.items()))
+
+
+def average_profiles(profiles: Sequence[ModelProfile]) -> ModelProfile:
+    """One profile from several measurements of the same device type(s): each measured time (per type, layer
+    and micro-batch size) and each optimizer-step rate is the median over the profiles that have it.
+
+    Several devices of one type, profiled at once, each time the same layers with their
+    own noise (10-15% per layer on an emulated device); the median of two or more halves
+    it or better. Scaled figures are dropped; byte and FLOP counts are the largest reported.
+
+    Raises:
+        ProfileError: the profiles are not of the same model (as ``merge_profiles``).
+
+    Example:
+        >>> slow = average_profiles([load_profile("slow-0.json"), load_profile("slow-1.json")])  # doctest: +SKIP
+    """
+    _check_same_model(profiles)
+    layers = []
+    for i in range(profiles[0].num_layers):
+        samples: dict[str, dict[int, list[Measurement]]] = {}
+        for p in profiles:
+            for type_name, ms in _measured_only(p.layers[i]):
+                for m in ms:
+                    samples.setdefault(type_name, {}).setdefault(m.micro_batch, []).append(m)
+        measured = tuple((t, tuple(Measurement(b, statistics.median(m.forward_s for m in by_b[b]),
+                                               statistics.median(m.backward_s for m in by_b[b]))
+                                   for b in sorted(by_b))) for t, by_b in samples.items())
+        layers.append(_with_measured(profiles, i, measured))
+    figures: dict[str, DeviceFigures] = {}
+    rates: dict[str, dict[str, list[float]]] = {}
+    for p in profiles:
+        figures.update(dict(p.measured_on))
+        for type_name, by_optimizer in p.optimizer_step_s_per_byte:
+            for name, rate in by_optimizer:
+                rates.setdefault(type_name, {}).setdefault(name, []).append(rate)
+    return dataclasses.replace(profiles[0], layers=tuple(layers), measured_on=tuple(figures.items()),
+                               optimizer_step_s_per_byte=tuple(
+                                   (t, tuple((n, statistics.median(v)) for n, v in r.items()))
+                                   for t, r in rates.items()))
 
 
 def _catalog_device(type_name: str) -> Device:
