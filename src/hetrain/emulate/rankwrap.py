@@ -52,28 +52,36 @@ def start_filler() -> int:
     than back to back. A GPU computes at the same speed after a pause, and so does
     a device with a filler. The filler dies with the rank (``PR_SET_PDEATHSIG``).
     """
+    return _fork_helper(_spin_idle)
+
+
+def _spin_idle(parent: int) -> None:
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    while True:
+        pass
+
+
+def _fork_helper(body: Callable[[int], None]) -> int:
+    """Fork a child that serves this process (the rank-to-be) with ``body(parent pid)``; returns its pid.
+
+    The child dies with the rank (``PR_SET_PDEATHSIG``), holds none of its files, and
+    never returns into the caller's code.
+    """
     parent = os.getpid()
     pid = os.fork()
     if pid:
         return pid
-    try:  # the filler: it must never return into the caller's code
-        _detach(parent)
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        while True:
-            pass
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the rank ended before the line above
+            os._exit(0)
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):  # hold none of the rank's pipes open
+            os.dup2(null, fd)
+        os.closerange(3, 65536)
+        body(parent)
     finally:
         os._exit(0)
-
-
-def _detach(parent: int) -> None:
-    """In a child forked to serve ``parent``: die with it, hold none of its files."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # the rank ended before the line above
-        os._exit(0)
-    null = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):  # hold none of the rank's pipes open
-        os.dup2(null, fd)
-    os.closerange(3, 65536)
 
 
 def start_comm_mover(tasks_file: str, interval_s: float = COMM_SCAN_S) -> int:
@@ -95,12 +103,8 @@ def start_comm_mover(tasks_file: str, interval_s: float = COMM_SCAN_S) -> int:
     os.stat(tasks_file)  # FileNotFoundError where the run's cgroup is gone
     if not os.access(tasks_file, os.W_OK):
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), tasks_file)
-    parent = os.getpid()
-    pid = os.fork()
-    if pid:
-        return pid
-    try:  # the mover: it must never return into the caller's code
-        _detach(parent)
+
+    def move_threads(parent: int) -> None:
         _move_thread(tasks_file, os.getpid())  # its own scans take nothing from the device's quota
         moved = {parent}
         while True:
@@ -108,12 +112,12 @@ def start_comm_mover(tasks_file: str, interval_s: float = COMM_SCAN_S) -> int:
             try:
                 tids = {int(t) for t in os.listdir(f"/proc/{parent}/task")}
             except OSError:  # the rank is gone
-                os._exit(0)
+                return
             for tid in tids - moved:
                 _move_thread(tasks_file, tid)
             moved |= tids
-    finally:
-        os._exit(0)
+
+    return _fork_helper(move_threads)
 
 
 def _move_thread(tasks_file: str, tid: int) -> None:
