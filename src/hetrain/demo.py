@@ -287,10 +287,10 @@ def with_measured_links(nominal: dict[str, Any], discovered: dict[str, Any]) -> 
     found = {n["name"]: n for n in discovered.get("node", [])}
     settings = parse_emulation_settings(nominal.get("emulation"))
     stall: dict[str, float] = {}
+    unseen = not settings.fill_idle  # with the filler, discovery met the stall: it is in the measured latency
     for node in out["node"]:
         shares = [float(d["cpu_share"]) * settings.cpu_scale for d in node.get("devices", [])
                   if isinstance(d, dict) and d.get("cpu_share") is not None]
-        unseen = not settings.fill_idle  # with the filler, discovery met the stall: it is in the latency
         stall[node["name"]] = max((quota_stall(s, settings.cpu_period_s) for s in shares if unseen), default=0.0)
         d = found.get(node["name"])
         if d is None:
