@@ -43,24 +43,24 @@ class CgroupRoot:
         return f"cgroup v{self.version} at {self.path}"
 
 
-def quota_stall(cpu_share: float, period_s: float, filled: bool = False) -> float:
-    """Seconds a throttled device waits, on average, before it can handle a message.
+def quota_stall(cpu_share: float, period_s: float) -> float:
+    """Seconds a throttled device without an idle filler waits, on average, before it handles a message
+    that comes after a stretch of its compute.
 
     Once it has used its quota it waits half the throttled part of its period,
-    ``(period - quota) / 2`` (0 for a share of 1 or more). With an idle filler
-    (``filled``) it uses its quota in every period, busy or idle, so it is throttled
-    ``(period - quota) / period`` of the time and a message arriving at a random
-    moment waits ``(period - quota)^2 / (2 period)`` on average.
+    ``(period - quota) / 2`` (0 for a share of 1 or more). With an idle filler the device
+    is throttled the same part of the time whether it computes or idles, so link
+    discovery meets the stall as training does and nothing needs adding
+    (``demo.with_measured_links``).
 
     Example:
-        >>> round(quota_stall(0.4, 0.010), 6), round(quota_stall(0.4, 0.010, filled=True), 6)
-        (0.003, 0.0018)
+        >>> round(quota_stall(0.4, 0.010), 6)
+        0.003
     """
     if cpu_share >= 1:
         return 0.0
     quota_us, period_us = estimate_quota(cpu_share, period_s)
-    throttled_us = max(period_us - quota_us, 0)
-    return throttled_us / 2e6 * (throttled_us / period_us if filled else 1.0)
+    return max(period_us - quota_us, 0) / 2e6
 
 
 def estimate_quota(cpu_share: float, period_s: float) -> tuple[int, int]:
