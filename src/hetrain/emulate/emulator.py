@@ -225,6 +225,15 @@ class EmulatedCluster:
                            sorted(os.sched_getaffinity(0)))
         return [[pins[d.name]] if d.name in pins else [] for d in self.cluster.nodes[k].devices]
 
+    def keep_awake_cpus(self) -> list[int]:
+        """The CPUs a job's keepers hold busy (``keep_awake``, ``emulate.keepawake``): those the throttled
+        devices are pinned to, or every CPU of this process where they are not pinned; [] where no
+        device is throttled or the setting is off."""
+        if not self.settings.keep_awake or not any(t.procs_file for t in self.throttles):
+            return []
+        pinned = {c for k in range(len(self.cluster.nodes)) for cpus in self.node_cpus(k) for c in cpus}
+        return sorted(pinned or os.sched_getaffinity(0))
+
     def node_fillers(self, k: int) -> list[bool]:
         """Whether node k's devices, by local rank, get an idle filler (``fill_idle``): those throttled
         below one CPU (a quota of a whole CPU per period banks nothing a pinned process could use)."""
@@ -359,6 +368,10 @@ class EmulatedCluster:
                               "there): each device's communication spends its quota")
         by_name = {t.device: t for t in made}
         self.throttles = tuple(by_name.get(t.device, t) for t in plain)
+        if self.settings.keep_awake:
+            kept = self.keep_awake_cpus()
+            self.notes.append(f"while a job runs, a spinner at idle priority keeps CPU{'s' if len(kept) > 1 else ''} "
+                              f"{', '.join(map(str, kept))} from sleeping between quota periods (keep_awake)")
 
     def _save_state(self, keep: bool) -> None:
         STATE_DIR.mkdir(parents=True, exist_ok=True)

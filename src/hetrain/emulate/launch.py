@@ -35,6 +35,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, TYPE_CHECKING, TextIO
 
+from hetrain.emulate.keepawake import start_keepers, stop_keepers
 from hetrain.emulate.network import NIC, PREFIX, kill_pids, namespace_pids
 from hetrain.emulate.rankwrap import CGROUPS_ENV, COMM_ENV, CPUS_ENV, FILL_ENV
 from hetrain.emulate.settings import EmulationError, EmulationSettings
@@ -146,7 +147,8 @@ def launch_job(em: EmulatedCluster, command: Sequence[str], timeout_s: float | N
 
     0 when every node's torchrun exits 0; else the first non-zero status (the other nodes
     get ``FAILURE_GRACE_S`` to stop, then are stopped); 124 when ``timeout_s`` passes.
-    Whatever happens, no process of the job is left in the namespaces afterwards.
+    Whatever happens, no process of the job is left in the namespaces afterwards. While
+    it runs, the CPUs of ``em.keep_awake_cpus()`` are kept busy (``emulate.keepawake``).
     """
     command = list(command)
     if command[:1] == ["--"]:
@@ -160,6 +162,7 @@ def launch_job(em: EmulatedCluster, command: Sequence[str], timeout_s: float | N
     threads: list[threading.Thread] = []
     names = [n.name for n in em.cluster.nodes]
     width = max(len(n) for n in names)
+    keepers = start_keepers(em.keep_awake_cpus())
     try:
         for k, name in enumerate(names):
             p = subprocess.Popen(build_torchrun_command(em, k, command), env=build_node_env(em, k),
@@ -194,6 +197,7 @@ def launch_job(em: EmulatedCluster, command: Sequence[str], timeout_s: float | N
     finally:
         with signals_deferred():
             _stop(procs, STOP_GRACE_S)
+            stop_keepers(keepers)
             leftovers = [pid for nn in em.network.nodes for pid in namespace_pids(nn.namespace)]
             if leftovers:
                 kill_pids(leftovers)

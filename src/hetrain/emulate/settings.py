@@ -7,6 +7,7 @@
     cpu_scale = 1.0         # every cpu_share is multiplied by this (0.5: fit 4 devices on 2 cores)
     throttle = "auto"       # "auto": cgroups if possible, else warn; "cgroup": refuse without; "off"
     isolate_comm = true     # only a rank's main thread is throttled; its communication threads are not
+    keep_awake = true       # an idle-priority spinner holds each CPU the devices run on busy
     shape = true            # shape NICs and [[link]]s with tc; false: unshaped veths
     shape_intra = false     # also shape each node's loopback at its intra_link rate
     rdzv_port = 29400       # c10d rendezvous port on the first node's address
@@ -67,6 +68,12 @@ class EmulationSettings:
             slow down while NCCL or a copy engine moves its messages; a throttled rank's whole
             process did, by the CPU its transfers took (its backward ran 15-30% slower than
             profiled while its gradients were all-reduced).
+        keep_awake: while a job runs, hold each CPU a throttled device runs on busy with a spinner
+            at idle priority outside every quota (``emulate.keepawake``). It runs only when nothing
+            else wants the CPU, so the CPU never sleeps between a device's quota periods. A
+            virtual CPU that sleeps wakes slowly: a device at share 0.2 alone on its CPU computed
+            15-20% slower than beside a busy one, so its speed hung on what else ran on the host
+            (in profiling, its speed fell once the faster devices had finished).
         shape: shape node NICs and ``[[link]]`` overrides with tc (htb).
         shape_intra: also shape each node's loopback (all its intra-node traffic, both
             directions together) at its ``intra_link`` bandwidth.
@@ -80,6 +87,7 @@ class EmulationSettings:
     pin_cpus: bool = True
     fill_idle: bool = True
     isolate_comm: bool = True
+    keep_awake: bool = True
     shape: bool = True
     shape_intra: bool = False
     rdzv_port: int = 29400
@@ -105,7 +113,7 @@ class EmulationSettings:
     def to_dict(self) -> dict[str, Any]:
         return {"cpu_period_s": self.cpu_period_s, "cpu_scale": self.cpu_scale, "throttle": self.throttle,
                 "pin_cpus": self.pin_cpus, "fill_idle": self.fill_idle, "isolate_comm": self.isolate_comm,
-                "shape": self.shape,
+                "keep_awake": self.keep_awake, "shape": self.shape,
                 "shape_intra": self.shape_intra, "rdzv_port": self.rdzv_port, "join_timeout_s": self.join_timeout_s}
 
     @staticmethod
@@ -114,8 +122,8 @@ class EmulationSettings:
         return EmulationSettings(**dict(data))
 
 
-_KEYS = {"cpu_period", "cpu_scale", "throttle", "pin_cpus", "fill_idle", "isolate_comm", "shape", "shape_intra",
-         "rdzv_port", "join_timeout"}
+_KEYS = {"cpu_period", "cpu_scale", "throttle", "pin_cpus", "fill_idle", "isolate_comm", "keep_awake", "shape",
+         "shape_intra", "rdzv_port", "join_timeout"}
 
 
 def parse_emulation_settings(table: Mapping[str, Any] | None) -> EmulationSettings:
@@ -143,7 +151,7 @@ def parse_emulation_settings(table: Mapping[str, Any] | None) -> EmulationSettin
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise EmulationError(f"[emulation] cpu_scale must be a number, got {value!r}")
         out["cpu_scale"] = float(value)
-    for key in ("shape", "shape_intra", "pin_cpus", "fill_idle", "isolate_comm"):
+    for key in ("shape", "shape_intra", "pin_cpus", "fill_idle", "isolate_comm", "keep_awake"):
         if key in table:
             if not isinstance(table[key], bool):
                 raise EmulationError(f"[emulation] {key} must be true or false, got {table[key]!r}")
