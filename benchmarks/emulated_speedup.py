@@ -127,7 +127,8 @@ def main() -> int:
     notes = (f"gpt-tiny, global batch {args.global_batch}, the plan's optimizer ({', '.join(sorted(optimizers))}) in "
              f"every run, the same data order and initial weights, {args.steps} steps per run, first {args.warmup} "
              f"left out; 2-core host, cgroup CPU quotas on each rank's main thread (isolate_comm), each device "
-             f"pinned to a CPU and given an idle filler (fill_idle), tc htb (no latency emulation). torch rows: "
+             f"pinned to a CPU and given an idle filler (fill_idle), its CPU kept awake (keep_awake), tc htb (no "
+             f"latency emulation). torch rows: "
              f"hetrain.baselines (DistributedDataParallel; torch.distributed.pipelining), their predicted column is "
              f"hetrain's model of the same partition run by hetrain's runtime. Took {took:.0f} s; host load "
              f"average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.")

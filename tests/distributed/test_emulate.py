@@ -262,48 +262,18 @@ def test_rankwrap_names_the_step_it_could_not_take(tmp_path: Path, monkeypatch: 
             "directory") in capsys.readouterr().err
 
 
-def _wait_for(check: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
-def _gone(pid: int) -> bool:
-    stat = Path(f"/proc/{pid}/stat")
-    try:
-        return stat.read_text().split()[2] == "Z"
-    except OSError:
-        return True
-
-
-def test_keepers_spin_at_idle_priority_on_their_cpu_and_die_with_the_launcher(tmp_path: Path) -> None:
-    cpu = min(os.sched_getaffinity(0))
-    (keeper,) = keepawake.start_keepers([cpu])
-    try:
-        assert _wait_for(lambda: os.sched_getscheduler(keeper.pid) == os.SCHED_IDLE), "never went idle priority"
-        assert os.sched_getaffinity(keeper.pid) == {cpu}
-        assert keeper.poll() is None
-    finally:
-        keepawake.stop_keepers([keeper])
-    assert keeper.returncode is not None and _gone(keeper.pid)
-    # a launcher that dies without stopping its keepers takes them with it
-    script = write(tmp_path / "launcher.py", f"""
-import os, sys, time
-from hetrain.emulate.keepawake import start_keepers
-(k,) = start_keepers([{cpu}])
-while os.sched_getscheduler(k.pid) != os.SCHED_IDLE:
-    time.sleep(0.01)
-print(k.pid, flush=True)
-os._exit(0)
-""")
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    orphan = int(done.stdout.split()[0])
-    assert _wait_for(lambda: _gone(orphan)), f"keeper {orphan} outlived its launcher"
-    assert keepawake.main(["x"]) == 2
+def test_keep_awake_requests_a_zero_wakeup_latency_while_it_holds_the_file(tmp_path: Path) -> None:
+    missing = str(tmp_path / "no-such-file")
+    assert keepawake.can_keep_awake(missing) == f"{missing} does not exist (a kernel without PM QoS)"
+    with keepawake.cpus_kept_awake(missing) as problem:
+        assert problem == f"cannot open {missing}: No such file or directory"
+    if keepawake.can_keep_awake() is not None:
+        pytest.skip(f"cannot request a wake-up latency here: {keepawake.can_keep_awake()}")
+    before = keepawake.wakeup_latency_request()
+    with keepawake.cpus_kept_awake() as problem:
+        assert problem is None
+        assert keepawake.wakeup_latency_request() == 0
+    assert keepawake.wakeup_latency_request() == before
 
 
 def test_cli_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -389,15 +359,9 @@ threads = {t: cpu_cgroup(f"/proc/self/task/{t}/cgroup") for t in os.listdir("/pr
 children = [int(c) for c in open(f"/proc/self/task/{os.getpid()}/children").read().split()]
 helpers = [{"pid": c, "idle": os.sched_getscheduler(c) == os.SCHED_IDLE, "cpus": sorted(os.sched_getaffinity(c)),
             "cgroup": cpu_cgroup(f"/proc/{c}/cgroup")} for c in children]
-def is_keeper(pid):
-    try:
-        return b"hetrain.emulate.keepawake" in open(f"/proc/{pid}/cmdline", "rb").read()
-    except OSError:
-        return False
-keepers = [{"pid": int(p), "idle": os.sched_getscheduler(int(p)) == os.SCHED_IDLE,
-            "cpus": sorted(os.sched_getaffinity(int(p))), "cgroup": cpu_cgroup(f"/proc/{p}/cgroup")}
-           for p in os.listdir("/proc") if p.isdigit() and is_keeper(p)]
-report = {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t.item(), "keepers": keepers,
+from hetrain.emulate.keepawake import can_keep_awake, wakeup_latency_request
+awake = wakeup_latency_request() if can_keep_awake() is None else None
+report = {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t.item(), "wakeup_latency": awake,
           "node": os.environ["HETRAIN_NODE"], "local_rank": int(os.environ["LOCAL_RANK"]), "cgroup": cpu,
           "cpus": sorted(os.sched_getaffinity(0)), "fillers": [h for h in helpers if h["idle"]],
           "movers": [h for h in helpers if not h["idle"]], "main": str(os.getpid()), "threads": threads}
@@ -415,11 +379,12 @@ def test_gloo_job_runs_across_two_emulated_nodes(tmp_path: Path, run_ids: Callab
     rid = run_ids()
     with EmulatedCluster(cluster, EmulationSettings(), run_id=rid) as em:
         assert len(network.list_namespaces()) >= 3 and (STATE_DIR / f"{rid}.json").exists()
+        latency_before = keepawake.wakeup_latency_request() if keepawake.can_keep_awake() is None else None
         status = em.launch(["python", str(script)], timeout_s=100, stdout=out, stderr=err)
         throttled = em.cgroup_root is not None
         isolated = throttled and em.cgroup_root.version == 1  # type: ignore[union-attr]
         pins = [cpus for k in range(len(cluster.nodes)) for cpus in em.node_cpus(k)]
-        kept = em.keep_awake_cpus()
+        awake = em.keeps_awake() and latency_before is not None
     assert status == 0, err.getvalue()[-3000:]
     reports = sorted(((json.loads(line.split("REPORT ", 1)[1]), line.split("]", 1)[0].strip("[ "))
                       for line in out.getvalue().splitlines() if "REPORT " in line), key=lambda r: r[0]["rank"])
@@ -439,12 +404,10 @@ def test_gloo_job_runs_across_two_emulated_nodes(tmp_path: Path, run_ids: Callab
         for r, _ in reports[1:]:
             (f,) = r["fillers"]
             assert f["idle"] and f["cpus"] == r["cpus"] and f["cgroup"] == r["cgroup"]
-        # keep_awake: one keeper per CPU a throttled device is pinned to, at idle priority, outside every quota
-        assert kept == sorted({c for cpus in pins for c in cpus})
-        for r, _ in reports:
-            assert sorted(k["cpus"][0] for k in r["keepers"]) == kept
-            assert all(k["idle"] and len(k["cpus"]) == 1 and f"hetrain-emu-{rid}" not in k["cgroup"][0]
-                       for k in r["keepers"]), r["keepers"]
+        # keep_awake: while the job runs the CPUs may not sleep (a 0 us wake-up latency request); after it, as before
+        if awake:
+            assert [r["wakeup_latency"] for r, _ in reports] == [0, 0, 0]
+            assert keepawake.wakeup_latency_request() == latency_before
     if isolated:
         # isolate_comm: the main thread computes under the device's quota; every other thread of the rank
         # (Gloo's) and the mover itself run in the run's unthrottled cgroup
@@ -456,9 +419,9 @@ def test_gloo_job_runs_across_two_emulated_nodes(tmp_path: Path, run_ids: Callab
             assert others and all(cg[0] == outer for cg in others.values()), others
             (mover,) = r["movers"]
             assert mover["cgroup"][0] == outer
-    # the fillers and movers ended with their ranks, the keepers with the job
+    # the fillers and movers ended with their ranks
     for r, _ in reports:
-        for f in r["fillers"] + r["movers"] + r["keepers"]:
+        for f in r["fillers"] + r["movers"]:
             stat = Path(f"/proc/{f['pid']}/stat")
             assert not stat.exists() or stat.read_text().split()[2] == "Z"
     assert_nothing_left(rid)

@@ -37,6 +37,7 @@ from hetrain.emulate.cgroups import (
     remove_run_dir,
     run_dir,
 )
+from hetrain.emulate.keepawake import can_keep_awake
 from hetrain.emulate.launch import signals_deferred
 from hetrain.emulate.network import (
     NETNS_DIR,
@@ -225,14 +226,10 @@ class EmulatedCluster:
                            sorted(os.sched_getaffinity(0)))
         return [[pins[d.name]] if d.name in pins else [] for d in self.cluster.nodes[k].devices]
 
-    def keep_awake_cpus(self) -> list[int]:
-        """The CPUs a job's keepers hold busy (``keep_awake``, ``emulate.keepawake``): those the throttled
-        devices are pinned to, or every CPU of this process where they are not pinned; [] where no
-        device is throttled or the setting is off."""
-        if not self.settings.keep_awake or not any(t.procs_file for t in self.throttles):
-            return []
-        pinned = {c for k in range(len(self.cluster.nodes)) for cpus in self.node_cpus(k) for c in cpus}
-        return sorted(pinned or os.sched_getaffinity(0))
+    def keeps_awake(self) -> bool:
+        """Whether a job keeps the host's CPUs out of sleep states (``keep_awake``, ``emulate.keepawake``):
+        where the setting is on and some device is throttled."""
+        return self.settings.keep_awake and any(t.procs_file for t in self.throttles)
 
     def node_fillers(self, k: int) -> list[bool]:
         """Whether node k's devices, by local rank, get an idle filler (``fill_idle``): those throttled
@@ -369,9 +366,9 @@ class EmulatedCluster:
         by_name = {t.device: t for t in made}
         self.throttles = tuple(by_name.get(t.device, t) for t in plain)
         if self.settings.keep_awake:
-            kept = self.keep_awake_cpus()
-            self.notes.append(f"while a job runs, a spinner at idle priority keeps CPU{'s' if len(kept) > 1 else ''} "
-                              f"{', '.join(map(str, kept))} from sleeping between quota periods (keep_awake)")
+            unable = can_keep_awake()
+            self.notes.append("while a job runs, the CPUs are kept out of sleep states between quota periods "
+                              "(keep_awake)" if unable is None else f"keep_awake is not honoured: {unable}")
 
     def _save_state(self, keep: bool) -> None:
         STATE_DIR.mkdir(parents=True, exist_ok=True)

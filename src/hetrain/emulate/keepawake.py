@@ -1,64 +1,62 @@
-"""Keep the CPUs the emulated devices run on from sleeping (``[emulation] keep_awake``).
+"""Keep the host's CPUs out of sleep states while an emulated job runs (``[emulation] keep_awake``).
 
 A device throttled to a share ``c`` of a CPU runs ``c x period`` and is then held off
 its CPU until the next period. If nothing else wants that CPU, the CPU sleeps; on a
-virtual machine a sleeping virtual CPU is handed back to the hypervisor, and waking it
-again, with its caches cold, costs the device part of its next quota. A device alone
-on its CPU at share 0.2 then computed 15-20% slower than beside a busy one, so its
-speed depended on what else ran on the host: in the profiling job it fell once the
-faster devices had finished, and its profile no longer matched training.
+virtual machine a sleeping virtual CPU halts, is handed back to the hypervisor, and
+wakes slowly with cold caches, which costs the device part of its next quota. The
+device's speed then depends on what else runs on the host: at share 0.2 alone on its
+CPU a gpt-tiny step took 571 ms, 493 ms with the CPUs kept awake (mean of 20 one-second
+blocks each, taken in turn); in the profiling job the slower devices, which finish
+last and alone, drifted by up to 25% from run to run.
 
-While a job runs, ``launch_job`` starts one keeper per such CPU: a process pinned to
-it that spins at ``SCHED_IDLE`` priority in the launcher's own cgroup, outside every
-quota. It runs only when nothing else wants the CPU (any other thread that wakes
-preempts it at once), and it dies with the launcher.
-
-Run as ``python -m hetrain.emulate.keepawake CPU PARENT_PID`` (``start_keepers`` does).
+``cpus_kept_awake`` asks the kernel, through the PM QoS file ``/dev/cpu_dma_latency``,
+for a CPU wake-up latency of 0 µs for as long as it holds the file open: the idle
+loop then polls instead of halting. (An idle-priority spinner on each CPU did better
+for a lone device, 443 ms, but cost devices sharing a busy CPU 23%: a throttled group
+whose quota is refilled does not preempt a running task at once, so it waited for the
+next tick. The latency request takes nothing from a busy CPU: 217 ms and 211 ms, two
+devices of share 0.4 on one CPU, without and with it.) The request needs root; where
+it cannot be made the job runs as before and the launcher says so.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
-import sys
-from collections.abc import Sequence
+import struct
+from collections.abc import Iterator
 
-from hetrain.emulate.rankwrap import _spin_idle, die_with_parent
-
-
-def start_keepers(cpus: Sequence[int]) -> list[subprocess.Popen[bytes]]:
-    """One keeper per CPU of ``cpus``, started now; stop them with ``stop_keepers``."""
-    return [subprocess.Popen([sys.executable, "-m", "hetrain.emulate.keepawake", str(cpu), str(os.getpid())],
-                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            for cpu in cpus]
+PM_QOS_FILE = "/dev/cpu_dma_latency"
 
 
-def stop_keepers(keepers: Sequence[subprocess.Popen[bytes]]) -> None:
-    """Kill the keepers and reap them."""
-    for p in keepers:
-        with contextlib.suppress(ProcessLookupError):
-            p.kill()
-    for p in keepers:
-        p.wait()
+def can_keep_awake(path: str = PM_QOS_FILE) -> str | None:
+    """None where ``cpus_kept_awake`` can make its request, else why not."""
+    if not os.path.exists(path):
+        return f"{path} does not exist (a kernel without PM QoS)"
+    if not os.access(path, os.W_OK):
+        return f"{path} is not writable (it needs root)"
+    return None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Pin to CPU ``argv[0]`` and spin at idle priority until process ``argv[1]`` (the launcher) ends."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 2 or not all(a.isdigit() for a in args):
-        print("usage: python -m hetrain.emulate.keepawake CPU PARENT_PID", file=sys.stderr)
-        return 2
-    cpu, parent = int(args[0]), int(args[1])
-    die_with_parent(parent)
+@contextlib.contextmanager
+def cpus_kept_awake(path: str = PM_QOS_FILE) -> Iterator[str | None]:
+    """Request a CPU wake-up latency of 0 µs while the block runs; yields None, or why the request failed."""
     try:
-        os.sched_setaffinity(0, {cpu})
+        fd = os.open(path, os.O_WRONLY)
     except OSError as e:
-        print(f"hetrain.emulate.keepawake: cannot pin to CPU {cpu}: {e.strerror}", file=sys.stderr)
-        return 1
-    _spin_idle(parent)
-    return 0  # not reached
+        yield f"cannot open {path}: {e.strerror}"
+        return
+    try:
+        os.write(fd, struct.pack("i", 0))  # the request lasts while the file stays open
+        yield None
+    finally:
+        os.close(fd)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def wakeup_latency_request(path: str = PM_QOS_FILE) -> int:
+    """The CPU wake-up latency the kernel honours now (µs; the smallest request of any process)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return int(struct.unpack("i", os.read(fd, 4))[0])
+    finally:
+        os.close(fd)

@@ -35,7 +35,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, TYPE_CHECKING, TextIO
 
-from hetrain.emulate.keepawake import start_keepers, stop_keepers
+from hetrain.emulate.keepawake import cpus_kept_awake
 from hetrain.emulate.network import NIC, PREFIX, kill_pids, namespace_pids
 from hetrain.emulate.rankwrap import CGROUPS_ENV, COMM_ENV, CPUS_ENV, FILL_ENV
 from hetrain.emulate.settings import EmulationError, EmulationSettings
@@ -148,7 +148,7 @@ def launch_job(em: EmulatedCluster, command: Sequence[str], timeout_s: float | N
     0 when every node's torchrun exits 0; else the first non-zero status (the other nodes
     get ``FAILURE_GRACE_S`` to stop, then are stopped); 124 when ``timeout_s`` passes.
     Whatever happens, no process of the job is left in the namespaces afterwards. While
-    it runs, the CPUs of ``em.keep_awake_cpus()`` are kept busy (``emulate.keepawake``).
+    it runs, the host's CPUs are kept out of sleep states where ``em.keeps_awake()`` (``emulate.keepawake``).
     """
     command = list(command)
     if command[:1] == ["--"]:
@@ -162,7 +162,11 @@ def launch_job(em: EmulatedCluster, command: Sequence[str], timeout_s: float | N
     threads: list[threading.Thread] = []
     names = [n.name for n in em.cluster.nodes]
     width = max(len(n) for n in names)
-    keepers = start_keepers(em.keep_awake_cpus())
+    awake = contextlib.ExitStack()
+    if em.keeps_awake():
+        problem = awake.enter_context(cpus_kept_awake())
+        if problem:
+            say(f"keep_awake: {problem}; the CPUs may sleep between quota periods")
     try:
         for k, name in enumerate(names):
             p = subprocess.Popen(build_torchrun_command(em, k, command), env=build_node_env(em, k),
@@ -197,7 +201,7 @@ def launch_job(em: EmulatedCluster, command: Sequence[str], timeout_s: float | N
     finally:
         with signals_deferred():
             _stop(procs, STOP_GRACE_S)
-            stop_keepers(keepers)
+            awake.close()
             leftovers = [pid for nn in em.network.nodes for pid in namespace_pids(nn.namespace)]
             if leftovers:
                 kill_pids(leftovers)

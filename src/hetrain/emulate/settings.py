@@ -7,7 +7,7 @@
     cpu_scale = 1.0         # every cpu_share is multiplied by this (0.5: fit 4 devices on 2 cores)
     throttle = "auto"       # "auto": cgroups if possible, else warn; "cgroup": refuse without; "off"
     isolate_comm = true     # only a rank's main thread is throttled; its communication threads are not
-    keep_awake = true       # an idle-priority spinner holds each CPU the devices run on busy
+    keep_awake = true       # idle CPUs poll instead of halting while a job runs
     shape = true            # shape NICs and [[link]]s with tc; false: unshaped veths
     shape_intra = false     # also shape each node's loopback at its intra_link rate
     rdzv_port = 29400       # c10d rendezvous port on the first node's address
@@ -68,12 +68,10 @@ class EmulationSettings:
             slow down while NCCL or a copy engine moves its messages; a throttled rank's whole
             process did, by the CPU its transfers took (its backward ran 15-30% slower than
             profiled while its gradients were all-reduced).
-        keep_awake: while a job runs, hold each CPU a throttled device runs on busy with a spinner
-            at idle priority outside every quota (``emulate.keepawake``). It runs only when nothing
-            else wants the CPU, so the CPU never sleeps between a device's quota periods. A
-            virtual CPU that sleeps wakes slowly: a device at share 0.2 alone on its CPU computed
-            15-20% slower than beside a busy one, so its speed hung on what else ran on the host
-            (in profiling, its speed fell once the faster devices had finished).
+        keep_awake: while a job runs, ask the kernel for a CPU wake-up latency of 0 µs (PM QoS,
+            ``emulate.keepawake``), so an idle CPU polls instead of halting between a device's
+            quota periods. A halted virtual CPU wakes slowly: a device at share 0.2 alone on its
+            CPU computed 15% slower without it, so its speed hung on what else ran on the host.
         shape: shape node NICs and ``[[link]]`` overrides with tc (htb).
         shape_intra: also shape each node's loopback (all its intra-node traffic, both
             directions together) at its ``intra_link`` bandwidth.
