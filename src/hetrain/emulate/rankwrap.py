@@ -72,20 +72,15 @@ def _fork_helper(body: Callable[[int], None]) -> int:
     if pid:
         return pid
     try:
-        die_with_parent(parent)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the rank ended before the line above
+            os._exit(0)
         null = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):  # hold none of the rank's pipes open
             os.dup2(null, fd)
         os.closerange(3, 65536)
         body(parent)
     finally:
-        os._exit(0)
-
-
-def die_with_parent(parent: int) -> None:
-    """Have this process killed when its parent ``parent`` ends (``PR_SET_PDEATHSIG``); exit now if it has."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # the parent ended before the line above
         os._exit(0)
 
 
