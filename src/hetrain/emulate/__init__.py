@@ -20,7 +20,8 @@ Example:
 
 Modules: ``settings`` (the ``[emulation]`` table), ``network`` (namespaces, veths,
 tc), ``cgroups`` (CPU quota, v1 and v2), ``emulator`` (``EmulatedCluster``, run
-bookkeeping), ``launch`` (torchrun per node), ``rankwrap`` (per-rank cgroup join),
+bookkeeping), ``launch`` (torchrun per node), ``keepawake`` (idle CPUs poll while a
+job runs), ``rankwrap`` (per-rank cgroup join),
 ``rootless`` (runs without root, in a user namespace), ``cli`` (``hetrain emulate``).
 docs/emulate.md is the guide.
 
