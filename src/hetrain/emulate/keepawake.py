@@ -14,7 +14,7 @@ for a CPU wake-up latency of 0 µs for as long as it holds the file open: the id
 loop then polls instead of halting. (An idle-priority spinner on each CPU did better
 for a lone device, 443 ms, but cost devices sharing a busy CPU 23%: a throttled group
 whose quota is refilled does not preempt a running task at once, so it waited for the
-next tick. The latency request takes nothing from a busy CPU: 217 ms and 211 ms, two
+next tick. The latency request takes nothing from a busy CPU: 235 ms and 220 ms, two
 devices of share 0.4 on one CPU, without and with it.) The request needs root; where
 it cannot be made the job runs as before and the launcher says so.
 """
