@@ -2,6 +2,7 @@
 
 On a 2-core machine torch's default thread pool makes small CPU kernels 15-90x
 slower when other processes run, so tests use one thread (torchrun does the same).
+Ranks run on the CPU (``HETRAIN_DEVICE=cpu``) unless a test asks for CUDA.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import numpy as np
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The suite runs every rank on the CPU with Gloo, also on a machine with GPUs (where
+# NCCL would need a GPU per rank); tests/gpu/ asks for CUDA where it checks the GPU path.
+os.environ.setdefault("HETRAIN_DEVICE", "cpu")
 
 
 @pytest.fixture(autouse=True)

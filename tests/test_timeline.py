@@ -96,3 +96,19 @@ def test_compare_predicted_and_measured() -> None:
     row = next(r for r in compare(predicted, measured).rows if r.device == "n0:1" and r.kind == "backward")
     assert math.isnan(row.relative_error) and "n/a" in str(compare(predicted, measured))
     assert compare(predicted, measured).worst() is not None
+
+
+def test_compare_peak_memory_prefers_the_measured_peak() -> None:
+    predicted, measured = small_timeline(), small_timeline(scale=1.1, source="measured")
+    predicted.memory = {"n0:0": [(0.0, 1e9), (1.0, 3e9), (2.0, 1e9)]}
+    measured.memory = {"n0:0": [(0.0, 1e9), (1.0, 2e9)], "n0:1": [(0.0, 5e8)]}
+    # no predicted track for n0:1: nothing to compare there
+    (row,) = compare(predicted, measured).memory
+    assert (row.device, row.predicted_bytes, row.measured_bytes) == ("n0:0", 3e9, 2e9)
+    assert row.relative_error == pytest.approx(0.5)
+    # the runtime's peak over the iteration (on a GPU) beats the samples between actions
+    measured.meta["peak_memory_bytes"] = {"n0:0": 4e9}
+    (row,) = compare(predicted, measured).memory
+    assert row.measured_bytes == 4e9 and row.relative_error == pytest.approx(-0.25)
+    text = str(compare(predicted, measured))
+    assert "peak memory" in text and "3000.0MB" in text and "4000.0MB" in text and "-25.0%" in text

@@ -276,11 +276,28 @@ class KindError(NamedTuple):
         return (self.predicted_s - self.measured_s) / self.measured_s
 
 
+class MemoryPeak(NamedTuple):
+    """Predicted and measured peak memory of one device over the iteration."""
+
+    device: str
+    predicted_bytes: float
+    measured_bytes: float
+
+    @property
+    def relative_error(self) -> float:
+        """``(predicted - measured) / measured``; nan when nothing was measured."""
+        return (self.predicted_bytes - self.measured_bytes) / self.measured_bytes if self.measured_bytes else math.nan
+
+
 @dataclass(frozen=True)
 class Comparison:
-    """Per device and event kind: predicted vs measured total time. ``str()`` prints the table."""
+    """Per device and event kind: predicted vs measured total time, and peak memory where measured.
+
+    ``str()`` prints the tables.
+    """
 
     rows: tuple[KindError, ...]
+    memory: tuple[MemoryPeak, ...] = ()
 
     def worst(self) -> KindError | None:
         """The row with the largest absolute relative error."""
@@ -294,6 +311,13 @@ class Comparison:
             err = "n/a" if math.isnan(r.relative_error) else f"{100 * r.relative_error:+.1f}%"
             lines.append(f"{r.device:<14} {r.kind:<10} {r.predicted_count:>6} {r.measured_count:>6} "
                          f"{r.predicted_s:>12.6f} {r.measured_s:>12.6f} {err:>8}")
+        if self.memory:
+            lines.append(f"\n{'device':<14} {'peak memory':<10} {'':>6} {'':>6} {'predicted':>12} "
+                         f"{'measured':>12} {'error':>8}")
+            for m in self.memory:
+                err = "n/a" if math.isnan(m.relative_error) else f"{100 * m.relative_error:+.1f}%"
+                lines.append(f"{m.device:<14} {'':<10} {'':>6} {'':>6} {m.predicted_bytes / 1e6:>10.1f}MB "
+                             f"{m.measured_bytes / 1e6:>10.1f}MB {err:>8}")
         return "\n".join(lines)
 
 
@@ -301,6 +325,9 @@ def compare(predicted: Timeline, measured: Timeline) -> Comparison:
     """Per device and per event kind, the predicted and measured total seconds and their error.
 
     Each device also gets a row of kind ``iteration``: the end of its last event.
+    Peak memory is compared where both timelines have it: the predicted memory
+    track's maximum against the measured peak (``meta["peak_memory_bytes"]``,
+    which the runtime reads on a GPU), else the measured track's maximum.
 
     Example:
         >>> print(compare(simulated, load_timeline("measured.json")))   # doctest: +SKIP
@@ -316,7 +343,14 @@ def compare(predicted: Timeline, measured: Timeline) -> Comparison:
                                   sum(e.duration_s for e in m)))
         rows.append(KindError(dev, "iteration", 1, 1, max((e.end_s for e in pe), default=0.0),
                               max((e.end_s for e in me), default=0.0)))
-    return Comparison(tuple(rows))
+    peaks = measured.meta.get("peak_memory_bytes", {})
+    memory = []
+    for dev in [d for d in predicted.devices if d in measured.devices]:
+        measured_peak = peaks.get(dev, max((b for _, b in measured.memory.get(dev, [])), default=None))
+        predicted_peak = max((b for _, b in predicted.memory.get(dev, [])), default=None)
+        if measured_peak is not None and predicted_peak is not None:
+            memory.append(MemoryPeak(dev, float(predicted_peak), float(measured_peak)))
+    return Comparison(tuple(rows), tuple(memory))
 
 
 def save_side_by_side(predicted: Timeline, measured: Timeline, path: str | Path) -> None:

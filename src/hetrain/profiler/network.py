@@ -59,6 +59,7 @@ from hetrain.cluster import Cluster, ClusterError, parse_cluster
 from hetrain.cost import allreduce_shape, estimate_allreduce
 from hetrain.profiler.fit import fit_link
 from hetrain.profiler.layers import describe_device, measure_device_figures
+from hetrain.runtime.device import DeviceError, choose_device
 from hetrain.units import UnitError, format_bandwidth, format_bytes, format_time, parse_bytes
 
 if sys.version_info >= (3, 11):
@@ -649,9 +650,10 @@ def discover(output_path: str | Path, sizes: Sequence[int] = DEFAULT_SIZES, time
     try:
         session.barrier("joining")
         if not dist.is_initialized():
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            if backend == "nccl":
-                torch.cuda.set_device(local_rank)
+            try:
+                backend, _ = choose_device(local_rank)
+            except DeviceError as e:
+                raise DiscoveryError(f"rank {rank}: {e}") from None
             dist.init_process_group(backend, store=PrefixStore("pg", session.store), rank=rank,
                                     world_size=world, timeout=timedelta(seconds=timeout_s))
             own_group = True

@@ -25,6 +25,7 @@ from torch import nn
 from hetrain.plan import SYNC_MODES, PlanError, load_plan
 from hetrain.planner.sync import SYNC_OPTION_HELP, parse_sync_options
 from hetrain.runtime.checkpoint import CheckpointError
+from hetrain.runtime.device import DeviceError
 from hetrain.runtime.health import PeerError
 from hetrain.runtime.roles import RoleError
 from hetrain.runtime.trainer import DEFAULT_TIMEOUT_S, OPTIMIZER_NAMES, Trainer, build_optimizer_fn
@@ -127,7 +128,8 @@ def run_train_command(plan_path: str | Path, model: str, data: str | None = None
         elif not trainer.role.used:
             print(f"hetrain train: rank {trainer.rank} ({trainer.role.device}) is unused by the plan; idle",
                   flush=True)
-    except (PeerError, RoleError, CheckpointError, PlanError, ScheduleError, ValueError, TypeError, OSError) as e:
+    except (PeerError, RoleError, DeviceError, CheckpointError, PlanError, ScheduleError, ValueError, TypeError,
+            OSError) as e:
         print(f"hetrain train: error: {e}", file=sys.stderr, flush=True)
         if trainer is not None:
             trainer.close()

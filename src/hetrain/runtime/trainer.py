@@ -45,6 +45,7 @@ from torch import nn
 
 from hetrain.data.sharding import batch_length, shard_batch, split_batch
 from hetrain.plan import Plan
+from hetrain.runtime.device import DeviceError, choose_device
 from hetrain.runtime.evaluate import evaluate_stage
 from hetrain.runtime.executor import Executor, LossFn, StageModule
 from hetrain.runtime.health import Health, PeerError
@@ -67,16 +68,15 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int, in
     """Join the job's default process group if not done yet: NCCL with CUDA, else Gloo.
 
     Under torchrun (``RANK`` set) every rank joins; without it, a world of one
-    process. The device is ``cuda:LOCAL_RANK`` with NCCL, else the CPU.
+    process. The device is ``cuda:LOCAL_RANK`` with NCCL, else the CPU
+    (``HETRAIN_DEVICE``: see ``hetrain.runtime.device``).
 
     Returns:
         (rank, world size, local rank, device)
     """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(local_rank)
+        backend, _ = choose_device(local_rank)
         timeout = timedelta(seconds=timeout_s)
         if "RANK" in os.environ:
             store = _attempt_store(timeout)
@@ -203,6 +203,8 @@ class Trainer:
 
         try:
             self.rank, self.world, local_rank, self.device = init_distributed(timeout_s)
+        except DeviceError:
+            raise
         except RuntimeError as e:
             raise RoleError(f"rank {os.environ.get('RANK', 0)} could not join the job within {timeout_s:g} s "
                             f"(MASTER_ADDR {os.environ.get('MASTER_ADDR')}, MASTER_PORT "
@@ -255,7 +257,7 @@ class Trainer:
             by_index = {k: self.module[k] for k in stage.layers}
             self.sync = GradientSync(plan, by_index, segment_groups, self.rank_of, self.health, timeout_s)
             self.transport = Transport(self.health, forward_group, backward_group, self.device, timeout_s)
-            self.recorder = Recorder(self.role.device)
+            self.recorder = Recorder(self.role.device, self.device if self.device.type == "cuda" else None)
             if plan.sync != "bsp":
                 self.modes = ModeSync(plan, self.role.device, self.sync, segment_groups, mode_groups, self.rank_of,
                                       self.health, timeout_s)
@@ -397,6 +399,8 @@ class Trainer:
                 self.modes.end_wave()
             if self.plan.sync == "daso":
                 self._adapt_daso_period(actions, loss)
+            if record and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
             t_end = time.perf_counter()
             if record:
                 self._merge_timeline(self.recorder.stop(), s, t_end - t_prev)
