@@ -9,6 +9,8 @@ import pytest
 
 from hetrain.cluster import Link, parse_cluster
 from hetrain.cost import (
+    LOSS_BACKWARD_OUTPUTS,
+    LOSS_KEPT_OUTPUTS,
     allreduce_shape,
     estimate_allreduce,
     estimate_hierarchical_allreduce_time,
@@ -23,6 +25,7 @@ from hetrain.cost import (
     estimate_weight_memory,
     in_flight,
     interpolate_measurements,
+    loss_memory_per_sample,
 )
 from hetrain.profile import DeviceFigures, LayerProfile, Measurement, ModelProfile
 
@@ -77,11 +80,23 @@ def _profile() -> ModelProfile:
 
 def test_stage_memory_with_and_without_recompute() -> None:
     p = _profile()
-    # layers [0, 3), b = 4, 2 in flight, SGD: weights 2 * 12 MB; activations 2 * 4 * (1000+3000+500)
-    assert estimate_stage_memory(p, 0, 3, (), 4, 2, "sgd") == pytest.approx(24e6 + 8 * 4500)
+    # layers [0, 2), b = 4, 2 in flight, SGD: weights 2 * 8 MB; activations 2 * 4 * (1000+3000)
+    assert estimate_stage_memory(p, 0, 2, (), 4, 2, "sgd") == pytest.approx(16e6 + 8 * 4000)
     # recompute layer 1: it keeps its input (layer 0's output, 100 B) instead of 3000 B,
     # and its 3000 B/sample come back for one micro-batch of 4 while recomputed
-    assert estimate_stage_memory(p, 0, 3, (1,), 4, 2, "sgd") == pytest.approx(24e6 + 8 * 1600 + 4 * 3000)
+    assert estimate_stage_memory(p, 0, 2, (1,), 4, 2, "sgd") == pytest.approx(16e6 + 8 * 1100 + 4 * 3000)
+
+
+def test_the_last_stage_holds_the_loss() -> None:
+    """The loss keeps one last-layer output per sample in flight, and its backward holds two more."""
+    p = _profile()
+    assert loss_memory_per_sample(p) == (LOSS_KEPT_OUTPUTS * 50.0, LOSS_BACKWARD_OUTPUTS * 50.0)
+    # layers [0, 3), b = 4, 2 in flight: 2 * 4 * (1000+3000+500 + 50) kept, 4 * 2 * 50 in the loss's backward
+    assert estimate_stage_memory(p, 0, 3, (), 4, 2, "sgd") == pytest.approx(24e6 + 8 * 4550 + 4 * 100)
+    # with layer 1 recomputed, its transient and the loss's add up (an upper bound where they coincide)
+    assert estimate_stage_memory(p, 0, 3, (1,), 4, 2, "sgd") == pytest.approx(24e6 + 8 * 1650 + 4 * 3000 + 4 * 100)
+    # a stage that does not end the model holds no loss
+    assert estimate_stage_memory(p, 1, 2, (), 4, 2, "sgd") == pytest.approx(8e6 + 8 * 3000)
 
 
 def test_layer_time_interpolates_scales_and_falls_back_to_roofline() -> None:

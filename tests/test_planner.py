@@ -128,8 +128,10 @@ def test_stage_tables_shared_over_in_flight_counts_match_the_memory_rule(seed: i
         for b in (1, 3, 8):
             for n in (1, 2, 5, 17):
                 (table,) = build_stage_costs(profile, [dev], b, n, "gpipe", "adam")
-                fits = (arrays.weight_table + n * b * arrays.saved_table <= dev.memory_bytes) & upper
-                need_full = arrays.weight_table + n * b * arrays.kept_full_table + b * arrays.transient_table
+                loss = b * arrays.loss_table  # the last stage's loss transient
+                fits = (arrays.weight_table + n * b * arrays.saved_table + loss <= dev.memory_bytes) & upper
+                need_full = (arrays.weight_table + n * b * arrays.kept_full_table + b * arrays.transient_table
+                             + loss)
                 fits_full = upper & ~fits & (need_full <= dev.memory_bytes)
                 assert np.array_equal(np.isfinite(table.time_s), fits)
                 assert np.array_equal(table.pending, fits_full)

@@ -29,6 +29,7 @@ from hetrain.cost import (
     estimate_stage_memory,
     estimate_weight_memory,
     in_flight,
+    loss_memory_per_sample,
 )
 from hetrain.plan import (
     OPTIMIZERS,
@@ -284,7 +285,7 @@ def _explain_no_fit(cluster: Cluster, profile: ModelProfile, opts: PlannerOption
     weights = estimate_weight_memory(profile.param_bytes, profile.bytes_per_element, opts.optimizer)
     # one sample, every layer recomputed: each layer keeps only its input
     acts = profile.input_bytes_per_sample + sum(x.output_bytes_per_sample for x in profile.layers[:-1])
-    need = weights + acts
+    need = weights + acts + sum(loss_memory_per_sample(profile))
     mems = sorted((d.memory_bytes for d in cluster.devices), reverse=True)
     offer = sum(mems[: profile.num_layers])
     biggest_layer = max(profile.layers, key=lambda x: x.param_bytes)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hetrain.cluster import Cluster, Device
-from hetrain.cost import estimate_layer_times, estimate_weight_memory, in_flight
+from hetrain.cost import estimate_layer_times, estimate_weight_memory, in_flight, loss_memory_per_sample
 from hetrain.profile import ModelProfile
 
 INF = float("inf")
@@ -106,6 +106,8 @@ class ModelArrays:
     saved_table: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # activation bytes per sample
     kept_full_table: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # ... all useful layers recomputed
     transient_table: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # largest useful layer's saved bytes
+    loss_table: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # the loss's backward transient (l = L)
+    loss_kept: float = 0.0  # the loss's bytes kept per sample in flight (in saved_table's column L)
     upper: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=bool))  # k < l
     useful: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))  # recomputing saves memory
 
@@ -132,14 +134,21 @@ def build_model_arrays(profile: ModelProfile, optimizer: str) -> ModelArrays:
     # estimate_weight_memory is linear in parameter bytes: take its slope once.
     weight_factor = estimate_weight_memory(1.0, profile.bytes_per_element, optimizer)
     useful = saved - inputs > 0
-    saved_table = _range_table(_prefix(saved))
     L = len(layers)
+    # The loss lives on the stage that ends at layer L (cost.estimate_stage_memory).
+    loss_kept, loss_transient = loss_memory_per_sample(profile)
+    loss_table = np.zeros((L + 1, L + 1))
+    loss_table[:L, L] = loss_transient
+    last_column = np.zeros((L + 1, L + 1))
+    last_column[:L, L] = loss_kept
+    saved_table = _range_table(_prefix(saved)) + last_column
     arrays = ModelArrays(
         param=param, saved=saved, input=inputs, output=out, weight_factor=weight_factor,
         weight_table=weight_factor * _range_table(_prefix(param)),
         saved_table=saved_table,
         kept_full_table=saved_table - _range_table(_prefix(np.where(useful, saved - inputs, 0.0))),
         transient_table=_range_max(np.where(useful, saved, 0.0)),
+        loss_table=loss_table, loss_kept=loss_kept,
         upper=np.triu(np.ones((L + 1, L + 1), dtype=bool), k=1),
         useful=useful,
     )
@@ -167,8 +176,9 @@ def choose_recompute(fwd_s: np.ndarray, arrays: ModelArrays, k: int, l: int, b: 
     micro-batch while it is recomputed (the transient ``b * saved_i``).
     """
     weights = arrays.weight_factor * float(arrays.param[k:l].sum())
-    kept = float(arrays.saved[k:l].sum())
-    need = weights + n * b * kept
+    kept = float(arrays.saved_table[k, l])
+    loss = b * float(arrays.loss_table[k, l])
+    need = weights + n * b * kept + loss
     if need <= capacity_bytes:
         return ()
     gains = [(i, arrays.saved[i] - arrays.input[i]) for i in range(k, l)]
@@ -179,7 +189,7 @@ def choose_recompute(fwd_s: np.ndarray, arrays: ModelArrays, k: int, l: int, b: 
         chosen.append(i)
         kept -= arrays.saved[i] - arrays.input[i]
         transient = max(transient, b * arrays.saved[i])
-        if weights + n * b * kept + transient <= capacity_bytes:
+        if weights + n * b * kept + transient + loss <= capacity_bytes:
             return tuple(sorted(chosen))
     return None
 
@@ -283,15 +293,16 @@ def _build_device(profile: ModelProfile, arrays: ModelArrays, dev: Device, b: in
     fwd, bwd = estimate_layer_times(profile, dev, b)
     base = np.where(upper, _range_table(_prefix(fwd + bwd)), INF)
     order = recompute_order(fwd, arrays)
-    fits_up_to = _most_in_flight(arrays.weight_table, arrays.saved_table, None, b, dev.memory_bytes, upper)
+    fits_up_to = _most_in_flight(arrays.weight_table, arrays.saved_table, b * arrays.loss_table, b, dev.memory_bytes,
+                                 upper)
     full = base
     full_fits: np.ndarray | None = None
     if allow_recompute and len(order):
         # Recompute every useful layer: each keeps only its input; the largest
         # recomputed layer's activations come back for one micro-batch.
         full = base + _range_table(_prefix(np.where(arrays.useful, fwd, 0.0)))
-        full_fits = _most_in_flight(arrays.weight_table, arrays.kept_full_table, b * arrays.transient_table, b,
-                                    dev.memory_bytes, upper)
+        full_fits = _most_in_flight(arrays.weight_table, arrays.kept_full_table,
+                                    b * (arrays.transient_table + arrays.loss_table), b, dev.memory_bytes, upper)
     return DeviceTables(fwd, bwd, base, full, order, fits_up_to, full_fits)
 
 
@@ -416,7 +427,8 @@ def _add_recompute(costs: StageCosts, todo: np.ndarray) -> None:
         saved_t = np.cumsum(np.where(inside, gain_all[keep][:, None, None], 0.0), axis=0)
         transient_t = np.maximum.accumulate(np.where(inside, transient_all[keep][:, None, None], 0.0), axis=0)
         added_t = np.cumsum(np.where(inside, added_all[keep][:, None, None], 0.0), axis=0)
-        need = weight_table[ks][:, ends][None] + n * b * (saved_table[ks][:, ends][None] - saved_t) + transient_t
+        need = (weight_table[ks][:, ends][None] + n * b * (saved_table[ks][:, ends][None] - saved_t) + transient_t
+                + b * arrays.loss_table[ks][:, ends][None])
         fit = need <= costs.device.memory_bytes
         usable = fit.any(axis=0) & block  # (k, l)
         first = np.argmax(fit, axis=0)  # (k, l)
