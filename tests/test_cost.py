@@ -15,6 +15,7 @@ from hetrain.cost import (
     estimate_allreduce,
     estimate_hierarchical_allreduce_time,
     estimate_layer_time,
+    estimate_optimizer_step_memory,
     estimate_optimizer_time,
     estimate_p2p_time,
     estimate_pipeline_time,
@@ -85,6 +86,20 @@ def test_stage_memory_with_and_without_recompute() -> None:
     # recompute layer 1: it keeps its input (layer 0's output, 100 B) instead of 3000 B,
     # and its 3000 B/sample come back for one micro-batch of 4 while recomputed
     assert estimate_stage_memory(p, 0, 2, (1,), 4, 2, "sgd") == pytest.approx(16e6 + 8 * 1100 + 4 * 3000)
+
+
+def test_the_optimizer_step_peaks_when_weights_dominate() -> None:
+    """Adam's step holds one more fp32 word per parameter; the peak is the larger of that and the activations'."""
+    assert estimate_optimizer_step_memory(8e6, 4, "adam") == 8e6
+    assert estimate_optimizer_step_memory(8e6, 2, "adam") == 16e6  # fp32 words for 16-bit parameters
+    assert estimate_optimizer_step_memory(8e6, 4, "momentum") == estimate_optimizer_step_memory(8e6, 4, "sgd") == 0
+    p = _profile()
+    weights = estimate_weight_memory(8e6, 4, "adam")  # layers [0, 2)
+    # activations 2 * 4 * 4000 B are far below the step's 8 MB: the step sets the peak
+    assert estimate_stage_memory(p, 0, 2, (), 4, 2, "adam") == pytest.approx(weights + 8e6)
+    assert estimate_stage_memory(p, 0, 2, (), 4, 2, "adam", with_step=False) == pytest.approx(weights + 8 * 4000)
+    # with SGD there is no step transient
+    assert estimate_stage_memory(p, 0, 2, (), 4, 2, "sgd") == pytest.approx(16e6 + 8 * 4000)
 
 
 def test_the_last_stage_holds_the_loss() -> None:

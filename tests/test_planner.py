@@ -129,10 +129,11 @@ def test_stage_tables_shared_over_in_flight_counts_match_the_memory_rule(seed: i
             for n in (1, 2, 5, 17):
                 (table,) = build_stage_costs(profile, [dev], b, n, "gpipe", "adam")
                 loss = b * arrays.loss_table  # the last stage's loss transient
-                fits = (arrays.weight_table + n * b * arrays.saved_table + loss <= dev.memory_bytes) & upper
+                step_fits = arrays.step_table <= dev.memory_bytes  # weights + the optimizer step's transient
+                fits = (arrays.weight_table + n * b * arrays.saved_table + loss <= dev.memory_bytes) & upper & step_fits
                 need_full = (arrays.weight_table + n * b * arrays.kept_full_table + b * arrays.transient_table
                              + loss)
-                fits_full = upper & ~fits & (need_full <= dev.memory_bytes)
+                fits_full = upper & ~fits & (need_full <= dev.memory_bytes) & step_fits
                 assert np.array_equal(np.isfinite(table.time_s), fits)
                 assert np.array_equal(table.pending, fits_full)
                 assert np.array_equal(np.isfinite(table.full_s), fits | fits_full)

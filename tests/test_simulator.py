@@ -12,6 +12,7 @@ import pytest
 from hetrain.cluster import Cluster, parse_cluster
 from hetrain.cost import (
     estimate_allreduce_time,
+    estimate_optimizer_step_memory,
     estimate_optimizer_time,
     estimate_pipeline_time,
     estimate_stage_memory,
@@ -165,8 +166,13 @@ def test_peak_memory_equals_the_cost_model(schedule: str) -> None:
                                              "adam")
             assert result.devices[stage.device].peak_memory_bytes == pytest.approx(expected, rel=1e-9), stage
             curve = result.memory_curve(stage.device)
-            weights = estimate_stage_memory(profile, stage.first_layer, stage.end_layer, (), 0, 0, "adam")
+            weights = estimate_stage_memory(profile, stage.first_layer, stage.end_layer, (), 0, 0, "adam",
+                                            with_step=False)
             assert curve[0] == (0.0, pytest.approx(weights))
+            # Adam's step holds one more word per parameter while it runs, after the activations are freed
+            step = estimate_optimizer_step_memory(sum(profile.layers[i].param_bytes for i in stage.layers),
+                                                  profile.bytes_per_element, "adam")
+            assert step > 0 and curve[-2][1] == pytest.approx(weights + step)
             assert curve[-1][1] == pytest.approx(weights)  # every activation freed at the end
             assert [t for t, _ in curve] == sorted(t for t, _ in curve)
 

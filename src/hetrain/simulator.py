@@ -49,9 +49,10 @@ transfers leaving one node share its NIC out, all entering it share its NIC in
 
 Memory: weights, gradients and optimizer state from t = 0; a micro-batch's kept
 activations are added when its forward ends and freed when its backward ends;
-the largest recomputed layer's activations reappear during each backward.
-Figures come from ``estimate_stage_memory``, so the simulated peak equals the
-closed form with ``in_flight`` for the schedule.
+the largest recomputed layer's activations reappear during each backward, and
+the optimizer step's transient lasts for the step. Figures come from
+``estimate_stage_memory``, so the simulated peak equals the closed form with
+``in_flight`` for the schedule.
 
 Example:
     >>> result = simulate(load_plan("plan.json"))        # doctest: +SKIP
@@ -74,6 +75,7 @@ from hetrain.cost import (
     estimate_allreduce,
     estimate_hierarchical_allreduce_time,
     estimate_layer_times,
+    estimate_optimizer_step_memory,
     estimate_optimizer_time,
     estimate_p2p_time,
     estimate_ring_allreduce_time,
@@ -359,6 +361,7 @@ class _Replay:
         self.act: list[list[float]] = [[] for _ in range(n)]
         self.transient: list[list[float]] = [[] for _ in range(n)]
         self.weights = [0.0] * n
+        self.step_memory = [0.0] * n  # the optimizer step's transient
         self.optimizer_s = [0.0] * n
         self.where: list[tuple[int, int]] = []
         self.ops: list[list[tuple[Any, ...]]] = []
@@ -376,9 +379,11 @@ class _Replay:
             stage = vw.stages[j]
             device = devices[name]
             first, end, rc = stage.first_layer, stage.end_layer, list(stage.recompute)
-            weights = estimate_stage_memory(profile, first, end, rc, 0, 0, plan.optimizer)
+            weights = estimate_stage_memory(profile, first, end, rc, 0, 0, plan.optimizer, with_step=False)
             self.weights[d] = weights
             param_bytes = float(sum(profile.layers[i].param_bytes for i in stage.layers))
+            self.step_memory[d] = estimate_optimizer_step_memory(param_bytes, profile.bytes_per_element,
+                                                                 plan.optimizer)
             self.optimizer_s[d] = estimate_optimizer_time(param_bytes, profile.bytes_per_element, device,
                                                           plan.optimizer, profile)
             per_size: dict[int, tuple[float, float, float, float]] = {}
@@ -386,8 +391,8 @@ class _Replay:
             for b in set(vw.micro_batch_sizes):
                 f, g = estimate_layer_times(profile, device, b)
                 layer_times[b] = (f, g)
-                held0 = estimate_stage_memory(profile, first, end, rc, b, 0, plan.optimizer)
-                held1 = estimate_stage_memory(profile, first, end, rc, b, 1, plan.optimizer)
+                held0 = estimate_stage_memory(profile, first, end, rc, b, 0, plan.optimizer, with_step=False)
+                held1 = estimate_stage_memory(profile, first, end, rc, b, 1, plan.optimizer, with_step=False)
                 per_size[b] = (float(f[first:end].sum()), float(g[first:end].sum() + f[rc].sum()),
                                held1 - held0, held0 - weights)
             sizes = vw.micro_batch_sizes
@@ -752,6 +757,9 @@ class _Replay:
                 # _STEP
                 end = t + self.optimizer_s[d]
                 events[d].append(Event(t, end, "optimizer", op[2]))
+                if self.step_memory[d] > 0:
+                    curves[d].append((t, memory[d] + self.step_memory[d]))
+                    curves[d].append((end, memory[d]))
                 busy[d] += end - t
                 k += 1
                 push(heap, (end, seq, 0, d))

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from hetrain.cluster import Cluster
 from hetrain.cost import (
+    estimate_optimizer_step_memory,
     estimate_optimizer_time,
     estimate_samples_to_accuracy_factor,
     estimate_stage_memory,
@@ -285,11 +286,14 @@ def _explain_no_fit(cluster: Cluster, profile: ModelProfile, opts: PlannerOption
     weights = estimate_weight_memory(profile.param_bytes, profile.bytes_per_element, opts.optimizer)
     # one sample, every layer recomputed: each layer keeps only its input
     acts = profile.input_bytes_per_sample + sum(x.output_bytes_per_sample for x in profile.layers[:-1])
-    need = weights + acts + sum(loss_memory_per_sample(profile))
+    step = estimate_optimizer_step_memory(profile.param_bytes, profile.bytes_per_element, opts.optimizer)
+    need = weights + max(acts + sum(loss_memory_per_sample(profile)), step)
     mems = sorted((d.memory_bytes for d in cluster.devices), reverse=True)
     offer = sum(mems[: profile.num_layers])
     biggest_layer = max(profile.layers, key=lambda x: x.param_bytes)
-    layer_need = estimate_weight_memory(biggest_layer.param_bytes, profile.bytes_per_element, opts.optimizer)
+    big, bpe = biggest_layer.param_bytes, profile.bytes_per_element
+    layer_need = estimate_weight_memory(big, bpe, opts.optimizer) + estimate_optimizer_step_memory(big, bpe,
+                                                                                                 opts.optimizer)
     return (
         f"{profile.name} fits no arrangement of cluster {cluster.name!r}: it needs at least "
         f"{format_bytes(need)} (parameters, gradients and {opts.optimizer} state of "

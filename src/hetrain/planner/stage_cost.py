@@ -24,7 +24,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hetrain.cluster import Cluster, Device
-from hetrain.cost import estimate_layer_times, estimate_weight_memory, in_flight, loss_memory_per_sample
+from hetrain.cost import (
+    estimate_layer_times,
+    estimate_optimizer_step_memory,
+    estimate_weight_memory,
+    in_flight,
+    loss_memory_per_sample,
+)
 from hetrain.profile import ModelProfile
 
 INF = float("inf")
@@ -108,6 +114,7 @@ class ModelArrays:
     transient_table: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # largest useful layer's saved bytes
     loss_table: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # the loss's backward transient (l = L)
     loss_kept: float = 0.0  # the loss's bytes kept per sample in flight (in saved_table's column L)
+    step_table: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # weights + optimizer step transient
     upper: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=bool))  # k < l
     useful: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))  # recomputing saves memory
 
@@ -149,6 +156,8 @@ def build_model_arrays(profile: ModelProfile, optimizer: str) -> ModelArrays:
         kept_full_table=saved_table - _range_table(_prefix(np.where(useful, saved - inputs, 0.0))),
         transient_table=_range_max(np.where(useful, saved, 0.0)),
         loss_table=loss_table, loss_kept=loss_kept,
+        step_table=(weight_factor + estimate_optimizer_step_memory(1.0, profile.bytes_per_element, optimizer))
+        * _range_table(_prefix(param)),
         upper=np.triu(np.ones((L + 1, L + 1), dtype=bool), k=1),
         useful=useful,
     )
@@ -175,6 +184,8 @@ def choose_recompute(fwd_s: np.ndarray, arrays: ModelArrays, k: int, l: int, b: 
     bytes (it keeps only its input), but its activations come back for one
     micro-batch while it is recomputed (the transient ``b * saved_i``).
     """
+    if arrays.step_table[k, l] > capacity_bytes:
+        return None  # the optimizer step alone does not fit; recomputing cannot help
     weights = arrays.weight_factor * float(arrays.param[k:l].sum())
     kept = float(arrays.saved_table[k, l])
     loss = b * float(arrays.loss_table[k, l])
@@ -293,16 +304,18 @@ def _build_device(profile: ModelProfile, arrays: ModelArrays, dev: Device, b: in
     fwd, bwd = estimate_layer_times(profile, dev, b)
     base = np.where(upper, _range_table(_prefix(fwd + bwd)), INF)
     order = recompute_order(fwd, arrays)
-    fits_up_to = _most_in_flight(arrays.weight_table, arrays.saved_table, b * arrays.loss_table, b, dev.memory_bytes,
-                                 upper)
+    step_fits = arrays.step_table <= dev.memory_bytes  # the optimizer step, once the activations are freed
+    fits_up_to = np.where(step_fits, _most_in_flight(arrays.weight_table, arrays.saved_table, b * arrays.loss_table,
+                                                     b, dev.memory_bytes, upper), -1.0)
     full = base
     full_fits: np.ndarray | None = None
     if allow_recompute and len(order):
         # Recompute every useful layer: each keeps only its input; the largest
         # recomputed layer's activations come back for one micro-batch.
         full = base + _range_table(_prefix(np.where(arrays.useful, fwd, 0.0)))
-        full_fits = _most_in_flight(arrays.weight_table, arrays.kept_full_table,
-                                    b * (arrays.transient_table + arrays.loss_table), b, dev.memory_bytes, upper)
+        full_fits = np.where(step_fits, _most_in_flight(arrays.weight_table, arrays.kept_full_table,
+                                                        b * (arrays.transient_table + arrays.loss_table), b,
+                                                        dev.memory_bytes, upper), -1.0)
     return DeviceTables(fwd, bwd, base, full, order, fits_up_to, full_fits)
 
 
