@@ -106,8 +106,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         sys.exit("gpu_prediction: needs a CUDA GPU; torch.cuda.is_available() is False here")
     gpu = torch.cuda.get_device_name(0)
-    head = ("| model | global batch | predicted samples/s | measured samples/s | error | forward | backward "
-            "| optimizer | recorded iteration | peak memory predicted / measured | error |\n"
+    head = ("| model | global batch | predicted samples/s | measured samples/s | samples/s error | forward "
+            "| backward | optimizer | recorded iteration | peak memory predicted / measured | memory error |\n"
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     lines = [head]
     with tempfile.TemporaryDirectory() as tmp:
