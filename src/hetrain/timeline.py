@@ -332,7 +332,8 @@ def compare(predicted: Timeline, measured: Timeline) -> Comparison:
     Example:
         >>> print(compare(simulated, load_timeline("measured.json")))   # doctest: +SKIP
     """
-    rows = []
+    rows, memory = [], []
+    peaks = measured.meta.get("peak_memory_bytes", {})
     for dev in [d for d in predicted.devices if d in measured.devices]:
         pe, me = predicted.devices[dev], measured.devices[dev]
         kinds = list(dict.fromkeys([e.kind for e in pe] + [e.kind for e in me]))
@@ -343,9 +344,6 @@ def compare(predicted: Timeline, measured: Timeline) -> Comparison:
                                   sum(e.duration_s for e in m)))
         rows.append(KindError(dev, "iteration", 1, 1, max((e.end_s for e in pe), default=0.0),
                               max((e.end_s for e in me), default=0.0)))
-    peaks = measured.meta.get("peak_memory_bytes", {})
-    memory = []
-    for dev in [d for d in predicted.devices if d in measured.devices]:
         measured_peak = peaks.get(dev, max((b for _, b in measured.memory.get(dev, [])), default=None))
         predicted_peak = max((b for _, b in predicted.memory.get(dev, [])), default=None)
         if measured_peak is not None and predicted_peak is not None:

@@ -112,8 +112,8 @@ class ModelArrays:
     saved_table: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # activation bytes per sample
     kept_full_table: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # ... all useful layers recomputed
     transient_table: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # largest useful layer's saved bytes
+    # The loss's bytes kept per sample in flight are in saved_table's column L (and kept_full_table's).
     loss_table: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # the loss's backward transient (l = L)
-    loss_kept: float = 0.0  # the loss's bytes kept per sample in flight (in saved_table's column L)
     step_table: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # weights + optimizer step transient
     upper: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=bool))  # k < l
     useful: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))  # recomputing saves memory
@@ -155,7 +155,7 @@ def build_model_arrays(profile: ModelProfile, optimizer: str) -> ModelArrays:
         saved_table=saved_table,
         kept_full_table=saved_table - _range_table(_prefix(np.where(useful, saved - inputs, 0.0))),
         transient_table=_range_max(np.where(useful, saved, 0.0)),
-        loss_table=loss_table, loss_kept=loss_kept,
+        loss_table=loss_table,
         step_table=(weight_factor + estimate_optimizer_step_memory(1.0, profile.bytes_per_element, optimizer))
         * _range_table(_prefix(param)),
         upper=np.triu(np.ones((L + 1, L + 1), dtype=bool), k=1),
@@ -271,9 +271,9 @@ class DeviceTables:
     full_fits_up_to: np.ndarray | None  # None: recomputation off or useless
 
 
-def _most_in_flight(fixed: np.ndarray, per_n: np.ndarray, extra: np.ndarray | None, b: int, capacity: float,
+def _most_in_flight(fixed: np.ndarray, per_n: np.ndarray, extra: np.ndarray, b: int, capacity: float,
                     upper: np.ndarray) -> np.ndarray:
-    """Largest integer n with ``fixed + (n * b) * per_n (+ extra) <= capacity`` per range; -1 if none.
+    """Largest integer n with ``fixed + (n * b) * per_n + extra <= capacity`` per range; -1 if none.
 
     Exactly the n for which that inequality holds as evaluated in floating point
     (the quotient may be a rounding step off; one correction each way fixes it),
@@ -282,11 +282,10 @@ def _most_in_flight(fixed: np.ndarray, per_n: np.ndarray, extra: np.ndarray | No
     huge = 1e15
 
     def fits(n: np.ndarray) -> np.ndarray:
-        need = fixed + (n * b) * per_n
-        out: np.ndarray = (need if extra is None else need + extra) <= capacity
+        out: np.ndarray = fixed + (n * b) * per_n + extra <= capacity
         return out
 
-    room = capacity - fixed - (0.0 if extra is None else extra)
+    room = capacity - fixed - extra
     with np.errstate(divide="ignore", invalid="ignore"):
         n = np.floor(np.where(per_n > 0, room / (b * per_n), np.where(room >= 0, huge, -1.0)))
     n = np.clip(n, -1.0, huge)
