@@ -314,14 +314,26 @@ def with_measured_links(nominal: dict[str, Any], discovered: dict[str, Any]) -> 
 
 
 def _with_simulated_prediction(draft: Plan) -> Plan:
-    """``draft`` with its prediction taken from the simulator (a hand-built plan has no closed form)."""
-    from hetrain.plan import Prediction
+    """``draft`` with every predicted figure taken from one replay (a hand-built plan has no closed form):
+    the iteration; its pipeline (to the last backward) and the rest after it, as the optimizer step
+    (the longest, at most the rest) and sync; each VW's pipeline (to its last backward); each
+    device's peak memory."""
+    from hetrain.plan import DeviceMemory, Prediction
     from hetrain.simulator import simulate
 
     sim = simulate(draft)
-    pred = Prediction(iteration_s=sim.iteration_s, samples_per_s=sim.samples_per_s, pipeline_s=sim.iteration_s,
-                      sync_s=0.0, optimizer_s=0.0, simulated_iteration_s=sim.iteration_s)
-    return replace(draft, prediction=pred)
+    events = sim.timeline.devices
+    rest = max(0.0, sim.iteration_s - sim.pipeline_s)
+    optimizer_s = min(rest, max((e.end_s - e.start_s for evs in events.values() for e in evs
+                                 if e.kind == "optimizer"), default=0.0))
+    vws = tuple(replace(vw, predicted_pipeline_s=max(
+        (e.end_s for d in vw.devices for e in events.get(d, ()) if e.kind == "backward"), default=0.0))
+        for vw in draft.virtual_workers)
+    memory = tuple(DeviceMemory(d.device, d.peak_memory_bytes, d.capacity_bytes) for d in sim.devices.values())
+    pred = Prediction(iteration_s=sim.iteration_s, samples_per_s=sim.samples_per_s, pipeline_s=sim.pipeline_s,
+                      sync_s=rest - optimizer_s, optimizer_s=optimizer_s,
+                      memory=memory, simulated_iteration_s=sim.iteration_s)
+    return replace(draft, virtual_workers=vws, prediction=pred)
 
 
 def even_split_plan(base: Plan, device_order: Sequence[str] | None = None) -> Plan:

@@ -280,12 +280,14 @@ class Plan:
                 )
         if self.unused_devices:
             lines.append(f"  unused devices: {', '.join(self.unused_devices)}")
-        sim = (f", simulated {format_time(pr.simulated_iteration_s)}"
-               if pr.simulated_iteration_s is not None else "")
+        sim = ""
+        if pr.simulated_iteration_s:
+            sim = (f"; simulated {format_time(pr.simulated_iteration_s)}, "
+                   f"{self.global_batch / pr.simulated_iteration_s:.1f} samples/s")
         lines.append(
             f"  predicted iteration {format_time(pr.iteration_s)} (pipeline {format_time(pr.pipeline_s)}"
-            f" + sync {format_time(pr.sync_s)} + optimizer {format_time(pr.optimizer_s)}){sim}, "
-            f"{pr.samples_per_s:.1f} samples/s"
+            f" + sync {format_time(pr.sync_s)} + optimizer {format_time(pr.optimizer_s)}), "
+            f"{pr.samples_per_s:.1f} samples/s{sim}"
         )
         return "\n".join(lines)
 

@@ -150,6 +150,17 @@ def test_even_split_plan_is_one_pipeline_over_every_device() -> None:
     counts = [s.end_layer - s.first_layer for s in vw.stages]
     assert sum(counts) == profile.num_layers and max(counts) - min(counts) <= 1
     assert even.prediction.simulated_iteration_s is not None and even.prediction.iteration_s > 0
+    # every figure comes from the one replay: no "pipeline 0 us" or "mem ?" in its summary
+    from hetrain.simulator import simulate
+
+    sim = simulate(even)
+    pr = even.prediction
+    assert pr.iteration_s == sim.iteration_s and pr.pipeline_s == sim.pipeline_s
+    assert pr.pipeline_s + pr.sync_s + pr.optimizer_s == pytest.approx(pr.iteration_s)
+    assert pr.optimizer_s > 0 and vw.predicted_pipeline_s == pytest.approx(sim.pipeline_s)
+    assert {m.device: m.peak_bytes for m in pr.memory} == {
+        d: s.peak_memory_bytes for d, s in sim.devices.items()}
+    assert "mem ?" not in even.summary() and "pipeline 0 us" not in even.summary()
 
 
 def test_even_dp_plan_splits_the_batch_evenly_over_every_device() -> None:
