@@ -415,7 +415,9 @@ def build_plans(cluster_dict: dict[str, Any], profile: ModelProfile, global_batc
 def run_emulated_comparison(cluster_text: str, out_dir: str | Path, model: str = "gpt-tiny", global_batch: int = 32,
                             steps: int = 20, warmup: int = 5, log: Callable[[str], None] = _say,
                             job_timeout_s: float = 300.0, train: Sequence[str] = ("hetrain", "dp", "even-split"),
-                            baselines: Sequence[str] = ()) -> Comparison:
+                            baselines: Sequence[str] = (),
+                            plan_builder: Callable[[dict[str, Any], ModelProfile, int], dict[str, Plan]] | None = None,
+                            ) -> Comparison:
     """Profile, discover, plan, simulate and train plans (and torch baselines) on one emulated cluster.
 
     Args:
@@ -426,12 +428,14 @@ def run_emulated_comparison(cluster_text: str, out_dir: str | Path, model: str =
         steps: training steps per plan; ``warmup`` of them are left out of the rates.
         log: where progress lines go.
         job_timeout_s: the longest one emulated job may run.
-        train: which of ``build_plans``' plans hetrain's runtime trains, in order.
+        train: which of the built plans hetrain's runtime trains, in order.
         baselines: torch baselines to train after them (``hetrain.baselines``): ``ddp``
             (DistributedDataParallel, batch split evenly; predicted as ``even_dp_plan``) and
             ``pipelining`` (torch.distributed.pipelining over every device, layers split evenly,
             the even-split plan's micro-batches and schedule; predicted as that plan). Their
             runs are keyed ``torch-ddp`` and ``torch-pipelining``.
+        plan_builder: ``(cluster dict with the measured links, profile, global batch) -> {name: plan}``;
+            ``build_plans`` by default. The baselines need its ``dp`` and ``even-split`` plans.
 
     Raises:
         EmulationError: the host cannot emulate (not root, no namespaces...).
@@ -473,7 +477,7 @@ def run_emulated_comparison(cluster_text: str, out_dir: str | Path, model: str =
         discovered = discovered_path.read_text()
         planning = with_measured_links(nominal, tomllib.loads(discovered))
         start = time.perf_counter()
-        plans = build_plans(planning, profile, global_batch)
+        plans = (plan_builder or build_plans)(planning, profile, global_batch)
         timings["plan"] = time.perf_counter() - start
         unknown = [k for k in train if k not in plans] + [k for k in baselines if k not in ("ddp", "pipelining")]
         if unknown:
@@ -495,7 +499,8 @@ def run_emulated_comparison(cluster_text: str, out_dir: str | Path, model: str =
         for name, r in runs.items():
             what = "plan" if r.runtime == "hetrain" else "baseline, as hetrain models it"
             log(f"\n{name} {what} (predicted {r.predicted_samples_per_s:.1f} samples/s):\n{r.plan.summary()}")
-        opt_name = {"adam": "adamw"}.get(plans["hetrain"].optimizer, plans["hetrain"].optimizer)
+        optimizer = next(iter(plans.values())).optimizer
+        opt_name = {"adam": "adamw"}.get(optimizer, optimizer)
         for name, r in runs.items():
             r.metrics_path.unlink(missing_ok=True)
             if r.runtime == "torch":
