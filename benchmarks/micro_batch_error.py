@@ -12,9 +12,11 @@ and each plan is simulated, then trained by hetrain's runtime for the same steps
 Prediction error is (simulated - measured) / measured iteration time. A plan of micro-batch b runs
 2 x (mini-batch / b) forward and backward actions per stage and as many messages across each stage
 boundary: what each action costs beyond its layers' profiled compute (the runtime's own work per
-action: posting and completing a message, its copies, the executor) is not in the cost model, so
-the smaller b, the more the prediction should run ahead of the measurement. Needs root (or is
-skipped, saying so).
+action: posting and completing a message, its copies, the executor) is not in the layer profile, so
+the smaller b, the more a prediction without it runs ahead of the measurement. Two predictions per
+plan: without any overhead per action, and with the one calibrated before planning
+(hetrain.calibrate, from a separate run of an even-split pipeline of micro-batches of 2).
+Needs root (or is skipped, saying so).
 
     sudo -E .venv/bin/python benchmarks/micro_batch_error.py [--sizes 1,2,4,8] [--steps 20]
 """
@@ -82,22 +84,32 @@ def main() -> int:
     result = run_emulated_comparison(DEFAULT_CLUSTER, args.out, global_batch=args.global_batch, steps=args.steps,
                                      warmup=args.warmup, train=names, plan_builder=plan_builder(sizes))
     took = time.perf_counter() - start
+    from dataclasses import replace
+
+    from hetrain.simulator import simulate
+
     rows = ["| shape | micro-batch | VWs x stages x micro-batches | actions per stage and step | "
-            "predicted samples/s | measured samples/s | iteration error |",
-            "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+            "measured samples/s | predicted, no overhead | error | predicted, calibrated | error |",
+            "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name in names:
         r = result.runs[name]
         shape, b = name.rsplit("-b", 1)
         vws = r.plan.virtual_workers
         layout = " + ".join(f"{len(vw.stages)}x{vw.micro_batches}" for vw in vws)
         actions = max(2 * vw.micro_batches for vw in vws)
-        rows.append(f"| {shape} | {b} | {layout} | {actions} | {r.predicted_samples_per_s:.1f} | "
-                    f"{r.measured_samples_per_s:.1f} | {100 * r.prediction_error:+.1f}% |")
+        bare = simulate(replace(r.plan, profile=replace(r.plan.profile, action_overhead_s=()))).iteration_s
+        measured = r.measured_iteration_s
+        rows.append(f"| {shape} | {b} | {layout} | {actions} | {r.measured_samples_per_s:.1f} | "
+                    f"{r.plan.global_batch / bare:.1f} | {100 * (bare - measured) / measured:+.1f}% | "
+                    f"{r.predicted_samples_per_s:.1f} | {100 * r.prediction_error:+.1f}% |")
     table = "\n".join(rows)
     print(table)
+    cal = result.calibration
+    calibrated = f"calibrated overhead {1e3 * cal.overhead_s:.2f} ms per action ({cal.summary()})" if cal else ""
     notes = (f"gpt-tiny, global batch {args.global_batch}, the demo's cluster and emulation, {args.steps} steps per "
-             f"plan, first {args.warmup} left out; each plan planned with one micro-batch size only; one profile and "
-             f"one link discovery for all. Negative error: the plan ran slower than predicted. Took {took:.0f} s; "
+             f"plan, first {args.warmup} left out; each plan planned with one micro-batch size only; one profile, "
+             f"one link discovery and one calibration for all: {calibrated}. Negative error: the plan ran slower "
+             f"than predicted. Took {took:.0f} s; "
              f"host load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.")
     print(notes)
     if not args.no_write:

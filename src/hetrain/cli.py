@@ -4,6 +4,7 @@
     hetrain simulate plan.json [--trace out.json] [--gantt out.png] [--json]
     torchrun ... -m hetrain train --plan plan.json --model NAME [--steps N] [--checkpoint-dir D]
     hetrain compare predicted.json measured.json [--gantt both.png]
+    hetrain calibrate plan.json metrics.jsonl [--warmup N] [-o profile.json]
     hetrain profile --model NAME [--micro-batch 1,2,4,8] [-o profile.json]
     torchrun --nproc-per-node N --no-python hetrain discover -o cluster.toml
     hetrain emulate run CLUSTER.toml -- COMMAND...  (also up, down, status)
@@ -187,6 +188,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from hetrain.calibrate import run_calibrate_command
+
+    return run_calibrate_command(args.plan, args.metrics, args.warmup, args.output)
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from hetrain.models.analytic import MODEL_NAMES, build_profile
     from hetrain.units import format_bytes
@@ -270,6 +277,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("measured", help="the runtime's measured timeline JSON (hetrain train --timeline-out)")
     c.add_argument("--gantt", help="write both timelines as one PNG, predicted above measured")
     c.set_defaults(func=cmd_compare)
+
+    cal = sub.add_parser("calibrate", help="fit the cost model's overhead per action to a trained plan's metrics")
+    cal.add_argument("plan", help="the plan that was trained (plan.json)")
+    cal.add_argument("metrics", help="its training metrics (hetrain train --metrics-out FILE)")
+    cal.add_argument("--warmup", type=int, default=3, help="first steps left out (default 3)")
+    cal.add_argument("-o", "--output", help="write the plan's profile with the fitted overhead here")
+    cal.set_defaults(func=cmd_calibrate)
 
     from hetrain.emulate.cli import add_emulate_arguments, run_emulate_args
 

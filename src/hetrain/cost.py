@@ -136,6 +136,16 @@ def estimate_layer_times(profile: ModelProfile, device: Device, b: int) -> tuple
     return cached
 
 
+def estimate_action_overhead(profile: ModelProfile, device: Device) -> float:
+    """Seconds one forward or one backward action of a micro-batch costs on ``device`` beyond its layers' times.
+
+    The profile's calibrated ``action_overhead_s`` of the device's type (``hetrain calibrate``), else 0.
+    A stage's forward of micro-batch i costs ``sum of its layers' forward times + overhead``, and so its
+    backward: the overhead is paid per action, so a plan of many small micro-batches pays it more often.
+    """
+    return profile.action_overhead_of(device.type_name)
+
+
 # ---------------------------------------------------------------------------
 # communication
 # ---------------------------------------------------------------------------

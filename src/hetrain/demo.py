@@ -7,6 +7,8 @@ cluster, each step a real ``torchrun`` job per node::
 
     1 profile   the model once per device type, on a device of that type (throttled)
     2 discover  the links (hetrain.profiler.network)          -> cluster with measured links
+    2b calibrate a few steps of an even-split pipeline of small micro-batches: the runtime's
+                overhead per action (hetrain.calibrate)       -> profile with action_overhead_s
     3 plan      hetrain's plan; pure DP (strategy="dp"); an even-split pipeline
     4 simulate  each plan                                      -> predicted timeline, samples/s
     5 train     each plan for the same steps on Shakespeare    -> metrics, measured timeline
@@ -39,6 +41,7 @@ else:  # pragma: no cover
     import tomli as tomllib  # type: ignore[import-not-found, unused-ignore]
 
 if TYPE_CHECKING:  # cheap imports for the workers
+    from hetrain.calibrate import Calibration
     from hetrain.plan import Plan
     from hetrain.profile import ModelProfile
     from hetrain.simulator import SimResult
@@ -80,7 +83,14 @@ PROFILE_MICRO_BATCHES = (2, 4, 8, 16)
 # Each layer is timed over back-to-back calls of at least this long (ten 10 ms CPU-quota periods):
 # a single call shorter than a throttled device's quota runs at full speed (profiler.layers).
 PROFILE_MIN_TIME_S = 0.1
-MICRO_BATCH_SIZES = (4, 8, 16)
+# The planner chooses among the profiled sizes: the calibrated overhead per action (step 2b) prices
+# small micro-batches, which without it were predicted up to 35% too fast (benchmarks/RESULTS.md).
+MICRO_BATCH_SIZES = PROFILE_MICRO_BATCHES
+# The calibration run: micro-batches of 2 (16 per pipeline at batch 32: 32 actions per stage and step, so
+# the overhead is most of what the run adds to the profile), 8 steps of which the first 3 warm up.
+CALIBRATION_MICRO_BATCH = 2
+CALIBRATION_STEPS = 8
+CALIBRATION_WARMUP = 3
 # Messages from 256 KiB up: a tc token bucket lets the first ~128 KB of a message through at once, so
 # smaller messages would measure the burst, not the NIC rate the gradients and activations meet. Five
 # sizes, median of 7 round trips: each message meets a random quota stall at its receiver (0 to
@@ -166,6 +176,7 @@ class Comparison:
     discovered: str
     timings_s: dict[str, float]
     plans: dict[str, Plan] = field(default_factory=dict)  # build_plans' plans, trained or not
+    calibration: Calibration | None = None  # the overhead per action found before planning
 
     def speedup(self, over: str, of: str = "hetrain") -> float:
         return self.runs[of].measured_samples_per_s / self.runs[over].measured_samples_per_s
@@ -397,14 +408,23 @@ def build_plans(cluster_dict: dict[str, Any], profile: ModelProfile, global_batc
     from hetrain.planner import plan
 
     cluster = parse_cluster(cluster_dict)
-    # Micro-batches of at least 4: each action of an emulated device costs a few ms of
-    # scheduling (a throttled process waits for its next CPU period), which the profile
-    # of layer compute does not see; tiny micro-batches would multiply that cost.
     sizes = tuple(b for b in MICRO_BATCH_SIZES if b <= global_batch) or (1,)
     best = plan(cluster, profile, global_batch, simulate_top_k=5, micro_batch_sizes=sizes)
     dp = plan(cluster, profile, global_batch, strategy="dp", simulate_top_k=3, micro_batch_sizes=sizes)
     pp = plan(cluster, profile, global_batch, strategy="pp", simulate_top_k=3, micro_batch_sizes=sizes)
     return {"hetrain": best, "dp": dp, "even-split": even_split_plan(pp)}
+
+
+def calibration_plan(cluster_dict: dict[str, Any], profile: ModelProfile, global_batch: int) -> Plan:
+    """The plan the demo trains to calibrate the overhead per action: one pipeline over every device,
+    layers split evenly, micro-batches of ``CALIBRATION_MICRO_BATCH``: many actions per step."""
+    from hetrain.cluster import parse_cluster
+    from hetrain.planner import plan
+
+    b = min(CALIBRATION_MICRO_BATCH, global_batch)
+    pp = plan(parse_cluster(cluster_dict), profile, global_batch, strategy="pp", micro_batch_sizes=(b,),
+              simulate_top_k=0)
+    return even_split_plan(pp)
 
 
 # ---------------------------------------------------------------------------
@@ -417,7 +437,7 @@ def run_emulated_comparison(cluster_text: str, out_dir: str | Path, model: str =
                             job_timeout_s: float = 300.0, train: Sequence[str] = ("hetrain", "dp", "even-split"),
                             baselines: Sequence[str] = (),
                             plan_builder: Callable[[dict[str, Any], ModelProfile, int], dict[str, Plan]] | None = None,
-                            ) -> Comparison:
+                            calibrate: bool = True) -> Comparison:
     """Profile, discover, plan, simulate and train plans (and torch baselines) on one emulated cluster.
 
     Args:
@@ -436,6 +456,9 @@ def run_emulated_comparison(cluster_text: str, out_dir: str | Path, model: str =
             runs are keyed ``torch-ddp`` and ``torch-pipelining``.
         plan_builder: ``(cluster dict with the measured links, profile, global batch) -> {name: plan}``;
             ``build_plans`` by default. The baselines need its ``dp`` and ``even-split`` plans.
+        calibrate: before planning, train ``calibration_plan`` for ``CALIBRATION_STEPS`` steps and put the
+            overhead per action it shows into the profile (``hetrain.calibrate``); the result's
+            ``calibration`` says what was found.
 
     Raises:
         EmulationError: the host cannot emulate (not root, no namespaces...).
@@ -476,6 +499,22 @@ def run_emulated_comparison(cluster_text: str, out_dir: str | Path, model: str =
         job("discover", [py, "-m", "hetrain.profiler.network", "-o", str(discovered_path), *DISCOVER_ARGS])
         discovered = discovered_path.read_text()
         planning = with_measured_links(nominal, tomllib.loads(discovered))
+        calibration = None
+        if calibrate:
+            from hetrain.calibrate import fit_action_overhead, measured_iteration_s, with_action_overhead
+
+            calib = calibration_plan(planning, profile, global_batch)
+            calib_path, calib_metrics = out / "plan-calibration.json", out / "metrics-calibration.jsonl"
+            calib.save(calib_path)
+            calib_metrics.unlink(missing_ok=True)
+            job("calibrate", [py, "-m", "hetrain.runtime.command", "--plan", str(calib_path), "--model", model,
+                              "--data", "shakespeare", "--steps", str(CALIBRATION_STEPS), "--metrics-out",
+                              str(calib_metrics), "--no-progress"])
+            calibration = fit_action_overhead(calib, measured_iteration_s(calib_metrics, CALIBRATION_WARMUP))
+            log(f"   calibrate: {calibration.summary()}")
+            profile = with_action_overhead(profile, calibration.overhead_s,
+                                           list(dict.fromkeys(d.type_name for d in cluster.devices)))
+            profile.save(profile_path)
         start = time.perf_counter()
         plans = (plan_builder or build_plans)(planning, profile, global_batch)
         timings["plan"] = time.perf_counter() - start
@@ -528,7 +567,7 @@ def run_emulated_comparison(cluster_text: str, out_dir: str | Path, model: str =
             r.load_metrics()
             log(f"   {name}: {len(r.metrics)} steps, measured {r.measured_samples_per_s:.1f} samples/s "
                 f"(predicted {r.predicted_samples_per_s:.1f})")
-    return Comparison(out, cluster_path, profile_path, runs, discovered, timings, plans)
+    return Comparison(out, cluster_path, profile_path, runs, discovered, timings, plans, calibration)
 
 
 # ---------------------------------------------------------------------------

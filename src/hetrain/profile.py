@@ -133,6 +133,12 @@ class ModelProfile:
             other types can be scaled from them by the roofline ratio.
         optimizer_step_s_per_byte: per device type, per optimizer (``OPTIMIZER_NAMES``),
             the measured seconds of one optimizer step per parameter byte.
+        action_overhead_s: per device type, the seconds each forward and each backward of a
+            micro-batch costs on top of its layers' profiled times when the runtime runs it:
+            its messages posted and completed, their copies, the executor's own work, the
+            device getting going again after a wait. Layer times are measured back to back
+            and contain none of it. It is calibrated from a real run (``hetrain calibrate``);
+            a type without a figure costs 0.
     """
 
     name: str
@@ -142,6 +148,7 @@ class ModelProfile:
     compute_efficiency: float = 0.5
     measured_on: tuple[tuple[str, DeviceFigures], ...] = ()
     optimizer_step_s_per_byte: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()
+    action_overhead_s: tuple[tuple[str, float], ...] = ()
     _cache: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -160,6 +167,11 @@ class ModelProfile:
                         math.isfinite(rate) and rate > 0):
                     raise ProfileError(f"{where} must be a positive finite number of seconds per parameter byte, "
                                        f"got {rate!r}")
+        for type_name, seconds in self.action_overhead_s:
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (
+                    math.isfinite(seconds) and seconds >= 0):
+                raise ProfileError(f"action_overhead_s[{type_name!r}] must be a finite number of seconds >= 0, "
+                                   f"got {seconds!r}")
 
     @property
     def num_layers(self) -> int:
@@ -192,6 +204,14 @@ class ModelProfile:
                         return rate
         return None
 
+    def action_overhead_of(self, type_name: str) -> float:
+        """Seconds each forward and backward action costs on ``type_name`` beyond its layers (``action_overhead_s``),
+        else 0."""
+        for t, seconds in self.action_overhead_s:
+            if t == type_name:
+                return float(seconds)
+        return 0.0
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "format_version": FORMAT_VERSION,
@@ -208,6 +228,8 @@ class ModelProfile:
             }
         if self.optimizer_step_s_per_byte:
             out["optimizer_step_s_per_byte"] = {t: dict(rates) for t, rates in self.optimizer_step_s_per_byte}
+        if self.action_overhead_s:
+            out["action_overhead_s"] = dict(self.action_overhead_s)
         return out
 
     @staticmethod
@@ -280,7 +302,15 @@ def parse_profile(data: Mapping[str, Any]) -> ModelProfile:
         compute_efficiency=_number(data, "compute_efficiency", "profile", 0.5),
         measured_on=measured_on,
         optimizer_step_s_per_byte=_parse_optimizer_rates(data.get("optimizer_step_s_per_byte") or {}),
+        action_overhead_s=_parse_overheads(data.get("action_overhead_s") or {}),
     )
+
+
+def _parse_overheads(raw: Any) -> tuple[tuple[str, float], ...]:
+    """``{type: seconds}`` -> the tuple form; the values are checked by ``ModelProfile``."""
+    if not isinstance(raw, Mapping):
+        raise ProfileError(f"action_overhead_s must be an object {{device type: seconds}}, got {raw!r}")
+    return tuple((str(t), v) for t, v in raw.items())
 
 
 def _parse_optimizer_rates(raw: Any) -> tuple[tuple[str, tuple[tuple[str, float], ...]], ...]:

@@ -9,7 +9,8 @@ and sync of one segment overlapping the backward passes still running elsewhere.
 What each action costs:
 
 - ``jFi`` / ``jBi``: the stage's layer times at micro-batch i's size
-  (``estimate_layer_times``); a backward also re-runs the forward of the
+  (``estimate_layer_times``) plus the device's overhead per action
+  (``estimate_action_overhead``); a backward also re-runs the forward of the
   recompute set.
 - ``SEND_F`` / ``SEND_B``: ``estimate_p2p_time`` of ``b_i x`` the output bytes per
   sample of the layer before the stage boundary (activation forward, its gradient
@@ -72,6 +73,7 @@ from typing import Any
 from hetrain.cluster import Cluster
 from hetrain.cost import (
     allreduce_shape,
+    estimate_action_overhead,
     estimate_allreduce,
     estimate_hierarchical_allreduce_time,
     estimate_layer_times,
@@ -388,12 +390,14 @@ class _Replay:
                                                           plan.optimizer, profile)
             per_size: dict[int, tuple[float, float, float, float]] = {}
             layer_times = {}
+            overhead = estimate_action_overhead(profile, device)
             for b in set(vw.micro_batch_sizes):
                 f, g = estimate_layer_times(profile, device, b)
                 layer_times[b] = (f, g)
                 held0 = estimate_stage_memory(profile, first, end, rc, b, 0, plan.optimizer, with_step=False)
                 held1 = estimate_stage_memory(profile, first, end, rc, b, 1, plan.optimizer, with_step=False)
-                per_size[b] = (float(f[first:end].sum()), float(g[first:end].sum() + f[rc].sum()),
+                per_size[b] = (float(f[first:end].sum()) + overhead,
+                               float(g[first:end].sum() + f[rc].sum()) + overhead,
                                held1 - held0, held0 - weights)
             sizes = vw.micro_batch_sizes
             self.fwd[d] = [per_size[b][0] for b in sizes]
@@ -431,7 +435,7 @@ class _Replay:
                     else:
                         f, g = layer_times[sizes[i]]
                         later = [x for x in rc if x >= bucket.first_layer]
-                        offset = float(g[bucket.first_layer:end].sum() + f[later].sum())
+                        offset = overhead + float(g[bucket.first_layer:end].sum() + f[later].sum())
                     b_op = ops[last_b]
                     ops[last_b] = (*b_op[:3], (*b_op[3], (offset, op[1])))
             self.ops.append(ops)

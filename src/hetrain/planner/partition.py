@@ -7,7 +7,7 @@ pipeline's iteration time (cost.estimate_pipeline_time)::
     f = sum_j t_j + sum_j c_j + (m - 1) * max(t_j, c_j)
 
 where ``t_j`` is stage j's forward + backward time (with recomputation where
-memory requires it) and ``c_j`` the activation + gradient transfer over the
+memory requires it, and the device's overhead per action twice) and ``c_j`` the activation + gradient transfer over the
 actual link between positions j-1 and j (Pipe-Torch's point: cut where the
 link is fast or the activation small).
 
@@ -232,6 +232,7 @@ def partition(cluster: Cluster, profile: ModelProfile, devices: Sequence[Device]
     work = kinds.layer_s.min(axis=0)  # (L,) each layer on its fastest kind
     slowness = (kinds.layer_s / np.where(work > 0, work, 1.0)).min(axis=1)  # (u,) a_d per kind
     guess = max(float(work.max()), 2.0 * float(work.sum()) / float((1.0 / slowness[kind_of]).sum()))
+    guess += 2 * max(t.overhead_s for t in kinds.kinds)  # every stage's time holds its two actions' overhead
     kind = np.array(kind_of)[:, None, None] * (L + 1) ** 2
     for _ in range(3):
         cells = _cells(p, L, _span(bases, guess))
@@ -308,8 +309,8 @@ def _result_full(devices: Sequence[Device], kinds: KindTables, kind_of: Sequence
         if pending[j]:
             rc = tuple(int(i) for i in np.sort(t.order[(t.order >= k[j]) & (t.order < l[j])]))
             extra = float(t.fwd_s[list(rc)].sum())
-        fwd.append(float(t.fwd_s[k[j]:l[j]].sum()))
-        bwd.append(float(t.bwd_s[k[j]:l[j]].sum()) + extra)
+        fwd.append(float(t.fwd_s[k[j]:l[j]].sum()) + t.overhead_s)
+        bwd.append(float(t.bwd_s[k[j]:l[j]].sum()) + extra + t.overhead_s)
         rcs.append(rc)
     link_s = [float(links[j][cuts[j]]) for j in range(1, p)]
     return PartitionResult(

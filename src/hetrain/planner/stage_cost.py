@@ -4,7 +4,8 @@ For a VW whose devices are in a fixed order ``d_0 .. d_{p-1}``, stage ``j`` may
 hold any layer range ``[k, l)``. This module builds, per position ``j``:
 
 - ``time[k, l]``: forward + backward seconds per micro-batch of that stage on
-  ``d_j``, including the recomputation needed to fit memory (``inf`` if even
+  ``d_j`` (the layers' times and the device's overhead per action, twice),
+  including the recomputation needed to fit memory (``inf`` if even
   recomputing everything does not fit);
 - ``recompute(k, l)``: the recompute set behind that figure.
 
@@ -25,6 +26,7 @@ import numpy as np
 
 from hetrain.cluster import Cluster, Device
 from hetrain.cost import (
+    estimate_action_overhead,
     estimate_layer_times,
     estimate_optimizer_step_memory,
     estimate_weight_memory,
@@ -50,6 +52,8 @@ class StageCosts:
         full_s: the same with every useful layer recomputed where memory needs it:
             an upper bound of ``time_s`` over the same feasible ranges.
         fwd_s / bwd_s: per-layer forward / backward seconds at micro-batch ``b``.
+        overhead_s: the device's overhead per action (``estimate_action_overhead``): ``time_s``
+            holds it twice (a forward and a backward per micro-batch).
     """
 
     device: Device
@@ -64,6 +68,7 @@ class StageCosts:
     arrays: ModelArrays
     recompute_order: np.ndarray
     recompute_prefix: np.ndarray
+    overhead_s: float = 0.0
     done_up_to_s: float = -1.0
 
     def ensure_recompute(self, limit_s: float) -> None:
@@ -93,8 +98,8 @@ class StageCosts:
     def forward_backward(self, k: int, l: int, full: bool = False) -> tuple[float, float]:
         """(forward, backward incl. recomputation) seconds per micro-batch for ``[k, l)``."""
         rc = self.recompute(k, l, full)
-        fwd = float(self.fwd_s[k:l].sum())
-        bwd = float(self.bwd_s[k:l].sum()) + float(self.fwd_s[list(rc)].sum())
+        fwd = float(self.fwd_s[k:l].sum()) + self.overhead_s
+        bwd = float(self.bwd_s[k:l].sum()) + float(self.fwd_s[list(rc)].sum()) + self.overhead_s
         return fwd, bwd
 
 
@@ -264,11 +269,12 @@ class DeviceTables:
 
     fwd_s: np.ndarray
     bwd_s: np.ndarray
-    base_s: np.ndarray  # forward + backward without recomputation; inf for k >= l
+    base_s: np.ndarray  # forward + backward without recomputation, and 2 x overhead_s; inf for k >= l
     full_s: np.ndarray  # ... plus every useful layer's forward again
     order: np.ndarray
     fits_up_to: np.ndarray
     full_fits_up_to: np.ndarray | None  # None: recomputation off or useless
+    overhead_s: float = 0.0  # per action (estimate_action_overhead)
 
 
 def _most_in_flight(fixed: np.ndarray, per_n: np.ndarray, extra: np.ndarray, b: int, capacity: float,
@@ -301,7 +307,8 @@ def _build_device(profile: ModelProfile, arrays: ModelArrays, dev: Device, b: in
     """The tables of ``dev`` at micro-batch ``b`` that every in-flight count shares."""
     upper = arrays.upper
     fwd, bwd = estimate_layer_times(profile, dev, b)
-    base = np.where(upper, _range_table(_prefix(fwd + bwd)), INF)
+    overhead = estimate_action_overhead(profile, dev)
+    base = np.where(upper, _range_table(_prefix(fwd + bwd)) + 2 * overhead, INF)
     order = recompute_order(fwd, arrays)
     step_fits = arrays.step_table <= dev.memory_bytes  # the optimizer step, once the activations are freed
     fits_up_to = np.where(step_fits, _most_in_flight(arrays.weight_table, arrays.saved_table, b * arrays.loss_table,
@@ -315,7 +322,7 @@ def _build_device(profile: ModelProfile, arrays: ModelArrays, dev: Device, b: in
         full_fits = np.where(step_fits, _most_in_flight(arrays.weight_table, arrays.kept_full_table,
                                                         b * (arrays.transient_table + arrays.loss_table), b,
                                                         dev.memory_bytes, upper), -1.0)
-    return DeviceTables(fwd, bwd, base, full, order, fits_up_to, full_fits)
+    return DeviceTables(fwd, bwd, base, full, order, fits_up_to, full_fits, overhead)
 
 
 def _build_one(profile: ModelProfile, arrays: ModelArrays, dev: Device, b: int, n: int,
@@ -331,7 +338,7 @@ def _build_one(profile: ModelProfile, arrays: ModelArrays, dev: Device, b: int, 
         pending = ~fits & (d.full_fits_up_to >= n)
         full = np.where(pending, d.full_s, time)
     return StageCosts(dev, n, b, time, full, d.fwd_s, d.bwd_s, d.base_s, pending, arrays, d.order,
-                      np.zeros((L + 1, L + 1), dtype=np.int64))
+                      np.zeros((L + 1, L + 1), dtype=np.int64), d.overhead_s)
 
 
 @dataclass

@@ -268,7 +268,8 @@ def merge_profiles(profiles: Sequence[ModelProfile]) -> ModelProfile:
     Layers must match one to one (same count, same parameter bytes) and precisions
     must agree. Measured figures win over scaled ones; for the same device type and
     micro-batch size a later profile's measurement replaces an earlier one's, and so
-    for the optimizer step of the same device type and optimizer. Byte
+    for the optimizer step of the same device type and optimizer, and for a type's
+    calibrated action overhead. Byte
     and FLOP counts are taken as the largest reported (saved bytes can differ a
     little between backends). Name and input come from the first profile.
 
@@ -298,8 +299,12 @@ def merge_profiles(profiles: Sequence[ModelProfile]) -> ModelProfile:
         figures.update(dict(p.measured_on))
         for type_name, by_optimizer in p.optimizer_step_s_per_byte:
             rates.setdefault(type_name, {}).update(by_optimizer)
+    overheads: dict[str, float] = {}
+    for p in profiles:
+        overheads.update(dict(p.action_overhead_s))
     return dataclasses.replace(first, layers=tuple(layers), measured_on=tuple(figures.items()),
-                               optimizer_step_s_per_byte=tuple((t, tuple(r.items())) for t, r in rates.items()))
+                               optimizer_step_s_per_byte=tuple((t, tuple(r.items())) for t, r in rates.items()),
+                               action_overhead_s=tuple(overheads.items()))
 
 
 def average_profiles(profiles: Sequence[ModelProfile]) -> ModelProfile:

@@ -1,0 +1,176 @@
+"""The overhead per action: profile field, simulator, planner, and its calibration from a run's metrics."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from hetrain.calibrate import (
+    CalibrationError,
+    fit_action_overhead,
+    measured_iteration_s,
+    run_calibrate_command,
+    with_action_overhead,
+)
+from hetrain.cluster import Cluster, parse_cluster
+from hetrain.cost import estimate_pipeline_time
+from hetrain.models.analytic import build_profile
+from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
+from hetrain.planner import plan
+from hetrain.planner.partition import partition
+from hetrain.profile import LayerProfile, Measurement, ModelProfile, ProfileError, load_profile, parse_profile
+from hetrain.profiler.fit import merge_profiles
+from hetrain.simulator import simulate
+
+A100 = "A100-40GB"
+V100 = "V100-16GB"
+
+
+def one_node(count: int) -> Cluster:
+    fast = {"bandwidth_bytes_per_s": 1e30, "latency_s": 0.0}
+    return parse_cluster({"name": "flat", "node": [{"name": "n0", "devices": [{"type": A100, "count": count}],
+                                                    "intra_link": fast, "nic": fast}]})
+
+
+def uniform_profile(p: int, t_f: float, t_b: float, b: int, overhead_s: float = 0.0) -> ModelProfile:
+    layers = tuple(LayerProfile(f"l{j}", 0.0, 1e3, 1e4, 1e9, ((A100, (Measurement(b, t_f, t_b),)),))
+                   for j in range(p))
+    return ModelProfile("uniform", layers, 1e3, action_overhead_s=((A100, overhead_s),) if overhead_s else ())
+
+
+def pipeline_plan(p: int, m: int, b: int, profile: ModelProfile, schedule: str = "1f1b") -> Plan:
+    vw = VirtualWorker(tuple(Stage(f"n0:{j}", j, j + 1) for j in range(p)), m * b, m)
+    return Plan(profile.name, m * b, schedule, "bsp", "sgd", (vw,), Prediction(0, 0, 0, 0, 0), "pp",  # type: ignore[arg-type]
+                "manual", one_node(p), profile, {})
+
+
+# --- the profile field --------------------------------------------------------------
+
+
+def test_round_trip_lookup_and_default() -> None:
+    p = uniform_profile(2, 0.1, 0.2, 1, overhead_s=0.003)
+    again = parse_profile(json.loads(json.dumps(p.to_dict())))
+    assert again.action_overhead_s == ((A100, 0.003),)
+    assert again.action_overhead_of(A100) == 0.003 and again.action_overhead_of(V100) == 0.0
+    assert "action_overhead_s" not in uniform_profile(2, 0.1, 0.2, 1).to_dict()  # old profiles write unchanged
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    ({A100: -0.001}, "action_overhead_s['A100-40GB'] must be a finite number of seconds >= 0, got -0.001"),
+    ({A100: "3ms"}, "action_overhead_s['A100-40GB'] must be a finite number of seconds >= 0, got '3ms'"),
+    ({A100: float("inf")}, "action_overhead_s['A100-40GB'] must be a finite number"),
+    ([0.003], "action_overhead_s must be an object {device type: seconds}, got [0.003]"),
+])
+def test_bad_overheads_are_refused_with_the_type(raw: object, message: str) -> None:
+    data = uniform_profile(2, 0.1, 0.2, 1).to_dict()
+    data["action_overhead_s"] = raw
+    with pytest.raises(ProfileError) as e:
+        parse_profile(data)
+    assert message in str(e.value)
+
+
+def test_merge_keeps_each_types_overhead_later_wins() -> None:
+    a = dataclasses.replace(uniform_profile(2, 0.1, 0.2, 1), action_overhead_s=((A100, 0.001), (V100, 0.002)))
+    b = dataclasses.replace(uniform_profile(2, 0.1, 0.2, 1), action_overhead_s=((A100, 0.004),))
+    merged = merge_profiles([a, b])
+    assert merged.action_overhead_of(A100) == 0.004 and merged.action_overhead_of(V100) == 0.002
+    replaced = with_action_overhead(a, 0.005, [V100, "T4"])
+    assert dict(replaced.action_overhead_s) == {A100: 0.001, V100: 0.005, "T4": 0.005}
+
+
+# --- the simulator and the planner charge it per action --------------------------------
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("p", "m"), [(4, 6), (1, 5), (3, 1)])
+def test_every_forward_and_backward_pays_the_overhead(schedule: str, p: int, m: int) -> None:
+    t_f, t_b, o = 0.3, 0.7, 0.05
+    result = simulate(pipeline_plan(p, m, 2, uniform_profile(p, t_f, t_b, 2, o), schedule))
+    expected = (m + p - 1) * (t_f + t_b + 2 * o)
+    assert result.iteration_s == pytest.approx(expected, rel=1e-9)
+    assert result.iteration_s == pytest.approx(estimate_pipeline_time([t_f + t_b + 2 * o] * p, m), rel=1e-9)
+    forwards = [e for e in result.timeline.devices["n0:0"] if e.kind == "forward"]
+    assert all(e.end_s - e.start_s == pytest.approx(t_f + o) for e in forwards)
+
+
+def test_the_partition_holds_the_overhead_in_each_stage() -> None:
+    profile = uniform_profile(4, 0.3, 0.7, 2, overhead_s=0.05)
+    cluster = one_node(2)
+    r = partition(cluster, profile, cluster.devices, b=2, m=4, schedule="1f1b", optimizer="sgd")
+    assert r is not None and r.cuts == (0, 2, 4)
+    assert r.forward_s == pytest.approx((0.65, 0.65)) and r.backward_s == pytest.approx((1.45, 1.45))
+    assert r.stage_s == pytest.approx((2.1, 2.1))
+
+
+def test_a_large_overhead_makes_the_planner_take_fewer_larger_micro_batches() -> None:
+    cluster = parse_cluster({"name": "two", "node": [
+        {"name": "a", "devices": [{"type": A100, "count": 2}], "intra_link": "nvlink3", "nic": "100Gbit/s"}]})
+    profile = build_profile("gpt-tiny")
+    free = plan(cluster, profile, 64, strategy="pp", micro_batch_sizes=(1, 2, 4, 8, 16, 32), simulate_top_k=0)
+    step = free.prediction.iteration_s
+    costly = plan(cluster, with_action_overhead(profile, step, [A100]), 64, strategy="pp",
+                  micro_batch_sizes=(1, 2, 4, 8, 16, 32), simulate_top_k=0)
+    assert costly.virtual_workers[0].micro_batches < free.virtual_workers[0].micro_batches
+    # the closed form holds the overhead: one iteration costs at least 2 x overhead x micro-batches
+    assert costly.prediction.iteration_s >= 2 * step * costly.virtual_workers[0].micro_batches
+
+
+# --- calibration -------------------------------------------------------------------
+
+
+def test_the_fit_recovers_the_overhead_behind_a_measurement() -> None:
+    bare = pipeline_plan(3, 8, 2, uniform_profile(3, 0.01, 0.02, 2))
+    measured = simulate(dataclasses.replace(bare, profile=with_action_overhead(bare.profile, 0.0025, [A100]))
+                        ).iteration_s
+    found = fit_action_overhead(bare, measured)
+    assert found.overhead_s == pytest.approx(0.0025, abs=2e-6)
+    assert found.simulated_before_s == pytest.approx(10 * 0.03)
+    assert found.simulated_after_s == pytest.approx(measured, rel=1e-4)
+    assert "simulated 300 ms without overhead (-14.3%), 350 ms with 2.5 ms per forward and backward" in found.summary()
+    # a run no slower than the bare prediction shows no overhead
+    assert fit_action_overhead(bare, 0.9 * found.simulated_before_s).overhead_s == 0.0
+
+
+def test_the_fit_refuses_a_measurement_that_is_no_time() -> None:
+    bare = pipeline_plan(2, 2, 1, uniform_profile(2, 0.01, 0.02, 1))
+    for bad in (float("nan"), 0.0, -1.0, float("inf")):
+        with pytest.raises(CalibrationError, match=f"must be a positive number of seconds, got {bad}"):
+            fit_action_overhead(bare, bad)
+
+
+def write_metrics(path: Path, step_times: list[float]) -> None:
+    lines = [json.dumps({"run": "description"})] + [json.dumps({"step": k, "step_time_s": t, "loss": 1.0})
+                                                    for k, t in enumerate(step_times)]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_measured_iteration_leaves_out_the_warm_up(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    write_metrics(path, [9.0, 9.0, 1.0, 2.0, 3.0])
+    assert measured_iteration_s(path, 2) == pytest.approx(2.0)
+    with pytest.raises(CalibrationError, match="has 5 step\\(s\\), none after the 5 warm-up step\\(s\\)"):
+        measured_iteration_s(path, 5)
+    with pytest.raises(CalibrationError, match="warmup must be >= 0 steps, got -1"):
+        measured_iteration_s(path, -1)
+    path.write_text('{"step": 0, "step_time_s": 1.0}\n{"step": 1,\n')
+    with pytest.raises(CalibrationError, match=r"m\.jsonl:2: not a JSON line"):
+        measured_iteration_s(path, 0)
+    with pytest.raises(CalibrationError, match="cannot read metrics"):
+        measured_iteration_s(tmp_path / "missing.jsonl", 0)
+
+
+def test_the_command_writes_the_calibrated_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bare = pipeline_plan(2, 4, 2, uniform_profile(2, 0.01, 0.02, 2))
+    bare.save(tmp_path / "plan.json")
+    measured = simulate(dataclasses.replace(bare, profile=with_action_overhead(bare.profile, 0.004, [A100])))
+    write_metrics(tmp_path / "m.jsonl", [1.0] + [measured.iteration_s] * 4)
+    out = tmp_path / "calibrated.json"
+    assert run_calibrate_command(str(tmp_path / "plan.json"), str(tmp_path / "m.jsonl"), 1, str(out)) == 0
+    text = capsys.readouterr().out
+    assert "with 4 ms per forward and backward" in text and f"wrote {out}" in text
+    assert load_profile(out).action_overhead_of(A100) == pytest.approx(0.004, abs=2e-6)
+    assert run_calibrate_command(str(tmp_path / "plan.json"), str(tmp_path / "m.jsonl"), 9, None) == 1
+    assert "none after the 9 warm-up step(s)" in capsys.readouterr().err
