@@ -3,8 +3,9 @@
 Three clusters emulated on this host (hetrain.emulate: namespaces, tc-shaped NICs,
 cgroup CPU quotas), 2 nodes x 2 devices each; on each, the demo's path
 (hetrain.demo.run_emulated_comparison): profile gpt-tiny per device type on an
-emulated device of that type, discover the links, plan, simulate, then train, one
-after the other, the same steps on Shakespeare with the same global batch and SGD:
+emulated device of that type, discover the links, calibrate the overhead per action
+(hetrain.calibrate), plan, simulate, then train, one after the other, the same steps
+on Shakespeare with the same global batch and optimizer (the plan's):
 
     network    equal devices (share 0.4 each), NICs 1 Gbit/s and 50 Mbit/s
     compute    devices at shares 0.6 and 0.2, both NICs 1 Gbit/s
@@ -104,11 +105,16 @@ def main() -> int:
             "speed-up over torch DDP |", "| --- | --- | --- | --- | ---: | ---: | ---: | ---: |"]
     start, load0 = time.perf_counter(), os.getloadavg()[0]
     optimizers = set()
+    calibrated = []
     for name in args.scenarios:
         result = run_emulated_comparison(SCENARIOS[name], Path(args.out) / name, "gpt-tiny", args.global_batch,
                                          args.steps, args.warmup, log=lambda s: None, train=TRAIN,
                                          baselines=BASELINES)
         optimizers.add(result.runs["hetrain"].plan.optimizer)
+        if result.calibration is not None:
+            cal = result.calibration
+            calibrated.append(f"{name} {1e3 * cal.overhead_s:.2f} ms (its run "
+                              f"{100 * (cal.simulated_before_s / cal.measured_s - 1):+.1f}% without)")
         for r in result.runs.values():
             if r.runtime == "torch" and r.name == "torch-ddp":
                 shape = "DDP: 4 replicas, batch split evenly"
@@ -128,7 +134,9 @@ def main() -> int:
              f"every run, the same data order and initial weights, {args.steps} steps per run, first {args.warmup} "
              f"left out; 2-core host, cgroup CPU quotas on each rank's main thread (isolate_comm), each device "
              f"pinned to a CPU and given an idle filler (fill_idle), its CPU kept awake (keep_awake), tc htb (no "
-             f"latency emulation). torch rows: "
+             f"latency emulation). Overhead per action calibrated before planning (hetrain.calibrate, "
+             f"8 steps of an even-split pipeline of micro-batches of 2): {'; '.join(calibrated) or 'none'}. "
+             f"torch rows: "
              f"hetrain.baselines (DistributedDataParallel; torch.distributed.pipelining), their predicted column is "
              f"hetrain's model of the same partition run by hetrain's runtime. Took {took:.0f} s; host load "
              f"average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.")
