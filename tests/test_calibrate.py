@@ -174,3 +174,10 @@ def test_the_command_writes_the_calibrated_profile(tmp_path: Path, capsys: pytes
     assert load_profile(out).action_overhead_of(A100) == pytest.approx(0.004, abs=2e-6)
     assert run_calibrate_command(str(tmp_path / "plan.json"), str(tmp_path / "m.jsonl"), 9, None) == 1
     assert "none after the 9 warm-up step(s)" in capsys.readouterr().err
+    # the same through the hetrain command
+    from hetrain.cli import main
+
+    assert main(["calibrate", str(tmp_path / "plan.json"), str(tmp_path / "m.jsonl"), "--warmup", "1"]) == 0
+    assert "with 4 ms per forward and backward" in capsys.readouterr().out
+    assert main(["calibrate", str(tmp_path / "missing.json"), str(tmp_path / "m.jsonl")]) == 1
+    assert "hetrain calibrate:" in capsys.readouterr().err

@@ -42,7 +42,7 @@ else:  # pragma: no cover
 
 if TYPE_CHECKING:  # cheap imports for the workers
     from hetrain.calibrate import Calibration
-    from hetrain.plan import Plan
+    from hetrain.plan import Plan, Stage
     from hetrain.profile import ModelProfile
     from hetrain.simulator import SimResult
 
@@ -347,11 +347,23 @@ def _with_simulated_prediction(draft: Plan) -> Plan:
     return replace(draft, virtual_workers=vws, prediction=pred)
 
 
+def _stage(base: Plan, device_name: str, first: int, end: int, b: int) -> Stage:
+    """Layers ``[first, end)`` on ``device_name`` at micro-batch ``b``, with the cost model's forward and
+    backward times (the layers' and the overhead per action)."""
+    from hetrain.cost import estimate_action_overhead, estimate_layer_times
+    from hetrain.plan import Stage
+
+    device = base.cluster.device(device_name)
+    fwd, bwd = estimate_layer_times(base.profile, device, b)
+    o = estimate_action_overhead(base.profile, device)
+    return Stage(device_name, first, end, predicted_forward_s=float(fwd[first:end].sum()) + o,
+                 predicted_backward_s=float(bwd[first:end].sum()) + o)
+
+
 def even_split_plan(base: Plan, device_order: Sequence[str] | None = None) -> Plan:
     """One VW over all devices (cluster order), layers split as evenly as possible, earlier stages
     taking the extra layers; micro-batching and schedule from ``base`` (a ``strategy="pp"`` plan)."""
-    from hetrain.cost import estimate_action_overhead, estimate_layer_times
-    from hetrain.plan import Stage, VirtualWorker
+    from hetrain.plan import VirtualWorker
 
     devices = list(device_order or [d.name for d in base.cluster.devices])
     n, p = base.profile.num_layers, len(devices)
@@ -362,11 +374,7 @@ def even_split_plan(base: Plan, device_order: Sequence[str] | None = None) -> Pl
     stages, first = [], 0
     for j, dev in enumerate(devices[:p]):
         end = first + q + (1 if j < r else 0)
-        device = base.cluster.device(dev)
-        fwd, bwd = estimate_layer_times(base.profile, device, b)
-        o = estimate_action_overhead(base.profile, device)
-        stages.append(Stage(dev, first, end, predicted_forward_s=float(fwd[first:end].sum()) + o,
-                            predicted_backward_s=float(bwd[first:end].sum()) + o))
+        stages.append(_stage(base, dev, first, end, b))
         first = end
     vw = VirtualWorker(tuple(stages), base.global_batch, min(m, base.global_batch))
     draft = replace(base, virtual_workers=(vw,), strategy="pp", formation="even-split",
@@ -378,19 +386,14 @@ def even_dp_plan(base: Plan) -> Plan:
     """DistributedDataParallel as hetrain models it: one replica per device of ``base`` (a ``strategy="dp"``
     plan), the global batch split evenly (a DDP user does not weigh the devices), all-reduce every step,
     over one flat ring of every device (plan option ``allreduce = "ring"``: DDP has no hierarchical scheme)."""
-    from hetrain.cost import estimate_action_overhead, estimate_layer_times
     from hetrain.data.sharding import split_evenly
-    from hetrain.plan import Stage, VirtualWorker
+    from hetrain.plan import VirtualWorker
 
     devices = [d.name for d in base.cluster.devices]
     n = base.profile.num_layers
     vws = []
     for dev, share in zip(devices, split_evenly(base.global_batch, len(devices)), strict=True):
-        device = base.cluster.device(dev)
-        fwd, bwd = estimate_layer_times(base.profile, device, share)
-        o = estimate_action_overhead(base.profile, device)
-        vws.append(VirtualWorker((Stage(dev, 0, n, predicted_forward_s=float(fwd.sum()) + o,
-                                        predicted_backward_s=float(bwd.sum()) + o),), share, 1))
+        vws.append(VirtualWorker((_stage(base, dev, 0, n, share),), share, 1))
     draft = replace(base, virtual_workers=tuple(vws), strategy="dp", formation="even-batch",
                     prediction=replace(base.prediction, memory=()),
                     options={**base.options, "allreduce": "ring"})  # DDP's flat ring, never hierarchical

@@ -7,9 +7,9 @@ pipeline's iteration time (cost.estimate_pipeline_time)::
     f = sum_j t_j + sum_j c_j + (m - 1) * max(t_j, c_j)
 
 where ``t_j`` is stage j's forward + backward time (with recomputation where
-memory requires it, and the device's overhead per action twice) and ``c_j`` the activation + gradient transfer over the
-actual link between positions j-1 and j (Pipe-Torch's point: cut where the
-link is fast or the activation small).
+memory requires it, and the device's overhead per action twice) and ``c_j``
+the activation + gradient transfer over the actual link between positions j-1
+and j (Pipe-Torch's point: cut where the link is fast or the activation small).
 
 ``f`` mixes a sum and a max, so a single min-sum or min-max DP is not exact.
 We enumerate the bottleneck: for a cap ``T`` on every stage and transfer, a
