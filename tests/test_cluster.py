@@ -114,6 +114,35 @@ def test_larger_latency_wins_even_on_the_faster_nic() -> None:
     assert c.link(0, 1) == Link(10e9 / 8, 80e-6)
 
 
+def test_collective_latency_is_a_collectives_step_and_defaults_to_the_latency() -> None:
+    c = parse_cluster({"node": [
+        node("a", ["T4", "T4"], intra_link={"bandwidth": "16GB/s", "latency": "2ms", "collective_latency": "300us"},
+             nic={"bandwidth": "10Gbit/s", "latency": "5ms", "collective_latency_s": 4e-4}),
+        node("b", ["T4"], nic={"bandwidth": "10Gbit/s", "latency": "6ms"}),
+        node("c", ["T4"], nic={"bandwidth": "10Gbit/s", "latency": "1ms"}),
+    ], "link": [{"nodes": ["b", "c"], "bandwidth": "1Gbit/s", "latency": "7ms", "collective_latency": "1ms"}]})
+    intra = c.node_link(0, 0)
+    assert (intra.latency_s, intra.collective_latency_s, intra.step_latency_s) == (2e-3, 3e-4, 3e-4)
+    # a NIC pair: the larger point-to-point latency, and the larger step where either NIC gives one
+    ab = c.node_link(0, 1)
+    assert (ab.latency_s, ab.collective_latency_s) == (6e-3, 6e-3)  # b's step is its latency, 6 ms
+    ac = c.node_link(0, 2)
+    assert (ac.latency_s, ac.collective_latency_s) == (5e-3, 1e-3)
+    assert c.node_link(1, 2) == Link(1e9 / 8, 7e-3, 1e-3)  # the [[link]]
+    plain = c.node_link(1, 1)
+    assert plain.collective_latency_s is None and plain.step_latency_s == plain.latency_s
+    # what the all-reduce model takes: the steps' latencies
+    from hetrain.cost import allreduce_shape
+
+    shape = allreduce_shape(c, [0, 1, 2, 3])
+    assert shape.intra_latency_s == 3e-4 and shape.inter_latency_s == pytest.approx(6e-3)
+    assert allreduce_shape(c, [0, 1]).intra_latency_s == 3e-4
+    again = parse_cluster(json.loads(json.dumps(c.to_dict())))
+    assert again.node_link(0, 0) == intra and again.node_link(1, 2) == c.node_link(1, 2)
+    with pytest.raises(ClusterError, match="node 'a': nic: collective_latency: '-1ms' is negative"):
+        parse_cluster({"node": [node("a", ["T4"], nic={"bandwidth": "1Gbit/s", "collective_latency": "-1ms"})]})
+
+
 def test_link_override_wins_over_nics() -> None:
     text = TWO_NODES + """
 [[link]]

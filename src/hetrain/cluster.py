@@ -58,19 +58,39 @@ class ClusterError(ValueError):
 
 @dataclass(frozen=True)
 class Link:
-    """What joins two devices: per-direction bandwidth and one-way latency."""
+    """What joins two devices: per-direction bandwidth and one-way latency.
+
+    ``latency_s`` is a point-to-point message's, as a ping-pong measures it: the
+    endpoints' time to hand the message over and to wake for it is in it.
+    ``collective_latency_s``, where known, is one step of a collective (a ring
+    all-reduce's reduce-scatter or all-gather step), which the communication
+    library runs in its own threads or kernels without waking the caller between
+    steps; ``hetrain discover`` measures it with a two-rank all-reduce. Without it
+    a collective's steps take ``latency_s`` (``step_latency_s``).
+    """
 
     bandwidth_bytes_per_s: float
     latency_s: float
+    collective_latency_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.bandwidth_bytes_per_s > 0:
             raise ClusterError(f"link bandwidth must be positive, got {self.bandwidth_bytes_per_s}")
         if not self.latency_s >= 0:
             raise ClusterError(f"link latency must be >= 0, got {self.latency_s}")
+        if self.collective_latency_s is not None and not self.collective_latency_s >= 0:
+            raise ClusterError(f"link collective latency must be >= 0, got {self.collective_latency_s}")
+
+    @property
+    def step_latency_s(self) -> float:
+        """The latency of one step of a collective over this link."""
+        return self.latency_s if self.collective_latency_s is None else self.collective_latency_s
 
     def to_dict(self) -> dict[str, float]:
-        return {"bandwidth_bytes_per_s": self.bandwidth_bytes_per_s, "latency_s": self.latency_s}
+        out = {"bandwidth_bytes_per_s": self.bandwidth_bytes_per_s, "latency_s": self.latency_s}
+        if self.collective_latency_s is not None:
+            out["collective_latency_s"] = self.collective_latency_s
+        return out
 
 
 @dataclass(frozen=True)
@@ -189,6 +209,7 @@ class Cluster:
         k = len(self.nodes)
         node_bw = np.zeros((k, k))
         node_lat = np.zeros((k, k))
+        node_step = np.zeros((k, k))
         for a, na in enumerate(self.nodes):
             for b, nb in enumerate(self.nodes):
                 if a == b:
@@ -196,10 +217,13 @@ class Cluster:
                 elif (a, b) in overrides:
                     link = overrides[(a, b)]
                 else:
+                    collective = (None if na.nic.collective_latency_s is None and nb.nic.collective_latency_s is None
+                                  else max(na.nic.step_latency_s, nb.nic.step_latency_s))
                     link = Link(min(na.nic.bandwidth_bytes_per_s, nb.nic.bandwidth_bytes_per_s),
-                                max(na.nic.latency_s, nb.nic.latency_s))
+                                max(na.nic.latency_s, nb.nic.latency_s), collective)
                 node_bw[a, b] = link.bandwidth_bytes_per_s
                 node_lat[a, b] = link.latency_s
+                node_step[a, b] = np.nan if link.collective_latency_s is None else link.collective_latency_s
         bw = node_bw[np.ix_(node_index, node_index)]
         lat = node_lat[np.ix_(node_index, node_index)]
         np.fill_diagonal(bw, np.inf)  # a device to itself: free
@@ -210,6 +234,7 @@ class Cluster:
         object.__setattr__(self, "latency_s", lat)
         object.__setattr__(self, "_node_bw", node_bw)
         object.__setattr__(self, "_node_lat", node_lat)
+        object.__setattr__(self, "_node_step", node_step)
 
     # --- lookups -----------------------------------------------------------
 
@@ -223,7 +248,9 @@ class Cluster:
         """The link between nodes ``a`` and ``b`` (indices); the intra link when a == b."""
         nb: np.ndarray = self._node_bw  # type: ignore[attr-defined]
         nl: np.ndarray = self._node_lat  # type: ignore[attr-defined]
-        return Link(float(nb[a, b]), float(nl[a, b]))
+        ns: np.ndarray = self._node_step  # type: ignore[attr-defined]
+        step = float(ns[a, b])
+        return Link(float(nb[a, b]), float(nl[a, b]), None if np.isnan(step) else step)
 
     def device(self, name: str) -> Device:
         """The device called ``name`` (``"node:k"``); ClusterError listing a few names if none."""
@@ -315,7 +342,8 @@ def _parse_link(spec: Any, where: str, default_latency_s: float) -> Link:
                 raise ClusterError(f"{where}: bandwidth must be positive, got {spec!r}") from None
             return Link(bw, default_latency_s)
     if isinstance(spec, Mapping):
-        known = {"bandwidth", "latency", "bandwidth_bytes_per_s", "latency_s", "preset"}
+        known = {"bandwidth", "latency", "bandwidth_bytes_per_s", "latency_s", "preset", "collective_latency",
+                 "collective_latency_s"}
         extra = set(spec) - known
         if extra:
             raise ClusterError(f"{where}: unknown keys {sorted(extra)}; a link has {sorted(known)}")
@@ -330,7 +358,8 @@ def _parse_link(spec: Any, where: str, default_latency_s: float) -> Link:
         got_lat = _quantity(spec, "latency", "latency_s", parse_time, where, required=False)
         if got_lat is not None:
             lat = got_lat
-        return Link(bw, lat)
+        collective = _quantity(spec, "collective_latency", "collective_latency_s", parse_time, where, required=False)
+        return Link(bw, lat, collective)
     raise ClusterError(f"{where}: a link is a preset name, a bandwidth string or a table, got {spec!r}")
 
 

@@ -228,7 +228,11 @@ def _best_node_cycle(cluster: Cluster, nodes: list[int]) -> tuple[list[int], flo
 
 
 def allreduce_shape(cluster: Cluster, devices: Sequence[int]) -> AllReduceShape:
-    """The ring order and bottlenecks for an all-reduce among ``devices`` (cached)."""
+    """The ring order and bottlenecks for an all-reduce among ``devices`` (cached).
+
+    Latencies are a collective step's (``Link.step_latency_s``): the measured
+    ``collective_latency_s`` where the cluster file has it, else the link's latency.
+    """
     key = tuple(sorted(devices))
     cache: dict[tuple[int, ...], AllReduceShape] = cluster.__dict__.setdefault("_allreduce_cache", {})
     if key in cache:
@@ -240,11 +244,11 @@ def allreduce_shape(cluster: Cluster, devices: Sequence[int]) -> AllReduceShape:
     cycle, inter_bw = _best_node_cycle(cluster, node_ids)
     inter_lat = 0.0
     if len(cycle) > 1:
-        inter_lat = max(cluster.node_link(cycle[k], cycle[(k + 1) % len(cycle)]).latency_s
+        inter_lat = max(cluster.node_link(cycle[k], cycle[(k + 1) % len(cycle)]).step_latency_s
                         for k in range(len(cycle)))
     multi = [n for n in node_ids if len(by_node[n]) > 1]
     intra_bw = min((cluster.node_link(n, n).bandwidth_bytes_per_s for n in multi), default=math.inf)
-    intra_lat = max((cluster.node_link(n, n).latency_s for n in multi), default=0.0)
+    intra_lat = max((cluster.node_link(n, n).step_latency_s for n in multi), default=0.0)
     order = tuple(d for n in cycle for d in by_node[n])
     shape = AllReduceShape(
         p=len(key),

@@ -34,6 +34,11 @@ def test_four_ranks_on_two_fake_hosts_write_a_cluster_that_loads(tmp_path, spawn
         link = cluster.link(a, b)
         assert 1e6 < link.bandwidth_bytes_per_s < 1e12 and link.latency_s >= 0
     assert "all-reduce of 1.0 MB over 4 ranks: measured" in stdout and "error" in stdout
+    # each measured link also has one step of a collective, timed by a two-rank all-reduce
+    assert text.count("collective step") == 4  # both intra links, the nic on both nodes
+    for a, b in ((0, 0), (1, 1), (0, 1)):
+        step = cluster.node_link(a, b).collective_latency_s
+        assert step is not None and 0 < step < 0.05
 
 
 def test_a_rank_that_never_starts_is_named(tmp_path, spawn, clean_env, free_port):

@@ -18,7 +18,10 @@
        round 3        n0-n1   n2-n3        every node pair once
 
    Each pair fits ``latency + bytes / bandwidth`` to the one-way times of messages
-   of 4 KB to 64 MB (``fit.fit_link``).
+   of 4 KB to 64 MB (``fit.fit_link``), and times one step of a collective between
+   the two (``measure_collective_latency``): a ping-pong's latency holds both ends'
+   handing over and waking for each message, which a collective's steps, run by the
+   library's own threads, do not pay.
 4. Rank 0 writes [[node]] entries (devices, the measured intra_link, a nic) and a
    [[link]] for every node pair. An all-reduce over all ranks is timed and
    compared with ``cost.estimate_allreduce_time`` on the measured cluster.
@@ -212,12 +215,15 @@ class LinkMeasurement:
     bandwidth_bytes_per_s: float
     latency_s: float
     residual: float
+    collective_latency_s: float | None = None
 
     def describe(self, node_names: Sequence[str]) -> str:
         a, b = (node_names[n] for n in self.nodes)
         where = f"inside {a}" if a == b else f"{a} <-> {b}"
+        step = ("" if self.collective_latency_s is None else
+                f", collective step {format_time(self.collective_latency_s)}")
         return (f"{where} (ranks {self.ranks[0]}-{self.ranks[1]}): {format_bandwidth(self.bandwidth_bytes_per_s)}, "
-                f"latency {format_time(self.latency_s)}, fit residual {100 * self.residual:.1f}%")
+                f"latency {format_time(self.latency_s)}{step}, fit residual {100 * self.residual:.1f}%")
 
 
 @dataclass(frozen=True)
@@ -477,6 +483,38 @@ def measure_pingpong(peer: int, sizes: Sequence[int], initiator: bool, repeats: 
     return times if initiator else None
 
 
+COLLECTIVE_BATCH = 16  # one-element all-reduces per timed batch (measure_collective_latency)
+
+
+def measure_collective_latency(group: Any, repeats: int = 3, timeout_s: float = 60.0,
+                               device: torch.device | None = None) -> float:
+    """Seconds of one step of a collective between the two ranks of ``group``.
+
+    Both ranks post ``COLLECTIVE_BATCH`` one-element all-reduces at once and wait for
+    the last: the library runs them one after another in its own threads, and a
+    two-rank ring all-reduce is one reduce-scatter and one all-gather step, so a step
+    is the batch's time / (2 x COLLECTIVE_BATCH). The caller wakes once per batch, not
+    per step, as a training step's bucket all-reduces, posted during the backward pass,
+    are waited for once. Median of ``repeats`` batches, each after a one-element
+    all-reduce that lines the two ranks up.
+    """
+    dev = device or torch.device("cpu")
+    tick = torch.zeros(1, device=dev)
+    xs = [torch.zeros(1, device=dev) for _ in range(COLLECTIVE_BATCH)]
+    times = []
+    for _ in range(repeats + 1):  # the first batch warms up
+        _wait_collective(dist.all_reduce(tick, group=group, async_op=True), timeout_s,
+                         "lining up for the collective step")
+        t0 = time.perf_counter()
+        works = [dist.all_reduce(x, group=group, async_op=True) for x in xs]
+        for w in works:
+            _wait_collective(w, timeout_s, "timing a collective step")
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        times.append((time.perf_counter() - t0) / (2 * COLLECTIVE_BATCH))
+    return statistics.median(times[1:])
+
+
 def measure_allreduce(num_bytes: int, repeats: int = 3, warmup: int = 1, timeout_s: float = 60.0,
                       device: torch.device | None = None) -> list[float]:
     """This rank's seconds for an all-reduce of ``num_bytes`` (fp32) over the default group, per repeat.
@@ -546,9 +584,17 @@ def _device_spec(info: RankInfo, ranks_on_host: int) -> dict[str, Any]:
     return {"type": catalog.name, "memory_bytes": memory}
 
 
+def _link_fields(link: LinkMeasurement) -> dict[str, float]:
+    out = {"bandwidth_bytes_per_s": link.bandwidth_bytes_per_s, "latency_s": link.latency_s}
+    if link.collective_latency_s is not None:
+        out["collective_latency_s"] = link.collective_latency_s
+    return out
+
+
 def _link_value(link: LinkMeasurement) -> str:
-    return (f"{_inline({'bandwidth_bytes_per_s': link.bandwidth_bytes_per_s, 'latency_s': link.latency_s})}"
-            f"  # {format_bandwidth(link.bandwidth_bytes_per_s)}, {format_time(link.latency_s)}:"
+    step = "" if link.collective_latency_s is None else f" (collective step {format_time(link.collective_latency_s)})"
+    return (f"{_inline(_link_fields(link))}"
+            f"  # {format_bandwidth(link.bandwidth_bytes_per_s)}, {format_time(link.latency_s)}{step}:"
             f" ranks {link.ranks[0]}-{link.ranks[1]}, fit residual {100 * link.residual:.1f}%")
 
 
@@ -586,6 +632,9 @@ def cluster_toml(plan: MeasurementPlan, infos: Sequence[RankInfo], links: Sequen
                   f"# {format_bandwidth(link.bandwidth_bytes_per_s)}: ranks {link.ranks[0]}-{link.ranks[1]}",
                   f"latency_s = {_num(link.latency_s)}  # {format_time(link.latency_s)}, "
                   f"fit residual {100 * link.residual:.1f}%"]
+        if link.collective_latency_s is not None:
+            lines.append(f"collective_latency_s = {_num(link.collective_latency_s)}  "
+                         f"# {format_time(link.collective_latency_s)}: one step of a collective")
     return "\n".join(lines) + "\n"
 
 
@@ -704,10 +753,16 @@ def _measure_rounds(session: _Session, plan: MeasurementPlan, sizes: tuple[int, 
             initiator = session.rank == task.ranks[0]
             peer = task.ranks[1] if initiator else task.ranks[0]
             times = measure_pingpong(peer, sizes, initiator, repeats, warmup, session.timeout_s, device)
+            group = dist.new_group(list(task.ranks), timeout=timedelta(seconds=session.timeout_s),
+                                   use_local_synchronization=True)
+            try:
+                step = measure_collective_latency(group, 3, session.timeout_s, device)
+            finally:
+                dist.destroy_process_group(group)
             if times is not None:
                 bandwidth, latency, residual = fit_link(sizes, times)
                 mine.append(LinkMeasurement(task.ranks, task.nodes, sizes, tuple(times), bandwidth, latency,
-                                            residual))
+                                            residual, step))
         session.barrier(f"the end of measurement round {k}")
     every = session.all_gather(mine, "link measurements")
     return tuple(sorted((m for ms in every for m in ms), key=lambda m: (m.nodes[0] != m.nodes[1], m.nodes)))
