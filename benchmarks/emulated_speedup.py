@@ -42,10 +42,9 @@ import sys
 import time
 from pathlib import Path
 
+from _emulated import ready_to_emulate
 from _results import write_section
 from hetrain.demo import run_emulated_comparison, torch_pipelining_micro_batches
-from hetrain.emulate import EmulationError
-from hetrain.emulate.emulator import check_permissions
 
 
 def cluster_text(name: str, fast_share: float, slow_share: float, fast_nic: str, slow_nic: str) -> str:
@@ -94,12 +93,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.quick:
         args.steps, args.warmup, args.no_write = 4, 1, True
-    if not 0 <= args.warmup < args.steps:
-        parser.error(f"--warmup must leave at least one timed step of --steps {args.steps}, got {args.warmup}")
-    try:
-        check_permissions("up")
-    except EmulationError as e:
-        print(f"skipped: {e}")
+    if not ready_to_emulate(parser, args):
         return 0
     rows = ["| scenario | run | runtime | shape | predicted samples/s | measured samples/s | iteration error | "
             "speed-up over torch DDP |", "| --- | --- | --- | --- | ---: | ---: | ---: | ---: |"]

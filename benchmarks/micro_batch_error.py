@@ -29,10 +29,9 @@ import sys
 import time
 from typing import Any
 
+from _emulated import ready_to_emulate
 from _results import write_section
 from hetrain.demo import DEFAULT_CLUSTER, run_emulated_comparison
-from hetrain.emulate import EmulationError
-from hetrain.emulate.emulator import check_permissions
 from hetrain.plan import Plan
 from hetrain.profile import ModelProfile
 
@@ -71,12 +70,7 @@ def main() -> int:
         parser.error(f"--sizes must be comma-separated integers, got {args.sizes!r}")
     if not sizes or sizes[0] < 1 or sizes[-1] > args.global_batch:
         parser.error(f"--sizes must lie in 1..{args.global_batch} (the global batch), got {args.sizes!r}")
-    if not 0 <= args.warmup < args.steps:
-        parser.error(f"--warmup must leave at least one timed step of --steps {args.steps}, got {args.warmup}")
-    try:
-        check_permissions("up")
-    except EmulationError as e:
-        print(f"skipped: {e}")
+    if not ready_to_emulate(parser, args):
         return 0
     names = [f"{shape}-b{b}" for shape in SHAPES for b in sizes]
     load0 = os.getloadavg()[0]
