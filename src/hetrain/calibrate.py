@@ -7,7 +7,8 @@ the device getting going again after a wait. That cost is paid per action, so it
 grows with the number of micro-batches: on the demo's emulated cluster the simulator
 ran ahead of the measurement by 8% with 4 micro-batches per pipeline and by 47% with
 32 (benchmarks/RESULTS.md, "Prediction error against the micro-batch size"), about
-4 ms per action on the critical path in every case.
+4 ms per action on the critical path at every size of that run. How much it is
+changes from run to run there, from 0 to 4 ms, with the host.
 
 Calibration measures it once per cluster and runtime: train any plan for a few steps
 (one with many micro-batches per stage pins the figure best), then find the overhead

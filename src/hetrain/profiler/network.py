@@ -486,9 +486,9 @@ def measure_pingpong(peer: int, sizes: Sequence[int], initiator: bool, repeats: 
 COLLECTIVE_BATCH = 16  # one-element all-reduces per timed batch (measure_collective_latency)
 
 
-def measure_collective_latency(group: Any, repeats: int = 3, timeout_s: float = 60.0,
+def measure_collective_latency(group: Any, peer: int, repeats: int = 3, timeout_s: float = 60.0,
                                device: torch.device | None = None) -> float:
-    """Seconds of one step of a collective between the two ranks of ``group``.
+    """Seconds of one step of a collective between this rank and ``peer``, the two ranks of ``group``.
 
     Both ranks post ``COLLECTIVE_BATCH`` one-element all-reduces at once and wait for
     the last: the library runs them one after another in its own threads, and a
@@ -504,11 +504,11 @@ def measure_collective_latency(group: Any, repeats: int = 3, timeout_s: float = 
     times = []
     for _ in range(repeats + 1):  # the first batch warms up
         _wait_collective(dist.all_reduce(tick, group=group, async_op=True), timeout_s,
-                         "lining up for the collective step")
+                         f"lining up with rank {peer} to time a collective step")
         t0 = time.perf_counter()
         works = [dist.all_reduce(x, group=group, async_op=True) for x in xs]
         for w in works:
-            _wait_collective(w, timeout_s, "timing a collective step")
+            _wait_collective(w, timeout_s, f"timing a collective step with rank {peer}")
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         times.append((time.perf_counter() - t0) / (2 * COLLECTIVE_BATCH))
@@ -756,7 +756,7 @@ def _measure_rounds(session: _Session, plan: MeasurementPlan, sizes: tuple[int, 
             group = dist.new_group(list(task.ranks), timeout=timedelta(seconds=session.timeout_s),
                                    use_local_synchronization=True)
             try:
-                step = measure_collective_latency(group, 3, session.timeout_s, device)
+                step = measure_collective_latency(group, peer, 3, session.timeout_s, device)
             finally:
                 dist.destroy_process_group(group)
             if times is not None:
