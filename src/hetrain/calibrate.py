@@ -75,15 +75,11 @@ def with_action_overhead(profile: ModelProfile, overhead_s: float, type_names: l
     return replace(profile, action_overhead_s=kept + tuple((t, overhead_s) for t in type_names))
 
 
-def _types(plan: Plan) -> list[str]:
-    return list(dict.fromkeys(d.type_name for d in plan.cluster.devices))
-
-
 def _simulated(plan: Plan, overhead_s: float) -> float:
     from hetrain.simulator import simulate
 
-    return float(simulate(replace(plan, profile=with_action_overhead(plan.profile, overhead_s, _types(plan))))
-                 .iteration_s)
+    profile = with_action_overhead(plan.profile, overhead_s, plan.cluster.type_names)
+    return float(simulate(replace(plan, profile=profile)).iteration_s)
 
 
 def fit_action_overhead(plan: Plan, measured_s: float, tolerance_s: float = 1e-6) -> Calibration:
@@ -146,12 +142,12 @@ def run_calibrate_command(plan_path: str, metrics_path: str, warmup: int, output
         return 1
     print(found.summary())
     if output:
-        profile = with_action_overhead(plan.profile, found.overhead_s, _types(plan))
+        profile = with_action_overhead(plan.profile, found.overhead_s, plan.cluster.type_names)
         try:
             profile.save(output)
         except OSError as e:
             print(f"hetrain calibrate: cannot write {output}: {e.strerror}", file=sys.stderr)
             return 1
         print(f"wrote {output}: action_overhead_s {format_time(found.overhead_s)} for "
-              f"{', '.join(_types(plan))}")
+              f"{', '.join(plan.cluster.type_names)}")
     return 0

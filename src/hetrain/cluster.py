@@ -261,6 +261,11 @@ class Cluster:
         raise ClusterError(f"no device {name!r} in cluster {self.name!r}; devices are {some}, ...")
 
     @property
+    def type_names(self) -> list[str]:
+        """The distinct device types, in the order of their first device."""
+        return list(dict.fromkeys(d.type_name for d in self.devices))
+
+    @property
     def num_devices(self) -> int:
         return len(self.devices)
 

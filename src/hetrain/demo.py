@@ -520,7 +520,7 @@ def run_emulated_comparison(cluster_text: str, out_dir: str | Path, model: str =
             calibration = fit_action_overhead(calib, measured_iteration_s(calib_metrics, CALIBRATION_WARMUP))
             log(f"   calibrate: {calibration.summary()}")
             profile = with_action_overhead(profile, calibration.overhead_s,
-                                           list(dict.fromkeys(d.type_name for d in cluster.devices)))
+                                           cluster.type_names)
             profile.save(profile_path)
         start = time.perf_counter()
         plans = (plan_builder or build_plans)(planning, profile, global_batch)
@@ -606,7 +606,7 @@ def run_plan_only(args: argparse.Namespace) -> int:
         from hetrain.profiler.fit import merge_profiles
 
         profile = merge_profiles([relabel_profile(local, t) for t in
-                                  dict.fromkeys(d.type_name for d in cluster.devices)])
+                                  cluster.type_names])
     print("plan only: nominal links from the cluster file, layer costs "
           f"{'estimated (analytic profile)' if not profile.measured_on else 'profiled on this host, unthrottled'}; "
           "nothing is emulated or trained")
