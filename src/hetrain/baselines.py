@@ -49,12 +49,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hetrain.errors import RunError
+
 BASELINES = ("ddp", "pipelining")
 SCHEDULES = ("gpipe", "1f1b")
 DEFAULT_TIMEOUT_S = 300.0
 
 
-class BaselineError(RuntimeError):
+class BaselineError(RunError):
     """A baseline could not run: bad options for this world size, or a peer failed or timed out."""
 
 

@@ -36,12 +36,13 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from hetrain.errors import InputError
 from hetrain.plan import Plan, PlanError, load_plan
 from hetrain.profile import ModelProfile, ProfileError
 from hetrain.units import format_time
 
 
-class CalibrationError(ValueError):
+class CalibrationError(InputError):
     """The run cannot calibrate the model: unreadable metrics, no timed steps, no positive measured time."""
 
 

@@ -44,6 +44,7 @@ from hetrain.catalog import (
     lookup_device_type,
     lookup_link_preset,
 )
+from hetrain.errors import InputError
 from hetrain.units import UnitError, parse_bandwidth, parse_bytes, parse_time
 
 if sys.version_info >= (3, 11):
@@ -52,7 +53,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[import-not-found, unused-ignore]
 
 
-class ClusterError(ValueError):
+class ClusterError(InputError):
     """A cluster description that cannot be used; the message names what and where."""
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from hetrain.cluster import Cluster, parse_cluster
+from hetrain.errors import InputError
 from hetrain.profile import ModelProfile, parse_profile
 from hetrain.units import format_bytes, format_time
 
@@ -34,7 +35,7 @@ OPTIMIZERS: tuple[str, ...] = ("sgd", "momentum", "adam")
 FORMAT_VERSION = 1
 
 
-class PlanError(ValueError):
+class PlanError(InputError):
     """A plan that is inconsistent with itself, its cluster or its profile."""
 
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from hetrain.errors import InputError
+
 PRECISIONS = ("fp32", "fp16", "bf16")
 Precision = Literal["fp32", "fp16", "bf16"]
 FORMAT_VERSION = 1
@@ -31,7 +33,7 @@ OPTIMIZER_NAMES = ("sgd", "momentum", "adam")
 OPTIMIZER_ALIASES = {"adamw": "adam"}
 
 
-class ProfileError(ValueError):
+class ProfileError(InputError):
     """A profile that cannot be used; the message names the layer and the field."""
 
 

@@ -66,10 +66,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from hetrain.errors import InputError
 from hetrain.plan import Plan, Segment
 
 
-class ScheduleError(ValueError):
+class ScheduleError(InputError):
     """A schedule that cannot run: the message holds a step-by-device grid marking the faulty action."""
 
 

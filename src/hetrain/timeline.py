@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from hetrain.errors import InputError
+
 FORMAT_VERSION = 1
 EVENT_FIELDS = ("start_s", "end_s", "kind", "label", "micro_batch")
 COMPUTE_KINDS = ("forward", "backward", "optimizer")
@@ -49,7 +51,7 @@ KIND_COLORS: dict[str, str] = {
 }
 
 
-class TimelineError(ValueError):
+class TimelineError(InputError):
     """A timeline file that cannot be read."""
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import re
 from decimal import Decimal
 
+from hetrain.errors import InputError
+
 _NUMBER = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(\S*)\s*$")
 
 _BYTE_UNITS: dict[str, float] = {
@@ -41,7 +43,7 @@ _FLOPS_UNITS: dict[str, float] = {
 }
 
 
-class UnitError(ValueError):
+class UnitError(InputError):
     """A quantity with a missing, unknown or out-of-range unit."""
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from hetrain.errors import RunError
 from hetrain.units import UnitError, parse_time
 
 if sys.version_info >= (3, 11):
@@ -39,7 +40,7 @@ Throttle = Literal["auto", "cgroup", "off"]
 THROTTLE_CHOICES: tuple[str, ...] = ("auto", "cgroup", "off")
 
 
-class EmulationError(RuntimeError):
+class EmulationError(RunError):
     """The emulated cluster cannot be built, run or removed; the message says why and what to do."""
 
 

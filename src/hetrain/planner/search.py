@@ -32,6 +32,7 @@ from hetrain.cost import (
     in_flight,
     loss_memory_per_sample,
 )
+from hetrain.errors import InputError
 from hetrain.plan import (
     OPTIMIZERS,
     SCHEDULES,
@@ -56,7 +57,7 @@ from hetrain.units import format_bytes
 INF = float("inf")
 
 
-class PlannerError(ValueError):
+class PlannerError(InputError):
     """No plan satisfies the request; the message says why, with the numbers."""
 
 

@@ -60,6 +60,7 @@ from hetrain import __version__
 from hetrain.catalog import lookup_device_type
 from hetrain.cluster import Cluster, ClusterError, parse_cluster
 from hetrain.cost import allreduce_shape, estimate_allreduce
+from hetrain.errors import RunError
 from hetrain.profiler.fit import fit_link
 from hetrain.profiler.layers import describe_device, measure_device_figures
 from hetrain.runtime.device import DeviceError, choose_device
@@ -75,7 +76,7 @@ ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _RUNS = itertools.count()  # discover() calls in this process: keeps store keys of two calls apart
 
 
-class DiscoveryError(RuntimeError):
+class DiscoveryError(RunError):
     """Discovery cannot go on; the message names the rank that reports it and the rank at fault."""
 
     def __init__(self, message: str, relayed: bool = False) -> None:

@@ -74,6 +74,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore  # type: ignore[attr-defined]
 
+from hetrain.errors import RunError
+
 __all__ = [
     "MANIFEST",
     "CheckpointError",
@@ -98,7 +100,7 @@ _POLL_MAX_S = 0.05
 _CHUNK_BYTES = 1 << 20
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(RunError):
     """A checkpoint cannot be saved or loaded; the message names the step, file, name or rank."""
 
 

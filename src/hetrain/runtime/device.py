@@ -16,11 +16,13 @@ import os
 
 import torch
 
+from hetrain.errors import RunError
+
 DEVICE_VARIABLE = "HETRAIN_DEVICE"
 CHOICES = ("auto", "cpu", "cuda")
 
 
-class DeviceError(RuntimeError):
+class DeviceError(RunError):
     """The rank cannot have the device its launch asks for (named, with the counts)."""
 
 

@@ -26,10 +26,12 @@ from typing import Any
 
 import torch.distributed as dist
 
+from hetrain.errors import RunError
+
 _INSTANCES = iter(range(1 << 30))
 
 
-class PeerError(RuntimeError):
+class PeerError(RunError):
     """A peer died, stopped answering, or failed: names it and the action that waited for it."""
 
 

@@ -19,10 +19,11 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hetrain.errors import RunError
 from hetrain.plan import Plan, Stage
 
 
-class RoleError(RuntimeError):
+class RoleError(RunError):
     """The processes of the job do not match the plan's devices."""
 
 
