@@ -44,7 +44,6 @@ runs that comparison.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import sys
@@ -141,6 +140,8 @@ def main() -> int:
     from hetrain.emulate import EmulatedCluster, EmulationError, parse_emulation_settings
     from hetrain.emulate.emulator import check_permissions
     from hetrain.plan import load_plan
+    from hetrain.planner.sync import repredict_sync
+    from hetrain.sync_layout import SyncOptions
 
     if not args.reuse:
         try:
@@ -164,14 +165,13 @@ def main() -> int:
         print(f"planned on the profiled, discovered cluster: dp predicted {dp.prediction.samples_per_s:.1f} "
               f"samples/s, best ({best.strategy}, {len(best.virtual_workers)} VWs) "
               f"{best.prediction.samples_per_s:.1f}", flush=True)
-    opts = {"staleness": args.staleness, "period": args.period, "aggregate": args.period, "warmup": 5,
-            "cooldown": 5}
+    opts = SyncOptions(staleness=args.staleness, period=args.period, aggregate=args.period, warmup=5, cooldown=5)
     runs = {"bsp-dp": dp, "bsp-hybrid": best}
     for mode in ("wsp", "hybrid-ps", "daso", "local-sgd"):
-        runs[mode] = dataclasses.replace(dp, sync=mode, options={**dp.options, **opts})  # type: ignore[arg-type]
+        runs[mode] = repredict_sync(dp, mode, opts)  # the same VWs, the mode's layout and prediction
     # HetPipe's own pairing: WSP across VWs that are pipelines (the planner's best plan), where only
     # one VW's pushes and pulls of each segment cross a slow NIC instead of every replica's
-    runs["wsp-hybrid"] = dataclasses.replace(best, sync="wsp", options={**best.options, **opts})  # type: ignore[arg-type]
+    runs["wsp-hybrid"] = repredict_sync(best, "wsp", opts)
     rows: dict[str, list[dict[str, Any]]] = {}
     settings = parse_emulation_settings(nominal.get("emulation"))
     if args.reuse:

@@ -67,7 +67,7 @@ def build_plan(case: str, args: argparse.Namespace, layers: int) -> Plan:
                              args.micro_batches),)
         strategy = "pp"
     # the runtime reads the layer count of the profile, and each layer's parameter bytes, from which
-    # schedule.build_buckets cuts the gradient buckets (DistributedDataParallel's sizes: 1 MiB first, then 25 MiB)
+    # the plan's sync layout cuts the gradient buckets (DistributedDataParallel's sizes: 1 MiB first, then 25 MiB)
     sizes = [float(sum(p.numel() * p.element_size() for p in layer.parameters()))
              for layer in build_layers(args.model, seed=0, **args.config)]
     profile = ModelProfile(args.model, tuple(LayerProfile(name, size, 0, 0, 0) for name, size in

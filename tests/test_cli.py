@@ -7,7 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from hetrain.cli import main
+from hetrain.plan import PlanError, load_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "examples" / "clusters" / "pipetorch.toml"
@@ -80,8 +83,8 @@ def test_plan_sync_auto_prints_every_mode_and_picks_one(tmp_path: Path, capsys) 
         assert f"  {mode} " in text
     saved = json.loads(out.read_text())
     chosen = saved["options"]["sync_choice"]["modes"][0]["mode"]
-    assert saved["sync"] == chosen and f"  {chosen} " in text.split("<- chosen")[0].splitlines()[-1]
-    assert saved["options"]["period"] == 8 and saved["options"]["placement"] == "round-robin"
+    assert saved["sync"]["mode"] == chosen and f"  {chosen} " in text.split("<- chosen")[0].splitlines()[-1]
+    assert saved["sync"]["options"]["period"] == 8 and saved["sync"]["options"]["placement"] == "round-robin"
 
 
 def test_bad_sync_option_names_the_key_the_value_and_what_is_allowed(capsys) -> None:
@@ -94,14 +97,50 @@ def test_bad_sync_option_names_the_key_the_value_and_what_is_allowed(capsys) -> 
     assert "placement must be one of local, round-robin, got 'nearest'" in err
 
 
-def test_train_reads_sync_options_with_the_same_checks(capsys) -> None:
+def test_train_runs_the_plan_as_it_is() -> None:
+    """The sync mode, its options and the optimizer are the plan's: train has no flag to change them."""
     import argparse
 
-    from hetrain.runtime.command import add_train_arguments, run_from_args
+    from hetrain.runtime.command import add_train_arguments
 
     parser = argparse.ArgumentParser()
     add_train_arguments(parser)
-    args = parser.parse_args(["--plan", "missing.json", "--model", "mlp-digits", "--sync-option", "aggregate=0"])
-    assert run_from_args(args) == 2
-    err = capsys.readouterr().err
-    assert "aggregate must be an integer >= 1, got 0" in err
+    for flag in (["--sync", "wsp"], ["--sync-option", "period=2"], ["--optimizer", "sgd"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--plan", "p.json", "--model", "mlp-digits", *flag])
+
+
+def test_plan_from_a_plan_changes_the_mode_and_re_predicts(tmp_path: Path, capsys) -> None:
+    first, second = tmp_path / "plan.json", tmp_path / "daso.json"
+    assert main(["plan", "--cluster", str(CLUSTER), "--model", "gpt2-small", "--global-batch", "64", "--strategy",
+                 "dp", "-o", str(first)]) == 0
+    assert main(["plan", "--from", str(first), "--sync", "daso", "--sync-option", "period=8", "-o", str(second)]) == 0
+    capsys.readouterr()
+    old, new = load_plan(first), load_plan(second)
+    assert (old.sync, new.sync, new.sync_options.period) == ("bsp", "daso", 8)
+    assert [vw.to_dict()["stages"] for vw in new.virtual_workers] == [vw.to_dict()["stages"]
+                                                                      for vw in old.virtual_workers]
+    assert new.prediction.sync_s == pytest.approx(new.options["sync_predictions"]["daso"]["sync_s"])
+    assert new.prediction.sync_s != pytest.approx(old.prediction.sync_s)
+    assert new.prediction.simulated_iteration_s and new.prediction.simulated_iteration_s > 0
+    assert all(seg["local_groups"] for seg in new.to_dict()["sync"]["segments"])  # DASO's node-local groups
+    # --from takes the cluster and the batch from the plan
+    assert main(["plan", "--from", str(first), "--global-batch", "32"]) == 2
+    assert "drop --global-batch" in capsys.readouterr().err
+
+
+def test_a_format_1_plan_is_refused_with_the_way_to_upgrade_it(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "plan.json"
+    assert main(["plan", "--cluster", str(CLUSTER), "--model", "gpt2-small", "--global-batch", "64", "--sync",
+                 "wsp", "--sync-option", "staleness=2", "-o", str(path)]) == 0
+    data = json.loads(path.read_text())
+    # what format_version 1 wrote: the mode's name, and its options among the plan's options
+    data.update(format_version=1, sync="wsp", options={**data["options"], "staleness": 2})
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanError, match=r"format_version 1 .*`hetrain plan --from PLAN -o NEW`"):
+        load_plan(path)
+    upgraded = tmp_path / "v2.json"
+    assert main(["plan", "--from", str(path), "-o", str(upgraded)]) == 0
+    capsys.readouterr()
+    plan = load_plan(upgraded)
+    assert plan.sync == "wsp" and plan.sync_options.staleness == 2 and "staleness" not in plan.options

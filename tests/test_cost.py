@@ -215,5 +215,7 @@ def test_estimate_allreduce_can_be_held_to_the_flat_ring() -> None:
     ring, flat = estimate_allreduce(8e6, shape, "ring")
     assert (algorithm, flat) == ("hierarchical", "ring") and ring > best
     assert ring == estimate_ring_allreduce_time(8e6, 4, shape.ring_bandwidth_bytes_per_s, shape.ring_latency_s)
-    with pytest.raises(ValueError, match="one of auto, ring, got 'tree'"):
+    held, forced = estimate_allreduce(8e6, shape, "hierarchical")  # a decision already taken (sync layout)
+    assert (held, forced) == (best, "hierarchical")
+    with pytest.raises(ValueError, match="one of auto, ring, hierarchical, got 'tree'"):
         estimate_allreduce(8e6, shape, "tree")

@@ -321,6 +321,10 @@ def test_bad_options_name_the_value() -> None:
 
 
 def test_top_k_reranked_by_simulation() -> None:
-    p = plan(_cloud(), build_profile("gpt2-small"), 128, simulate_top_k=3)
+    import hetrain
+
+    unscored = plan(_cloud(), build_profile("gpt2-small"), 128, simulate_top_k=3)  # the planner alone: closed forms
+    assert unscored.prediction.simulated_iteration_s is None
+    p = hetrain.plan(_cloud(), build_profile("gpt2-small"), 128, simulate_top_k=3)  # handed the simulator
     assert p.prediction.simulated_iteration_s is not None
     assert p.prediction.simulated_iteration_s > 0

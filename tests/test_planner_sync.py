@@ -8,20 +8,19 @@ from typing import Any
 
 import pytest
 
+from hetrain import plan
 from hetrain.cluster import parse_cluster
 from hetrain.models.analytic import build_profile
-from hetrain.plan import SYNC_MODES, Plan
-from hetrain.planner import plan
+from hetrain.plan import Plan
 from hetrain.planner.sync import (
-    build_segments,
     estimate_mode_staleness,
     estimate_ps_time,
     estimate_sync_time,
     estimate_time_to_accuracy,
-    parse_sync_options,
-    place_ps_shard,
 )
 from hetrain.simulator import simulate
+from hetrain.sync_layout import SYNC_MODES, SyncOptions, place_ps_shard
+from hetrain.sync_layout import group_segments as build_segments
 
 
 def cloud():  # type: ignore[no-untyped-def]
@@ -34,8 +33,8 @@ def cloud():  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("mode", SYNC_MODES)
 def test_every_mode_is_costed_and_recorded(mode: str) -> None:
     p = plan(cloud(), build_profile("resnet50"), 128, strategy="dp", sync=mode, simulate_top_k=1,
-             sync_options=(("period", 4), ("staleness", 1)))
-    assert p.sync == mode and p.options["period"] == 4
+             sync_options=SyncOptions(period=4, staleness=1))
+    assert p.sync == mode and p.sync_options.period == 4 and p.to_dict()["sync"]["options"]["period"] == 4
     table = p.options["sync_predictions"]
     assert set(table) == set(SYNC_MODES)
     assert p.prediction.sync_s == pytest.approx(table[mode]["sync_s"])
@@ -49,7 +48,7 @@ def test_relaxed_modes_predict_less_sync_than_bsp_on_a_slow_network() -> None:
         {"name": "old", "devices": [{"type": "V100-16GB", "count": 2}], "intra_link": "pcie3", "nic": "100Mbit/s"},
     ]})
     profile = build_profile("resnet50")
-    p = plan(slow, profile, 128, strategy="dp", simulate_top_k=0, sync_options=(("period", 8), ("aggregate", 8)))
+    p = plan(slow, profile, 128, strategy="dp", simulate_top_k=0, sync_options=SyncOptions(period=8, aggregate=8))
     table = p.options["sync_predictions"]
     assert table["bsp"]["sync_s"] > 0
     # local SGD averages parameters every k iterations without buckets: the whole all-reduce / k
@@ -88,15 +87,15 @@ def test_local_placement_costs_less_than_round_robin_when_the_majority_node_host
 
 
 def test_sync_options_are_parsed_and_checked() -> None:
-    assert parse_sync_options(["staleness=0", "period=8", "placement=round-robin"]) == \
-        {"staleness": 0, "period": 8, "placement": "round-robin"}
+    assert SyncOptions.from_items(["staleness=0", "period=8", "placement=round-robin"]) == \
+        SyncOptions(staleness=0, period=8, placement="round-robin")
     for item, words in [("speed=3", ["unknown key 'speed'", "placement=local|round-robin"]),
-                        ("period=0", ["period must be an integer >= 1", "got 0"]),
-                        ("staleness=two", ["staleness must be an integer >= 0", "got 'two'"]),
+                        ("period=0", ["period must be in [1, 100000]", "got 0"]),
+                        ("staleness=two", ["staleness must be an integer in [0, 1000]", "got 'two'"]),
                         ("placement=far", ["placement must be one of local, round-robin", "got 'far'"]),
                         ("period", ["expected KEY=VALUE"])]:
         with pytest.raises(ValueError) as e:
-            parse_sync_options([item])
+            SyncOptions.from_items([item])
         assert all(w in str(e.value) for w in words) and repr(item) in str(e.value), (item, str(e.value))
 
 
@@ -104,7 +103,7 @@ def test_sync_options_are_parsed_and_checked() -> None:
 
 
 def test_staleness_model() -> None:
-    opts = {"period": 4, "aggregate": 2, "staleness": 1}
+    opts = SyncOptions(period=4, aggregate=2, staleness=1)
     assert estimate_mode_staleness("bsp", opts, 4) == 0
     assert estimate_mode_staleness("local-sgd", opts, 4) == 1.5
     assert estimate_mode_staleness("daso", opts, 4) == 2.5
@@ -115,7 +114,7 @@ def test_staleness_model() -> None:
 
 
 def test_auto_picks_the_fastest_mode_without_penalty_and_bsp_with_a_large_one() -> None:
-    kw: dict[str, Any] = {"strategy": "dp", "simulate_top_k": 0, "sync_options": (("period", 4), ("aggregate", 4))}
+    kw: dict[str, Any] = {"strategy": "dp", "simulate_top_k": 0, "sync_options": SyncOptions(period=4, aggregate=4)}
     free = plan(cloud(), build_profile("resnet50"), 128, sync="auto", staleness_penalty=0.0, **kw)
     rows = free.options["sync_choice"]["modes"]
     assert {r["mode"] for r in rows} == set(SYNC_MODES)
@@ -131,7 +130,7 @@ def test_auto_picks_the_fastest_mode_without_penalty_and_bsp_with_a_large_one() 
 
 def test_auto_with_simulation_ranks_by_simulated_throughput() -> None:
     p = plan(cloud(), build_profile("resnet50"), 128, strategy="dp", sync="auto", staleness_penalty=0.1,
-             simulate_top_k=1, sync_options=(("period", 4),))
+             simulate_top_k=1, sync_options=SyncOptions(period=4))
     rows = p.options["sync_choice"]["modes"]
     assert all(r["simulated"] for r in rows)
     assert p.sync == rows[0]["mode"]

@@ -11,9 +11,7 @@ from hetrain.schedule import (
     ERROR_MARK,
     Action,
     ActionKind,
-    Bucket,
     ScheduleError,
-    build_buckets,
     build_schedule,
     format_grid,
     gpipe,
@@ -21,9 +19,9 @@ from hetrain.schedule import (
     parse_action,
     parse_schedule,
     schedule_to_dict,
-    sync_options,
     validate,
 )
+from hetrain.sync_layout import Bucket, SyncLayoutError, SyncOptions
 
 
 def make_cluster(per_node: int = 6) -> Cluster:
@@ -39,11 +37,12 @@ def make_profile(num_layers: int = 6) -> ModelProfile:
 
 def make_plan(vws: list[tuple[list[str], list[int], int, int]], schedule: str = "1f1b", sync: str = "bsp",
               options: dict[str, float] | None = None) -> Plan:
-    """``vws``: (devices, layer boundaries, mini-batch, micro-batches) per VW."""
+    """``vws``: (devices, layer boundaries, mini-batch, micro-batches) per VW; ``options``: sync options."""
     built = tuple(VirtualWorker(tuple(Stage(d, bounds[j], bounds[j + 1]) for j, d in enumerate(devs)), mb, m)
                   for devs, bounds, mb, m in vws)
     return Plan("toy", sum(v.mini_batch for v in built), schedule, sync, "sgd", built,  # type: ignore[arg-type]
-                Prediction(0, 0, 0, 0, 0), "pp", "manual", make_cluster(), make_profile(), options or {})
+                Prediction(0, 0, 0, 0, 0), "pp", "manual", make_cluster(), make_profile(),
+                sync_options=SyncOptions(**(options or {})))
 
 
 def two_stage_plan(schedule: str) -> Plan:
@@ -167,7 +166,7 @@ def two_node_plan(sync: str, **options: int) -> Plan:
         for n in ("n0", "n1")]})
     vws = tuple(VirtualWorker((Stage(d, 0, 6),), 2, 1) for d in ("n0:0", "n0:1", "n1:0", "n1:1"))
     return Plan("toy", 8, "1f1b", sync, "sgd", vws, Prediction(0, 0, 0, 0, 0),  # type: ignore[arg-type]
-                "dp", "manual", cluster, make_profile(), options)
+                "dp", "manual", cluster, make_profile(), sync_options=SyncOptions(**options))
 
 
 def sync_texts(plan: Plan, iteration: int = 0, **kw: object) -> list[str]:
@@ -179,7 +178,7 @@ def sync_texts(plan: Plan, iteration: int = 0, **kw: object) -> list[str]:
 def test_wsp_pushes_and_pulls_every_wave() -> None:
     plan = make_plan([(["n0:0"], [0, 6], 2, 2), (["n0:1"], [0, 6], 2, 2)], sync="wsp")
     assert sync_texts(plan) == ["STEP", "PUSH seg0", "PULL seg0"]
-    assert sync_options(plan).staleness == 1
+    assert plan.sync_options.staleness == 1
 
 
 def test_local_sgd_averages_every_k_iterations() -> None:
@@ -203,8 +202,8 @@ def test_daso_blocks_in_warmup_and_cooldown_and_starts_averages_between() -> Non
 
 
 def test_sync_options_are_checked() -> None:
-    with pytest.raises(ScheduleError, match="period must be >= 1"):
-        sync_options(two_node_plan("local-sgd", period=0))
+    with pytest.raises(SyncLayoutError, match=r"period must be in \[1, 100000\], got 0"):
+        two_node_plan("local-sgd", period=0)
 
 
 # --- the validator and its grid ---------------------------------------------------
@@ -321,14 +320,15 @@ def test_buckets_cut_each_segment_from_its_last_layers() -> None:
     # layers of 1 MB; first bucket >= 1.5 MB, the others >= 2.5 MB; VW0 splits the model at layer 2
     plan = make_plan([(["n0:0", "n0:1"], [0, 2, 6], 2, 2), (["n0:2"], [0, 6], 1, 1)],
                      options={"first_bucket_bytes": 1.5e6, "bucket_bytes": 2.5e6})
-    assert build_buckets(plan) == [[Bucket(0, 0, 0, 2, 2e6)],
-                                   [Bucket(1, 0, 4, 6, 2e6), Bucket(1, 1, 2, 4, 2e6)]]
+    assert [list(seg.buckets) for seg in plan.segments()] == [
+        [Bucket(0, 0, 0, 2, 2e6)], [Bucket(1, 0, 4, 6, 2e6), Bucket(1, 1, 2, 4, 2e6)]]
     # one layer above the size: a bucket per layer
     small = make_plan([(["n0:0"], [0, 6], 1, 1), (["n0:1"], [0, 6], 1, 1)], options={"first_bucket_bytes": 1,
                                                                                       "bucket_bytes": 1})
-    assert [(b.first_layer, b.end_layer) for b in build_buckets(small)[0]] == [(k, k + 1) for k in range(5, -1, -1)]
-    with pytest.raises(ScheduleError, match="plan option bucket_bytes must be a positive number of bytes, got 0"):
-        build_buckets(make_plan([(["n0:0"], [0, 6], 1, 1)], options={"bucket_bytes": 0}))
+    assert [(b.first_layer, b.end_layer) for b in small.segments()[0].buckets] == [(k, k + 1)
+                                                                                  for k in range(5, -1, -1)]
+    with pytest.raises(SyncLayoutError, match=r"bucket_bytes must be in \[1, 1.09951e\+12\], got 0"):
+        make_plan([(["n0:0"], [0, 6], 1, 1)], options={"bucket_bytes": 0})
 
 
 def test_bucket_starts_follow_the_last_backward_and_waits_precede_step() -> None:

@@ -22,6 +22,7 @@ from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
 from hetrain.profile import LayerProfile, Measurement, ModelProfile
 from hetrain.schedule import ScheduleError, build_schedule, parse_action
 from hetrain.simulator import run_simulate_command, simulate
+from hetrain.sync_layout import SyncOptions
 
 A100 = "A100-40GB"
 V100 = "V100-16GB"
@@ -53,7 +54,8 @@ def make_plan(cluster: Cluster, profile: ModelProfile, vws: list[tuple[list[str]
     built = tuple(VirtualWorker(tuple(Stage(d, bounds[j], bounds[j + 1], rc.get(d, ()))
                                       for j, d in enumerate(devs)), mb, m) for devs, bounds, mb, m in vws)
     return Plan(profile.name, sum(v.mini_batch for v in built), schedule, "bsp", optimizer,  # type: ignore[arg-type]
-                built, Prediction(0, 0, 0, 0, 0), "pp", "manual", cluster, profile, options or {})
+                built, Prediction(0, 0, 0, 0, 0), "pp", "manual", cluster, profile,
+                sync_options=SyncOptions(**(options or {})))
 
 
 # --- closed forms ------------------------------------------------------------------
@@ -346,11 +348,11 @@ def two_by_two_dp_plan(options: dict[str, Any]) -> Plan:
         for n in ("n0", "n1")]})
     vws = tuple(VirtualWorker((Stage(d, 0, 6),), 4, 1) for d in ("n0:0", "n0:1", "n1:0", "n1:1"))
     return Plan("gpt-tiny", 16, "1f1b", "bsp", "sgd", vws, Prediction(0, 0, 0, 0, 0), "dp", "manual", cluster,
-                build_profile("gpt-tiny"), options)
+                build_profile("gpt-tiny"), sync_options=SyncOptions(**options))
 
 
 def test_the_allreduce_option_ring_replays_a_flat_ring_where_auto_goes_hierarchical() -> None:
-    from hetrain.plan import PlanError
+    from hetrain.errors import InputError
 
     auto, ring = simulate(two_by_two_dp_plan({})), simulate(two_by_two_dp_plan({"allreduce": "ring"}))
     phases = {name: {e.label.rsplit(" ", 1)[-1] for evs in r.timeline.links.values() for e in evs}
@@ -361,5 +363,5 @@ def test_the_allreduce_option_ring_replays_a_flat_ring_where_auto_goes_hierarchi
                                                                                           ("ring", ring))}
     assert nic["ring"] > 1.5 * nic["auto"], (nic, phases)
     assert ring.iteration_s > auto.iteration_s
-    with pytest.raises(PlanError, match="allreduce must be one of auto, ring, got 'tree'"):
-        simulate(two_by_two_dp_plan({"allreduce": "tree"}))
+    with pytest.raises(InputError, match="allreduce must be one of auto, ring, got 'tree'"):
+        two_by_two_dp_plan({"allreduce": "tree"})

@@ -10,8 +10,8 @@ import pytest
 from hetrain.cluster import Cluster, parse_cluster
 from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
 from hetrain.profile import LayerProfile, Measurement, ModelProfile
-from hetrain.schedule import ps_host
 from hetrain.simulator import simulate, simulated_iterations
+from hetrain.sync_layout import SyncOptions
 
 A100, V100 = "A100-40GB", "V100-16GB"
 
@@ -33,7 +33,7 @@ def dp_plan(sync: str, param_bytes: float = 4e7, **options: int) -> Plan:
     """Four one-stage VWs: two A100s on n0, two V100s (half as fast) on n1."""
     vws = tuple(VirtualWorker((Stage(d, 0, 4),), 4, 1) for d in ("n0:0", "n0:1", "n1:0", "n1:1"))
     return Plan("toy", 16, "1f1b", sync, "sgd", vws, Prediction(0, 0, 0, 0, 0),  # type: ignore[arg-type]
-                "dp", "manual", two_nodes(), profile(param_bytes), options)
+                "dp", "manual", two_nodes(), profile(param_bytes), sync_options=SyncOptions(**options))
 
 
 @pytest.mark.parametrize("mode", ["wsp", "local-sgd", "hybrid-ps", "daso"])
@@ -83,7 +83,7 @@ def test_pulls_occupy_the_network_from_the_shard_host_back() -> None:
     r = simulate(plan, iterations=12)
     pulls = [(name, e) for name, evs in r.timeline.links.items() for e in evs if e.kind == "pull"]
     assert pulls and all(e.end_s > e.start_s for _, e in pulls)
-    host = ps_host(plan, 0)
+    host = plan.segments()[0].ps_host
     # every other owner gets the global weights back once per wave (the first D waves need none)
     # (a transfer across nodes holds two links, the NICs out and in: one event on each, same label and start)
     transfers = {(e.label, e.start_s) for _, e in pulls if e.label.startswith(f"PULL seg0 {host}->")}
@@ -94,12 +94,12 @@ def three_vw_plan(placement: str) -> Plan:
     """One VW on n0, two on n1: round-robin puts the shard on n0, local on n1."""
     vws = tuple(VirtualWorker((Stage(d, 0, 4),), 4, 1) for d in ("n0:0", "n1:0", "n1:1"))
     return Plan("toy", 12, "1f1b", "wsp", "sgd", vws, Prediction(0, 0, 0, 0, 0), "dp", "manual", two_nodes(1e8),
-                profile(), {"staleness": 0, "placement": placement})
+                profile(), sync_options=SyncOptions(staleness=0, placement=placement))
 
 
 def test_local_placement_keeps_traffic_on_the_node_and_is_faster() -> None:
     local, robin = three_vw_plan("local"), three_vw_plan("round-robin")
-    assert ps_host(local, 0) == "n1:0" and ps_host(robin, 0) == "n0:0"
+    assert local.segments()[0].ps_host == "n1:0" and robin.segments()[0].ps_host == "n0:0"
 
     def nic_busy_s(plan: Plan) -> float:
         r = simulate(plan, iterations=12)
@@ -108,4 +108,4 @@ def test_local_placement_keeps_traffic_on_the_node_and_is_faster() -> None:
     assert nic_busy_s(local) < 0.6 * nic_busy_s(robin)
     assert simulate(local).samples_per_s > simulate(robin).samples_per_s
     with pytest.raises(ValueError, match="placement must be one of"):
-        ps_host(dataclasses.replace(local, options={"placement": "far"}), 0)
+        dataclasses.replace(local, sync_options=SyncOptions(placement="far"))

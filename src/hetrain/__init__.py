@@ -22,9 +22,22 @@ from hetrain.planner import plan as _plan
 from hetrain.profile import LayerProfile, ModelProfile, ProfileError, load_profile
 from hetrain.simulator import simulate
 
-# `hetrain.plan(...)` is the planner; the module of the Plan type stays importable
-# as `hetrain.plan` through `from hetrain.plan import Plan` (sys.modules).
-plan = _plan
+
+def simulated_iteration_s(plan: Plan) -> float:
+    """The simulator's iteration seconds for ``plan``: the planner's scoring function."""
+    return simulate(plan).iteration_s
+
+
+# `hetrain.plan(...)` is the planner with the simulator as its scoring function; the module of
+# the Plan type stays importable as `hetrain.plan` through `from hetrain.plan import Plan` (sys.modules).
+def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: PlannerOptions | None = None,
+         **kwargs: Any) -> Plan:
+    """``planner.plan`` whose best ``simulate_top_k`` candidates are re-ranked by the simulator.
+
+    The planner imports no simulator (DESIGN.md): it is handed ``simulated_iteration_s`` here.
+    """
+    return _plan(cluster, profile, global_batch, options, score=simulated_iteration_s, **kwargs)
+
 
 __version__ = "0.1.0"
 
@@ -48,5 +61,5 @@ __all__ = [
     "Cluster", "ClusterError", "Device", "LayerProfile", "Link", "ModelProfile", "Node", "Plan",
     "PlanError", "PlannerError", "PlannerOptions", "ProfileError", "Trainer", "__version__", "build_profile",
     "load_cluster", "load_plan", "load_profile", "merge_profiles", "parse_cluster", "plan", "profile_layers",
-    "simulate",
+    "simulate", "simulated_iteration_s",
 ]

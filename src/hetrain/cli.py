@@ -23,8 +23,8 @@ from typing import Any
 
 from hetrain.cluster import Cluster, ClusterError, load_cluster
 from hetrain.plan import Plan, PlanError
-from hetrain.planner.sync import SYNC_OPTION_HELP
 from hetrain.profile import ModelProfile, ProfileError, load_profile
+from hetrain.sync_layout import SYNC_OPTION_HELP, SyncOptions
 from hetrain.units import format_time
 
 
@@ -62,12 +62,10 @@ def _load_model_profile(model: str | None, profile_path: str | None) -> ModelPro
 
 
 def _planner_options(args: argparse.Namespace) -> dict[str, Any]:
-    from hetrain.planner.sync import parse_sync_options
-
     opts: dict[str, Any] = {
-        "strategy": args.strategy, "schedule": args.schedule, "sync": args.sync, "optimizer": args.optimizer,
-        "objective": args.objective, "allow_recompute": not args.no_recompute,
-        "sync_options": tuple(parse_sync_options(args.sync_options).items()),
+        "strategy": args.strategy, "schedule": args.schedule, "sync": args.sync or "bsp",
+        "optimizer": args.optimizer, "objective": args.objective, "allow_recompute": not args.no_recompute,
+        "sync_options": SyncOptions.from_items(args.sync_options),
         "staleness_penalty": args.staleness_penalty,
     }
     if args.target_samples is not None:
@@ -85,7 +83,8 @@ def _planner_options(args: argparse.Namespace) -> dict[str, Any]:
 def compare_strategies(cluster: Cluster, profile: ModelProfile, global_batch: int, best: Plan,
                        options: dict[str, Any]) -> list[dict[str, Any]]:
     """The plan against pure data parallelism and pure pipeline on the same cluster."""
-    from hetrain.planner import PlannerError, plan
+    from hetrain import plan
+    from hetrain.planner import PlannerError
 
     rows: list[dict[str, Any]] = [{"strategy": f"hetrain ({best.strategy}, {best.formation})",
                                    "samples_per_s": best.prediction.samples_per_s,
@@ -130,7 +129,7 @@ def format_sync_modes(result: Plan, staleness_penalty: float) -> str:
     else:
         table = result.options.get("sync_predictions", {})
         samples = {mode: float(v["samples_per_s"]) for mode, v in table.items()}
-        rows = [r.to_dict() for r in estimate_mode_table(samples, result.options, len(result.virtual_workers),
+        rows = [r.to_dict() for r in estimate_mode_table(samples, result.sync_options, len(result.virtual_workers),
                                                          staleness_penalty,
                                                          float(result.options.get("target_samples", 1e6)))]
         head = (f"sync modes for this plan's VWs (closed form; staleness penalty {staleness_penalty:g}; "
@@ -138,13 +137,41 @@ def format_sync_modes(result: Plan, staleness_penalty: float) -> str:
     return head + "\n" + format_mode_table(rows, result.sync)
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    from hetrain.planner import plan
+def _replan_from(args: argparse.Namespace) -> Plan:
+    """``hetrain plan --from PLAN``: the plan's stages under ``--sync`` / ``--sync-option`` (over its own mode and
+    options), re-predicted by the closed forms and the simulator. A format_version 1 plan is upgraded."""
+    from hetrain import simulated_iteration_s
+    from hetrain.plan import load_plan
+    from hetrain.planner.sync import choose_sync_mode, repredict_sync
 
-    cluster = load_cluster(args.cluster)
-    profile = _load_model_profile(args.model, args.profile)
-    options = _planner_options(args)
-    result = plan(cluster, profile, args.global_batch, **options)
+    given = [name for name in ("cluster", "model", "profile", "global_batch") if getattr(args, name) is not None]
+    if given:
+        raise PlanError(f"--from {args.from_plan} takes its cluster, model and global batch from the plan; "
+                        f"drop --{given[0].replace('_', '-')}")
+    old = load_plan(args.from_plan, check_layout=False, upgrade=True)
+    options = SyncOptions.from_items(args.sync_options, old.sync_options)
+    if args.sync == "auto":
+        base = repredict_sync(old, "bsp", options, simulated_iteration_s)
+        return choose_sync_mode(base, args.staleness_penalty, float(base.options.get("target_samples", 1e6)),
+                                base.options.get("critical_batch"), simulated_iteration_s)
+    return repredict_sync(old, args.sync or old.sync, options, simulated_iteration_s)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from hetrain import plan
+
+    if args.from_plan:
+        result = _replan_from(args)
+        cluster, profile = result.cluster, result.profile
+        options: dict[str, Any] = {"optimizer": result.optimizer, "sync_options": result.sync_options}
+    else:
+        for name in ("cluster", "global_batch"):
+            if getattr(args, name) is None:
+                raise PlanError(f"hetrain plan needs --{name.replace('_', '-')} (or --from PLAN to re-predict a plan)")
+        cluster = load_cluster(args.cluster)
+        profile = _load_model_profile(args.model, args.profile)
+        options = _planner_options(args)
+        result = plan(cluster, profile, args.global_batch, **options)
     if args.output:
         result.save(args.output)
     # the families compared under the plan's sync mode (the one --sync auto chose, if so)
@@ -223,14 +250,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="plan a hybrid pipeline + data parallel run")
-    p.add_argument("--cluster", required=True, help="cluster TOML file")
+    p.add_argument("--from", dest="from_plan", metavar="PLAN",
+                   help="re-predict PLAN's stages under --sync / --sync-option (instead of searching anew)")
+    p.add_argument("--cluster", help="cluster TOML file")
     p.add_argument("--model", help="a reference model (see `hetrain models`)")
     p.add_argument("--profile", help="a profile JSON file instead of --model")
-    p.add_argument("--global-batch", type=int, required=True, help="samples per iteration")
+    p.add_argument("--global-batch", type=int, help="samples per iteration")
     p.add_argument("--strategy", choices=["auto", "dp", "pp"], default="auto")
     p.add_argument("--schedule", choices=["auto", "gpipe", "1f1b"], default="auto")
-    p.add_argument("--sync", choices=["bsp", "wsp", "hybrid-ps", "daso", "local-sgd", "auto"], default="bsp",
-                   help="sync mode (docs/sync.md); auto: the soonest predicted time to accuracy")
+    p.add_argument("--sync", choices=["bsp", "wsp", "hybrid-ps", "daso", "local-sgd", "auto"], default=None,
+                   help="sync mode (docs/sync.md; default bsp, or the --from plan's); auto: the soonest predicted "
+                   "time to accuracy")
     p.add_argument("--sync-option", dest="sync_options", action="append", default=[], metavar="KEY=VALUE",
                    help=f"a sync mode parameter (repeatable): {SYNC_OPTION_HELP}")
     p.add_argument("--staleness-penalty", type=_non_negative, default=0.0, metavar="P",

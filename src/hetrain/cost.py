@@ -285,22 +285,24 @@ def estimate_hierarchical_allreduce_time(num_bytes: float, shape: AllReduceShape
     return 2 * intra + inter
 
 
-ALLREDUCE_ALGORITHMS = ("auto", "ring")
+ALLREDUCE_ALGORITHMS = ("auto", "ring", "hierarchical")
 
 
 def estimate_allreduce(num_bytes: float, shape: AllReduceShape, algorithm: str = "auto") -> tuple[float, str]:
-    """The cheaper of a flat ring and the hierarchical scheme: (seconds, ``"ring"``/``"hierarchical"``).
+    """An all-reduce's (seconds, ``"ring"``/``"hierarchical"``).
 
-    ``algorithm="ring"``: the flat ring only, as DistributedDataParallel and NCCL's ring run it
-    (plan option ``allreduce``).
+    ``algorithm="auto"``: the cheaper of a flat ring and the hierarchical scheme (what the sync layout
+    decides, ``sync_layout.build_sync_layout``); ``"ring"``: the flat ring only, as DistributedDataParallel
+    and NCCL's ring run it (sync option ``allreduce``); ``"hierarchical"``: the hierarchical scheme where
+    the owners span several nodes with two or more on one, else the ring (a decision already taken).
     """
     if algorithm not in ALLREDUCE_ALGORITHMS:
         raise ValueError(f"all-reduce algorithm must be one of {', '.join(ALLREDUCE_ALGORITHMS)}, got {algorithm!r}")
     ring = estimate_ring_allreduce_time(num_bytes, shape.p, shape.ring_bandwidth_bytes_per_s,
                                         shape.ring_latency_s)
-    if algorithm == "auto" and shape.nodes > 1 and shape.intra_p > 1:
+    if algorithm != "ring" and shape.nodes > 1 and shape.intra_p > 1:
         hier = estimate_hierarchical_allreduce_time(num_bytes, shape)
-        if hier < ring:
+        if hier < ring or algorithm == "hierarchical":
             return hier, "hierarchical"
     return ring, "ring"
 

@@ -396,7 +396,7 @@ def even_dp_plan(base: Plan) -> Plan:
         vws.append(VirtualWorker((_stage(base, dev, 0, n, share),), share, 1))
     draft = replace(base, virtual_workers=tuple(vws), strategy="dp", formation="even-batch",
                     prediction=replace(base.prediction, memory=()),
-                    options={**base.options, "allreduce": "ring"})  # DDP's flat ring, never hierarchical
+                    sync_options=replace(base.sync_options, allreduce="ring"))  # DDP's flat ring, never hierarchical
     return _with_simulated_prediction(draft)
 
 
@@ -411,8 +411,8 @@ def torch_pipelining_micro_batches(plan: Plan) -> int:
 
 def build_plans(cluster_dict: dict[str, Any], profile: ModelProfile, global_batch: int) -> dict[str, Plan]:
     """hetrain's plan, pure data parallelism and the even-split pipeline, in that order."""
+    from hetrain import plan
     from hetrain.cluster import parse_cluster
-    from hetrain.planner import plan
 
     cluster = parse_cluster(cluster_dict)
     sizes = tuple(b for b in MICRO_BATCH_SIZES if b <= global_batch) or (1,)
@@ -425,8 +425,8 @@ def build_plans(cluster_dict: dict[str, Any], profile: ModelProfile, global_batc
 def calibration_plan(cluster_dict: dict[str, Any], profile: ModelProfile, global_batch: int) -> Plan:
     """The plan the demo trains to calibrate the overhead per action: one pipeline over every device,
     layers split evenly, micro-batches of ``CALIBRATION_MICRO_BATCH``: many actions per step."""
+    from hetrain import plan
     from hetrain.cluster import parse_cluster
-    from hetrain.planner import plan
 
     b = min(CALIBRATION_MICRO_BATCH, global_batch)
     pp = plan(parse_cluster(cluster_dict), profile, global_batch, strategy="pp", micro_batch_sizes=(b,),

@@ -17,22 +17,30 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from hetrain.cluster import Cluster, parse_cluster
 from hetrain.errors import InputError
 from hetrain.profile import ModelProfile, parse_profile
+from hetrain.sync_layout import (
+    SYNC_MODES,
+    Segment,
+    SyncLayout,
+    SyncMode,
+    SyncOptions,
+    build_sync_layout,
+    check_sync_section,
+)
 from hetrain.units import format_bytes, format_time
 
 Schedule = Literal["gpipe", "1f1b"]
-SyncMode = Literal["bsp", "wsp", "hybrid-ps", "daso", "local-sgd"]
 Optimizer = Literal["sgd", "momentum", "adam"]
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
-SYNC_MODES: tuple[str, ...] = ("bsp", "wsp", "hybrid-ps", "daso", "local-sgd")
 OPTIMIZERS: tuple[str, ...] = ("sgd", "momentum", "adam")
-FORMAT_VERSION = 1
+#: 2: the ``"sync"`` section holds the mode, its typed options and the sync layout (was the mode's name)
+FORMAT_VERSION = 2
 
 
 class PlanError(InputError):
@@ -145,16 +153,6 @@ class Prediction:
 
 
 @dataclass(frozen=True)
-class Segment:
-    """Consecutive layers with the same owners; synchronised among those owners."""
-
-    first_layer: int
-    end_layer: int
-    owners: tuple[str, ...]
-    param_bytes: float = 0.0  # bytes of the segment's parameters (and of its gradients)
-
-
-@dataclass(frozen=True)
 class Plan:
     """Every decision of the planner, and its prediction.
 
@@ -163,6 +161,10 @@ class Plan:
         global_batch: samples per iteration over all VWs.
         schedule: ``"gpipe"`` or ``"1f1b"``.
         sync: the sync mode among VWs.
+        sync_options: the mode's parameters (staleness, period, bucket sizes, all-reduce algorithm...).
+        layout: every sync decision (segments, buckets and their algorithms, parameter-server hosts), made
+            from the stages and ``sync_options`` when the plan is built (``sync_layout.build_sync_layout``);
+            the schedule, the simulator and the runtime read it.
         optimizer: ``"sgd"``, ``"momentum"`` or ``"adam"`` (sets optimizer-state memory).
         virtual_workers: the VWs, each a pipeline over its devices.
         prediction: the predicted iteration time, throughput and memory.
@@ -170,7 +172,8 @@ class Plan:
         formation: how the VWs were formed (``"node"``, ``"spread"``, ``"contiguous"``...).
         cluster: the cluster the plan is for.
         profile: the model profile the plan is for.
-        options: planner options that shaped it (objective, critical batch...).
+        options: what the planner recorded: objective, strategy, critical batch, every mode's prediction
+            (``sync_predictions``), the mode comparison (``sync_choice``).
     """
 
     model: str
@@ -185,9 +188,14 @@ class Plan:
     cluster: Cluster = field(repr=False)
     profile: ModelProfile = field(repr=False)
     options: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    sync_options: SyncOptions = field(default_factory=SyncOptions)
+    layout: SyncLayout = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         validate_plan(self)
+        stages = [[(s.device, s.first_layer, s.end_layer) for s in vw.stages] for vw in self.virtual_workers]
+        layout = build_sync_layout(self.cluster, self.profile, stages, self.sync, self.sync_options)
+        object.__setattr__(self, "layout", layout)
 
     # --- derived views -----------------------------------------------------
 
@@ -200,23 +208,18 @@ class Plan:
         used = set(self.devices_used)
         return [d.name for d in self.cluster.devices if d.name not in used]
 
-    def segments(self) -> list[Segment]:
-        """Layers grouped by the set of devices that hold them.
+    def segments(self) -> tuple[Segment, ...]:
+        """Layers grouped by the set of devices that hold them (``layout.segments``).
 
         Under data parallelism across VWs that partition the model differently,
         each segment's gradients are reduced among exactly its owners.
         """
-        owners_of = [tuple(sorted({s.device for vw in self.virtual_workers for s in vw.stages
-                                   if s.first_layer <= i < s.end_layer}))
-                     for i in range(self.profile.num_layers)]
-        out: list[Segment] = []
-        start = 0
-        for i in range(1, len(owners_of) + 1):
-            if i == len(owners_of) or owners_of[i] != owners_of[start]:
-                num_bytes = float(sum(self.profile.layers[x].param_bytes for x in range(start, i)))
-                out.append(Segment(start, i, owners_of[start], num_bytes))
-                start = i
-        return out
+        return self.layout.segments
+
+    def with_sync(self, mode: str | None = None, options: SyncOptions | None = None) -> Plan:
+        """This plan under another sync mode or options: the layout is made anew, the prediction kept
+        (``planner.sync.repredict_sync`` re-predicts it)."""
+        return replace(self, sync=mode or self.sync, sync_options=options or self.sync_options)  # type: ignore[arg-type]
 
     def stage_of(self, device: str) -> tuple[int, int]:
         """(VW index, stage index) of the stage on ``device``."""
@@ -234,7 +237,7 @@ class Plan:
             "model": self.model,
             "global_batch": self.global_batch,
             "schedule": self.schedule,
-            "sync": self.sync,
+            "sync": self.layout.to_dict(),
             "optimizer": self.optimizer,
             "strategy": self.strategy,
             "formation": self.formation,
@@ -298,7 +301,8 @@ def validate_plan(plan: Plan) -> None:
 
     Every VW covers all layers with contiguous stages on distinct devices that
     exist; no device is in two stages; the mini-batches add up to the global
-    batch; recompute sets lie inside their stage.
+    batch; recompute sets lie inside their stage; no stage's predicted memory
+    exceeds its device's.
     """
     if plan.schedule not in SCHEDULES:
         raise PlanError(f"schedule must be one of {SCHEDULES}, got {plan.schedule!r}")
@@ -336,6 +340,24 @@ def validate_plan(plan: Plan) -> None:
     total = sum(vw.mini_batch for vw in plan.virtual_workers)
     if total != plan.global_batch:
         raise PlanError(f"mini-batches add up to {total}, global batch is {plan.global_batch}")
+    misplaced = sorted(set(plan.options) & set(SyncOptions().to_dict()))
+    if misplaced:
+        raise PlanError(f"plan options {misplaced[0]!r} is a sync option: it belongs in sync.options "
+                        f"(Plan.sync_options; `hetrain plan --from PLAN --sync-option {misplaced[0]}=...`)")
+    _check_memory(plan)
+
+
+def _check_memory(plan: Plan) -> None:
+    """Refuse a stage whose predicted peak memory (the stage's, or the prediction's for its device) exceeds
+    its device's memory: "stage 0 on n1:0 needs 9.1 GB, the device has 8.0 GB"."""
+    capacity = {d.name: d.memory_bytes for d in plan.cluster.devices}
+    peak = {m.device: m.peak_bytes for m in plan.prediction.memory}
+    for v, vw in enumerate(plan.virtual_workers):
+        for j, s in enumerate(vw.stages):
+            need = max(s.predicted_memory_bytes, peak.get(s.device, 0.0))
+            if need > capacity[s.device]:
+                raise PlanError(f"VW{v} stage {j} on {s.device} needs {format_bytes(need)}, the device has "
+                                f"{format_bytes(capacity[s.device])}")
 
 
 def _stage_from(raw: Mapping[str, Any], where: str) -> Stage:
@@ -354,11 +376,35 @@ def _stage_from(raw: Mapping[str, Any], where: str) -> Stage:
         ) from None
 
 
-def parse_plan(data: Mapping[str, Any]) -> Plan:
-    """Build a Plan from its JSON dict, validating it."""
-    version = data.get("format_version", FORMAT_VERSION)
+def upgrade_plan_data(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A format_version 1 plan dict as version 2: its mode and the sync options it kept among its ``options``
+    move into the ``"sync"`` section (whose layout ``parse_plan(check_layout=False)`` then makes anew).
+    A version 2 dict is returned as it is."""
+    if not isinstance(data, Mapping) or data.get("format_version") != 1:
+        return dict(data) if isinstance(data, Mapping) else data
+    options = dict(data.get("options", {})) if isinstance(data.get("options"), Mapping) else {}
+    names = set(SyncOptions().to_dict())
+    sync = {"mode": data.get("sync", "bsp"), "options": {k: options.pop(k) for k in list(options) if k in names},
+            "segments": []}
+    return {**data, "format_version": FORMAT_VERSION, "sync": sync, "options": options}
+
+
+def parse_plan(data: Mapping[str, Any], check_layout: bool = True) -> Plan:
+    """Build a Plan from its JSON dict, validating it.
+
+    With ``check_layout`` its ``"sync"`` section must be the one its stages and options give
+    (``sync_layout.check_sync_section``); without, the section's segments are ignored and made anew
+    (``hetrain plan --from``, which re-predicts a plan).
+    """
+    version = data.get("format_version")
+    if version == 1:
+        raise PlanError("plan format_version 1 predates the plan's sync section (format_version 2): "
+                        "upgrade it with `hetrain plan --from PLAN -o NEW`, which re-predicts it")
     if version != FORMAT_VERSION:
-        raise PlanError(f"plan format_version {version} is not supported (this hetrain reads {FORMAT_VERSION})")
+        raise PlanError(f"plan format_version {version!r} is not supported (this hetrain reads {FORMAT_VERSION})")
+    sync = data.get("sync")
+    if not isinstance(sync, Mapping):
+        raise PlanError(f"plan sync must be an object {{mode, options, segments}}, got {sync!r:.80}")
     for key in ("cluster", "profile", "virtual_workers", "global_batch"):
         if key not in data:
             raise PlanError(f"plan is missing {key!r}")
@@ -381,11 +427,11 @@ def parse_plan(data: Mapping[str, Any]) -> Plan:
         simulated_iteration_s=raw_pred.get("simulated_iteration_s"),
         time_to_accuracy_s=raw_pred.get("time_to_accuracy_s"),
     )
-    return Plan(
+    plan = Plan(
         model=str(data.get("model", profile.name)),
         global_batch=int(data["global_batch"]),
         schedule=data.get("schedule", "1f1b"),
-        sync=data.get("sync", "bsp"),
+        sync=sync.get("mode", "bsp"),
         optimizer=data.get("optimizer", "adam"),
         virtual_workers=tuple(vws),
         prediction=pred,
@@ -394,11 +440,18 @@ def parse_plan(data: Mapping[str, Any]) -> Plan:
         cluster=cluster,
         profile=profile,
         options=dict(data.get("options", {})),
+        sync_options=SyncOptions.from_mapping(sync.get("options", {}), "plan sync.options"),
     )
+    if check_layout:
+        check_sync_section(sync, plan.layout)
+    return plan
 
 
-def load_plan(path: str | Path) -> Plan:
-    """Read and validate plan.json; PlanError names what is wrong."""
+def load_plan(path: str | Path, check_layout: bool = True, upgrade: bool = False) -> Plan:
+    """Read and validate plan.json; PlanError names what is wrong.
+
+    ``upgrade`` reads a format_version 1 plan too (``upgrade_plan_data``); ``check_layout`` as ``parse_plan``.
+    """
     p = Path(path)
     try:
         data = json.loads(p.read_text())
@@ -406,20 +459,4 @@ def load_plan(path: str | Path) -> Plan:
         raise PlanError(f"cannot read plan {p}: {e.strerror}") from None
     except json.JSONDecodeError as e:
         raise PlanError(f"{p}: not valid JSON: {e}") from None
-    return parse_plan(data)
-
-
-def allreduce_algorithm(plan: Plan) -> str:
-    """The plan's ``allreduce`` option: ``"auto"`` (default; the cheaper of ring and hierarchical per
-    all-reduce, ``cost.estimate_allreduce``) or ``"ring"`` (always the flat ring, as
-    DistributedDataParallel runs it). The simulator and the runtime both read it here.
-
-    Raises:
-        PlanError: another value.
-    """
-    from hetrain.cost import ALLREDUCE_ALGORITHMS
-
-    value = plan.options.get("allreduce", "auto")
-    if value not in ALLREDUCE_ALGORITHMS:
-        raise PlanError(f"plan option allreduce must be one of {', '.join(ALLREDUCE_ALGORITHMS)}, got {value!r}")
-    return str(value)
+    return parse_plan(upgrade_plan_data(data) if upgrade else data, check_layout)

@@ -28,8 +28,8 @@ is waited on before the optimizer step); a RECV holds the device until the data
 has arrived; an ALLREDUCE holds every owner of its segment until all of them
 reach it and the collective completes.
 
-Under ``bsp`` each segment is cut into gradient buckets (``build_buckets``: runs
-of layers of about ``BUCKET_BYTES``, the first one smaller, in reverse layer
+Under ``bsp`` each segment is cut into gradient buckets (``SyncLayout``'s buckets: runs
+of layers of about ``bucket_bytes``, the first one smaller, in reverse layer
 order, as PyTorch's DistributedDataParallel buckets its gradients). The
 ``ALLREDUCE_START`` of every bucket follows the device's last backward: the
 bucket's all-reduce starts *during* that backward, as soon as it has computed
@@ -67,7 +67,8 @@ from dataclasses import dataclass
 from enum import Enum
 
 from hetrain.errors import InputError
-from hetrain.plan import Plan, Segment
+from hetrain.plan import Plan
+from hetrain.sync_layout import Bucket, Segment
 
 
 class ScheduleError(InputError):
@@ -110,7 +111,7 @@ COUNTERPART: dict[ActionKind, ActionKind] = {
 SEGMENT_KINDS: frozenset[ActionKind] = frozenset({K.ALLREDUCE, K.LOCAL_ALLREDUCE, K.AVERAGE, K.AVERAGE_START,
                                                   K.AVERAGE_MERGE, K.PUSH, K.PULL, K.ALLREDUCE_START,
                                                   K.ALLREDUCE_WAIT})
-#: segment kinds that act on one gradient bucket of the segment (``build_buckets``)
+#: segment kinds that act on one gradient bucket of the segment (``Segment.buckets``)
 BUCKET_KINDS: frozenset[ActionKind] = frozenset({K.ALLREDUCE_START, K.ALLREDUCE_WAIT})
 #: segment kinds that hold every participant until all of them reach it (a blocking collective)
 COLLECTIVE_KINDS: frozenset[ActionKind] = frozenset({K.ALLREDUCE, K.LOCAL_ALLREDUCE, K.AVERAGE})
@@ -126,7 +127,7 @@ class Action:
         micro_batch: ``i`` (compute and send/receive).
         peer: the device sent to or received from (send/receive).
         segment: index into ``Plan.segments()`` (ALLREDUCE and the other segment kinds).
-        bucket: index into ``build_buckets(plan)[segment]`` (ALLREDUCE_START, ALLREDUCE_WAIT).
+        bucket: index into ``plan.segments()[segment].buckets`` (ALLREDUCE_START, ALLREDUCE_WAIT).
 
     Example:
         >>> str(Action(ActionKind.SEND_F, stage=1, micro_batch=0, peer="n0:2"))
@@ -294,69 +295,6 @@ def add_p2p(compute: Sequence[Action], prev_device: str | None, next_device: str
     return out
 
 
-#: DistributedDataParallel's default bucket size (``bucket_cap_mb=25``); plan option ``bucket_bytes``
-BUCKET_BYTES = 25 * 2**20
-#: its first bucket's (``_DEFAULT_FIRST_BUCKET_BYTES``), so the last layers' all-reduce starts early;
-#: plan option ``first_bucket_bytes``
-FIRST_BUCKET_BYTES = 2**20
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """Layers ``[first_layer, end_layer)`` of a segment whose gradients are all-reduced together.
-
-    Attributes:
-        segment: index into ``Plan.segments()``.
-        index: its place in the segment's buckets: 0 holds the segment's last layers.
-        first_layer: the first layer it holds.
-        end_layer: one past its last layer.
-        param_bytes: bytes of its gradients (the profile's parameter bytes of its layers).
-    """
-
-    segment: int
-    index: int
-    first_layer: int
-    end_layer: int
-    param_bytes: float
-
-
-def build_buckets(plan: Plan) -> list[list[Bucket]]:
-    """Per segment, its gradient buckets, from its last layers to its first.
-
-    Walking a segment's layers backwards, a bucket closes once it holds at least
-    ``first_bucket_bytes`` (the first bucket) or ``bucket_bytes`` (the others) of
-    gradients (plan options; DistributedDataParallel's defaults, 1 MiB and 25 MiB,
-    otherwise). A layer is never split, so a bucket can be larger; a segment
-    smaller than the first bucket is one bucket. The simulator and the runtime
-    both take the buckets from here, so they all-reduce the same layers together.
-
-    Raises:
-        ScheduleError: a bucket size that is not a positive number.
-    """
-    sizes = []
-    for name, default in (("first_bucket_bytes", FIRST_BUCKET_BYTES), ("bucket_bytes", BUCKET_BYTES)):
-        value = plan.options.get(name, default)
-        try:
-            size = float(value)
-        except (TypeError, ValueError):
-            size = float("nan")
-        if not size > 0:
-            raise ScheduleError(f"plan option {name} must be a positive number of bytes, got {value!r}")
-        sizes.append(size)
-    layers = plan.profile.layers
-    out: list[list[Bucket]] = []
-    for s, seg in enumerate(plan.segments()):
-        buckets: list[Bucket] = []
-        end, held = seg.end_layer, 0.0
-        for k in range(seg.end_layer - 1, seg.first_layer - 1, -1):
-            held += layers[k].param_bytes
-            if held >= sizes[min(len(buckets), 1)] or k == seg.first_layer:
-                buckets.append(Bucket(s, len(buckets), k, end, held))
-                end, held = k, 0.0
-        out.append(buckets)
-    return out
-
-
 def add_bsp_sync(actions: list[Action], buckets: Sequence[Bucket]) -> list[Action]:
     """Add the all-reduce of every bucket, in the order given, and STEP.
 
@@ -372,94 +310,20 @@ def add_bsp_sync(actions: list[Action], buckets: Sequence[Bucket]) -> list[Actio
     return [*actions[:last_b + 1], *starts, *actions[last_b + 1:], *waits, Action(K.STEP)]
 
 
-def device_buckets(plan: Plan, device: str, buckets: Sequence[Sequence[Bucket]] | None = None) -> list[Bucket]:
-    """The buckets ``device`` all-reduces, in the order it starts them: last layers first
-    (decreasing segment, then increasing bucket index). Segments it alone holds have none."""
-    every = build_buckets(plan) if buckets is None else buckets
-    return [b for s in sorted(owned_segments(plan).get(device, []), reverse=True) for b in every[s]]
-
-
 def owned_segments(plan: Plan) -> dict[str, list[int]]:
-    """Per device, the segments it all-reduces: those it owns with at least one other device.
-
-    A segment held by one device only has nothing to reduce and gets no action.
-    """
+    """Per device, the segments it synchronises: those it owns with at least one other device
+    (``SyncLayout.owned_segments``). A segment held by one device only has nothing to reduce."""
     out: dict[str, list[int]] = {}
-    for s, seg in enumerate(plan.segments()):
-        if len(seg.owners) > 1:
+    for s, seg in enumerate(plan.layout.segments):
+        if seg.shared:
             for dev in seg.owners:
-                out.setdefault(dev, []).append(s)
-    return out
-
-
-@dataclass(frozen=True)
-class SyncOptions:
-    """The sync mode's parameters, read from ``Plan.options`` (docs/plan.md, docs/sync.md).
-
-    Attributes:
-        staleness: D of ``wsp`` and ``hybrid-ps``: how many waves a worker may run ahead of the slowest.
-        period: k of ``local-sgd`` and ``daso``: iterations between global averages (DASO's initial k).
-        aggregate: iterations of ``hybrid-ps`` whose updates are aggregated into one push.
-        warmup: first iterations of ``daso`` that average globally every iteration, blocking.
-        cooldown: last iterations of ``daso`` that do the same.
-    """
-
-    staleness: int = 1
-    period: int = 4
-    aggregate: int = 4
-    warmup: int = 2
-    cooldown: int = 2
-
-    def __post_init__(self) -> None:
-        if self.staleness < 0:
-            raise ScheduleError(f"sync option staleness must be >= 0, got {self.staleness}")
-        for name in ("period", "aggregate"):
-            if getattr(self, name) < 1:
-                raise ScheduleError(f"sync option {name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup", "cooldown"):
-            if getattr(self, name) < 0:
-                raise ScheduleError(f"sync option {name} must be >= 0, got {getattr(self, name)}")
-
-
-SYNC_OPTION_NAMES: tuple[str, ...] = ("staleness", "period", "aggregate", "warmup", "cooldown")
-
-
-def sync_options(plan: Plan) -> SyncOptions:
-    """The plan's ``SyncOptions`` (defaults where ``Plan.options`` has none)."""
-    try:
-        return SyncOptions(**{k: int(plan.options[k]) for k in SYNC_OPTION_NAMES if k in plan.options})
-    except (TypeError, ValueError) as e:
-        if isinstance(e, ScheduleError):
-            raise
-        raise ScheduleError(f"plan options {dict(plan.options)!r}: sync options must be integers ({e})") from None
-
-
-def ps_host(plan: Plan, s: int) -> str:
-    """The owner of segment ``s`` that hosts its parameter-server shard, by the sync option ``placement``:
-    ``local`` (default: on the node with most of the segment's owners) or ``round-robin`` over its owners
-    (``planner.sync.place_ps_shard``; owners in cluster order, as the planner costs them)."""
-    from hetrain.planner.sync import PLACEMENTS, place_ps_shard
-
-    index = {d.name: k for k, d in enumerate(plan.cluster.devices)}
-    node_of = {d.name: d.node for d in plan.cluster.devices}
-    owners = sorted(plan.segments()[s].owners, key=index.__getitem__)
-    return place_ps_shard(owners, [node_of[o] for o in owners], s, str(plan.options.get("placement", PLACEMENTS[0])))
-
-
-def node_shared_segments(plan: Plan) -> dict[str, list[int]]:
-    """Per device, the segments it shares with another owner on its own node (LOCAL_ALLREDUCE)."""
-    node_of = {d.name: d.node for d in plan.cluster.devices}
-    out: dict[str, list[int]] = {}
-    for s, seg in enumerate(plan.segments()):
-        for dev in seg.owners:
-            if sum(node_of[o] == node_of[dev] for o in seg.owners) > 1:
                 out.setdefault(dev, []).append(s)
     return out
 
 
 def is_global_sync(plan: Plan, iteration: int, period: int | None = None) -> bool:
     """Whether iteration ``iteration`` (0-based) ends with the mode's periodic global sync."""
-    opts = sync_options(plan)
+    opts = plan.sync_options
     if plan.sync == "hybrid-ps":
         return (iteration + 1) % opts.aggregate == 0
     return (iteration + 1) % (opts.period if period is None else period) == 0
@@ -480,17 +344,17 @@ def build_sync_actions(plan: Plan, device: str, iteration: int = 0, steps: int |
 
     mode = plan.sync
     if mode == "bsp":
-        return add_bsp_sync([], device_buckets(plan, device))
+        return add_bsp_sync([], plan.layout.device_buckets(device))
     if mode == "wsp":  # every iteration is one wave: local step, push the wave's update, pull within D
         return [Action(K.STEP), *each(K.PUSH, down), *each(K.PULL, down)]
     if mode == "local-sgd":
         return [Action(K.STEP), *(each(K.AVERAGE, down) if is_global_sync(plan, iteration, period) else [])]
-    local = each(K.LOCAL_ALLREDUCE, node_shared_segments(plan).get(device, []))
+    local = each(K.LOCAL_ALLREDUCE, plan.layout.local_segments(device))
     if mode == "hybrid-ps":
         glob = [*each(K.PUSH, down), *each(K.PULL, down)] if is_global_sync(plan, iteration) else []
         return [*local, Action(K.STEP), *glob]
     if mode == "daso":
-        opts = sync_options(plan)
+        opts = plan.sync_options
         blocking = iteration < opts.warmup or (steps is not None and iteration >= steps - opts.cooldown)
         out = [*local, Action(K.STEP)]
         if merge_pending:
@@ -522,7 +386,6 @@ def build_schedule(plan: Plan, iteration: int = 0, steps: int | None = None, per
         raise ScheduleError(f"no generator for schedule {plan.schedule!r}; known: {', '.join(GENERATORS)}")
     generate = GENERATORS[plan.schedule]
     orders: dict[tuple[int, int], list[list[Action]]] = {}
-    buckets = build_buckets(plan) if plan.sync == "bsp" else []
     out: Schedule = {}
     for vw in plan.virtual_workers:
         m, p, devices = vw.micro_batches, len(vw.stages), vw.devices
@@ -533,7 +396,7 @@ def build_schedule(plan: Plan, iteration: int = 0, steps: int | None = None, per
             next_device = devices[j + 1] if j < p - 1 else None
             actions = add_p2p(compute, prev_device, next_device)
             if plan.sync == "bsp":  # bucket all-reduces interleaved with the last backward
-                out[devices[j]] = add_bsp_sync(actions, device_buckets(plan, devices[j], buckets))
+                out[devices[j]] = add_bsp_sync(actions, plan.layout.device_buckets(devices[j]))
             else:
                 out[devices[j]] = [*actions,
                                    *build_sync_actions(plan, devices[j], iteration, steps, period, merge_pending)]
@@ -699,7 +562,7 @@ def validate(schedule: Mapping[str, Sequence[Action]], plan: Plan) -> None:
     """
     roles = _roles(plan)
     segments = plan.segments()
-    num_buckets = [len(b) for b in build_buckets(plan)]
+    num_buckets = [len(seg.buckets) for seg in segments]
     owners = {s: set(seg.owners) for s, seg in enumerate(segments)}
     owned: dict[str, set[int]] = {}
     for s, devs in owners.items():

@@ -83,16 +83,13 @@ from hetrain.cost import (
     estimate_ring_allreduce_time,
     estimate_stage_memory,
 )
-from hetrain.plan import Plan, PlanError, allreduce_algorithm, load_plan
+from hetrain.plan import Plan, PlanError, load_plan
 from hetrain.schedule import (
     COLLECTIVE_KINDS,
     ActionKind,
     Schedule,
     ScheduleError,
-    build_buckets,
     build_schedule,
-    ps_host,
-    sync_options,
     validate,
 )
 from hetrain.timeline import Event, Timeline
@@ -238,10 +235,11 @@ def _ring_edges(cluster: Cluster, order: Sequence[int], res: _Resources) -> tupl
 
 
 def _allreduce_phases(cluster: Cluster, owners: Sequence[int], num_bytes: float,
-                      res: _Resources, allowed: str = "auto") -> list[tuple[float, tuple[int, ...], str]]:
-    """(seconds, resources, name) of each phase of one all-reduce; the seconds add up to ``estimate_allreduce``."""
+                      res: _Resources, algorithm: str) -> list[tuple[float, tuple[int, ...], str]]:
+    """(seconds, resources, name) of each phase of one all-reduce by ``algorithm`` (the plan's ``"ring"`` or
+    ``"hierarchical"``); the seconds add up to ``estimate_allreduce``'s."""
     shape = allreduce_shape(cluster, owners)
-    total, algorithm = estimate_allreduce(num_bytes, shape, allowed)
+    total, algorithm = estimate_allreduce(num_bytes, shape, algorithm)
     if total <= 0:
         return []
     if algorithm == "ring":
@@ -288,7 +286,7 @@ def simulated_iterations(plan: Plan) -> int:
     """How many iterations ``simulate`` replays: 1 for ``bsp``; for the other modes enough to cover their periods."""
     if plan.sync == "bsp":
         return 1
-    opts = sync_options(plan)
+    opts = plan.sync_options
     period = opts.aggregate if plan.sync == "hybrid-ps" else opts.period
     return max(ASYNC_ITERATIONS, 3 * period, 2 * (opts.staleness + 1))
 
@@ -348,15 +346,13 @@ class _Replay:
         segments = plan.segments()
         self.segments = segments
         self.node_of = {dev.name: dev.node for dev in cluster.devices}
-        self.staleness = sync_options(plan).staleness
+        self.staleness = plan.sync_options.staleness
         # collectives: (kind, segment, members, iteration started) -> id; their phases, members and label
         self.cids: dict[tuple[ActionKind, int, tuple[Any, ...], int], int] = {}
         self.phases: dict[int, list[tuple[float, tuple[int, ...], str]]] = {}
         self.owners: dict[int, list[int]] = {}
         self.clabel: dict[int, str] = {}
         self.last_start: dict[tuple[int, int], int] = {}  # (device, segment) -> iteration of its AVERAGE_START
-        self.buckets = build_buckets(plan)
-        self.allreduce = allreduce_algorithm(plan)
         n = len(self.names)
         self.fwd: list[list[float]] = [[] for _ in range(n)]
         self.bwd: list[list[float]] = [[] for _ in range(n)]
@@ -453,13 +449,13 @@ class _Replay:
             return (_B, i, b_labels[i], ())  # (offset in the backward, collective) of the buckets it starts
         if k is ActionKind.ALLREDUCE_START or k is ActionKind.ALLREDUCE_WAIT:
             assert a.segment is not None and a.bucket is not None
-            bucket = self.buckets[a.segment][a.bucket]
+            bucket = self.segments[a.segment].buckets[a.bucket]
             key = (ActionKind.ALLREDUCE_START, a.segment, (a.bucket,), it)
             if key not in self.cids:
                 cid = self.cids[key] = len(self.cids)
                 members = self.segments[a.segment].owners
                 self.phases[cid] = _allreduce_phases(cluster, [cluster_index[o] for o in members],
-                                                     bucket.param_bytes, self.res, self.allreduce)
+                                                     bucket.param_bytes, self.res, bucket.algorithm)
                 self.owners[cid] = [index[o] for o in members]
                 self.clabel[cid] = f"ALLREDUCE seg{a.segment} bucket{a.bucket}"
             if k is ActionKind.ALLREDUCE_START:
@@ -499,8 +495,9 @@ class _Replay:
             key = (kind, a.segment, tuple(members), started)
             if key not in self.cids:
                 self.cids[key] = len(self.cids)
+                algorithm = seg.algorithm if len(members) == len(seg.owners) else "ring"  # one node: ring
                 self.phases[self.cids[key]] = _allreduce_phases(cluster, [cluster_index[o] for o in members],
-                                                                seg.param_bytes, self.res, self.allreduce)
+                                                                seg.param_bytes, self.res, algorithm)
                 self.owners[self.cids[key]] = [index[o] for o in members]
                 self.clabel[self.cids[key]] = f"{k.value if k in COLLECTIVE_KINDS else 'AVERAGE'} seg{a.segment}"
             cid = self.cids[key]
@@ -512,7 +509,8 @@ class _Replay:
         if k is ActionKind.PUSH or k is ActionKind.PULL:
             assert a.segment is not None
             seg = self.segments[a.segment]
-            host = ps_host(self.plan, a.segment)
+            host = seg.ps_host
+            assert host is not None, f"segment {a.segment} has no parameter-server host under {self.plan.sync}"
             num_bytes = seg.param_bytes
             here, there = cluster_index[name], cluster_index[host]
             dur = estimate_p2p_time(num_bytes, cluster.link(here, there)) if host != name else 0.0

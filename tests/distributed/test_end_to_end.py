@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 
+from hetrain import plan
 from hetrain.cluster import parse_cluster
 from hetrain.demo import relabel_profile
 from hetrain.emulate import EmulatedCluster, EmulationError, EmulationSettings, list_runs
 from hetrain.emulate.cgroups import list_run_dirs
 from hetrain.emulate.emulator import check_permissions
 from hetrain.emulate.network import list_namespaces, run_id_of
-from hetrain.planner import plan
 from hetrain.profile import load_profile
 from hetrain.profiler.layers import run_profile_command
 

@@ -90,7 +90,7 @@ def test_a_job_restarted_by_torchrun_resumes_under_another_plan(tmp_path: Path, 
     p = spawn([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
                "--max-restarts", "1", "--monitor-interval", "0.2", str(tmp_path / "wrapper.py"),
                str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--model", "gpt-tiny", "--data", "synthetic",
-               *settings, "--steps", str(STEPS), "--optimizer", "momentum", "--lr", str(LR),
+               *settings, "--steps", str(STEPS), "--lr", str(LR),  # the plans' optimizer: momentum
                "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(EVERY), "--metrics-out", str(metrics),
                "--timeout-s", "30", "--no-progress"], {**clean_env, "HETRAIN_NODE": "n0"})
     stdout, stderr = p.communicate(timeout=120)

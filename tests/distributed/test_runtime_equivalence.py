@@ -39,8 +39,9 @@ from hetrain.models.layers import LayerRange
 from hetrain.models.registry import build_layers, loss_fn
 from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
 from hetrain.runtime.trainer import build_optimizer_fn
-from hetrain.schedule import ActionKind, build_buckets, build_schedule
+from hetrain.schedule import ActionKind, build_schedule
 from hetrain.simulator import simulate
+from hetrain.sync_layout import SyncOptions
 from hetrain.timeline import compare, load_timeline
 
 STEPS = 3
@@ -84,7 +85,8 @@ def make_plan(model: str, vws: list[tuple[list[str], list[int], int, int]], sche
     built = tuple(VirtualWorker(tuple(Stage(d, b[j], b[j + 1], rc.get(d, ())) for j, d in enumerate(devs)), mb, m)
                   for devs, b, mb, m in vws)
     return Plan(model, sum(v.mini_batch for v in built), schedule, "bsp", "sgd", built,  # type: ignore[arg-type]
-                Prediction(0, 0, 0, 0, 0), "hybrid", "manual", cluster, profile, dict(options or {}))
+                Prediction(0, 0, 0, 0, 0), "hybrid", "manual", cluster, profile,
+                sync_options=SyncOptions(**(options or {})))
 
 
 D = [f"n0:{k}" for k in range(WORLD)]
@@ -152,10 +154,10 @@ def reference(spec: dict[str, Any], global_batch: int) -> tuple[dict[str, torch.
 
 def test_the_plans_all_reduce_in_several_buckets() -> None:
     plan = CASES["dp-uneven"]["plan"]
-    assert [(b.first_layer, b.end_layer) for b in build_buckets(plan)[0]] == [(4, 6), (2, 4), (0, 2)]
+    assert [(b.first_layer, b.end_layer) for b in plan.segments()[0].buckets] == [(4, 6), (2, 4), (0, 2)]
     starts = [str(a) for a in build_schedule(plan)[D[0]] if a.kind is ActionKind.ALLREDUCE_START]
     assert starts == [f"ALLREDUCE_START seg0 bucket{b}" for b in range(3)]
-    assert [len(b) for b in build_buckets(CASES["adamw"]["plan"])] == [1, 1, 1]
+    assert [len(seg.buckets) for seg in CASES["adamw"]["plan"].segments()] == [1, 1, 1]
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -28,6 +28,7 @@ from hetrain.models.analytic import build_profile
 from hetrain.models.layers import LayerRange
 from hetrain.models.registry import build_layers, loss_fn
 from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
+from hetrain.sync_layout import SyncOptions
 
 WORLD = 2
 STEPS = 4
@@ -63,7 +64,7 @@ def make_plan(sync: str, vws: list[tuple[list[str], list[int], int, int]], **opt
                   for devs, b, mb, m in vws)
     return Plan("gpt-tiny", sum(v.mini_batch for v in built), "1f1b", sync, "adam", built,  # type: ignore[arg-type]
                 Prediction(0, 0, 0, 0, 0), "hybrid", "manual", cluster,
-                build_profile("gpt-tiny", tie_embeddings=False), options)
+                build_profile("gpt-tiny", tie_embeddings=False), sync_options=SyncOptions(**options))
 
 
 CASES: dict[str, Plan] = {

@@ -29,9 +29,8 @@ from hetrain.models.analytic import build_profile
 from hetrain.models.layers import LayerRange
 from hetrain.models.registry import build_layers, loss_fn
 from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
-from hetrain.runtime.sync import segment_algorithm
 from hetrain.runtime.trainer import build_optimizer_fn
-from hetrain.schedule import build_buckets
+from hetrain.sync_layout import SyncOptions
 
 STEPS = 3
 GPT = {"hidden": 32, "heads": 2, "seq_len": 16}
@@ -78,20 +77,20 @@ def make_plan() -> Plan:
     vws = tuple(VirtualWorker((Stage(d, 0, 6, ()),), mb, 1)
                 for d, mb in zip(["n0:0", "n0:1", "n1:0", "n1:1"], [3, 2, 2, 1], strict=True))
     return Plan("gpt-tiny", sum(v.mini_batch for v in vws), "1f1b", "bsp", "sgd", vws,
-                Prediction(0, 0, 0, 0, 0), "hybrid", "manual", cluster, profile, dict(BUCKETS))
+                Prediction(0, 0, 0, 0, 0), "hybrid", "manual", cluster, profile,
+                sync_options=SyncOptions(**BUCKETS))
 
 
-def test_the_cost_model_picks_hierarchical_for_the_plan() -> None:
+def test_the_plan_records_hierarchical_as_the_cost_model_picks_it() -> None:
     plan = make_plan()
     (seg,) = plan.segments()
     assert len(seg.owners) == 4
     num_bytes = float(sum(plan.profile.layers[x].param_bytes for x in range(seg.first_layer, seg.end_layer)))
     _, algorithm = estimate_allreduce(num_bytes, allreduce_shape(plan.cluster, [0, 1, 2, 3]))
     assert algorithm == "hierarchical"
-    assert segment_algorithm(plan, seg) == "hierarchical"
-    buckets = build_buckets(plan)[0]
-    assert [(b.first_layer, b.end_layer) for b in buckets] == [(4, 6), (2, 4), (0, 2)]
-    assert all(segment_algorithm(plan, seg, b.param_bytes) == "hierarchical" for b in buckets)
+    assert seg.algorithm == "hierarchical"
+    assert [(b.first_layer, b.end_layer) for b in seg.buckets] == [(4, 6), (2, 4), (0, 2)]
+    assert all(b.algorithm == "hierarchical" for b in seg.buckets)
 
 
 def reference(global_batch: int) -> dict[str, torch.Tensor]:
@@ -123,7 +122,7 @@ def test_hierarchical_allreduce_matches_single_process_training(tmp_path: Path, 
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{err[-4000:]}"
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(len(NODES))]
-    buckets = len(build_buckets(plan)[0])
+    buckets = len(plan.segments()[0].buckets)
     for part in parts:  # every rank ran every step's bucket all-reduces hierarchically, posted from the backward
         assert part["calls"] == {"ring": 0, "hierarchical": STEPS * buckets}
         assert part["early"] == STEPS * buckets

@@ -40,6 +40,7 @@ from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
 from hetrain.runtime.checkpoint import load_checkpoint, load_manifest
 from hetrain.runtime.modes import DasoRate
 from hetrain.runtime.trainer import build_optimizer_fn
+from hetrain.sync_layout import SyncOptions
 
 WORLD = 4
 NODES = "n0,n0,n1,n1"
@@ -119,7 +120,8 @@ def make_plan(model: str, sync: str, vws: list[tuple[list[str], list[int], int, 
     built = tuple(VirtualWorker(tuple(Stage(d, b[j], b[j + 1]) for j, d in enumerate(devs)), mb, m)
                   for devs, b, mb, m in vws)
     return Plan(model, sum(v.mini_batch for v in built), "1f1b", sync, "sgd", built,  # type: ignore[arg-type]
-                Prediction(0, 0, 0, 0, 0), "hybrid", "manual", cluster(), profile, options)
+                Prediction(0, 0, 0, 0, 0), "hybrid", "manual", cluster(), profile,
+                sync_options=SyncOptions(**options))
 
 
 DP4 = [([d], [0, 1], 8, 1) for d in D]

@@ -10,15 +10,16 @@ Search, per candidate formation (formation.py):
 4. add synchronisation (sync.py) and the optimizer step.
 
 The formations are ranked by the objective (throughput, or time to accuracy
-with a critical batch size), and the best few are re-ranked by the simulator
-where it is available.
+with a critical batch size), and the best few are re-ranked by a scoring
+function when the caller hands one in (``hetrain.plan`` hands in the
+simulator; the planner imports no simulator).
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -36,22 +37,21 @@ from hetrain.errors import InputError
 from hetrain.plan import (
     OPTIMIZERS,
     SCHEDULES,
-    SYNC_MODES,
     DeviceMemory,
     Optimizer,
     Plan,
     Prediction,
     Schedule,
     Stage,
-    SyncMode,
     VirtualWorker,
 )
 from hetrain.planner.formation import Formation, build_formations
 from hetrain.planner.partition import PartitionResult
 from hetrain.planner.stage_cost import StageTableCache
-from hetrain.planner.sync import estimate_mode_sync_time
+from hetrain.planner.sync import Scorer, choose_sync_mode, estimate_mode_sync_time
 from hetrain.planner.vw import VWEvaluator, canonical_devices, vw_signature
 from hetrain.profile import ModelProfile
+from hetrain.sync_layout import SYNC_MODES, SyncMode, SyncOptions
 from hetrain.units import format_bytes
 
 INF = float("inf")
@@ -71,7 +71,8 @@ class PlannerOptions:
         sync: the sync mode recorded in the plan and costed (``planner.sync.estimate_mode_sync_time``); ``auto``:
             plan for ``bsp``, then take the mode with the soonest predicted time to accuracy for those VWs
             (``planner.sync.choose_sync_mode``, discounted by ``staleness_penalty``).
-        sync_options: the mode's parameters (staleness, period, aggregate, placement...), copied into ``Plan.options``.
+        sync_options: the mode's parameters (staleness, period, aggregate, placement, buckets...), recorded in
+            the plan (``Plan.sync_options``).
         staleness_penalty: with ``sync="auto"``, the extra samples to accuracy per iteration of mean staleness.
         optimizer: sets optimizer-state memory and step time.
         objective: ``throughput`` or ``time-to-accuracy``.
@@ -85,13 +86,13 @@ class PlannerOptions:
         exhaustive_orders: try every device order of a VW when it has at most this many.
         exhaustive_devices: clusters this small also try every set partition.
         refine_top_k: search this many best screened candidates exactly.
-        simulate_top_k: re-rank this many best candidates by simulation (0: off).
+        simulate_top_k: re-rank this many best candidates by the scoring function, where one is given (0: off).
     """
 
     strategy: Literal["auto", "dp", "pp", "hybrid"] = "auto"
     schedule: Literal["auto", "gpipe", "1f1b"] = "auto"
     sync: SyncMode | Literal["auto"] = "bsp"
-    sync_options: tuple[tuple[str, int | str], ...] = ()
+    sync_options: SyncOptions = field(default_factory=SyncOptions)
     staleness_penalty: float = 0.0
     optimizer: Optimizer = "adam"
     objective: Literal["throughput", "time-to-accuracy"] = "throughput"
@@ -114,6 +115,8 @@ class PlannerOptions:
             raise ValueError(f"schedule must be auto, gpipe or 1f1b, got {self.schedule!r}")
         if self.sync not in SYNC_MODES and self.sync != "auto":
             raise ValueError(f"sync must be auto or one of {SYNC_MODES}, got {self.sync!r}")
+        if not isinstance(self.sync_options, SyncOptions):
+            raise ValueError(f"sync_options must be a SyncOptions, got {type(self.sync_options).__name__}")
         if not self.staleness_penalty >= 0:
             raise ValueError(f"staleness_penalty must be >= 0, got {self.staleness_penalty}")
         if self.optimizer not in OPTIMIZERS:
@@ -232,7 +235,7 @@ def _evaluate(cluster: Cluster, profile: ModelProfile, formation: Formation, sch
     )
     # what each device's last backward micro-batch can hide of its BSP gradient buckets
     hide = {d.index: r.backward_s[j] for r in parts for j, d in enumerate(r.devices)}
-    sync_s = estimate_mode_sync_time(cluster, profile, layouts, opts.sync, dict(opts.sync_options),
+    sync_s = estimate_mode_sync_time(cluster, profile, layouts, opts.sync, opts.sync_options,
                                      pipeline_s + optimizer_s, hide)
     c = Candidate(formation, schedule, global_batch, parts, split, pipeline_s, sync_s, optimizer_s)
     c.extra["layouts"] = layouts
@@ -262,11 +265,11 @@ def _to_plan(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: Planne
         optimizer_s=c.optimizer_s, memory=tuple(memory), time_to_accuracy_s=tta,
     )
     schedule: Schedule = "gpipe" if c.schedule == "gpipe" else "1f1b"
-    options: dict[str, Any] = {"objective": opts.objective, "strategy": opts.strategy, **dict(opts.sync_options)}
+    options: dict[str, Any] = {"objective": opts.objective, "strategy": opts.strategy}
     layouts = c.extra.get("layouts")
     if layouts is not None:  # every mode's prediction for this plan's VWs, so a user can compare (docs/sync.md)
         options["sync_predictions"] = {
-            mode: {"sync_s": (s := estimate_mode_sync_time(cluster, profile, layouts, mode, dict(opts.sync_options),
+            mode: {"sync_s": (s := estimate_mode_sync_time(cluster, profile, layouts, mode, opts.sync_options,
                                                            c.pipeline_s + c.optimizer_s, c.extra.get("hide"))),
                    "iteration_s": c.pipeline_s + c.optimizer_s + s,
                    "samples_per_s": c.global_batch / (c.pipeline_s + c.optimizer_s + s)}
@@ -278,7 +281,7 @@ def _to_plan(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: Planne
         sync=opts.sync if opts.sync != "auto" else "bsp", optimizer=opts.optimizer,
         virtual_workers=tuple(vws), prediction=prediction,
         strategy=c.formation.strategy, formation=c.formation.name, cluster=cluster, profile=profile,
-        options=options,
+        options=options, sync_options=opts.sync_options,
     )
 
 
@@ -357,7 +360,7 @@ def search(cluster: Cluster, profile: ModelProfile, global_batch: int, opts: Pla
 
 
 def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: PlannerOptions | None = None,
-         **kwargs: Any) -> Plan:
+         score: Scorer | None = None, **kwargs: Any) -> Plan:
     """Plan a hybrid pipeline + data parallel run of ``profile`` on ``cluster``.
 
     Args:
@@ -365,10 +368,12 @@ def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: Pl
         profile: the model's per-layer costs.
         global_batch: samples per iteration over all virtual workers.
         options: a PlannerOptions; or pass its fields as keyword arguments.
+        score: a plan's iteration seconds by a finer model (``hetrain.plan`` passes the simulator's);
+            None ranks by the closed forms only.
 
     Returns:
-        The best Plan by the objective: by simulation among the closed form's
-        best ``simulate_top_k`` where the simulator is available.
+        The best Plan by the objective: by ``score`` among the closed form's
+        best ``simulate_top_k`` where a scorer is given.
 
     Raises:
         PlannerError: no arrangement fits, or the batch is too small; the message has the numbers.
@@ -383,28 +388,21 @@ def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: Pl
     if options is not None and kwargs:
         opts = replace(options, **kwargs)
     if opts.sync == "auto":  # plan for BSP, then pick the mode by predicted time to accuracy (docs/sync.md)
-        from hetrain.planner.sync import choose_sync_mode
-
-        return choose_sync_mode(plan(cluster, profile, global_batch, replace(opts, sync="bsp")),
+        return choose_sync_mode(plan(cluster, profile, global_batch, replace(opts, sync="bsp"), score),
                                 opts.staleness_penalty, opts.target_samples, opts.critical_batch,
-                                opts.simulate_top_k > 0)
+                                score if opts.simulate_top_k > 0 else None)
     found = search(cluster, profile, global_batch, opts)
     plans = [_to_plan(cluster, profile, c, opts) for c in found[: max(1, opts.simulate_top_k)]]
-    if opts.simulate_top_k > 0:
-        plans = rerank_by_simulation(plans, opts)
+    if opts.simulate_top_k > 0 and score is not None:
+        plans = rerank(plans, opts, score)
     return plans[0]
 
 
-def rerank_by_simulation(plans: list[Plan], opts: PlannerOptions) -> list[Plan]:
-    """Simulate each plan, record the figure, and order by simulated time (or TTA)."""
-    try:
-        from hetrain.simulator import simulate
-    except ImportError:  # the simulator is optional for the closed-form planner
-        return plans
+def rerank(plans: list[Plan], opts: PlannerOptions, score: Callable[[Plan], float]) -> list[Plan]:
+    """Score each plan (its iteration seconds), record the figure, and order by it (or TTA)."""
     out = []
     for p in plans:
-        sim = simulate(p)
-        pred = replace(p.prediction, simulated_iteration_s=sim.iteration_s)
+        pred = replace(p.prediction, simulated_iteration_s=score(p))
         out.append(replace(p, prediction=pred))
 
     def key(p: Plan) -> float:

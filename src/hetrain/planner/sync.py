@@ -13,115 +13,24 @@ behind the last backward micro-batch (the simulator adds link contention)::
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any
 
 from hetrain.cluster import Cluster
-from hetrain.cost import estimate_allreduce_time, estimate_p2p_time
+from hetrain.cost import estimate_allreduce_time, estimate_p2p_time, estimate_samples_to_accuracy_factor
 from hetrain.plan import Plan
 from hetrain.profile import ModelProfile
-from hetrain.schedule import BUCKET_BYTES
+from hetrain.sync_layout import SYNC_MODES, Layout, SyncOptions, place_ps_shard
+from hetrain.sync_layout import group_segments as build_segments
 
-Layout = Sequence[tuple[int, int, int]]  # (device index, first layer, end layer) per stage
-T = TypeVar("T")
-
-#: where a segment's parameter-server shard lives (``wsp``, ``hybrid-ps``); the first is the default
-PLACEMENTS: tuple[str, ...] = ("local", "round-robin")
-#: integer sync options and their least value (``schedule.SyncOptions``)
-INT_SYNC_OPTIONS: dict[str, int] = {"staleness": 0, "period": 1, "aggregate": 1, "warmup": 0, "cooldown": 0}
-SYNC_OPTION_HELP = ("staleness=N (>= 0), period=N (>= 1), aggregate=N (>= 1), warmup=N (>= 0), cooldown=N (>= 0), "
-                    f"placement={'|'.join(PLACEMENTS)}")
-
-
-def parse_sync_options(items: Iterable[str]) -> dict[str, int | str]:
-    """``["staleness=2", "placement=round-robin"]`` -> ``{"staleness": 2, "placement": "round-robin"}``.
-
-    Raises:
-        ValueError: an unknown key, or a value that is not allowed, naming the key, the value and what is allowed.
-
-    Example:
-        >>> parse_sync_options(["period=8", "placement=local"])
-        {'period': 8, 'placement': 'local'}
-    """
-    out: dict[str, int | str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        key, value = key.strip(), value.strip()
-        if not sep or not key:
-            raise ValueError(f"--sync-option {item!r}: expected KEY=VALUE, one of {SYNC_OPTION_HELP}")
-        if key == "placement":
-            if value not in PLACEMENTS:
-                raise ValueError(f"--sync-option {item!r}: placement must be one of {', '.join(PLACEMENTS)}, "
-                                 f"got {value!r}")
-            out[key] = value
-        elif key in INT_SYNC_OPTIONS:
-            least = INT_SYNC_OPTIONS[key]
-            try:
-                number = int(value)
-            except ValueError:
-                raise ValueError(f"--sync-option {item!r}: {key} must be an integer >= {least}, "
-                                 f"got {value!r}") from None
-            if number < least:
-                raise ValueError(f"--sync-option {item!r}: {key} must be an integer >= {least}, got {number}")
-            out[key] = number
-        else:
-            raise ValueError(f"--sync-option {item!r}: unknown key {key!r}; known: {SYNC_OPTION_HELP}")
-    return out
-
-
-def place_ps_shard(owners: Sequence[T], nodes: Sequence[str], s: int, placement: str = "local") -> T:
-    """The owner of segment ``s`` that hosts its parameter-server shard.
-
-    ``owners`` in device order, ``nodes[q]`` the node of ``owners[q]``.
-
-    - ``local``: on the node that hosts the most of the segment's stages, so that most
-      pushes and pulls stay on the node's fast links and only the other nodes' owners
-      cross the network (HetPipe places each layer's parameters with the stages that
-      compute it, Park et al. ATC 2020, Sec. 5); ties between nodes and between the
-      owners of the chosen node go round-robin by segment index, which spreads shards.
-    - ``round-robin``: ``owners[s mod |owners|]``, whatever the nodes.
-
-    Example:
-        >>> place_ps_shard(["a:0", "b:0", "b:1"], ["a", "b", "b"], 0, "local")
-        'b:0'
-        >>> place_ps_shard(["a:0", "b:0", "b:1"], ["a", "b", "b"], 0, "round-robin")
-        'a:0'
-    """
-    if not owners:
-        raise ValueError(f"segment {s} has no owners to host its parameter-server shard")
-    if placement == "round-robin":
-        return owners[s % len(owners)]
-    if placement == "local":
-        counts = Counter(nodes)
-        most = max(counts.values())
-        tied = sorted(n for n, c in counts.items() if c == most)
-        node = tied[s % len(tied)]
-        members = [o for o, n in zip(owners, nodes, strict=True) if n == node]
-        return members[s % len(members)]
-    raise ValueError(f"sync option placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
-
-
-def build_segments(num_layers: int, layouts: Sequence[Layout]) -> list[tuple[int, int, tuple[int, ...]]]:
-    """(first, end, owner device indices) for runs of layers with the same owners."""
-    owners: list[list[int]] = [[] for _ in range(num_layers)]
-    for layout in layouts:
-        for d, k, l in layout:
-            for i in range(k, l):
-                owners[i].append(d)
-    keys = [tuple(sorted(o)) for o in owners]
-    out = []
-    start = 0
-    for i in range(1, num_layers + 1):
-        if i == num_layers or keys[i] != keys[start]:
-            out.append((start, i, keys[start]))
-            start = i
-    return out
+#: a plan's simulated iteration seconds (the simulator's, handed in by the caller: the planner imports no simulator)
+Scorer = Callable[[Plan], float]
 
 
 def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout],
-                       hide_s: Mapping[int, float] | None = None, bucket_bytes: float = BUCKET_BYTES) -> float:
+                       hide_s: Mapping[int, float] | None = None,
+                       bucket_bytes: float = SyncOptions.bucket_bytes) -> float:
     """Seconds of BSP gradient all-reduce left after the backward pass: the busiest device's.
 
     Without ``hide_s``: the device's sum over its segments, as if every all-reduce waited for the
@@ -166,10 +75,10 @@ def estimate_local_sync_time(cluster: Cluster, profile: ModelProfile, layouts: S
 
 
 def estimate_ps_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout],
-                     placement: str = "local") -> float:
+                     placement: str = SyncOptions.placement) -> float:
     """Seconds one wave's pushes and pulls keep the busiest parameter-server host's links busy.
 
-    Segment s's shard is on the owner ``place_ps_shard`` picks (``schedule.ps_host``); every
+    Segment s's shard is on the owner ``place_ps_shard`` picks (``Segment.ps_host``); every
     other owner pushes the segment's bytes to it and pulls them back: ``2 (latency + bytes / bandwidth)``
     each, one after another on the host's link.
     """
@@ -185,7 +94,7 @@ def estimate_ps_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[
 
 
 def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout], mode: str,
-                            options: Mapping[str, Any], compute_s: float,
+                            options: SyncOptions, compute_s: float,
                             hide_s: Mapping[int, float] | None = None) -> float:
     """Seconds of synchronisation per iteration under sync mode ``mode`` (closed forms; docs/sync.md).
 
@@ -201,12 +110,9 @@ def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Se
 
     Warm-up and cool-down iterations of DASO (blocking) are not counted: they are a fixed cost per run.
     """
-    k = int(options.get("period", 4))
-    a = int(options.get("aggregate", 4))
-    stale = int(options.get("staleness", 1))
-    placement = str(options.get("placement", PLACEMENTS[0]))
+    k, a, stale, placement = options.period, options.aggregate, options.staleness, options.placement
     if mode == "bsp":
-        return estimate_sync_time(cluster, profile, layouts, hide_s, float(options.get("bucket_bytes", BUCKET_BYTES)))
+        return estimate_sync_time(cluster, profile, layouts, hide_s, options.bucket_bytes)
     if mode == "local-sgd":
         return estimate_sync_time(cluster, profile, layouts) / k
     if mode == "daso":
@@ -225,7 +131,7 @@ def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Se
 # ---------------------------------------------------------------------------
 
 
-def estimate_mode_staleness(mode: str, options: Mapping[str, Any], num_vws: int) -> float:
+def estimate_mode_staleness(mode: str, options: SyncOptions, num_vws: int) -> float:
     """Mean staleness of a mode in iterations: how late, on average, a VW sees the other VWs' updates.
 
     With k = ``period``, a = ``aggregate``, D = ``staleness`` (docs/sync.md)::
@@ -240,9 +146,7 @@ def estimate_mode_staleness(mode: str, options: Mapping[str, Any], num_vws: int)
     """
     if num_vws < 2 or mode == "bsp":
         return 0.0
-    k = int(options.get("period", 4))
-    a = int(options.get("aggregate", 4))
-    d = int(options.get("staleness", 1))
+    k, a, d = options.period, options.aggregate, options.staleness
     if mode == "local-sgd":
         return (k - 1) / 2
     if mode == "daso":
@@ -300,7 +204,7 @@ def estimate_time_to_accuracy(samples_per_s: float, staleness: float, staleness_
     return target_samples * batch_factor * (1.0 + staleness_penalty * staleness) / samples_per_s
 
 
-def estimate_mode_table(samples_per_s: Mapping[str, float], options: Mapping[str, Any], num_vws: int,
+def estimate_mode_table(samples_per_s: Mapping[str, float], options: SyncOptions, num_vws: int,
                         staleness_penalty: float, target_samples: float, batch_factor: float = 1.0,
                         simulated: bool = False) -> list[ModeEstimate]:
     """Every mode's predicted throughput, staleness and time to accuracy, best (soonest) first."""
@@ -324,40 +228,62 @@ def format_mode_table(rows: Sequence[Mapping[str, Any]], chosen: str | None = No
 
 
 def choose_sync_mode(plan: Plan, staleness_penalty: float, target_samples: float,
-                     critical_batch: float | None = None, simulate: bool = False) -> Plan:
+                     critical_batch: float | None = None, score: Scorer | None = None) -> Plan:
     """``plan`` under the sync mode with the soonest predicted time to accuracy, for its VWs and layouts.
 
     Each mode's throughput is the plan's own prediction (``options["sync_predictions"]``, the
-    closed forms), or the simulator's when ``simulate``; its time to accuracy is discounted by
-    its staleness (``estimate_time_to_accuracy``). The returned plan records the table in
-    ``options["sync_choice"]`` and carries the chosen mode's prediction.
+    closed forms), or ``global_batch / score(plan under the mode)`` when a scorer (the simulator) is
+    given; its time to accuracy is discounted by its staleness (``estimate_time_to_accuracy``). The
+    returned plan records the table in ``options["sync_choice"]`` and carries the chosen mode's prediction.
 
     Raises:
         ValueError: a plan without ``sync_predictions`` (not made by the planner).
     """
-    from hetrain.cost import estimate_samples_to_accuracy_factor
-
     predictions = plan.options.get("sync_predictions")
     if not isinstance(predictions, Mapping) or not predictions:
         raise ValueError("choosing a sync mode needs the plan's sync_predictions (a plan made by the planner)")
     samples = {mode: float(v["samples_per_s"]) for mode, v in predictions.items()}
-    if simulate:
-        try:
-            from hetrain.simulator import simulate as run_simulation
-        except ImportError:  # the simulator is optional for the closed-form planner
-            simulate = False
-        else:
-            samples = {mode: run_simulation(replace(plan, sync=mode)).samples_per_s
-                       for mode in predictions}
+    if score is not None:
+        samples = {mode: plan.global_batch / score(plan.with_sync(mode)) for mode in predictions}
     factor = estimate_samples_to_accuracy_factor(plan.global_batch, critical_batch) if critical_batch else 1.0
-    rows = estimate_mode_table(samples, plan.options, len(plan.virtual_workers), staleness_penalty, target_samples,
-                               factor, simulate)
+    rows = estimate_mode_table(samples, plan.sync_options, len(plan.virtual_workers), staleness_penalty,
+                               target_samples, factor, score is not None)
     best = rows[0]
     chosen = predictions[best.mode]
     prediction = replace(plan.prediction, sync_s=float(chosen["sync_s"]), iteration_s=float(chosen["iteration_s"]),
                          samples_per_s=float(chosen["samples_per_s"]), time_to_accuracy_s=best.time_to_accuracy_s,
-                         simulated_iteration_s=plan.global_batch / best.samples_per_s if simulate else None)
+                         simulated_iteration_s=plan.global_batch / best.samples_per_s if score else None)
     options = {**plan.options, "sync_choice": {"staleness_penalty": staleness_penalty,
                                                "target_samples": target_samples,
                                                "modes": [r.to_dict() for r in rows]}}
-    return replace(plan, sync=best.mode, prediction=prediction, options=options)  # type: ignore[arg-type]
+    return replace(plan.with_sync(best.mode), prediction=prediction, options=options)
+
+
+def plan_layouts(plan: Plan) -> list[list[tuple[int, int, int]]]:
+    """Per VW, ``(device index, first layer, end layer)`` per stage: the closed forms' view of a plan's stages."""
+    index = {d.name: d.index for d in plan.cluster.devices}
+    return [[(index[s.device], s.first_layer, s.end_layer) for s in vw.stages] for vw in plan.virtual_workers]
+
+
+def repredict_sync(plan: Plan, mode: str, options: SyncOptions, score: Scorer | None = None) -> Plan:
+    """``plan``'s stages under sync ``mode`` with ``options``: its layout made anew and its prediction's sync,
+    iteration and throughput re-estimated (closed form; and ``score``, the simulator, when given).
+
+    This is how a plan changes mode (``hetrain plan --from PLAN --sync MODE``): the runtime never does.
+    """
+    layouts = plan_layouts(plan)
+    index = {d.name: d.index for d in plan.cluster.devices}
+    hide = {index[s.device]: s.predicted_backward_s for vw in plan.virtual_workers for s in vw.stages}
+    pr = plan.prediction
+    compute_s = pr.pipeline_s + pr.optimizer_s
+    table = {}
+    for m in SYNC_MODES:  # every mode's closed form, as the planner records them (docs/sync.md)
+        s = estimate_mode_sync_time(plan.cluster, plan.profile, layouts, m, options, compute_s, hide)
+        table[m] = {"sync_s": s, "iteration_s": compute_s + s,
+                    "samples_per_s": plan.global_batch / (compute_s + s) if compute_s + s > 0 else 0.0}
+    new = plan.with_sync(mode, options)
+    prediction = replace(pr, sync_s=table[mode]["sync_s"], iteration_s=table[mode]["iteration_s"],
+                         samples_per_s=table[mode]["samples_per_s"],
+                         simulated_iteration_s=score(new) if score is not None else None)
+    options_out = {**{k: v for k, v in plan.options.items() if k != "sync_choice"}, "sync_predictions": table}
+    return replace(new, prediction=prediction, options=options_out)

@@ -11,7 +11,6 @@ checkpoint in ``--checkpoint-dir`` by itself, under the plan it is given then.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -22,13 +21,12 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from hetrain.plan import SYNC_MODES, PlanError, load_plan
-from hetrain.planner.sync import SYNC_OPTION_HELP, parse_sync_options
+from hetrain.plan import PlanError, load_plan
 from hetrain.runtime.checkpoint import CheckpointError
 from hetrain.runtime.device import DeviceError
 from hetrain.runtime.health import PeerError
 from hetrain.runtime.roles import RoleError
-from hetrain.runtime.trainer import DEFAULT_TIMEOUT_S, OPTIMIZER_NAMES, Trainer, build_optimizer_fn
+from hetrain.runtime.trainer import DEFAULT_TIMEOUT_S, Trainer, build_optimizer_fn
 from hetrain.schedule import ScheduleError
 
 
@@ -57,6 +55,8 @@ def run_train_command(plan_path: str | Path, model: str, data: str | None = None
                       eval_batches: int = 8) -> int:
     """``hetrain train``: train a reference model with a plan, on every rank of a torchrun job.
 
+    The plan runs as it is: its sync mode, sync options and optimizer (module docstring).
+
     Args:
         plan_path: plan.json.
         model: a reference model name (``hetrain.models.registry``); its layer count must be the plan's.
@@ -67,7 +67,6 @@ def run_train_command(plan_path: str | Path, model: str, data: str | None = None
         metrics_out: per-step metrics (JSONL).
         timeout_s: the longest any distributed wait may take.
         checkpoint_every: steps between checkpoints (0: only at the end).
-        optimizer: ``sgd``, ``momentum`` or ``adamw``; default: the plan's.
         lr: learning rate (default by optimizer: 0.05 SGD, 1e-3 AdamW).
         weight_decay: weight decay.
         seed: the model's seed (per-layer seeds derive from it).
@@ -76,9 +75,6 @@ def run_train_command(plan_path: str | Path, model: str, data: str | None = None
         tensorboard_dir: TensorBoard scalars, if tensorboard is installed.
         log_every: steps whose losses are reduced (and logged) together.
         model_config: overrides of the model preset's fields.
-        sync: a sync mode to run instead of the plan's (docs/sync.md).
-        sync_options: the mode's parameters (staleness, period, aggregate, warmup, cooldown, placement) over
-            the plan's (``planner.sync.parse_sync_options`` reads them from ``--sync-option``).
         eval_every: validation loss on the data set's held-out part every this many steps (0: never).
         eval_batches: global-batch-sized validation batches per evaluation.
 
@@ -92,16 +88,13 @@ def run_train_command(plan_path: str | Path, model: str, data: str | None = None
     config = dict(model_config or {})
     try:
         plan = load_plan(plan_path)
-        if sync is not None or sync_options:
-            plan = dataclasses.replace(plan, sync=sync or plan.sync,  # type: ignore[arg-type]  # checked by Plan
-                                       options={**plan.options, **(sync_options or {})})
         n = num_layers(model, **config)
         if n != plan.profile.num_layers:
             raise PlanError(f"model {model!r} has {n} layers but the plan ({plan.model}) has "
                             f"{plan.profile.num_layers}")
         data_name = data or default_data(model, **config)
         train_set, val_set = build_datasets(data_name, model, seed=data_seed, **config)
-        opt_name = optimizer or {"adam": "adamw"}.get(plan.optimizer, plan.optimizer)
+        opt_name = {"adam": "adamw"}.get(plan.optimizer, plan.optimizer)
 
         def layers_fn(first: int, end: int) -> list[nn.Module]:
             return build_layers(model, first, end, seed=seed, **config)
@@ -155,8 +148,6 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="steps whose losses are summed over the ranks together (default 10)")
     parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
                         help=f"longest distributed wait, seconds (default {DEFAULT_TIMEOUT_S:g})")
-    parser.add_argument("--optimizer", choices=[*OPTIMIZER_NAMES, "adam"], default=None,
-                        help="default: the plan's optimizer")
     parser.add_argument("--lr", type=float, default=None, help="learning rate (default 0.05 SGD, 1e-3 AdamW)")
     parser.add_argument("--weight-decay", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0, help="model seed (per-layer seeds derive from it)")
@@ -164,10 +155,6 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="model_config", action="append", default=[], metavar="KEY=VALUE",
                         help="override a field of the model preset, e.g. --set n_blocks=2")
     bar = parser.add_mutually_exclusive_group()
-    parser.add_argument("--sync", choices=list(SYNC_MODES), default=None,
-                        help="sync mode to run instead of the plan's (docs/sync.md)")
-    parser.add_argument("--sync-option", dest="sync_options", action="append", default=[], metavar="KEY=VALUE",
-                        help=f"a sync mode parameter over the plan's (repeatable): {SYNC_OPTION_HELP}")
     parser.add_argument("--eval-every", type=int, default=0, metavar="N",
                         help="validation loss on the held-out data every N steps, logged as val_loss (0: never)")
     parser.add_argument("--eval-batches", type=int, default=8, metavar="K",
@@ -180,16 +167,14 @@ def run_from_args(args: argparse.Namespace) -> int:
     """Run the ``train`` command from parsed ``add_train_arguments`` options."""
     try:
         config = _model_config(args.model_config)
-        sync_options = parse_sync_options(args.sync_options)
     except ValueError as e:
         print(f"hetrain train: error: {e}", file=sys.stderr)
         return 2
     return run_train_command(args.plan, args.model, args.data, args.steps, args.checkpoint_dir, args.timeline_out,
                              args.metrics_out, args.timeout_s, checkpoint_every=args.checkpoint_every,
-                             optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
+                             lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
                              data_seed=args.data_seed, progress=args.progress, tensorboard_dir=args.tensorboard_dir,
-                             log_every=args.log_every, model_config=config, sync=args.sync,
-                             sync_options=sync_options, eval_every=args.eval_every,
+                             log_every=args.log_every, model_config=config, eval_every=args.eval_every,
                              eval_batches=args.eval_batches)
 
 

@@ -40,10 +40,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hetrain.errors import RunError
 from hetrain.plan import Plan
 from hetrain.runtime.health import Health, PeerError
 from hetrain.runtime.sync import GradientSync
-from hetrain.schedule import Action, ActionKind, node_shared_segments, ps_host, sync_options
+from hetrain.schedule import Action, ActionKind
 
 K = ActionKind
 #: checkpoint names of a parameter-server shard's global weights: ``ps.layers.3.weight`` (one file per layer)
@@ -206,7 +207,7 @@ class ModeSync:
         self.rank_of = dict(rank_of)
         self.timeout = timedelta(seconds=timeout_s)
         self.timeout_s = timeout_s
-        self.opts = sync_options(plan)
+        self.opts = plan.sync_options
         self.segments = plan.segments()
         self.seg_groups = dict(seg_groups)
         self.mode_groups = dict(mode_groups)
@@ -228,7 +229,7 @@ class ModeSync:
             self.local_weight[s] = mini[device] / node_samples
             # hybrid-ps: every node mate holds the same node update; together they push it once, weighted by the node
             self.push_weight[s] = (node_samples / n / len(mates)) if plan.sync == "hybrid-ps" else self.share
-        self.node_shared = set(node_shared_segments(plan).get(device, []))
+        self.node_shared = set(plan.layout.local_segments(device))
         # parameter servers
         self.wave = 0
         self.shards: dict[int, _Shard] = {}
@@ -246,7 +247,7 @@ class ModeSync:
                 self.base[s] = _flat(ps)
                 self.own[s] = {}
                 self.global_wave[s] = -1
-                host = ps_host(plan, s)
+                host = self._host(s)
                 if host == device:
                     shard = _Shard(s, self.base[s], self.mode_groups[("ps", s)], rank_of[host], timeout_s)
                     shard.start()
@@ -256,6 +257,13 @@ class ModeSync:
         self.clock_ranks = sorted({rank_of[o] for s in self.base for o in self.segments[s].owners})
         # daso
         self.started: dict[int, tuple[int, Any, torch.Tensor]] = {}  # s -> (iteration, work, buffer)
+
+    def _host(self, s: int) -> str:
+        """The device that keeps segment ``s``'s parameter-server shard (the plan's ``Segment.ps_host``)."""
+        host = self.segments[s].ps_host
+        if host is None:
+            raise RunError(f"segment {s} has no parameter-server host under sync {self.plan.sync}")
+        return host
 
     # --- dispatch ------------------------------------------------------------------
 
@@ -351,7 +359,7 @@ class ModeSync:
             self.shards[s].updates.put(weighted)
         else:
             group = self.mode_groups[("ps", s)]
-            host = self.rank_of[ps_host(self.plan, s)]
+            host = self.rank_of[self._host(s)]
             reduce = dist.reduce(weighted, dst=host, group=group, async_op=True)
             got = torch.empty_like(weighted)
             bcast = dist.broadcast(got, src=host, group=group, async_op=True)
@@ -363,7 +371,7 @@ class ModeSync:
             return
         need = self.wave - self.opts.staleness
         newest: tuple[int, torch.Tensor] | None = None
-        host = ps_host(self.plan, s)
+        host = self._host(s)
         if s in self.shards:
             shard = self.shards[s]
             while True:
@@ -520,4 +528,4 @@ class ModeSync:
                 shard.updates.put(None)
 
 
-__all__ = ["PS_PREFIX", "DasoRate", "ModeSync", "PeerError", "build_mode_groups", "ps_host"]
+__all__ = ["PS_PREFIX", "DasoRate", "ModeSync", "PeerError", "build_mode_groups"]

@@ -14,8 +14,8 @@ in one flat buffer per (segment, dtype) that the parameters' ``.grad`` are views
 of, so an all-reduce needs no copy. The losses are scaled by samples / global
 batch, so the SUM over owners is the global batch's mean gradient.
 
-Where the cost model (``cost.estimate_allreduce`` on the segment's gradient
-bytes, as the simulator costs it) picks ``"hierarchical"`` for an owner set, the
+Where the plan's sync layout (``Segment.algorithm``, ``Bucket.algorithm``: the
+planner's choice, which the simulator costs) says ``"hierarchical"``, the
 all-reduce runs in three phases instead of one flat all-reduce: ``reduce`` (SUM)
 to a leader per node (its lowest-ranked owner), ``all_reduce`` among the
 leaders, ``broadcast`` from each leader to its node. Each NIC then carries one
@@ -25,7 +25,7 @@ whole buffer rather than the cost model's reduce-scatter and all-gather; the
 bytes each NIC moves between nodes are the same.
 
 Under ``bsp`` the schedule all-reduces each segment in gradient buckets
-(``schedule.build_buckets``), overlapped with the last backward, as
+(the plan's ``Segment.buckets``), overlapped with the last backward, as
 DistributedDataParallel does. A segment's flat buffer holds its layers in
 order, so each bucket (a run of layers) is one contiguous slice of it. Every
 parameter has a post-accumulate-grad hook; ``arm`` (called by the executor
@@ -65,10 +65,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hetrain.cost import allreduce_shape, estimate_allreduce
-from hetrain.plan import Plan, Segment, allreduce_algorithm
+from hetrain.plan import Plan
 from hetrain.runtime.health import Health, PeerError
-from hetrain.schedule import build_buckets
 
 
 @dataclass(frozen=True)
@@ -95,7 +93,7 @@ class Hierarchy:
 class SegmentGroups(dict[tuple[str, ...], Any]):
     """Owner set -> its flat process group; ``hierarchical``: owner set -> ``Hierarchy``.
 
-    ``hierarchical`` holds only the owner sets the cost model all-reduces hierarchically.
+    ``hierarchical`` holds only the owner sets the plan all-reduces hierarchically.
     """
 
     def __init__(self) -> None:
@@ -103,30 +101,17 @@ class SegmentGroups(dict[tuple[str, ...], Any]):
         self.hierarchical: dict[tuple[str, ...], Hierarchy] = {}
 
 
-def segment_algorithm(plan: Plan, seg: Segment, num_bytes: float | None = None) -> str:
-    """``"ring"`` or ``"hierarchical"``: what the cost model (and the simulator) picks for the segment's all-reduce
-    (of ``num_bytes``, one of its buckets, when given; else of all its gradients)."""
-    index = {d.name: d.index for d in plan.cluster.devices}
-    size = seg.param_bytes if num_bytes is None else num_bytes
-    return estimate_allreduce(size, allreduce_shape(plan.cluster, [index[o] for o in seg.owners]),
-                              allreduce_algorithm(plan))[1]
-
-
 def _hierarchical_owner_sets(plan: Plan) -> set[tuple[str, ...]]:
-    """Owner sets for which the cost model picks the hierarchical all-reduce for a segment or one of its buckets."""
-    out = set()
-    for seg, buckets in zip(plan.segments(), build_buckets(plan), strict=True):
-        if len(seg.owners) > 1 and (segment_algorithm(plan, seg) == "hierarchical" or any(
-                segment_algorithm(plan, seg, b.param_bytes) == "hierarchical" for b in buckets)):
-            out.add(seg.owners)
-    return out
+    """Owner sets whose segment, or one of its buckets, the plan all-reduces hierarchically."""
+    return {seg.owners for seg in plan.segments() if seg.shared and (
+        seg.algorithm == "hierarchical" or any(b.algorithm == "hierarchical" for b in seg.buckets))}
 
 
 def build_segment_groups(plan: Plan, rank_of: Mapping[str, int], timeout_s: float) -> SegmentGroups:
     """A process group per owner set of more than one device, for the owner sets this rank is in.
 
-    Where the cost model picks the hierarchical all-reduce for an owner set (for one of
-    its segments or gradient buckets), also a
+    Where the plan all-reduces an owner set hierarchically (one of its segments or
+    gradient buckets), also a
     group per node holding more than one of its owners (in the cluster's node
     order) and one of the node leaders, right after the owner set's own group.
     Must run on every rank of the job, in the same order (it does: segment order).
@@ -243,7 +228,7 @@ class GradientSync:
         self.segments = plan.segments()
         self.rank_of = dict(rank_of)
         self.groups = dict(groups)
-        # owner set -> this rank's part in its hierarchical all-reduce, where the cost model picks that
+        # owner set -> this rank's part in its hierarchical all-reduce, where the plan says so
         self.hierarchical: dict[tuple[str, ...], Hierarchy] = dict(getattr(groups, "hierarchical", {}))
         self.calls = {"ring": 0, "hierarchical": 0}  # all-reduces run (segments or buckets), by algorithm
         self.posted_early = 0  # buckets posted during the backward, before their ALLREDUCE_START
@@ -253,8 +238,7 @@ class GradientSync:
         self.bucket_views: dict[tuple[int, int], list[torch.Tensor]] = {}
         self.bucket_placed: dict[tuple[int, int], list[tuple[nn.Parameter, torch.Tensor]]] = {}
         self.bucket_hierarchical: dict[tuple[int, int], bool] = {}
-        self.segment_hierarchical = [segment_algorithm(plan, seg) == "hierarchical" for seg in self.segments]
-        buckets = build_buckets(plan)
+        self.segment_hierarchical = [seg.algorithm == "hierarchical" for seg in self.segments]
         for s, seg in enumerate(self.segments):
             if not any(k in layers for k in range(seg.first_layer, seg.end_layer)):
                 continue
@@ -274,16 +258,15 @@ class GradientSync:
                     spans.append((k, offset, offset + p.numel()))
                     offset += p.numel()
                 entries.append((flat, placed))
-                for bucket in buckets[s]:
+                for bucket in seg.buckets:
                     inside = [n for n, (k, _, _) in enumerate(spans) if bucket.first_layer <= k < bucket.end_layer]
                     if inside:
                         key = (s, bucket.index)
                         self.bucket_views.setdefault(key, []).append(flat[spans[inside[0]][1]:spans[inside[-1]][2]])
                         self.bucket_placed.setdefault(key, []).extend(placed[n] for n in inside)
             self.buffers[s] = entries
-            for bucket in buckets[s]:
-                self.bucket_hierarchical[(s, bucket.index)] = (
-                    segment_algorithm(plan, seg, bucket.param_bytes) == "hierarchical")
+            for bucket in seg.buckets:
+                self.bucket_hierarchical[(s, bucket.index)] = bucket.algorithm == "hierarchical"
         for key, placed_params in self.bucket_placed.items():
             for p, _ in placed_params:
                 p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, key))  # type: ignore[no-untyped-call]
@@ -319,7 +302,7 @@ class GradientSync:
         """SUM-all-reduce segment ``s``'s gradients among its owners; waits, at most ``timeout_s``.
 
         Hierarchical (reduce to node leaders, all-reduce among them, broadcast) where
-        the cost model picks it for the segment, else one flat all-reduce.
+        the plan's layout says so for the segment, else one flat all-reduce.
         """
         seg = self.segments[s]
         flats = []

@@ -54,7 +54,7 @@ from hetrain.runtime.modes import DasoRate, ModeSync, build_mode_groups
 from hetrain.runtime.p2p import Transport
 from hetrain.runtime.roles import Role, RoleError, build_roles, local_device_name
 from hetrain.runtime.sync import GradientSync, build_segment_groups
-from hetrain.schedule import Action, ActionKind, build_schedule, build_sync_actions, sync_options, validate
+from hetrain.schedule import Action, ActionKind, build_schedule, build_sync_actions, validate
 from hetrain.timeline import Timeline
 
 LayersFn = Callable[[int, int], Sequence[nn.Module]]
@@ -239,7 +239,7 @@ class Trainer:
         self.modes: ModeSync | None = None
         self._schedules: dict[tuple[str, ...], list[Action]] = {}  # this device's actions, by its sync actions
         self._daso_pending = False  # a DASO average was started last iteration: merge it in this one
-        self._daso_rate = DasoRate(sync_options(plan).period)  # DASO's k, adapted when the loss plateaus
+        self._daso_rate = DasoRate(plan.sync_options.period)  # DASO's k, adapted when the loss plateaus
         self._daso_period = self._daso_rate.period
         self._daso_loss: tuple[Any, torch.Tensor] | None = None  # (work, buffer) of the loss posted with an average
 

@@ -1,0 +1,444 @@
+"""Synchronisation decided once: the sync mode's options, segments, buckets, algorithms and PS hosts.
+
+This module is the one place that groups layers into segments, cuts gradient
+buckets, picks each all-reduce's algorithm and places parameter-server shards
+(DESIGN.md decision 1). ``Plan`` builds its ``SyncLayout`` here when it is made,
+writes it to plan.json's ``"sync"`` section, and refuses a loaded plan whose
+section does not match; the schedule, the simulator and the runtime only read
+it. Pure Python, no torch::
+
+    VW0: d0 [0..4)  d1 [4..8)        segment 0: [0..3) owners {d0, d2}
+    VW1: d2 [0..3)  d3 [3..8)        segment 1: [3..4) owners {d0, d3}
+                                     segment 2: [4..8) owners {d1, d3}
+
+    bsp        each segment's gradients in buckets (last layers first), each bucket
+               all-reduced by "ring" or "hierarchical", whichever the cost model finds cheaper
+    wsp        each segment's parameter-server shard on one of its owners (``ps_host``)
+    hybrid-ps  the same, plus the owners of a segment on one node (``local_groups``)
+    daso       node-local groups, and a whole-segment average (``algorithm``)
+    local-sgd  a whole-segment average (``algorithm``)
+
+Example:
+    >>> SyncOptions.from_items(["period=8", "placement=round-robin"]).period
+    8
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any, Literal, TypeVar
+
+from hetrain.cluster import Cluster
+from hetrain.cost import allreduce_shape, estimate_allreduce
+from hetrain.errors import InputError
+from hetrain.profile import ModelProfile
+
+SyncMode = Literal["bsp", "wsp", "hybrid-ps", "daso", "local-sgd"]
+SYNC_MODES: tuple[str, ...] = ("bsp", "wsp", "hybrid-ps", "daso", "local-sgd")
+#: modes that keep a parameter-server shard per segment
+PS_MODES: frozenset[str] = frozenset({"wsp", "hybrid-ps"})
+#: modes that all-reduce a segment among its owners on one node every iteration
+LOCAL_MODES: frozenset[str] = frozenset({"hybrid-ps", "daso"})
+#: where a segment's parameter-server shard lives; the first is the default
+PLACEMENTS: tuple[str, ...] = ("local", "round-robin")
+#: ``allreduce`` option: the cheaper of ring and hierarchical per all-reduce, or always the flat ring
+ALLREDUCE_CHOICES: tuple[str, ...] = ("auto", "ring")
+#: DistributedDataParallel's default bucket size (``bucket_cap_mb=25``)
+BUCKET_BYTES = 25 * 2**20
+#: its first bucket's (``_DEFAULT_FIRST_BUCKET_BYTES``), so the last layers' all-reduce starts early
+FIRST_BUCKET_BYTES = 2**20
+
+T = TypeVar("T")
+Layout = Sequence[tuple[int, int, int]]  # (device index, first layer, end layer) per stage of one VW
+
+
+class SyncLayoutError(InputError):
+    """Sync options out of bounds, or a plan's ``"sync"`` section that does not match its stages."""
+
+
+# ---------------------------------------------------------------------------
+# options: defaults and bounds, written once
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Bound:
+    """How one option is read and checked: an integer or a number within [least, most], or one of ``choices``."""
+
+    kind: type
+    least: float = 0
+    most: float = 0
+    choices: tuple[str, ...] = ()
+    help: str = ""
+
+    def describe(self, name: str) -> str:
+        if self.choices:
+            return f"{name}={'|'.join(self.choices)}"
+        kind = "N" if self.kind is int else "BYTES"
+        return f"{name}={kind} ({self.least:g}..{self.most:g})"
+
+
+_BOUNDS: dict[str, _Bound] = {
+    "staleness": _Bound(int, 0, 1000, help="waves a VW may run ahead of the slowest (wsp, hybrid-ps)"),
+    "period": _Bound(int, 1, 100_000, help="iterations between global averages (local-sgd, daso's first k)"),
+    "aggregate": _Bound(int, 1, 100_000, help="iterations aggregated into one push (hybrid-ps)"),
+    "warmup": _Bound(int, 0, 10**9, help="first iterations of daso that average globally, blocking"),
+    "cooldown": _Bound(int, 0, 10**9, help="last iterations of daso that do the same"),
+    "placement": _Bound(str, choices=PLACEMENTS, help="where a segment's parameter-server shard lives"),
+    "bucket_bytes": _Bound(float, 1, 2**40, help="gradient bucket size (bsp)"),
+    "first_bucket_bytes": _Bound(float, 1, 2**40, help="the first (last layers') bucket's size (bsp)"),
+    "allreduce": _Bound(str, choices=ALLREDUCE_CHOICES, help="auto: ring or hierarchical, the cheaper; ring: always"),
+}
+SYNC_OPTION_HELP = ", ".join(b.describe(name) for name, b in _BOUNDS.items())
+
+
+@dataclass(frozen=True)
+class SyncOptions:
+    """The sync mode's parameters (docs/sync.md); bounds in ``_BOUNDS``, checked on construction.
+
+    Attributes:
+        staleness: D of ``wsp`` and ``hybrid-ps``: how many waves a VW may run ahead of the slowest.
+        period: k of ``local-sgd`` and ``daso``: iterations between global averages (DASO's initial k).
+        aggregate: iterations of ``hybrid-ps`` whose updates are aggregated into one push.
+        warmup: first iterations of ``daso`` that average globally every iteration, blocking.
+        cooldown: last iterations of ``daso`` that do the same.
+        placement: where a segment's parameter-server shard lives: ``local`` or ``round-robin``.
+        bucket_bytes: gradient bucket size of ``bsp`` (DistributedDataParallel's 25 MiB).
+        first_bucket_bytes: the first bucket's (DistributedDataParallel's 1 MiB).
+        allreduce: ``auto`` (ring or hierarchical, the cheaper, per all-reduce) or ``ring``.
+    """
+
+    staleness: int = 1
+    period: int = 4
+    aggregate: int = 4
+    warmup: int = 2
+    cooldown: int = 2
+    placement: str = PLACEMENTS[0]
+    bucket_bytes: float = float(BUCKET_BYTES)
+    first_bucket_bytes: float = float(FIRST_BUCKET_BYTES)
+    allreduce: str = ALLREDUCE_CHOICES[0]
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _check(f.name, getattr(self, f.name), "sync option")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @staticmethod
+    def from_mapping(data: Mapping[str, Any], where: str = "sync options") -> SyncOptions:
+        """Options from a JSON object; unknown keys and wrong types are refused, naming ``where``."""
+        if not isinstance(data, Mapping):
+            raise SyncLayoutError(f"{where}: expected an object of options, got {type(data).__name__}")
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            if key not in _BOUNDS:
+                raise SyncLayoutError(f"{where}: unknown option {key!r}; known: {', '.join(_BOUNDS)}")
+            out[key] = _coerce(key, value, f"{where}.{key}")
+        return SyncOptions(**out)
+
+    @staticmethod
+    def from_items(items: Iterable[str], base: SyncOptions | None = None) -> SyncOptions:
+        """``["staleness=2", "placement=round-robin"]`` (``--sync-option``) over ``base`` (default: the defaults).
+
+        Raises:
+            SyncLayoutError: not KEY=VALUE, an unknown key, or a value out of bounds, naming the item.
+        """
+        out: dict[str, Any] = {}
+        for item in items:
+            key, sep, value = (part.strip() for part in item.partition("="))
+            if not sep or not key:
+                raise SyncLayoutError(f"--sync-option {item!r}: expected KEY=VALUE, one of {SYNC_OPTION_HELP}")
+            if key not in _BOUNDS:
+                raise SyncLayoutError(f"--sync-option {item!r}: unknown key {key!r}; known: {SYNC_OPTION_HELP}")
+            out[key] = _coerce(key, value, f"--sync-option {item!r}")
+        return replace(base or SyncOptions(), **out)
+
+
+def _coerce(key: str, value: Any, where: str) -> Any:
+    """``value`` as option ``key``'s type (a string from the command line parses), checked against its bounds."""
+    bound = _BOUNDS[key]
+    if bound.kind is str:
+        result: Any = value
+    elif isinstance(value, bool):
+        result = None
+    elif isinstance(value, str):
+        try:
+            result = bound.kind(value)
+        except ValueError:
+            result = None
+    elif isinstance(value, int | float):
+        result = value if bound.kind is float or float(value).is_integer() else None
+        result = None if result is None else bound.kind(result)
+    else:
+        result = None
+    if result is None:
+        raise SyncLayoutError(f"{where}: {key} must be {'an integer' if bound.kind is int else 'a number'} "
+                              f"in [{bound.least:g}, {bound.most:g}], got {value!r}")
+    _check(key, result, where)
+    return result
+
+
+def _check(key: str, value: Any, where: str) -> None:
+    bound = _BOUNDS[key]
+    if bound.choices:
+        if value not in bound.choices:
+            raise SyncLayoutError(f"{where} {key} must be one of {', '.join(bound.choices)}, got {value!r}")
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not bound.least <= value <= bound.most:
+        raise SyncLayoutError(f"{where} {key} must be in [{bound.least:g}, {bound.most:g}], got {value!r}")
+
+
+# ---------------------------------------------------------------------------
+# the layout
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Layers ``[first_layer, end_layer)`` of a segment whose gradients are all-reduced together (``bsp``).
+
+    Attributes:
+        segment: index of its segment.
+        index: its place among the segment's buckets: 0 holds the segment's last layers.
+        first_layer: the first layer it holds.
+        end_layer: one past its last layer.
+        param_bytes: bytes of its gradients.
+        algorithm: ``"ring"`` or ``"hierarchical"``.
+    """
+
+    segment: int
+    index: int
+    first_layer: int
+    end_layer: int
+    param_bytes: float
+    algorithm: str = "ring"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Consecutive layers with the same owners; synchronised among those owners.
+
+    Attributes:
+        first_layer: its first layer.
+        end_layer: one past its last layer.
+        owners: the devices that hold it, sorted by name.
+        param_bytes: bytes of its parameters (and of its gradients).
+        algorithm: of an all-reduce of the whole segment among its owners (``"none"`` with one owner).
+        buckets: its gradient buckets under ``bsp``, last layers first.
+        ps_host: the owner that keeps its parameter-server shard (``wsp``, ``hybrid-ps``).
+        local_groups: its owners grouped by node, groups of two or more (``hybrid-ps``, ``daso``).
+    """
+
+    first_layer: int
+    end_layer: int
+    owners: tuple[str, ...]
+    param_bytes: float = 0.0
+    algorithm: str = "none"
+    buckets: tuple[Bucket, ...] = ()
+    ps_host: str | None = None
+    local_groups: tuple[tuple[str, ...], ...] = ()
+
+    @property
+    def shared(self) -> bool:
+        """Whether it has anything to synchronise: more than one owner."""
+        return len(self.owners) > 1
+
+
+@dataclass(frozen=True)
+class SyncLayout:
+    """Every synchronisation decision of a plan: its mode, options and segments."""
+
+    mode: str
+    options: SyncOptions
+    segments: tuple[Segment, ...]
+
+    def owned_segments(self, device: str) -> list[int]:
+        """The segments ``device`` synchronises: those it holds with at least one other device."""
+        return [s for s, seg in enumerate(self.segments) if seg.shared and device in seg.owners]
+
+    def local_segments(self, device: str) -> list[int]:
+        """The segments ``device`` shares with an owner on its own node (LOCAL_ALLREDUCE)."""
+        return [s for s, seg in enumerate(self.segments) if any(device in g for g in seg.local_groups)]
+
+    def device_buckets(self, device: str) -> list[Bucket]:
+        """The buckets ``device`` all-reduces, in the order it starts them: decreasing segment, then bucket."""
+        return [b for s in sorted(self.owned_segments(device), reverse=True) for b in self.segments[s].buckets]
+
+    def to_dict(self) -> dict[str, Any]:
+        """plan.json's ``"sync"`` section (docs/plan.md)."""
+        segments = []
+        for s, seg in enumerate(self.segments):
+            row: dict[str, Any] = {"segment": s, "layers": [seg.first_layer, seg.end_layer],
+                                   "owners": list(seg.owners), "param_bytes": seg.param_bytes,
+                                   "algorithm": seg.algorithm}
+            if seg.buckets:
+                row["buckets"] = [{"layers": [b.first_layer, b.end_layer], "param_bytes": b.param_bytes,
+                                   "algorithm": b.algorithm} for b in seg.buckets]
+            if seg.ps_host is not None:
+                row["ps_host"] = seg.ps_host
+            if seg.local_groups:
+                row["local_groups"] = [list(g) for g in seg.local_groups]
+            segments.append(row)
+        return {"mode": self.mode, "options": self.options.to_dict(), "segments": segments}
+
+
+def group_segments(num_layers: int,
+                   layouts: Sequence[Sequence[tuple[T, int, int]]]) -> list[tuple[int, int, tuple[T, ...]]]:
+    """(first, end, owners) for each run of layers with the same owners; ``layouts`` per VW, one
+    ``(device, first layer, end layer)`` per stage; owners sorted.
+
+    Example:
+        >>> group_segments(4, [[("a", 0, 2), ("b", 2, 4)], [("c", 0, 4)]])
+        [(0, 2, ('a', 'c')), (2, 4, ('b', 'c'))]
+    """
+    owners: list[list[T]] = [[] for _ in range(num_layers)]
+    for layout in layouts:
+        for d, k, l in layout:
+            for i in range(k, l):
+                owners[i].append(d)
+    keys = [tuple(sorted(o)) for o in owners]  # type: ignore[type-var]
+    out = []
+    start = 0
+    for i in range(1, num_layers + 1):
+        if i == num_layers or keys[i] != keys[start]:
+            out.append((start, i, keys[start]))
+            start = i
+    return out
+
+
+def cut_buckets(param_bytes: Sequence[float], first: int, end: int, first_bucket_bytes: float,
+                bucket_bytes: float) -> list[tuple[int, int, float]]:
+    """(first, end, bytes) of the gradient buckets of layers ``[first, end)``, from the last layers to the first.
+
+    Walking the layers backwards, a bucket closes once it holds at least ``first_bucket_bytes`` (the first
+    bucket) or ``bucket_bytes`` (the others), as DistributedDataParallel buckets its gradients. A layer is
+    never split, so a bucket can be larger; layers smaller than the first bucket are one bucket.
+
+    Example:
+        >>> cut_buckets([4.0, 4.0, 4.0], 0, 3, 3.0, 8.0)
+        [(2, 3, 4.0), (0, 2, 8.0)]
+    """
+    out: list[tuple[int, int, float]] = []
+    stop, held = end, 0.0
+    for k in range(end - 1, first - 1, -1):
+        held += param_bytes[k]
+        if held >= (first_bucket_bytes if not out else bucket_bytes) or k == first:
+            out.append((k, stop, held))
+            stop, held = k, 0.0
+    return out
+
+
+def place_ps_shard(owners: Sequence[T], nodes: Sequence[str], s: int, placement: str = "local") -> T:
+    """The owner of segment ``s`` that hosts its parameter-server shard.
+
+    ``owners`` in device order, ``nodes[q]`` the node of ``owners[q]``.
+
+    - ``local``: on the node that hosts the most of the segment's stages, so that most
+      pushes and pulls stay on the node's fast links and only the other nodes' owners
+      cross the network (HetPipe places each layer's parameters with the stages that
+      compute it, Park et al. ATC 2020, Sec. 5); ties between nodes and between the
+      owners of the chosen node go round-robin by segment index, which spreads shards.
+    - ``round-robin``: ``owners[s mod |owners|]``, whatever the nodes.
+
+    Example:
+        >>> place_ps_shard(["a:0", "b:0", "b:1"], ["a", "b", "b"], 0, "local")
+        'b:0'
+        >>> place_ps_shard(["a:0", "b:0", "b:1"], ["a", "b", "b"], 0, "round-robin")
+        'a:0'
+    """
+    if not owners:
+        raise SyncLayoutError(f"segment {s} has no owners to host its parameter-server shard")
+    if placement == "round-robin":
+        return owners[s % len(owners)]
+    if placement == "local":
+        counts = Counter(nodes)
+        most = max(counts.values())
+        tied = sorted(n for n, c in counts.items() if c == most)
+        node = tied[s % len(tied)]
+        members = [o for o, n in zip(owners, nodes, strict=True) if n == node]
+        return members[s % len(members)]
+    raise SyncLayoutError(f"sync option placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
+
+
+def build_sync_layout(cluster: Cluster, profile: ModelProfile, stages: Sequence[Sequence[tuple[str, int, int]]],
+                      mode: str, options: SyncOptions) -> SyncLayout:
+    """Every sync decision for VWs whose stages are ``stages`` (per VW, ``(device, first, end)`` per stage).
+
+    Raises:
+        SyncLayoutError: an unknown mode.
+    """
+    if mode not in SYNC_MODES:
+        raise SyncLayoutError(f"sync mode must be one of {', '.join(SYNC_MODES)}, got {mode!r}")
+    index = {d.name: d.index for d in cluster.devices}
+    node_of = {d.name: d.node for d in cluster.devices}
+    layer_bytes = [float(x.param_bytes) for x in profile.layers]
+    segments = []
+    for s, (first, end, owners) in enumerate(group_segments(profile.num_layers, stages)):
+        num_bytes = float(sum(layer_bytes[first:end]))
+        seg = Segment(first, end, owners, num_bytes)
+        if seg.shared:
+            shape = allreduce_shape(cluster, [index[o] for o in owners])
+
+            def algorithm(size: float, shape: Any = shape) -> str:
+                return estimate_allreduce(size, shape, options.allreduce)[1]
+
+            seg = replace(seg, algorithm=algorithm(num_bytes))
+            if mode == "bsp":
+                cuts = cut_buckets(layer_bytes, first, end, options.first_bucket_bytes, options.bucket_bytes)
+                seg = replace(seg, buckets=tuple(Bucket(s, b, k, l, size, algorithm(size))
+                                                 for b, (k, l, size) in enumerate(cuts)))
+            if mode in PS_MODES:
+                in_order = sorted(owners, key=index.__getitem__)
+                seg = replace(seg, ps_host=place_ps_shard(in_order, [node_of[o] for o in in_order], s,
+                                                          options.placement))
+            if mode in LOCAL_MODES:
+                by_node: dict[str, list[str]] = {}
+                for o in owners:
+                    by_node.setdefault(node_of[o], []).append(o)
+                seg = replace(seg, local_groups=tuple(tuple(g) for n, g in sorted(by_node.items()) if len(g) > 1))
+        segments.append(seg)
+    return SyncLayout(mode, options, tuple(segments))
+
+
+def check_sync_section(raw: Any, expected: SyncLayout, where: str = "plan") -> None:
+    """Refuse a plan.json ``"sync"`` section that differs from the layout its stages and options give.
+
+    The section is written by the planner; a hand edit of segments, buckets, algorithms or hosts that
+    does not follow from the stages would make the runtime and the prediction disagree.
+
+    Raises:
+        SyncLayoutError: naming the first segment (and field) that differs.
+    """
+    if not isinstance(raw, Mapping) or not isinstance(raw.get("segments"), list):
+        raise SyncLayoutError(f"{where}: sync.segments must be a list of segments, got {raw!r:.80}")
+    want = expected.to_dict()["segments"]
+    got = raw["segments"]
+    for s in range(max(len(want), len(got))):
+        if s >= len(got) or s >= len(want):
+            raise SyncLayoutError(
+                f"{where}: sync has {len(got)} segments, the stages give {len(want)}: re-plan it with "
+                f"`hetrain plan --from PLAN -o NEW`")
+        for key, value in want[s].items():
+            if not _same(got[s].get(key) if isinstance(got[s], Mapping) else None, value):
+                raise SyncLayoutError(
+                    f"{where}: sync.segments[{s}].{key} is {_short(got[s], key)}, the stages and options give "
+                    f"{value!r:.120}: the section is decided by the planner; re-plan with "
+                    f"`hetrain plan --from PLAN -o NEW`")
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(b, float) and isinstance(a, int | float) and not isinstance(a, bool):
+        return abs(a - b) <= 1e-9 * max(1.0, abs(b))
+    if isinstance(b, list) and isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(b, dict) and isinstance(a, Mapping):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in b)
+    return type(a) is type(b) and bool(a == b)
+
+
+def _short(row: Any, key: str) -> str:
+    value = row.get(key) if isinstance(row, Mapping) else None
+    return "missing" if value is None else f"{value!r:.120}"

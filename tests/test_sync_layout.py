@@ -1,0 +1,146 @@
+"""The sync layout: decided once from the stages and the options, written to plan.json, checked when read."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from hetrain.cluster import Cluster, parse_cluster
+from hetrain.errors import InputError
+from hetrain.models.analytic import build_profile
+from hetrain.plan import DeviceMemory, Plan, PlanError, Prediction, Stage, VirtualWorker, parse_plan
+from hetrain.schedule import ActionKind, build_schedule
+from hetrain.sync_layout import SyncLayoutError, SyncOptions, cut_buckets, group_segments
+
+
+def two_by_two(nic: str = "100Mbit/s") -> Cluster:
+    return parse_cluster({"name": "2x2", "node": [
+        {"name": n, "devices": [{"type": "cpu", "count": 2}], "intra_link": "100Gbit/s", "nic": nic}
+        for n in ("n0", "n1")]})
+
+
+def dp_plan(mode: str, cluster: Cluster | None = None, memory: float = 0.0, **options: Any) -> Plan:
+    """Four one-stage VWs of gpt-tiny over two nodes."""
+    vws = tuple(VirtualWorker((Stage(d, 0, 6, (), 0.0, 0.0, memory),), 4, 1)
+                for d in ("n0:0", "n0:1", "n1:0", "n1:1"))
+    return Plan("gpt-tiny", 16, "1f1b", mode, "sgd", vws, Prediction(0, 0, 0, 0, 0),  # type: ignore[arg-type]
+                "dp", "manual", cluster or two_by_two(), build_profile("gpt-tiny"),
+                sync_options=SyncOptions(**options))
+
+
+def test_segments_group_layers_by_owner_set() -> None:
+    stages = [[("a", 0, 2), ("b", 2, 6)], [("c", 0, 3), ("d", 3, 6)]]
+    assert group_segments(6, stages) == [(0, 2, ("a", "c")), (2, 3, ("b", "c")), (3, 6, ("b", "d"))]
+
+
+def test_buckets_are_cut_from_the_last_layers_and_never_split_a_layer() -> None:
+    assert cut_buckets([1.0] * 6, 0, 6, 1.5, 2.5) == [(4, 6, 2.0), (1, 4, 3.0), (0, 1, 1.0)]
+    assert cut_buckets([10.0, 1.0], 0, 2, 1.0, 100.0) == [(1, 2, 1.0), (0, 1, 10.0)]
+
+
+def test_each_mode_records_only_what_it_uses() -> None:
+    small = {"first_bucket_bytes": 20_000, "bucket_bytes": 60_000}
+    bsp, wsp, daso = dp_plan("bsp", **small), dp_plan("wsp", **small), dp_plan("daso", **small)
+    (seg,) = bsp.segments()
+    layer_bytes = [x.param_bytes for x in bsp.profile.layers]
+    cuts = cut_buckets(layer_bytes, 0, 6, 20_000, 60_000)
+    assert [(b.first_layer, b.end_layer, b.param_bytes) for b in seg.buckets] == cuts and len(cuts) > 2
+    assert seg.ps_host is None and not seg.local_groups
+    # 100 Mbit/s between nodes, 100 Gbit/s inside: every all-reduce goes hierarchical
+    assert seg.algorithm == "hierarchical" and {b.algorithm for b in seg.buckets} == {"hierarchical"}
+    assert wsp.segments()[0].ps_host in {"n0:0", "n0:1", "n1:0", "n1:1"} and not wsp.segments()[0].buckets
+    assert daso.segments()[0].local_groups == (("n0:0", "n0:1"), ("n1:0", "n1:1"))
+    ring = dp_plan("bsp", allreduce="ring", **small)
+    assert {b.algorithm for b in ring.segments()[0].buckets} == {"ring"}
+
+
+def test_schedule_reads_the_buckets_of_the_layout() -> None:
+    plan = dp_plan("bsp", first_bucket_bytes=20_000, bucket_bytes=60_000)
+    starts = [a for a in build_schedule(plan)["n0:0"] if a.kind is ActionKind.ALLREDUCE_START]
+    assert [(a.segment, a.bucket) for a in starts] == [(0, b) for b in range(len(plan.segments()[0].buckets))]
+    assert len(starts) > 2
+
+
+def test_the_sync_section_round_trips() -> None:
+    plan = dp_plan("hybrid-ps", staleness=2, aggregate=3)
+    data = json.loads(json.dumps(plan.to_dict()))
+    section = data["sync"]
+    assert section["mode"] == "hybrid-ps" and section["options"]["staleness"] == 2
+    assert section["segments"][0]["ps_host"] and section["segments"][0]["local_groups"]
+    back = parse_plan(data)
+    assert back.layout == plan.layout and back.sync_options == plan.sync_options
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("ps_host", "n1:1", "sync.segments[0].ps_host is 'n1:1'"),
+    ("owners", ["n0:0", "n0:1"], "sync.segments[0].owners"),
+    ("algorithm", "ring", "sync.segments[0].algorithm is 'ring'"),
+    ("layers", [0, 5], "sync.segments[0].layers"),
+])
+def test_a_hand_edited_layout_is_refused_naming_the_segment(field: str, value: Any, words: str) -> None:
+    data = json.loads(json.dumps(dp_plan("wsp").to_dict()))
+    if data["sync"]["segments"][0][field] == value:
+        value = "n0:0" if field == "ps_host" else value
+    data["sync"]["segments"][0][field] = value
+    with pytest.raises(SyncLayoutError) as e:
+        parse_plan(data)
+    assert words in str(e.value) and "hetrain plan --from" in str(e.value)
+    parse_plan(data, check_layout=False)  # what --from reads: the layout is made anew
+
+
+def test_a_missing_segment_is_refused() -> None:
+    data = dp_plan("bsp").to_dict()
+    data["sync"]["segments"] = []
+    with pytest.raises(SyncLayoutError, match="sync has 0 segments, the stages give 1"):
+        parse_plan(data)
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"period": 0}, "period must be in [1, 100000], got 0"),
+    ({"period": 2.5}, "period must be an integer in [1, 100000], got 2.5"),
+    ({"staleness": True}, "staleness must be an integer"),
+    ({"staleness": "2"}, None),  # a string that parses is read as the number
+    ({"bucket_bytes": -1}, "bucket_bytes must be in [1, "),
+    ({"placement": "far"}, "placement must be one of local, round-robin, got 'far'"),
+    ({"lag": 2}, "unknown option 'lag'"),
+])
+def test_sync_options_in_a_plan_file_are_type_checked(options: dict[str, Any], words: str | None) -> None:
+    data = dp_plan("wsp").to_dict()
+    data["sync"]["options"] = {**data["sync"]["options"], **options}
+    if words is None:
+        assert parse_plan(data).sync_options.staleness == 2
+        return
+    with pytest.raises(InputError) as e:
+        parse_plan(data)
+    assert words in str(e.value) and "plan sync.options" in str(e.value)
+
+
+def test_a_sync_option_among_the_plan_options_is_refused() -> None:
+    with pytest.raises(PlanError, match=r"'period' is a sync option: it belongs in sync\.options"):
+        Plan("gpt-tiny", 16, "1f1b", "bsp", "sgd", dp_plan("bsp").virtual_workers, Prediction(0, 0, 0, 0, 0),
+             "dp", "manual", two_by_two(), build_profile("gpt-tiny"), options={"period": 4})
+
+
+def test_a_stage_that_does_not_fit_its_device_is_refused_with_the_numbers() -> None:
+    cluster = parse_cluster({"name": "small", "node": [
+        {"name": "n0", "devices": [{"type": "cpu", "count": 4, "memory": "8GB"}], "intra_link": "100Gbit/s",
+         "nic": "1Gbit/s"}]})
+    vws = tuple(VirtualWorker((Stage(d, 0, 6, (), 0.0, 0.0, 1e9),), 4, 1) for d in ("n0:0", "n0:1"))
+    Plan("gpt-tiny", 8, "1f1b", "bsp", "sgd", vws, Prediction(0, 0, 0, 0, 0), "dp", "manual", cluster,
+         build_profile("gpt-tiny"))
+    big = (VirtualWorker((Stage("n0:0", 0, 6, (), 0.0, 0.0, 9.1e9),), 4, 1), vws[1])
+    with pytest.raises(PlanError, match=r"VW0 stage 0 on n0:0 needs 9\.1 GB, the device has 8\.0 GB"):
+        Plan("gpt-tiny", 8, "1f1b", "bsp", "sgd", big, Prediction(0, 0, 0, 0, 0), "dp", "manual", cluster,
+             build_profile("gpt-tiny"))
+    peak = Prediction(0, 0, 0, 0, 0, memory=(DeviceMemory("n0:1", 12e9, 8e9),))
+    with pytest.raises(PlanError, match=r"VW1 stage 0 on n0:1 needs 12\.0 GB"):
+        Plan("gpt-tiny", 8, "1f1b", "bsp", "sgd", vws, peak, "dp", "manual", cluster, build_profile("gpt-tiny"))
+
+
+def test_with_sync_makes_the_layout_anew() -> None:
+    plan = dp_plan("bsp")
+    wsp = plan.with_sync("wsp", SyncOptions(placement="round-robin"))
+    assert wsp.sync == "wsp" and wsp.segments()[0].ps_host is not None and not wsp.segments()[0].buckets
+    assert plan.segments()[0].buckets and plan.segments()[0].ps_host is None
