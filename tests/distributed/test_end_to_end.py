@@ -20,13 +20,12 @@ from pathlib import Path
 import pytest
 
 from hetrain.cluster import parse_cluster
-from hetrain.demo import relabel_profile
 from hetrain.emulate import EmulatedCluster, EmulationError, EmulationSettings, list_runs
 from hetrain.emulate.cgroups import list_run_dirs
 from hetrain.emulate.emulator import check_permissions
 from hetrain.emulate.network import list_namespaces, run_id_of
 from hetrain.planner import plan
-from hetrain.profile import load_profile
+from hetrain.profile import load_profile, relabel_profile
 from hetrain.profiler.layers import run_profile_command
 
 CLUSTER = {
@@ -113,7 +112,7 @@ def test_relabel_files_measurements_under_the_device_type() -> None:
 
 
 def test_measured_links_replace_the_nominal_ones() -> None:
-    from hetrain.demo import with_measured_links
+    from hetrain.cluster_fixups import with_measured_links
 
     discovered = {"node": [{"name": "fast", "intra_link": {"bandwidth_bytes_per_s": 1e9, "latency_s": 1e-5},
                             "nic": {"bandwidth_bytes_per_s": 1.2e7, "latency_s": 2e-4}}],
@@ -138,8 +137,8 @@ def test_measured_links_replace_the_nominal_ones() -> None:
 
 
 def test_even_split_plan_is_one_pipeline_over_every_device() -> None:
-    from hetrain.demo import even_split_plan
     from hetrain.models.analytic import build_profile
+    from hetrain.planner.baselines import even_split_plan
 
     cluster = parse_cluster(CLUSTER)
     profile = build_profile("gpt-tiny")
@@ -164,8 +163,8 @@ def test_even_split_plan_is_one_pipeline_over_every_device() -> None:
 
 
 def test_even_dp_plan_splits_the_batch_evenly_over_every_device() -> None:
-    from hetrain.demo import even_dp_plan
     from hetrain.models.analytic import build_profile
+    from hetrain.planner.baselines import even_dp_plan
 
     cluster = parse_cluster(CLUSTER)
     profile = build_profile("gpt-tiny")
@@ -180,8 +179,8 @@ def test_even_dp_plan_splits_the_batch_evenly_over_every_device() -> None:
 def test_torch_pipelining_micro_batches_divide_the_batch() -> None:
     from dataclasses import replace
 
-    from hetrain.demo import even_split_plan, torch_pipelining_micro_batches
     from hetrain.models.analytic import build_profile
+    from hetrain.planner.baselines import even_split_plan, torch_pipelining_micro_batches
 
     pp = plan(parse_cluster(CLUSTER), build_profile("gpt-tiny"), 12, strategy="pp", micro_batch_sizes=(4,),
               simulate_top_k=0)
