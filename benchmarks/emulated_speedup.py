@@ -44,7 +44,8 @@ from pathlib import Path
 
 from _emulated import ready_to_emulate
 from _results import write_section
-from hetrain.demo import run_emulated_comparison, torch_pipelining_micro_batches
+from hetrain.demo import run_emulated_comparison
+from hetrain.planner.baselines import torch_pipelining_micro_batches
 
 
 def cluster_text(name: str, fast_share: float, slow_share: float, fast_nic: str, slow_nic: str) -> str:

@@ -11,7 +11,6 @@ from torch import nn
 
 from hetrain.cluster import parse_cluster
 from hetrain.cost import OPTIMIZER_STATE_PER_PARAM, estimate_optimizer_time
-from hetrain.demo import relabel_profile
 from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
 from hetrain.planner import plan
 from hetrain.profile import (
@@ -22,6 +21,7 @@ from hetrain.profile import (
     ProfileError,
     load_profile,
     parse_profile,
+    relabel_profile,
 )
 from hetrain.profiler.fit import merge_profiles
 from hetrain.profiler.layers import measure_layers, measure_optimizer_step, profile_layers

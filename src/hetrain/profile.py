@@ -350,3 +350,30 @@ def load_profile(path: str | Path) -> ModelProfile:
         return parse_profile(data)
     except ProfileError as e:
         raise ProfileError(f"{p}: {e}") from None
+
+
+def relabel_profile(profile: ModelProfile, type_name: str, figures: tuple[float, float] | None = None) -> ModelProfile:
+    """The profile with every measurement (layers, optimizer step) filed under ``type_name`` (and its
+    peak figures ``(peak_flops, memory_bandwidth_bytes_per_s)``, if given; else the first measured type's).
+
+    A CPU process always profiles as type ``cpu``; an emulated device of type
+    ``cpu-slow`` is a throttled CPU, so its measurements belong to ``cpu-slow``.
+
+    Example:
+        >>> from hetrain.models.analytic import build_profile                      # doctest: +SKIP
+        >>> relabel_profile(build_profile("gpt-tiny"), "cpu-slow", (4.8e12, 4e9)).measured_on[0][0]  # doctest: +SKIP
+        'cpu-slow'
+    """
+    data = profile.to_dict()
+    for layer in data["layers"]:
+        measured = layer.get("measured", {})
+        layer["measured"] = {type_name: [m for ms in measured.values() for m in ms]}
+    rates = data.get("optimizer_step_s_per_byte", {})
+    if rates:
+        data["optimizer_step_s_per_byte"] = {type_name: {k: v for r in rates.values() for k, v in r.items()}}
+    if figures is not None:
+        data["measured_on"] = {type_name: {"peak_flops": figures[0], "memory_bandwidth_bytes_per_s": figures[1]}}
+    else:
+        figs = list(data.get("measured_on", {}).values())
+        data["measured_on"] = {type_name: figs[0]} if figs else {}
+    return parse_profile(data)

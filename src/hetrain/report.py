@@ -1,4 +1,7 @@
-"""The demo's report: Markdown with PNGs, from a ``hetrain.demo.Comparison``.
+"""The demo's results and report: ``PlanRun`` and ``Comparison``, and Markdown with PNGs from them.
+
+``hetrain.demo.run_emulated_comparison`` returns a ``Comparison`` (one ``PlanRun`` per plan trained:
+its prediction and what training measured); ``write_report`` writes it out:
 
     out/demo/report.md            the tables and the pictures below, with how to read them
     out/demo/plan-<name>.png      each plan: a row per device, its stage's layer range, per VW
@@ -11,8 +14,10 @@ Pictures use matplotlib's Agg backend (no display needed).
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,8 +25,96 @@ from hetrain.timeline import Comparison as TimelineComparison
 from hetrain.timeline import compare, load_timeline, save_side_by_side
 
 if TYPE_CHECKING:
-    from hetrain.demo import Comparison, PlanRun
+    from hetrain.calibrate import Calibration
     from hetrain.plan import Plan
+    from hetrain.simulator import SimResult
+
+
+@dataclass
+class PlanRun:
+    """One plan: its prediction, and what training it on the emulated cluster measured."""
+
+    name: str
+    plan: Plan
+    sim: SimResult
+    plan_path: Path
+    metrics_path: Path
+    timeline_path: Path
+    status: int = -1
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    warmup: int = 0
+    wall_s: float = 0.0
+    runtime: str = "hetrain"  # or "torch": a torch baseline, whose ``plan`` is hetrain's model of it
+
+    @property
+    def predicted_iteration_s(self) -> float:
+        return float(self.sim.iteration_s)
+
+    @property
+    def predicted_samples_per_s(self) -> float:
+        return self.plan.global_batch / self.predicted_iteration_s
+
+    @property
+    def timed_steps(self) -> list[dict[str, Any]]:
+        """The steps after warm-up (all of them when there are too few)."""
+        rest = self.metrics[self.warmup:]
+        return rest or self.metrics
+
+    @property
+    def measured_iteration_s(self) -> float:
+        """Mean step time after warm-up; nan when nothing was measured."""
+        steps = self.timed_steps
+        if not steps:
+            return math.nan
+        return sum(float(s["step_time_s"]) for s in steps) / len(steps)
+
+    @property
+    def measured_samples_per_s(self) -> float:
+        return self.plan.global_batch / self.measured_iteration_s
+
+    @property
+    def prediction_error(self) -> float:
+        """``(predicted - measured) / measured`` iteration time."""
+        return (self.predicted_iteration_s - self.measured_iteration_s) / self.measured_iteration_s
+
+    def load_metrics(self) -> None:
+        """Read the step rows (those with ``step_time_s``) of ``metrics_path``; none if it is missing."""
+        self.metrics = []
+        if self.metrics_path.exists():
+            for line in self.metrics_path.read_text().splitlines():
+                if line.strip():
+                    row = json.loads(line)
+                    if "step_time_s" in row:
+                        self.metrics.append(row)
+
+
+@dataclass
+class Comparison:
+    """What ``hetrain.demo.run_emulated_comparison`` produced: the plans, their runs, where things are."""
+
+    out_dir: Path
+    cluster_path: Path
+    profile_path: Path
+    runs: dict[str, PlanRun]
+    discovered: str
+    timings_s: dict[str, float]
+    plans: dict[str, Plan] = field(default_factory=dict)  # the demo's plan builder's plans, trained or not
+    calibration: Calibration | None = None  # the overhead per action found before planning
+
+    def speedup(self, over: str, of: str = "hetrain") -> float:
+        return self.runs[of].measured_samples_per_s / self.runs[over].measured_samples_per_s
+
+    def table(self) -> str:
+        """Predicted vs measured per plan, as a Markdown table."""
+        lines = ["| plan | VWs x stages | predicted samples/s | measured samples/s | iteration error |",
+                 "| --- | --- | ---: | ---: | ---: |"]
+        for r in self.runs.values():
+            shape = " + ".join(str(len(vw.stages)) for vw in r.plan.virtual_workers)
+            err = "n/a" if math.isnan(r.measured_iteration_s) else f"{100 * r.prediction_error:+.1f}%"
+            lines.append(f"| {r.name} | {shape} | {r.predicted_samples_per_s:.1f} | "
+                         f"{r.measured_samples_per_s:.1f} | {err} |")
+        return "\n".join(lines)
+
 
 COLORS = ("#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2", "#ff9da6", "#9d755d")
 

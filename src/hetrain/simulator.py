@@ -67,7 +67,7 @@ import heapq
 import json
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hetrain.cluster import Cluster
@@ -83,7 +83,7 @@ from hetrain.cost import (
     estimate_ring_allreduce_time,
     estimate_stage_memory,
 )
-from hetrain.plan import Plan, PlanError, load_plan
+from hetrain.plan import DeviceMemory, Plan, PlanError, Prediction, load_plan
 from hetrain.schedule import (
     COLLECTIVE_KINDS,
     ActionKind,
@@ -852,3 +852,24 @@ def run_simulate_command(plan_path: str, trace: str | None, gantt: str | None, a
         for line in written:
             print(line)
     return 0
+
+
+def with_simulated_prediction(draft: Plan) -> Plan:
+    """``draft`` with every predicted figure taken from one replay (a hand-built plan has no closed form,
+    ``planner.baselines``):
+    the iteration; its pipeline (to the last backward) and the rest after it, as the optimizer step
+    (the longest, at most the rest) and sync; each VW's pipeline (to its last backward); each
+    device's peak memory."""
+    sim = simulate(draft)
+    events = sim.timeline.devices
+    rest = max(0.0, sim.iteration_s - sim.pipeline_s)
+    optimizer_s = min(rest, max((e.end_s - e.start_s for evs in events.values() for e in evs
+                                 if e.kind == "optimizer"), default=0.0))
+    vws = tuple(replace(vw, predicted_pipeline_s=max(
+        (e.end_s for d in vw.devices for e in events.get(d, ()) if e.kind == "backward"), default=0.0))
+        for vw in draft.virtual_workers)
+    memory = tuple(DeviceMemory(d.device, d.peak_memory_bytes, d.capacity_bytes) for d in sim.devices.values())
+    pred = Prediction(iteration_s=sim.iteration_s, samples_per_s=sim.samples_per_s, pipeline_s=sim.pipeline_s,
+                      sync_s=rest - optimizer_s, optimizer_s=optimizer_s,
+                      memory=memory, simulated_iteration_s=sim.iteration_s)
+    return replace(draft, virtual_workers=vws, prediction=pred)

@@ -51,7 +51,7 @@ def quota_stall(cpu_share: float, period_s: float) -> float:
     ``(period - quota) / 2`` (0 for a share of 1 or more). With an idle filler the device
     is throttled the same part of the time whether it computes or idles, so link
     discovery meets the stall as training does and nothing needs adding
-    (``demo.with_measured_links``).
+    (``cluster_fixups.with_measured_links``).
 
     Example:
         >>> round(quota_stall(0.4, 0.010), 6)

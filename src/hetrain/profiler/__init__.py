@@ -2,6 +2,7 @@
 
 - ``profile_layers``: per-layer forward/backward seconds and bytes -> ModelProfile;
 - ``merge_profiles`` / ``scale_to`` / ``fit_error``: combine and check profiles (pure);
+- ``merge_node_profiles``: one profile from a profiling job's per-device files (pure);
 - ``discover``: under torchrun, measure devices and links -> cluster TOML.
 
 Names load lazily: ``import hetrain.profiler.fit`` imports no torch.
@@ -22,6 +23,7 @@ _EXPORTS = {
     "run_profile_command": "layers",
     "fit_error": "fit", "FitError": "fit", "fit_link": "fit", "fit_linear": "fit", "merge_profiles": "fit",
     "predict_layer_time": "fit", "scale_to": "fit",
+    "merge_node_profiles": "merge", "node_profile_path": "merge",
     "discover": "network", "DiscoveryError": "network", "DiscoveryResult": "network",
     "build_plan": "network", "round_robin": "network", "run_discover_command": "network",
     "parse_message_sizes": "network", "add_discover_arguments": "network",
