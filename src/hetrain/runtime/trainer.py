@@ -44,11 +44,12 @@ import torch.distributed as dist
 from torch import nn
 
 from hetrain.data.sharding import batch_length, shard_batch, split_batch
+from hetrain.distributed.device import DeviceError, choose_device
+from hetrain.distributed.health import Health, PeerError, read_beat
+from hetrain.distributed.store import attempt_store
 from hetrain.plan import Plan
-from hetrain.runtime.device import DeviceError, choose_device
 from hetrain.runtime.evaluate import evaluate_stage
 from hetrain.runtime.executor import Executor, LossFn, StageModule
-from hetrain.runtime.health import Health, PeerError
 from hetrain.runtime.metrics import MetricsLog, Recorder, merge_timeline
 from hetrain.runtime.modes import DasoRate, ModeSync, build_mode_groups
 from hetrain.runtime.p2p import Transport
@@ -69,7 +70,7 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int, in
 
     Under torchrun (``RANK`` set) every rank joins; without it, a world of one
     process. The device is ``cuda:LOCAL_RANK`` with NCCL, else the CPU
-    (``HETRAIN_DEVICE``: see ``hetrain.runtime.device``).
+    (``HETRAIN_DEVICE``: see ``hetrain.distributed.device``).
 
     Returns:
         (rank, world size, local rank, device)
@@ -79,7 +80,7 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int, in
         backend, _ = choose_device(local_rank)
         timeout = timedelta(seconds=timeout_s)
         if "RANK" in os.environ:
-            store = _attempt_store(timeout)
+            store = attempt_store(timeout)
             if store is None:
                 dist.init_process_group(backend, timeout=timeout)
             else:
@@ -99,23 +100,6 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int, in
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
-
-
-def _attempt_store(timeout: timedelta) -> Any:
-    """Under torchrun's agent store, a store whose keys belong to this restart attempt only; else None.
-
-    torchrun (2.13) keeps one store for every attempt of a job and the workers'
-    ``env://`` store has no per-attempt prefix, so after ``--max-restarts`` a
-    restarted rank can read the addresses its predecessors published and fail to
-    connect (pytorch/pytorch#135712). Prefixing by ``TORCHELASTIC_RESTART_COUNT``,
-    which the agents of a job restart together, keeps attempts apart.
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),  # type: ignore[attr-defined]
-                         int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"hetrain/attempt_{attempt}/", base)  # type: ignore[attr-defined]
 
 
 def build_optimizer_fn(name: str, lr: float | None = None, momentum: float = 0.9,
@@ -489,13 +473,7 @@ class Trainer:
                 log.log(row)
 
     def _wait_collective(self, work: Any, what: str) -> None:
-        try:
-            done = work.wait(timeout=timedelta(seconds=self.timeout_s))
-        except RuntimeError as e:
-            raise self.health.peer_error(f"{what} among the used ranks failed or timed out ({self.timeout_s:g} s)",
-                                         self.used_ranks, e) from None
-        if done is False:
-            raise self.health.peer_error(f"{what} did not finish within {self.timeout_s:g} s", self.used_ranks)
+        self.health.wait(work, what, self.used_ranks, self.timeout_s)
 
     # --- data ------------------------------------------------------------------------
 
@@ -677,12 +655,9 @@ class Trainer:
                             timeout_s=self.timeout_s)
 
     def _reporting_rank_alive(self) -> bool:
-        store = self.health.store
-        key = f"beat/{self.report_rank}"
+        assert self.health.store is not None
         try:
-            if not store.check([key]):
-                return True  # not beating yet
-            beat = json.loads(store.get(key))
+            beat = read_beat(self.health.store, self.report_rank)
         except Exception:
             return False
-        return bool(time.time() - float(beat["t"]) < 3 * self.health.period_s)
+        return beat is None or beat.age_s < 3 * self.health.period_s  # None: not beating yet
