@@ -144,12 +144,14 @@ class Barrier:
                 seen[r] = (count, now)
             elif now - last[1] > self.timeout_s:
                 (never if not count else silent).append(r)
+        parts = []
         if never:
-            raise BarrierError(f"{self._names(never)} did not join within {self.timeout_s:g} s (waiting at {what})",
-                               what, late=never, silent=silent)
+            parts.append(f"{self._names(never)} did not join within {self.timeout_s:g} s (waiting at {what})")
         if silent:
-            raise BarrierError(f"{self._names(silent)} stopped answering: no heartbeat for {self.timeout_s:g} s "
-                               f"while waiting at {what}", what, silent=silent)
+            parts.append(f"{self._names(silent)} stopped answering: no heartbeat for {self.timeout_s:g} s "
+                         f"while waiting at {what}")
+        if parts:
+            raise BarrierError("; ".join(parts), what, late=never, silent=silent)
 
     def _names(self, ranks: Sequence[int]) -> str:
         if self.name is rank_name:

@@ -350,12 +350,9 @@ class _Session:
             if e.failed:
                 raise DiscoveryError(f"rank {self.rank} stops because {e.failed[min(e.failed)]}",
                                      relayed=True) from None
-            if e.late:
-                raise DiscoveryError(
-                    f"rank {self.rank}: {_ranks(e.late)} did not join within {self.timeout_s:g} s (waiting at "
-                    f"{phase}); is every rank started, with WORLD_SIZE {self.world} and the same "
-                    "MASTER_ADDR:MASTER_PORT?") from None
-            raise DiscoveryError(f"rank {self.rank}: {e}") from None
+            hint = (f"; is every rank started, with WORLD_SIZE {self.world} and the same MASTER_ADDR:MASTER_PORT?"
+                    if e.late else "")
+            raise DiscoveryError(f"rank {self.rank}: {e}{hint}") from None
         except StoreError as e:
             raise DiscoveryError(f"rank {self.rank}: lost the rendezvous store at {self.store.where} "
                                  f"while waiting at {phase}: {_first_line(e.cause)}") from None
