@@ -44,8 +44,9 @@ import torch.distributed as dist
 from torch import nn
 
 from hetrain.data.sharding import batch_length, shard_batch, split_batch
+from hetrain.distributed.barrier import Barrier, BarrierError
 from hetrain.distributed.device import DeviceError, choose_device
-from hetrain.distributed.health import Health, PeerError, read_beat
+from hetrain.distributed.health import Health, PeerError, beat_counter
 from hetrain.distributed.store import attempt_store
 from hetrain.plan import Plan
 from hetrain.runtime.evaluate import evaluate_stage
@@ -620,44 +621,40 @@ class Trainer:
         if not self.is_reporting or len(self.used_ranks) == self.world or self.checkpoint_dir is None:
             return
         if self.health.store is not None:
-            self.health.store.set(f"event/{self._events}", json.dumps(event))
+            Barrier(self.health.store, self.rank, self.world, self.timeout_s).arrive(f"event/{self._events}",
+                                                                                     json.dumps(event))
         self._events += 1
 
     def _idle(self) -> None:
-        """An unused rank: nothing to do, except joining checkpoint writes (collective over the job)."""
+        """An unused rank: nothing to do, except joining checkpoint writes (collective over the job).
+
+        It waits for the reporting rank's news as long as that rank beats, and stops when it has
+        been silent for ``timeout_s`` or a rank posts an error.
+        """
         if self.checkpoint_dir is None or self.health.store is None:
             return
         from hetrain.runtime.checkpoint import save_checkpoint
 
         store = self.health.store
         self.health.doing = "idle (device unused by the plan)"
+        barrier = Barrier(store, self.rank, self.world, self.timeout_s, beats=beat_counter(store),
+                          name=self.health.name)
+        reporter = self.health.name(self.report_rank)
         while True:
             key = f"event/{self._events}"
-            last_seen = time.monotonic()
-            while not store.check([key]):
-                errors = self.health.posted_errors()
-                if errors:
-                    r, msg = min(errors.items())
+            try:
+                barrier.wait(key, f"news from {reporter}", ranks=[self.report_rank])
+            except BarrierError as e:
+                if e.failed:
+                    r = min(e.failed)
                     raise PeerError(f"{self.health.name(self.rank)} (idle): {self.health.name(r)} failed: "
-                                    f"{msg.splitlines()[0]}")
-                if self._reporting_rank_alive():
-                    last_seen = time.monotonic()
-                elif time.monotonic() - last_seen > self.timeout_s:
-                    raise self.health.peer_error(f"idle, waiting for news from {self.health.name(self.report_rank)}",
-                                                 [self.report_rank])
-                time.sleep(0.2)
-            event = json.loads(store.get(key))
+                                    f"{e.failed[r].splitlines()[0]}") from None
+                raise self.health.peer_error(f"idle, waiting for news from {reporter}", [self.report_rank],
+                                             e) from None
+            event = json.loads(store.get(f"{key}/{self.report_rank}"))
             self._events += 1
             if event["kind"] == "done":
                 return
             self.step = int(event["step"])
             save_checkpoint(self.checkpoint_dir, self.step, {}, {}, event["meta"], owned_names=set(),
                             timeout_s=self.timeout_s)
-
-    def _reporting_rank_alive(self) -> bool:
-        assert self.health.store is not None
-        try:
-            beat = read_beat(self.health.store, self.report_rank)
-        except Exception:
-            return False
-        return beat is None or beat.age_s < 3 * self.health.period_s  # None: not beating yet
