@@ -66,7 +66,7 @@ from torch import nn
 
 from hetrain.cost import allreduce_shape, estimate_allreduce
 from hetrain.distributed.health import Health, PeerError
-from hetrain.distributed.work import completed_within
+from hetrain.distributed.work import completed_within, is_timeout
 from hetrain.plan import Plan, Segment, allreduce_algorithm
 from hetrain.schedule import build_buckets
 
@@ -476,7 +476,6 @@ class GradientSync:
 
     def _failure(self, s: int, what: object, e: BaseException | None) -> str:
         owners = ", ".join(self.health.name(self.rank_of[d]) for d in self.segments[s].owners)
-        text = str(e).lower() if e is not None else "timed out"
-        if "timed out" in text or "timeout" in text:
+        if e is None or is_timeout(e):
             return f"{what} among {owners} did not finish within {self.timeout_s:g} s"
         return f"{what} among {owners} failed: a peer failed or closed its connection"
