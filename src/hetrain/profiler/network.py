@@ -26,10 +26,11 @@
    [[link]] for every node pair. An all-reduce over all ranks is timed and
    compared with ``cost.estimate_allreduce_time`` on the measured cluster.
 
-Every wait has a timeout and names the rank it waited for. Ranks beat a heartbeat
-into the rendezvous store; a barrier names the ranks whose heartbeat stopped for
-``timeout_s``; every send and receive waits at most ``timeout_s``; a rank that
-fails posts its error in the store, and the others stop with it.
+Every wait has a timeout and names the rank it waited for (``hetrain.distributed``).
+Ranks beat a heartbeat into the rendezvous store; a barrier names the ranks whose
+heartbeat stopped for ``timeout_s``; every send and receive waits at most
+``timeout_s``; a rank that fails posts its error in the store, and the others stop
+with it.
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ import os
 import socket
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -54,16 +54,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from hetrain import __version__
 from hetrain.catalog import lookup_device_type
 from hetrain.cluster import Cluster, ClusterError, parse_cluster
 from hetrain.cost import allreduce_shape, estimate_allreduce
+from hetrain.distributed.barrier import Barrier, BarrierError
+from hetrain.distributed.device import DeviceError, choose_device
+from hetrain.distributed.health import Heartbeat, beat_counter
+from hetrain.distributed.store import JobStore, StoreError
+from hetrain.distributed.work import WaitError, wait_work
+from hetrain.distributed.work import first_line as _first_line
+from hetrain.distributed.work import ranks_text as _ranks
 from hetrain.errors import RunError
 from hetrain.profiler.fit import fit_link
 from hetrain.profiler.layers import describe_device, measure_device_figures
-from hetrain.runtime.device import DeviceError, choose_device
 from hetrain.units import UnitError, format_bandwidth, format_bytes, format_time, parse_bytes
 
 if sys.version_info >= (3, 11):
@@ -309,102 +314,48 @@ def host_name(rank: int) -> str:
 
 
 class _Session:
-    """The rendezvous store of this run, a heartbeat thread, barriers that name late ranks."""
+    """This run's keys in the job store, a heartbeat, barriers that name late or silent ranks."""
 
     def __init__(self, rank: int, world: int, timeout_s: float) -> None:
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
-        self.addr, self.port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        self.prefix = f"hetrain/discover/{restart}/{next(_RUNS)}/"
         # torchrun's agent hosts the store when it says so; otherwise rank 0 does (as env:// would).
-        self.agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
-        self.base = self._connect(server=rank == 0 and not self.agent_store)
-        self.store = PrefixStore(self.prefix, self.base)
+        try:
+            self.store = JobStore.connect(f"discover/{next(_RUNS)}", rank, timeout_s)
+        except StoreError as e:
+            raise DiscoveryError(str(e)) from None
         self.barriers = 0
         self.beat_s = min(1.0, timeout_s / 5)
-        self._stop = threading.Event()
-        self._heartbeat = threading.Thread(target=self._beat, name="hetrain-heartbeat", daemon=True)
-        self._heartbeat.start()
-
-    def _connect(self, server: bool) -> TCPStore:
-        try:
-            return TCPStore(self.addr, self.port, world_size=None, is_master=server,
-                                 timeout=timedelta(seconds=self.timeout_s), wait_for_workers=False,
-                                 multi_tenant=True)
-        except (RuntimeError, OSError) as e:
-            host = "the torchrun agent" if self.agent_store else "rank 0"
-            raise DiscoveryError(f"rank {self.rank}: cannot reach the rendezvous store at {self.addr}:{self.port} "
-                                 f"within {self.timeout_s:g} s (hosted by {host}): {_first_line(e)}") from None
-
-    def _beat(self) -> None:
-        try:
-            store = PrefixStore(self.prefix, self.base.clone())  # type: ignore[attr-defined]
-            while True:
-                store.add(f"hb/{self.rank}", 1)
-                if self._stop.wait(self.beat_s):
-                    return
-        except Exception:  # the store went away: the main thread will say so on its next wait
-            return
+        self.count = beat_counter(self.store)
+        self.barrier_ = Barrier(self.store, rank, world, timeout_s, beats=self.count)
+        self._heart = Heartbeat(self.store, rank, self.beat_s)
+        with contextlib.suppress(StoreError):  # without a second connection, nobody sees this rank beat
+            self._heart.start()
 
     def close(self) -> None:
-        self._stop.set()
-        self._heartbeat.join(timeout=2 * self.beat_s + 1)
+        self._heart.stop()
 
     def abort(self, error: DiscoveryError) -> None:
         """Post this rank's error so the others stop instead of waiting for it."""
         if error.relayed:
             return
         with contextlib.suppress(Exception):
-            self.store.set("abort", str(error))
-
-    def _check_abort(self) -> None:
-        if self.store.check(["abort"]):
-            message = self.store.get("abort").decode(errors="replace")
-            raise DiscoveryError(f"rank {self.rank} stops because {message}", relayed=True)
+            self.store.post_error(self.rank, str(error))
 
     def barrier(self, phase: str) -> None:
         """Wait until every rank is here; raise naming the ranks that stopped beating for ``timeout_s``."""
         self.barriers += 1
-        key = f"barrier/{self.barriers}"
         try:
-            self.store.set(f"{key}/{self.rank}", phase)
-            count = self.store.add(f"{key}/count", 1)
-            seen: dict[int, tuple[int, float]] = {}
-            delay, next_check = 0.001, 0.0
-            while count < self.world:
-                self._check_abort()
-                now = time.monotonic()
-                if now >= next_check:
-                    self._check_alive(key, phase, seen, now)
-                    next_check = now + min(0.5, self.timeout_s / 4)
-                time.sleep(delay)
-                delay = min(2 * delay, 0.05)
-                count = self.store.add(f"{key}/count", 0)
-        except DiscoveryError:
-            raise
-        except (RuntimeError, OSError) as e:
-            raise DiscoveryError(f"rank {self.rank}: lost the rendezvous store at {self.addr}:{self.port} "
-                                 f"while waiting at {phase}: {_first_line(e)}") from None
-
-    def _check_alive(self, key: str, phase: str, seen: dict[int, tuple[int, float]], now: float) -> None:
-        silent: list[int] = []
-        never: list[int] = []
-        for r in range(self.world):
-            if self.store.check([f"{key}/{r}"]):
-                continue
-            beats = self.store.add(f"hb/{r}", 0)
-            last = seen.get(r)
-            if last is None or beats != last[0]:
-                seen[r] = (beats, now)
-            elif now - last[1] > self.timeout_s:
-                (never if beats == 0 else silent).append(r)
-        if never:
-            raise DiscoveryError(
-                f"rank {self.rank}: {_ranks(never)} did not join within {self.timeout_s:g} s (waiting at {phase}); "
-                f"is every rank started, with WORLD_SIZE {self.world} and the same MASTER_ADDR:MASTER_PORT?")
-        if silent:
-            raise DiscoveryError(f"rank {self.rank}: {_ranks(silent)} stopped answering: no heartbeat for "
-                                 f"{self.timeout_s:g} s while waiting at {phase}")
+            self.barrier_.sync(f"barrier/{self.barriers}", phase)
+        except BarrierError as e:
+            if e.failed:
+                raise DiscoveryError(f"rank {self.rank} stops because {e.failed[min(e.failed)]}",
+                                     relayed=True) from None
+            hint = (f"; is every rank started, with WORLD_SIZE {self.world} and the same MASTER_ADDR:MASTER_PORT?"
+                    if e.late else "")
+            raise DiscoveryError(f"rank {self.rank}: {e}{hint}") from None
+        except StoreError as e:
+            raise DiscoveryError(f"rank {self.rank}: lost the rendezvous store at {self.store.where} "
+                                 f"while waiting at {phase}: {_first_line(e.cause)}") from None
 
     def all_gather(self, obj: Any, what: str) -> list[Any]:
         """``dist.all_gather_object`` after a barrier (which names absent ranks)."""
@@ -420,21 +371,12 @@ class _Session:
     def silent_note(self) -> str:
         """After a collective failed: ``"; rank 3 stopped answering"`` for ranks whose heartbeat stands still."""
         try:
-            before = [self.store.add(f"hb/{r}", 0) for r in range(self.world)]
+            before = [self.count(r) for r in range(self.world)]
             time.sleep(2 * self.beat_s + 0.1)
-            silent = [r for r in range(self.world) if r != self.rank and self.store.add(f"hb/{r}", 0) == before[r]]
-        except (RuntimeError, OSError):
+            silent = [r for r in range(self.world) if r != self.rank and self.count(r) == before[r]]
+        except StoreError:
             return ""
         return f"; {_ranks(silent)} stopped answering (no heartbeat)" if silent else ""
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
-def _ranks(rs: Sequence[int]) -> str:
-    return f"rank{'s' if len(rs) > 1 else ''} {', '.join(str(r) for r in rs)}"
 
 
 # ---------------------------------------------------------------------------
@@ -444,10 +386,10 @@ def _ranks(rs: Sequence[int]) -> str:
 
 def _wait(work: Any, timeout_s: float, peer: int, doing: str) -> None:
     try:
-        work.wait(timeout=timedelta(seconds=timeout_s))
-    except RuntimeError as e:
+        wait_work(work, doing, [peer], timeout_s)
+    except WaitError as e:
         raise DiscoveryError(f"rank {dist.get_rank()}: no answer from rank {peer} within {timeout_s:g} s "
-                             f"while {doing} ({_first_line(e)})") from None
+                             f"while {doing} ({_first_line(e.cause or e)})") from None
 
 
 def measure_pingpong(peer: int, sizes: Sequence[int], initiator: bool, repeats: int = 5, warmup: int = 1,
@@ -539,10 +481,10 @@ def measure_allreduce(num_bytes: int, repeats: int = 3, warmup: int = 1, timeout
 
 def _wait_collective(work: Any, timeout_s: float, doing: str) -> None:
     try:
-        work.wait(timeout=timedelta(seconds=timeout_s))
-    except RuntimeError as e:
+        wait_work(work, doing, [], timeout_s)
+    except WaitError as e:
         raise DiscoveryError(f"rank {dist.get_rank()}: {doing} did not finish within {timeout_s:g} s; a peer "
-                             f"stopped answering ({_first_line(e)})") from None
+                             f"stopped answering ({_first_line(e.cause or e)})") from None
 
 
 def _rank_info(rank: int, device: torch.device) -> RankInfo:
@@ -704,7 +646,7 @@ def discover(output_path: str | Path, sizes: Sequence[int] = DEFAULT_SIZES, time
                 backend, _ = choose_device(local_rank)
             except DeviceError as e:
                 raise DiscoveryError(f"rank {rank}: {e}") from None
-            dist.init_process_group(backend, store=PrefixStore("pg", session.store), rank=rank,
+            dist.init_process_group(backend, store=session.store.child("pg").raw, rank=rank,
                                     world_size=world, timeout=timedelta(seconds=timeout_s))
             own_group = True
         device = torch.device("cuda", local_rank) if dist.get_backend() == "nccl" else torch.device("cpu")

@@ -4,11 +4,12 @@
 - ``p2p``: activations and gradients between neighbouring stages.
 - ``sync``: each segment's gradients all-reduced among its owners.
 - ``executor``: one rank's Actions of an iteration, as ``hetrain.schedule`` generates them.
-- ``health``: heartbeats, so a failed wait names the peer that died or hangs.
 - ``metrics``: the measured Timeline, JSONL metrics, TensorBoard, progress bar.
 - ``checkpoint``: atomic per-layer checkpoints with global names, loadable under any plan.
 - ``trainer``: ``Trainer(...).fit(data, steps)``: any model given as a list of layers.
 - ``command``: ``run_train_command`` (``hetrain train``; ``python -m hetrain.runtime.command``).
+
+Device choice, heartbeats, the job store and every wait with a timeout are ``hetrain.distributed``'s.
 
 Importing this package imports no torch; the names below load their module on first use.
 
@@ -24,7 +25,7 @@ from typing import Any
 _EXPORTS = {
     "Trainer": "trainer", "build_optimizer_fn": "trainer", "init_distributed": "trainer",
     "run_train_command": "command", "add_train_arguments": "command", "run_from_args": "command",
-    "PeerError": "health", "RoleError": "roles", "Role": "roles", "build_roles": "roles",
+    "PeerError": "p2p", "RoleError": "roles", "Role": "roles", "build_roles": "roles",
     "StageModule": "executor", "Executor": "executor", "merge_timeline": "metrics",
 }
 

@@ -16,8 +16,9 @@ holds. On disk::
 A save under torch.distributed is a collective over the default group::
 
     every rank   write own files into .step-N.tmp/ (each: tmp file, fsync, rename)
-                 post "arrived" with its file list in the process group's store
+                 post "arrived" with its file list in the job store (hetrain.distributed.store)
     barrier      every rank waits at most timeout_s for all others; names the missing ranks
+                 (hetrain.distributed.barrier)
     rank 0       check the lists (one writer per file, every file visible, sizes), write
                  manifest.json (tmp, fsync, rename), rename .step-N.tmp/ -> step-N/,
                  fsync DIR, post "done"; then prune to the newest ``keep`` checkpoints
@@ -62,18 +63,19 @@ import json
 import os
 import re
 import shutil
-import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed import PrefixStore  # type: ignore[attr-defined]
 
+from hetrain.distributed.barrier import Barrier, BarrierError
+from hetrain.distributed.store import JobStore, StoreError
+from hetrain.distributed.work import first_line
 from hetrain.errors import RunError
 
 __all__ = [
@@ -96,7 +98,6 @@ _LEFTOVER = re.compile(r"^\.step-(\d{8,})\.(tmp|replaced|deleting)$")
 _LAYER = re.compile(r"^((?:ps\.)?layers\.\d+)\.")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 _SAVES = itertools.count()  # save_checkpoint calls in this process: keeps the store keys of two saves apart
-_POLL_MAX_S = 0.05
 _CHUNK_BYTES = 1 << 20
 
 
@@ -411,11 +412,11 @@ def _remove(path: Path) -> None:
 class _Rendezvous:
     """Gather the ranks' file lists at rank 0 and hand its verdict back, through the default group's store.
 
-    Without torch.distributed (or with one rank) every method is immediate. Keys live under
-    ``hetrain/checkpoint/{k}/``, ``k`` counting this process's saves (the same on every rank,
-    since a save is collective): ``arrived/{rank}`` (that rank's report), ``arrivals`` (their
-    count, what a waiting rank polls), ``abort`` (an error
-    any rank posts), ``done`` (rank 0, once ``step-N/`` is in place).
+    Without torch.distributed (or with one rank) every method is immediate. Keys live in the job
+    store (``hetrain.distributed.store``) under ``checkpoint/{k}/``, ``k`` counting this process's
+    saves (the same on every rank, since a save is collective): ``arrived/{rank}`` (that rank's
+    report), ``done/0`` (rank 0, once ``step-N/`` is in place), ``error/{rank}`` (an error a rank
+    posts, which every other rank raises at once).
     """
 
     def __init__(self, step: int, timeout_s: float) -> None:
@@ -423,69 +424,56 @@ class _Rendezvous:
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if distributed else 0
         self.world = dist.get_world_size() if distributed else 1
-        self.store: Any = None
+        self.barrier: Barrier | None = None
         if self.world > 1:
             # The store the default group was set up with (torchrun's, or env:// / tcp:// / file://).
             # No tensor collective is used, so this works the same under Gloo and NCCL.
-            from torch.distributed.distributed_c10d import _get_default_store
-
-            self.store = PrefixStore(f"hetrain/checkpoint/{next(_SAVES)}/", _get_default_store())
+            store = JobStore.of_default_group(f"checkpoint/{next(_SAVES)}")
+            if store is not None:
+                self.barrier = Barrier(store, self.rank, self.world, timeout_s)
 
     def gather(self, report: dict[str, Any]) -> list[dict[str, Any]] | None:
         """Post ``report``; wait for every rank's. Rank 0 gets all reports (by rank), the others ``None``."""
-        if self.store is None:
+        if self.barrier is None:
             return [report]
-        self._call(self.store.set, f"arrived/{self.rank}", json.dumps(report))
-        self._call(self.store.add, "arrivals", 1)
-        self._wait(lambda: self._call(self.store.add, "arrivals", 0) >= self.world,  # one request per poll
-                   lambda: [r for r in range(self.world) if not self._call(self.store.check, [f"arrived/{r}"])],
-                   "reach the checkpoint barrier")
-        if self.rank != 0:
-            return None
-        return [json.loads(self._call(self.store.get, f"arrived/{r}")) for r in range(self.world)]
+        with self._named():
+            self.barrier.arrive("arrived", json.dumps(report))
+            self.barrier.wait("arrived", "reach the checkpoint barrier")
+            if self.rank != 0:
+                return None
+            return [json.loads(self.barrier.store.get(f"arrived/{r}")) for r in range(self.world)]
 
     def done(self) -> None:
-        if self.store is not None:
-            self._call(self.store.set, "done", "ok")
+        if self.barrier is not None:
+            with self._named():
+                self.barrier.arrive("done")
 
     def wait_done(self) -> None:
-        self._wait(lambda: bool(self._call(self.store.check, ["done"])), lambda: [0],
-                   "complete the checkpoint (manifest and rename)")
+        if self.barrier is not None:
+            with self._named():
+                self.barrier.wait("done", "complete the checkpoint (manifest and rename)", ranks=[0])
 
     def abort(self, message: str) -> None:
         """Post an error so the other ranks raise it at once instead of waiting for this rank."""
-        if self.store is not None:
+        if self.barrier is not None:
             with contextlib.suppress(Exception):
-                self.store.set("abort", message)
+                self.barrier.store.post_error(self.rank, message)
 
-    def _wait(self, ready: Callable[[], bool], missing: Callable[[], list[int]], what: str) -> None:
-        """Poll ``ready`` until true; after ``timeout_s``, post and raise an error naming the ``missing`` ranks."""
-        deadline = time.monotonic() + self.timeout_s
-        delay = 0.001
-        while True:
-            self._raise_if_aborted()
-            if ready():
-                return
-            if time.monotonic() >= deadline:
-                message = (f"checkpoint step {self.step}: {_ranks(missing())} did not {what} within "
-                           f"{self.timeout_s:g} s (rank {self.rank} waited)")
-                self.abort(message)
-                raise CheckpointError(message)
-            time.sleep(delay)
-            delay = min(2 * delay, _POLL_MAX_S)
-
-    def _raise_if_aborted(self) -> None:
-        if self._call(self.store.check, ["abort"]):
-            message = self._call(self.store.get, "abort").decode(errors="replace")
-            raise CheckpointError(f"rank {self.rank} stops: {message}")
-
-    def _call(self, fn: Any, *args: Any) -> Any:
+    @contextlib.contextmanager
+    def _named(self) -> Iterator[None]:
+        """Barrier and store errors as CheckpointErrors that name the step and the ranks; a timeout is posted."""
         try:
-            return fn(*args)
-        except (RuntimeError, OSError) as e:  # the store's host (rank 0 or the torchrun agent) went away
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            yield
+        except BarrierError as e:
+            if e.failed:
+                raise CheckpointError(f"rank {self.rank} stops: {e.failed[min(e.failed)]}") from None
+            message = (f"checkpoint step {self.step}: {_ranks(e.late)} did not {e.what} within "
+                       f"{self.timeout_s:g} s (rank {self.rank} waited)")
+            self.abort(message)
+            raise CheckpointError(message) from None
+        except StoreError as e:  # the store's host (rank 0 or the torchrun agent) went away
             raise CheckpointError(f"checkpoint step {self.step}: rank {self.rank} lost the process group's "
-                                  f"store: {first}") from None
+                                  f"store: {first_line(e.cause)}") from None
 
 
 # ---------------------------------------------------------------------------

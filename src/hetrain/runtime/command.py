@@ -21,10 +21,10 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from hetrain.distributed.device import DeviceError
+from hetrain.distributed.health import PeerError
 from hetrain.plan import PlanError, load_plan
 from hetrain.runtime.checkpoint import CheckpointError
-from hetrain.runtime.device import DeviceError
-from hetrain.runtime.health import PeerError
 from hetrain.runtime.roles import RoleError
 from hetrain.runtime.trainer import DEFAULT_TIMEOUT_S, Trainer, build_optimizer_fn
 from hetrain.schedule import ScheduleError

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hetrain.runtime.health import Health
+from hetrain.distributed.health import Health
 from hetrain.runtime.roles import Role
 
 Batch = tuple[Any, Any]

@@ -31,8 +31,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from hetrain.distributed.health import Health
 from hetrain.models.layers import LayerRange, run_layers
-from hetrain.runtime.health import Health
 from hetrain.runtime.metrics import Recorder
 from hetrain.runtime.modes import ModeSync
 from hetrain.runtime.p2p import Transport, flatten, grad_slots

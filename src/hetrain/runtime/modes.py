@@ -40,9 +40,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hetrain.distributed.health import Health, PeerError
+from hetrain.distributed.work import wait_work
 from hetrain.errors import RunError
 from hetrain.plan import Plan
-from hetrain.runtime.health import Health, PeerError
 from hetrain.runtime.sync import GradientSync
 from hetrain.schedule import Action, ActionKind
 
@@ -163,6 +164,7 @@ class _Shard(threading.Thread):
         self.updates: queue.Queue[torch.Tensor | None] = queue.Queue()
         self.results: queue.Queue[tuple[int, torch.Tensor] | BaseException] = queue.Queue()
         self.waves = 0
+        self.peers = dist.get_process_group_ranks(group)
 
     def run(self) -> None:
         try:
@@ -171,13 +173,12 @@ class _Shard(threading.Thread):
                 if update is None:
                     return
                 work = dist.reduce(update, dst=self.host_rank, group=self.group, async_op=True)
-                if work.wait(timeout=self.timeout) is False:
-                    raise RuntimeError("timed out")
+                wait_work(work, f"the reduce of wave {self.waves} of segment {self.s}", self.peers, self.timeout_s)
                 self.weights += update
                 out = self.weights.clone()
                 work = dist.broadcast(out, src=self.host_rank, group=self.group, async_op=True)
-                if work.wait(timeout=self.timeout) is False:
-                    raise RuntimeError("timed out")
+                wait_work(work, f"the broadcast of wave {self.waves} of segment {self.s}", self.peers,
+                          self.timeout_s)
                 self.results.put((self.waves, out))
                 self.waves += 1
         except BaseException as e:  # handed to the worker, which names the peers
@@ -291,13 +292,7 @@ class ModeSync:
         return sorted(self.rank_of[o] for o in self.segments[s].owners)
 
     def _wait(self, work: Any, s: int, what: object, peers: Sequence[int]) -> None:
-        try:
-            done = work.wait(timeout=self.timeout)
-        except RuntimeError as e:
-            raise self.health.peer_error(f"{what} of segment {s} failed or timed out ({self.timeout_s:g} s)",
-                                         peers, e) from None
-        if done is False:
-            raise self.health.peer_error(f"{what} of segment {s} did not finish within {self.timeout_s:g} s", peers)
+        self.health.wait(work, f"{what} of segment {s}", peers, self.timeout_s)
 
     def _local_allreduce(self, s: int, where: object) -> None:
         """Gradients of segment s: the mini-batch-weighted mean among the owners on this node."""
@@ -395,16 +390,8 @@ class ModeSync:
             while pending and (pending[0][0] <= need or pending[0][2].is_completed()):
                 wave, reduce, bcast, got_buf = pending.popleft()
                 for work in (reduce, bcast):
-                    try:
-                        done = work.wait(timeout=self.timeout)
-                    except RuntimeError as e:
-                        raise self.health.peer_error(
-                            f"{where}: pushing to / pulling from the parameter-server shard of segment {s} on "
-                            f"{host} (wave {wave}) failed or timed out ({self.timeout_s:g} s)",
-                            self._peers(s), e) from None
-                    if done is False:
-                        raise self.health.peer_error(f"{where}: the shard of segment {s} on {host} did not answer "
-                                                     f"within {self.timeout_s:g} s", self._peers(s))
+                    self.health.wait(work, f"{where}: pushing to / pulling from the parameter-server shard of "
+                                           f"segment {s} on {host} (wave {wave})", self._peers(s), self.timeout_s)
                 newest = (wave, got_buf)
         if newest is not None:
             wave, weights = newest

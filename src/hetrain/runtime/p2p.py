@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hetrain.runtime.health import Health, PeerError
+from hetrain.distributed.health import Health, PeerError
 
 #: dtypes a header can name, by code (the index)
 DTYPES: tuple[torch.dtype, ...] = (
@@ -114,18 +114,7 @@ class Transport:
 
     def wait(self, work: Any, what: object, peer: int) -> None:
         """Wait for one operation with ``peer``; a PeerError naming it and ``what`` when it fails or times out."""
-        try:
-            done = work.wait(timeout=self.timeout)
-        except RuntimeError as e:
-            timed_out = "timed out" in str(e).lower() or "timeout" in str(e).lower()
-            if timed_out:
-                msg = f"no answer from {self.health.name(peer)} within {self.timeout_s:g} s, waiting at {what}"
-            else:
-                msg = f"{self.health.name(peer)} failed or closed its connection while this rank waited at {what}"
-            raise self.health.peer_error(msg, [peer], e) from None
-        if done is False:
-            raise self.health.peer_error(
-                f"no answer from {self.health.name(peer)} within {self.timeout_s:g} s, waiting at {what}", [peer])
+        self.health.wait(work, what, [peer], self.timeout_s)
 
     # --- sending ---------------------------------------------------------------
 

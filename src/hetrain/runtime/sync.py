@@ -55,7 +55,6 @@ from __future__ import annotations
 import functools
 import queue
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -65,8 +64,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hetrain.distributed.health import Health, PeerError
+from hetrain.distributed.work import completed_within, is_timeout
 from hetrain.plan import Plan
-from hetrain.runtime.health import Health, PeerError
 
 
 @dataclass(frozen=True)
@@ -369,12 +369,7 @@ class GradientSync:
         works = self._posted[(s, b)]
         if isinstance(works, _Done):
             return works.event.wait(timeout_s)
-        deadline = time.monotonic() + timeout_s
-        while not all(w.is_completed() for w in works):
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.005)
-        return True
+        return completed_within(works, timeout_s)
 
     def _grad_ready(self, key: tuple[int, int], param: torch.Tensor) -> None:
         """Post-accumulate-grad hook of every parameter of bucket ``key``."""
@@ -460,16 +455,10 @@ class GradientSync:
 
     def _wait_all(self, works: Sequence[Any], s: int, what: object, peers: Sequence[int]) -> None:
         for w in works:
-            try:
-                done = w.wait(timeout=self.timeout)
-            except RuntimeError as e:
-                raise self.health.peer_error(self._failure(s, what, e), peers, e) from None
-            if done is False:
-                raise self.health.peer_error(self._failure(s, what, None), peers)
+            self.health.wait(w, what, peers, self.timeout_s)
 
     def _failure(self, s: int, what: object, e: BaseException | None) -> str:
         owners = ", ".join(self.health.name(self.rank_of[d]) for d in self.segments[s].owners)
-        text = str(e).lower() if e is not None else "timed out"
-        if "timed out" in text or "timeout" in text:
+        if e is None or is_timeout(e):
             return f"{what} among {owners} did not finish within {self.timeout_s:g} s"
         return f"{what} among {owners} failed: a peer failed or closed its connection"

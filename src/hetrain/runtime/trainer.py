@@ -44,11 +44,13 @@ import torch.distributed as dist
 from torch import nn
 
 from hetrain.data.sharding import batch_length, shard_batch, split_batch
+from hetrain.distributed.barrier import Barrier, BarrierError
+from hetrain.distributed.device import DeviceError, choose_device
+from hetrain.distributed.health import Health, PeerError, beat_counter
+from hetrain.distributed.store import attempt_store
 from hetrain.plan import Plan
-from hetrain.runtime.device import DeviceError, choose_device
 from hetrain.runtime.evaluate import evaluate_stage
 from hetrain.runtime.executor import Executor, LossFn, StageModule
-from hetrain.runtime.health import Health, PeerError
 from hetrain.runtime.metrics import MetricsLog, Recorder, merge_timeline
 from hetrain.runtime.modes import DasoRate, ModeSync, build_mode_groups
 from hetrain.runtime.p2p import Transport
@@ -69,7 +71,7 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int, in
 
     Under torchrun (``RANK`` set) every rank joins; without it, a world of one
     process. The device is ``cuda:LOCAL_RANK`` with NCCL, else the CPU
-    (``HETRAIN_DEVICE``: see ``hetrain.runtime.device``).
+    (``HETRAIN_DEVICE``: see ``hetrain.distributed.device``).
 
     Returns:
         (rank, world size, local rank, device)
@@ -79,7 +81,7 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int, in
         backend, _ = choose_device(local_rank)
         timeout = timedelta(seconds=timeout_s)
         if "RANK" in os.environ:
-            store = _attempt_store(timeout)
+            store = attempt_store(timeout)
             if store is None:
                 dist.init_process_group(backend, timeout=timeout)
             else:
@@ -99,23 +101,6 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int, in
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
-
-
-def _attempt_store(timeout: timedelta) -> Any:
-    """Under torchrun's agent store, a store whose keys belong to this restart attempt only; else None.
-
-    torchrun (2.13) keeps one store for every attempt of a job and the workers'
-    ``env://`` store has no per-attempt prefix, so after ``--max-restarts`` a
-    restarted rank can read the addresses its predecessors published and fail to
-    connect (pytorch/pytorch#135712). Prefixing by ``TORCHELASTIC_RESTART_COUNT``,
-    which the agents of a job restart together, keeps attempts apart.
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),  # type: ignore[attr-defined]
-                         int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"hetrain/attempt_{attempt}/", base)  # type: ignore[attr-defined]
 
 
 def build_optimizer_fn(name: str, lr: float | None = None, momentum: float = 0.9,
@@ -489,13 +474,7 @@ class Trainer:
                 log.log(row)
 
     def _wait_collective(self, work: Any, what: str) -> None:
-        try:
-            done = work.wait(timeout=timedelta(seconds=self.timeout_s))
-        except RuntimeError as e:
-            raise self.health.peer_error(f"{what} among the used ranks failed or timed out ({self.timeout_s:g} s)",
-                                         self.used_ranks, e) from None
-        if done is False:
-            raise self.health.peer_error(f"{what} did not finish within {self.timeout_s:g} s", self.used_ranks)
+        self.health.wait(work, what, self.used_ranks, self.timeout_s)
 
     # --- data ------------------------------------------------------------------------
 
@@ -642,47 +621,40 @@ class Trainer:
         if not self.is_reporting or len(self.used_ranks) == self.world or self.checkpoint_dir is None:
             return
         if self.health.store is not None:
-            self.health.store.set(f"event/{self._events}", json.dumps(event))
+            Barrier(self.health.store, self.rank, self.world, self.timeout_s).arrive(f"event/{self._events}",
+                                                                                     json.dumps(event))
         self._events += 1
 
     def _idle(self) -> None:
-        """An unused rank: nothing to do, except joining checkpoint writes (collective over the job)."""
+        """An unused rank: nothing to do, except joining checkpoint writes (collective over the job).
+
+        It waits for the reporting rank's news as long as that rank beats, and stops when it has
+        been silent for ``timeout_s`` or a rank posts an error.
+        """
         if self.checkpoint_dir is None or self.health.store is None:
             return
         from hetrain.runtime.checkpoint import save_checkpoint
 
         store = self.health.store
         self.health.doing = "idle (device unused by the plan)"
+        barrier = Barrier(store, self.rank, self.world, self.timeout_s, beats=beat_counter(store),
+                          name=self.health.name)
+        reporter = self.health.name(self.report_rank)
         while True:
             key = f"event/{self._events}"
-            last_seen = time.monotonic()
-            while not store.check([key]):
-                errors = self.health.posted_errors()
-                if errors:
-                    r, msg = min(errors.items())
+            try:
+                barrier.wait(key, f"news from {reporter}", ranks=[self.report_rank])
+            except BarrierError as e:
+                if e.failed:
+                    r = min(e.failed)
                     raise PeerError(f"{self.health.name(self.rank)} (idle): {self.health.name(r)} failed: "
-                                    f"{msg.splitlines()[0]}")
-                if self._reporting_rank_alive():
-                    last_seen = time.monotonic()
-                elif time.monotonic() - last_seen > self.timeout_s:
-                    raise self.health.peer_error(f"idle, waiting for news from {self.health.name(self.report_rank)}",
-                                                 [self.report_rank])
-                time.sleep(0.2)
-            event = json.loads(store.get(key))
+                                    f"{e.failed[r].splitlines()[0]}") from None
+                raise self.health.peer_error(f"idle, waiting for news from {reporter}", [self.report_rank],
+                                             e) from None
+            event = json.loads(store.get(f"{key}/{self.report_rank}"))
             self._events += 1
             if event["kind"] == "done":
                 return
             self.step = int(event["step"])
             save_checkpoint(self.checkpoint_dir, self.step, {}, {}, event["meta"], owned_names=set(),
                             timeout_s=self.timeout_s)
-
-    def _reporting_rank_alive(self) -> bool:
-        store = self.health.store
-        key = f"beat/{self.report_rank}"
-        try:
-            if not store.check([key]):
-                return True  # not beating yet
-            beat = json.loads(store.get(key))
-        except Exception:
-            return False
-        return bool(time.time() - float(beat["t"]) < 3 * self.health.period_s)

@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hetrain.runtime.device import DeviceError, choose_device  # noqa: E402
+from hetrain.distributed.device import DeviceError, choose_device  # noqa: E402
 
 
 def test_cpu_is_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
