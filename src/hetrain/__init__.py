@@ -21,6 +21,7 @@ from hetrain.planner import PlannerError, PlannerOptions
 from hetrain.planner import plan as _plan
 from hetrain.profile import LayerProfile, ModelProfile, ProfileError, load_profile
 from hetrain.simulator import simulate
+from hetrain.version import __version__
 
 
 def simulated_iteration_s(plan: Plan) -> float:
@@ -38,8 +39,6 @@ def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: Pl
     """
     return _plan(cluster, profile, global_batch, options, score=simulated_iteration_s, **kwargs)
 
-
-__version__ = "0.1.0"
 
 # Torch-side names load on first use, so `import hetrain` never imports torch.
 _LAZY = {

@@ -55,7 +55,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hetrain import __version__
 from hetrain.catalog import lookup_device_type
 from hetrain.cluster import Cluster, ClusterError, parse_cluster
 from hetrain.cost import allreduce_shape, estimate_allreduce
@@ -70,6 +69,7 @@ from hetrain.errors import RunError
 from hetrain.profiler.fit import fit_link
 from hetrain.profiler.layers import describe_device, measure_device_figures
 from hetrain.units import UnitError, format_bandwidth, format_bytes, format_time, parse_bytes
+from hetrain.version import __version__
 
 if sys.version_info >= (3, 11):
     import tomllib
