@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from hetrain.cluster import Cluster, parse_cluster
@@ -12,9 +14,12 @@ from hetrain.schedule import (
     Action,
     ActionKind,
     ScheduleError,
+    SyncState,
+    advance_sync_state,
     build_schedule,
     format_grid,
     gpipe,
+    initial_sync_state,
     one_f_one_b,
     parse_action,
     parse_schedule,
@@ -169,8 +174,9 @@ def two_node_plan(sync: str, **options: int) -> Plan:
                 "dp", "manual", cluster, make_profile(), sync_options=SyncOptions(**options))
 
 
-def sync_texts(plan: Plan, iteration: int = 0, **kw: object) -> list[str]:
-    built = build_schedule(plan, iteration, **kw)  # type: ignore[arg-type]
+def sync_texts(plan: Plan, iteration: int = 0, steps: int | None = None, **kw: object) -> list[str]:
+    state = dataclasses.replace(initial_sync_state(plan), iteration=iteration, **kw)  # type: ignore[arg-type]
+    built = build_schedule(plan, state, steps)
     validate(built, plan)
     return [t for t in texts(built["n0:0"]) if not t[0].isdigit()]
 
@@ -199,6 +205,20 @@ def test_daso_blocks_in_warmup_and_cooldown_and_starts_averages_between() -> Non
     assert sync_texts(plan, 2, steps=6, merge_pending=True) == ["LOCAL_ALLREDUCE seg0", "STEP",
                                                                 "AVERAGE_MERGE seg0"]
     assert sync_texts(plan, 5, steps=6) == ["LOCAL_ALLREDUCE seg0", "STEP", "AVERAGE seg0"]
+
+
+def test_the_sync_state_carries_a_started_daso_average_into_the_next_iteration() -> None:
+    plan = two_node_plan("daso", period=2, warmup=1, cooldown=1)
+    state, tails = initial_sync_state(plan), []
+    for _ in range(6):
+        tails.append([t for t in texts(build_schedule(plan, state, 6)["n0:0"]) if t.startswith("AVERAGE")])
+        state = advance_sync_state(plan, state, 6)
+    assert tails == [["AVERAGE seg0"], ["AVERAGE_START seg0"], ["AVERAGE_MERGE seg0"], ["AVERAGE_START seg0"],
+                     ["AVERAGE_MERGE seg0"], ["AVERAGE seg0"]]
+    assert state == SyncState(6, 2, False)
+    # DASO adapts k: the trainer puts the new period in the state, the schedule follows it
+    assert advance_sync_state(plan, SyncState(3, 4, False), 100).merge_pending is True
+    assert advance_sync_state(plan, SyncState(3, 3, False), 100).merge_pending is False
 
 
 def test_sync_options_are_checked() -> None:

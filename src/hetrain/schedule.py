@@ -321,21 +321,59 @@ def owned_segments(plan: Plan) -> dict[str, list[int]]:
     return out
 
 
-def is_global_sync(plan: Plan, iteration: int, period: int | None = None) -> bool:
-    """Whether iteration ``iteration`` (0-based) ends with the mode's periodic global sync."""
-    opts = plan.sync_options
-    if plan.sync == "hybrid-ps":
-        return (iteration + 1) % opts.aggregate == 0
-    return (iteration + 1) % (opts.period if period is None else period) == 0
+@dataclass(frozen=True)
+class SyncState:
+    """Where the sync mode stands when an iteration begins; ``advance_sync_state`` moves it on.
 
+    The simulator and the trainer both start from ``initial_sync_state`` and call
+    ``advance_sync_state`` after every iteration, so they run the same actions (``build_schedule``).
 
-def build_sync_actions(plan: Plan, device: str, iteration: int = 0, steps: int | None = None,
-                       period: int | None = None, merge_pending: bool = False) -> list[Action]:
-    """The sync actions of ``device`` that end iteration ``iteration`` under ``plan.sync`` (STEP included).
-
-    ``steps`` (the run's length) places DASO's cool-down; ``period`` overrides k (DASO adapts it);
-    ``merge_pending``: a non-blocking DASO average started earlier is merged here.
+    Attributes:
+        iteration: the 0-based index of the coming iteration.
+        period: k of ``local-sgd`` and ``daso``: iterations between global averages. DASO adapts
+            it when the loss plateaus (``runtime.modes.DasoRate``): the trainer sets it with
+            ``dataclasses.replace``; the simulator keeps the plan's.
+        merge_pending: a non-blocking DASO average was started by the previous iteration and is
+            merged in this one.
     """
+
+    iteration: int = 0
+    period: int = 4
+    merge_pending: bool = False
+
+
+def initial_sync_state(plan: Plan) -> SyncState:
+    """The state before iteration 0: the plan's period, nothing pending."""
+    return SyncState(0, plan.sync_options.period, False)
+
+
+def is_global_sync(plan: Plan, state: SyncState) -> bool:
+    """Whether the iteration of ``state`` ends with the mode's periodic global sync."""
+    every = plan.sync_options.aggregate if plan.sync == "hybrid-ps" else state.period
+    return (state.iteration + 1) % every == 0
+
+
+def is_daso_blocking(plan: Plan, state: SyncState, steps: int | None) -> bool:
+    """Whether DASO averages globally and blocking in this iteration: the warm-up and the cool-down."""
+    opts = plan.sync_options
+    i = state.iteration
+    return i < opts.warmup or (steps is not None and i >= steps - opts.cooldown)
+
+
+def advance_sync_state(plan: Plan, state: SyncState, steps: int | None = None) -> SyncState:
+    """The state after the iteration of ``state``: the next iteration, and whether it merges a DASO
+    average this one started (a non-blocking average, on a period boundary outside warm-up and cool-down)."""
+    started = plan.sync == "daso" and not is_daso_blocking(plan, state, steps) and is_global_sync(plan, state)
+    return SyncState(state.iteration + 1, state.period, started)
+
+
+def build_sync_actions(plan: Plan, device: str, state: SyncState | None = None,
+                       steps: int | None = None) -> list[Action]:
+    """The sync actions of ``device`` that end the iteration of ``state`` under ``plan.sync`` (STEP included).
+
+    ``state`` defaults to ``initial_sync_state(plan)``; ``steps`` (the run's length) places DASO's cool-down.
+    """
+    state = initial_sync_state(plan) if state is None else state
     shared = owned_segments(plan).get(device, [])
     down = sorted(shared, reverse=True)
 
@@ -348,28 +386,25 @@ def build_sync_actions(plan: Plan, device: str, iteration: int = 0, steps: int |
     if mode == "wsp":  # every iteration is one wave: local step, push the wave's update, pull within D
         return [Action(K.STEP), *each(K.PUSH, down), *each(K.PULL, down)]
     if mode == "local-sgd":
-        return [Action(K.STEP), *(each(K.AVERAGE, down) if is_global_sync(plan, iteration, period) else [])]
+        return [Action(K.STEP), *(each(K.AVERAGE, down) if is_global_sync(plan, state) else [])]
     local = each(K.LOCAL_ALLREDUCE, plan.layout.local_segments(device))
     if mode == "hybrid-ps":
-        glob = [*each(K.PUSH, down), *each(K.PULL, down)] if is_global_sync(plan, iteration) else []
+        glob = [*each(K.PUSH, down), *each(K.PULL, down)] if is_global_sync(plan, state) else []
         return [*local, Action(K.STEP), *glob]
     if mode == "daso":
-        opts = plan.sync_options
-        blocking = iteration < opts.warmup or (steps is not None and iteration >= steps - opts.cooldown)
         out = [*local, Action(K.STEP)]
-        if merge_pending:
+        if state.merge_pending:
             out += each(K.AVERAGE_MERGE, down)
-        if blocking:
+        if is_daso_blocking(plan, state, steps):
             out += each(K.AVERAGE, down)
-        elif is_global_sync(plan, iteration, period):
+        elif is_global_sync(plan, state):
             out += each(K.AVERAGE_START, down)
         return out
     raise ScheduleError(f"sync mode {mode!r} has no schedule; known: bsp, wsp, hybrid-ps, daso, local-sgd")
 
 
-def build_schedule(plan: Plan, iteration: int = 0, steps: int | None = None, period: int | None = None,
-                   merge_pending: bool = False) -> Schedule:
-    """Every device's Actions for iteration ``iteration`` of ``plan``.
+def build_schedule(plan: Plan, state: SyncState | None = None, steps: int | None = None) -> Schedule:
+    """Every device's Actions for the iteration of ``state`` (default: the first) of ``plan``.
 
     Each VW gets its own pipeline from ``GENERATORS[plan.schedule]`` (its own
     stage count p and micro-batch count m); sends and receives join its stages;
@@ -377,7 +412,7 @@ def build_schedule(plan: Plan, iteration: int = 0, steps: int | None = None, per
     for ``bsp`` it all-reduces its segments' gradient buckets, started during its
     last backward (``add_bsp_sync``), and steps, the same every iteration;
     the other modes differ from one iteration to the next (periodic averages,
-    pushes), hence the iteration number.
+    pushes), hence the sync state (``SyncState``, ``advance_sync_state``).
 
     Raises:
         ScheduleError: a schedule or sync mode with no generator.
@@ -398,8 +433,7 @@ def build_schedule(plan: Plan, iteration: int = 0, steps: int | None = None, per
             if plan.sync == "bsp":  # bucket all-reduces interleaved with the last backward
                 out[devices[j]] = add_bsp_sync(actions, plan.layout.device_buckets(devices[j]))
             else:
-                out[devices[j]] = [*actions,
-                                   *build_sync_actions(plan, devices[j], iteration, steps, period, merge_pending)]
+                out[devices[j]] = [*actions, *build_sync_actions(plan, devices[j], state, steps)]
     return out
 
 

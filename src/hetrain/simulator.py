@@ -89,7 +89,9 @@ from hetrain.schedule import (
     ActionKind,
     Schedule,
     ScheduleError,
+    advance_sync_state,
     build_schedule,
+    initial_sync_state,
     validate,
 )
 from hetrain.timeline import Event, Timeline
@@ -291,14 +293,24 @@ def simulated_iterations(plan: Plan) -> int:
     return max(ASYNC_ITERATIONS, 3 * period, 2 * (opts.staleness + 1))
 
 
+def build_schedules(plan: Plan, n: int) -> list[Schedule]:
+    """The schedules of iterations 0..n-1 of a run of ``n``: the sync state advanced after each
+    (``schedule.advance_sync_state``, as the trainer does; the plan's DASO period throughout)."""
+    state, out = initial_sync_state(plan), []
+    for _ in range(n):
+        out.append(build_schedule(plan, state, n))
+        state = advance_sync_state(plan, state, n)
+    return out
+
+
 def simulate(plan: Plan, schedule: Schedule | None = None, iterations: int | None = None) -> SimResult:
     """Replay ``plan``'s iterations and time every action; the result is per iteration (an average over several
     for the sync modes other than ``bsp``, whose iterations differ and whose fast VWs may run ahead).
 
     Args:
         plan: the plan (cluster and profile included).
-        schedule: the Actions of one iteration to replay; by default ``build_schedule(plan, t)`` for
-            each iteration t. A schedule passed in is validated first and replayed once.
+        schedule: the Actions of one iteration to replay; by default ``build_schedules(plan, n)``.
+            A schedule passed in is validated first and replayed once.
         iterations: how many iterations to replay (default ``simulated_iterations(plan)``).
 
     Raises:
@@ -309,12 +321,7 @@ def simulate(plan: Plan, schedule: Schedule | None = None, iterations: int | Non
         >>> r.iteration_s, r.devices["n0:0"].bubble_fraction       # doctest: +SKIP
     """
     if schedule is None:
-        n = simulated_iterations(plan) if iterations is None else iterations
-        schedules = [build_schedule(plan, t, n) for t in range(n)]
-        if plan.sync == "daso":
-            schedules = [build_schedule(plan, t, n, None, t > 0 and any(
-                a.kind is ActionKind.AVERAGE_START for acts in schedules[t - 1].values() for a in acts))
-                for t in range(n)]
+        schedules = build_schedules(plan, simulated_iterations(plan) if iterations is None else iterations)
     else:
         validate(schedule, plan)
         schedules = [schedule]

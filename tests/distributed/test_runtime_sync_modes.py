@@ -19,6 +19,7 @@ host to name it instead of hanging.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import textwrap
@@ -40,6 +41,8 @@ from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
 from hetrain.runtime.checkpoint import load_checkpoint, load_manifest
 from hetrain.runtime.modes import DasoRate
 from hetrain.runtime.trainer import build_optimizer_fn
+from hetrain.schedule import COMPUTE_KINDS, P2P_KINDS, advance_sync_state, build_schedule, initial_sync_state
+from hetrain.simulator import build_schedules, simulate
 from hetrain.sync_layout import SyncOptions
 
 WORLD = 4
@@ -337,3 +340,38 @@ def test_daso_rate_halves_k_on_a_plateau_and_cycles_back() -> None:
     assert again.state_dict() == rate.state_dict()
     with pytest.raises(ValueError, match="k must be >= 1, got 0"):
         DasoRate(0)
+
+
+def sync_tails(schedules: list[Any], device: str) -> list[list[str]]:
+    """Per iteration, the sync actions of ``device`` (the actions that are neither compute nor transfers)."""
+    return [[str(a) for a in s[device] if a.kind not in COMPUTE_KINDS and a.kind not in P2P_KINDS] for s in schedules]
+
+
+@pytest.mark.parametrize("case", ["bsp", "wsp-d1-slow", "local-sgd", "hybrid-ps", "daso", "bsp-pp", "wsp-d1-pp"])
+def test_the_trainer_runs_the_sync_actions_the_simulator_replays(job: dict[str, Any], case: str) -> None:
+    """Both advance one sync state (``schedule.advance_sync_state``): per iteration, every rank's sync actions
+    (what its metrics rows record) are the ones the simulator replays for its device over the same run."""
+    spec, plan = job[case], CASES[case]["plan"]
+    steps = spec["steps"]
+    n = min(steps, 20)
+    assert n == (12 if case == "wsp-d1-slow" else 20)
+    replayed = build_schedules(plan, steps)  # what simulate(plan, iterations=steps) replays
+    assert simulate(plan, iterations=steps).timeline.meta["iterations"] == steps
+    for r, part in enumerate(parts(spec)):
+        ran = [row["sync_actions"] for row in part["history"]]
+        assert len(ran) == steps and ran[:n] == sync_tails(replayed, D[r])[:n], (case, D[r])
+        if plan.sync != "daso":
+            assert ran == sync_tails(replayed, D[r]), (case, D[r])
+            continue
+        # DASO adapts k to the loss, which the simulator does not know: the first 20 iterations ran the plan's
+        # k, and every later one is the state machine's under the k the trainer had then
+        periods = [row["daso_period"] for row in part["history"]]
+        assert periods[:n] == [plan.sync_options.period] * n
+        state, walked = initial_sync_state(plan), []
+        for k in periods:
+            state = dataclasses.replace(state, period=k)
+            walked.append(build_schedule(plan, state, steps))
+            state = advance_sync_state(plan, state, steps)
+        assert ran == sync_tails(walked, D[r])
+        tails = [" ".join(t) for t in ran]
+        assert any("AVERAGE_START" in t for t in tails) and any("AVERAGE_MERGE" in t for t in tails)

@@ -6,6 +6,11 @@
 - ``executor``: one rank's Actions of an iteration, as ``hetrain.schedule`` generates them.
 - ``metrics``: the measured Timeline, JSONL metrics, TensorBoard, progress bar.
 - ``checkpoint``: atomic per-layer checkpoints with global names, loadable under any plan.
+- ``job``: a rank's start-up: join, roles, the job's process groups in one order, its stage.
+- ``batches``: global batches and this VW's micro-batches of them.
+- ``losses``: the steps' losses summed over the used ranks, in batches, asynchronously.
+- ``stage_state``: a stage's share of a checkpoint, and its resume.
+- ``idle``: ranks the plan leaves unused: they join checkpoint writes only.
 - ``trainer``: ``Trainer(...).fit(data, steps)``: any model given as a list of layers.
 - ``command``: ``run_train_command`` (``hetrain train``; ``python -m hetrain.runtime.command``).
 
@@ -23,7 +28,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "Trainer": "trainer", "build_optimizer_fn": "trainer", "init_distributed": "trainer",
+    "Trainer": "trainer", "build_optimizer_fn": "trainer", "init_distributed": "job",
     "run_train_command": "command", "add_train_arguments": "command", "run_from_args": "command",
     "PeerError": "p2p", "RoleError": "roles", "Role": "roles", "build_roles": "roles",
     "StageModule": "executor", "Executor": "executor", "merge_timeline": "metrics",
