@@ -139,7 +139,7 @@ def run_calibrate_command(plan_path: str, metrics_path: str, warmup: int, output
         measured = measured_iteration_s(metrics_path, warmup)
         found = fit_action_overhead(plan, measured)
     except (PlanError, ProfileError, CalibrationError, ValueError) as e:
-        print(f"hetrain calibrate: {e}", file=sys.stderr)
+        print(f"hetrain calibrate: error: {e}", file=sys.stderr)
         return 1
     print(found.summary())
     if output:
@@ -147,7 +147,7 @@ def run_calibrate_command(plan_path: str, metrics_path: str, warmup: int, output
         try:
             profile.save(output)
         except OSError as e:
-            print(f"hetrain calibrate: cannot write {output}: {e.strerror}", file=sys.stderr)
+            print(f"hetrain calibrate: error: cannot write {output}: {e.strerror}", file=sys.stderr)
             return 1
         print(f"wrote {output}: action_overhead_s {format_time(found.overhead_s)} for "
               f"{', '.join(plan.cluster.type_names)}")

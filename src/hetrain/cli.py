@@ -255,8 +255,10 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     check_output_path(args.output, "-o")
+    from hetrain.models.registry import get_spec
     from hetrain.profiler.layers import run_profile_command
 
+    get_spec(args.model)  # an unknown model is bad input (status 2), named before anything is measured
     return run_profile_command(args.model, args.micro_batch, args.output, device=args.device,
                                repeats=args.repeats, precision=args.precision)
 

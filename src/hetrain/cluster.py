@@ -446,7 +446,9 @@ def parse_cluster(data: Mapping[str, Any], name: str = "cluster") -> Cluster:
     raw_nodes = data.get("node", [])
     if isinstance(raw_nodes, Mapping):
         raise ClusterError("'node' is a single table; write each node as [[node]] (an array of tables)")
-    if not isinstance(raw_nodes, list) or not raw_nodes:
+    if not isinstance(raw_nodes, list):
+        raise ClusterError(f"node must be [[node]] tables, got node = {show(raw_nodes)}")
+    if not raw_nodes:
         raise ClusterError("the cluster is empty: add at least one [[node]] with devices")
     if len(raw_nodes) > MAX_NODES:
         raise ClusterError(f"{len(raw_nodes)} nodes is more than the limit of {MAX_NODES} (MAX_NODES)")
@@ -467,7 +469,7 @@ def parse_cluster(data: Mapping[str, Any], name: str = "cluster") -> Cluster:
             raise ClusterError(f"{where}: unknown keys {sorted(extra)}; a node has name, devices, intra_link, nic")
         raw_devices = raw.get("devices")
         if not isinstance(raw_devices, list) or not raw_devices:
-            raise ClusterError(f"{where}: 'devices' must be a non-empty list")
+            raise ClusterError(f"{where}: 'devices' must be a non-empty list, got {show(raw_devices)}")
         devices: list[Device] = []
         for spec in raw_devices:
             figures, count = _parse_device_spec(spec, f"{where} device #{len(devices)}")
