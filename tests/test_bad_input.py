@@ -353,10 +353,14 @@ def files(valid: dict[str, Json], tmp_path: Path) -> dict[str, str]:
     (tmp_path / "a-file").write_text("x")
     (tmp_path / "metrics.jsonl").write_text("")
     (tmp_path / "list.json").write_text("[]")
+    (tmp_path / "binary.json").write_bytes(RAW_FILES["binary"])
+    (tmp_path / "deep.json").write_text(DEEP_JSON)
+    (tmp_path / "bad-step.jsonl").write_text('{"step": 1, "step_time_s": "fast"}\n')
     return {"plan": str(tmp_path / "plan.json"), "dir": str(tmp_path), "missing_dir": str(tmp_path / "no" / "x.json"),
             "under_file": str(tmp_path / "a-file" / "x.json"), "out": str(tmp_path / "out.json"),
             "metrics": str(tmp_path / "metrics.jsonl"), "list": str(tmp_path / "list.json"),
-            "missing": str(tmp_path / "missing.json")}
+            "missing": str(tmp_path / "missing.json"), "binary": str(tmp_path / "binary.json"),
+            "deep": str(tmp_path / "deep.json"), "bad_step": str(tmp_path / "bad-step.jsonl")}
 
 
 PLAN = ["plan", "--cluster", str(CLUSTER), "--model", "mlp"]
@@ -405,11 +409,18 @@ ARG_CASES: list[tuple[str, list[str], tuple[str, ...]]] = [
     ("calibrate-warmup-negative", ["calibrate", "{plan}", "{metrics}", "--warmup", "-1"], ("--warmup", "-1")),
     ("calibrate-plan-list", ["calibrate", "{list}", "{metrics}"], ("{list}", "JSON object", "[]")),
     ("calibrate-plan-missing", ["calibrate", "{missing}", "{metrics}"], ("{missing}", "cannot read")),
+    ("calibrate-metrics-deep", ["calibrate", "{plan}", "{deep}"], ("{deep}:1", "nested too deeply")),
+    ("calibrate-metrics-step-string", ["calibrate", "{plan}", "{bad_step}"], ("{bad_step}:1", "step_time_s", "'fast'")),
     ("compare-gantt-directory", ["compare", "{plan}", "{plan}", "--gantt", "{dir}"], ("--gantt", "{dir}")),
+    ("compare-binary", ["compare", "{binary}", "{binary}"], ("{binary}", "binary")),
+    ("compare-deep", ["compare", "{deep}", "{deep}"], ("{deep}", "nested too deeply")),
+    ("compare-list", ["compare", "{list}", "{list}"], ("{list}", "JSON object", "[]")),
+    ("compare-missing", ["compare", "{missing}", "{missing}"], ("{missing}", "cannot read")),
 ]
 # The cases that hung or imported torch before refusing: run as real subprocesses.
 # `hetrain calibrate` reports a plan it cannot read with status 1, as it always has (tests/test_calibrate.py).
-STATUS_1_ARGS = {"calibrate-plan-list", "calibrate-plan-missing"}
+STATUS_1_ARGS = {"calibrate-plan-list", "calibrate-plan-missing", "calibrate-metrics-deep",
+                 "calibrate-metrics-step-string"}
 SUBPROCESS_ARGS = {"plan-global-batch-huge", "plan-output-directory", "simulate-trace-directory",
                    "profile-output-directory", "profile-repeats-huge", "plan-cluster-directory"}
 
