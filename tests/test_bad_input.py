@@ -272,6 +272,7 @@ CLUSTER_CASES: list[tuple[str, str | bytes, tuple[str, ...]]] = [
      ("c.toml", "link #0", "[1, 2]")),
     ("link-number", 'link = 3\n' + NODE + 'devices = ["cpu"]\n', ("c.toml", "link", "3")),
     ("unknown-top-key", 'nodes = 3\n' + NODE + 'devices = ["cpu"]\n', ("c.toml", "'nodes'")),
+    ("emulation-number", 'emulation = 3\n' + NODE + 'devices = ["cpu"]\n', ("c.toml", "emulation", "3")),
 ]
 
 

@@ -443,6 +443,8 @@ def parse_cluster(data: Mapping[str, Any], name: str = "cluster") -> Cluster:
     extra = set(data) - known_top
     if extra:
         raise ClusterError(f"unknown top-level keys {sorted(extra)}; a cluster file has [[node]] and [[link]]")
+    if not isinstance(data.get("emulation", {}), Mapping):  # its fields: hetrain.emulate.settings
+        raise ClusterError(f"[emulation] must be a table, got emulation = {show(data['emulation'])}")
     raw_nodes = data.get("node", [])
     if isinstance(raw_nodes, Mapping):
         raise ClusterError("'node' is a single table; write each node as [[node]] (an array of tables)")
