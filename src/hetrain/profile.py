@@ -321,8 +321,8 @@ def parse_profile(data: Mapping[str, Any]) -> ModelProfile:
         precision=require_str(data, "precision", "", ProfileError, "fp32", choices=PRECISIONS),  # type: ignore[arg-type]
         compute_efficiency=require_number(data, "compute_efficiency", "", ProfileError, 0.5, positive=True, most=1),
         measured_on=measured_on,
-        optimizer_step_s_per_byte=_parse_optimizer_rates(data.get("optimizer_step_s_per_byte") or {}),
-        action_overhead_s=_parse_overheads(data.get("action_overhead_s") or {}),
+        optimizer_step_s_per_byte=_parse_optimizer_rates(data.get("optimizer_step_s_per_byte", {})),
+        action_overhead_s=_parse_overheads(data.get("action_overhead_s", {})),
     )
 
 
