@@ -455,6 +455,9 @@ TRAIN_CASES: list[tuple[str, list[str], tuple[str, ...]]] = [
     ("plan-missing", ["--plan", "{missing}"], ("{missing}", "cannot read")),
     ("plan-list", ["--plan", "{list}"], ("{list}", "JSON object", "[]")),
     ("plan-directory", ["--plan", "{dir}"], ("{dir}", "directory")),
+    ("metrics-out-directory", ["--metrics-out", "{dir}"], ("--metrics-out", "{dir}", "directory")),
+    ("timeline-out-directory", ["--timeline-out", "{dir}"], ("--timeline-out", "{dir}", "directory")),
+    ("checkpoint-dir-file", ["--checkpoint-dir", "{metrics}"], ("--checkpoint-dir", "{metrics}", "is a file")),
 ]
 
 

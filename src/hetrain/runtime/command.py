@@ -175,6 +175,16 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     bar.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
 
+def _check_output_paths(args: argparse.Namespace) -> None:
+    """Refuse an output file that is a directory, and a checkpoint directory that is a file. (Only what is
+    wrong on every host: the reporting rank writes the files, perhaps on another host than this one.)"""
+    for flag, path in (("--metrics-out", args.metrics_out), ("--timeline-out", args.timeline_out)):
+        if path and Path(path).is_dir():
+            raise InputError(f"{flag} {path!r}: is a directory; give a file name")
+    if args.checkpoint_dir and Path(args.checkpoint_dir).exists() and not Path(args.checkpoint_dir).is_dir():
+        raise InputError(f"--checkpoint-dir {args.checkpoint_dir!r}: is a file; give a directory")
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     """Run the ``train`` command from parsed ``add_train_arguments`` options.
 
@@ -184,6 +194,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     try:
         config = _model_config(args.model_config)
         sync_options = parse_sync_options(args.sync_options)
+        _check_output_paths(args)
         plan = load_plan(args.plan)
     except (InputError, ValueError) as e:
         print(f"hetrain train: error: {e}", file=sys.stderr)
