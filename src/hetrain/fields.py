@@ -42,8 +42,8 @@ MAX_DEVICES = 65536
 """Devices in one cluster (the largest training clusters today have a few tens of thousands of GPUs)."""
 MAX_NODES = MAX_DEVICES
 """Nodes in one cluster."""
-MAX_LAYERS = 100_000
-"""Layers of one model (a 1000-block transformer cut per sub-layer has a few thousand)."""
+MAX_LAYERS = 10_000
+"""Layers of one model (the largest transformers have about 100 blocks; cut per sub-layer, under 1000)."""
 MAX_GLOBAL_BATCH = 2**20
 """Samples per iteration over all virtual workers (about a million; the largest published data-parallel
 batches are 64k to 128k samples; the planner's batch split takes time linear in it)."""
