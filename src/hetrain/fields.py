@@ -38,8 +38,10 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[import-not-found, unused-ignore]
 
 # --- limits: far beyond any real cluster or run, close enough to refuse a slip at once --------------
-MAX_DEVICES = 65536
-"""Devices in one cluster (the largest training clusters today have a few tens of thousands of GPUs)."""
+MAX_DEVICES = 8192
+"""Devices in one cluster. A Cluster holds dense device-by-device link matrices (two of 8 bytes x N^2):
+8192 devices take 1 GB and a few seconds to build; 65536 would take 68 GB. Raising it needs links
+stored per node pair instead."""
 MAX_NODES = MAX_DEVICES
 """Nodes in one cluster."""
 MAX_LAYERS = 10_000
