@@ -212,12 +212,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     for flag, path in (("--trace", args.trace), ("--gantt", args.gantt), ("--timeline", args.timeline)):
         if path:
             check_output_path(path, flag)
-    load_plan(args.plan)  # a bad plan file is an input error (exit status 2), named before any simulation
+    plan = load_plan(args.plan)  # a bad plan file is an input error (exit status 2), named before any simulation
     code = run_simulate_command(args.plan, args.trace, args.gantt, args.json)
     if code == 0 and args.timeline:
-        from hetrain.plan import load_plan
-
-        simulate(load_plan(args.plan)).timeline.save(args.timeline)
+        simulate(plan).timeline.save(args.timeline)
     return code
 
 
