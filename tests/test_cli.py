@@ -137,7 +137,7 @@ def test_a_format_1_plan_is_refused_with_the_way_to_upgrade_it(tmp_path: Path, c
     # what format_version 1 wrote: the mode's name, and its options among the plan's options
     data.update(format_version=1, sync="wsp", options={**data["options"], "staleness": 2})
     path.write_text(json.dumps(data))
-    with pytest.raises(PlanError, match=r"format_version 1 .*`hetrain plan --from PLAN -o NEW`"):
+    with pytest.raises(PlanError, match=r"format_version: 1 .*`hetrain plan --from PLAN -o NEW`"):
         load_plan(path)
     upgraded = tmp_path / "v2.json"
     assert main(["plan", "--from", str(path), "-o", str(upgraded)]) == 0

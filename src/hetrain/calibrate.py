@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hetrain.errors import InputError
+from hetrain.fields import check_number, read_text
 from hetrain.plan import Plan, PlanError, load_plan
 from hetrain.profile import ModelProfile, ProfileError
 from hetrain.units import format_time
@@ -111,10 +112,7 @@ def measured_iteration_s(metrics_path: str | Path, warmup: int) -> float:
     path = Path(metrics_path)
     if warmup < 0:
         raise CalibrationError(f"warmup must be >= 0 steps, got {warmup}")
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as e:
-        raise CalibrationError(f"cannot read metrics {path}: {e.strerror}") from None
+    lines = read_text(path, CalibrationError, "metrics file").splitlines()
     steps = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -123,8 +121,10 @@ def measured_iteration_s(metrics_path: str | Path, warmup: int) -> float:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise CalibrationError(f"{path}:{n}: not a JSON line: {e}") from None
+        except RecursionError:
+            raise CalibrationError(f"{path}:{n}: nested too deeply to be a metrics line") from None
         if isinstance(row, dict) and "step_time_s" in row:
-            steps.append(float(row["step_time_s"]))
+            steps.append(check_number(row["step_time_s"], f"{path}:{n}: step_time_s", CalibrationError, least=0))
     if len(steps) <= warmup:
         raise CalibrationError(f"{path} has {len(steps)} step(s), none after the {warmup} warm-up step(s); "
                                "train more steps or lower --warmup")
@@ -139,7 +139,7 @@ def run_calibrate_command(plan_path: str, metrics_path: str, warmup: int, output
         measured = measured_iteration_s(metrics_path, warmup)
         found = fit_action_overhead(plan, measured)
     except (PlanError, ProfileError, CalibrationError, ValueError) as e:
-        print(f"hetrain calibrate: {e}", file=sys.stderr)
+        print(f"hetrain calibrate: error: {e}", file=sys.stderr)
         return 1
     print(found.summary())
     if output:
@@ -147,7 +147,7 @@ def run_calibrate_command(plan_path: str, metrics_path: str, warmup: int, output
         try:
             profile.save(output)
         except OSError as e:
-            print(f"hetrain calibrate: cannot write {output}: {e.strerror}", file=sys.stderr)
+            print(f"hetrain calibrate: error: cannot write {output}: {e.strerror}", file=sys.stderr)
             return 1
         print(f"wrote {output}: action_overhead_s {format_time(found.overhead_s)} for "
               f"{', '.join(plan.cluster.type_names)}")

@@ -21,7 +21,16 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from hetrain.cluster import Cluster, ClusterError, load_cluster
+from hetrain.arguments import int_between, number_at_least
+from hetrain.cluster import Cluster, load_cluster
+from hetrain.errors import InputError, RunError
+from hetrain.fields import (
+    MAX_GLOBAL_BATCH,
+    MAX_MICRO_BATCH,
+    MAX_REPEATS,
+    MAX_STEPS,
+    check_output_path,
+)
 from hetrain.plan import Plan, PlanError
 from hetrain.profile import ModelProfile, ProfileError, load_profile
 from hetrain.sync_layout import SYNC_OPTION_HELP, SyncOptions
@@ -35,17 +44,14 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    big = [v for v in values if v > MAX_MICRO_BATCH]
+    if big:
+        raise argparse.ArgumentTypeError(f"{big[0]} is more than the limit of {MAX_MICRO_BATCH} (MAX_MICRO_BATCH)")
     return values
 
 
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
+_non_negative = number_at_least(0.0)
+_positive = number_at_least(0.0, inclusive=False)
 
 
 def _load_model_profile(model: str | None, profile_path: str | None) -> ModelProfile:
@@ -160,6 +166,8 @@ def _replan_from(args: argparse.Namespace) -> Plan:
 def cmd_plan(args: argparse.Namespace) -> int:
     from hetrain import plan
 
+    if args.output:
+        check_output_path(args.output, "-o")
     if args.from_plan:
         result = _replan_from(args)
         cluster, profile = result.cluster, result.profile
@@ -194,19 +202,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    from hetrain.plan import load_plan
     from hetrain.simulator import run_simulate_command, simulate
 
+    for flag, path in (("--trace", args.trace), ("--gantt", args.gantt), ("--timeline", args.timeline)):
+        if path:
+            check_output_path(path, flag)
+    plan = load_plan(args.plan)  # a bad plan file is an input error (exit status 2), named before any simulation
     code = run_simulate_command(args.plan, args.trace, args.gantt, args.json)
     if code == 0 and args.timeline:
-        from hetrain.plan import load_plan
-
-        simulate(load_plan(args.plan)).timeline.save(args.timeline)
+        simulate(plan).timeline.save(args.timeline)
     return code
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from hetrain.timeline import compare, load_timeline, save_side_by_side
 
+    if args.gantt:
+        check_output_path(args.gantt, "--gantt")
     predicted, measured = load_timeline(args.predicted), load_timeline(args.measured)
     print(compare(predicted, measured))
     if args.gantt:
@@ -218,6 +231,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from hetrain.calibrate import run_calibrate_command
 
+    if args.output:
+        check_output_path(args.output, "-o")
     return run_calibrate_command(args.plan, args.metrics, args.warmup, args.output)
 
 
@@ -233,8 +248,11 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    check_output_path(args.output, "-o")
+    from hetrain.models.registry import get_spec
     from hetrain.profiler.layers import run_profile_command
 
+    get_spec(args.model)  # an unknown model is bad input (status 2), named before anything is measured
     return run_profile_command(args.model, args.micro_batch, args.output, device=args.device,
                                repeats=args.repeats, precision=args.precision)
 
@@ -255,7 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", help="cluster TOML file")
     p.add_argument("--model", help="a reference model (see `hetrain models`)")
     p.add_argument("--profile", help="a profile JSON file instead of --model")
-    p.add_argument("--global-batch", type=int, help="samples per iteration")
+    p.add_argument("--global-batch", type=int_between(1, MAX_GLOBAL_BATCH, "MAX_GLOBAL_BATCH"),
+                   help="samples per iteration")
     p.add_argument("--strategy", choices=["auto", "dp", "pp"], default="auto")
     p.add_argument("--schedule", choices=["auto", "gpipe", "1f1b"], default="auto")
     p.add_argument("--sync", choices=["bsp", "wsp", "hybrid-ps", "daso", "local-sgd", "auto"], default=None,
@@ -265,11 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"a sync mode parameter (repeatable): {SYNC_OPTION_HELP}")
     p.add_argument("--staleness-penalty", type=_non_negative, default=0.0, metavar="P",
                    help="extra samples to accuracy per iteration of mean staleness, for --sync auto (default 0)")
-    p.add_argument("--target-samples", type=float, default=None,
+    p.add_argument("--target-samples", type=_positive, default=None,
                    help="samples to reach the target at small batch (time to accuracy; default 1e6)")
     p.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default="adam")
     p.add_argument("--objective", choices=["throughput", "time-to-accuracy"], default="throughput")
-    p.add_argument("--critical-batch", type=float, help="critical batch size (time-to-accuracy)")
+    p.add_argument("--critical-batch", type=_positive, help="critical batch size (time-to-accuracy)")
     p.add_argument("--micro-batch", type=_ints, help="micro-batch sizes to try, e.g. 1,2,4")
     p.add_argument("--no-recompute", action="store_true", help="never recompute activations")
     p.add_argument("-o", "--output", help="write plan.json here")
@@ -292,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--micro-batch", type=_ints, default=[1, 2, 4, 8])
     pr.add_argument("-o", "--output", default="profile.json")
     pr.add_argument("--device", default="cpu")
-    pr.add_argument("--repeats", type=int, default=5)
+    pr.add_argument("--repeats", type=int_between(1, MAX_REPEATS, "MAX_REPEATS"), default=5)
     pr.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32")
     pr.set_defaults(func=cmd_profile)
 
@@ -311,7 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     cal = sub.add_parser("calibrate", help="fit the cost model's overhead per action to a trained plan's metrics")
     cal.add_argument("plan", help="the plan that was trained (plan.json)")
     cal.add_argument("metrics", help="its training metrics (hetrain train --metrics-out FILE)")
-    cal.add_argument("--warmup", type=int, default=3, help="first steps left out (default 3)")
+    cal.add_argument("--warmup", type=int_between(0, MAX_STEPS, "MAX_STEPS"), default=3,
+                     help="first steps left out (default 3)")
     cal.add_argument("-o", "--output", help="write the plan's profile with the fitted overhead here")
     cal.set_defaults(func=cmd_calibrate)
 
@@ -323,9 +343,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="the main job end to end on an emulated heterogeneous cluster (root)")
     demo.add_argument("--model", default="gpt-tiny", help="reference model (default gpt-tiny)")
-    demo.add_argument("--global-batch", type=int, default=32, help="samples per iteration (default 32)")
-    demo.add_argument("--steps", type=int, default=20, help="training steps per plan (default 20)")
-    demo.add_argument("--warmup", type=int, default=5, help="first steps left out of samples/s (default 5)")
+    demo.add_argument("--global-batch", type=int_between(1, MAX_GLOBAL_BATCH, "MAX_GLOBAL_BATCH"), default=32,
+                      help="samples per iteration (default 32)")
+    demo.add_argument("--steps", type=int_between(1, MAX_STEPS, "MAX_STEPS"), default=20,
+                      help="training steps per plan (default 20)")
+    demo.add_argument("--warmup", type=int_between(0, MAX_STEPS, "MAX_STEPS"), default=5,
+                      help="first steps left out of samples/s (default 5)")
     demo.add_argument("--cluster", default=None, help="cluster file (default: the embedded 2-node cluster)")
     demo.add_argument("--out", default="out/demo", help="report and run files (default out/demo)")
     demo.add_argument("--plan-only", action="store_true", help="plan and simulate only: no emulation, no root")
@@ -334,9 +357,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``hetrain`` command; returns the exit status."""
-    from hetrain.planner import PlannerError
+    """Entry point of the ``hetrain`` command; returns the exit status.
 
+    Bad input (``InputError``: a file, a field, an argument) is one line on stderr and status 2;
+    a failure while running (``RunError``, or a file that cannot be written) one line and status 1.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["discover"]:
         from hetrain.profiler.network import main as discover_main
@@ -350,9 +375,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code: int = args.func(args)
         return code
-    except (ClusterError, ProfileError, PlanError, PlannerError, ValueError) as e:
+    except (InputError, ValueError) as e:  # ValueError: the checks that predate InputError
         print(f"hetrain {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except RunError as e:
+        print(f"hetrain {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"hetrain {args.command}: error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"hetrain {args.command}: interrupted", file=sys.stderr)
         return 130

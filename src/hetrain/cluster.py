@@ -30,7 +30,7 @@ Example:
 
 from __future__ import annotations
 
-import sys
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,12 +45,8 @@ from hetrain.catalog import (
     lookup_link_preset,
 )
 from hetrain.errors import InputError
+from hetrain.fields import MAX_DEVICES, MAX_NODES, load_toml_object, show
 from hetrain.units import UnitError, parse_bandwidth, parse_bytes, parse_time
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib  # type: ignore[import-not-found, unused-ignore]
 
 
 class ClusterError(InputError):
@@ -308,8 +304,8 @@ def _quantity(spec: Mapping[str, Any], human_key: str, si_key: str, parse: Any, 
     """Read ``spec[human_key]`` with units, or ``spec[si_key]`` as a plain SI number."""
     if si_key in spec:
         value = spec[si_key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ClusterError(f"{where}: {si_key} must be a number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ClusterError(f"{where}: {si_key} must be a finite number, got {show(value)}")
         out = float(value)
     elif human_key in spec:
         try:
@@ -354,7 +350,9 @@ def _parse_link(spec: Any, where: str, default_latency_s: float) -> Link:
         if extra:
             raise ClusterError(f"{where}: unknown keys {sorted(extra)}; a link has {sorted(known)}")
         if "preset" in spec:
-            base = _parse_link(str(spec["preset"]), where, default_latency_s)
+            if not isinstance(spec["preset"], str):
+                raise ClusterError(f"{where}: preset must be a link preset name, got {show(spec['preset'])}")
+            base = _parse_link(spec["preset"], where, default_latency_s)
             bw, lat = base.bandwidth_bytes_per_s, base.latency_s
         else:
             bw = _quantity(spec, "bandwidth", "bandwidth_bytes_per_s", parse_bandwidth, where)  # type: ignore[assignment]
@@ -366,7 +364,7 @@ def _parse_link(spec: Any, where: str, default_latency_s: float) -> Link:
             lat = got_lat
         collective = _quantity(spec, "collective_latency", "collective_latency_s", parse_time, where, required=False)
         return Link(bw, lat, collective)
-    raise ClusterError(f"{where}: a link is a preset name, a bandwidth string or a table, got {spec!r}")
+    raise ClusterError(f"{where}: a link is a preset name, a bandwidth string or a table, got {show(spec)}")
 
 
 _DEVICE_KEYS = {
@@ -380,16 +378,20 @@ def _parse_device_spec(spec: Any, where: str) -> tuple[dict[str, Any], int]:
     if isinstance(spec, str):
         spec = {"type": spec}
     if not isinstance(spec, Mapping):
-        raise ClusterError(f"{where}: a device is a type name or a table, got {spec!r}")
+        raise ClusterError(f"{where}: a device is a type name or a table, got {show(spec)}")
     extra = set(spec) - _DEVICE_KEYS
     if extra:
         raise ClusterError(f"{where}: unknown device keys {sorted(extra)}; known: {sorted(_DEVICE_KEYS)}")
     if "type" not in spec:
         raise ClusterError(f"{where}: device table needs a 'type'")
-    type_name = str(spec["type"])
+    type_name = spec["type"]
+    if not isinstance(type_name, str) or not type_name.strip():
+        raise ClusterError(f"{where}: type must be a device type name, got {show(type_name)}")
     count = spec.get("count", 1)
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ClusterError(f"{where}: count must be a positive integer, got {count!r}")
+        raise ClusterError(f"{where}: count must be a positive integer, got {show(count)}")
+    if count > MAX_DEVICES:
+        raise ClusterError(f"{where}: count {count} is more than the limit of {MAX_DEVICES} devices (MAX_DEVICES)")
     figures: dict[str, Any] = {"type_name": type_name}
     try:
         base = lookup_device_type(type_name)
@@ -410,8 +412,9 @@ def _parse_device_spec(spec: Any, where: str) -> tuple[dict[str, Any], int]:
         value = spec.get(si, spec.get(human))
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ClusterError(f"{where}: {human if human in spec else si} must be a positive number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+            key = human if human in spec else si
+            raise ClusterError(f"{where}: {key} must be a positive number, got {show(value)}")
         figures[si] = float(value) * (scale if si not in spec else 1.0)
     if "peak_fp16_flops" not in figures:
         figures["peak_fp16_flops"] = figures["peak_fp32_flops"]
@@ -423,7 +426,7 @@ def _parse_device_spec(spec: Any, where: str) -> tuple[dict[str, Any], int]:
     if "cpu_share" in spec:
         share = spec["cpu_share"]
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 64:
-            raise ClusterError(f"{where}: cpu_share must be a number in (0, 64], got {share!r}")
+            raise ClusterError(f"{where}: cpu_share must be a number in (0, 64], got {show(share)}")
         figures["cpu_share"] = float(share)
     return figures, count
 
@@ -434,32 +437,47 @@ def parse_cluster(data: Mapping[str, Any], name: str = "cluster") -> Cluster:
     Raises:
         ClusterError: with the node, field and value at fault.
     """
+    if not isinstance(data, Mapping):
+        raise ClusterError(f"a cluster is a table of [[node]] and [[link]], got {show(data)}")
     known_top = {"node", "link", "name", "emulation"}
     extra = set(data) - known_top
     if extra:
         raise ClusterError(f"unknown top-level keys {sorted(extra)}; a cluster file has [[node]] and [[link]]")
+    if not isinstance(data.get("emulation", {}), Mapping):  # its fields: hetrain.emulate.settings
+        raise ClusterError(f"[emulation] must be a table, got emulation = {show(data['emulation'])}")
     raw_nodes = data.get("node", [])
     if isinstance(raw_nodes, Mapping):
         raise ClusterError("'node' is a single table; write each node as [[node]] (an array of tables)")
-    if not isinstance(raw_nodes, list) or not raw_nodes:
+    if not isinstance(raw_nodes, list):
+        raise ClusterError(f"node must be [[node]] tables, got node = {show(raw_nodes)}")
+    if not raw_nodes:
         raise ClusterError("the cluster is empty: add at least one [[node]] with devices")
-    cluster_name = str(data.get("name", name))
+    if len(raw_nodes) > MAX_NODES:
+        raise ClusterError(f"{len(raw_nodes)} nodes is more than the limit of {MAX_NODES} (MAX_NODES)")
+    cluster_name = data.get("name", name)
+    if not isinstance(cluster_name, str) or not cluster_name.strip():
+        raise ClusterError(f"name must be a non-empty string, got {show(cluster_name)}")
     nodes: list[Node] = []
     index = 0
     for k, raw in enumerate(raw_nodes):
         if not isinstance(raw, Mapping):
-            raise ClusterError(f"node #{k}: expected a table, got {raw!r}")
-        node_name = str(raw.get("name", f"node{k}"))
+            raise ClusterError(f"node #{k}: expected a table, got {show(raw)}")
+        node_name = raw.get("name", f"node{k}")
+        if not isinstance(node_name, str) or not node_name.strip():
+            raise ClusterError(f"node #{k}: name must be a non-empty string, got {show(node_name)}")
         where = f"node {node_name!r}"
         extra = set(raw) - {"name", "devices", "intra_link", "nic"}
         if extra:
             raise ClusterError(f"{where}: unknown keys {sorted(extra)}; a node has name, devices, intra_link, nic")
         raw_devices = raw.get("devices")
         if not isinstance(raw_devices, list) or not raw_devices:
-            raise ClusterError(f"{where}: 'devices' must be a non-empty list")
+            raise ClusterError(f"{where}: 'devices' must be a non-empty list, got {show(raw_devices)}")
         devices: list[Device] = []
         for spec in raw_devices:
             figures, count = _parse_device_spec(spec, f"{where} device #{len(devices)}")
+            if index + count > MAX_DEVICES:
+                raise ClusterError(f"{where} device #{len(devices)}: the cluster has more than the limit of "
+                                   f"{MAX_DEVICES} devices (MAX_DEVICES)")
             for _ in range(count):
                 devices.append(Device(name=f"{node_name}:{len(devices)}", node=node_name, index=index, **figures))
                 index += 1
@@ -471,13 +489,13 @@ def parse_cluster(data: Mapping[str, Any], name: str = "cluster") -> Cluster:
     node_links: list[NodeLink] = []
     raw_links = data.get("link", [])
     if not isinstance(raw_links, list):
-        raise ClusterError("[[link]] entries must be tables")
+        raise ClusterError(f"[[link]] entries must be tables, got link = {show(raw_links)}")
     for k, raw in enumerate(raw_links):
         if not isinstance(raw, Mapping):
             raise ClusterError(f"link #{k}: expected a table")
         pair = raw.get("nodes")
-        if not isinstance(pair, list) or len(pair) != 2:
-            raise ClusterError(f"link #{k}: 'nodes' must name exactly two nodes, got {pair!r}")
+        if not isinstance(pair, list) or len(pair) != 2 or not all(isinstance(n, str) for n in pair):
+            raise ClusterError(f"link #{k}: 'nodes' must name exactly two nodes, got {show(pair)}")
         spec = {key: v for key, v in raw.items() if key != "nodes"}
         link = _parse_link(spec, f"link {pair}", DEFAULT_INTER_NODE_LATENCY_S)
         nl = NodeLink((str(pair[0]), str(pair[1])), link)
@@ -495,14 +513,7 @@ def load_cluster(path: str | Path) -> Cluster:
         ClusterError: unreadable file, TOML syntax, or any invalid field (named).
     """
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise ClusterError(f"cannot read cluster file {p}: {e.strerror}") from None
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ClusterError(f"{p}: not valid TOML: {e}") from None
+    data = load_toml_object(p, ClusterError, "cluster file")
     try:
         return parse_cluster(data, name=p.stem)
     except ClusterError as e:

@@ -21,13 +21,31 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from hetrain.cluster import Cluster, parse_cluster
+from hetrain.cluster import Cluster, ClusterError, parse_cluster
 from hetrain.errors import InputError
-from hetrain.profile import ModelProfile, parse_profile
+from hetrain.fields import (
+    MAX_DEVICES,
+    MAX_GLOBAL_BATCH,
+    MAX_LAYERS,
+    MAX_MICRO_BATCHES,
+    check_int,
+    load_json_object,
+    optional_number,
+    path_of,
+    require_int,
+    require_list,
+    require_mapping,
+    require_number,
+    require_object,
+    require_str,
+    show,
+)
+from hetrain.profile import ModelProfile, ProfileError, parse_profile
 from hetrain.sync_layout import (
     SYNC_MODES,
     Segment,
     SyncLayout,
+    SyncLayoutError,
     SyncMode,
     SyncOptions,
     build_sync_layout,
@@ -360,29 +378,68 @@ def _check_memory(plan: Plan) -> None:
                                 f"{format_bytes(capacity[s.device])}")
 
 
-def _stage_from(raw: Mapping[str, Any], where: str) -> Stage:
-    try:
-        first, end = raw["layers"]
-        return Stage(
-            device=str(raw["device"]), first_layer=int(first), end_layer=int(end),
-            recompute=tuple(int(i) for i in raw.get("recompute", ())),
-            predicted_forward_s=float(raw.get("predicted_forward_s", 0.0)),
-            predicted_backward_s=float(raw.get("predicted_backward_s", 0.0)),
-            predicted_memory_bytes=float(raw.get("predicted_memory_bytes", 0.0)),
-        )
-    except (KeyError, TypeError, ValueError) as e:
-        raise PlanError(
-            f"{where}: malformed stage ({e!r}); a stage is {{device, layers: [first, end], recompute}}"
-        ) from None
+def _stage_from(raw: Any, where: str) -> Stage:
+    """One stage of plan.json; ``where`` is its field path (``virtual_workers[1].stages[0]``)."""
+    raw = require_mapping(raw, where, PlanError)
+    layers = require_list(raw, "layers", where, PlanError)
+    if len(layers) != 2:
+        raise PlanError(f"{path_of(where, 'layers')}: expected [first, end], got {show(layers)}")
+    first = check_int(layers[0], f"{where}.layers[0]", PlanError, least=0, most=MAX_LAYERS, limit_name="MAX_LAYERS")
+    end = check_int(layers[1], f"{where}.layers[1]", PlanError, least=0, most=MAX_LAYERS, limit_name="MAX_LAYERS")
+    recompute = require_list(raw, "recompute", where, PlanError, default=[], most=MAX_LAYERS, what="layers")
+    return Stage(
+        device=require_str(raw, "device", where, PlanError), first_layer=first, end_layer=end,
+        recompute=tuple(check_int(i, f"{where}.recompute[{k}]", PlanError, least=0) for k, i in enumerate(recompute)),
+        predicted_forward_s=require_number(raw, "predicted_forward_s", where, PlanError, 0.0, least=0),
+        predicted_backward_s=require_number(raw, "predicted_backward_s", where, PlanError, 0.0, least=0),
+        predicted_memory_bytes=require_number(raw, "predicted_memory_bytes", where, PlanError, 0.0, least=0),
+    )
+
+
+def _virtual_worker_from(raw: Any, where: str) -> VirtualWorker:
+    """One virtual worker of plan.json; ``where`` is its field path (``virtual_workers[1]``)."""
+    raw = require_mapping(raw, where, PlanError)
+    stages = require_list(raw, "stages", where, PlanError, least=1, most=MAX_DEVICES, what="stages")
+    return VirtualWorker(
+        tuple(_stage_from(s, f"{where}.stages[{j}]") for j, s in enumerate(stages)),
+        mini_batch=require_int(raw, "mini_batch", where, PlanError, least=1, most=MAX_GLOBAL_BATCH,
+                               limit_name="MAX_GLOBAL_BATCH"),
+        micro_batches=require_int(raw, "micro_batches", where, PlanError, least=1, most=MAX_MICRO_BATCHES,
+                                  limit_name="MAX_MICRO_BATCHES"),
+        predicted_pipeline_s=require_number(raw, "predicted_pipeline_s", where, PlanError, 0.0, least=0),
+    )
+
+
+def _prediction_from(raw: Any) -> Prediction:
+    """The ``prediction`` object of plan.json (every figure optional, each a number where given)."""
+    where = "prediction"
+    raw = require_mapping(raw, where, PlanError)
+    memory = []
+    for k, m in enumerate(require_list(raw, "memory", where, PlanError, default=[], most=MAX_DEVICES)):
+        at = f"{where}.memory[{k}]"
+        m = require_mapping(m, at, PlanError)
+        memory.append(DeviceMemory(require_str(m, "device", at, PlanError),
+                                   require_number(m, "peak_bytes", at, PlanError, least=0),
+                                   require_number(m, "capacity_bytes", at, PlanError, least=0)))
+    return Prediction(
+        iteration_s=require_number(raw, "iteration_s", where, PlanError, 0.0, least=0),
+        samples_per_s=require_number(raw, "samples_per_s", where, PlanError, 0.0, least=0),
+        pipeline_s=require_number(raw, "pipeline_s", where, PlanError, 0.0, least=0),
+        sync_s=require_number(raw, "sync_s", where, PlanError, 0.0, least=0),
+        optimizer_s=require_number(raw, "optimizer_s", where, PlanError, 0.0, least=0),
+        memory=tuple(memory),
+        simulated_iteration_s=optional_number(raw, "simulated_iteration_s", where, PlanError, least=0),
+        time_to_accuracy_s=optional_number(raw, "time_to_accuracy_s", where, PlanError, least=0),
+    )
 
 
 def upgrade_plan_data(data: Mapping[str, Any]) -> dict[str, Any]:
     """A format_version 1 plan dict as version 2: its mode and the sync options it kept among its ``options``
     move into the ``"sync"`` section (whose layout ``parse_plan(check_layout=False)`` then makes anew).
-    A version 2 dict is returned as it is."""
+    Any other dict is returned as it is."""
     if not isinstance(data, Mapping) or data.get("format_version") != 1:
         return dict(data) if isinstance(data, Mapping) else data
-    options = dict(data.get("options", {})) if isinstance(data.get("options"), Mapping) else {}
+    options = dict(data["options"]) if isinstance(data.get("options"), Mapping) else {}
     names = set(SyncOptions().to_dict())
     sync = {"mode": data.get("sync", "bsp"), "options": {k: options.pop(k) for k in list(options) if k in names},
             "segments": []}
@@ -395,68 +452,66 @@ def parse_plan(data: Mapping[str, Any], check_layout: bool = True) -> Plan:
     With ``check_layout`` its ``"sync"`` section must be the one its stages and options give
     (``sync_layout.check_sync_section``); without, the section's segments are ignored and made anew
     (``hetrain plan --from``, which re-predicts a plan).
+
+    Raises:
+        PlanError: naming the field path (``virtual_workers[1].stages[0].layers``) and the value.
     """
-    version = data.get("format_version")
+    data = require_mapping(data, "plan", PlanError)
+    version = require_int(data, "format_version", "", PlanError)
     if version == 1:
-        raise PlanError("plan format_version 1 predates the plan's sync section (format_version 2): "
+        raise PlanError("format_version: 1 predates the plan's sync section (format_version 2): "
                         "upgrade it with `hetrain plan --from PLAN -o NEW`, which re-predicts it")
     if version != FORMAT_VERSION:
-        raise PlanError(f"plan format_version {version!r} is not supported (this hetrain reads {FORMAT_VERSION})")
-    sync = data.get("sync")
-    if not isinstance(sync, Mapping):
-        raise PlanError(f"plan sync must be an object {{mode, options, segments}}, got {sync!r:.80}")
-    for key in ("cluster", "profile", "virtual_workers", "global_batch"):
-        if key not in data:
-            raise PlanError(f"plan is missing {key!r}")
-    cluster = parse_cluster(data["cluster"])
-    profile = parse_profile(data["profile"])
-    vws = []
-    for v, raw in enumerate(data["virtual_workers"]):
-        stages = tuple(_stage_from(s, f"VW{v} stage {j}") for j, s in enumerate(raw.get("stages", [])))
-        vws.append(VirtualWorker(stages, int(raw["mini_batch"]), int(raw["micro_batches"]),
-                                 float(raw.get("predicted_pipeline_s", 0.0))))
-    raw_pred = data.get("prediction", {})
-    pred = Prediction(
-        iteration_s=float(raw_pred.get("iteration_s", 0.0)),
-        samples_per_s=float(raw_pred.get("samples_per_s", 0.0)),
-        pipeline_s=float(raw_pred.get("pipeline_s", 0.0)),
-        sync_s=float(raw_pred.get("sync_s", 0.0)),
-        optimizer_s=float(raw_pred.get("optimizer_s", 0.0)),
-        memory=tuple(DeviceMemory(str(m["device"]), float(m["peak_bytes"]), float(m["capacity_bytes"]))
-                     for m in raw_pred.get("memory", [])),
-        simulated_iteration_s=raw_pred.get("simulated_iteration_s"),
-        time_to_accuracy_s=raw_pred.get("time_to_accuracy_s"),
-    )
+        raise PlanError(f"format_version: {version} is not supported (this hetrain reads {FORMAT_VERSION})")
+    sync = require_object(data, "sync", "", PlanError)
+    try:
+        cluster = parse_cluster(require_object(data, "cluster", "", PlanError))
+    except ClusterError as e:
+        raise PlanError(f"cluster: {e}") from None
+    try:
+        profile = parse_profile(require_object(data, "profile", "", PlanError))
+    except ProfileError as e:
+        raise PlanError(f"profile: {e}") from None
+    raw_vws = require_list(data, "virtual_workers", "", PlanError, least=1, most=MAX_DEVICES,
+                           what="virtual workers")
+    vws = [_virtual_worker_from(raw, f"virtual_workers[{v}]") for v, raw in enumerate(raw_vws)]
+    try:
+        sync_options = SyncOptions.from_mapping(require_object(sync, "options", "sync", PlanError, {}),
+                                                "sync.options")
+    except SyncLayoutError as e:
+        raise PlanError(str(e)) from None
     plan = Plan(
-        model=str(data.get("model", profile.name)),
-        global_batch=int(data["global_batch"]),
+        model=require_str(data, "model", "", PlanError, profile.name),
+        global_batch=require_int(data, "global_batch", "", PlanError, least=1, most=MAX_GLOBAL_BATCH,
+                                 limit_name="MAX_GLOBAL_BATCH"),
         schedule=data.get("schedule", "1f1b"),
-        sync=sync.get("mode", "bsp"),
+        sync=require_str(sync, "mode", "sync", PlanError, "bsp"),  # type: ignore[arg-type]  # checked by Plan
         optimizer=data.get("optimizer", "adam"),
         virtual_workers=tuple(vws),
-        prediction=pred,
-        strategy=str(data.get("strategy", "hybrid")),
-        formation=str(data.get("formation", "manual")),
+        prediction=_prediction_from(data.get("prediction", {})),
+        strategy=require_str(data, "strategy", "", PlanError, "hybrid"),
+        formation=require_str(data, "formation", "", PlanError, "manual"),
         cluster=cluster,
         profile=profile,
-        options=dict(data.get("options", {})),
-        sync_options=SyncOptions.from_mapping(sync.get("options", {}), "plan sync.options"),
+        options=dict(require_object(data, "options", "", PlanError, {})),
+        sync_options=sync_options,
     )
     if check_layout:
-        check_sync_section(sync, plan.layout)
+        try:
+            check_sync_section(sync, plan.layout)
+        except SyncLayoutError as e:
+            raise PlanError(str(e)) from None
     return plan
 
 
 def load_plan(path: str | Path, check_layout: bool = True, upgrade: bool = False) -> Plan:
-    """Read and validate plan.json; PlanError names what is wrong.
+    """Read and validate plan.json; PlanError names the file, the field and the value.
 
     ``upgrade`` reads a format_version 1 plan too (``upgrade_plan_data``); ``check_layout`` as ``parse_plan``.
     """
     p = Path(path)
+    data = load_json_object(p, PlanError, "plan")
     try:
-        data = json.loads(p.read_text())
-    except OSError as e:
-        raise PlanError(f"cannot read plan {p}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise PlanError(f"{p}: not valid JSON: {e}") from None
-    return parse_plan(upgrade_plan_data(data) if upgrade else data, check_layout)
+        return parse_plan(upgrade_plan_data(data) if upgrade else data, check_layout)
+    except PlanError as e:
+        raise PlanError(f"{p}: {e}") from None

@@ -24,6 +24,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 from hetrain.errors import InputError
+from hetrain.fields import (
+    MAX_LAYERS,
+    MAX_MICRO_BATCH,
+    load_json_object,
+    require_int,
+    require_list,
+    require_mapping,
+    require_number,
+    require_object,
+    require_str,
+    show,
+)
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 Precision = Literal["fp32", "fp16", "bf16"]
@@ -247,64 +259,70 @@ class ModelProfile:
 
 
 def _number(raw: Mapping[str, Any], key: str, where: str, default: float | None = None) -> float:
-    if key not in raw:
-        if default is not None:
-            return default
-        raise ProfileError(f"{where}: missing {key!r}")
-    value = raw[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ProfileError(f"{where}: {key} must be a number, got {value!r}")
-    return float(value)
+    """``raw[key]`` as a finite number >= 0 (``default`` where absent, if given)."""
+    if key not in raw and default is not None:
+        return default
+    return require_number(raw, key, where, ProfileError, least=0)
+
+
+def _measurement_from(raw: Any, where: str) -> Measurement:
+    """One entry of a layer's ``measured[type]`` list."""
+    raw = require_mapping(raw, where, ProfileError)
+    return Measurement(
+        require_int(raw, "micro_batch", where, ProfileError, least=1, most=MAX_MICRO_BATCH,
+                    limit_name="MAX_MICRO_BATCH"),
+        require_number(raw, "forward_s", where, ProfileError, least=0),
+        require_number(raw, "backward_s", where, ProfileError, least=0),
+        require_str(raw, "source", where, ProfileError, "measured"),
+    )
+
+
+def _layer_from(raw: Any, i: int) -> LayerProfile:
+    """Entry ``i`` of the profile's ``layers``."""
+    where = f"layers[{i}]"
+    raw = require_mapping(raw, where, ProfileError)
+    measured: list[tuple[str, tuple[Measurement, ...]]] = []
+    for type_name, ms in require_object(raw, "measured", where, ProfileError, {}).items():
+        at = f"{where}.measured[{type_name!r}]"
+        if not isinstance(ms, list):
+            raise ProfileError(f"{at}: expected a list of measurements, got {show(ms)}")
+        items = tuple(_measurement_from(m, f"{at}[{k}]") for k, m in enumerate(ms))
+        measured.append((str(type_name), tuple(sorted(items, key=lambda m: m.micro_batch))))
+    return LayerProfile(
+        name=require_str(raw, "name", where, ProfileError, f"layer{i}"),
+        param_bytes=_number(raw, "param_bytes", where),
+        output_bytes_per_sample=_number(raw, "output_bytes_per_sample", where),
+        saved_bytes_per_sample=_number(raw, "saved_bytes_per_sample", where),
+        forward_flops_per_sample=_number(raw, "forward_flops_per_sample", where),
+        measured=tuple(measured),
+    )
 
 
 def parse_profile(data: Mapping[str, Any]) -> ModelProfile:
-    """Build a ModelProfile from its JSON dict; ProfileError names the layer and field."""
-    version = data.get("format_version", FORMAT_VERSION)
+    """Build a ModelProfile from its JSON dict; ProfileError names the field path (``layers[3].param_bytes``)
+    and the value."""
+    data = require_mapping(data, "profile", ProfileError)
+    version = require_int(data, "format_version", "", ProfileError, FORMAT_VERSION)
     if version != FORMAT_VERSION:
         raise ProfileError(f"profile format_version {version} is not supported (this hetrain reads {FORMAT_VERSION})")
-    raw_layers = data.get("layers")
-    if not isinstance(raw_layers, list) or not raw_layers:
-        raise ProfileError("profile needs a non-empty 'layers' list")
-    layers = []
-    for i, raw in enumerate(raw_layers):
-        where = f"layer {i}"
-        if not isinstance(raw, Mapping):
-            raise ProfileError(f"{where}: expected an object, got {raw!r}")
-        measured: list[tuple[str, tuple[Measurement, ...]]] = []
-        for type_name, ms in (raw.get("measured") or {}).items():
-            if not isinstance(ms, list):
-                raise ProfileError(f"{where}: measured[{type_name!r}] must be a list")
-            try:
-                items = tuple(
-                    Measurement(int(m["micro_batch"]), float(m["forward_s"]), float(m["backward_s"]),
-                                str(m.get("source", "measured")))
-                    for m in ms
-                )
-            except (KeyError, TypeError, ValueError) as e:
-                raise ProfileError(f"{where}: measured[{type_name!r}] entry is malformed ({e})") from None
-            measured.append((str(type_name), tuple(sorted(items, key=lambda m: m.micro_batch))))
-        layers.append(LayerProfile(
-            name=str(raw.get("name", f"layer{i}")),
-            param_bytes=_number(raw, "param_bytes", where),
-            output_bytes_per_sample=_number(raw, "output_bytes_per_sample", where),
-            saved_bytes_per_sample=_number(raw, "saved_bytes_per_sample", where),
-            forward_flops_per_sample=_number(raw, "forward_flops_per_sample", where),
-            measured=tuple(measured),
-        ))
+    raw_layers = require_list(data, "layers", "", ProfileError, least=1, most=MAX_LAYERS, what="layers")
+    layers = [_layer_from(raw, i) for i, raw in enumerate(raw_layers)]
     measured_on = tuple(
-        (str(t), DeviceFigures(_number(f, "peak_flops", f"measured_on {t}"),
-                               _number(f, "memory_bandwidth_bytes_per_s", f"measured_on {t}")))
-        for t, f in (data.get("measured_on") or {}).items()
+        (str(t), DeviceFigures(require_number(require_mapping(f, f"measured_on[{t!r}]", ProfileError), "peak_flops",
+                                              f"measured_on[{t!r}]", ProfileError, positive=True),
+                               require_number(f, "memory_bandwidth_bytes_per_s", f"measured_on[{t!r}]",
+                                              ProfileError, positive=True)))
+        for t, f in require_object(data, "measured_on", "", ProfileError, {}).items()
     )
     return ModelProfile(
-        name=str(data.get("name", "model")),
+        name=require_str(data, "name", "", ProfileError, "model"),
         layers=tuple(layers),
-        input_bytes_per_sample=_number(data, "input_bytes_per_sample", "profile"),
-        precision=data.get("precision", "fp32"),
-        compute_efficiency=_number(data, "compute_efficiency", "profile", 0.5),
+        input_bytes_per_sample=_number(data, "input_bytes_per_sample", ""),
+        precision=require_str(data, "precision", "", ProfileError, "fp32", choices=PRECISIONS),  # type: ignore[arg-type]
+        compute_efficiency=require_number(data, "compute_efficiency", "", ProfileError, 0.5, positive=True, most=1),
         measured_on=measured_on,
-        optimizer_step_s_per_byte=_parse_optimizer_rates(data.get("optimizer_step_s_per_byte") or {}),
-        action_overhead_s=_parse_overheads(data.get("action_overhead_s") or {}),
+        optimizer_step_s_per_byte=_parse_optimizer_rates(data.get("optimizer_step_s_per_byte", {})),
+        action_overhead_s=_parse_overheads(data.get("action_overhead_s", {})),
     )
 
 
@@ -338,14 +356,9 @@ def _parse_optimizer_rates(raw: Any) -> tuple[tuple[str, tuple[tuple[str, float]
 
 
 def load_profile(path: str | Path) -> ModelProfile:
-    """Read a profile JSON file; ProfileError on a missing file or bad content."""
+    """Read a profile JSON file; ProfileError names the file, the field and the value."""
     p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except OSError as e:
-        raise ProfileError(f"cannot read profile {p}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise ProfileError(f"{p}: not valid JSON: {e}") from None
+    data = load_json_object(p, ProfileError, "profile")
     try:
         return parse_profile(data)
     except ProfileError as e:

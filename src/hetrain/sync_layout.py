@@ -122,7 +122,7 @@ class SyncOptions:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            _check(f.name, getattr(self, f.name), "sync option")
+            _check(f.name, getattr(self, f.name), "sync options")
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -185,10 +185,10 @@ def _check(key: str, value: Any, where: str) -> None:
     bound = _BOUNDS[key]
     if bound.choices:
         if value not in bound.choices:
-            raise SyncLayoutError(f"{where} {key} must be one of {', '.join(bound.choices)}, got {value!r}")
+            raise SyncLayoutError(f"{where}: {key} must be one of {', '.join(bound.choices)}, got {value!r}")
         return
     if isinstance(value, bool) or not isinstance(value, int | float) or not bound.least <= value <= bound.most:
-        raise SyncLayoutError(f"{where} {key} must be in [{bound.least:g}, {bound.most:g}], got {value!r}")
+        raise SyncLayoutError(f"{where}: {key} must be in [{bound.least:g}, {bound.most:g}], got {value!r}")
 
 
 # ---------------------------------------------------------------------------
@@ -403,7 +403,7 @@ def build_sync_layout(cluster: Cluster, profile: ModelProfile, stages: Sequence[
     return SyncLayout(mode, options, tuple(segments))
 
 
-def check_sync_section(raw: Any, expected: SyncLayout, where: str = "plan") -> None:
+def check_sync_section(raw: Any, expected: SyncLayout) -> None:
     """Refuse a plan.json ``"sync"`` section that differs from the layout its stages and options give.
 
     The section is written by the planner; a hand edit of segments, buckets, algorithms or hosts that
@@ -412,21 +412,19 @@ def check_sync_section(raw: Any, expected: SyncLayout, where: str = "plan") -> N
     Raises:
         SyncLayoutError: naming the first segment (and field) that differs.
     """
-    if not isinstance(raw, Mapping) or not isinstance(raw.get("segments"), list):
-        raise SyncLayoutError(f"{where}: sync.segments must be a list of segments, got {raw!r:.80}")
+    how = "the section is decided by the planner: re-plan with `hetrain plan --from PLAN -o NEW`"
+    got = raw.get("segments") if isinstance(raw, Mapping) else None
+    if not isinstance(got, list):
+        raise SyncLayoutError(f"sync.segments: expected a list of segments, got {_show(got)}")
     want = expected.to_dict()["segments"]
-    got = raw["segments"]
-    for s in range(max(len(want), len(got))):
-        if s >= len(got) or s >= len(want):
-            raise SyncLayoutError(
-                f"{where}: sync has {len(got)} segments, the stages give {len(want)}: re-plan it with "
-                f"`hetrain plan --from PLAN -o NEW`")
-        for key, value in want[s].items():
-            if not _same(got[s].get(key) if isinstance(got[s], Mapping) else None, value):
-                raise SyncLayoutError(
-                    f"{where}: sync.segments[{s}].{key} is {_short(got[s], key)}, the stages and options give "
-                    f"{value!r:.120}: the section is decided by the planner; re-plan with "
-                    f"`hetrain plan --from PLAN -o NEW`")
+    if len(got) != len(want):
+        raise SyncLayoutError(f"sync.segments: sync has {len(got)} segments, the stages give {len(want)}; {how}")
+    for s, (row, expect) in enumerate(zip(got, want, strict=True)):
+        for key, value in expect.items():
+            have = row.get(key) if isinstance(row, Mapping) else None
+            if not _same(have, value):
+                raise SyncLayoutError(f"sync.segments[{s}].{key}: {'missing' if have is None else _show(have)}, "
+                                      f"the stages and options give {_show(value)}; {how}")
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -439,6 +437,6 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and bool(a == b)
 
 
-def _short(row: Any, key: str) -> str:
-    value = row.get(key) if isinstance(row, Mapping) else None
-    return "missing" if value is None else f"{value!r:.120}"
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from hetrain.errors import InputError
+from hetrain.fields import load_json_object
 
 FORMAT_VERSION = 1
 EVENT_FIELDS = ("start_s", "end_s", "kind", "label", "micro_batch")
@@ -246,13 +247,11 @@ def parse_timeline(data: Mapping[str, Any]) -> Timeline:
 def load_timeline(path: str | Path) -> Timeline:
     """Read a timeline JSON file."""
     p = Path(path)
+    data = load_json_object(p, TimelineError, "timeline")
     try:
-        data = json.loads(p.read_text())
-    except OSError as e:
-        raise TimelineError(f"cannot read timeline {p}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise TimelineError(f"{p}: not valid JSON: {e}") from None
-    return parse_timeline(data)
+        return parse_timeline(data)
+    except TimelineError as e:
+        raise TimelineError(f"{p}: {e}") from None
 
 
 # ---------------------------------------------------------------------------

@@ -21,13 +21,11 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from hetrain.distributed.device import DeviceError
-from hetrain.distributed.health import PeerError
-from hetrain.plan import PlanError, load_plan
-from hetrain.runtime.checkpoint import CheckpointError
-from hetrain.runtime.roles import RoleError
+from hetrain.arguments import int_between, number_at_least
+from hetrain.errors import InputError, RunError
+from hetrain.fields import MAX_STEPS
+from hetrain.plan import Plan, PlanError, load_plan
 from hetrain.runtime.trainer import DEFAULT_TIMEOUT_S, Trainer, build_optimizer_fn
-from hetrain.schedule import ScheduleError
 
 
 def _model_config(items: Sequence[str]) -> dict[str, Any]:
@@ -44,21 +42,20 @@ def _model_config(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def run_train_command(plan_path: str | Path, model: str, data: str | None = None, steps: int = 100,
+def run_train_command(plan_path: str | Path | Plan, model: str, data: str | None = None, steps: int = 100,
                       checkpoint_dir: str | Path | None = None, timeline_out: str | Path | None = None,
                       metrics_out: str | Path | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, *,
-                      checkpoint_every: int = 0, optimizer: str | None = None, lr: float | None = None,
+                      checkpoint_every: int = 0, lr: float | None = None,
                       weight_decay: float = 0.0, seed: int = 0, data_seed: int = 0, progress: bool | None = None,
                       tensorboard_dir: str | Path | None = None, log_every: int = 10,
-                      model_config: dict[str, Any] | None = None, sync: str | None = None,
-                      sync_options: dict[str, int | str] | None = None, eval_every: int = 0,
+                      model_config: dict[str, Any] | None = None, eval_every: int = 0,
                       eval_batches: int = 8) -> int:
     """``hetrain train``: train a reference model with a plan, on every rank of a torchrun job.
 
     The plan runs as it is: its sync mode, sync options and optimizer (module docstring).
 
     Args:
-        plan_path: plan.json.
+        plan_path: plan.json, or the Plan read from it.
         model: a reference model name (``hetrain.models.registry``); its layer count must be the plan's.
         data: a data set name (``hetrain.data.registry``); default: the real one that fits the model.
         steps: the step count to reach (a resumed run goes on from its checkpoint).
@@ -87,7 +84,7 @@ def run_train_command(plan_path: str | Path, model: str, data: str | None = None
     trainer: Trainer | None = None
     config = dict(model_config or {})
     try:
-        plan = load_plan(plan_path)
+        plan = plan_path if isinstance(plan_path, Plan) else load_plan(plan_path)
         n = num_layers(model, **config)
         if n != plan.profile.num_layers:
             raise PlanError(f"model {model!r} has {n} layers but the plan ({plan.model}) has "
@@ -121,8 +118,7 @@ def run_train_command(plan_path: str | Path, model: str, data: str | None = None
         elif not trainer.role.used:
             print(f"hetrain train: rank {trainer.rank} ({trainer.role.device}) is unused by the plan; idle",
                   flush=True)
-    except (PeerError, RoleError, DeviceError, CheckpointError, PlanError, ScheduleError, ValueError, TypeError,
-            OSError) as e:
+    except (RunError, InputError, ValueError, TypeError, OSError) as e:
         print(f"hetrain train: error: {e}", file=sys.stderr, flush=True)
         if trainer is not None:
             trainer.close()
@@ -138,39 +134,57 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", required=True, help="plan.json")
     parser.add_argument("--model", required=True, help="reference model name (hetrain.models.registry)")
     parser.add_argument("--data", default=None, help="data set: shakespeare, digits, synthetic (default: fits model)")
-    parser.add_argument("--steps", type=int, default=100, help="step count to reach (default 100)")
+    steps = int_between(0, MAX_STEPS, "MAX_STEPS")
+    parser.add_argument("--steps", type=steps, default=100, help="step count to reach (default 100)")
     parser.add_argument("--checkpoint-dir", default=None, help="write checkpoints here; resume from the newest")
-    parser.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)")
+    parser.add_argument("--checkpoint-every", type=steps, default=0, help="steps between checkpoints (0: at the end)")
     parser.add_argument("--timeline-out", default=None, help="measured timeline of the last step (JSON)")
     parser.add_argument("--metrics-out", default=None, help="per-step metrics (JSONL)")
     parser.add_argument("--tensorboard-dir", default=None, help="TensorBoard scalars (if tensorboard is installed)")
-    parser.add_argument("--log-every", type=int, default=10,
+    parser.add_argument("--log-every", type=int_between(1, MAX_STEPS, "MAX_STEPS"), default=10,
                         help="steps whose losses are summed over the ranks together (default 10)")
-    parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
+    parser.add_argument("--timeout-s", type=number_at_least(0.0, inclusive=False), default=DEFAULT_TIMEOUT_S,
                         help=f"longest distributed wait, seconds (default {DEFAULT_TIMEOUT_S:g})")
-    parser.add_argument("--lr", type=float, default=None, help="learning rate (default 0.05 SGD, 1e-3 AdamW)")
-    parser.add_argument("--weight-decay", type=float, default=0.0)
+    parser.add_argument("--lr", type=number_at_least(0.0, inclusive=False), default=None,
+                        help="learning rate (default 0.05 SGD, 1e-3 AdamW)")
+    parser.add_argument("--weight-decay", type=number_at_least(0.0), default=0.0)
     parser.add_argument("--seed", type=int, default=0, help="model seed (per-layer seeds derive from it)")
     parser.add_argument("--data-seed", type=int, default=0, help="seed of the data order")
     parser.add_argument("--set", dest="model_config", action="append", default=[], metavar="KEY=VALUE",
                         help="override a field of the model preset, e.g. --set n_blocks=2")
     bar = parser.add_mutually_exclusive_group()
-    parser.add_argument("--eval-every", type=int, default=0, metavar="N",
+    parser.add_argument("--eval-every", type=steps, default=0, metavar="N",
                         help="validation loss on the held-out data every N steps, logged as val_loss (0: never)")
-    parser.add_argument("--eval-batches", type=int, default=8, metavar="K",
+    parser.add_argument("--eval-batches", type=int_between(1, MAX_STEPS, "MAX_STEPS"), default=8, metavar="K",
                         help="global-batch-sized validation batches per evaluation (default 8)")
     bar.add_argument("--progress", dest="progress", action="store_true", default=None, help="force the progress bar")
     bar.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
 
+def _check_output_paths(args: argparse.Namespace) -> None:
+    """Refuse an output file that is a directory, and a checkpoint directory that is a file. (Only what is
+    wrong on every host: the reporting rank writes the files, perhaps on another host than this one.)"""
+    for flag, path in (("--metrics-out", args.metrics_out), ("--timeline-out", args.timeline_out)):
+        if path and Path(path).is_dir():
+            raise InputError(f"{flag} {path!r}: is a directory; give a file name")
+    if args.checkpoint_dir and Path(args.checkpoint_dir).exists() and not Path(args.checkpoint_dir).is_dir():
+        raise InputError(f"--checkpoint-dir {args.checkpoint_dir!r}: is a file; give a directory")
+
+
 def run_from_args(args: argparse.Namespace) -> int:
-    """Run the ``train`` command from parsed ``add_train_arguments`` options."""
+    """Run the ``train`` command from parsed ``add_train_arguments`` options.
+
+    Bad arguments and a plan file that cannot be read are refused here, before any process group,
+    with status 2; ``run_train_command`` returns 1 for what fails after.
+    """
     try:
         config = _model_config(args.model_config)
-    except ValueError as e:
+        _check_output_paths(args)
+        plan = load_plan(args.plan)
+    except (InputError, ValueError) as e:
         print(f"hetrain train: error: {e}", file=sys.stderr)
         return 2
-    return run_train_command(args.plan, args.model, args.data, args.steps, args.checkpoint_dir, args.timeline_out,
+    return run_train_command(plan, args.model, args.data, args.steps, args.checkpoint_dir, args.timeline_out,
                              args.metrics_out, args.timeout_s, checkpoint_every=args.checkpoint_every,
                              lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
                              data_seed=args.data_seed, progress=args.progress, tensorboard_dir=args.tensorboard_dir,
