@@ -236,8 +236,8 @@ def run_baseline(kind: str, model: str, *, data: str | None = None, global_batch
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m hetrain.baselines ddp|pipelining ...`` on every rank of a torchrun job; exit status."""
+    from hetrain.profile import OPTIMIZER_ALIASES, OPTIMIZER_NAMES
     from hetrain.runtime.command import _model_config
-    from hetrain.runtime.trainer import OPTIMIZER_NAMES
 
     parser = argparse.ArgumentParser(prog="python -m hetrain.baselines",
                                      description="Train a reference model with torch's DDP or pipelining.")
@@ -248,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--micro-batches", type=int, default=4, help="m, pipelining only (default 4)")
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipelining only (default 1f1b)")
-    parser.add_argument("--optimizer", choices=OPTIMIZER_NAMES, default="sgd")
+    parser.add_argument("--optimizer", choices=[*OPTIMIZER_NAMES, *OPTIMIZER_ALIASES], default="sgd")
     parser.add_argument("--lr", type=float, default=None, help="learning rate (default as hetrain train's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data-seed", type=int, default=0)

@@ -325,12 +325,11 @@ def _train_with_torch(jobs: _Jobs, r: PlanRun, model: str, global_batch: int, st
 
 def _train_step(jobs: _Jobs, runs: dict[str, PlanRun], optimizer: str, model: str, global_batch: int,
                 steps: int) -> None:
-    """Step 5: train every run in order, each from fresh metrics; ``optimizer`` is the plans' (cost-model name)."""
-    opt_name = {"adam": "adamw"}.get(optimizer, optimizer)  # the runtime's name
+    """Step 5: train every run in order, each from fresh metrics; ``optimizer`` is the plans'."""
     for r in runs.values():
         r.metrics_path.unlink(missing_ok=True)
         if r.runtime == "torch":
-            _train_with_torch(jobs, r, model, global_batch, steps, opt_name)
+            _train_with_torch(jobs, r, model, global_batch, steps, optimizer)
         else:
             _train_with_hetrain(jobs, r, model, steps)
 

@@ -40,7 +40,7 @@ from hetrain.fields import (
     require_str,
     show,
 )
-from hetrain.profile import ModelProfile, ProfileError, parse_profile
+from hetrain.profile import OPTIMIZER_NAMES, ModelProfile, ProfileError, parse_profile
 from hetrain.sync_layout import (
     SYNC_MODES,
     Segment,
@@ -56,7 +56,7 @@ from hetrain.units import format_bytes, format_time
 Schedule = Literal["gpipe", "1f1b"]
 Optimizer = Literal["sgd", "momentum", "adam"]
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
-OPTIMIZERS: tuple[str, ...] = ("sgd", "momentum", "adam")
+OPTIMIZERS: tuple[str, ...] = OPTIMIZER_NAMES  # profile.OPTIMIZER_NAMES: one vocabulary
 #: 2: the ``"sync"`` section holds the mode, its typed options and the sync layout (was the mode's name)
 FORMAT_VERSION = 2
 

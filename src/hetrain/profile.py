@@ -40,9 +40,24 @@ from hetrain.fields import (
 PRECISIONS = ("fp32", "fp16", "bf16")
 Precision = Literal["fp32", "fp16", "bf16"]
 FORMAT_VERSION = 1
-# The cost model's optimizers (cost.OPTIMIZER_STATE_PER_PARAM); the runtime's name for adam is "adamw".
+#: The optimizers: one vocabulary for the plan, the cost model (``cost.OPTIMIZER_STATE_PER_PARAM``), the
+#: profiler and the runtime. ``adam`` is Adam with decoupled weight decay (``torch.optim.AdamW``, the same as
+#: Adam without weight decay).
 OPTIMIZER_NAMES = ("sgd", "momentum", "adam")
+#: other names read at the edge (profile files, command lines) as one of ``OPTIMIZER_NAMES``
 OPTIMIZER_ALIASES = {"adamw": "adam"}
+
+
+def canonical_optimizer(name: str) -> str:
+    """``name`` in the one vocabulary (``"adamw"`` -> ``"adam"``).
+
+    Raises:
+        ProfileError: a name that is none of ``OPTIMIZER_NAMES`` or their aliases.
+    """
+    key = OPTIMIZER_ALIASES.get(name, name)
+    if key not in OPTIMIZER_NAMES:
+        raise ProfileError(f"unknown optimizer {name!r}; known: {', '.join(OPTIMIZER_NAMES)} (or adamw)")
+    return key
 
 
 class ProfileError(InputError):

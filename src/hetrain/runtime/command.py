@@ -91,7 +91,7 @@ def run_train_command(plan_path: str | Path | Plan, model: str, data: str | None
                             f"{plan.profile.num_layers}")
         data_name = data or default_data(model, **config)
         train_set, val_set = build_datasets(data_name, model, seed=data_seed, **config)
-        opt_name = {"adam": "adamw"}.get(plan.optimizer, plan.optimizer)
+        opt_name = plan.optimizer
 
         def layers_fn(first: int, end: int) -> list[nn.Module]:
             return build_layers(model, first, end, seed=seed, **config)

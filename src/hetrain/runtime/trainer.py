@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hetrain.plan import Plan
+from hetrain.profile import OPTIMIZER_NAMES, canonical_optimizer
 from hetrain.runtime.batches import MicroBatches, global_batches
 from hetrain.runtime.evaluate import evaluate_stage
 from hetrain.runtime.executor import LossFn, StageModule
@@ -66,21 +67,18 @@ from hetrain.schedule import (
 )
 from hetrain.timeline import Timeline
 
-OPTIMIZER_NAMES = ("sgd", "momentum", "adamw")
-
 
 def build_optimizer_fn(name: str, lr: float | None = None, momentum: float = 0.9,
                        weight_decay: float = 0.0) -> OptimizerFn:
-    """An optimizer factory by name: ``sgd``, ``momentum`` (SGD with momentum) or ``adamw`` (``adam`` too).
+    """An optimizer factory by the plan's name (``profile.OPTIMIZER_NAMES``): ``sgd``, ``momentum`` (SGD with
+    momentum) or ``adam`` (``torch.optim.AdamW``; ``adamw`` is read as ``adam``).
 
-    Default learning rates: 0.05 for SGD, 1e-3 for AdamW.
+    Default learning rates: 0.05 for SGD, 1e-3 for Adam.
     """
-    key = "adamw" if name == "adam" else name
-    if key not in OPTIMIZER_NAMES:
-        raise ValueError(f"unknown optimizer {name!r}; known: {', '.join(OPTIMIZER_NAMES)}")
+    key = canonical_optimizer(name)
 
     def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-        if key == "adamw":
+        if key == "adam":
             return torch.optim.AdamW(params, lr=1e-3 if lr is None else lr, weight_decay=weight_decay)
         return torch.optim.SGD(params, lr=0.05 if lr is None else lr, momentum=momentum if key == "momentum" else 0.0,
                                weight_decay=weight_decay)
