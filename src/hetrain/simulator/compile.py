@@ -10,7 +10,7 @@ place, ``read_sync_layout``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -166,16 +166,21 @@ def compile_program(plan: Plan, schedules: Sequence[Schedule]) -> Program:
 
 @dataclass
 class _Device:
-    """What compiling one device's actions needs."""
+    """What compiling one device's actions needs, and its operations compiled so far."""
 
     d: int
     name: str
+    stage: Stage
     costs: StageCosts
     sizes: Sequence[int]
     out_bytes: float  # per sample, sent forward
     in_bytes: float  # per sample, sent backward
     forward: list[Forward]  # per micro-batch i
     backward: list[Backward]  # per micro-batch i, starting no bucket
+    ops: list[Op] = field(default_factory=list)
+    last_backward: int = -1  # index in ops of the latest Backward
+    wave: int = 0  # parameter-server waves: one per iteration that pulls
+    pulled: bool = False  # this iteration has a PULL
 
 
 class _Compiler:
@@ -198,7 +203,7 @@ class _Compiler:
         self.last_start: dict[tuple[int, int], int] = {}  # (device, segment) -> iteration of its AVERAGE_START
         self.p2p_cache: dict[tuple[int, int, float], tuple[float, tuple[int, ...]]] = {}
         self.labels: dict[tuple[str, int, int], list[str]] = {}  # "jFi" strings, shared by devices of equal (j, m)
-        self.by_kind: dict[ActionKind, Callable[[Action, int, int, _Device], Op]] = {
+        self.by_kind: dict[ActionKind, Callable[[Action, int, _Device], Op]] = {
             K.F: self._forward, K.B: self._backward, K.SEND_F: self._send, K.SEND_B: self._send,
             K.RECV_F: self._recv, K.RECV_B: self._recv, K.STEP: self._step,
             K.ALLREDUCE_START: self._bucket, K.ALLREDUCE_WAIT: self._bucket,
@@ -218,7 +223,7 @@ class _Compiler:
             v, j = where[name]
             vw = self.plan.virtual_workers[v]
             dev = self._device(d, name, vw, j, estimate_stage_costs(self.plan, vw, vw.stages[j], devices[name]))
-            ops.append(self._device_ops(dev, vw.stages[j]))
+            ops.append(self._device_ops(dev))
             weights.append(dev.costs.weights_bytes)
         return Program(self.plan, self.schedules[0], len(self.schedules), self.names,
                        [where[name] for name in self.names], weights, ops, self.collectives, self.res)
@@ -232,7 +237,7 @@ class _Compiler:
         f_labels, b_labels = self.labels[("F", j, m)], self.labels[("B", j, m)]
         first, end = stage.first_layer, stage.end_layer
         return _Device(
-            d, name, costs, vw.micro_batch_sizes,
+            d, name, stage, costs, vw.micro_batch_sizes,
             out_bytes=profile.layers[end - 1].output_bytes_per_sample,
             in_bytes=profile.layers[first - 1].output_bytes_per_sample if first > 0 else 0.0,
             forward=[Forward(i, f_labels[i], costs.forward_s[i], costs.activation_bytes[i]) for i in range(m)],
@@ -240,33 +245,32 @@ class _Compiler:
                                costs.transient_bytes[i]) for i in range(m)],
         )
 
-    def _device_ops(self, dev: _Device, stage: Stage) -> list[Op]:
-        """``dev``'s operations over all iterations; each backward carries the buckets it makes final."""
-        ops: list[Op] = []
-        wave = 0
+    def _device_ops(self, dev: _Device) -> list[Op]:
+        """``dev``'s operations over all iterations, each action's appended to ``dev.ops`` in turn."""
         for it, sched in enumerate(self.schedules):
             for a in sched[dev.name]:
                 compile_action = self.by_kind.get(a.kind)
                 if compile_action is None:
                     raise ScheduleError(f"the simulator cannot time {a} on {dev.name}")
-                ops.append(compile_action(a, it, wave, dev))
-            if any(a.kind is K.PULL for a in sched[dev.name]):
-                wave += 1
-        _attach_bucket_starts(ops, dev, stage)
-        return ops
+                dev.ops.append(compile_action(a, it, dev))
+            if dev.pulled:
+                dev.wave += 1
+                dev.pulled = False
+        return dev.ops
 
-    def _forward(self, a: Action, it: int, wave: int, dev: _Device) -> Op:
+    def _forward(self, a: Action, it: int, dev: _Device) -> Op:
         assert a.micro_batch is not None
         return dev.forward[a.micro_batch]
 
-    def _backward(self, a: Action, it: int, wave: int, dev: _Device) -> Op:
+    def _backward(self, a: Action, it: int, dev: _Device) -> Op:
         assert a.micro_batch is not None
+        dev.last_backward = len(dev.ops)  # where it goes: an ALLREDUCE_START after it rides on it
         return dev.backward[a.micro_batch]
 
-    def _step(self, a: Action, it: int, wave: int, dev: _Device) -> Op:
+    def _step(self, a: Action, it: int, dev: _Device) -> Op:
         return OptimizerStep(str(a), dev.costs.optimizer_s, dev.costs.step_transient_bytes)
 
-    def _send(self, a: Action, it: int, wave: int, dev: _Device) -> Op:
+    def _send(self, a: Action, it: int, dev: _Device) -> Op:
         """``SEND_F`` / ``SEND_B``: ``b_i x`` the output bytes per sample of the layer before the boundary."""
         i, name = a.micro_batch, dev.name
         assert a.peer is not None and i is not None
@@ -284,7 +288,7 @@ class _Compiler:
         return Send(i, label, TransferKey(not forward, dev.d, peer, i), duration_s, links,
                     "send_f" if forward else "send_b")
 
-    def _recv(self, a: Action, it: int, wave: int, dev: _Device) -> Op:
+    def _recv(self, a: Action, it: int, dev: _Device) -> Op:
         assert a.peer is not None and a.micro_batch is not None
         key = TransferKey(a.kind is K.RECV_B, self.index[a.peer], dev.d, a.micro_batch)
         return Recv(a.micro_batch, a, key)
@@ -299,7 +303,7 @@ class _Compiler:
             self.collectives.append(CollectiveSpec(phases, [self.index[o] for o in members], label))
         return self.cids[key]
 
-    def _bucket(self, a: Action, it: int, wave: int, dev: _Device) -> Op:
+    def _bucket(self, a: Action, it: int, dev: _Device) -> Op:
         """``ALLREDUCE_START`` / ``ALLREDUCE_WAIT`` of one gradient bucket among the segment's owners."""
         assert a.segment is not None and a.bucket is not None
         bucket = self.layout.buckets[a.segment][a.bucket]
@@ -308,10 +312,12 @@ class _Compiler:
                                   self.layout.algorithm(a.segment, a.bucket),
                                   f"ALLREDUCE seg{a.segment} bucket{a.bucket}")
         if a.kind is K.ALLREDUCE_START:
-            return BucketStart(cid, str(a), bucket)
+            start = BucketStart(cid, str(a), bucket)
+            _ride_on_last_backward(dev, start)
+            return start
         return BucketWait(cid, str(a))
 
-    def _segment_collective(self, a: Action, it: int, wave: int, dev: _Device) -> Op:
+    def _segment_collective(self, a: Action, it: int, dev: _Device) -> Op:
         """A collective over a whole segment: blocking, or a posted average (``AVERAGE_START`` / ``_MERGE``)."""
         assert a.segment is not None
         k, s = a.kind, a.segment
@@ -333,7 +339,7 @@ class _Compiler:
             return AverageMerge(cid, str(a))
         return Collective(cid, str(a))
 
-    def _push_or_pull(self, a: Action, it: int, wave: int, dev: _Device) -> Op:
+    def _push_or_pull(self, a: Action, it: int, dev: _Device) -> Op:
         """``PUSH`` to / ``PULL`` from the segment's parameter-server shard (one p2p of the segment's bytes)."""
         assert a.segment is not None
         s, name = a.segment, dev.name
@@ -343,30 +349,27 @@ class _Compiler:
         duration_s = estimate_p2p_time(seg.param_bytes, self.cluster.link(here, there)) if host != name else 0.0
         if a.kind is K.PUSH:
             links = edge_links(self.cluster, here, there, self.res) if host != name else ()
-            return Push((s, wave), f"PUSH seg{s} {name}->{host}", duration_s, links, len(seg.owners))
+            return Push((s, dev.wave), f"PUSH seg{s} {name}->{host}", duration_s, links, len(seg.owners))
         back = edge_links(self.cluster, there, here, self.res) if host != name else ()  # the shard's broadcast to it
-        return Pull((s, wave - self.staleness), f"PULL seg{s} {host}->{name}", duration_s, back)
+        dev.pulled = True
+        return Pull((s, dev.wave - self.staleness), f"PULL seg{s} {host}->{name}", duration_s, back)
 
 
-def _attach_bucket_starts(ops: list[Op], dev: _Device, stage: Stage) -> None:
-    """Each ``ALLREDUCE_START`` rides on the backward before it: its bucket's gradients are final this long
+def _ride_on_last_backward(dev: _Device, start: BucketStart) -> None:
+    """An ``ALLREDUCE_START`` rides on the backward before it: its bucket's gradients are final this long
     after that backward starts (the stage's layers run backwards, last layer first)."""
-    last_b = -1
-    for n, op in enumerate(ops):
-        if isinstance(op, Backward):
-            last_b = n
-        elif isinstance(op, BucketStart):
-            if last_b < 0:
-                raise ScheduleError(f"{op.label} on {dev.name} follows no backward")
-            b_op = ops[last_b]
-            assert isinstance(b_op, Backward)
-            offset_s = _bucket_final_s(op.bucket, b_op.micro_batch, dev, stage)
-            ops[last_b] = b_op._replace(bucket_starts=(*b_op.bucket_starts, (offset_s, op.collective)))
+    if dev.last_backward < 0:
+        raise ScheduleError(f"{start.label} on {dev.name} follows no backward")
+    b_op = dev.ops[dev.last_backward]
+    assert isinstance(b_op, Backward)
+    offset_s = _bucket_final_s(start.bucket, b_op.micro_batch, dev)
+    dev.ops[dev.last_backward] = b_op._replace(bucket_starts=(*b_op.bucket_starts, (offset_s, start.collective)))
 
 
-def _bucket_final_s(bucket: Bucket, i: int, dev: _Device, stage: Stage) -> float:
+def _bucket_final_s(bucket: Bucket, i: int, dev: _Device) -> float:
     """Seconds into micro-batch ``i``'s backward until ``bucket``'s gradients are final: the backward of the
     stage's layers from its last down to the bucket's first, with the recomputed forwards among them."""
+    stage = dev.stage
     if bucket.first_layer <= stage.first_layer:
         return dev.costs.backward_s[i]
     f, g = dev.costs.layer_times[dev.sizes[i]]
