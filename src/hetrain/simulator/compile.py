@@ -1,0 +1,350 @@
+"""Compiling every device's Actions to timed operations (``ops``), once, before the replay.
+
+Durations and memory figures come from the one cost model (``hetrain.cost``);
+link resources are numbered as transfers first use them (``links``); every
+collective gets a number and its phases. The synchronisation decisions (segments,
+gradient buckets, each all-reduce's algorithm, parameter-server hosts) are the
+plan's (``Plan.layout``, ``sync_layout``): the replay reads them and decides none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hetrain.cluster import Device
+from hetrain.cost import (
+    estimate_action_overhead,
+    estimate_layer_times,
+    estimate_optimizer_step_memory,
+    estimate_optimizer_time,
+    estimate_p2p_time,
+    estimate_stage_memory,
+)
+from hetrain.plan import Plan, Stage, VirtualWorker
+from hetrain.schedule import (
+    COLLECTIVE_KINDS,
+    Action,
+    ActionKind,
+    Schedule,
+    ScheduleError,
+)
+from hetrain.simulator.links import LinkResources, allreduce_phases, edge_links
+from hetrain.simulator.ops import (
+    AverageMerge,
+    AverageStart,
+    Backward,
+    BucketStart,
+    BucketWait,
+    Collective,
+    CollectiveSpec,
+    Forward,
+    Op,
+    OptimizerStep,
+    Pull,
+    Push,
+    Recv,
+    Send,
+    TransferKey,
+)
+from hetrain.sync_layout import Bucket
+
+K = ActionKind
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """One device's figures: per micro-batch i (``forward_s[i]``...), and for the whole iteration."""
+
+    weights_bytes: float  # weights, gradients and optimizer state: held from t = 0
+    step_transient_bytes: float  # the optimizer step's transient
+    optimizer_s: float
+    overhead_s: float  # per forward or backward action
+    forward_s: list[float]
+    backward_s: list[float]  # the recomputed forwards included
+    activation_bytes: list[float]  # kept from a forward's end to its backward's end
+    transient_bytes: list[float]  # the largest recomputed layer's activations, during a backward
+    layer_times: dict[int, tuple[np.ndarray, np.ndarray]]  # micro-batch size -> (forward_s, backward_s) per layer
+
+
+def estimate_stage_costs(plan: Plan, vw: VirtualWorker, stage: Stage, device: Device) -> StageCosts:
+    """The figures of ``stage`` of ``vw`` run on ``device``, from ``hetrain.cost``."""
+    profile = plan.profile
+    first, end, rc = stage.first_layer, stage.end_layer, list(stage.recompute)
+    weights = estimate_stage_memory(profile, first, end, rc, 0, 0, plan.optimizer, with_step=False)
+    param_bytes = float(sum(profile.layers[i].param_bytes for i in stage.layers))
+    per_size: dict[int, tuple[float, float, float, float]] = {}
+    layer_times = {}
+    overhead = estimate_action_overhead(profile, device)
+    for b in set(vw.micro_batch_sizes):
+        f, g = estimate_layer_times(profile, device, b)
+        layer_times[b] = (f, g)
+        held0 = estimate_stage_memory(profile, first, end, rc, b, 0, plan.optimizer, with_step=False)
+        held1 = estimate_stage_memory(profile, first, end, rc, b, 1, plan.optimizer, with_step=False)
+        per_size[b] = (float(f[first:end].sum()) + overhead,
+                       float(g[first:end].sum() + f[rc].sum()) + overhead,
+                       held1 - held0, held0 - weights)
+    sizes = vw.micro_batch_sizes
+    return StageCosts(
+        weights_bytes=weights,
+        step_transient_bytes=estimate_optimizer_step_memory(param_bytes, profile.bytes_per_element, plan.optimizer),
+        optimizer_s=estimate_optimizer_time(param_bytes, profile.bytes_per_element, device, plan.optimizer, profile),
+        overhead_s=overhead,
+        forward_s=[per_size[b][0] for b in sizes], backward_s=[per_size[b][1] for b in sizes],
+        activation_bytes=[per_size[b][2] for b in sizes], transient_bytes=[per_size[b][3] for b in sizes],
+        layer_times=layer_times,
+    )
+
+
+@dataclass(frozen=True)
+class Program:
+    """Every device's operations, ready to replay.
+
+    Attributes:
+        plan: the plan replayed.
+        schedule: the first iteration's Actions (to explain a stalled replay).
+        iterations: how many iterations ``ops`` hold.
+        names: the devices that have Actions; device number ``d`` is ``names[d]``.
+        where: per device number, its (VW, stage).
+        weights_bytes: per device number, the memory it holds from t = 0.
+        ops: per device number, its operations over all iterations.
+        collectives: the collectives the operations name, by number.
+        links: the link resources the operations name, by number.
+    """
+
+    plan: Plan
+    schedule: Schedule
+    iterations: int
+    names: list[str]
+    where: list[tuple[int, int]]
+    weights_bytes: list[float]
+    ops: list[list[Op]]
+    collectives: list[CollectiveSpec]
+    links: LinkResources
+
+
+def compile_program(plan: Plan, schedules: Sequence[Schedule]) -> Program:
+    """Compile ``schedules`` (one per iteration, the same devices in each) to a ``Program``.
+
+    Raises:
+        ScheduleError: a device that holds no stage, an ``ALLREDUCE_START`` after no backward,
+            or an action kind the simulator cannot time.
+    """
+    return _Compiler(plan, schedules).program()
+
+
+@dataclass
+class _Device:
+    """What compiling one device's actions needs, and its operations compiled so far."""
+
+    d: int
+    name: str
+    stage: Stage
+    costs: StageCosts
+    sizes: Sequence[int]
+    out_bytes: float  # per sample, sent forward
+    in_bytes: float  # per sample, sent backward
+    forward: list[Forward]  # per micro-batch i
+    backward: list[Backward]  # per micro-batch i, starting no bucket
+    ops: list[Op] = field(default_factory=list)
+    last_backward: int = -1  # index in ops of the latest Backward
+    wave: int = 0  # parameter-server waves: one per iteration that pulls
+    pulled: bool = False  # this iteration has a PULL
+
+
+class _Compiler:
+    """Numbers devices, link resources and collectives while it compiles each action."""
+
+    def __init__(self, plan: Plan, schedules: Sequence[Schedule]) -> None:
+        self.plan = plan
+        self.schedules = schedules
+        self.cluster = plan.cluster
+        self.names = list(schedules[0])
+        self.index = {name: k for k, name in enumerate(self.names)}
+        self.cluster_index = {d.name: d.index for d in self.cluster.devices}
+        self.node_of = {dev.name: dev.node for dev in self.cluster.devices}
+        self.staleness = plan.sync_options.staleness
+        self.segments = plan.segments()
+        self.res = LinkResources()
+        # (kind, segment, members or bucket, iteration started) -> collective number
+        self.cids: dict[tuple[ActionKind, int, tuple[object, ...], int], int] = {}
+        self.collectives: list[CollectiveSpec] = []
+        self.last_start: dict[tuple[int, int], int] = {}  # (device, segment) -> iteration of its AVERAGE_START
+        self.p2p_cache: dict[tuple[int, int, float], tuple[float, tuple[int, ...]]] = {}
+        self.labels: dict[tuple[str, int, int], list[str]] = {}  # "jFi" strings, shared by devices of equal (j, m)
+        self.by_kind: dict[ActionKind, Callable[[Action, int, _Device], Op]] = {
+            K.F: self._forward, K.B: self._backward, K.SEND_F: self._send, K.SEND_B: self._send,
+            K.RECV_F: self._recv, K.RECV_B: self._recv, K.STEP: self._step,
+            K.ALLREDUCE_START: self._bucket, K.ALLREDUCE_WAIT: self._bucket,
+            K.ALLREDUCE: self._segment_collective, K.LOCAL_ALLREDUCE: self._segment_collective,
+            K.AVERAGE: self._segment_collective, K.AVERAGE_START: self._segment_collective,
+            K.AVERAGE_MERGE: self._segment_collective, K.PUSH: self._push_or_pull, K.PULL: self._push_or_pull,
+        }
+
+    def program(self) -> Program:
+        where = {s.device: (v, j) for v, vw in enumerate(self.plan.virtual_workers) for j, s in enumerate(vw.stages)}
+        devices = {dev.name: dev for dev in self.cluster.devices}
+        ops: list[list[Op]] = []
+        weights: list[float] = []
+        for d, name in enumerate(self.names):
+            if name not in where:
+                raise ScheduleError(f"{name} has actions but holds no stage in the plan")
+            v, j = where[name]
+            vw = self.plan.virtual_workers[v]
+            dev = self._device(d, name, vw, j, estimate_stage_costs(self.plan, vw, vw.stages[j], devices[name]))
+            ops.append(self._device_ops(dev))
+            weights.append(dev.costs.weights_bytes)
+        return Program(self.plan, self.schedules[0], len(self.schedules), self.names,
+                       [where[name] for name in self.names], weights, ops, self.collectives, self.res)
+
+    def _device(self, d: int, name: str, vw: VirtualWorker, j: int, costs: StageCosts) -> _Device:
+        stage, profile = vw.stages[j], self.plan.profile
+        m = len(vw.micro_batch_sizes)
+        for letter in "FB":
+            if (letter, j, m) not in self.labels:
+                self.labels[(letter, j, m)] = [f"{j}{letter}{i}" for i in range(m)]
+        f_labels, b_labels = self.labels[("F", j, m)], self.labels[("B", j, m)]
+        first, end = stage.first_layer, stage.end_layer
+        return _Device(
+            d, name, stage, costs, vw.micro_batch_sizes,
+            out_bytes=profile.layers[end - 1].output_bytes_per_sample,
+            in_bytes=profile.layers[first - 1].output_bytes_per_sample if first > 0 else 0.0,
+            forward=[Forward(i, f_labels[i], costs.forward_s[i], costs.activation_bytes[i]) for i in range(m)],
+            backward=[Backward(i, b_labels[i], costs.backward_s[i], costs.activation_bytes[i],
+                               costs.transient_bytes[i]) for i in range(m)],
+        )
+
+    def _device_ops(self, dev: _Device) -> list[Op]:
+        """``dev``'s operations over all iterations, each action's appended to ``dev.ops`` in turn."""
+        for it, sched in enumerate(self.schedules):
+            for a in sched[dev.name]:
+                compile_action = self.by_kind.get(a.kind)
+                if compile_action is None:
+                    raise ScheduleError(f"the simulator cannot time {a} on {dev.name}")
+                dev.ops.append(compile_action(a, it, dev))
+            if dev.pulled:
+                dev.wave += 1
+                dev.pulled = False
+        return dev.ops
+
+    def _forward(self, a: Action, it: int, dev: _Device) -> Op:
+        assert a.micro_batch is not None
+        return dev.forward[a.micro_batch]
+
+    def _backward(self, a: Action, it: int, dev: _Device) -> Op:
+        assert a.micro_batch is not None
+        dev.last_backward = len(dev.ops)  # where it goes: an ALLREDUCE_START after it rides on it
+        return dev.backward[a.micro_batch]
+
+    def _step(self, a: Action, it: int, dev: _Device) -> Op:
+        return OptimizerStep(str(a), dev.costs.optimizer_s, dev.costs.step_transient_bytes)
+
+    def _send(self, a: Action, it: int, dev: _Device) -> Op:
+        """``SEND_F`` / ``SEND_B``: ``b_i x`` the output bytes per sample of the layer before the boundary."""
+        i, name = a.micro_batch, dev.name
+        assert a.peer is not None and i is not None
+        peer = self.index[a.peer]
+        forward = a.kind is K.SEND_F
+        num_bytes = dev.sizes[i] * (dev.out_bytes if forward else dev.in_bytes)
+        ckey = (dev.d, peer, num_bytes)
+        if ckey not in self.p2p_cache:
+            a_idx, b_idx = self.cluster_index[name], self.cluster_index[a.peer]
+            self.p2p_cache[ckey] = (estimate_p2p_time(num_bytes, self.cluster.link(a_idx, b_idx)),
+                                    edge_links(self.cluster, a_idx, b_idx, self.res))
+        duration_s, links = self.p2p_cache[ckey]
+        src, dst = a.stages_joined
+        label = f"{a.kind.value} {src}->{dst} mb{i} {name}->{a.peer}"
+        return Send(i, label, TransferKey(not forward, dev.d, peer, i), duration_s, links,
+                    "send_f" if forward else "send_b")
+
+    def _recv(self, a: Action, it: int, dev: _Device) -> Op:
+        assert a.peer is not None and a.micro_batch is not None
+        key = TransferKey(a.kind is K.RECV_B, self.index[a.peer], dev.d, a.micro_batch)
+        return Recv(a.micro_batch, a, key)
+
+    def _collective_id(self, key: tuple[ActionKind, int, tuple[object, ...], int], members: Sequence[str],
+                       num_bytes: float, algorithm: str, label: str) -> int:
+        """The number of the collective ``key``; its phases are costed when it is first named."""
+        if key not in self.cids:
+            self.cids[key] = len(self.collectives)
+            phases = allreduce_phases(self.cluster, [self.cluster_index[o] for o in members], num_bytes,
+                                      self.res, algorithm)
+            self.collectives.append(CollectiveSpec(phases, [self.index[o] for o in members], label))
+        return self.cids[key]
+
+    def _bucket(self, a: Action, it: int, dev: _Device) -> Op:
+        """``ALLREDUCE_START`` / ``ALLREDUCE_WAIT`` of one gradient bucket among the segment's owners."""
+        assert a.segment is not None and a.bucket is not None
+        bucket = self.segments[a.segment].buckets[a.bucket]
+        cid = self._collective_id((K.ALLREDUCE_START, a.segment, (a.bucket,), it),
+                                  self.segments[a.segment].owners, bucket.param_bytes, bucket.algorithm,
+                                  f"ALLREDUCE seg{a.segment} bucket{a.bucket}")
+        if a.kind is K.ALLREDUCE_START:
+            start = BucketStart(cid, str(a), bucket)
+            _ride_on_last_backward(dev, start)
+            return start
+        return BucketWait(cid, str(a))
+
+    def _segment_collective(self, a: Action, it: int, dev: _Device) -> Op:
+        """A collective over a whole segment: blocking, or a posted average (``AVERAGE_START`` / ``_MERGE``)."""
+        assert a.segment is not None
+        k, s = a.kind, a.segment
+        seg = self.segments[s]
+        members = list(seg.owners)
+        if k is K.LOCAL_ALLREDUCE:
+            members = [o for o in members if self.node_of[o] == self.node_of[dev.name]]
+        kind = K.AVERAGE if k in (K.AVERAGE_START, K.AVERAGE_MERGE) else k
+        started = it
+        if k is K.AVERAGE_START:
+            self.last_start[(dev.d, s)] = it
+        elif k is K.AVERAGE_MERGE:  # the average this device started last
+            started = self.last_start[(dev.d, s)]
+        algorithm = seg.algorithm if len(members) == len(seg.owners) else "ring"  # within one node: the ring
+        cid = self._collective_id((kind, s, tuple(members), started), members, seg.param_bytes, algorithm,
+                                  f"{k.value if k in COLLECTIVE_KINDS else 'AVERAGE'} seg{s}")
+        if k is K.AVERAGE_START:
+            return AverageStart(cid, str(a))
+        if k is K.AVERAGE_MERGE:
+            return AverageMerge(cid, str(a))
+        return Collective(cid, str(a))
+
+    def _push_or_pull(self, a: Action, it: int, dev: _Device) -> Op:
+        """``PUSH`` to / ``PULL`` from the segment's parameter-server shard (one p2p of the segment's bytes)."""
+        assert a.segment is not None
+        s, name = a.segment, dev.name
+        seg = self.segments[s]
+        host = seg.ps_host
+        if host is None:
+            raise ScheduleError(f"{a} on {name}: segment {s} has no parameter-server host under sync {self.plan.sync}")
+        here, there = self.cluster_index[name], self.cluster_index[host]
+        duration_s = estimate_p2p_time(seg.param_bytes, self.cluster.link(here, there)) if host != name else 0.0
+        if a.kind is K.PUSH:
+            links = edge_links(self.cluster, here, there, self.res) if host != name else ()
+            return Push((s, dev.wave), f"PUSH seg{s} {name}->{host}", duration_s, links, len(seg.owners))
+        back = edge_links(self.cluster, there, here, self.res) if host != name else ()  # the shard's broadcast to it
+        dev.pulled = True
+        return Pull((s, dev.wave - self.staleness), f"PULL seg{s} {host}->{name}", duration_s, back)
+
+
+def _ride_on_last_backward(dev: _Device, start: BucketStart) -> None:
+    """An ``ALLREDUCE_START`` rides on the backward before it: its bucket's gradients are final this long
+    after that backward starts (the stage's layers run backwards, last layer first)."""
+    if dev.last_backward < 0:
+        raise ScheduleError(f"{start.label} on {dev.name} follows no backward")
+    b_op = dev.ops[dev.last_backward]
+    assert isinstance(b_op, Backward)
+    offset_s = _bucket_final_s(start.bucket, b_op.micro_batch, dev)
+    dev.ops[dev.last_backward] = b_op._replace(bucket_starts=(*b_op.bucket_starts, (offset_s, start.collective)))
+
+
+def _bucket_final_s(bucket: Bucket, i: int, dev: _Device) -> float:
+    """Seconds into micro-batch ``i``'s backward until ``bucket``'s gradients are final: the backward of the
+    stage's layers from its last down to the bucket's first, with the recomputed forwards among them."""
+    stage = dev.stage
+    if bucket.first_layer <= stage.first_layer:
+        return dev.costs.backward_s[i]
+    f, g = dev.costs.layer_times[dev.sizes[i]]
+    later = [x for x in stage.recompute if x >= bucket.first_layer]
+    return dev.costs.overhead_s + float(g[bucket.first_layer:stage.end_layer].sum() + f[later].sum())

@@ -1,0 +1,114 @@
+"""Link resources: what each transfer and each all-reduce phase occupies, and for how long.
+
+Resources are named and numbered on first use::
+
+    same node:    n0:0 ──(resource "n0:0->n0:1")──► n0:1        one per ordered pair
+    across nodes: a:0 ──► ("a NIC out") ═══ network ═══ ("b NIC in") ──► b:1
+
+A resource carries one transfer at a time, in the order transfers ask for it
+(FIFO; ``occupy``). All transfers leaving one node share its NIC out, all
+entering it share its NIC in (full duplex).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from hetrain.cluster import Cluster
+from hetrain.cost import (
+    allreduce_shape,
+    estimate_allreduce,
+    estimate_hierarchical_allreduce_time,
+    estimate_ring_allreduce_time,
+)
+from hetrain.timeline import Event
+
+
+class Phase(NamedTuple):
+    """One phase of an all-reduce: it holds ``links`` for ``duration_s``; ``name`` says which phase."""
+
+    duration_s: float
+    links: tuple[int, ...]
+    name: str
+
+
+class LinkResources:
+    """Named link resources, each free from ``free_at[r]``; FIFO in the order of requests.
+
+    ``events[r]`` collects what resource ``r`` carried (the timeline's link rows).
+    """
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.ids: dict[str, int] = {}
+        self.free_at: list[float] = []
+        self.events: list[list[Event]] = []
+
+    def id(self, name: str) -> int:
+        """The number of resource ``name``, added (free from t = 0) on first use."""
+        r = self.ids.get(name)
+        if r is None:
+            r = self.ids[name] = len(self.names)
+            self.names.append(name)
+            self.free_at.append(0.0)
+            self.events.append([])
+        return r
+
+
+def occupy(free_at: list[float], links: Sequence[int], t: float, duration_s: float) -> tuple[float, float]:
+    """Reserve resources ``links`` for ``duration_s`` from the first moment at or after ``t``
+    when all are free (one transfer per direction at a time); returns (start, end)."""
+    start = t
+    for r in links:
+        if free_at[r] > start:
+            start = free_at[r]
+    end = start + duration_s
+    for r in links:
+        free_at[r] = end
+    return start, end
+
+
+def edge_links(cluster: Cluster, a: int, b: int, res: LinkResources) -> tuple[int, ...]:
+    """The resources a transfer from device index ``a`` to ``b`` occupies."""
+    da, db = cluster.devices[a], cluster.devices[b]
+    if da.node == db.node:
+        return (res.id(f"{da.name}->{db.name}"),)
+    return (res.id(f"{da.node} NIC out"), res.id(f"{db.node} NIC in"))
+
+
+def ring_links(cluster: Cluster, order: Sequence[int], res: LinkResources) -> tuple[int, ...]:
+    """The resources of a ring over device indices ``order`` (each once, in ring order)."""
+    if len(order) < 2:
+        return ()
+    ids = [r for k in range(len(order)) for r in edge_links(cluster, order[k], order[(k + 1) % len(order)], res)]
+    return tuple(dict.fromkeys(ids))
+
+
+def allreduce_phases(cluster: Cluster, owners: Sequence[int], num_bytes: float,
+                     res: LinkResources, algorithm: str) -> list[Phase]:
+    """Each phase of one all-reduce of ``num_bytes`` among device indices ``owners`` by ``algorithm`` (the
+    plan's ``"ring"`` or ``"hierarchical"``); the phases' seconds add up to ``estimate_allreduce``'s.
+
+    A flat ring runs as reduce-scatter then all-gather over its ring's links; the
+    hierarchical scheme as intra-node reduce-scatter, inter-node all-reduce over
+    the NICs, intra-node all-gather.
+    """
+    shape = allreduce_shape(cluster, owners)
+    total, algorithm = estimate_allreduce(num_bytes, shape, algorithm)
+    if total <= 0:
+        return []
+    if algorithm == "ring":
+        ring = ring_links(cluster, shape.order, res)
+        return [Phase(total / 2, ring, "reduce-scatter"), Phase(total / 2, ring, "all-gather")]
+    # hierarchical: 2 * intra + inter (estimate_hierarchical_allreduce_time)
+    inter = estimate_ring_allreduce_time(num_bytes, shape.nodes, shape.inter_bandwidth_bytes_per_s,
+                                         shape.inter_latency_s)
+    intra = (estimate_hierarchical_allreduce_time(num_bytes, shape) - inter) / 2
+    by_node: dict[str, list[int]] = {}
+    for d in shape.order:
+        by_node.setdefault(cluster.devices[d].node, []).append(d)
+    intra_ids = tuple(r for members in by_node.values() for r in ring_links(cluster, members, res))
+    nic_ids = tuple(r for node in by_node for r in (res.id(f"{node} NIC out"), res.id(f"{node} NIC in")))
+    return [Phase(intra, intra_ids, "intra-node reduce-scatter"), Phase(inter, nic_ids, "inter-node all-reduce"),
+            Phase(intra, intra_ids, "intra-node all-gather")]

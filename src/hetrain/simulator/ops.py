@@ -1,0 +1,128 @@
+"""Timed operations: each Action of a device compiled to the figures the replay needs.
+
+One small record per kind, with named fields; ``compile.compile_program`` builds
+them, ``engine`` interprets them. Collectives are numbered (``collective``: an
+index into ``Program.collectives``), so every owner's operation names the same one.
+
+    Action                       operation      what the device does
+    jFi                          Forward        computes for duration_s
+    jBi                          Backward       computes; starts its buckets' all-reduces on the way
+    SEND_F / SEND_B              Send           posts the transfer and goes on
+    RECV_F / RECV_B              Recv           waits until the transfer has arrived
+    ALLREDUCE, LOCAL_ALLREDUCE,
+    AVERAGE                      Collective     waits until every owner has arrived and the phases ended
+    AVERAGE_START                AverageStart   joins a posted average and goes on
+    AVERAGE_MERGE                AverageMerge   waits until that average has ended
+    ALLREDUCE_START              BucketStart    nothing (its Backward starts the bucket's all-reduce)
+    ALLREDUCE_WAIT               BucketWait     waits until the bucket's all-reduce has ended
+    PUSH                         Push           sends its update to the segment's shard and goes on
+    PULL                         Pull           waits for the shard's weights of an earlier wave
+    STEP                         OptimizerStep  computes for duration_s
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, TypeAlias
+
+from hetrain.schedule import Action
+from hetrain.simulator.links import Phase
+from hetrain.sync_layout import Bucket
+
+
+class TransferKey(NamedTuple):
+    """Names one point-to-point transfer: the sender's and the receiver's operations hold equal keys."""
+
+    backward: bool
+    sender: int
+    receiver: int
+    micro_batch: int
+
+
+class Forward(NamedTuple):
+    micro_batch: int
+    label: str
+    duration_s: float
+    activation_bytes: float  # kept from the forward's end until the backward's end
+
+
+class Backward(NamedTuple):
+    micro_batch: int
+    label: str
+    duration_s: float
+    activation_bytes: float  # freed at the backward's end
+    transient_bytes: float  # the recomputed layer's activations, held during the backward
+    bucket_starts: tuple[tuple[float, int], ...] = ()  # (seconds into the backward, collective) per bucket made final
+
+
+class Send(NamedTuple):
+    micro_batch: int
+    label: str
+    key: TransferKey
+    duration_s: float
+    links: tuple[int, ...]
+    kind: str  # the link event's kind: "send_f" or "send_b"
+
+
+class Recv(NamedTuple):
+    micro_batch: int
+    action: Action  # its label, str(action), is made only when the device waits
+    key: TransferKey
+
+
+class Collective(NamedTuple):
+    collective: int
+    label: str
+
+
+class AverageStart(NamedTuple):
+    collective: int
+    label: str
+
+
+class AverageMerge(NamedTuple):
+    collective: int
+    label: str
+
+
+class BucketStart(NamedTuple):
+    collective: int
+    label: str
+    bucket: Bucket
+
+
+class BucketWait(NamedTuple):
+    collective: int
+    label: str
+
+
+class Push(NamedTuple):
+    wave: tuple[int, int]  # (segment, wave)
+    label: str
+    duration_s: float
+    links: tuple[int, ...]
+    owners: int  # pushes the shard waits for
+
+
+class Pull(NamedTuple):
+    wave: tuple[int, int]  # (segment, wave) whose weights it takes; wave < 0: none yet, nothing to wait for
+    label: str
+    duration_s: float
+    links: tuple[int, ...]  # the shard's links back to the device
+
+
+class OptimizerStep(NamedTuple):
+    label: str
+    duration_s: float
+    transient_bytes: float  # held during the step
+
+
+Op: TypeAlias = (Forward | Backward | Send | Recv | Collective | AverageStart | AverageMerge | BucketStart | BucketWait
+      | Push | Pull | OptimizerStep)
+
+
+class CollectiveSpec(NamedTuple):
+    """One all-reduce (or average) among ``owners`` (device numbers of the replay), run as ``phases``."""
+
+    phases: list[Phase]
+    owners: list[int]
+    label: str

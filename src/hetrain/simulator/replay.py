@@ -1,0 +1,89 @@
+"""``simulate``: build each iteration's schedule, compile it, replay it, and summarise."""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import replace
+
+from hetrain.plan import DeviceMemory, Plan, Prediction
+from hetrain.schedule import Schedule, advance_sync_state, build_schedule, initial_sync_state, validate
+from hetrain.simulator.compile import compile_program
+from hetrain.simulator.engine import run_program
+from hetrain.simulator.result import SimResult, build_result
+
+#: iterations replayed for a sync mode whose iterations differ (the result is their average)
+ASYNC_ITERATIONS = 12
+
+
+def simulated_iterations(plan: Plan) -> int:
+    """How many iterations ``simulate`` replays: 1 for ``bsp``; for the other modes enough to cover their periods."""
+    if plan.sync == "bsp":
+        return 1
+    opts = plan.sync_options
+    period = opts.aggregate if plan.sync == "hybrid-ps" else opts.period
+    return max(ASYNC_ITERATIONS, 3 * period, 2 * (opts.staleness + 1))
+
+
+def build_schedules(plan: Plan, n: int) -> list[Schedule]:
+    """The schedules of iterations 0..n-1 of a run of ``n``: the sync state advanced after each
+    (``schedule.advance_sync_state``, as the trainer does; the plan's DASO period throughout)."""
+    state, out = initial_sync_state(plan), []
+    for _ in range(n):
+        out.append(build_schedule(plan, state, n))
+        state = advance_sync_state(plan, state, n)
+    return out
+
+
+def simulate(plan: Plan, schedule: Schedule | None = None, iterations: int | None = None) -> SimResult:
+    """Replay ``plan``'s iterations and time every action; the result is per iteration (an average over several
+    for the sync modes other than ``bsp``, whose iterations differ and whose fast VWs may run ahead).
+
+    Args:
+        plan: the plan (cluster and profile included).
+        schedule: the Actions of one iteration to replay; by default ``build_schedules(plan, n)``.
+            A schedule passed in is validated first and replayed once.
+        iterations: how many iterations to replay (default ``simulated_iterations(plan)``).
+
+    Raises:
+        ScheduleError: an invalid schedule, or an action kind the simulator cannot time.
+
+    Example:
+        >>> r = simulate(plan)                                     # doctest: +SKIP
+        >>> r.iteration_s, r.devices["n0:0"].bubble_fraction       # doctest: +SKIP
+    """
+    if schedule is None:
+        schedules = build_schedules(plan, simulated_iterations(plan) if iterations is None else iterations)
+    else:
+        validate(schedule, plan)
+        schedules = [schedule]
+    # The replay allocates one tuple per event and frees none: the cyclic garbage collector
+    # would re-scan them over and over (a third of the time on 1024 devices) and find nothing.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        program = compile_program(plan, schedules)
+        return build_result(program, run_program(program))
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def with_simulated_prediction(draft: Plan) -> Plan:
+    """``draft`` with every predicted figure taken from one replay (a hand-built plan has no closed form,
+    ``planner.baselines``):
+    the iteration; its pipeline (to the last backward) and the rest after it, as the optimizer step
+    (the longest, at most the rest) and sync; each VW's pipeline (to its last backward); each
+    device's peak memory."""
+    sim = simulate(draft)
+    events = sim.timeline.devices
+    rest = max(0.0, sim.iteration_s - sim.pipeline_s)
+    optimizer_s = min(rest, max((e.end_s - e.start_s for evs in events.values() for e in evs
+                                 if e.kind == "optimizer"), default=0.0))
+    vws = tuple(replace(vw, predicted_pipeline_s=max(
+        (e.end_s for d in vw.devices for e in events.get(d, ()) if e.kind == "backward"), default=0.0))
+        for vw in draft.virtual_workers)
+    memory = tuple(DeviceMemory(d.device, d.peak_memory_bytes, d.capacity_bytes) for d in sim.devices.values())
+    pred = Prediction(iteration_s=sim.iteration_s, samples_per_s=sim.samples_per_s, pipeline_s=sim.pipeline_s,
+                      sync_s=rest - optimizer_s, optimizer_s=optimizer_s,
+                      memory=memory, simulated_iteration_s=sim.iteration_s)
+    return replace(draft, virtual_workers=vws, prediction=pred)
