@@ -6,19 +6,9 @@ import copy
 
 import pytest
 
+from e2e_cluster import CLUSTER
 from hetrain.cluster import parse_cluster
 from hetrain.cluster_fixups import quota_stall_by_node, with_discovered_links, with_measured_links
-
-# 2 nodes, 3 devices: two at share 0.5 on a 1 Gbit/s NIC, one at 0.25 on 100 Mbit/s.
-CLUSTER = {
-    "name": "e2e",
-    "node": [
-        {"name": "fast", "devices": [{"type": "cpu", "cpu_share": 0.5, "count": 2}], "intra_link": "loopback",
-         "nic": "1Gbit/s"},
-        {"name": "slow", "devices": [{"type": "cpu", "cpu_share": 0.25}], "intra_link": "loopback",
-         "nic": "100Mbit/s"},
-    ],
-}
 
 
 def test_measured_links_replace_the_nominal_ones() -> None:

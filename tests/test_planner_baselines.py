@@ -6,22 +6,13 @@ from dataclasses import replace
 
 import pytest
 
+from e2e_cluster import CLUSTER
 from hetrain.cluster import parse_cluster
 from hetrain.models.analytic import build_profile
 from hetrain.planner import plan
 from hetrain.planner.baselines import even_dp_plan, even_split_plan, torch_pipelining_micro_batches
 from hetrain.simulator import simulate, with_simulated_prediction
 
-# 2 nodes, 3 devices: two at share 0.5 on a 1 Gbit/s NIC, one at 0.25 on 100 Mbit/s.
-CLUSTER = {
-    "name": "e2e",
-    "node": [
-        {"name": "fast", "devices": [{"type": "cpu", "cpu_share": 0.5, "count": 2}], "intra_link": "loopback",
-         "nic": "1Gbit/s"},
-        {"name": "slow", "devices": [{"type": "cpu", "cpu_share": 0.25}], "intra_link": "loopback",
-         "nic": "100Mbit/s"},
-    ],
-}
 # 4 devices of one type on one node: more stages than gpt-tiny's 6 layers cut evenly.
 FOUR = {"name": "four", "node": [{"name": "n", "devices": [{"type": "cpu", "count": 4}], "intra_link": "loopback",
                                   "nic": "1Gbit/s"}]}
