@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -380,6 +381,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except RunError as e:
         print(f"hetrain {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # the reader of stdout went away (``hetrain plan ... | head``): stop quietly
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - so the interpreter's final flush does not fail again
         return 1
     except OSError as e:
         print(f"hetrain {args.command}: error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
