@@ -54,27 +54,23 @@ _instances = itertools.count()  # store keys per ModeSync: trainers are built in
 
 
 def build_mode_groups(plan: Plan, rank_of: Mapping[str, int], timeout_s: float) -> dict[tuple[str, int], Any]:
-    """The process groups of ``plan.sync`` that this rank is in, keyed by (purpose, segment).
+    """The process groups of ``plan.sync`` that this rank is in, keyed by (purpose, segment), as the plan's
+    sync layout has them.
 
-    ``("local", s)``: the owners of s on this rank's node (``hybrid-ps``, ``daso``);
-    ``("ps", s)``: all owners of s, for its parameter-server shard (``wsp``, ``hybrid-ps``).
-    Collective over the job: every rank creates every group, in segment order.
+    ``("local", s)``: the owners of s on this rank's node (``Segment.local_groups``: ``hybrid-ps``, ``daso``);
+    ``("ps", s)``: all owners of s, for its parameter-server shard (``Segment.ps_host`` set: ``wsp``,
+    ``hybrid-ps``). Collective over the job: every rank creates every group, in segment order.
     """
     me = dist.get_rank()
     timeout = timedelta(seconds=timeout_s)
-    node_of = {d.name: d.node for d in plan.cluster.devices}
     out: dict[tuple[str, int], Any] = {}
     for s, seg in enumerate(plan.segments()):
-        if len(seg.owners) < 2:
-            continue
-        if plan.sync in ("hybrid-ps", "daso"):
-            for node in sorted({node_of[o] for o in seg.owners}):
-                ranks = sorted(rank_of[o] for o in seg.owners if node_of[o] == node)
-                if len(ranks) > 1:
-                    group = dist.new_group(ranks, timeout=timeout)
-                    if me in ranks:
-                        out[("local", s)] = group
-        if plan.sync in ("wsp", "hybrid-ps"):
+        for members in seg.local_groups:  # in the layout's node order, the same on every rank
+            ranks = sorted(rank_of[o] for o in members)
+            group = dist.new_group(ranks, timeout=timeout)
+            if me in ranks:
+                out[("local", s)] = group
+        if seg.ps_host is not None:
             ranks = sorted(rank_of[o] for o in seg.owners)
             group = dist.new_group(ranks, timeout=timeout)
             if me in ranks:
