@@ -8,7 +8,11 @@ device of stage 2, ``RECV_B 2->1 mb3 from n0:2`` waits for a gradient,
 ``ALLREDUCE_START seg2 bucket0`` posts the all-reduce of the gradients of the
 first bucket (the last layers) of ``Plan.segments()[2]`` among the segment's
 owners, ``ALLREDUCE_WAIT seg2 bucket0`` waits for it, ``STEP`` runs the
-optimizer. 1F1B with p = 2 stages and m = 3
+optimizer. Each form is one small class holding the fields its kinds need:
+``Compute`` (F, B), ``Transfer`` (the sends and receives), ``SegmentSync`` (a
+segment's ALLREDUCE, AVERAGE, PUSH...), ``BucketSync`` (ALLREDUCE_START,
+ALLREDUCE_WAIT) and ``Step``; ``Action`` is their union, narrowed with
+``match``. 1F1B with p = 2 stages and m = 3
 micro-batches, as ``format_grid`` prints it::
 
     step | n0:0                      | n0:1
