@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -13,8 +15,13 @@ from hetrain.schedule import (
     ERROR_MARK,
     Action,
     ActionKind,
+    BucketSync,
+    Compute,
     ScheduleError,
+    SegmentSync,
+    Step,
     SyncState,
+    Transfer,
     advance_sync_state,
     build_schedule,
     format_grid,
@@ -60,6 +67,7 @@ def two_stage_plan(schedule: str) -> Plan:
 @pytest.mark.parametrize("text", [
     "1F0", "1B3", "0F12", "SEND_F 1->2 mb0 to n0:2", "RECV_F 1->2 mb0 from n0:1", "SEND_B 2->1 mb3 to n0:1",
     "RECV_B 2->1 mb3 from n0:2", "SEND_F 1->2 mb0", "ALLREDUCE seg2", "STEP", "PUSH seg1", "AVERAGE_MERGE seg0",
+    "ALLREDUCE_START seg2 bucket0", "ALLREDUCE_WAIT seg0 bucket3",
 ])
 def test_action_print_parse_round_trip(text: str) -> None:
     a = parse_action(text)
@@ -69,14 +77,40 @@ def test_action_print_parse_round_trip(text: str) -> None:
 
 def test_action_fields() -> None:
     a = parse_action("RECV_B 2->1 mb3 from n0:2")
+    assert isinstance(a, Transfer)
     assert (a.kind, a.stage, a.micro_batch, a.peer) == (ActionKind.RECV_B, 1, 3, "n0:2")
     assert a.stages_joined == (2, 1)
-    assert parse_action("ALLREDUCE seg4") == Action(ActionKind.ALLREDUCE, segment=4)
-    assert str(Action(ActionKind.SEND_F, stage=1, micro_batch=0, peer="b:1")) == "SEND_F 1->2 mb0 to b:1"
+    assert not a.is_send
+    assert parse_action("ALLREDUCE seg4") == SegmentSync(ActionKind.ALLREDUCE, segment=4)
+    assert str(Transfer(ActionKind.SEND_F, stage=1, micro_batch=0, peer="b:1")) == "SEND_F 1->2 mb0 to b:1"
+    assert parse_action("0B2") == Compute(ActionKind.B, stage=0, micro_batch=2)
+    assert parse_action("ALLREDUCE_WAIT seg1 bucket2") == BucketSync(ActionKind.ALLREDUCE_WAIT, segment=1, bucket=2)
+    assert parse_action("STEP") == Step()
+
+
+@pytest.mark.parametrize(("make", "text"), [
+    (lambda: Compute(ActionKind.SEND_F, 0, 0), "a Compute action is one of B, F, not SEND_F"),
+    (lambda: Transfer(ActionKind.F, 0, 0, "n0:1"), "a Transfer action is one of RECV_B, RECV_F, SEND_B, SEND_F, not F"),
+    (lambda: SegmentSync(ActionKind.ALLREDUCE_START, 1), "a SegmentSync action is one of ALLREDUCE, AVERAGE, "),
+    (lambda: BucketSync(ActionKind.ALLREDUCE, 1, 0), "a BucketSync action is one of ALLREDUCE_START, ALLREDUCE_WAIT, "
+                                                     "not ALLREDUCE"),
+    (lambda: Step(ActionKind.PUSH), "a Step action is one of STEP, not PUSH"),
+])
+def test_action_classes_reject_kinds_they_do_not_stand_for(make: Callable[[], Action], text: str) -> None:
+    with pytest.raises(ScheduleError, match=re.escape(text)):
+        make()
+
+
+def test_a_transfer_without_peer_cannot_name_one() -> None:
+    a = parse_action("SEND_F 1->2 mb0")
+    assert isinstance(a, Transfer) and a.peer is None
+    with pytest.raises(ScheduleError, match="SEND_F 1->2 mb0 names no peer device"):
+        a.named_peer()
+    assert Transfer(ActionKind.SEND_F, 1, 0, "n0:2").named_peer() == "n0:2"
 
 
 @pytest.mark.parametrize("text", ["1X0", "SEND_F 1->3 mb0", "SEND_F 1->2 mb0 from n0:2", "ALLREDUCE", "STEP seg1",
-                                  "F", "RECV_B 1->2 mb0"])
+                                  "F", "RECV_B 1->2 mb0", "ALLREDUCE seg1 bucket0", "ALLREDUCE_START seg1"])
 def test_parse_action_rejects_malformed(text: str) -> None:
     with pytest.raises(ScheduleError):
         parse_action(text)
@@ -91,7 +125,7 @@ def test_schedule_dict_round_trip() -> None:
 # --- generators -----------------------------------------------------------------
 
 
-def texts(actions: list[Action]) -> list[str]:
+def texts(actions: Sequence[Action]) -> list[str]:
     return [str(a) for a in actions]
 
 
@@ -160,7 +194,7 @@ def test_multi_vw_schedule_is_valid_and_syncs_every_shared_segment(schedule: str
         v, j = plan.stage_of(dev)
         m = plan.virtual_workers[v].micro_batches
         assert sum(a.kind is ActionKind.F for a in actions) == m
-        assert all(a.stage == j for a in actions if a.stage is not None)
+        assert all(a.stage == j for a in actions if isinstance(a, (Compute, Transfer)))
 
 
 def two_node_plan(sync: str, **options: int) -> Plan:
@@ -301,7 +335,8 @@ def test_allreduce_missing_on_one_owner_is_rejected() -> None:
 
 def blocking(schedule: dict[str, list[Action]]) -> dict[str, list[Action]]:
     """The schedule with one blocking ALLREDUCE per segment where it waits for the segment's buckets."""
-    return {d: [Action(ActionKind.ALLREDUCE, segment=a.segment) if a.kind is ActionKind.ALLREDUCE_WAIT else a
+    return {d: [SegmentSync(ActionKind.ALLREDUCE, segment=a.segment) if isinstance(a, BucketSync)
+                and a.kind is ActionKind.ALLREDUCE_WAIT else a
                 for a in acts if a.kind is not ActionKind.ALLREDUCE_START] for d, acts in schedule.items()}
 
 

@@ -8,7 +8,11 @@ device of stage 2, ``RECV_B 2->1 mb3 from n0:2`` waits for a gradient,
 ``ALLREDUCE_START seg2 bucket0`` posts the all-reduce of the gradients of the
 first bucket (the last layers) of ``Plan.segments()[2]`` among the segment's
 owners, ``ALLREDUCE_WAIT seg2 bucket0`` waits for it, ``STEP`` runs the
-optimizer. 1F1B with p = 2 stages and m = 3
+optimizer. Each form is one small class holding the fields its kinds need:
+``Compute`` (F, B), ``Transfer`` (the sends and receives), ``SegmentSync`` (a
+segment's ALLREDUCE, AVERAGE, PUSH...), ``BucketSync`` (ALLREDUCE_START,
+ALLREDUCE_WAIT) and ``Step``; ``Action`` is their union, narrowed with
+``match``. 1F1B with p = 2 stages and m = 3
 micro-batches, as ``format_grid`` prints it::
 
     step | n0:0                      | n0:1
@@ -65,6 +69,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import TypeAlias
 
 from hetrain.errors import InputError
 from hetrain.plan import Plan
@@ -117,52 +122,149 @@ BUCKET_KINDS: frozenset[ActionKind] = frozenset({K.ALLREDUCE_START, K.ALLREDUCE_
 COLLECTIVE_KINDS: frozenset[ActionKind] = frozenset({K.ALLREDUCE, K.LOCAL_ALLREDUCE, K.AVERAGE})
 
 
-@dataclass(frozen=True, slots=True)
-class Action:
-    """One step of one device: enough to execute it with only the Plan at hand.
+def _check_kind(action: object, kind: ActionKind, allowed: frozenset[ActionKind]) -> None:
+    """Raise unless ``kind`` is one of the kinds the class of ``action`` stands for."""
+    if kind not in allowed:
+        names = ", ".join(sorted(k.value for k in allowed))
+        shown = kind.value if isinstance(kind, ActionKind) else repr(kind)
+        raise ScheduleError(f"a {type(action).__name__} action is one of {names}, not {shown}")
 
-    Attributes:
-        kind: what it does.
-        stage: ``j``, the stage of the device that runs it (compute and send/receive).
-        micro_batch: ``i`` (compute and send/receive).
-        peer: the device sent to or received from (send/receive).
-        segment: index into ``Plan.segments()`` (ALLREDUCE and the other segment kinds).
-        bucket: index into ``plan.segments()[segment].buckets`` (ALLREDUCE_START, ALLREDUCE_WAIT).
+
+@dataclass(frozen=True, slots=True)
+class Compute:
+    """``F`` or ``B``: the forward or backward of micro-batch ``micro_batch`` on stage ``stage``.
 
     Example:
-        >>> str(Action(ActionKind.SEND_F, stage=1, micro_batch=0, peer="n0:2"))
-        'SEND_F 1->2 mb0 to n0:2'
-        >>> parse_action("1B3")
-        Action(kind=<ActionKind.B: 'B'>, stage=1, micro_batch=3, peer=None, segment=None, bucket=None)
+        >>> str(Compute(ActionKind.B, stage=1, micro_batch=3))
+        '1B3'
     """
 
     kind: ActionKind
-    stage: int | None = None
-    micro_batch: int | None = None
-    peer: str | None = None
-    segment: int | None = None
-    bucket: int | None = None
+    stage: int
+    micro_batch: int
+
+    def __post_init__(self) -> None:
+        _check_kind(self, self.kind, COMPUTE_KINDS)
 
     def __str__(self) -> str:
-        k = self.kind
-        if k in COMPUTE_KINDS:
-            return f"{self.stage}{k.value}{self.micro_batch}"
-        if k in P2P_KINDS:
-            src, dst = self.stages_joined
-            text = f"{k.value} {src}->{dst} mb{self.micro_batch}"
-            if self.peer is not None:
-                text += f" {'to' if P2P_KINDS[k][1] else 'from'} {self.peer}"
-            return text
-        if k in SEGMENT_KINDS:
-            return f"{k.value} seg{self.segment}" + (f" bucket{self.bucket}" if self.bucket is not None else "")
-        return k.value
+        return f"{self.stage}{self.kind.value}{self.micro_batch}"
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """``SEND_F``, ``RECV_F``, ``SEND_B`` or ``RECV_B`` of micro-batch ``micro_batch`` by stage ``stage``.
+
+    Attributes:
+        peer: the device sent to or received from; None where the text names none (``SEND_F 1->2 mb0``).
+
+    Example:
+        >>> str(Transfer(ActionKind.SEND_F, stage=1, micro_batch=0, peer="n0:2"))
+        'SEND_F 1->2 mb0 to n0:2'
+    """
+
+    kind: ActionKind
+    stage: int
+    micro_batch: int
+    peer: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_kind(self, self.kind, _TRANSFER_KINDS)
+
+    def __str__(self) -> str:
+        src, dst = self.stages_joined
+        text = f"{self.kind.value} {src}->{dst} mb{self.micro_batch}"
+        if self.peer is not None:
+            text += f" {'to' if self.is_send else 'from'} {self.peer}"
+        return text
+
+    @property
+    def is_send(self) -> bool:
+        """Whether it sends (``SEND_F``, ``SEND_B``) rather than receives."""
+        return P2P_KINDS[self.kind][1]
 
     @property
     def stages_joined(self) -> tuple[int, int]:
-        """(sending stage, receiving stage) of a send or receive."""
-        j = self.stage if self.stage is not None else 0
+        """(sending stage, receiving stage)."""
         offset, is_send = P2P_KINDS[self.kind]
+        j = self.stage
         return (j, j + offset) if is_send else (j + offset, j)
+
+    def named_peer(self) -> str:
+        """``peer``, which a schedule to run names (``validate`` checks it).
+
+        Raises:
+            ScheduleError: the action names no peer.
+        """
+        if self.peer is None:
+            raise ScheduleError(f"{self} names no peer device; a schedule to run names it ('... to n0:2')")
+        return self.peer
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentSync:
+    """A sync action on the whole of segment ``segment`` (an index into ``Plan.segments()``): ``ALLREDUCE``,
+    ``LOCAL_ALLREDUCE``, ``AVERAGE``, ``AVERAGE_START``, ``AVERAGE_MERGE``, ``PUSH`` or ``PULL``.
+
+    Example:
+        >>> str(SegmentSync(ActionKind.ALLREDUCE, segment=2))
+        'ALLREDUCE seg2'
+    """
+
+    kind: ActionKind
+    segment: int
+
+    def __post_init__(self) -> None:
+        _check_kind(self, self.kind, _WHOLE_SEGMENT_KINDS)
+
+    def __str__(self) -> str:
+        return f"{self.kind.value} seg{self.segment}"
+
+
+@dataclass(frozen=True, slots=True)
+class BucketSync:
+    """``ALLREDUCE_START`` or ``ALLREDUCE_WAIT`` of bucket ``bucket`` (an index into
+    ``plan.segments()[segment].buckets``) of segment ``segment``.
+
+    Example:
+        >>> str(BucketSync(ActionKind.ALLREDUCE_START, segment=2, bucket=0))
+        'ALLREDUCE_START seg2 bucket0'
+    """
+
+    kind: ActionKind
+    segment: int
+    bucket: int
+
+    def __post_init__(self) -> None:
+        _check_kind(self, self.kind, BUCKET_KINDS)
+
+    def __str__(self) -> str:
+        return f"{self.kind.value} seg{self.segment} bucket{self.bucket}"
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """``STEP``: the optimizer step."""
+
+    kind: ActionKind = ActionKind.STEP
+
+    def __post_init__(self) -> None:
+        _check_kind(self, self.kind, _STEP_KINDS)
+
+    def __str__(self) -> str:
+        return self.kind.value
+
+
+_TRANSFER_KINDS: frozenset[ActionKind] = frozenset(P2P_KINDS)
+_WHOLE_SEGMENT_KINDS: frozenset[ActionKind] = SEGMENT_KINDS - BUCKET_KINDS
+_STEP_KINDS: frozenset[ActionKind] = frozenset({K.STEP})
+
+#: One step of one device: enough to execute it with only the Plan at hand. Each class holds the fields its
+#: kinds need; ``match`` on the class (or ``isinstance``) narrows an Action to them.
+#:
+#: Example:
+#:     >>> parse_action("1B3")
+#:     Compute(kind=<ActionKind.B: 'B'>, stage=1, micro_batch=3)
+Action: TypeAlias = Compute | Transfer | SegmentSync | BucketSync | Step
 
 
 _COMPUTE_RE = re.compile(r"^(\d+)([A-Z])(\d+)$")
@@ -182,7 +284,7 @@ def parse_action(text: str) -> Action:
     if (mt := _COMPUTE_RE.match(s)) and mt.group(2) in ActionKind.__members__:
         kind = ActionKind(mt.group(2))
         if kind in COMPUTE_KINDS:
-            return Action(kind, stage=int(mt.group(1)), micro_batch=int(mt.group(3)))
+            return Compute(kind, stage=int(mt.group(1)), micro_batch=int(mt.group(3)))
     if (mt := _P2P_RE.match(s)) and mt.group(1) in ActionKind.__members__:
         kind = ActionKind(mt.group(1))
         if kind in P2P_KINDS:
@@ -193,15 +295,15 @@ def parse_action(text: str) -> Action:
                 raise ScheduleError(f"{text!r}: {kind.value} joins stage j and j{offset:+d}, not {src}->{dst}")
             if mt.group(5) is not None and (mt.group(5) == "to") != is_send:
                 raise ScheduleError(f"{text!r}: a {kind.value} names its peer with {'to' if is_send else 'from'}")
-            return Action(kind, stage=j, micro_batch=int(mt.group(4)), peer=mt.group(6))
+            return Transfer(kind, stage=j, micro_batch=int(mt.group(4)), peer=mt.group(6))
     if (mt := _SEGMENT_RE.match(s)) and mt.group(1) in ActionKind.__members__:
         kind = ActionKind(mt.group(1))
-        if kind in SEGMENT_KINDS and (mt.group(3) is not None) == (kind in BUCKET_KINDS):
-            return Action(kind, segment=int(mt.group(2)), bucket=None if mt.group(3) is None else int(mt.group(3)))
-    if s in ActionKind.__members__:
-        kind = ActionKind(s)
-        if kind not in COMPUTE_KINDS | P2P_KINDS.keys() | SEGMENT_KINDS:
-            return Action(kind)
+        if kind in BUCKET_KINDS and mt.group(3) is not None:
+            return BucketSync(kind, segment=int(mt.group(2)), bucket=int(mt.group(3)))
+        if kind in _WHOLE_SEGMENT_KINDS and mt.group(3) is None:
+            return SegmentSync(kind, segment=int(mt.group(2)))
+    if s == K.STEP.value:
+        return Step()
     raise ScheduleError(f"cannot read action {text!r}; actions look like {forms}")
 
 
@@ -224,15 +326,15 @@ def parse_schedule(data: Mapping[str, Sequence[str]]) -> Schedule:
 # ---------------------------------------------------------------------------
 
 
-def _f(j: int, i: int) -> Action:
-    return Action(K.F, stage=j, micro_batch=i)
+def _f(j: int, i: int) -> Compute:
+    return Compute(K.F, stage=j, micro_batch=i)
 
 
-def _b(j: int, i: int) -> Action:
-    return Action(K.B, stage=j, micro_batch=i)
+def _b(j: int, i: int) -> Compute:
+    return Compute(K.B, stage=j, micro_batch=i)
 
 
-def gpipe(m: int, p: int) -> list[list[Action]]:
+def gpipe(m: int, p: int) -> list[list[Compute]]:
     """Compute order of each of ``p`` stages under GPipe: all m forwards, then all m backwards.
 
     Stage j holds the activations of all m micro-batches (Huang et al., 2019)::
@@ -243,7 +345,7 @@ def gpipe(m: int, p: int) -> list[list[Action]]:
     return [[*(_f(j, i) for i in range(m)), *(_b(j, i) for i in range(m))] for j in range(p)]
 
 
-def one_f_one_b(m: int, p: int) -> list[list[Action]]:
+def one_f_one_b(m: int, p: int) -> list[list[Compute]]:
     """Compute order of each of ``p`` stages under 1F1B (PipeDream-Flush, Narayanan et al., 2021).
 
     Stage j runs ``min(p - j - 1, m)`` warm-up forwards, then alternates one
@@ -265,10 +367,10 @@ def one_f_one_b(m: int, p: int) -> list[list[Action]]:
 
 
 #: ``Plan.schedule`` -> generator of the compute order per stage
-GENERATORS: dict[str, Callable[[int, int], list[list[Action]]]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+GENERATORS: dict[str, Callable[[int, int], list[list[Compute]]]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
 
-def add_p2p(compute: Sequence[Action], prev_device: str | None, next_device: str | None) -> list[Action]:
+def add_p2p(compute: Sequence[Compute], prev_device: str | None, next_device: str | None) -> list[Action]:
     """Insert sends and receives around one stage's compute actions.
 
     A receive goes right before the compute that needs it (RECV_F before F of a
@@ -280,18 +382,16 @@ def add_p2p(compute: Sequence[Action], prev_device: str | None, next_device: str
         j, i = a.stage, a.micro_batch
         if a.kind is K.F:
             if prev_device is not None:
-                out.append(Action(K.RECV_F, stage=j, micro_batch=i, peer=prev_device))
+                out.append(Transfer(K.RECV_F, stage=j, micro_batch=i, peer=prev_device))
             out.append(a)
             if next_device is not None:
-                out.append(Action(K.SEND_F, stage=j, micro_batch=i, peer=next_device))
-        elif a.kind is K.B:
+                out.append(Transfer(K.SEND_F, stage=j, micro_batch=i, peer=next_device))
+        else:  # B
             if next_device is not None:
-                out.append(Action(K.RECV_B, stage=j, micro_batch=i, peer=next_device))
+                out.append(Transfer(K.RECV_B, stage=j, micro_batch=i, peer=next_device))
             out.append(a)
             if prev_device is not None:
-                out.append(Action(K.SEND_B, stage=j, micro_batch=i, peer=prev_device))
-        else:
-            out.append(a)
+                out.append(Transfer(K.SEND_B, stage=j, micro_batch=i, peer=prev_device))
     return out
 
 
@@ -303,11 +403,11 @@ def add_bsp_sync(actions: list[Action], buckets: Sequence[Bucket]) -> list[Actio
     ALLREDUCE_WAITs, in the same order, and STEP go at the end.
     """
     if not buckets:
-        return [*actions, Action(K.STEP)]
+        return [*actions, Step()]
     last_b = max((k for k, a in enumerate(actions) if a.kind is K.B), default=len(actions) - 1)
-    starts = [Action(K.ALLREDUCE_START, segment=b.segment, bucket=b.index) for b in buckets]
-    waits = [Action(K.ALLREDUCE_WAIT, segment=b.segment, bucket=b.index) for b in buckets]
-    return [*actions[:last_b + 1], *starts, *actions[last_b + 1:], *waits, Action(K.STEP)]
+    starts = [BucketSync(K.ALLREDUCE_START, segment=b.segment, bucket=b.index) for b in buckets]
+    waits = [BucketSync(K.ALLREDUCE_WAIT, segment=b.segment, bucket=b.index) for b in buckets]
+    return [*actions[:last_b + 1], *starts, *actions[last_b + 1:], *waits, Step()]
 
 
 def owned_segments(plan: Plan) -> dict[str, list[int]]:
@@ -378,21 +478,21 @@ def build_sync_actions(plan: Plan, device: str, state: SyncState | None = None,
     down = sorted(shared, reverse=True)
 
     def each(kind: ActionKind, segs: Sequence[int]) -> list[Action]:
-        return [Action(kind, segment=s) for s in sorted(segs, reverse=True)]
+        return [SegmentSync(kind, segment=s) for s in sorted(segs, reverse=True)]
 
     mode = plan.sync
     if mode == "bsp":
         return add_bsp_sync([], plan.layout.device_buckets(device))
     if mode == "wsp":  # every iteration is one wave: local step, push the wave's update, pull within D
-        return [Action(K.STEP), *each(K.PUSH, down), *each(K.PULL, down)]
+        return [Step(), *each(K.PUSH, down), *each(K.PULL, down)]
     if mode == "local-sgd":
-        return [Action(K.STEP), *(each(K.AVERAGE, down) if is_global_sync(plan, state) else [])]
+        return [Step(), *(each(K.AVERAGE, down) if is_global_sync(plan, state) else [])]
     local = each(K.LOCAL_ALLREDUCE, plan.layout.local_segments(device))
     if mode == "hybrid-ps":
         glob = [*each(K.PUSH, down), *each(K.PULL, down)] if is_global_sync(plan, state) else []
-        return [*local, Action(K.STEP), *glob]
+        return [*local, Step(), *glob]
     if mode == "daso":
-        out = [*local, Action(K.STEP)]
+        out = [*local, Step()]
         if state.merge_pending:
             out += each(K.AVERAGE_MERGE, down)
         if is_daso_blocking(plan, state, steps):
@@ -420,7 +520,7 @@ def build_schedule(plan: Plan, state: SyncState | None = None, steps: int | None
     if plan.schedule not in GENERATORS:
         raise ScheduleError(f"no generator for schedule {plan.schedule!r}; known: {', '.join(GENERATORS)}")
     generate = GENERATORS[plan.schedule]
-    orders: dict[tuple[int, int], list[list[Action]]] = {}
+    orders: dict[tuple[int, int], list[list[Compute]]] = {}
     out: Schedule = {}
     for vw in plan.virtual_workers:
         m, p, devices = vw.micro_batches, len(vw.stages), vw.devices
@@ -545,33 +645,44 @@ def _fail(schedule: Mapping[str, Sequence[Action]], roles: Mapping[str, _Role], 
 
 def _static_problem(a: Action, role: _Role, num_buckets: Sequence[int], owned: set[int], device: str) -> str | None:
     """What is wrong with action ``a`` on its own, or None."""
-    if a.kind in COMPUTE_KINDS or a.kind in P2P_KINDS:
-        if a.stage != role.j:
-            return f"{a} names stage {a.stage}, but {device} holds stage {role.j}"
-        if a.micro_batch is None or not 0 <= a.micro_batch < role.m:
-            return f"{a}: micro-batch {a.micro_batch} is outside 0..{role.m - 1} of VW{role.vw}"
-    if a.kind in P2P_KINDS:
-        offset, _ = P2P_KINDS[a.kind]
-        want = role.next if offset > 0 else role.prev
-        if want is None:
-            return f"{a}: stage {role.j} of VW{role.vw} has no stage {role.j + offset}"
-        if a.peer != want:
-            return f"{a}: the peer must be {want} (stage {role.j + offset} of VW{role.vw}), not {a.peer}"
-    if a.kind in SEGMENT_KINDS:
-        if a.segment is None or not 0 <= a.segment < len(num_buckets):
-            return f"{a}: the plan has segments 0..{len(num_buckets) - 1}"
-        if a.segment not in owned:
-            return f"{a}: {device} does not hold segment {a.segment}"
-        if a.kind in BUCKET_KINDS and (a.bucket is None or not 0 <= a.bucket < num_buckets[a.segment]):
-            return f"{a}: segment {a.segment} has buckets 0..{num_buckets[a.segment] - 1}"
+    match a:
+        case Compute() | Transfer():
+            if a.stage != role.j:
+                return f"{a} names stage {a.stage}, but {device} holds stage {role.j}"
+            if not 0 <= a.micro_batch < role.m:
+                return f"{a}: micro-batch {a.micro_batch} is outside 0..{role.m - 1} of VW{role.vw}"
+            if isinstance(a, Transfer):
+                return _peer_problem(a, role)
+        case SegmentSync() | BucketSync():
+            if not 0 <= a.segment < len(num_buckets):
+                return f"{a}: the plan has segments 0..{len(num_buckets) - 1}"
+            if a.segment not in owned:
+                return f"{a}: {device} does not hold segment {a.segment}"
+            if isinstance(a, BucketSync) and not 0 <= a.bucket < num_buckets[a.segment]:
+                return f"{a}: segment {a.segment} has buckets 0..{num_buckets[a.segment] - 1}"
+    return None
+
+
+def _peer_problem(a: Transfer, role: _Role) -> str | None:
+    """What is wrong with the peer of send or receive ``a``, or None."""
+    offset, _ = P2P_KINDS[a.kind]
+    want = role.next if offset > 0 else role.prev
+    if want is None:
+        return f"{a}: stage {role.j} of VW{role.vw} has no stage {role.j + offset}"
+    if a.peer != want:
+        return f"{a}: the peer must be {want} (stage {role.j + offset} of VW{role.vw}), not {a.peer}"
     return None
 
 
 def _ident(a: Action) -> object:
     """What tells two actions of one kind on one device apart: the micro-batch, the segment, or (segment, bucket)."""
-    if a.kind in BUCKET_KINDS:
+    if isinstance(a, (Compute, Transfer)):
+        return a.micro_batch
+    if isinstance(a, SegmentSync):
+        return a.segment
+    if isinstance(a, BucketSync):
         return (a.segment, a.bucket)
-    return a.segment if a.kind in SEGMENT_KINDS else a.micro_batch
+    return None
 
 
 def validate(schedule: Mapping[str, Sequence[Action]], plan: Plan) -> None:
@@ -598,12 +709,19 @@ def validate(schedule: Mapping[str, Sequence[Action]], plan: Plan) -> None:
     segments = plan.segments()
     num_buckets = [len(seg.buckets) for seg in segments]
     owners = {s: set(seg.owners) for s, seg in enumerate(segments)}
+    _check_static(schedule, roles, num_buckets, owners)
+    _check_start_order(schedule, roles, segments)
+    node_of = {d.name: d.node for d in plan.cluster.devices}
+    _Interpreter(schedule, roles, owners, node_of, plan.sync == "bsp", num_buckets).run()
+
+
+def _check_static(schedule: Mapping[str, Sequence[Action]], roles: Mapping[str, _Role], num_buckets: Sequence[int],
+                  owners: Mapping[int, set[str]]) -> None:
+    """``validate``'s static checks: the devices, each action on its own, no action twice, every F, B and STEP."""
     owned: dict[str, set[int]] = {}
     for s, devs in owners.items():
         for dev in devs:
             owned.setdefault(dev, set()).add(s)
-
-    # --- static ---------------------------------------------------------------
     for dev in roles:
         if dev not in schedule:
             raise _fail(schedule, roles, None, None, f"{dev} holds stage {roles[dev].j} of VW{roles[dev].vw} "
@@ -617,25 +735,18 @@ def validate(schedule: Mapping[str, Sequence[Action]], plan: Plan) -> None:
             problem = _static_problem(a, role, num_buckets, owned.get(dev, set()), dev)
             if problem is not None:
                 raise _fail(schedule, roles, dev, k, problem)
-            if a.kind in COMPUTE_KINDS or a.kind in P2P_KINDS or a.kind in SEGMENT_KINDS or a.kind is K.STEP:
-                key = (a.kind, _ident(a))
-                if key in seen:
-                    raise _fail(schedule, roles, dev, k, f"{a} appears twice (first at step {seen[key]})")
-                seen[key] = k
+            key = (a.kind, _ident(a))
+            if key in seen:
+                raise _fail(schedule, roles, dev, k, f"{a} appears twice (first at step {seen[key]})")
+            seen[key] = k
         last = len(actions) - 1
         for kind in (K.F, K.B):
             missing = [i for i in range(role.m) if (kind, i) not in seen]
             if missing:
-                raise _fail(schedule, roles, dev, last, f"{dev} never runs {Action(kind, role.j, missing[0])} "
+                raise _fail(schedule, roles, dev, last, f"{dev} never runs {Compute(kind, role.j, missing[0])} "
                             f"({len(missing)} {kind.value} action(s) missing)")
         if (K.STEP, None) not in seen:
             raise _fail(schedule, roles, dev, last, f"{dev} has no STEP")
-
-    _check_start_order(schedule, roles, segments)
-
-    # --- dynamic: run the dependencies ------------------------------------------
-    node_of = {d.name: d.node for d in plan.cluster.devices}
-    _execute(schedule, roles, owners, node_of, plan.sync == "bsp", num_buckets)
 
 
 def _check_start_order(schedule: Mapping[str, Sequence[Action]], roles: Mapping[str, _Role],
@@ -645,8 +756,7 @@ def _check_start_order(schedule: Mapping[str, Sequence[Action]], roles: Mapping[
     for dev, actions in schedule.items():
         mine: dict[tuple[str, ...], list[tuple[int, int]]] = {}
         for a in actions:
-            if a.kind is K.ALLREDUCE_START:
-                assert a.segment is not None and a.bucket is not None
+            if isinstance(a, BucketSync) and a.kind is K.ALLREDUCE_START:
                 mine.setdefault(tuple(segments[a.segment].owners), []).append((a.segment, a.bucket))
         for group, order in mine.items():
             if group not in first:
@@ -665,158 +775,207 @@ def _check_start_order(schedule: Mapping[str, Sequence[Action]], roles: Mapping[
                             "one set of owners share a process group, which must see them in one order")
 
 
-_SendKey = tuple[ActionKind, str, str, int | None]  # (send kind, sender, receiver, micro-batch)
+_SendKey = tuple[ActionKind, str, str, int]  # (send kind, sender, receiver, micro-batch)
 
 
-def _execute(schedule: Mapping[str, Sequence[Action]], roles: Mapping[str, _Role],
-             owners: Mapping[int, set[str]], node_of: Mapping[str, str] | None = None, bsp: bool = True,
-             num_buckets: Sequence[int] = ()) -> None:
-    nodes = node_of or {}
+class _Interpreter:
+    """``validate``'s dynamic part: every device runs its actions in order until one must wait (a RECV
+    for its SEND, a collective for its members, an ALLREDUCE_WAIT for its bucket's starts); what
+    completes a wait makes the waiting devices runnable again. The messages are built only on
+    failure: this runs once per action of the cluster.
+    """
 
-    def group(kind: ActionKind, s: int, dev: str) -> set[str]:
-        """Who takes part in collective ``kind`` of segment ``s`` with ``dev``."""
-        if kind is K.LOCAL_ALLREDUCE:
-            return {o for o in owners[s] if nodes.get(o) == nodes.get(dev)}
-        return set(owners[s])
+    def __init__(self, schedule: Mapping[str, Sequence[Action]], roles: Mapping[str, _Role],
+                 owners: Mapping[int, set[str]], node_of: Mapping[str, str] | None = None, bsp: bool = True,
+                 num_buckets: Sequence[int] = ()) -> None:
+        self.schedule = schedule
+        self.roles = roles
+        self.owners = owners
+        self.nodes = node_of or {}
+        self.bsp = bsp
+        self.num_buckets = num_buckets
+        self.pc = dict.fromkeys(schedule, 0)
+        self.done: dict[str, set[tuple[ActionKind, object]]] = {dev: set() for dev in schedule}
+        self.backwards = dict.fromkeys(schedule, 0)  # backwards done per device
+        self.posted: dict[_SendKey, int] = {}  # send key -> step of the send
+        self.received: set[_SendKey] = set()
+        self.waiting: dict[_SendKey, str] = {}
+        self.arrived: dict[tuple[ActionKind, int, str], set[str]] = {}  # (kind, segment, node or "") -> devices
+        self.started: dict[tuple[int, int], set[str]] = {}  # (segment, bucket) -> devices that started it
+        self.bucket_waiters: dict[tuple[int, int], list[str]] = {}
+        self.runnable = deque(schedule)
 
-    pc = dict.fromkeys(schedule, 0)
-    done: dict[str, set[tuple[ActionKind, object]]] = {dev: set() for dev in schedule}
-    posted: dict[_SendKey, int] = {}  # send key -> step of the send
-    received: set[_SendKey] = set()
-    waiting: dict[_SendKey, str] = {}
-    arrived: dict[tuple[ActionKind, int, str], set[str]] = {}  # (kind, segment, node or "") -> devices there
-    started: dict[tuple[int, int], set[str]] = {}  # (segment, bucket) -> devices that started its all-reduce
-    bucket_waiters: dict[tuple[int, int], list[str]] = {}
-    runnable = deque(schedule)
+    def run(self) -> None:
+        """Run every device as far as it goes; raise on a deadlock or a send never received."""
+        while self.runnable:
+            self._advance(self.runnable.popleft())
+        stuck = [dev for dev in self.schedule if self.pc[dev] < len(self.schedule[dev])]
+        if stuck:
+            raise self._deadlock(stuck)
+        for sent, k in self.posted.items():
+            if sent not in self.received:
+                kind, src, dst, i = sent
+                recv = Transfer(COUNTERPART[kind], self.roles[dst].j, i, src)
+                raise self._fail(src, k, f"{self.schedule[src][k]} is never received: {dst} has no {recv}")
 
-    backwards = dict.fromkeys(schedule, 0)  # backwards done per device
+    def _fail(self, dev: str | None, k: int | None, message: str,
+              also: Mapping[tuple[str, int], str] | None = None) -> ScheduleError:
+        return _fail(self.schedule, self.roles, dev, k, message, also)
 
-    while runnable:
-        dev = runnable.popleft()
-        actions = schedule[dev]
-        role = roles[dev]
-        mine = done[dev]
-        k = pc[dev]
+    def _advance(self, dev: str) -> None:
+        """Run ``dev``'s actions from where it stands until one must wait or none remain."""
+        actions = self.schedule[dev]
+        mine = self.done[dev]
+        k = self.pc[dev]
         while k < len(actions):
             a = actions[k]
-            kind, i = a.kind, a.micro_batch
-            # the messages are built only on failure: this loop runs once per action of the cluster
-            if kind is K.F:
-                if role.prev is not None and (K.RECV_F, i) not in mine:
-                    raise _fail(schedule, roles, dev, k, f"{a} runs before its input arrives: no "
-                                f"{Action(K.RECV_F, role.j, i, role.prev)} precedes it (missing receive)")
-            elif kind is K.B:
-                if (K.F, i) not in mine:
-                    raise _fail(schedule, roles, dev, k,
-                                f"{a} runs before {Action(K.F, role.j, i)} (F before B for every micro-batch)")
-                if role.next is not None and (K.RECV_B, i) not in mine:
-                    raise _fail(schedule, roles, dev, k, f"{a} runs before its gradient arrives: no "
-                                f"{Action(K.RECV_B, role.j, i, role.next)} precedes it (missing receive)")
-                backwards[dev] += 1
-            elif kind is K.SEND_F or kind is K.SEND_B:
-                source = K.F if kind is K.SEND_F else K.B
-                if (source, i) not in mine:
-                    raise _fail(schedule, roles, dev, k,
-                                f"{a} sends what {Action(source, role.j, i)} has not computed yet")
-                assert a.peer is not None
-                key: _SendKey = (kind, dev, a.peer, i)
-                posted[key] = k
-                if key in waiting:
-                    runnable.append(waiting.pop(key))
-            elif kind is K.RECV_F or kind is K.RECV_B:
-                assert a.peer is not None
-                key = (COUNTERPART[kind], a.peer, dev, i)
-                if key not in posted:
-                    waiting[key] = dev
-                    break
-                received.add(key)
-            elif kind in SEGMENT_KINDS or kind is K.STEP:
-                if backwards[dev] < role.m:
-                    missing = next(b for b in range(role.m) if (K.B, b) not in mine)
-                    raise _fail(schedule, roles, dev, k, f"{a} comes before {Action(K.B, role.j, missing)}: "
-                                "gradients are complete only after every backward")
-                if kind is K.STEP and bsp:
-                    left = sorted(s for s, devs in owners.items() if dev in devs and len(devs) > 1
-                                  and (K.ALLREDUCE, s) not in mine
-                                  and not all((K.ALLREDUCE_WAIT, (s, b)) in mine for b in range(num_buckets[s])))
-                    if left:
-                        s = left[0]
-                        b = next(b for b in range(num_buckets[s]) if (K.ALLREDUCE_WAIT, (s, b)) not in mine)
-                        raise _fail(schedule, roles, dev, k, f"STEP before ALLREDUCE_WAIT seg{s} bucket{b} (or "
-                                    f"ALLREDUCE seg{s}): {dev} shares segment {s} with "
-                                    f"{', '.join(sorted(owners[s] - {dev}))}")
-                elif kind is K.ALLREDUCE_START:
-                    assert a.segment is not None and a.bucket is not None
-                    sb = (a.segment, a.bucket)
-                    there = started.setdefault(sb, set())
-                    there.add(dev)
-                    if len(there) == len(owners[a.segment]):
-                        runnable.extend(bucket_waiters.pop(sb, []))
-                elif kind is K.ALLREDUCE_WAIT:
-                    assert a.segment is not None and a.bucket is not None
-                    sb = (a.segment, a.bucket)
-                    if (K.ALLREDUCE_START, sb) not in mine:
-                        raise _fail(schedule, roles, dev, k, f"{a} comes before its "
-                                    f"{Action(K.ALLREDUCE_START, segment=sb[0], bucket=sb[1])} on {dev}")
-                    if len(started.get(sb, ())) < len(owners[a.segment]):
-                        bucket_waiters.setdefault(sb, []).append(dev)
+            match a:
+                case Compute():
+                    self._compute(dev, k, a)
+                case Transfer():
+                    if not self._transfer(dev, k, a):
                         break
-                elif kind in COLLECTIVE_KINDS:  # the asynchronous kinds (PUSH, PULL...) wait for no one here
-                    assert a.segment is not None
-                    s = a.segment
-                    members = group(kind, s, dev)
-                    at = (kind, s, nodes.get(dev, "") if kind is K.LOCAL_ALLREDUCE else "")
-                    arrived.setdefault(at, set()).add(dev)
-                    if len(arrived[at]) < len(members):
+                case _:
+                    if not self._sync(dev, k, a):
                         break
-                    for other in arrived[at] - {dev}:  # the collective completes for all owners
-                        done[other].add((kind, s))
-                        pc[other] += 1
-                        runnable.append(other)
-            mine.add((kind, _ident(a)))
+            mine.add((a.kind, _ident(a)))
             k += 1
-        pc[dev] = k
+        self.pc[dev] = k
 
-    stuck = [dev for dev in schedule if pc[dev] < len(schedule[dev])]
-    if stuck:
-        raise _deadlock(schedule, roles, owners, pc, stuck, posted, arrived, started)
-    for sent, k in posted.items():
-        if sent not in received:
-            kind, src, dst, i = sent
-            recv = Action(COUNTERPART[kind], roles[dst].j, i, src)
-            raise _fail(schedule, roles, src, k, f"{schedule[src][k]} is never received: {dst} has no {recv}")
+    def _compute(self, dev: str, k: int, a: Compute) -> None:
+        """F needs its RECV_F; B needs its F and its RECV_B."""
+        role, mine, i = self.roles[dev], self.done[dev], a.micro_batch
+        if a.kind is K.F:
+            if role.prev is not None and (K.RECV_F, i) not in mine:
+                raise self._fail(dev, k, f"{a} runs before its input arrives: no "
+                                 f"{Transfer(K.RECV_F, role.j, i, role.prev)} precedes it (missing receive)")
+            return
+        if (K.F, i) not in mine:
+            raise self._fail(dev, k, f"{a} runs before {Compute(K.F, role.j, i)} (F before B for every micro-batch)")
+        if role.next is not None and (K.RECV_B, i) not in mine:
+            raise self._fail(dev, k, f"{a} runs before its gradient arrives: no "
+                             f"{Transfer(K.RECV_B, role.j, i, role.next)} precedes it (missing receive)")
+        self.backwards[dev] += 1
 
+    def _transfer(self, dev: str, k: int, a: Transfer) -> bool:
+        """A send is posted (after the compute it ships); a receive goes on once its send is posted."""
+        i = a.micro_batch
+        if a.is_send:
+            source = K.F if a.kind is K.SEND_F else K.B
+            if (source, i) not in self.done[dev]:
+                raise self._fail(dev, k, f"{a} sends what {Compute(source, self.roles[dev].j, i)} has not "
+                                 "computed yet")
+            key: _SendKey = (a.kind, dev, a.named_peer(), i)
+            self.posted[key] = k
+            if key in self.waiting:
+                self.runnable.append(self.waiting.pop(key))
+            return True
+        key = (COUNTERPART[a.kind], a.named_peer(), dev, i)
+        if key not in self.posted:
+            self.waiting[key] = dev
+            return False
+        self.received.add(key)
+        return True
 
-def _deadlock(schedule: Mapping[str, Sequence[Action]], roles: Mapping[str, _Role], owners: Mapping[int, set[str]],
-              pc: Mapping[str, int], stuck: list[str], posted: Mapping[_SendKey, int],
-              arrived: Mapping[tuple[ActionKind, int, str], set[str]],
-              started: Mapping[tuple[int, int], set[str]]) -> ScheduleError:
-    """Explain why the first stuck device cannot go on."""
-    dev = stuck[0]
-    k = pc[dev]
-    a = schedule[dev][k]
-    also = {(d, pc[d]): "<-- blocked" for d in stuck if d != dev}
-    if a.kind in P2P_KINDS:
-        assert a.peer is not None
-        peer = a.peer
-        send = Action(COUNTERPART[a.kind], roles[peer].j, a.micro_batch, dev)
-        at = [n for n, b in enumerate(schedule[peer]) if b == send]
+    def _sync(self, dev: str, k: int, a: SegmentSync | BucketSync | Step) -> bool:
+        """Sync actions and STEP come after every backward; whether ``a`` went on or must wait."""
+        role = self.roles[dev]
+        if self.backwards[dev] < role.m:
+            missing = next(b for b in range(role.m) if (K.B, b) not in self.done[dev])
+            raise self._fail(dev, k, f"{a} comes before {Compute(K.B, role.j, missing)}: "
+                             "gradients are complete only after every backward")
+        match a:
+            case Step():
+                if self.bsp:
+                    self._check_reduced(dev, k)
+                return True
+            case BucketSync():
+                return self._bucket(dev, k, a)
+            case SegmentSync():  # the asynchronous kinds (PUSH, PULL...) wait for no one here
+                return self._collective(dev, a) if a.kind in COLLECTIVE_KINDS else True
+
+    def _check_reduced(self, dev: str, k: int) -> None:
+        """Under bsp, STEP comes after every shared segment of ``dev`` is all-reduced (whole or bucket by bucket)."""
+        mine, num_buckets = self.done[dev], self.num_buckets
+        left = sorted(s for s, devs in self.owners.items() if dev in devs and len(devs) > 1
+                      and (K.ALLREDUCE, s) not in mine
+                      and not all((K.ALLREDUCE_WAIT, (s, b)) in mine for b in range(num_buckets[s])))
+        if left:
+            s = left[0]
+            b = next(b for b in range(num_buckets[s]) if (K.ALLREDUCE_WAIT, (s, b)) not in mine)
+            raise self._fail(dev, k, f"STEP before ALLREDUCE_WAIT seg{s} bucket{b} (or ALLREDUCE seg{s}): {dev} "
+                             f"shares segment {s} with {', '.join(sorted(self.owners[s] - {dev}))}")
+
+    def _bucket(self, dev: str, k: int, a: BucketSync) -> bool:
+        """ALLREDUCE_START goes on; ALLREDUCE_WAIT waits until every owner of the segment started the bucket."""
+        sb = (a.segment, a.bucket)
+        if a.kind is K.ALLREDUCE_START:
+            there = self.started.setdefault(sb, set())
+            there.add(dev)
+            if len(there) == len(self.owners[a.segment]):
+                self.runnable.extend(self.bucket_waiters.pop(sb, []))
+            return True
+        if (K.ALLREDUCE_START, sb) not in self.done[dev]:
+            raise self._fail(dev, k, f"{a} comes before its {BucketSync(K.ALLREDUCE_START, *sb)} on {dev}")
+        if len(self.started.get(sb, ())) < len(self.owners[a.segment]):
+            self.bucket_waiters.setdefault(sb, []).append(dev)
+            return False
+        return True
+
+    def _collective(self, dev: str, a: SegmentSync) -> bool:
+        """A blocking collective: ``dev`` waits until every member arrived; the last to arrive completes it for all."""
+        kind, s = a.kind, a.segment
+        if kind is K.LOCAL_ALLREDUCE:  # the owners on dev's node
+            members = {o for o in self.owners[s] if self.nodes.get(o) == self.nodes.get(dev)}
+        else:
+            members = set(self.owners[s])
+        at = (kind, s, self.nodes.get(dev, "") if kind is K.LOCAL_ALLREDUCE else "")
+        there = self.arrived.setdefault(at, set())
+        there.add(dev)
+        if len(there) < len(members):
+            return False
+        for other in there - {dev}:  # the collective completes for all owners
+            self.done[other].add((kind, s))
+            self.pc[other] += 1
+            self.runnable.append(other)
+        return True
+
+    def _deadlock(self, stuck: list[str]) -> ScheduleError:
+        """Explain why the first stuck device cannot go on."""
+        dev = stuck[0]
+        k = self.pc[dev]
+        a = self.schedule[dev][k]
+        also = {(d, self.pc[d]): "<-- blocked" for d in stuck if d != dev}
+        match a:
+            case Transfer():
+                return self._fail(dev, k, f"deadlock: {a} waits for {self._missing_send(dev, a)}", also)
+            case BucketSync():
+                came = set(self.started.get((a.segment, a.bucket), set()))
+                verb = "start"
+            case SegmentSync():
+                came = set().union(*(devs for (kind, s, _), devs in self.arrived.items()
+                                     if kind is a.kind and s == a.segment))
+                verb = "reach"
+            case _:  # F, B and STEP never wait
+                return self._fail(dev, k, f"deadlock: {a} cannot run", also)
+        pc, schedule = self.pc, self.schedule
+        absent = sorted(self.owners[a.segment] - came)
+        where = "; ".join(
+            f"{d} is at step {pc[d]} ({schedule[d][pc[d]]})" if pc[d] < len(schedule[d]) else f"{d} finished without it"
+            for d in absent[:4])
+        return self._fail(dev, k, f"deadlock: {a} waits for {', '.join(absent)} to {verb} it: {where}", also)
+
+    def _missing_send(self, dev: str, a: Transfer) -> str:
+        """The send receive ``a`` of ``dev`` waits for, and why it never comes."""
+        peer = a.named_peer()
+        send = Transfer(COUNTERPART[a.kind], self.roles[peer].j, a.micro_batch, dev)
+        theirs = self.schedule[peer]
+        at = [n for n, b in enumerate(theirs) if b == send]
         if not at:
             why = f"{peer} never sends it (missing {send} on {peer})"
-        elif pc[peer] < len(schedule[peer]):
-            why = (f"{peer} would send it at step {at[0]} but is itself blocked at step {pc[peer]} "
-                   f"({schedule[peer][pc[peer]]})")
+        elif self.pc[peer] < len(theirs):
+            why = f"{peer} would send it at step {at[0]} but is itself blocked at step {self.pc[peer]} " \
+                  f"({theirs[self.pc[peer]]})"
         else:
             why = f"{peer} finished without sending it"
-        return _fail(schedule, roles, dev, k, f"deadlock: {a} waits for {send} and {why}", also)
-    assert a.segment is not None
-    if a.kind is K.ALLREDUCE_WAIT:
-        came = set(started.get((a.segment, a.bucket if a.bucket is not None else -1), set()))
-    else:
-        came = set().union(*(devs for (kind, s, _), devs in arrived.items() if kind is a.kind and s == a.segment))
-    absent = sorted(owners[a.segment] - came)
-    where = "; ".join(
-        f"{d} is at step {pc[d]} ({schedule[d][pc[d]]})" if pc[d] < len(schedule[d]) else f"{d} finished without it"
-        for d in absent[:4])
-    verb = "start" if a.kind is K.ALLREDUCE_WAIT else "reach"
-    return _fail(schedule, roles, dev, k, f"deadlock: {a} waits for {', '.join(absent)} to {verb} it: {where}", also)
+        return f"{send} and {why}"

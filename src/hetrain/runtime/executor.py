@@ -38,7 +38,7 @@ from hetrain.runtime.modes import ModeSync
 from hetrain.runtime.p2p import Transport, flatten, grad_slots
 from hetrain.runtime.roles import Role
 from hetrain.runtime.sync import GradientSync
-from hetrain.schedule import SEGMENT_KINDS, Action, ActionKind
+from hetrain.schedule import Action, ActionKind, BucketSync, Compute, SegmentSync, Step, Transfer
 from hetrain.timeline import Event
 
 K = ActionKind
@@ -136,15 +136,10 @@ class Executor:
         self.report_scale = [torch.full((), n / role.global_batch, device=device) for n in role.micro_batch_sizes]
         self._record_memory = device.type == "cuda"
         # per action list: (the list, micro-batches of its RECV_Fs, of its RECV_Bs, buckets armed before each B)
-        self._orders: dict[int, tuple[Sequence[Action], list[int | None], list[int | None],
-                                      dict[int, list[tuple[int, int]]]]] = {}
-        self._run: dict[ActionKind, Callable[[Action], None]] = {
-            K.F: self._forward, K.B: self._backward, K.SEND_F: self._send_f, K.RECV_F: self._recv_f,
-            K.SEND_B: self._send_b, K.RECV_B: self._recv_b, K.ALLREDUCE: self._allreduce, K.STEP: self._step,
-            K.ALLREDUCE_START: self._allreduce_start, K.ALLREDUCE_WAIT: self._allreduce_wait,
+        self._orders: dict[int, tuple[Sequence[Action], list[int], list[int], dict[int, list[tuple[int, int]]]]] = {}
+        self._transfers: dict[ActionKind, Callable[[Transfer], None]] = {
+            K.SEND_F: self._send_f, K.RECV_F: self._recv_f, K.SEND_B: self._send_b, K.RECV_B: self._recv_b,
         }
-        for kind in (K.LOCAL_ALLREDUCE, K.AVERAGE, K.AVERAGE_START, K.AVERAGE_MERGE, K.PUSH, K.PULL):
-            self._run[kind] = self._mode_action
 
     def run(self, actions: Sequence[Action], step: int, inputs: Sequence[Any] | None,
             targets: Sequence[Any] | None) -> torch.Tensor:
@@ -172,8 +167,7 @@ class Executor:
         # receives are posted one ahead of the one being waited for, per direction (see _post_ahead_*)
         orders = self._orders.get(id(actions))
         if orders is None or orders[0] is not actions:
-            orders = self._orders[id(actions)] = (actions, [a.micro_batch for a in actions if a.kind is K.RECV_F],
-                                                  [a.micro_batch for a in actions if a.kind is K.RECV_B],
+            orders = self._orders[id(actions)] = (actions, _received(actions, K.RECV_F), _received(actions, K.RECV_B),
                                                   _armed_buckets(actions))
         _, self._recv_f_order, self._recv_b_order, self._arms = orders
         self._posted_f = self._posted_b = 0  # how many of each list are posted
@@ -185,21 +179,43 @@ class Executor:
             self.health.doing = (step, a)  # formatted by the heartbeat thread, only when it beats
             if rec.active:
                 start = rec.now()
-                self._run[a.kind](a)
+                self._do(a)
                 self._record(a, start, rec.now())
             else:
-                self._run[a.kind](a)
+                self._do(a)
         if self.transport.posted_receives():
             raise RuntimeError(f"internal error: receives {self.transport.posted_receives()} were posted ahead in "
                                f"step {step} and never used")
         self.health.doing = (step, "between iterations")
         return self.loss_sum
 
+    def _do(self, a: Action) -> None:
+        """Run one action: one method per kind."""
+        match a:
+            case Compute():
+                if a.kind is K.F:
+                    self._forward(a)
+                else:
+                    self._backward(a)
+            case Transfer():
+                self._transfers[a.kind](a)
+            case BucketSync():
+                if a.kind is K.ALLREDUCE_START:
+                    self.sync.start(a.segment, a.bucket)
+                else:
+                    self.sync.wait(a.segment, a.bucket, self._where(a))
+            case SegmentSync():
+                if a.kind is K.ALLREDUCE:
+                    self.sync.allreduce(a.segment, self._where(a))
+                else:
+                    self._mode_action(a)
+            case Step():
+                self._step(a)
+
     # --- compute -----------------------------------------------------------------
 
-    def _forward(self, a: Action) -> None:
+    def _forward(self, a: Compute) -> None:
         i = a.micro_batch
-        assert i is not None
         if self.role.is_first:
             assert self.inputs_mb is not None
             x = _to(self.inputs_mb[i], self.device)
@@ -216,9 +232,8 @@ class Executor:
             self.outputs[i] = out
             self._post_ahead_b()
 
-    def _backward(self, a: Action) -> None:
+    def _backward(self, a: Compute) -> None:
         i = a.micro_batch
-        assert i is not None
         arm = self._arms.get(i)
         if arm is not None:  # the bucket all-reduces that start during this backward
             self.sync.arm(arm)
@@ -238,17 +253,17 @@ class Executor:
 
     # --- communication ---------------------------------------------------------------
 
-    def _send_f(self, a: Action) -> None:
+    def _send_f(self, a: Transfer) -> None:
         i = a.micro_batch
-        assert i is not None and self.role.next_rank is not None
+        assert self.role.next_rank is not None
         tensors, is_tuple = flatten(self.outputs[i])
         self.transport.send(tensors, is_tuple, self.role.next_rank, i, True, self._where(a))
         if self.recorder.active:
             self.recorder.sent.append(("send_f", a.peer or "", i, self.recorder.now(), self._link_label(a)))
 
-    def _recv_f(self, a: Action) -> None:
+    def _recv_f(self, a: Transfer) -> None:
         i = a.micro_batch
-        assert i is not None and self.role.prev_rank is not None
+        assert self.role.prev_rank is not None
         self._posted_f = max(self._posted_f, self._done_f + 1)  # not posted ahead: the receive posts itself
         tensors, is_tuple = self.transport.recv_activation(self.role.prev_rank, i, self._where(a))
         for t in tensors:
@@ -261,16 +276,16 @@ class Executor:
         if self.recorder.active:
             self.recorder.received.append(("send_f", a.peer or "", i, self.recorder.now()))
 
-    def _send_b(self, a: Action) -> None:
+    def _send_b(self, a: Transfer) -> None:
         i = a.micro_batch
-        assert i is not None and self.role.prev_rank is not None
+        assert self.role.prev_rank is not None
         self.transport.send(self.input_grads.pop(i), False, self.role.prev_rank, i, False, self._where(a))
         if self.recorder.active:
             self.recorder.sent.append(("send_b", a.peer or "", i, self.recorder.now(), self._link_label(a)))
 
-    def _recv_b(self, a: Action) -> None:
+    def _recv_b(self, a: Transfer) -> None:
         i = a.micro_batch
-        assert i is not None and self.role.next_rank is not None
+        assert self.role.next_rank is not None
         outs, _ = flatten(self.outputs[i])
         like = [outs[k] for k in grad_slots(outs)]
         self._posted_b = max(self._posted_b, self._done_b + 1)
@@ -285,7 +300,7 @@ class Executor:
         n = self._posted_f
         if n <= self._done_f and n < len(self._recv_f_order):
             i = self._recv_f_order[n]
-            assert i is not None and self.role.prev_rank is not None
+            assert self.role.prev_rank is not None
             if self.transport.can_post_activation(self.role.prev_rank, i):
                 self.transport.post_activation(self.role.prev_rank, i)
                 self._posted_f += 1
@@ -295,7 +310,7 @@ class Executor:
         n = self._posted_b
         if n <= self._done_b and n < len(self._recv_b_order):
             i = self._recv_b_order[n]
-            assert i is not None and self.role.next_rank is not None
+            assert self.role.next_rank is not None
             if i in self.outputs:
                 outs, _ = flatten(self.outputs[i])
                 self.transport.post_gradients([outs[k] for k in grad_slots(outs)], self.role.next_rank, i)
@@ -303,24 +318,12 @@ class Executor:
 
     # --- sync and step -------------------------------------------------------------
 
-    def _allreduce(self, a: Action) -> None:
-        assert a.segment is not None
-        self.sync.allreduce(a.segment, self._where(a))
-
-    def _allreduce_start(self, a: Action) -> None:
-        assert a.segment is not None and a.bucket is not None
-        self.sync.start(a.segment, a.bucket)
-
-    def _allreduce_wait(self, a: Action) -> None:
-        assert a.segment is not None and a.bucket is not None
-        self.sync.wait(a.segment, a.bucket, self._where(a))
-
-    def _mode_action(self, a: Action) -> None:
+    def _mode_action(self, a: SegmentSync) -> None:
         if self.modes is None:
             raise RuntimeError(f"{a}: the executor was built for bsp, which has no such action")
         self.modes.run(a, self.step, self._where(a))
 
-    def _step(self, a: Action) -> None:
+    def _step(self, a: Step) -> None:
         if self.recorder.active:
             start = self.recorder.now()
             self.transport.wait_sends(self._where(a))
@@ -334,25 +337,21 @@ class Executor:
     def _where(self, a: Action) -> _At:
         return _At(a, self.step)
 
-    def _link_label(self, a: Action) -> str:
+    def _link_label(self, a: Transfer) -> str:
         src, dst = a.stages_joined
         return f"{a.kind.value} {src}->{dst} mb{a.micro_batch} {self.role.device}->{a.peer}"
 
     def _record(self, a: Action, start: float, end: float) -> None:
-        kind = a.kind
-        if kind is K.F:
-            ev = _event(start, end, "forward", f"{a.stage}F{a.micro_batch}", a.micro_batch)
-        elif kind is K.B:
-            ev = _event(start, end, "backward", f"{a.stage}B{a.micro_batch}", a.micro_batch)
-        elif kind is K.RECV_F or kind is K.RECV_B:
-            ev = _event(start, end, "recv", str(a), a.micro_batch)
-        elif kind is K.SEND_F or kind is K.SEND_B:
-            ev = _event(start, end, "send", str(a), a.micro_batch)
-        elif kind is K.ALLREDUCE or kind in SEGMENT_KINDS:
-            ev = _event(start, end, "sync", str(a), None)
-        else:  # STEP: its wait for sends was recorded as its own event
-            sends = self.recorder.events[-1] if self.recorder.events else None
-            ev = _event(sends.end_s if sends is not None else start, end, "optimizer", "STEP", None)
+        match a:
+            case Compute():
+                ev = _event(start, end, "forward" if a.kind is K.F else "backward", str(a), a.micro_batch)
+            case Transfer():
+                ev = _event(start, end, "send" if a.is_send else "recv", str(a), a.micro_batch)
+            case SegmentSync() | BucketSync():
+                ev = _event(start, end, "sync", str(a), None)
+            case Step():  # its wait for sends was recorded as its own event
+                sends = self.recorder.events[-1] if self.recorder.events else None
+                ev = _event(sends.end_s if sends is not None else start, end, "optimizer", "STEP", None)
         self.recorder.events.append(ev)
         if self._record_memory:
             self.recorder.memory.append((end, float(torch.cuda.memory_allocated(self.device))))
@@ -363,14 +362,16 @@ def _armed_buckets(actions: Sequence[Action]) -> dict[int, list[tuple[int, int]]
     out: dict[int, list[tuple[int, int]]] = {}
     last_b: int | None = None
     for a in actions:
-        if a.kind is K.B:
-            last_b = a.micro_batch
-        elif a.kind is K.F:
-            last_b = None
-        elif a.kind is K.ALLREDUCE_START and last_b is not None:
-            assert a.segment is not None and a.bucket is not None
+        if isinstance(a, Compute):
+            last_b = a.micro_batch if a.kind is K.B else None
+        elif isinstance(a, BucketSync) and a.kind is K.ALLREDUCE_START and last_b is not None:
             out.setdefault(last_b, []).append((a.segment, a.bucket))
     return out
+
+
+def _received(actions: Sequence[Action], kind: ActionKind) -> list[int]:
+    """The micro-batches of the receives of ``kind`` among ``actions``, in order."""
+    return [a.micro_batch for a in actions if isinstance(a, Transfer) and a.kind is kind]
 
 
 def _event(start: float, end: float, kind: str, label: str, i: int | None) -> Event:

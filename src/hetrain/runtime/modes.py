@@ -45,7 +45,7 @@ from hetrain.distributed.work import wait_work
 from hetrain.errors import RunError
 from hetrain.plan import Plan
 from hetrain.runtime.sync import GradientSync
-from hetrain.schedule import Action, ActionKind
+from hetrain.schedule import ActionKind, SegmentSync
 
 K = ActionKind
 #: checkpoint names of a parameter-server shard's global weights: ``ps.layers.3.weight`` (one file per layer)
@@ -264,9 +264,8 @@ class ModeSync:
 
     # --- dispatch ------------------------------------------------------------------
 
-    def run(self, a: Action, step: int, where: object) -> None:
+    def run(self, a: SegmentSync, step: int, where: object) -> None:
         s = a.segment
-        assert s is not None
         if a.kind is K.LOCAL_ALLREDUCE:
             self._local_allreduce(s, where)
         elif a.kind is K.AVERAGE:

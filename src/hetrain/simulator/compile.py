@@ -9,7 +9,7 @@ plan's (``Plan.layout``, ``sync_layout``): the replay reads them and decides non
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,8 +28,13 @@ from hetrain.schedule import (
     COLLECTIVE_KINDS,
     Action,
     ActionKind,
+    BucketSync,
+    Compute,
     Schedule,
     ScheduleError,
+    SegmentSync,
+    Step,
+    Transfer,
 )
 from hetrain.simulator.links import LinkResources, allreduce_phases, edge_links
 from hetrain.simulator.ops import (
@@ -174,14 +179,6 @@ class _Compiler:
         self.last_start: dict[tuple[int, int], int] = {}  # (device, segment) -> iteration of its AVERAGE_START
         self.p2p_cache: dict[tuple[int, int, float], tuple[float, tuple[int, ...]]] = {}
         self.labels: dict[tuple[str, int, int], list[str]] = {}  # "jFi" strings, shared by devices of equal (j, m)
-        self.by_kind: dict[ActionKind, Callable[[Action, int, _Device], Op]] = {
-            K.F: self._forward, K.B: self._backward, K.SEND_F: self._send, K.SEND_B: self._send,
-            K.RECV_F: self._recv, K.RECV_B: self._recv, K.STEP: self._step,
-            K.ALLREDUCE_START: self._bucket, K.ALLREDUCE_WAIT: self._bucket,
-            K.ALLREDUCE: self._segment_collective, K.LOCAL_ALLREDUCE: self._segment_collective,
-            K.AVERAGE: self._segment_collective, K.AVERAGE_START: self._segment_collective,
-            K.AVERAGE_MERGE: self._segment_collective, K.PUSH: self._push_or_pull, K.PULL: self._push_or_pull,
-        }
 
     def program(self) -> Program:
         where = {s.device: (v, j) for v, vw in enumerate(self.plan.virtual_workers) for j, s in enumerate(vw.stages)}
@@ -220,48 +217,54 @@ class _Compiler:
         """``dev``'s operations over all iterations, each action's appended to ``dev.ops`` in turn."""
         for it, sched in enumerate(self.schedules):
             for a in sched[dev.name]:
-                compile_action = self.by_kind.get(a.kind)
-                if compile_action is None:
-                    raise ScheduleError(f"the simulator cannot time {a} on {dev.name}")
-                dev.ops.append(compile_action(a, it, dev))
+                dev.ops.append(self._compile(a, it, dev))
             if dev.pulled:
                 dev.wave += 1
                 dev.pulled = False
         return dev.ops
 
-    def _forward(self, a: Action, it: int, dev: _Device) -> Op:
-        assert a.micro_batch is not None
+    def _compile(self, a: Action, it: int, dev: _Device) -> Op:
+        """The operation of action ``a`` of ``dev`` in iteration ``it``: one method per class of action."""
+        match a:
+            case Compute():
+                return self._forward(a, dev) if a.kind is K.F else self._backward(a, dev)
+            case Transfer():
+                return self._send(a, dev) if a.is_send else self._recv(a, dev)
+            case BucketSync():
+                return self._bucket(a, it, dev)
+            case SegmentSync():
+                if a.kind is K.PUSH or a.kind is K.PULL:
+                    return self._push_or_pull(a, dev)
+                return self._segment_collective(a, it, dev)
+            case Step():
+                return OptimizerStep(str(a), dev.costs.optimizer_s, dev.costs.step_transient_bytes)
+
+    def _forward(self, a: Compute, dev: _Device) -> Op:
         return dev.forward[a.micro_batch]
 
-    def _backward(self, a: Action, it: int, dev: _Device) -> Op:
-        assert a.micro_batch is not None
+    def _backward(self, a: Compute, dev: _Device) -> Op:
         dev.last_backward = len(dev.ops)  # where it goes: an ALLREDUCE_START after it rides on it
         return dev.backward[a.micro_batch]
 
-    def _step(self, a: Action, it: int, dev: _Device) -> Op:
-        return OptimizerStep(str(a), dev.costs.optimizer_s, dev.costs.step_transient_bytes)
-
-    def _send(self, a: Action, it: int, dev: _Device) -> Op:
+    def _send(self, a: Transfer, dev: _Device) -> Op:
         """``SEND_F`` / ``SEND_B``: ``b_i x`` the output bytes per sample of the layer before the boundary."""
-        i, name = a.micro_batch, dev.name
-        assert a.peer is not None and i is not None
-        peer = self.index[a.peer]
+        i, name, to = a.micro_batch, dev.name, a.named_peer()
+        peer = self.index[to]
         forward = a.kind is K.SEND_F
         num_bytes = dev.sizes[i] * (dev.out_bytes if forward else dev.in_bytes)
         ckey = (dev.d, peer, num_bytes)
         if ckey not in self.p2p_cache:
-            a_idx, b_idx = self.cluster_index[name], self.cluster_index[a.peer]
+            a_idx, b_idx = self.cluster_index[name], self.cluster_index[to]
             self.p2p_cache[ckey] = (estimate_p2p_time(num_bytes, self.cluster.link(a_idx, b_idx)),
                                     edge_links(self.cluster, a_idx, b_idx, self.res))
         duration_s, links = self.p2p_cache[ckey]
         src, dst = a.stages_joined
-        label = f"{a.kind.value} {src}->{dst} mb{i} {name}->{a.peer}"
+        label = f"{a.kind.value} {src}->{dst} mb{i} {name}->{to}"
         return Send(i, label, TransferKey(not forward, dev.d, peer, i), duration_s, links,
                     "send_f" if forward else "send_b")
 
-    def _recv(self, a: Action, it: int, dev: _Device) -> Op:
-        assert a.peer is not None and a.micro_batch is not None
-        key = TransferKey(a.kind is K.RECV_B, self.index[a.peer], dev.d, a.micro_batch)
+    def _recv(self, a: Transfer, dev: _Device) -> Op:
+        key = TransferKey(a.kind is K.RECV_B, self.index[a.named_peer()], dev.d, a.micro_batch)
         return Recv(a.micro_batch, a, key)
 
     def _collective_id(self, key: tuple[ActionKind, int, tuple[object, ...], int], members: Sequence[str],
@@ -274,9 +277,8 @@ class _Compiler:
             self.collectives.append(CollectiveSpec(phases, [self.index[o] for o in members], label))
         return self.cids[key]
 
-    def _bucket(self, a: Action, it: int, dev: _Device) -> Op:
+    def _bucket(self, a: BucketSync, it: int, dev: _Device) -> Op:
         """``ALLREDUCE_START`` / ``ALLREDUCE_WAIT`` of one gradient bucket among the segment's owners."""
-        assert a.segment is not None and a.bucket is not None
         bucket = self.segments[a.segment].buckets[a.bucket]
         cid = self._collective_id((K.ALLREDUCE_START, a.segment, (a.bucket,), it),
                                   self.segments[a.segment].owners, bucket.param_bytes, bucket.algorithm,
@@ -287,9 +289,8 @@ class _Compiler:
             return start
         return BucketWait(cid, str(a))
 
-    def _segment_collective(self, a: Action, it: int, dev: _Device) -> Op:
+    def _segment_collective(self, a: SegmentSync, it: int, dev: _Device) -> Op:
         """A collective over a whole segment: blocking, or a posted average (``AVERAGE_START`` / ``_MERGE``)."""
-        assert a.segment is not None
         k, s = a.kind, a.segment
         seg = self.segments[s]
         members = list(seg.owners)
@@ -310,9 +311,8 @@ class _Compiler:
             return AverageMerge(cid, str(a))
         return Collective(cid, str(a))
 
-    def _push_or_pull(self, a: Action, it: int, dev: _Device) -> Op:
+    def _push_or_pull(self, a: SegmentSync, dev: _Device) -> Op:
         """``PUSH`` to / ``PULL`` from the segment's parameter-server shard (one p2p of the segment's bytes)."""
-        assert a.segment is not None
         s, name = a.segment, dev.name
         seg = self.segments[s]
         host = seg.ps_host
