@@ -1,0 +1,123 @@
+"""Generators: the compute order of each stage, then the sends, receives and sync actions added.
+
+``GENERATORS[plan.schedule]`` gives each stage's forwards and backwards (``gpipe``, ``one_f_one_b``);
+``add_p2p`` joins consecutive stages with sends and receives; ``build_schedule`` does both for every
+virtual worker and ends each device's iteration with its sync actions (``hetrain.schedule.sync``).
+
+Example:
+    >>> [str(a) for a in one_f_one_b(m=3, p=2)[0]]
+    ['0F0', '0F1', '0B0', '0F2', '0B1', '0B2']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from hetrain.plan import Plan
+from hetrain.schedule.actions import Action, ActionKind, Compute, Schedule, ScheduleError, Transfer
+from hetrain.schedule.sync import SyncState, add_bsp_sync, build_sync_actions
+
+K = ActionKind
+
+
+def _f(j: int, i: int) -> Compute:
+    return Compute(K.F, stage=j, micro_batch=i)
+
+
+def _b(j: int, i: int) -> Compute:
+    return Compute(K.B, stage=j, micro_batch=i)
+
+
+def gpipe(m: int, p: int) -> list[list[Compute]]:
+    """Compute order of each of ``p`` stages under GPipe: all m forwards, then all m backwards.
+
+    Stage j holds the activations of all m micro-batches (Huang et al., 2019)::
+
+        stage 0: 0F0 0F1 0F2 0B0 0B1 0B2
+        stage 1: 1F0 1F1 1F2 1B0 1B1 1B2
+    """
+    return [[*(_f(j, i) for i in range(m)), *(_b(j, i) for i in range(m))] for j in range(p)]
+
+
+def one_f_one_b(m: int, p: int) -> list[list[Compute]]:
+    """Compute order of each of ``p`` stages under 1F1B (PipeDream-Flush, Narayanan et al., 2021).
+
+    Stage j runs ``min(p - j - 1, m)`` warm-up forwards, then alternates one
+    forward and one backward, then drains the remaining backwards, so it holds
+    at most ``p - j`` micro-batches' activations::
+
+        stage 0: 0F0 0F1 0B0 0F2 0B1 0B2
+        stage 1: 1F0 1B0 1F1 1B1 1F2 1B2
+    """
+    out = []
+    for j in range(p):
+        warmup = min(p - j - 1, m)
+        order = [_f(j, i) for i in range(warmup)]
+        for k in range(m - warmup):
+            order += [_f(j, warmup + k), _b(j, k)]
+        order += [_b(j, i) for i in range(m - warmup, m)]
+        out.append(order)
+    return out
+
+
+#: ``Plan.schedule`` -> generator of the compute order per stage
+GENERATORS: dict[str, Callable[[int, int], list[list[Compute]]]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+def add_p2p(compute: Sequence[Compute], prev_device: str | None, next_device: str | None) -> list[Action]:
+    """Insert sends and receives around one stage's compute actions.
+
+    A receive goes right before the compute that needs it (RECV_F before F of a
+    stage with a predecessor, RECV_B before B of a stage with a successor); a
+    send right after the compute that produced it.
+    """
+    out: list[Action] = []
+    for a in compute:
+        j, i = a.stage, a.micro_batch
+        if a.kind is K.F:
+            if prev_device is not None:
+                out.append(Transfer(K.RECV_F, stage=j, micro_batch=i, peer=prev_device))
+            out.append(a)
+            if next_device is not None:
+                out.append(Transfer(K.SEND_F, stage=j, micro_batch=i, peer=next_device))
+        else:  # B
+            if next_device is not None:
+                out.append(Transfer(K.RECV_B, stage=j, micro_batch=i, peer=next_device))
+            out.append(a)
+            if prev_device is not None:
+                out.append(Transfer(K.SEND_B, stage=j, micro_batch=i, peer=prev_device))
+    return out
+
+
+def build_schedule(plan: Plan, state: SyncState | None = None, steps: int | None = None) -> Schedule:
+    """Every device's Actions for the iteration of ``state`` (default: the first) of ``plan``.
+
+    Each VW gets its own pipeline from ``GENERATORS[plan.schedule]`` (its own
+    stage count p and micro-batch count m); sends and receives join its stages;
+    then every device runs its sync mode's actions (``build_sync_actions``):
+    for ``bsp`` it all-reduces its segments' gradient buckets, started during its
+    last backward (``add_bsp_sync``), and steps, the same every iteration;
+    the other modes differ from one iteration to the next (periodic averages,
+    pushes), hence the sync state (``SyncState``, ``advance_sync_state``).
+
+    Raises:
+        ScheduleError: a schedule or sync mode with no generator.
+    """
+    if plan.schedule not in GENERATORS:
+        raise ScheduleError(f"no generator for schedule {plan.schedule!r}; known: {', '.join(GENERATORS)}")
+    generate = GENERATORS[plan.schedule]
+    orders: dict[tuple[int, int], list[list[Compute]]] = {}
+    out: Schedule = {}
+    for vw in plan.virtual_workers:
+        m, p, devices = vw.micro_batches, len(vw.stages), vw.devices
+        if (m, p) not in orders:
+            orders[(m, p)] = generate(m, p)
+        for j, compute in enumerate(orders[(m, p)]):
+            prev_device = devices[j - 1] if j > 0 else None
+            next_device = devices[j + 1] if j < p - 1 else None
+            actions = add_p2p(compute, prev_device, next_device)
+            if plan.sync == "bsp":  # bucket all-reduces interleaved with the last backward
+                out[devices[j]] = add_bsp_sync(actions, plan.layout.device_buckets(devices[j]))
+            else:
+                out[devices[j]] = [*actions, *build_sync_actions(plan, devices[j], state, steps)]
+    return out

@@ -1,0 +1,127 @@
+"""The sync actions that end each device's iteration, by sync mode, and the state that decides them.
+
+``bsp`` ends every iteration alike: the all-reduce of every gradient bucket, started during the last
+backward (``add_bsp_sync``), then STEP. The other modes differ from one iteration to the next (periodic
+averages, pushes, DASO's warm-up and cool-down), so ``build_sync_actions`` reads a ``SyncState`` that
+the simulator and the trainer both advance after every iteration (``advance_sync_state``).
+docs/sync.md describes each mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hetrain.plan import Plan
+from hetrain.schedule.actions import Action, ActionKind, BucketSync, ScheduleError, SegmentSync, Step
+from hetrain.sync_layout import Bucket
+
+K = ActionKind
+
+
+def add_bsp_sync(actions: list[Action], buckets: Sequence[Bucket]) -> list[Action]:
+    """Add the all-reduce of every bucket, in the order given, and STEP.
+
+    Each bucket's ALLREDUCE_START goes right after the last backward (its
+    all-reduce starts during that backward, once its gradients are final); the
+    ALLREDUCE_WAITs, in the same order, and STEP go at the end.
+    """
+    if not buckets:
+        return [*actions, Step()]
+    last_b = max((k for k, a in enumerate(actions) if a.kind is K.B), default=len(actions) - 1)
+    starts = [BucketSync(K.ALLREDUCE_START, segment=b.segment, bucket=b.index) for b in buckets]
+    waits = [BucketSync(K.ALLREDUCE_WAIT, segment=b.segment, bucket=b.index) for b in buckets]
+    return [*actions[:last_b + 1], *starts, *actions[last_b + 1:], *waits, Step()]
+
+
+def owned_segments(plan: Plan) -> dict[str, list[int]]:
+    """Per device, the segments it synchronises: those it owns with at least one other device
+    (``SyncLayout.owned_segments``). A segment held by one device only has nothing to reduce."""
+    out: dict[str, list[int]] = {}
+    for s, seg in enumerate(plan.layout.segments):
+        if seg.shared:
+            for dev in seg.owners:
+                out.setdefault(dev, []).append(s)
+    return out
+
+
+@dataclass(frozen=True)
+class SyncState:
+    """Where the sync mode stands when an iteration begins; ``advance_sync_state`` moves it on.
+
+    The simulator and the trainer both start from ``initial_sync_state`` and call
+    ``advance_sync_state`` after every iteration, so they run the same actions (``build_schedule``).
+
+    Attributes:
+        iteration: the 0-based index of the coming iteration.
+        period: k of ``local-sgd`` and ``daso``: iterations between global averages. DASO adapts
+            it when the loss plateaus (``runtime.modes.DasoRate``): the trainer sets it with
+            ``dataclasses.replace``; the simulator keeps the plan's.
+        merge_pending: a non-blocking DASO average was started by the previous iteration and is
+            merged in this one.
+    """
+
+    iteration: int = 0
+    period: int = 4
+    merge_pending: bool = False
+
+
+def initial_sync_state(plan: Plan) -> SyncState:
+    """The state before iteration 0: the plan's period, nothing pending."""
+    return SyncState(0, plan.sync_options.period, False)
+
+
+def is_global_sync(plan: Plan, state: SyncState) -> bool:
+    """Whether the iteration of ``state`` ends with the mode's periodic global sync."""
+    every = plan.sync_options.aggregate if plan.sync == "hybrid-ps" else state.period
+    return (state.iteration + 1) % every == 0
+
+
+def is_daso_blocking(plan: Plan, state: SyncState, steps: int | None) -> bool:
+    """Whether DASO averages globally and blocking in this iteration: the warm-up and the cool-down."""
+    opts = plan.sync_options
+    i = state.iteration
+    return i < opts.warmup or (steps is not None and i >= steps - opts.cooldown)
+
+
+def advance_sync_state(plan: Plan, state: SyncState, steps: int | None = None) -> SyncState:
+    """The state after the iteration of ``state``: the next iteration, and whether it merges a DASO
+    average this one started (a non-blocking average, on a period boundary outside warm-up and cool-down)."""
+    started = plan.sync == "daso" and not is_daso_blocking(plan, state, steps) and is_global_sync(plan, state)
+    return SyncState(state.iteration + 1, state.period, started)
+
+
+def build_sync_actions(plan: Plan, device: str, state: SyncState | None = None,
+                       steps: int | None = None) -> list[Action]:
+    """The sync actions of ``device`` that end the iteration of ``state`` under ``plan.sync`` (STEP included).
+
+    ``state`` defaults to ``initial_sync_state(plan)``; ``steps`` (the run's length) places DASO's cool-down.
+    """
+    state = initial_sync_state(plan) if state is None else state
+    shared = owned_segments(plan).get(device, [])
+    down = sorted(shared, reverse=True)
+
+    def each(kind: ActionKind, segs: Sequence[int]) -> list[Action]:
+        return [SegmentSync(kind, segment=s) for s in sorted(segs, reverse=True)]
+
+    mode = plan.sync
+    if mode == "bsp":
+        return add_bsp_sync([], plan.layout.device_buckets(device))
+    if mode == "wsp":  # every iteration is one wave: local step, push the wave's update, pull within D
+        return [Step(), *each(K.PUSH, down), *each(K.PULL, down)]
+    if mode == "local-sgd":
+        return [Step(), *(each(K.AVERAGE, down) if is_global_sync(plan, state) else [])]
+    local = each(K.LOCAL_ALLREDUCE, plan.layout.local_segments(device))
+    if mode == "hybrid-ps":
+        glob = [*each(K.PUSH, down), *each(K.PULL, down)] if is_global_sync(plan, state) else []
+        return [*local, Step(), *glob]
+    if mode == "daso":
+        out = [*local, Step()]
+        if state.merge_pending:
+            out += each(K.AVERAGE_MERGE, down)
+        if is_daso_blocking(plan, state, steps):
+            out += each(K.AVERAGE, down)
+        elif is_global_sync(plan, state):
+            out += each(K.AVERAGE_START, down)
+        return out
+    raise ScheduleError(f"sync mode {mode!r} has no schedule; known: bsp, wsp, hybrid-ps, daso, local-sgd")
