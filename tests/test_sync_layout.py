@@ -105,6 +105,8 @@ def test_a_missing_segment_is_refused() -> None:
     ({"bucket_bytes": -1}, "bucket_bytes must be in [1, "),
     ({"placement": "far"}, "placement must be one of local, round-robin, got 'far'"),
     ({"lag": 2}, "unknown option 'lag'"),
+    ({"period": 10**400}, "period must be an integer in [1, 100000]"),  # too large for a float: still one line
+    ({"period": [4]}, "period must be an integer"),
 ])
 def test_sync_options_in_a_plan_file_are_type_checked(options: dict[str, Any], words: str | None) -> None:
     data = dp_plan("wsp").to_dict()

@@ -158,25 +158,22 @@ class SyncOptions:
 
 
 def _coerce(key: str, value: Any, where: str) -> Any:
-    """``value`` as option ``key``'s type (a string from the command line parses), checked against its bounds."""
+    """``value`` as option ``key``'s type (a string from the command line parses; a whole float is an
+    integer), checked against its bounds."""
     bound = _BOUNDS[key]
+    result: Any = None
     if bound.kind is str:
-        result: Any = value
-    elif isinstance(value, bool):
-        result = None
-    elif isinstance(value, str):
+        result = value
+    elif isinstance(value, str | int | float) and not isinstance(value, bool):
         try:
-            result = bound.kind(value)
-        except ValueError:
+            number = float(value)
+            if bound.kind is float or number.is_integer():
+                result = bound.kind(value if isinstance(value, str) else number)
+        except (ValueError, OverflowError):
             result = None
-    elif isinstance(value, int | float):
-        result = value if bound.kind is float or float(value).is_integer() else None
-        result = None if result is None else bound.kind(result)
-    else:
-        result = None
     if result is None:
         raise SyncLayoutError(f"{where}: {key} must be {'an integer' if bound.kind is int else 'a number'} "
-                              f"in [{bound.least:g}, {bound.most:g}], got {value!r}")
+                              f"in [{bound.least:g}, {bound.most:g}], got {value!r:.80}")
     _check(key, result, where)
     return result
 
