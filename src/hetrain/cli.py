@@ -257,11 +257,12 @@ def cmd_models(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     check_output_path(args.output, "-o")
     from hetrain.models.user import resolve_model
-    from hetrain.profiler.layers import run_profile_command
+    from hetrain.profiler.layers import profile_inputs, run_profile_command
 
-    source = resolve_model(args.model)  # an unknown or uncuttable model is bad input (status 2), named first
+    source = resolve_model(args.model)  # a model or data that cannot be used is bad input (status 2), named first
+    inputs = profile_inputs(source, args.data)
     return run_profile_command(source, args.micro_batch, args.output, device=args.device,
-                               repeats=args.repeats, precision=args.precision, data=args.data)
+                               repeats=args.repeats, precision=args.precision, inputs=inputs)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

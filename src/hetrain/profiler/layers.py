@@ -225,8 +225,12 @@ def _leaf(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     return x.requires_grad_(requires_grad and (x.is_floating_point() or x.is_complex()))
 
 
-def _sample_inputs(source: ModelSource, data: str | None, seed: int) -> Callable[[int], Any]:
-    """``b -> inputs of b samples`` for profiling ``source``: the first samples of ``data``, or random ones."""
+def profile_inputs(source: ModelSource, data: str | None, seed: int = 0) -> Callable[[int], Any]:
+    """``b -> inputs of b samples`` for profiling ``source``: the first samples of ``data``, or random ones.
+
+    Raises:
+        SpecError: a user's model without ``data`` (``MODULE:FUNCTION``), or a data spec that cannot be loaded.
+    """
     from hetrain.models.registry import sample_batch
     from hetrain.models.spec import SpecError, is_user_spec
 
@@ -666,7 +670,7 @@ def profile_layers(layers: Sequence[nn.Module], sample_input: SampleInput,
 
 def run_profile_command(model: str | ModelSource, micro_batches: Sequence[int], output: str, device: str = "cpu",
                         repeats: int = 5, warmup: int = 2, precision: Precision = "fp32", seed: int = 0,
-                        data: str | None = None) -> int:
+                        data: str | None = None, inputs: Callable[[int], Any] | None = None) -> int:
     """``hetrain profile``: profile a model, write the JSON; exit status.
 
     ``model`` is a reference model's name, ``MODULE:FUNCTION`` (``hetrain.models.user``), or
@@ -674,8 +678,9 @@ def run_profile_command(model: str | ModelSource, micro_batches: Sequence[int], 
     ``sample_batch`` inputs (a reference model), or the first samples of ``data``
     (``MODULE:FUNCTION``, ``hetrain.data.user``; a user's model needs it: its input is known
     only from its data). Prints the per-layer table and the time model's error on held-out
-    micro-batch sizes (with 3 or more sizes), and saves the profile. Returns 0, or 1 with the
-    reason on stderr.
+    micro-batch sizes (with 3 or more sizes), and saves the profile. ``inputs`` (``b -> the
+    first layer's input for b samples``, from ``profile_inputs``) replaces ``data``. Returns 0,
+    or 1 with the reason on stderr.
     """
     from hetrain.models.user import resolve_model
     from hetrain.profiler.fit import TIME_MODELS, fit_error
@@ -685,7 +690,7 @@ def run_profile_command(model: str | ModelSource, micro_batches: Sequence[int], 
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device!r}: CUDA is not available here; use --device cpu")
         source = resolve_model(model) if isinstance(model, str) else model
-        sample = _sample_inputs(source, data, seed)
+        sample = inputs if inputs is not None else profile_inputs(source, data, seed)
         layers = source.build_layers(seed=seed)
         measured = measure_layers(layers, sample, micro_batches, dev, repeats, warmup, precision,
                                   source.layer_names, unpack_tuples=False)
