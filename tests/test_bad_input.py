@@ -428,6 +428,10 @@ def triples():
     return [(torch.zeros(4), 0, 1)] * 8
 
 
+def wide():
+    return torch.utils.data.TensorDataset(torch.zeros(8, 5), torch.zeros(8, dtype=torch.long))
+
+
 setting = 3
 """
 
@@ -500,6 +504,9 @@ ARG_CASES: list[tuple[str, list[str], tuple[str, ...]]] = [
     ("profile-user-data-not-pairs", ["profile", "--model", "{models}:good", "--data", "{models}:triples",
                                      "-o", "{out}"],
      ("{models}:triples", "sample 0", "tuple of 3 items", "(input, target) pair")),
+    ("profile-user-data-wrong-shape", ["profile", "--model", "{models}:good", "--data", "{models}:wide",
+                                       "-o", "{out}"],
+     ("model {models}:good on data {models}:wide", "layer 0 (linear0)", "(2, 5) float32", "2x5 and 4x4")),
     ("calibrate-output-directory", ["calibrate", "{plan}", "{metrics}", "-o", "{dir}"], ("-o", "{dir}", "directory")),
     ("calibrate-warmup-negative", ["calibrate", "{plan}", "{metrics}", "--warmup", "-1"], ("--warmup", "-1")),
     ("calibrate-plan-list", ["calibrate", "{list}", "{metrics}"], ("{list}", "JSON object", "[]")),
@@ -556,6 +563,8 @@ TRAIN_CASES: list[tuple[str, list[str], tuple[str, ...]]] = [
     ("user-data-missing-function", ["--data", "{models}:nothing"], ("{models}:nothing", "no function 'nothing'")),
     ("user-data-not-a-dataset", ["--model", "{models}:good", "--data", "{models}:number"],
      ("data function {models}:number", "int", "not a data set")),
+    ("user-data-wrong-shape", ["--model", "{models}:good", "--data", "{models}:wide"],
+     ("layer 0 (linear0)", "(2, 5) float32", "mat1 and mat2")),
     ("plan-missing", ["--plan", "{missing}"], ("{missing}", "cannot read")),
     ("plan-list", ["--plan", "{list}"], ("{list}", "JSON object", "[]")),
     ("plan-directory", ["--plan", "{dir}"], ("{dir}", "directory")),

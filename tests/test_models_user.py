@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import textwrap
 from pathlib import Path
@@ -16,7 +17,7 @@ from hetrain.errors import InputError  # noqa: E402
 from hetrain.models.layers import LayerRange  # noqa: E402
 from hetrain.models.registry import build_layers  # noqa: E402
 from hetrain.models.spec import SpecError, is_user_spec, split_spec  # noqa: E402
-from hetrain.models.user import cut_layers, resolve_model  # noqa: E402
+from hetrain.models.user import check_model_on_batch, cut_layers, resolve_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "own_model" / "model.py"
@@ -215,3 +216,14 @@ def test_the_example_learns_its_data_in_one_process() -> None:
         opt.step()
         losses.append(loss.item())
     assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5
+
+
+def test_a_model_is_tried_on_its_data_and_a_loss_must_be_one_number(user_module: Path) -> None:
+    x, y = torch.zeros(2, 3), torch.zeros(2)
+    check_model_on_batch(resolve_model(f"{user_module}:mlp"), x, y, "d")
+    with pytest.raises(SpecError, match=r"layer 0 \(linear0\) fails on input \(2, 4\) float32"):
+        check_model_on_batch(resolve_model(f"{user_module}:mlp"), torch.zeros(2, 4), y, "d")
+    per_sample = dataclasses.replace(resolve_model(f"{user_module}:mlp"),
+                                     loss_fn=lambda out, target: (out.sum(1) - target) ** 2)
+    with pytest.raises(SpecError, match=r"returned \(2,\) float32, not one number"):
+        check_model_on_batch(per_sample, x, y, "d")

@@ -24,7 +24,7 @@ from torch.utils.data import Dataset, default_collate
 
 from hetrain.data.datasets import Batch, DatasetSplit
 from hetrain.models.spec import SpecError, call_spec, is_user_spec, load_function
-from hetrain.models.user import ModelSource
+from hetrain.models.user import ModelSource, check_model_on_batch
 
 _HOW = "return a map-style torch.utils.data.Dataset of (input, target) pairs, or a (train, validation) pair of them"
 
@@ -96,16 +96,22 @@ def load_user_datasets(spec: str) -> DatasetSplit:
 def build_model_datasets(model: ModelSource, data: str | None, seed: int = 0) -> tuple[str, DatasetSplit]:
     """``(data name, (train, validation))`` for ``model``: ``--data`` resolved as ``hetrain train`` does.
 
-    ``MODULE:FUNCTION`` loads the user's data set (for any model); a name picks one of
+    ``MODULE:FUNCTION`` loads the user's data set (for any model; a user's model is run on two of
+    its samples, ``check_model_on_batch``); a name picks one of
     ``hetrain.data.registry`` shaped for a reference model (None: the one that fits it). A
     user's model has no known input shape, so it needs ``--data MODULE:FUNCTION``.
 
     Raises:
-        SpecError: a user's model without a user's data set, or a data spec that cannot be loaded.
+        SpecError: a user's model without a user's data set, a data spec that cannot be loaded, or a
+            user's model that fails on its data.
         ValueError: an unknown data set name, or one that does not fit the reference model.
     """
     if data is not None and is_user_spec(data):
-        return data, load_user_datasets(data)
+        split = load_user_datasets(data)
+        if model.preset is None:  # shapes hetrain cannot know: tried on two samples, so a mismatch is named here
+            x, y = split.train.take(torch.arange(min(2, len(split.train))))  # (2, ...) each
+            check_model_on_batch(model, x, y, data)
+        return data, split
     if model.preset is None:
         given = f"--data {data} is shaped for reference models" if data else "no --data given"
         raise SpecError(f"model {model.name} is your own, and {given}: hetrain does not know its input; give "

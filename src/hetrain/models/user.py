@@ -196,3 +196,46 @@ def resolve_model(text: str, **config: Any) -> ModelSource:
         raise SpecError(f"--set {', '.join(sorted(config))}: settings apply to reference models only; "
                         f"{text} is built by its own function")
     return _resolve_user(text)
+
+
+def check_model_on_batch(source: ModelSource, inputs: Any, targets: Any, data_name: str) -> None:
+    """Run ``inputs`` (a batch of a few samples) through the whole model and its loss, without gradients.
+
+    For a user's model and data, whose shapes hetrain cannot know, so that a mismatch is named
+    before any process group rather than as a failed forward on some rank mid-step. Builds the
+    whole model once more (seed 0) on the CPU.
+
+    Raises:
+        SpecError: a layer or the loss fails on the batch (the layer's index and name, the shapes).
+    """
+    layers = source.build_layers(seed=0)
+    x = inputs
+    with torch.no_grad():
+        for k, layer in enumerate(layers):
+            try:
+                x = layer(x)
+            except Exception as e:  # the user's code and shapes: any error is theirs, named in one line
+                raise SpecError(f"model {source.name} on data {data_name}: layer {k} ({source.layer_names[k]}) "
+                                f"fails on input {_shapes(x)}: {type(e).__name__}: {_first_line(e)}") from e
+        try:
+            loss = source.loss_fn(x, targets)
+        except Exception as e:  # the user's code and shapes: any error is theirs, named in one line
+            raise SpecError(f"model {source.name} on data {data_name}: the loss fails on output {_shapes(x)} and "
+                            f"target {_shapes(targets)}: {type(e).__name__}: {_first_line(e)}") from e
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise SpecError(f"model {source.name}: its loss_fn returned {_shapes(loss)}, not one number (the mean loss "
+                        "of the micro-batch)")
+
+
+def _shapes(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}"
+    if isinstance(x, tuple | list):
+        return "(" + ", ".join(_shapes(t) for t in x) + ")"
+    return type(x).__name__
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+

@@ -48,7 +48,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from hetrain.catalog import lookup_device_type
-from hetrain.models.user import ModelSource
+from hetrain.models.user import ModelSource, check_model_on_batch
 from hetrain.profile import (
     OPTIMIZER_ALIASES,
     OPTIMIZER_NAMES,
@@ -238,6 +238,9 @@ def profile_inputs(source: ModelSource, data: str | None, seed: int = 0) -> Call
         from hetrain.data.user import load_user_datasets
 
         train = load_user_datasets(data).train
+        if source.preset is None:  # shapes hetrain cannot know: a mismatch named before anything is timed
+            x, y = train.take(torch.arange(min(2, len(train))))  # (2, ...) each
+            check_model_on_batch(source, x, y, data)
         return lambda b: train.take(torch.arange(b) % len(train))[0]  # (b, ...): sample 0, 1, ... (again if short)
     if source.preset is None:
         raise SpecError(f"model {source.name} is your own: hetrain knows its input only from its data; give "
