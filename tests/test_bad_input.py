@@ -373,11 +373,67 @@ def files(valid: dict[str, Json], tmp_path: Path) -> dict[str, str]:
     (tmp_path / "binary.json").write_bytes(RAW_FILES["binary"])
     (tmp_path / "deep.json").write_text(DEEP_JSON)
     (tmp_path / "bad-step.jsonl").write_text('{"step": 1, "step_time_s": "fast"}\n')
+    (tmp_path / "models.py").write_text(USER_MODULE)
+    (tmp_path / "broken.py").write_text("import no_such_package_here\n")
     return {"plan": str(tmp_path / "plan.json"), "dir": str(tmp_path), "missing_dir": str(tmp_path / "no" / "x.json"),
             "under_file": str(tmp_path / "a-file" / "x.json"), "out": str(tmp_path / "out.json"),
             "metrics": str(tmp_path / "metrics.jsonl"), "list": str(tmp_path / "list.json"),
             "missing": str(tmp_path / "missing.json"), "binary": str(tmp_path / "binary.json"),
-            "deep": str(tmp_path / "deep.json"), "bad_step": str(tmp_path / "bad-step.jsonl")}
+            "deep": str(tmp_path / "deep.json"), "bad_step": str(tmp_path / "bad-step.jsonl"),
+            "models": str(tmp_path / "models.py"), "broken": str(tmp_path / "broken.py")}
+
+
+# a user's module, as `--model FILE.py:FUNCTION` and `--data FILE.py:FUNCTION` load it
+USER_MODULE = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Linear(4, 4)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(self.conv(x) + x)
+
+
+def residual():
+    return Net()
+
+
+def mixed():
+    return [nn.Linear(4, 4), "relu"]
+
+
+def number():
+    return 3
+
+
+def boom():
+    raise RuntimeError("out of cheese")
+
+
+def tied():
+    a = nn.Linear(4, 4)
+    return [a, nn.ReLU(), a]
+
+
+def good():
+    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+
+
+def triples():
+    return [(torch.zeros(4), 0, 1)] * 8
+
+
+def wide():
+    return torch.utils.data.TensorDataset(torch.zeros(8, 5), torch.zeros(8, dtype=torch.long))
+
+
+setting = 3
+"""
 
 
 PLAN = ["plan", "--cluster", str(CLUSTER), "--model", "mlp"]
@@ -422,6 +478,35 @@ ARG_CASES: list[tuple[str, list[str], tuple[str, ...]]] = [
     ("profile-repeats-huge", ["profile", "--model", "mlp", "--repeats", "1000000000"],
      ("--repeats", "1000000000", "MAX_REPEATS")),
     ("profile-micro-batch-word", ["profile", "--model", "mlp", "--micro-batch", "big"], ("--micro-batch", "'big'")),
+    ("plan-user-model", [*PLAN, "--model", "{models}:good", "--global-batch", "16"],
+     ("{models}:good", "profile it first", "hetrain profile --model {models}:good", "--profile profile.json")),
+    ("profile-user-missing-file", ["profile", "--model", "{dir}/nowhere.py:build"],
+     ("{dir}/nowhere.py:build", "does not exist")),
+    ("profile-user-no-module", ["profile", "--model", "no_such_module_here:build"],
+     ("no_such_module_here:build", "no module named 'no_such_module_here'")),
+    ("profile-user-import-fails", ["profile", "--model", "{broken}:build"],
+     ("{broken}:build", "importing", "ModuleNotFoundError", "no_such_package_here")),
+    ("profile-user-no-function", ["profile", "--model", "{models}:buld"],
+     ("{models}:buld", "no function 'buld'", "good")),
+    ("profile-user-not-callable", ["profile", "--model", "{models}:setting"], ("setting", "int", "not a function")),
+    ("profile-user-no-colon-name", ["profile", "--model", "{models}:"], ("MODULE:FUNCTION",)),
+    ("profile-user-raises", ["profile", "--model", "{models}:boom"],
+     ("model function {models}:boom", "RuntimeError", "out of cheese")),
+    ("profile-user-not-a-model", ["profile", "--model", "{models}:number"],
+     ("{models}:number", "returned a int", "not a model", "nn.Sequential or a list of layers")),
+    ("profile-user-uncuttable", ["profile", "--model", "{models}:residual"],
+     ("{models}:residual", "returned Net", "forward hetrain cannot follow", "conv, fc",
+      "nn.Sequential or a list of layers (nn.Module) in forward order")),
+    ("profile-user-list-item", ["profile", "--model", "{models}:mixed"], ("item 1", "str", "not an nn.Module")),
+    ("profile-user-shared-layer", ["profile", "--model", "{models}:tied"], ("same module", "layers 0 and 2")),
+    ("profile-user-without-data", ["profile", "--model", "{models}:good", "-o", "{out}"],
+     ("{models}:good", "is your own", "--data MODULE:FUNCTION")),
+    ("profile-user-data-not-pairs", ["profile", "--model", "{models}:good", "--data", "{models}:triples",
+                                     "-o", "{out}"],
+     ("{models}:triples", "sample 0", "tuple of 3 items", "(input, target) pair")),
+    ("profile-user-data-wrong-shape", ["profile", "--model", "{models}:good", "--data", "{models}:wide",
+                                       "-o", "{out}"],
+     ("model {models}:good on data {models}:wide", "layer 0 (linear0)", "(2, 5) float32", "2x5 and 4x4")),
     ("calibrate-output-directory", ["calibrate", "{plan}", "{metrics}", "-o", "{dir}"], ("-o", "{dir}", "directory")),
     ("calibrate-warmup-negative", ["calibrate", "{plan}", "{metrics}", "--warmup", "-1"], ("--warmup", "-1")),
     ("calibrate-plan-list", ["calibrate", "{list}", "{metrics}"], ("{list}", "JSON object", "[]")),
@@ -469,6 +554,17 @@ TRAIN_CASES: list[tuple[str, list[str], tuple[str, ...]]] = [
     ("set-without-value", ["--set", "n_blocks"], ("KEY=VALUE", "'n_blocks'")),
     ("sync-option-gone", ["--sync-option", "lag=2"], ("unrecognized arguments", "--sync-option")),
     ("optimizer-gone", ["--optimizer", "sgd"], ("unrecognized arguments", "--optimizer")),
+    ("user-model-uncuttable", ["--model", "{models}:residual"], ("{models}:residual", "returned Net", "forward")),
+    ("user-model-raises", ["--model", "{models}:boom"], ("{models}:boom", "RuntimeError", "out of cheese")),
+    ("user-model-with-set", ["--model", "{models}:good", "--set", "hidden=3"], ("--set hidden", "reference models")),
+    ("user-model-without-data", ["--model", "{models}:good"], ("{models}:good", "no --data", "MODULE:FUNCTION")),
+    ("user-model-synthetic-data", ["--model", "{models}:good", "--data", "synthetic"],
+     ("--data synthetic", "reference models", "MODULE:FUNCTION")),
+    ("user-data-missing-function", ["--data", "{models}:nothing"], ("{models}:nothing", "no function 'nothing'")),
+    ("user-data-not-a-dataset", ["--model", "{models}:good", "--data", "{models}:number"],
+     ("data function {models}:number", "int", "not a data set")),
+    ("user-data-wrong-shape", ["--model", "{models}:good", "--data", "{models}:wide"],
+     ("layer 0 (linear0)", "(2, 5) float32", "mat1 and mat2")),
     ("plan-missing", ["--plan", "{missing}"], ("{missing}", "cannot read")),
     ("plan-list", ["--plan", "{list}"], ("{list}", "JSON object", "[]")),
     ("plan-directory", ["--plan", "{dir}"], ("{dir}", "directory")),

@@ -5,7 +5,7 @@
     torchrun ... -m hetrain train --plan plan.json --model NAME [--steps N] [--checkpoint-dir D]
     hetrain compare predicted.json measured.json [--gantt both.png]
     hetrain calibrate plan.json metrics.jsonl [--warmup N] [-o profile.json]
-    hetrain profile --model NAME [--micro-batch 1,2,4,8] [-o profile.json]
+    hetrain profile --model NAME|MODULE:FUNCTION [--data MODULE:FUNCTION] [--micro-batch 1,2,4,8] [-o profile.json]
     torchrun --nproc-per-node N --no-python hetrain discover -o cluster.toml
     hetrain emulate run CLUSTER.toml -- COMMAND...  (also up, down, status)
     hetrain models | hetrain demo
@@ -60,6 +60,12 @@ def _load_model_profile(model: str | None, profile_path: str | None) -> ModelPro
         return load_profile(profile_path)
     if not model:
         raise ProfileError("give --model NAME (see `hetrain models`) or --profile profile.json")
+    from hetrain.models.spec import is_user_spec
+
+    if is_user_spec(model):  # no analytic profile: measure it (the planning side runs no user code)
+        raise ProfileError(f"--model {model} is your own model, which hetrain plans from a measured profile; "
+                           f"profile it first: hetrain profile --model {model} --data DATA -o profile.json, "
+                           "then hetrain plan --profile profile.json")
     from hetrain.models.analytic import build_profile
 
     try:
@@ -250,12 +256,13 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     check_output_path(args.output, "-o")
-    from hetrain.models.registry import get_spec
-    from hetrain.profiler.layers import run_profile_command
+    from hetrain.models.user import resolve_model
+    from hetrain.profiler.layers import profile_inputs, run_profile_command
 
-    get_spec(args.model)  # an unknown model is bad input (status 2), named before anything is measured
-    return run_profile_command(args.model, args.micro_batch, args.output, device=args.device,
-                               repeats=args.repeats, precision=args.precision)
+    source = resolve_model(args.model)  # a model or data that cannot be used is bad input (status 2), named first
+    inputs = profile_inputs(source, args.data)
+    return run_profile_command(source, args.micro_batch, args.output, device=args.device,
+                               repeats=args.repeats, precision=args.precision, inputs=inputs)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -272,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="from_plan", metavar="PLAN",
                    help="re-predict PLAN's stages under --sync / --sync-option (instead of searching anew)")
     p.add_argument("--cluster", help="cluster TOML file")
-    p.add_argument("--model", help="a reference model (see `hetrain models`)")
+    p.add_argument("--model", help="a reference model (see `hetrain models`); your own: --profile")
     p.add_argument("--profile", help="a profile JSON file instead of --model")
     p.add_argument("--global-batch", type=int_between(1, MAX_GLOBAL_BATCH, "MAX_GLOBAL_BATCH"),
                    help="samples per iteration")
@@ -308,7 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=cmd_models)
 
     pr = sub.add_parser("profile", help="measure a model's layers on this device")
-    pr.add_argument("--model", required=True)
+    pr.add_argument("--model", required=True, help="a reference model, or MODULE:FUNCTION / path/to/file.py:FUNCTION "
+                    "returning your own (docs/own-model.md)")
+    pr.add_argument("--data", default=None, help="MODULE:FUNCTION returning a torch Dataset of (input, target): "
+                    "the input to profile on (needed for your own model)")
     pr.add_argument("--micro-batch", type=_ints, default=[1, 2, 4, 8])
     pr.add_argument("-o", "--output", default="profile.json")
     pr.add_argument("--device", default="cpu")

@@ -6,6 +6,7 @@
 - ``hetrain.data.datasets``: tensor datasets, synthetic data, ``iter_batches``, ``eval_batches``.
 - ``hetrain.data.sharding``: per-VW and per-micro-batch slices of a batch (pure Python).
 - ``hetrain.data.registry``: the data sets by name, matched to a model.
+- ``hetrain.data.user``: a user's data set (``--data MODULE:FUNCTION``), and ``--data`` resolved for any model.
 
 Importing this package imports no torch; the names below load their module on
 first use (``from hetrain.data import load_text_corpus``).
@@ -23,6 +24,7 @@ _EXPORTS = {
     "load_text_corpus": "text", "load_text_datasets": "text",
     "load_digits_dataset": "digits",
     "DATA_NAMES": "registry", "build_datasets": "registry", "default_data": "registry",
+    "MapDataset": "user", "build_model_datasets": "user", "load_user_datasets": "user",
     "batch_slices": "sharding", "sample_weights": "sharding", "shard_batch": "sharding",
     "split_batch": "sharding", "split_evenly": "sharding",
 }

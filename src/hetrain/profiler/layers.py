@@ -48,6 +48,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from hetrain.catalog import lookup_device_type
+from hetrain.models.user import ModelSource, check_model_on_batch
 from hetrain.profile import (
     OPTIMIZER_ALIASES,
     OPTIMIZER_NAMES,
@@ -222,6 +223,34 @@ def _nbytes(tree: Any) -> int:
 def _leaf(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     x = t.detach()
     return x.requires_grad_(requires_grad and (x.is_floating_point() or x.is_complex()))
+
+
+def profile_inputs(source: ModelSource, data: str | None, seed: int = 0) -> Callable[[int], Any]:
+    """``b -> inputs of b samples`` for profiling ``source``: the first samples of ``data``, or random ones.
+
+    Raises:
+        SpecError: a user's model without ``data`` (``MODULE:FUNCTION``), or a data spec that cannot be loaded.
+    """
+    from hetrain.models.registry import sample_batch
+    from hetrain.models.spec import SpecError, is_user_spec
+
+    if data is not None and is_user_spec(data):
+        from hetrain.data.user import load_user_datasets
+
+        train = load_user_datasets(data).train
+        if source.preset is None:  # shapes hetrain cannot know: a mismatch named before anything is timed
+            x, y = train.take(torch.arange(min(2, len(train))))  # (2, ...) each
+            check_model_on_batch(source, x, y, data)
+        return lambda b: train.take(torch.arange(b) % len(train))[0]  # (b, ...): sample 0, 1, ... (again if short)
+    if source.preset is None:
+        raise SpecError(f"model {source.name} is your own: hetrain knows its input only from its data; give "
+                        "--data MODULE:FUNCTION returning a torch Dataset of (input, target) pairs (docs/own-model.md)")
+    if data is not None:
+        raise SpecError(f"--data {data}: profiling takes MODULE:FUNCTION (a reference model's input is drawn "
+                        "at random without it)")
+    generator = torch.Generator().manual_seed(seed)
+    preset, config = source.preset, source.config
+    return lambda b: sample_batch(preset, b, generator, **config)[0]
 
 
 def _replicate(sample: Any, b: int) -> Any:
@@ -642,27 +671,33 @@ def profile_layers(layers: Sequence[nn.Module], sample_input: SampleInput,
     return m.to_profile(model_name)
 
 
-def run_profile_command(model: str, micro_batches: Sequence[int], output: str, device: str = "cpu",
-                        repeats: int = 5, warmup: int = 2, precision: Precision = "fp32", seed: int = 0) -> int:
-    """``hetrain profile``: profile a reference model of ``hetrain.models``, write the JSON; exit status.
+def run_profile_command(model: str | ModelSource, micro_batches: Sequence[int], output: str, device: str = "cpu",
+                        repeats: int = 5, warmup: int = 2, precision: Precision = "fp32", seed: int = 0,
+                        data: str | None = None, inputs: Callable[[int], Any] | None = None) -> int:
+    """``hetrain profile``: profile a model, write the JSON; exit status.
 
-    Builds the layers with ``hetrain.models.registry.build_layers``, feeds them
-    ``sample_batch`` inputs, prints the per-layer table and the time model's error
-    on held-out micro-batch sizes (with 3 or more sizes), and saves the profile.
-    Returns 0, or 1 with the reason on stderr.
+    ``model`` is a reference model's name, ``MODULE:FUNCTION`` (``hetrain.models.user``), or
+    the ``ModelSource`` resolved from either. Builds its layers under ``seed`` and feeds them
+    ``sample_batch`` inputs (a reference model), or the first samples of ``data``
+    (``MODULE:FUNCTION``, ``hetrain.data.user``; a user's model needs it: its input is known
+    only from its data). Prints the per-layer table and the time model's error on held-out
+    micro-batch sizes (with 3 or more sizes), and saves the profile. ``inputs`` (``b -> the
+    first layer's input for b samples``, from ``profile_inputs``) replaces ``data``. Returns 0,
+    or 1 with the reason on stderr.
     """
-    from hetrain.models.registry import build_layers, layer_names, sample_batch
+    from hetrain.models.user import resolve_model
     from hetrain.profiler.fit import TIME_MODELS, fit_error
 
     try:
         dev = torch.device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device!r}: CUDA is not available here; use --device cpu")
-        layers = build_layers(model, seed=seed)
-        generator = torch.Generator().manual_seed(seed)
-        measured = measure_layers(layers, lambda b: sample_batch(model, b, generator)[0], micro_batches, dev,
-                                  repeats, warmup, precision, layer_names(model), unpack_tuples=False)
-        profile = measured.to_profile(model)
+        source = resolve_model(model) if isinstance(model, str) else model
+        sample = inputs if inputs is not None else profile_inputs(source, data, seed)
+        layers = source.build_layers(seed=seed)
+        measured = measure_layers(layers, sample, micro_batches, dev, repeats, warmup, precision,
+                                  source.layer_names, unpack_tuples=False)
+        profile = measured.to_profile(source.name)
         profile.save(output)
     except (ValueError, RuntimeError, OSError) as e:
         print(f"hetrain profile: error: {e}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""The ``train`` command: a reference model, a data set and a plan, on every rank of a torchrun job.
+"""The ``train`` command: a model (reference or your own), a data set and a plan, on every rank of a torchrun job.
 
     torchrun --nproc-per-node 4 -m hetrain.runtime.command --plan plan.json --model gpt-tiny --steps 100 \
         --checkpoint-dir ckpt --checkpoint-every 50 --metrics-out metrics.jsonl --timeline-out measured.json
@@ -22,8 +22,11 @@ import torch.distributed as dist
 from torch import nn
 
 from hetrain.arguments import int_between, number_at_least
+from hetrain.data.datasets import DatasetSplit
+from hetrain.data.user import build_model_datasets
 from hetrain.errors import InputError, RunError
 from hetrain.fields import MAX_STEPS
+from hetrain.models.user import ModelSource, resolve_model
 from hetrain.plan import Plan, PlanError, load_plan
 from hetrain.runtime.trainer import DEFAULT_TIMEOUT_S, Trainer, build_optimizer_fn
 
@@ -42,7 +45,8 @@ def _model_config(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def run_train_command(plan_path: str | Path | Plan, model: str, data: str | None = None, steps: int = 100,
+def run_train_command(plan_path: str | Path | Plan, model: str | ModelSource,
+                      data: str | tuple[str, DatasetSplit] | None = None, steps: int = 100,
                       checkpoint_dir: str | Path | None = None, timeline_out: str | Path | None = None,
                       metrics_out: str | Path | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, *,
                       checkpoint_every: int = 0, lr: float | None = None,
@@ -56,8 +60,12 @@ def run_train_command(plan_path: str | Path | Plan, model: str, data: str | None
 
     Args:
         plan_path: plan.json, or the Plan read from it.
-        model: a reference model name (``hetrain.models.registry``); its layer count must be the plan's.
-        data: a data set name (``hetrain.data.registry``); default: the real one that fits the model.
+        model: a reference model name (``hetrain.models.registry``), ``MODULE:FUNCTION`` returning the
+            user's own (``hetrain.models.user``), or the ``ModelSource`` of either; its layer count must
+            be the plan's.
+        data: a data set name (``hetrain.data.registry``; default: the real one that fits the model),
+            ``MODULE:FUNCTION`` returning the user's own (``hetrain.data.user``; a user's model needs
+            it), or ``build_model_datasets``' ``(name, datasets)``.
         steps: the step count to reach (a resumed run goes on from its checkpoint).
         checkpoint_dir: where checkpoints go and are resumed from.
         timeline_out: the measured Timeline of the last step (JSON).
@@ -78,31 +86,32 @@ def run_train_command(plan_path: str | Path | Plan, model: str, data: str | None
     Returns:
         The exit status: 0, or 1 after an error printed to stderr.
     """
-    from hetrain.data.registry import build_datasets, default_data
-    from hetrain.models.registry import build_layers, loss_fn, num_layers
-
     trainer: Trainer | None = None
     config = dict(model_config or {})
     try:
         plan = plan_path if isinstance(plan_path, Plan) else load_plan(plan_path)
-        n = num_layers(model, **config)
+        source = resolve_model(model, **config) if isinstance(model, str) else model
+        n = source.num_layers
         if n != plan.profile.num_layers:
-            raise PlanError(f"model {model!r} has {n} layers but the plan ({plan.model}) has "
+            raise PlanError(f"model {source.name!r} has {n} layers but the plan ({plan.model}) has "
                             f"{plan.profile.num_layers}")
-        data_name = data or default_data(model, **config)
-        train_set, val_set = build_datasets(data_name, model, seed=data_seed, **config)
+        data_name, (train_set, val_set) = (data if isinstance(data, tuple)
+                                           else build_model_datasets(source, data, data_seed))
+        if eval_every and val_set is None:
+            raise InputError(f"--eval-every needs a validation set; --data {data_name} returned only a training "
+                             "set (return a (train, validation) pair)")
         opt_name = plan.optimizer
 
         def layers_fn(first: int, end: int) -> list[nn.Module]:
-            return build_layers(model, first, end, seed=seed, **config)
+            return source.build_layers(first, end, seed=seed)
 
         trainer = Trainer(layers_fn, plan, build_optimizer_fn(opt_name, lr, weight_decay=weight_decay),
-                          loss_fn(model), timeout_s=timeout_s, checkpoint_dir=checkpoint_dir,
+                          source.loss_fn, timeout_s=timeout_s, checkpoint_dir=checkpoint_dir,
                           checkpoint_every=checkpoint_every, metrics_out=metrics_out, timeline_out=timeline_out,
                           progress=progress, tensorboard_dir=tensorboard_dir, log_every=log_every)
         if trainer.is_reporting:
             resumed = f", resuming at step {trainer.step}" if trainer.step else ""
-            print(f"hetrain train: {model} on {data_name}, {len(plan.devices_used)} device(s) of {trainer.world} "
+            print(f"hetrain train: {source.name} on {data_name}, {len(plan.devices_used)} device(s) of {trainer.world} "
                   f"rank(s), {len(plan.virtual_workers)} VW(s), {plan.schedule}, global batch {plan.global_batch}, "
                   f"{opt_name}{resumed}", flush=True)
         start = trainer.step
@@ -132,8 +141,10 @@ def run_train_command(plan_path: str | Path | Plan, model: str, data: str | None
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``train`` command's options (for ``hetrain train`` and ``python -m hetrain.runtime.trainer``)."""
     parser.add_argument("--plan", required=True, help="plan.json")
-    parser.add_argument("--model", required=True, help="reference model name (hetrain.models.registry)")
-    parser.add_argument("--data", default=None, help="data set: shakespeare, digits, synthetic (default: fits model)")
+    parser.add_argument("--model", required=True, help="reference model name (hetrain.models.registry), or "
+                        "MODULE:FUNCTION / path/to/file.py:FUNCTION returning your own (docs/own-model.md)")
+    parser.add_argument("--data", default=None, help="data set: shakespeare, digits, synthetic (default: fits model), "
+                        "or MODULE:FUNCTION returning a torch Dataset of (input, target) (needed for your own model)")
     steps = int_between(0, MAX_STEPS, "MAX_STEPS")
     parser.add_argument("--steps", type=steps, default=100, help="step count to reach (default 100)")
     parser.add_argument("--checkpoint-dir", default=None, help="write checkpoints here; resume from the newest")
@@ -181,10 +192,12 @@ def run_from_args(args: argparse.Namespace) -> int:
         config = _model_config(args.model_config)
         _check_output_paths(args)
         plan = load_plan(args.plan)
+        model = resolve_model(args.model, **config)  # a model or data set that cannot be used: refused here
+        data = build_model_datasets(model, args.data, args.data_seed)
     except (InputError, ValueError) as e:
         print(f"hetrain train: error: {e}", file=sys.stderr)
         return 2
-    return run_train_command(plan, args.model, args.data, args.steps, args.checkpoint_dir, args.timeline_out,
+    return run_train_command(plan, model, data, args.steps, args.checkpoint_dir, args.timeline_out,
                              args.metrics_out, args.timeout_s, checkpoint_every=args.checkpoint_every,
                              lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
                              data_seed=args.data_seed, progress=args.progress, tensorboard_dir=args.tensorboard_dir,

@@ -1,0 +1,122 @@
+"""A user's data set, ``--data MODULE:FUNCTION``: any map-style ``torch.utils.data.Dataset`` of pairs.
+
+The function takes no arguments and returns
+
+- a map-style ``Dataset`` (``len(ds)`` and ``ds[i] -> (input, target)``): the training set, or
+- a pair ``(train, validation)`` of them (``hetrain train --eval-every`` needs the second).
+
+It must return the same samples in the same order on every rank (build them from a fixed
+seed): each rank draws the same global batches by index (``datasets.iter_batches``) and
+keeps its VW's slice. Samples are gathered into batches with torch's ``default_collate``
+(tensors stacked, numbers made tensors), so ``ds[i]`` may hold tensors, numbers or numpy arrays.
+
+Example:
+    >>> train, val = load_user_datasets("examples/own_model/model.py:dataset")   # doctest: +SKIP
+    >>> x, y = train.take(torch.arange(4))                                       # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, default_collate
+
+from hetrain.data.datasets import Batch, DatasetSplit
+from hetrain.models.spec import SpecError, call_spec, is_user_spec, load_function
+from hetrain.models.user import ModelSource, check_model_on_batch
+
+_HOW = "return a map-style torch.utils.data.Dataset of (input, target) pairs, or a (train, validation) pair of them"
+
+
+class MapDataset:
+    """A map-style dataset seen as ``len`` and ``take(indices) -> (inputs, targets)``, what ``iter_batches`` reads.
+
+    Args:
+        dataset: ``len(dataset)`` samples, ``dataset[i] -> (input, target)``.
+        name: how errors name it (the spec).
+    """
+
+    def __init__(self, dataset: Any, name: str) -> None:
+        self.dataset = dataset
+        self.name = name
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def take(self, indices: torch.Tensor) -> Batch:
+        samples = [self.dataset[int(i)] for i in indices]
+        try:
+            inputs, targets = default_collate(samples)  # (B, ...) each
+        except (TypeError, RuntimeError, ValueError) as e:
+            raise SpecError(f"data {self.name}: samples {[int(i) for i in indices[:4]]}... cannot be stacked into a "
+                            f"batch ({type(e).__name__}: {e}); every sample must be an (input, target) pair of the "
+                            "same shapes") from e
+        return inputs, targets
+
+    def __repr__(self) -> str:
+        return f"MapDataset({self.name}, {len(self)} samples)"
+
+
+def _check_dataset(ds: Any, spec: str, what: str) -> MapDataset:
+    if not isinstance(ds, Dataset) and not (hasattr(ds, "__len__") and hasattr(ds, "__getitem__")):
+        raise SpecError(f"data function {spec} returned {what}a {type(ds).__name__}, not a data set; {_HOW}")
+    try:
+        n = len(ds)
+    except TypeError as e:
+        raise SpecError(f"data function {spec} returned {what}a {type(ds).__name__} without a length "
+                        f"(an iterable-style data set?); {_HOW}") from e
+    if n < 1:
+        raise SpecError(f"data function {spec} returned {what}an empty {type(ds).__name__}; {_HOW}")
+    try:
+        first = ds[0]
+    except Exception as e:  # the user's code: any error is theirs, named in one line
+        raise SpecError(f"data {spec}: reading {what}sample 0 raised {type(e).__name__}: {e}") from e
+    if not isinstance(first, tuple | list) or len(first) != 2:
+        raise SpecError(f"data {spec}: {what}sample 0 is a {type(first).__name__}"
+                        f"{f' of {len(first)} items' if isinstance(first, tuple | list) else ''}, "
+                        "not an (input, target) pair; " + _HOW)
+    return MapDataset(ds, spec)
+
+
+def load_user_datasets(spec: str) -> DatasetSplit:
+    """The training set (and the validation set, if returned; else None) of ``--data MODULE:FUNCTION``.
+
+    Raises:
+        SpecError: the spec cannot be loaded, its function raises, or it returns no data set of pairs.
+    """
+    fn, _ = load_function(spec)
+    got = call_spec(spec, fn, "data function")
+    if isinstance(got, tuple) and len(got) == 2 and not isinstance(got[0], torch.Tensor):
+        return DatasetSplit(_check_dataset(got[0], spec, "as training set "),
+                            _check_dataset(got[1], spec, "as validation set "))
+    return DatasetSplit(_check_dataset(got, spec, ""), None)
+
+
+def build_model_datasets(model: ModelSource, data: str | None, seed: int = 0) -> tuple[str, DatasetSplit]:
+    """``(data name, (train, validation))`` for ``model``: ``--data`` resolved as ``hetrain train`` does.
+
+    ``MODULE:FUNCTION`` loads the user's data set (for any model; a user's model is run on two of
+    its samples, ``check_model_on_batch``); a name picks one of
+    ``hetrain.data.registry`` shaped for a reference model (None: the one that fits it). A
+    user's model has no known input shape, so it needs ``--data MODULE:FUNCTION``.
+
+    Raises:
+        SpecError: a user's model without a user's data set, a data spec that cannot be loaded, or a
+            user's model that fails on its data.
+        ValueError: an unknown data set name, or one that does not fit the reference model.
+    """
+    if data is not None and is_user_spec(data):
+        split = load_user_datasets(data)
+        if model.preset is None:  # shapes hetrain cannot know: tried on two samples, so a mismatch is named here
+            x, y = split.train.take(torch.arange(min(2, len(split.train))))  # (2, ...) each
+            check_model_on_batch(model, x, y, data)
+        return data, split
+    if model.preset is None:
+        given = f"--data {data} is shaped for reference models" if data else "no --data given"
+        raise SpecError(f"model {model.name} is your own, and {given}: hetrain does not know its input; give "
+                        "--data MODULE:FUNCTION returning a torch Dataset of (input, target) pairs (docs/own-model.md)")
+    from hetrain.data.registry import build_datasets, default_data
+
+    name = data or default_data(model.preset, **model.config)
+    return name, build_datasets(name, model.preset, seed=seed, **model.config)

@@ -1,0 +1,241 @@
+"""A model by name or by spec: the reference models and the user's own, behind one ``ModelSource``.
+
+``resolve_model(text)`` takes what ``--model`` takes:
+
+- a reference model's name (``hetrain.models.registry``: ``gpt-tiny``, ``mlp-digits``, ...), with
+  ``--set`` overrides as keyword arguments;
+- ``MODULE:FUNCTION`` or ``path/to/file.py:FUNCTION`` (``hetrain.models.spec``): a function of no
+  arguments that returns the model as
+
+  - an ``nn.Sequential`` (its children are the layers),
+  - an ``nn.ModuleList``, or a list or tuple of ``nn.Module`` (the layers, in forward order),
+  - a module without children (one layer).
+
+  Any other module with children is refused: its ``forward`` may do anything with them (a
+  residual sum, a loop, a reshape), so cutting it between children would change the model.
+  Return its layers in forward order instead, each an ``nn.Module`` whose output is the next
+  one's input.
+
+Layer ``k``'s output is passed, as one argument and unchanged, to layer ``k + 1``
+(``hetrain.models.layers``). The loss is the function module's ``loss_fn(output, target)``
+(the mean over the micro-batch) if it defines one, else ``torch.nn.functional.cross_entropy``.
+
+Weights (DESIGN.md decision 6): a user's function builds the whole model at once, so it is
+called with torch's CPU generator seeded with ``seed`` (``torch.manual_seed(seed); build()``,
+the caller's random state restored after), and a stage keeps its layers' slice. Every rank
+and every plan thus starts from the same weights, and stages name their parameters
+``layers.{k}.<param>`` by global index as for the reference models. The function must be
+deterministic under a seed (no reads of other random sources), and every rank builds the
+whole model once on the CPU before keeping its stage.
+
+Example:
+    >>> source = resolve_model("examples/own_model/model.py:build")     # doctest: +SKIP
+    >>> source.num_layers, source.layer_names[:2]                        # doctest: +SKIP
+    (5, ('linear0', 'relu1'))
+    >>> stage = source.build_layers(2, 5, seed=0)                        # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hetrain.models.spec import SpecError, call_spec, is_user_spec, load_function
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+BuildFn = Callable[[int, int, int], list[nn.Module]]
+
+_HOW = "return an nn.Sequential or a list of layers (nn.Module) in forward order"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What the commands need of a model, wherever it comes from.
+
+    Attributes:
+        name: the reference model's name or the spec, as given.
+        num_layers: its layer count.
+        layer_names: one label per layer.
+        loss_fn: ``loss_fn(output_of_last_layer, targets)``, the micro-batch's mean loss.
+        preset: the reference model's name, or None for a user's model.
+        config: the reference model's overrides (``--set``); empty for a user's model.
+    """
+
+    name: str
+    num_layers: int
+    layer_names: tuple[str, ...]
+    loss_fn: LossFn
+    preset: str | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+    _build: BuildFn | None = field(default=None, repr=False, compare=False)
+
+    def build_layers(self, first: int = 0, end: int | None = None, seed: int = 0) -> list[nn.Module]:
+        """Layers ``[first, end)`` (all by default) on the CPU, with the weights they have in the whole model."""
+        end = self.num_layers if end is None else end
+        if not 0 <= first < end <= self.num_layers:
+            raise ValueError(f"layer range [{first}, {end}) is not a non-empty part of the {self.num_layers} "
+                             f"layers [0, {self.num_layers}) of {self.name}")
+        assert self._build is not None
+        return self._build(first, end, seed)
+
+
+def cut_layers(model: Any, spec: str) -> list[nn.Module]:
+    """The layers of what a model function returned, in forward order; refuses what cannot be cut.
+
+    Raises:
+        SpecError: not a module or a list of modules, an empty list, a module with children that is
+            not an ``nn.Sequential`` or ``nn.ModuleList``, or a layer (or parameter) in two places.
+    """
+    what = f"model function {spec} returned"
+    if isinstance(model, nn.Sequential | nn.ModuleList):
+        layers = list(model)
+    elif isinstance(model, list | tuple):
+        layers = list(model)
+        for k, layer in enumerate(layers):
+            if not isinstance(layer, nn.Module):
+                raise SpecError(f"{what} a {type(model).__name__} whose item {k} is a {type(layer).__name__}, "
+                                f"not an nn.Module; {_HOW}")
+    elif isinstance(model, nn.Module):
+        children = [name for name, _ in model.named_children()]
+        if children:
+            shown = ", ".join(children[:4]) + (", ..." if len(children) > 4 else "")
+            raise SpecError(f"{what} {type(model).__name__}, a module whose forward hetrain cannot follow "
+                            f"(children {shown}); {_HOW}, e.g. list({type(model).__name__}(...).children()) "
+                            f"if its forward just chains them")
+        layers = [model]
+    else:
+        raise SpecError(f"{what} a {type(model).__name__}, not a model; {_HOW}")
+    if not layers:
+        raise SpecError(f"{what} an empty {type(model).__name__}; {_HOW}")
+    _check_unshared(layers, what)
+    return layers
+
+
+def _check_unshared(layers: list[nn.Module], what: str) -> None:
+    """Every layer and every parameter in one place: a stage owns its layers' parameters outright."""
+    seen_layer: dict[int, int] = {}
+    seen_param: dict[int, int] = {}
+    for k, layer in enumerate(layers):
+        if id(layer) in seen_layer:
+            raise SpecError(f"{what} the same module as layers {seen_layer[id(layer)]} and {k}; hetrain gives "
+                            "every layer its own parameters: build a new module for each place")
+        seen_layer[id(layer)] = k
+        for name, param in layer.named_parameters():
+            first = seen_param.setdefault(id(param), k)
+            if first != k:
+                raise SpecError(f"{what} layers {first} and {k} sharing parameter {name!r} (tied weights); "
+                                "hetrain gives every layer its own parameters")
+
+
+def _layer_names(layers: list[nn.Module]) -> tuple[str, ...]:
+    return tuple(f"{type(m).__name__.lower()}{k}" for k, m in enumerate(layers))
+
+
+def _build_seeded(fn: Callable[[], Any], spec: str, seed: int) -> list[nn.Module]:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return cut_layers(call_spec(spec, fn, "model function"), spec)
+
+
+def _user_loss(module: Any, spec: str) -> LossFn:
+    loss = getattr(module, "loss_fn", None)
+    if loss is None:
+        return F.cross_entropy
+    if not callable(loss):
+        raise SpecError(f"{spec}: loss_fn in its module is a {type(loss).__name__}, not a function "
+                        "loss_fn(output, target) -> mean loss")
+    fn: LossFn = loss
+    return fn
+
+
+def _resolve_user(spec: str) -> ModelSource:
+    fn, module = load_function(spec)
+    layers = _build_seeded(fn, spec, 0)
+    n = len(layers)
+
+    def build(first: int, end: int, seed: int) -> list[nn.Module]:
+        built = _build_seeded(fn, spec, seed)
+        if len(built) != n:
+            raise SpecError(f"model function {spec} returned {n} layers, then {len(built)}: it must return the "
+                            "same model every call")
+        return built[first:end]
+
+    return ModelSource(spec, n, _layer_names(layers), _user_loss(module, spec), _build=build)
+
+
+def _resolve_preset(name: str, config: dict[str, Any]) -> ModelSource:
+    from hetrain.models import registry
+
+    spec = registry.get_spec(name, **config)  # an unknown name or setting: ValueError naming it
+
+    def build(first: int, end: int, seed: int) -> list[nn.Module]:
+        return registry.build_layers(name, first, end, seed=seed, **config)
+
+    return ModelSource(name, spec.num_layers, tuple(registry.layer_names(name, **config)), registry.loss_fn(name),
+                       preset=name, config=dict(config), _build=build)
+
+
+def resolve_model(text: str, **config: Any) -> ModelSource:
+    """The model ``--model`` names: a reference model (``config``: its overrides) or ``MODULE:FUNCTION``.
+
+    A user's function is loaded and called once here, so a model that cannot be used is refused
+    before anything else runs.
+
+    Raises:
+        SpecError: a user's model that cannot be loaded, built or cut (the message says which and how).
+        ValueError: an unknown reference model or setting.
+    """
+    if not is_user_spec(text):
+        return _resolve_preset(text, config)
+    if config:
+        raise SpecError(f"--set {', '.join(sorted(config))}: settings apply to reference models only; "
+                        f"{text} is built by its own function")
+    return _resolve_user(text)
+
+
+def check_model_on_batch(source: ModelSource, inputs: Any, targets: Any, data_name: str) -> None:
+    """Run ``inputs`` (a batch of a few samples) through the whole model and its loss, without gradients.
+
+    For a user's model and data, whose shapes hetrain cannot know, so that a mismatch is named
+    before any process group rather than as a failed forward on some rank mid-step. Builds the
+    whole model once more (seed 0) on the CPU.
+
+    Raises:
+        SpecError: a layer or the loss fails on the batch (the layer's index and name, the shapes).
+    """
+    layers = source.build_layers(seed=0)
+    x = inputs
+    with torch.no_grad():
+        for k, layer in enumerate(layers):
+            try:
+                x = layer(x)
+            except Exception as e:  # the user's code and shapes: any error is theirs, named in one line
+                raise SpecError(f"model {source.name} on data {data_name}: layer {k} ({source.layer_names[k]}) "
+                                f"fails on input {_shapes(x)}: {type(e).__name__}: {_first_line(e)}") from e
+        try:
+            loss = source.loss_fn(x, targets)
+        except Exception as e:  # the user's code and shapes: any error is theirs, named in one line
+            raise SpecError(f"model {source.name} on data {data_name}: the loss fails on output {_shapes(x)} and "
+                            f"target {_shapes(targets)}: {type(e).__name__}: {_first_line(e)}") from e
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise SpecError(f"model {source.name}: its loss_fn returned {_shapes(loss)}, not one number (the mean loss "
+                        "of the micro-batch)")
+
+
+def _shapes(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}"
+    if isinstance(x, tuple | list):
+        return "(" + ", ".join(_shapes(t) for t in x) + ")"
+    return type(x).__name__
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+

@@ -1,0 +1,97 @@
+"""A user's own model, from its file to a trained model: profile, plan, torchrun train (docs/own-model.md).
+
+    hetrain profile --model examples/own_model/model.py:build --data examples/own_model/model.py:dataset -o p.json
+    hetrain plan --cluster two-cpus.toml --profile p.json --global-batch 32 --strategy pp -o plan.json
+    torchrun --nproc-per-node 2 -m hetrain train --plan plan.json --model .../model.py:build --data .../model.py:dataset
+
+The pipeline cuts the ``nn.Sequential`` between two Gloo ranks; its loss must fall, and its
+weights after the last step must be those of the same ``nn.Sequential`` trained in this
+process on the same global batches (``torch.manual_seed(seed); build()``, the plan's optimizer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hetrain.data.datasets import iter_batches  # noqa: E402
+from hetrain.data.user import load_user_datasets  # noqa: E402
+from hetrain.models.layers import LayerRange  # noqa: E402
+from hetrain.models.user import resolve_model  # noqa: E402
+from hetrain.plan import load_plan  # noqa: E402
+from hetrain.runtime.checkpoint import load_checkpoint  # noqa: E402
+from hetrain.runtime.trainer import build_optimizer_fn  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = f"{ROOT}/examples/own_model/model.py:build"
+DATA = f"{ROOT}/examples/own_model/model.py:dataset"
+CLUSTER = """
+name = "two-cpus"
+[[node]]
+name = "n0"
+devices = [{type = "cpu", count = 2}]
+intra_link = "loopback"
+nic = "1Gbit/s"
+"""
+STEPS, SEED, LR = 20, 3, 0.01
+
+
+def hetrain(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "hetrain", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def reference(plan_optimizer: str, global_batch: int) -> dict[str, torch.Tensor]:
+    """The same model trained in one process on the same global batches."""
+    source = resolve_model(MODEL)
+    net = LayerRange(source.build_layers(seed=SEED))
+    opt = build_optimizer_fn(plan_optimizer, LR)(list(net.parameters()))
+    for x, y in iter_batches(load_user_datasets(DATA).train, global_batch, seed=0, steps=STEPS):
+        opt.zero_grad()
+        source.loss_fn(net(x), y).backward()
+        opt.step()
+    return net.state_dict()
+
+
+@pytest.mark.timeout(300)
+def test_own_model_profiles_plans_and_trains_as_one_process_would(tmp_path: Path, spawn, clean_env) -> None:
+    (tmp_path / "two-cpus.toml").write_text(CLUSTER)
+    hetrain(["profile", "--model", MODEL, "--data", DATA, "-o", "p.json", "--micro-batch", "4,8", "--repeats", "2"],
+            tmp_path)
+    profile = json.loads((tmp_path / "p.json").read_text())
+    assert profile["name"] == MODEL and len(profile["layers"]) == 5
+    hetrain(["plan", "--cluster", "two-cpus.toml", "--profile", "p.json", "--global-batch", "32", "--strategy", "pp",
+             "-o", "plan.json"], tmp_path)
+    plan = load_plan(tmp_path / "plan.json")
+    assert [len(vw.stages) for vw in plan.virtual_workers] == [2]  # the Sequential cut over both ranks
+
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    p = spawn([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "hetrain", "train", "--plan", str(tmp_path / "plan.json"), "--model", MODEL, "--data", DATA,
+               "--steps", str(STEPS), "--seed", str(SEED), "--lr", str(LR), "--log-every", "1",
+               "--checkpoint-dir", str(ckpt), "--metrics-out", str(metrics), "--timeout-s", "60", "--no-progress"],
+              {**clean_env, "HETRAIN_NODE": "n0", "HETRAIN_DEVICE": "cpu", "PYTHONPATH": str(ROOT / "src")})
+    stdout, stderr = p.communicate(timeout=240)
+    assert p.returncode == 0, stderr[-4000:]
+    assert f"hetrain train: {MODEL} on {DATA}" in stdout, stdout
+
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    losses = [r["loss"] for r in rows if "step_time_s" in r]
+    assert len(losses) == STEPS
+    assert sum(losses[-3:]) / 3 < 0.7 * sum(losses[:3]) / 3, losses
+
+    want = reference(plan.optimizer, plan.global_batch)
+    got, _, meta = load_checkpoint(ckpt, list(want))
+    assert meta["step"] == STEPS
+    worst = max(((got[k] - want[k]).norm() / want[k].norm()).item() for k in want)
+    assert worst <= 1e-4, f"worst relative error {worst:.2e}"
