@@ -25,7 +25,9 @@ from hetrain.arguments import int_between, number_at_least
 from hetrain.errors import InputError, RunError
 from hetrain.fields import MAX_STEPS
 from hetrain.plan import Plan, PlanError, load_plan
-from hetrain.runtime.trainer import DEFAULT_TIMEOUT_S, Trainer, build_optimizer_fn
+from hetrain.runtime.clip import check_clip
+from hetrain.runtime.lr_schedule import LR_SCHEDULES, LrSchedule
+from hetrain.runtime.trainer import DEFAULT_TIMEOUT_S, Trainer, build_optimizer_fn, default_lr
 
 
 def _model_config(items: Sequence[str]) -> dict[str, Any]:
@@ -49,7 +51,8 @@ def run_train_command(plan_path: str | Path | Plan, model: str, data: str | None
                       weight_decay: float = 0.0, seed: int = 0, data_seed: int = 0, progress: bool | None = None,
                       tensorboard_dir: str | Path | None = None, log_every: int = 10,
                       model_config: dict[str, Any] | None = None, eval_every: int = 0,
-                      eval_batches: int = 8) -> int:
+                      eval_batches: int = 8, lr_schedule: str = "constant", warmup_steps: int = 0,
+                      min_lr: float = 0.0, clip_grad_norm: float | None = None) -> int:
     """``hetrain train``: train a reference model with a plan, on every rank of a torchrun job.
 
     The plan runs as it is: its sync mode, sync options and optimizer (module docstring).
@@ -64,7 +67,7 @@ def run_train_command(plan_path: str | Path | Plan, model: str, data: str | None
         metrics_out: per-step metrics (JSONL).
         timeout_s: the longest any distributed wait may take.
         checkpoint_every: steps between checkpoints (0: only at the end).
-        lr: learning rate (default by optimizer: 0.05 SGD, 1e-3 AdamW).
+        lr: the peak learning rate (default by optimizer: 0.05 SGD, 1e-3 AdamW).
         weight_decay: weight decay.
         seed: the model's seed (per-layer seeds derive from it).
         data_seed: the seed of the order of the data.
@@ -74,6 +77,10 @@ def run_train_command(plan_path: str | Path | Plan, model: str, data: str | None
         model_config: overrides of the model preset's fields.
         eval_every: validation loss on the data set's held-out part every this many steps (0: never).
         eval_batches: global-batch-sized validation batches per evaluation.
+        lr_schedule: ``constant``, ``cosine`` or ``linear`` decay to ``min_lr`` at step ``steps``.
+        warmup_steps: linear warm-up from 0 to ``lr`` over this many steps.
+        min_lr: the learning rate the decay ends at.
+        clip_grad_norm: clip gradients to this global norm over the whole model (``bsp`` plans only).
 
     Returns:
         The exit status: 0, or 1 after an error printed to stderr.
@@ -92,6 +99,9 @@ def run_train_command(plan_path: str | Path | Plan, model: str, data: str | None
         data_name = data or default_data(model, **config)
         train_set, val_set = build_datasets(data_name, model, seed=data_seed, **config)
         opt_name = plan.optimizer
+        check_clip(plan, clip_grad_norm)
+        schedule = LrSchedule(default_lr(opt_name) if lr is None else lr, lr_schedule,  # type: ignore[arg-type]
+                              warmup_steps, min_lr)
 
         def layers_fn(first: int, end: int) -> list[nn.Module]:
             return build_layers(model, first, end, seed=seed, **config)
@@ -99,7 +109,8 @@ def run_train_command(plan_path: str | Path | Plan, model: str, data: str | None
         trainer = Trainer(layers_fn, plan, build_optimizer_fn(opt_name, lr, weight_decay=weight_decay),
                           loss_fn(model), timeout_s=timeout_s, checkpoint_dir=checkpoint_dir,
                           checkpoint_every=checkpoint_every, metrics_out=metrics_out, timeline_out=timeline_out,
-                          progress=progress, tensorboard_dir=tensorboard_dir, log_every=log_every)
+                          progress=progress, tensorboard_dir=tensorboard_dir, log_every=log_every,
+                          lr_schedule=schedule, clip_grad_norm=clip_grad_norm)
         if trainer.is_reporting:
             resumed = f", resuming at step {trainer.step}" if trainer.step else ""
             print(f"hetrain train: {model} on {data_name}, {len(plan.devices_used)} device(s) of {trainer.world} "
@@ -147,6 +158,16 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"longest distributed wait, seconds (default {DEFAULT_TIMEOUT_S:g})")
     parser.add_argument("--lr", type=number_at_least(0.0, inclusive=False), default=None,
                         help="learning rate (default 0.05 SGD, 1e-3 AdamW)")
+    parser.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
+                        help="after the warm-up: constant, or cosine / linear decay to --min-lr at the last step "
+                             "(default constant)")
+    parser.add_argument("--warmup-steps", type=steps, default=0, metavar="N",
+                        help="linear warm-up from 0 to --lr over the first N steps (default 0)")
+    parser.add_argument("--min-lr", type=number_at_least(0.0), default=0.0,
+                        help="learning rate the decay ends at, <= --lr (default 0)")
+    parser.add_argument("--clip-grad-norm", type=number_at_least(0.0, inclusive=False), default=None, metavar="X",
+                        help="clip gradients to global norm X over the whole model before each step; bsp plans "
+                             "only (other sync modes step on gradients not summed across VWs: refused)")
     parser.add_argument("--weight-decay", type=number_at_least(0.0), default=0.0)
     parser.add_argument("--seed", type=int, default=0, help="model seed (per-layer seeds derive from it)")
     parser.add_argument("--data-seed", type=int, default=0, help="seed of the data order")
@@ -181,6 +202,9 @@ def run_from_args(args: argparse.Namespace) -> int:
         config = _model_config(args.model_config)
         _check_output_paths(args)
         plan = load_plan(args.plan)
+        check_clip(plan, args.clip_grad_norm)
+        LrSchedule(default_lr(plan.optimizer) if args.lr is None else args.lr, args.lr_schedule, args.warmup_steps,
+                   args.min_lr)
     except (InputError, ValueError) as e:
         print(f"hetrain train: error: {e}", file=sys.stderr)
         return 2
@@ -189,7 +213,9 @@ def run_from_args(args: argparse.Namespace) -> int:
                              lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
                              data_seed=args.data_seed, progress=args.progress, tensorboard_dir=args.tensorboard_dir,
                              log_every=args.log_every, model_config=config, eval_every=args.eval_every,
-                             eval_batches=args.eval_batches)
+                             eval_batches=args.eval_batches, lr_schedule=args.lr_schedule,
+                             warmup_steps=args.warmup_steps, min_lr=args.min_lr,
+                             clip_grad_norm=args.clip_grad_norm)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
