@@ -17,13 +17,14 @@ count once in the global norm, or the norm would not be the single process's.
 from __future__ import annotations
 
 import json
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from test_runtime_equivalence import D, GPT, TWO_VWS, make_plan
+from test_runtime_equivalence import GPT, TWO_VWS, D, make_plan
 from worker_ranks import run_worker_ranks
 
 from hetrain.data.datasets import iter_batches
@@ -155,3 +156,36 @@ def test_the_resumed_run_started_at_its_checkpoint(job: dict[str, dict[str, Any]
     parts = [torch.load(Path(job["pipeline"]["out"]) / f"rank{r}.pt") for r in range(WORLD)]
     assert [p["starts"] for p in parts] == [[0, 3]] * WORLD
     assert parts[3]["history"] == [] and parts[3]["weights"] == {}  # n0:3 is unused: it idled
+
+
+def test_the_train_command_schedules_and_clips(tmp_path: Path, spawn, clean_env) -> None:
+    """``hetrain train --lr-schedule cosine --warmup-steps 1 --clip-grad-norm X`` on one process (no torchrun):
+    its metrics rows carry the schedule's rates and the single process's norms."""
+    plan = make_plan("gpt-tiny", [([D[0]], [0, 6], 8, 2)])  # the plan's optimizer: sgd
+    plan.save(tmp_path / "plan.json")
+    metrics = tmp_path / "metrics.jsonl"
+    settings = [f"--set={k}={v}" for k, v in GPT.items()]
+    p = spawn([sys.executable, "-m", "hetrain", "train", "--plan", str(tmp_path / "plan.json"), "--model", "gpt-tiny",
+               "--data", "synthetic", *settings, "--steps", "4", "--lr", "0.5", "--lr-schedule", "cosine",
+               "--warmup-steps", "1", "--min-lr", "0.05", "--clip-grad-norm", str(CLIP), "--metrics-out", str(metrics),
+               "--timeout-s", "30", "--no-progress"], {**clean_env, "HETRAIN_NODE": "n0"})
+    _, stderr = p.communicate(timeout=120)
+    assert p.returncode == 0, stderr[-4000:]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    schedule = LrSchedule(0.5, "cosine", warmup_steps=1, min_lr=0.05)
+    net = LayerRange(build_layers("gpt-tiny", seed=0, **GPT))
+    opt = build_optimizer_fn("sgd", 0.5)(list(net.parameters()))
+    data = build_datasets("synthetic", "gpt-tiny", seed=0, **GPT).train  # as the train command builds it
+    norms = []
+    for t, (x, y) in enumerate(iter_batches(data, 8, seed=0, steps=4), start=1):
+        for group in opt.param_groups:
+            group["lr"] = schedule.at(t, 4)
+        opt.zero_grad()
+        loss_fn("gpt-tiny")(net(x), y).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP).item())
+        opt.step()
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    # W = 1, T = 4: 0.5, then 0.05 + 0.45 (1 + cos(π p)) / 2 at p = 1/3, 2/3, 1
+    assert [r["lr"] for r in rows] == pytest.approx([0.5, 0.3875, 0.1625, 0.05], rel=1e-12)
+    assert [r["grad_norm"] for r in rows] == pytest.approx(norms, rel=1e-5)
+    assert any(n > CLIP for n in norms)
