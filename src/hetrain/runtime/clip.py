@@ -17,7 +17,8 @@ every ALLREDUCE of the iteration has been waited for. Other sync modes step on
 gradients that are not yet summed across VWs; clipping is refused for them.
 
 Example:
-    >>> clip = GradClip(1.0, plan, "n0:1", sync, job.groups.work, len(job.used_ranks), job.wait)  # doctest: +SKIP
+    >>> clip = GradClip(1.0, plan, "n0:1", sync, job.groups.work, len(job.used_ranks), job.wait,  # doctest: +SKIP
+    ...                 job.device)
     >>> executor.before_step = clip     # the executor calls clip(step) before each optimizer step
     >>> clip.norm                       # the last step's norm before clipping (a 0-d tensor)
 """
@@ -62,16 +63,18 @@ class GradClip:
         group: the used ranks' process group (``Groups.work``).
         ranks: how many ranks it has (1: no collective).
         wait: ``wait(work, what)`` with the job's timeout (``Job.wait``).
+        on: the torch device the rank computes on (where its share of the norm is summed).
     """
 
     def __init__(self, max_norm: float, plan: Plan, device: str, sync: GradientSync, group: Any, ranks: int,
-                 wait: WaitFn) -> None:
+                 wait: WaitFn, on: torch.device) -> None:
         check_clip(plan, max_norm)
         self.max_norm = max_norm
         self._sync = sync
         self._group = group
         self._ranks = ranks
         self._wait = wait
+        self._on = on
         # the segments this rank counts: those whose first owner it is, and that hold gradients here
         self._owned = [s for s, seg in enumerate(plan.segments()) if seg.owners[0] == device and s in sync.buffers]
         self.norm: torch.Tensor | None = None  # the last step's global norm before clipping
@@ -80,9 +83,8 @@ class GradClip:
         """Clip the gradients of step ``step`` (0-based, for messages) by the global norm."""
         flats = [flat for entries in self._sync.buffers.values() for flat, _ in entries]
         owned = [flat for s in self._owned for flat, _ in self._sync.buffers[s]]
-        device = flats[0].device if flats else torch.device("cpu")
         # Σ ||g||² of the owned gradients, in float32 (as clip_grad_norm_ takes the norm of the norms)
-        squares = torch.zeros(1, dtype=torch.float32, device=device)
+        squares = torch.zeros(1, dtype=torch.float32, device=self._on)
         for flat in owned:
             squares += torch.linalg.vector_norm(flat, dtype=torch.float32) ** 2
         if self._ranks > 1:

@@ -176,7 +176,7 @@ class Trainer:
         self.clip: GradClip | None = None
         if parts is not None and clip_grad_norm is not None:
             self.clip = GradClip(clip_grad_norm, plan, self.role.device, parts.sync, self.work_group,
-                                 len(self.used_ranks), job.wait)
+                                 len(self.used_ranks), job.wait, self.device)
             parts.executor.before_step = self.clip
         self._init_sync_state()
         self._events = JobEvents(job, self.checkpoint_dir)
