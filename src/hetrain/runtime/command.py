@@ -44,6 +44,16 @@ def _model_config(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+def _describe(schedule: LrSchedule, clip_grad_norm: float | None) -> str:
+    """``"lr 0.001 cosine to 1e-05, warm-up 100, clip 1"``: the start-up line's part on the optimizer's driving."""
+    text = f"lr {schedule.lr:g}"
+    if schedule.schedule != "constant":
+        text += f" {schedule.schedule} to {schedule.min_lr:g}"
+    if schedule.warmup_steps:
+        text += f", warm-up {schedule.warmup_steps}"
+    return text + (f", clip {clip_grad_norm:g}" if clip_grad_norm is not None else "")
+
+
 def run_train_command(plan_path: str | Path | Plan, model: str, data: str | None = None, steps: int = 100,
                       checkpoint_dir: str | Path | None = None, timeline_out: str | Path | None = None,
                       metrics_out: str | Path | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, *,
@@ -115,7 +125,7 @@ def run_train_command(plan_path: str | Path | Plan, model: str, data: str | None
             resumed = f", resuming at step {trainer.step}" if trainer.step else ""
             print(f"hetrain train: {model} on {data_name}, {len(plan.devices_used)} device(s) of {trainer.world} "
                   f"rank(s), {len(plan.virtual_workers)} VW(s), {plan.schedule}, global batch {plan.global_batch}, "
-                  f"{opt_name}{resumed}", flush=True)
+                  f"{opt_name} {_describe(schedule, clip_grad_norm)}{resumed}", flush=True)
         start = trainer.step
         history = trainer.fit(train_set, steps, seed=data_seed, val_data=val_set, eval_every=eval_every,
                               eval_batches=eval_batches)
