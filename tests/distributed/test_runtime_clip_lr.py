@@ -169,8 +169,9 @@ def test_the_train_command_schedules_and_clips(tmp_path: Path, spawn, clean_env)
                "--data", "synthetic", *settings, "--steps", "4", "--lr", "0.5", "--lr-schedule", "cosine",
                "--warmup-steps", "1", "--min-lr", "0.05", "--clip-grad-norm", str(CLIP), "--metrics-out", str(metrics),
                "--timeout-s", "30", "--no-progress"], {**clean_env, "HETRAIN_NODE": "n0"})
-    _, stderr = p.communicate(timeout=120)
+    stdout, stderr = p.communicate(timeout=120)
     assert p.returncode == 0, stderr[-4000:]
+    assert f"sgd lr 0.5 cosine to 0.05, warm-up 1, clip {CLIP:g}" in stdout, stdout
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     schedule = LrSchedule(0.5, "cosine", warmup_steps=1, min_lr=0.05)
     net = LayerRange(build_layers("gpt-tiny", seed=0, **GPT))
