@@ -167,7 +167,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", type=number_at_least(0.0, inclusive=False), default=DEFAULT_TIMEOUT_S,
                         help=f"longest distributed wait, seconds (default {DEFAULT_TIMEOUT_S:g})")
     parser.add_argument("--lr", type=number_at_least(0.0, inclusive=False), default=None,
-                        help="learning rate (default 0.05 SGD, 1e-3 AdamW)")
+                        help="peak learning rate, reached after the warm-up (default 0.05 SGD, 1e-3 AdamW)")
     parser.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
                         help="after the warm-up: constant, or cosine / linear decay to --min-lr at the last step "
                              "(default constant)")
