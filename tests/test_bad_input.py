@@ -375,12 +375,16 @@ def files(valid: dict[str, Json], tmp_path: Path) -> dict[str, str]:
     (tmp_path / "bad-step.jsonl").write_text('{"step": 1, "step_time_s": "fast"}\n')
     (tmp_path / "models.py").write_text(USER_MODULE)
     (tmp_path / "broken.py").write_text("import no_such_package_here\n")
+    wsp = copy.deepcopy(valid["plan"])
+    wsp["sync"]["mode"] = "wsp"
+    (tmp_path / "wsp-plan.json").write_text(json.dumps(wsp))
     return {"plan": str(tmp_path / "plan.json"), "dir": str(tmp_path), "missing_dir": str(tmp_path / "no" / "x.json"),
             "under_file": str(tmp_path / "a-file" / "x.json"), "out": str(tmp_path / "out.json"),
             "metrics": str(tmp_path / "metrics.jsonl"), "list": str(tmp_path / "list.json"),
             "missing": str(tmp_path / "missing.json"), "binary": str(tmp_path / "binary.json"),
             "deep": str(tmp_path / "deep.json"), "bad_step": str(tmp_path / "bad-step.jsonl"),
-            "models": str(tmp_path / "models.py"), "broken": str(tmp_path / "broken.py")}
+            "models": str(tmp_path / "models.py"), "broken": str(tmp_path / "broken.py"),
+            "wsp_plan": str(tmp_path / "wsp-plan.json")}
 
 
 # a user's module, as `--model FILE.py:FUNCTION` and `--data FILE.py:FUNCTION` load it
@@ -548,6 +552,15 @@ TRAIN_CASES: list[tuple[str, list[str], tuple[str, ...]]] = [
     ("timeout-zero", ["--timeout-s", "0"], ("--timeout-s", "'0'")),
     ("timeout-nan", ["--timeout-s", "nan"], ("--timeout-s", "'nan'")),
     ("lr-negative", ["--lr", "-1"], ("--lr", "'-1'")),
+    ("lr-nan", ["--lr", "nan"], ("--lr", "'nan'")),
+    ("lr-schedule-unknown", ["--lr-schedule", "step"], ("--lr-schedule", "'step'", "cosine")),
+    ("warmup-steps-negative", ["--warmup-steps", "-3"], ("--warmup-steps", "-3")),
+    ("min-lr-negative", ["--min-lr", "-0.1"], ("--min-lr", "'-0.1'")),
+    ("min-lr-above-lr", ["--lr", "0.01", "--min-lr", "0.1"], ("minimum learning rate", "0.01", "0.1")),
+    ("min-lr-above-default-lr", ["--min-lr", "1"], ("minimum learning rate", "0.001", "1")),
+    ("clip-zero", ["--clip-grad-norm", "0"], ("--clip-grad-norm", "'0'")),
+    ("clip-inf", ["--clip-grad-norm", "inf"], ("--clip-grad-norm", "'inf'")),
+    ("clip-with-wsp", ["--plan", "{wsp_plan}", "--clip-grad-norm", "1"], ("clipping", "bsp", "'wsp'")),
     ("log-every-zero", ["--log-every", "0"], ("--log-every", "0")),
     ("checkpoint-every-negative", ["--checkpoint-every", "-1"], ("--checkpoint-every", "-1")),
     ("eval-batches-zero", ["--eval-batches", "0"], ("--eval-batches", "0")),

@@ -10,6 +10,8 @@
 - ``batches``: global batches and this VW's micro-batches of them.
 - ``losses``: the steps' losses summed over the used ranks, in batches, asynchronously.
 - ``stage_state``: a stage's share of a checkpoint, and its resume.
+- ``lr_schedule``: the learning rate of each step (warm-up, constant / cosine / linear decay); no torch.
+- ``clip``: gradient clipping by the global norm over the whole model, at STEP (bsp).
 - ``idle``: ranks the plan leaves unused: they join checkpoint writes only.
 - ``trainer``: ``Trainer(...).fit(data, steps)``: any model given as a list of layers.
 - ``command``: ``run_train_command`` (``hetrain train``; ``python -m hetrain.runtime.command``).

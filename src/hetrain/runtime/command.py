@@ -28,7 +28,9 @@ from hetrain.errors import InputError, RunError
 from hetrain.fields import MAX_STEPS
 from hetrain.models.user import ModelSource, resolve_model
 from hetrain.plan import Plan, PlanError, load_plan
-from hetrain.runtime.trainer import DEFAULT_TIMEOUT_S, Trainer, build_optimizer_fn
+from hetrain.runtime.clip import check_clip
+from hetrain.runtime.lr_schedule import LR_SCHEDULES, LrSchedule
+from hetrain.runtime.trainer import DEFAULT_TIMEOUT_S, Trainer, build_optimizer_fn, default_lr
 
 
 def _model_config(items: Sequence[str]) -> dict[str, Any]:
@@ -45,6 +47,16 @@ def _model_config(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+def _describe(schedule: LrSchedule, clip_grad_norm: float | None) -> str:
+    """``"lr 0.001 cosine to 1e-05, warm-up 100, clip 1"``: the start-up line's part on the optimizer's driving."""
+    text = f"lr {schedule.lr:g}"
+    if schedule.schedule != "constant":
+        text += f" {schedule.schedule} to {schedule.min_lr:g}"
+    if schedule.warmup_steps:
+        text += f", warm-up {schedule.warmup_steps}"
+    return text + (f", clip {clip_grad_norm:g}" if clip_grad_norm is not None else "")
+
+
 def run_train_command(plan_path: str | Path | Plan, model: str | ModelSource,
                       data: str | tuple[str, DatasetSplit] | None = None, steps: int = 100,
                       checkpoint_dir: str | Path | None = None, timeline_out: str | Path | None = None,
@@ -53,7 +65,8 @@ def run_train_command(plan_path: str | Path | Plan, model: str | ModelSource,
                       weight_decay: float = 0.0, seed: int = 0, data_seed: int = 0, progress: bool | None = None,
                       tensorboard_dir: str | Path | None = None, log_every: int = 10,
                       model_config: dict[str, Any] | None = None, eval_every: int = 0,
-                      eval_batches: int = 8) -> int:
+                      eval_batches: int = 8, lr_schedule: str = "constant", warmup_steps: int = 0,
+                      min_lr: float = 0.0, clip_grad_norm: float | None = None) -> int:
     """``hetrain train``: train a reference model with a plan, on every rank of a torchrun job.
 
     The plan runs as it is: its sync mode, sync options and optimizer (module docstring).
@@ -72,7 +85,7 @@ def run_train_command(plan_path: str | Path | Plan, model: str | ModelSource,
         metrics_out: per-step metrics (JSONL).
         timeout_s: the longest any distributed wait may take.
         checkpoint_every: steps between checkpoints (0: only at the end).
-        lr: learning rate (default by optimizer: 0.05 SGD, 1e-3 AdamW).
+        lr: the peak learning rate (default by optimizer: 0.05 SGD, 1e-3 AdamW).
         weight_decay: weight decay.
         seed: the model's seed (per-layer seeds derive from it).
         data_seed: the seed of the order of the data.
@@ -82,6 +95,10 @@ def run_train_command(plan_path: str | Path | Plan, model: str | ModelSource,
         model_config: overrides of the model preset's fields.
         eval_every: validation loss on the data set's held-out part every this many steps (0: never).
         eval_batches: global-batch-sized validation batches per evaluation.
+        lr_schedule: ``constant``, ``cosine`` or ``linear`` decay to ``min_lr`` at step ``steps``.
+        warmup_steps: linear warm-up from 0 to ``lr`` over this many steps.
+        min_lr: the learning rate the decay ends at.
+        clip_grad_norm: clip gradients to this global norm over the whole model (``bsp`` plans only).
 
     Returns:
         The exit status: 0, or 1 after an error printed to stderr.
@@ -101,6 +118,9 @@ def run_train_command(plan_path: str | Path | Plan, model: str | ModelSource,
             raise InputError(f"--eval-every needs a validation set; --data {data_name} returned only a training "
                              "set (return a (train, validation) pair)")
         opt_name = plan.optimizer
+        check_clip(plan, clip_grad_norm)
+        schedule = LrSchedule(default_lr(opt_name) if lr is None else lr, lr_schedule,  # type: ignore[arg-type]
+                              warmup_steps, min_lr)
 
         def layers_fn(first: int, end: int) -> list[nn.Module]:
             return source.build_layers(first, end, seed=seed)
@@ -108,12 +128,13 @@ def run_train_command(plan_path: str | Path | Plan, model: str | ModelSource,
         trainer = Trainer(layers_fn, plan, build_optimizer_fn(opt_name, lr, weight_decay=weight_decay),
                           source.loss_fn, timeout_s=timeout_s, checkpoint_dir=checkpoint_dir,
                           checkpoint_every=checkpoint_every, metrics_out=metrics_out, timeline_out=timeline_out,
-                          progress=progress, tensorboard_dir=tensorboard_dir, log_every=log_every)
+                          progress=progress, tensorboard_dir=tensorboard_dir, log_every=log_every,
+                          lr_schedule=schedule, clip_grad_norm=clip_grad_norm)
         if trainer.is_reporting:
             resumed = f", resuming at step {trainer.step}" if trainer.step else ""
             print(f"hetrain train: {source.name} on {data_name}, {len(plan.devices_used)} device(s) of {trainer.world} "
                   f"rank(s), {len(plan.virtual_workers)} VW(s), {plan.schedule}, global batch {plan.global_batch}, "
-                  f"{opt_name}{resumed}", flush=True)
+                  f"{opt_name} {_describe(schedule, clip_grad_norm)}{resumed}", flush=True)
         start = trainer.step
         history = trainer.fit(train_set, steps, seed=data_seed, val_data=val_set, eval_every=eval_every,
                               eval_batches=eval_batches)
@@ -157,7 +178,17 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", type=number_at_least(0.0, inclusive=False), default=DEFAULT_TIMEOUT_S,
                         help=f"longest distributed wait, seconds (default {DEFAULT_TIMEOUT_S:g})")
     parser.add_argument("--lr", type=number_at_least(0.0, inclusive=False), default=None,
-                        help="learning rate (default 0.05 SGD, 1e-3 AdamW)")
+                        help="peak learning rate, reached after the warm-up (default 0.05 SGD, 1e-3 AdamW)")
+    parser.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
+                        help="after the warm-up: constant, or cosine / linear decay to --min-lr at the last step "
+                             "(default constant)")
+    parser.add_argument("--warmup-steps", type=steps, default=0, metavar="N",
+                        help="linear warm-up from 0 to --lr over the first N steps (default 0)")
+    parser.add_argument("--min-lr", type=number_at_least(0.0), default=0.0,
+                        help="learning rate the decay ends at, <= --lr (default 0)")
+    parser.add_argument("--clip-grad-norm", type=number_at_least(0.0, inclusive=False), default=None, metavar="X",
+                        help="clip gradients to global norm X over the whole model before each step; bsp plans "
+                             "only (other sync modes step on gradients not summed across VWs: refused)")
     parser.add_argument("--weight-decay", type=number_at_least(0.0), default=0.0)
     parser.add_argument("--seed", type=int, default=0, help="model seed (per-layer seeds derive from it)")
     parser.add_argument("--data-seed", type=int, default=0, help="seed of the data order")
@@ -192,6 +223,9 @@ def run_from_args(args: argparse.Namespace) -> int:
         config = _model_config(args.model_config)
         _check_output_paths(args)
         plan = load_plan(args.plan)
+        check_clip(plan, args.clip_grad_norm)
+        LrSchedule(default_lr(plan.optimizer) if args.lr is None else args.lr, args.lr_schedule, args.warmup_steps,
+                   args.min_lr)
         model = resolve_model(args.model, **config)  # a model or data set that cannot be used: refused here
         data = build_model_datasets(model, args.data, args.data_seed)
     except (InputError, ValueError) as e:
@@ -202,7 +236,9 @@ def run_from_args(args: argparse.Namespace) -> int:
                              lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
                              data_seed=args.data_seed, progress=args.progress, tensorboard_dir=args.tensorboard_dir,
                              log_every=args.log_every, model_config=config, eval_every=args.eval_every,
-                             eval_batches=args.eval_batches)
+                             eval_batches=args.eval_batches, lr_schedule=args.lr_schedule,
+                             warmup_steps=args.warmup_steps, min_lr=args.min_lr,
+                             clip_grad_norm=args.clip_grad_norm)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

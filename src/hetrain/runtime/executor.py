@@ -113,6 +113,11 @@ class Executor:
         health: where the rank's current action is published.
         recorder: times the actions when active.
         device: where inputs go.
+
+    Attributes:
+        before_step: called as ``before_step(step)`` at each STEP, after the sends are waited for and before
+            the optimizer steps (every ALLREDUCE of the iteration has been waited for by then): gradient
+            clipping (``runtime.clip``), the learning rate. None: nothing.
     """
 
     def __init__(self, role: Role, module: StageModule, loss_fn: LossFn, transport: Transport, sync: GradientSync,
@@ -128,6 +133,7 @@ class Executor:
         self.recorder = recorder
         self.device = device
         self.modes = modes
+        self.before_step: Callable[[int], None] | None = None
         # BSP: n_i / N, as the seed of each micro-batch's backward: the gradient of loss * n_i / N, without the product
         # other sync modes: n_i / (this VW's mini-batch): each VW steps on its own mean gradient (docs/sync.md)
         total = role.global_batch if modes is None else sum(role.micro_batch_sizes)
@@ -330,6 +336,8 @@ class Executor:
             self.recorder.events.append(_event(start, self.recorder.now(), "send", "wait for sends", None))
         else:
             self.transport.wait_sends(self._where(a))
+        if self.before_step is not None:
+            self.before_step(self.step)
         self.optimizer.step()
 
     # --- helpers ---------------------------------------------------------------------

@@ -13,7 +13,9 @@ reporting rank into ``hetrain.timeline``'s format, so that
 
 A metrics line per step::
 
-    {"step": 3, "loss": 4.21, "samples_per_s": 812.5, "step_time_s": 0.0394, "elapsed_s": 0.21}
+    {"step": 3, "loss": 4.21, "samples_per_s": 812.5, "step_time_s": 0.0394, "elapsed_s": 0.21, "lr": 0.001}
+
+(with ``"grad_norm"``, the global gradient norm before clipping, when the run clips),
 
 and, with a validation set (``Trainer.fit(..., eval_every=N)``), a line per evaluation::
 

@@ -16,6 +16,8 @@ What one step does on a rank (its Role in the plan), and where each part lives::
       └─ shard_batch: this VW's mini-batch ─ split_batch: micro-batches i = 0..m-1
     Executor.run(actions of this iteration)  F/B, SEND/RECV, ALLREDUCE, STEP   executor
     losses: every log_every steps, summed over the used ranks by one all-reduce, asynchronously   losses
+    learning rate of the step, the same on every rank (a pure function of the step)      lr_schedule
+    at STEP, bsp: gradients clipped by the global norm (one all-reduce of one number)    clip
     checkpoint every N steps (collective over the job; unused ranks join when told)   stage_state, idle
 
 Start-up (``job.build_job``): each rank reports its device ``<node>:<LOCAL_RANK>``
@@ -45,11 +47,13 @@ from torch import nn
 from hetrain.plan import Plan
 from hetrain.profile import OPTIMIZER_NAMES, canonical_optimizer
 from hetrain.runtime.batches import MicroBatches, global_batches
+from hetrain.runtime.clip import GradClip, check_clip
 from hetrain.runtime.evaluate import evaluate_stage
 from hetrain.runtime.executor import LossFn, StageModule
 from hetrain.runtime.idle import JobEvents
 from hetrain.runtime.job import DEFAULT_TIMEOUT_S, LayersFn, OptimizerFn, build_job, init_distributed
 from hetrain.runtime.losses import LossSums
+from hetrain.runtime.lr_schedule import LrSchedule
 from hetrain.runtime.metrics import MetricsLog, merge_timeline
 from hetrain.runtime.modes import DasoRate, ModeSync
 from hetrain.runtime.roles import Role
@@ -68,19 +72,25 @@ from hetrain.schedule import (
 from hetrain.timeline import Timeline
 
 
+def default_lr(name: str) -> float:
+    """The default learning rate of an optimizer by the plan's name: 1e-3 for Adam(W), 0.05 for SGD."""
+    return 1e-3 if canonical_optimizer(name) == "adam" else 0.05
+
+
 def build_optimizer_fn(name: str, lr: float | None = None, momentum: float = 0.9,
                        weight_decay: float = 0.0) -> OptimizerFn:
     """An optimizer factory by the plan's name (``profile.OPTIMIZER_NAMES``): ``sgd``, ``momentum`` (SGD with
     momentum) or ``adam`` (``torch.optim.AdamW``; ``adamw`` is read as ``adam``).
 
-    Default learning rates: 0.05 for SGD, 1e-3 for Adam.
+    Default learning rates (``default_lr``): 0.05 for SGD, 1e-3 for Adam.
     """
     key = canonical_optimizer(name)
+    rate = default_lr(name) if lr is None else lr
 
     def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
         if key == "adam":
-            return torch.optim.AdamW(params, lr=1e-3 if lr is None else lr, weight_decay=weight_decay)
-        return torch.optim.SGD(params, lr=0.05 if lr is None else lr, momentum=momentum if key == "momentum" else 0.0,
+            return torch.optim.AdamW(params, lr=rate, weight_decay=weight_decay)
+        return torch.optim.SGD(params, lr=rate, momentum=momentum if key == "momentum" else 0.0,
                                weight_decay=weight_decay)
 
     return make
@@ -105,6 +115,12 @@ class Trainer:
         record_timeline: record the last step's Timeline even without ``timeline_out`` (``self.timeline``).
         log_every: the losses of this many steps are summed over the ranks in one all-reduce, which
             runs while training goes on; metrics lines and the progress bar follow in batches.
+        lr_schedule: the learning rate of each step (``runtime.lr_schedule``), set on every parameter
+            group before the step; None: the optimizer's own rate throughout. Each metrics row has
+            ``lr``, the rate its step ran at.
+        clip_grad_norm: clip the gradients to this global norm over the whole model before each
+            optimizer step (``runtime.clip``; ``bsp`` plans only); each metrics row then has
+            ``grad_norm``, the norm before clipping. None: no clipping.
 
     Example:
         >>> trainer = Trainer(functools.partial(build_layers, "gpt-tiny", seed=0), plan,   # doctest: +SKIP
@@ -117,7 +133,9 @@ class Trainer:
                  checkpoint_every: int = 0, metrics_out: str | Path | None = None,
                  timeline_out: str | Path | None = None, progress: bool | None = None,
                  tensorboard_dir: str | Path | None = None, record_timeline: bool = False,
-                 log_every: int = 10) -> None:
+                 log_every: int = 10, lr_schedule: LrSchedule | None = None,
+                 clip_grad_norm: float | None = None) -> None:
+        check_clip(plan, clip_grad_norm)  # before any process group: every rank refuses alike
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if checkpoint_every < 0:
@@ -154,6 +172,12 @@ class Trainer:
         self.optimizer: torch.optim.Optimizer | None = None if parts is None else parts.optimizer
         self.sync: GradientSync | None = None if parts is None else parts.sync
         self.modes: ModeSync | None = None if parts is None else parts.modes
+        self.lr_schedule = lr_schedule
+        self.clip: GradClip | None = None
+        if parts is not None and clip_grad_norm is not None:
+            self.clip = GradClip(clip_grad_norm, plan, self.role.device, parts.sync, self.work_group,
+                                 len(self.used_ranks), job.wait, self.device)
+            parts.executor.before_step = self.clip
         self._init_sync_state()
         self._events = JobEvents(job, self.checkpoint_dir)
         self._micro_batches = MicroBatches(self.role, plan.global_batch)
@@ -191,8 +215,8 @@ class Trainer:
             eval_batches: batches per evaluation.
 
         Returns:
-            Per-step metrics of this call (``step``, ``loss``, ``samples_per_s``, ``step_time_s``),
-            the same on every used rank; empty on an unused rank.
+            Per-step metrics of this call (``step``, ``loss``, ``samples_per_s``, ``step_time_s``, ``lr``;
+            ``grad_norm`` when clipping), the same on every used rank; empty on an unused rank.
 
         Raises:
             PeerError: a peer died, or did not answer within ``timeout_s``; names it and the action.
@@ -268,6 +292,7 @@ class Trainer:
                 parts.recorder.start()
                 t_prev = time.perf_counter()
             actions, sync_actions = self._actions_for(steps)
+            lr = self._set_lr(steps)
             loss = parts.executor.run(actions, s, inputs, targets)
             if self.modes is not None and any(a.kind is ActionKind.PULL for a in actions):
                 self.modes.end_wave()
@@ -281,9 +306,12 @@ class Trainer:
             self.step += 1
             step_time = t_end - t_prev
             t_prev = t_end
-            row = {"step": self.step, "loss": None, "samples_per_s": N / step_time if step_time > 0 else 0.0,
-                   "step_time_s": step_time, "elapsed_s": (elapsed := t_end - t_begin - excluded),
-                   "sync_actions": sync_actions}
+            row: dict[str, Any] = {
+                "step": self.step, "loss": None, "samples_per_s": N / step_time if step_time > 0 else 0.0,
+                "step_time_s": step_time, "elapsed_s": (elapsed := t_end - t_begin - excluded),
+                "sync_actions": sync_actions, "lr": lr}
+            if self.clip is not None:
+                row["grad_norm"] = self.clip.norm  # a tensor until the row is logged (no device sync here)
             if self.plan.sync == "daso":
                 row["daso_period"] = self.sync_state.period  # the k this step's actions were built with
             sums.add(row, loss)
@@ -305,10 +333,22 @@ class Trainer:
     def _log_losses(self, rows: list[dict[str, Any]], log: MetricsLog | None, out: list[dict[str, Any]]) -> None:
         """Steps whose summed loss has been read: into ``out``, the history and the metrics log."""
         for row in rows:
+            if isinstance(row.get("grad_norm"), torch.Tensor):
+                row["grad_norm"] = float(row["grad_norm"])
             out.append(row)
             self.history.append(row)
             if log is not None:
                 log.log(row)
+
+    def _set_lr(self, steps: int) -> float:
+        """Set every parameter group to the schedule's rate of the coming step (``self.step + 1``); return it."""
+        assert self.optimizer is not None
+        if self.lr_schedule is None:
+            return float(self.optimizer.param_groups[0]["lr"])
+        lr = self.lr_schedule.at(self.step + 1, steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
 
     def _evaluate(self, log: MetricsLog | None, elapsed_s: float) -> float:
         """Validation loss of VW 0's weights now (``runtime.evaluate``); returns the seconds it took."""
@@ -443,5 +483,5 @@ class Trainer:
     # === end of the per-iteration sync state ==========================================
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "OPTIMIZER_NAMES", "LayersFn", "OptimizerFn", "Trainer", "build_optimizer_fn",
-           "init_distributed"]
+__all__ = ["DEFAULT_TIMEOUT_S", "OPTIMIZER_NAMES", "LayersFn", "LrSchedule", "OptimizerFn", "Trainer",
+           "build_optimizer_fn", "default_lr", "init_distributed"]
