@@ -93,9 +93,34 @@ def load_user_datasets(spec: str) -> DatasetSplit:
     return DatasetSplit(_check_dataset(got, spec, ""), None)
 
 
-def build_model_datasets(model: ModelSource, data: str | None, seed: int = 0) -> tuple[str, DatasetSplit]:
+def _token_shape(model: ModelSource, seq_len: int | None) -> tuple[int, int | None]:
+    """``(T, vocab)`` that token data is cut and checked by: the reference GPT's ``seq_len`` (or a shorter
+    ``seq_len``) and vocab; a user's model needs ``seq_len`` (its vocabulary is not known, so not checked)."""
+    if model.preset is None:
+        if seq_len is None:
+            raise SpecError(f"model {model.name} is your own: give --seq-len T, the tokens per sample it takes, to "
+                            "cut token data into windows")
+        return seq_len, None
+    from hetrain.models.gpt import GPTConfig
+    from hetrain.models.registry import get_spec
+
+    spec = get_spec(model.preset, **model.config)
+    c = spec.config
+    if not isinstance(c, GPTConfig):
+        raise SpecError(f"token data is for GPT models; {model.name!r} is a {spec.kind} model")
+    if seq_len is not None and seq_len > c.seq_len:
+        raise SpecError(f"--seq-len {seq_len} is longer than model {model.name}'s seq_len {c.seq_len} "
+                        f"(--set seq_len={seq_len})")
+    return seq_len or c.seq_len, c.vocab
+
+
+def build_model_datasets(model: ModelSource, data: str | None, seed: int = 0, *, seq_len: int | None = None,
+                         val_data: str | None = None, tokenizer: str | None = None) -> tuple[str, DatasetSplit]:
     """``(data name, (train, validation))`` for ``model``: ``--data`` resolved as ``hetrain train`` does.
 
+    ``tokens:FILE.bin`` / ``text:FILE`` read token data (``hetrain.data.tokens``), cut into windows of
+    ``seq_len`` (default: the reference GPT's; a user's model needs it), its validation set ``val_data``
+    if given, ``text:`` tokenized by ``tokenizer`` (a tokenizer.json) if given, else by bytes.
     ``MODULE:FUNCTION`` loads the user's data set (for any model; a user's model is run on two of
     its samples, ``check_model_on_batch``); a name picks one of
     ``hetrain.data.registry`` shaped for a reference model (None: the one that fits it). A
@@ -106,6 +131,19 @@ def build_model_datasets(model: ModelSource, data: str | None, seed: int = 0) ->
             user's model that fails on its data.
         ValueError: an unknown data set name, or one that does not fit the reference model.
     """
+    from hetrain.data.tokens import is_token_spec, load_token_datasets
+
+    if is_token_spec(data):
+        assert data is not None
+        t, vocab = _token_shape(model, seq_len)
+        split = load_token_datasets(data, t, vocab, val_data, tokenizer)
+        if model.preset is None:
+            x, y = split.train.take(torch.arange(min(2, len(split.train))))  # (2, T) each
+            check_model_on_batch(model, x, y, data)
+        return data, split
+    if val_data is not None or tokenizer is not None:
+        flag = "--val-data" if val_data is not None else "--tokenizer"
+        raise SpecError(f"{flag} is for --data tokens:FILE.bin or text:FILE, not --data {data}")
     if data is not None and is_user_spec(data):
         split = load_user_datasets(data)
         if model.preset is None:  # shapes hetrain cannot know: tried on two samples, so a mismatch is named here
@@ -120,3 +158,14 @@ def build_model_datasets(model: ModelSource, data: str | None, seed: int = 0) ->
 
     name = data or default_data(model.preset, **model.config)
     return name, build_datasets(name, model.preset, seed=seed, **model.config)
+
+
+def check_batch_fits(data_name: str, samples: int, global_batch: int) -> None:
+    """Refuse a training set of fewer samples than one global batch (``iter_batches`` draws whole batches).
+
+    Raises:
+        SpecError: ``samples < global_batch``, with both numbers.
+    """
+    if samples < global_batch:
+        raise SpecError(f"--data {data_name}: {samples} training sample(s), fewer than the plan's global batch of "
+                        f"{global_batch}; give more data (or, for token data, a shorter --seq-len)")

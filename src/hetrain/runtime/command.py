@@ -23,12 +23,13 @@ from torch import nn
 
 from hetrain.arguments import int_between, number_at_least
 from hetrain.data.datasets import DatasetSplit
-from hetrain.data.user import build_model_datasets
+from hetrain.data.user import build_model_datasets, check_batch_fits
 from hetrain.errors import InputError, RunError
 from hetrain.fields import MAX_STEPS
 from hetrain.models.user import ModelSource, resolve_model
 from hetrain.plan import Plan, PlanError, load_plan
 from hetrain.runtime.clip import check_clip
+from hetrain.runtime.config_file import parse_with_config
 from hetrain.runtime.lr_schedule import LR_SCHEDULES, LrSchedule
 from hetrain.runtime.trainer import DEFAULT_TIMEOUT_S, Trainer, build_optimizer_fn, default_lr
 
@@ -161,11 +162,22 @@ def run_train_command(plan_path: str | Path | Plan, model: str | ModelSource,
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``train`` command's options (for ``hetrain train`` and ``python -m hetrain.runtime.trainer``)."""
+    parser.add_argument("--config", default=None, metavar="train.toml",
+                        help="read options from this TOML file (keys: the long option names); the command line "
+                             "overrides it")
     parser.add_argument("--plan", required=True, help="plan.json")
     parser.add_argument("--model", required=True, help="reference model name (hetrain.models.registry), or "
                         "MODULE:FUNCTION / path/to/file.py:FUNCTION returning your own (docs/own-model.md)")
     parser.add_argument("--data", default=None, help="data set: shakespeare, digits, synthetic (default: fits model), "
+                        "tokens:FILE.bin (uint16 token ids), text:FILE (bytes, or --tokenizer), "
                         "or MODULE:FUNCTION returning a torch Dataset of (input, target) (needed for your own model)")
+    parser.add_argument("--val-data", default=None, metavar="tokens:FILE|text:FILE",
+                        help="validation tokens for --data tokens:/text: (default: its last 10%%)")
+    parser.add_argument("--tokenizer", default=None, metavar="tokenizer.json",
+                        help="tokenize --data text:FILE with this tokenizers file (default: bytes, vocab 256)")
+    parser.add_argument("--seq-len", type=int_between(1, MAX_STEPS, "MAX_STEPS"), default=None, metavar="T",
+                        help="tokens per sample of token data (default: the reference GPT's seq_len; "
+                             "needed for your own model)")
     steps = int_between(0, MAX_STEPS, "MAX_STEPS")
     parser.add_argument("--steps", type=steps, default=100, help="step count to reach (default 100)")
     parser.add_argument("--checkpoint-dir", default=None, help="write checkpoints here; resume from the newest")
@@ -227,7 +239,9 @@ def run_from_args(args: argparse.Namespace) -> int:
         LrSchedule(default_lr(plan.optimizer) if args.lr is None else args.lr, args.lr_schedule, args.warmup_steps,
                    args.min_lr)
         model = resolve_model(args.model, **config)  # a model or data set that cannot be used: refused here
-        data = build_model_datasets(model, args.data, args.data_seed)
+        data = build_model_datasets(model, args.data, args.data_seed, seq_len=args.seq_len, val_data=args.val_data,
+                                    tokenizer=args.tokenizer)
+        check_batch_fits(data[0], len(data[1].train), plan.global_batch)
     except (InputError, ValueError) as e:
         print(f"hetrain train: error: {e}", file=sys.stderr)
         return 2
@@ -245,7 +259,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m hetrain.runtime.trainer --plan plan.json --model NAME ...`` (under torchrun)."""
     parser = argparse.ArgumentParser(prog="hetrain train", description="Train a reference model with a plan.")
     add_train_arguments(parser)
-    code = run_from_args(parser.parse_args(argv))
+    try:
+        args = parse_with_config(parser, argv)
+    except InputError as e:
+        print(f"hetrain train: error: {e}", file=sys.stderr)
+        return 2
+    code = run_from_args(args)
     if code != 0 and dist.is_initialized():
         # A process group with a dead or stuck peer cannot be torn down cleanly: its
         # transport threads may abort the interpreter at exit ("terminate called

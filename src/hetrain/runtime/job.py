@@ -42,7 +42,7 @@ from hetrain.runtime.executor import Executor, LossFn, StageModule
 from hetrain.runtime.metrics import Recorder
 from hetrain.runtime.modes import ModeSync, build_mode_groups
 from hetrain.runtime.p2p import Transport
-from hetrain.runtime.roles import Role, RoleError, build_roles, local_device_name
+from hetrain.runtime.roles import Role, RoleError, build_roles, local_device_name, match_hosts, node_from_host
 from hetrain.runtime.sync import GradientSync, SegmentGroups, build_segment_groups
 from hetrain.schedule import Action, build_schedule, validate
 
@@ -186,11 +186,11 @@ class Job:
         self.health.wait(work, what, self.used_ranks, self.timeout_s)
 
 
-def join_job(timeout_s: float) -> tuple[int, int, torch.device, list[str]]:
+def join_job(timeout_s: float) -> tuple[int, int, torch.device, list[str], bool]:
     """Steps 1 and 2: join the default process group and all-gather every rank's device name.
 
     Returns:
-        (rank, world size, device, device names by rank)
+        (rank, world size, device, device names by rank, whether every rank's node is its host name)
 
     Raises:
         RoleError: the job could not be joined, or not every rank reported, within ``timeout_s``.
@@ -205,11 +205,11 @@ def join_job(timeout_s: float) -> tuple[int, int, torch.device, list[str]]:
                         f"{os.environ.get('MASTER_PORT')}): {_first_line(e)}") from None
     reported: list[Any] = [None] * world
     try:
-        dist.all_gather_object(reported, local_device_name(rank, local_rank))
+        dist.all_gather_object(reported, (local_device_name(rank, local_rank), node_from_host()))
     except RuntimeError as e:
         raise RoleError(f"rank {rank}: the {world} ranks did not all report their device within "
                         f"{timeout_s:g} s (a rank failed or never started): {_first_line(e)}") from None
-    return rank, world, device, [str(d) for d in reported]
+    return rank, world, device, [str(d[0]) for d in reported], all(d[1] for d in reported)
 
 
 def build_stage(plan: Plan, role: Role, device: torch.device, groups: Groups, rank_of: dict[str, int],
@@ -250,8 +250,9 @@ def build_job(plan: Plan, layers_fn: LayersFn, optimizer_fn: OptimizerFn, loss_f
         DeviceError: this rank's device cannot be used.
         ValueError: ``layers_fn`` returned the wrong number of layers.
     """
-    rank, world, device, reported = join_job(timeout_s)  # 1, 2
-    roles = build_roles(plan, reported)  # 3
+    rank, world, device, reported, from_hosts = join_job(timeout_s)  # 1, 2
+    reported, matched = match_hosts(plan, reported) if from_hosts else (reported, None)  # 3
+    roles = build_roles(plan, reported)
     role = roles[rank]
     rank_of = {r.device: r.rank for r in roles}
     actions = build_schedule(plan)  # 4
@@ -259,6 +260,8 @@ def build_job(plan: Plan, layers_fn: LayersFn, optimizer_fn: OptimizerFn, loss_f
     health = Health(rank, reported)  # 5
     health.start()
     used_ranks = sorted(rank_of[d] for d in plan.devices_used)
+    if matched and rank == used_ranks[0]:  # the reporting rank
+        print(f"hetrain: {matched}", flush=True)
     groups = build_groups(plan, rank_of, used_ranks, device, timeout_s)  # 6
     stage = (build_stage(plan, role, device, groups, rank_of, health, layers_fn, optimizer_fn, loss_fn, timeout_s)
              if role.used else None)  # 7

@@ -9,7 +9,12 @@ all-gathered and matched to the plan's devices::
     plan:    VW0  n0:0 [0..3) ──► n1:0 [3..6)        (n0:1 unused: it idles)
              VW1  n1:1 [0..6)
 
-Everything here but ``local_device_name`` is pure: tests drive it with lists of names.
+On one host, or wherever no rank sets ``HETRAIN_NODE``, the host names need not be the
+plan's node names: ``match_hosts`` renames hosts to nodes when they pair up one to one
+by shape (as many hosts as nodes, each host with as many ranks as its node has devices)
+and the pairing is unambiguous, so ``torchrun --standalone`` runs a one-node plan as it is.
+
+Everything here but ``local_device_name`` and ``node_from_host`` is pure: tests drive it with lists of names.
 """
 
 from __future__ import annotations
@@ -44,6 +49,11 @@ def local_node_name(rank: int) -> str:
             raise RoleError(f"{var} lists {len(names)} nodes ({override!r}) but has none for rank {rank}")
         return names[rank]
     return socket.gethostname()
+
+
+def node_from_host() -> bool:
+    """Whether this rank's node is its host name (neither ``HETRAIN_NODE`` nor ``HETRAIN_HOST`` set)."""
+    return not any(os.environ.get(var, "").strip() for var in ("HETRAIN_NODE", "HETRAIN_HOST"))
 
 
 def device_name(node: str, local_rank: int) -> str:
@@ -145,6 +155,49 @@ def assign_ranks(plan: Plan, reported: Sequence[str]) -> dict[str, int]:
         listed = "\n  ".join(problems)
         raise RoleError(f"the world does not match the plan:\n  {listed}\n{_describe_world(plan, reported)}")
     return owner
+
+
+def match_hosts(plan: Plan, reported: Sequence[str]) -> tuple[list[str], str | None]:
+    """``reported`` with host names replaced by the plan's node names where they pair up by shape, and a
+    line saying how (None when nothing was renamed).
+
+    Nothing is renamed when every reported device is in the plan's cluster already, or when the
+    hosts do not pair up with the nodes one to one by rank count = device count (``assign_ranks``
+    then names the mismatch). Hosts named as a node of the plan keep that node.
+
+    Raises:
+        RoleError: hosts that pair up only ambiguously (two nodes of the same device count): which host
+            is which node needs ``HETRAIN_NODE``.
+
+    Example:
+        >>> match_hosts(plan, ["box:0", "box:1"])     # doctest: +SKIP
+        (['n0:0', 'n0:1'], 'hosts matched to the plan's nodes by their device counts: box -> n0 (2 ranks)')
+    """
+    known = {d.name for d in plan.cluster.devices}
+    if all(dev in known for dev in reported):
+        return list(reported), None
+    ranks: dict[str, set[str]] = {}  # host -> its local ranks, hosts in the order of their first rank
+    for dev in reported:
+        host, _, local = dev.rpartition(":")
+        ranks.setdefault(host, set()).add(local)
+    sizes = {n.name: len(n.devices) for n in plan.cluster.nodes}
+    if len(ranks) != len(sizes) or any(locals_ != {str(i) for i in range(len(locals_))} for locals_ in ranks.values()):
+        return list(reported), None
+    node_of = {h: h for h in ranks if h in sizes}
+    free_nodes = [n for n in sizes if n not in node_of]
+    for host in (h for h in ranks if h not in node_of):
+        fits = [n for n in free_nodes if sizes[n] == len(ranks[host])]
+        if not fits:
+            return list(reported), None
+        if len(fits) > 1:
+            raise RoleError(f"host {host} ({len(ranks[host])} ranks) could be any of the plan's nodes "
+                            f"{', '.join(fits)} ({sizes[fits[0]]} devices each): set HETRAIN_NODE on each host to "
+                            "its node's name")
+        node_of[host] = fits[0]
+        free_nodes.remove(fits[0])
+    renamed = [device_name(node_of[h], int(local)) for h, _, local in (d.rpartition(":") for d in reported)]
+    pairs = ", ".join(f"{h} -> {n} ({len(ranks[h])} rank(s))" for h, n in node_of.items() if h != n)
+    return renamed, f"hosts matched to the plan's nodes by their device counts: {pairs}"
 
 
 def build_roles(plan: Plan, reported: Sequence[str]) -> list[Role]:
