@@ -601,3 +601,71 @@ def test_bad_train_plan_is_refused_by_a_real_process(files: dict[str, str], tmp_
     pytest.importorskip("torch")
     code, stderr, _ = run_subprocess(["train", "--plan", files["list"], "--model", "mlp-digits"], tmp_path)
     check_refused(code, stderr, (files["list"], "JSON object"))
+
+
+# --- `hetrain train`: token and text data, and the config file ------------------------------------------
+
+@pytest.fixture()
+def token_files(files: dict[str, str], tmp_path: Path) -> dict[str, str]:
+    """``files`` and token files, a text, and train.toml files, for the data and config cases."""
+    import numpy as np
+
+    def tokens(name: str, ids: Any) -> str:
+        np.asarray(ids, dtype="<u2").tofile(tmp_path / name)
+        return str(tmp_path / name)
+
+    out = dict(files)
+    out.update(good_bin=tokens("good.bin", np.arange(64 * 40) % 96), short_bin=tokens("short.bin", range(10)),
+               vocab_bin=tokens("vocab.bin", np.arange(64 * 40) % 200), few_bin=tokens("few.bin", np.arange(64 * 6) % 96),
+               missing_bin=str(tmp_path / "missing.bin"))
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
+    out["odd_bin"] = str(tmp_path / "odd.bin")
+    (tmp_path / "words.txt").write_text("to be or not to be " * 200)
+    out["words"] = str(tmp_path / "words.txt")
+    for name, text in {"unknown": 'stepz = 3\n', "type": 'steps = "many"\n', "negative": "lr = -1\n",
+                       "bool": "plan = true\n", "choice": 'lr_schedule = "step"\n', "flag": 'progress = "yes"\n',
+                       "broken": "steps = \n"}.items():
+        (tmp_path / f"{name}.toml").write_text(text)
+        out[f"{name}_toml"] = str(tmp_path / f"{name}.toml")
+    return out
+
+
+DATA_CASES: list[tuple[str, list[str], tuple[str, ...]]] = [
+    ("tokens-missing", ["--data", "tokens:{missing_bin}"], ("{missing_bin}", "no such file")),
+    ("tokens-odd-size", ["--data", "tokens:{odd_bin}"], ("{odd_bin}", "3 bytes", "multiple of 2")),
+    ("tokens-shorter-than-a-window", ["--data", "tokens:{short_bin}"], ("{short_bin}", "10 tokens", "seq_len 64")),
+    ("tokens-beyond-vocab", ["--data", "tokens:{vocab_bin}"], ("{vocab_bin}", "token id 199", "vocabulary of 96")),
+    ("tokens-fewer-than-a-batch", ["--data", "tokens:{few_bin}"],
+     ("tokens:{few_bin}", "5 training sample(s)", "global batch of 16")),
+    ("tokens-seq-len-too-long", ["--data", "tokens:{good_bin}", "--seq-len", "65"], ("--seq-len 65", "seq_len 64")),
+    ("tokens-not-a-gpt", ["--model", "mlp-digits", "--data", "tokens:{good_bin}"], ("token data", "GPT", "mlp")),
+    ("tokens-own-model-without-seq-len", ["--model", "{models}:good", "--data", "tokens:{good_bin}"],
+     ("{models}:good", "--seq-len")),
+    ("val-data-missing", ["--data", "tokens:{good_bin}", "--val-data", "tokens:{missing_bin}"],
+     ("{missing_bin}", "no such file")),
+    ("val-data-without-tokens", ["--val-data", "tokens:{good_bin}"], ("--val-data", "tokens:FILE.bin")),
+    ("text-bytes-beyond-vocab", ["--data", "text:{words}"], ("{words}", "token id 116", "vocabulary of 96")),
+    ("text-missing", ["--data", "text:{missing}"], ("{missing}", "no such file")),
+    ("tokenizer-missing", ["--data", "text:{words}", "--tokenizer", "{missing}"], ("--tokenizer", "{missing}")),
+    ("tokenizer-not-json", ["--data", "text:{words}", "--tokenizer", "{words}"], ("--tokenizer {words}",
+                                                                                   "not a tokenizer.json")),
+    ("config-missing", ["--config", "{missing}"], ("--config {missing}", "cannot read")),
+    ("config-not-toml", ["--config", "{broken_toml}"], ("--config {broken_toml}", "not a TOML file")),
+    ("config-unknown-key", ["--config", "{unknown_toml}"], ("{unknown_toml}", "unknown key 'stepz'", "3")),
+    ("config-wrong-type", ["--config", "{type_toml}"], ("{type_toml}", "steps", '"many"')),
+    ("config-refused-value", ["--config", "{negative_toml}"], ("{negative_toml}", "lr = -1")),
+    ("config-bool-for-a-path", ["--config", "{bool_toml}"], ("{bool_toml}", "plan = true", "string")),
+    ("config-bad-choice", ["--config", "{choice_toml}"], ("{choice_toml}", "lr_schedule", '"step"', "cosine")),
+    ("config-flag-not-bool", ["--config", "{flag_toml}"], ("{flag_toml}", "progress", "true or false")),
+]
+
+
+@pytest.mark.parametrize("name, extra, needles", DATA_CASES, ids=[c[0] for c in DATA_CASES])
+def test_bad_train_data_or_config_is_one_line(name: str, extra: list[str], needles: tuple[str, ...],
+                                              token_files: dict[str, str],
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("torch")
+    argv = ["train", "--plan", token_files["plan"], "--model", "gpt-tiny", "--no-progress",
+            *[a.format(**token_files) for a in extra]]
+    code, stderr = run_in_process(argv, capsys)
+    check_refused(code, stderr, tuple(n.format(**token_files) for n in needles))
