@@ -616,7 +616,8 @@ def token_files(files: dict[str, str], tmp_path: Path) -> dict[str, str]:
 
     out = dict(files)
     out.update(good_bin=tokens("good.bin", np.arange(64 * 40) % 96), short_bin=tokens("short.bin", range(10)),
-               vocab_bin=tokens("vocab.bin", np.arange(64 * 40) % 200), few_bin=tokens("few.bin", np.arange(64 * 6) % 96),
+               vocab_bin=tokens("vocab.bin", np.arange(64 * 40) % 200),
+               few_bin=tokens("few.bin", np.arange(64 * 6) % 96),
                missing_bin=str(tmp_path / "missing.bin"))
     (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
     out["odd_bin"] = str(tmp_path / "odd.bin")

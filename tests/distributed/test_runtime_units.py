@@ -15,7 +15,7 @@ from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
 from hetrain.runtime.executor import StageModule
 from hetrain.runtime.metrics import MetricsLog, merge_timeline
 from hetrain.runtime.p2p import decode_header, encode_header, grad_slots, spec_of
-from hetrain.runtime.roles import RoleError, assign_ranks, build_roles, local_node_name
+from hetrain.runtime.roles import RoleError, assign_ranks, build_roles, local_node_name, match_hosts
 from hetrain.simulator import simulate
 from hetrain.timeline import compare
 
@@ -66,6 +66,39 @@ def test_a_world_that_does_not_match_names_every_problem_and_what_ranks_reported
     assert "nodes n0 (n0:0, n0:1); n1 (n1:0, n1:1)" in text
     assert "rank 0 -> n0:0, rank 1 -> n0:0, rank 2 -> box:1" in text
     assert "HETRAIN_NODE" in text
+
+
+def test_hosts_are_matched_to_nodes_by_shape_when_they_pair_up_one_to_one() -> None:
+    one = make_plan([(["n0:0", "n0:1"], [0, 2, 6], 4, 2)], {"n0": 2})
+    renamed, line = match_hosts(one, ["laptop:1", "laptop:0"])
+    assert renamed == ["n0:1", "n0:0"]
+    assert line == "hosts matched to the plan's nodes by their device counts: laptop -> n0 (2 rank(s))"
+    roles = build_roles(one, renamed)
+    assert (roles[1].device, roles[1].j, roles[0].prev_rank) == ("n0:0", 0, 1)
+
+    two = make_plan(TWO_VWS, {"n0": 1, "n1": 3})  # devices n0:0, n1:0..2: shapes differ, so the pairing is known
+    renamed, line = match_hosts(two, ["big:0", "small:0", "big:1", "big:2"])
+    assert renamed == ["n1:0", "n0:0", "n1:1", "n1:2"]
+    assert line is not None and "big -> n1 (3 rank(s)), small -> n0 (1 rank(s))" in line
+
+
+def test_names_that_match_the_plan_or_hosts_that_do_not_pair_up_are_left_as_they_are() -> None:
+    plan = make_plan(TWO_VWS, NODES)
+    assert match_hosts(plan, ["n1:1", "n1:0", "n0:1", "n0:0"]) == (["n1:1", "n1:0", "n0:1", "n0:0"], None)
+    for reported in (["box:0", "box:1", "box:2"],  # one host, two nodes
+                     ["a:0", "a:1", "a:2", "b:0"],  # 3 + 1 ranks against 2 + 2 devices
+                     ["a:0", "a:2", "b:0", "b:1"]):  # local ranks with a gap
+        assert match_hosts(plan, reported) == (list(reported), None)
+        with pytest.raises(RoleError, match="the world does not match the plan"):
+            build_roles(plan, reported)
+
+
+def test_hosts_that_could_be_either_node_need_hetrain_node() -> None:
+    plan = make_plan(TWO_VWS, NODES)  # n0 and n1 both have 2 devices
+    with pytest.raises(RoleError, match=r"host a \(2 ranks\) could be any of the plan's nodes n0, n1.*HETRAIN_NODE"):
+        match_hosts(plan, ["a:0", "a:1", "b:0", "b:1"])
+    renamed, line = match_hosts(plan, ["n0:0", "n0:1", "b:0", "b:1"])  # one host named as a node: the rest is known
+    assert renamed == ["n0:0", "n0:1", "n1:0", "n1:1"] and line is not None and "b -> n1" in line
 
 
 def test_node_name_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
