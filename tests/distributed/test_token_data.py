@@ -1,0 +1,70 @@
+"""``--data tokens:FILE.bin`` on two ranks of ``torchrun --standalone``, with no HETRAIN_NODE set.
+
+    hetrain plan --cluster one-node.toml --model gpt-tiny --global-batch 8 --strategy pp -o plan.json
+    torchrun --standalone --nproc-per-node 2 -m hetrain train --config train.toml --steps 20
+
+The token file is written here with numpy (uint16); the cluster's node is "n0", not this host's
+name, so the ranks' host is matched to the plan's node by shape (one host of 2 ranks, one node of
+2 devices) and the job says so. The loss of gpt-tiny on a repeated phrase must fall.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTER = """
+name = "one-node"
+[[node]]
+name = "n0"
+devices = [{type = "cpu", count = 2}]
+intra_link = "loopback"
+nic = "1Gbit/s"
+"""
+STEPS = 20
+
+
+def hetrain(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "hetrain", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+@pytest.mark.timeout(300)
+def test_gpt_tiny_learns_from_a_token_file_on_one_host_without_naming_its_node(tmp_path: Path, spawn,
+                                                                               clean_env) -> None:
+    phrase = np.random.default_rng(0).integers(0, 96, size=37)
+    phrase[np.arange(20000) % 37].astype("<u2").tofile(tmp_path / "train.bin")  # 20,000 tokens of a 37-token phrase
+    (tmp_path / "one-node.toml").write_text(CLUSTER)
+    hetrain(["plan", "--cluster", "one-node.toml", "--model", "gpt-tiny", "--global-batch", "8", "--strategy", "pp",
+             "-o", "plan.json"], tmp_path)
+    metrics = tmp_path / "metrics.jsonl"
+    (tmp_path / "train.toml").write_text(f'plan = "{tmp_path / "plan.json"}"\nmodel = "gpt-tiny"\n'
+                                         f'data = "tokens:{tmp_path / "train.bin"}"\n'
+                                         f'steps = 1000\nlr = 3e-3\nlog_every = 1\nmetrics_out = "{metrics}"\n'
+                                         'timeout_s = 60\nprogress = false\n')
+    env = {k: v for k, v in clean_env.items() if k not in ("HETRAIN_NODE", "HETRAIN_HOST")}
+    p = spawn([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "hetrain", "train", "--config", str(tmp_path / "train.toml"), "--steps", str(STEPS)],
+              {**env, "HETRAIN_DEVICE": "cpu", "PYTHONPATH": str(ROOT / "src")})
+    stdout, stderr = p.communicate(timeout=240)
+    assert p.returncode == 0, stderr[-4000:]
+    assert "hosts matched to the plan's nodes by their device counts: " in stdout and "-> n0 (2 rank(s))" in stdout, \
+        stdout
+    assert f"hetrain train: gpt-tiny on tokens:{tmp_path / 'train.bin'}" in stdout, stdout
+
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    losses = [r["loss"] for r in rows if "step_time_s" in r]
+    assert len(losses) == STEPS  # --steps on the command line over the file's 1000
+    assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, losses
