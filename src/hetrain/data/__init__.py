@@ -7,6 +7,7 @@
 - ``hetrain.data.sharding``: per-VW and per-micro-batch slices of a batch (pure Python).
 - ``hetrain.data.registry``: the data sets by name, matched to a model.
 - ``hetrain.data.user``: a user's data set (``--data MODULE:FUNCTION``), and ``--data`` resolved for any model.
+- ``hetrain.data.tokens``: token and text files (``--data tokens:FILE.bin`` / ``text:FILE``), cut into windows.
 
 Importing this package imports no torch; the names below load their module on
 first use (``from hetrain.data import load_text_corpus``).
@@ -25,6 +26,7 @@ _EXPORTS = {
     "load_digits_dataset": "digits",
     "DATA_NAMES": "registry", "build_datasets": "registry", "default_data": "registry",
     "MapDataset": "user", "build_model_datasets": "user", "load_user_datasets": "user",
+    "TokenDataset": "tokens", "load_token_datasets": "tokens",
     "batch_slices": "sharding", "sample_weights": "sharding", "shard_batch": "sharding",
     "split_batch": "sharding", "split_evenly": "sharding",
 }

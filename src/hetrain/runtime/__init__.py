@@ -32,7 +32,7 @@ from typing import Any
 _EXPORTS = {
     "Trainer": "trainer", "build_optimizer_fn": "trainer", "init_distributed": "job",
     "run_train_command": "command", "add_train_arguments": "command", "run_from_args": "command",
-    "PeerError": "p2p", "RoleError": "roles", "Role": "roles", "build_roles": "roles",
+    "PeerError": "p2p", "RoleError": "roles", "Role": "roles", "build_roles": "roles", "match_hosts": "roles",
     "StageModule": "executor", "Executor": "executor", "merge_timeline": "metrics",
 }
 
