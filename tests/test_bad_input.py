@@ -638,6 +638,8 @@ DATA_CASES: list[tuple[str, list[str], tuple[str, ...]]] = [
     ("tokens-beyond-vocab", ["--data", "tokens:{vocab_bin}"], ("{vocab_bin}", "token id 199", "vocabulary of 96")),
     ("tokens-fewer-than-a-batch", ["--data", "tokens:{few_bin}"],
      ("tokens:{few_bin}", "5 training sample(s)", "global batch of 16")),
+    ("tokens-too-few-to-evaluate", ["--data", "tokens:{good_bin}", "--eval-every", "5"],
+     ("tokens:{good_bin}", "3 validation sample(s)", "--eval-batches 8", "= 128")),
     ("tokens-seq-len-too-long", ["--data", "tokens:{good_bin}", "--seq-len", "65"], ("--seq-len 65", "seq_len 64")),
     ("tokens-not-a-gpt", ["--model", "mlp-digits", "--data", "tokens:{good_bin}"], ("token data", "GPT", "mlp")),
     ("tokens-own-model-without-seq-len", ["--model", "{models}:good", "--data", "tokens:{good_bin}"],

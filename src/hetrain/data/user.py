@@ -160,12 +160,17 @@ def build_model_datasets(model: ModelSource, data: str | None, seed: int = 0, *,
     return name, build_datasets(name, model.preset, seed=seed, **model.config)
 
 
-def check_batch_fits(data_name: str, samples: int, global_batch: int) -> None:
-    """Refuse a training set of fewer samples than one global batch (``iter_batches`` draws whole batches).
+def check_batch_fits(data_name: str, split: DatasetSplit, global_batch: int, eval_batches: int = 0) -> None:
+    """Refuse a training set of fewer samples than one global batch (``iter_batches`` draws whole batches),
+    and a validation set of fewer than ``eval_batches`` global batches (when evaluating: ``eval_batches > 0``).
 
     Raises:
-        SpecError: ``samples < global_batch``, with both numbers.
+        SpecError: too few samples, with the numbers.
     """
-    if samples < global_batch:
-        raise SpecError(f"--data {data_name}: {samples} training sample(s), fewer than the plan's global batch of "
-                        f"{global_batch}; give more data (or, for token data, a shorter --seq-len)")
+    if len(split.train) < global_batch:
+        raise SpecError(f"--data {data_name}: {len(split.train)} training sample(s), fewer than the plan's global "
+                        f"batch of {global_batch}; give more data (or, for token data, a shorter --seq-len)")
+    if eval_batches and split.val is not None and len(split.val) < eval_batches * global_batch:
+        raise SpecError(f"--data {data_name}: {len(split.val)} validation sample(s), fewer than --eval-batches "
+                        f"{eval_batches} x the global batch of {global_batch} = {eval_batches * global_batch}; "
+                        "give fewer --eval-batches or more validation data")

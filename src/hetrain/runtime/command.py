@@ -241,7 +241,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         model = resolve_model(args.model, **config)  # a model or data set that cannot be used: refused here
         data = build_model_datasets(model, args.data, args.data_seed, seq_len=args.seq_len, val_data=args.val_data,
                                     tokenizer=args.tokenizer)
-        check_batch_fits(data[0], len(data[1].train), plan.global_batch)
+        check_batch_fits(data[0], data[1], plan.global_batch, args.eval_batches if args.eval_every else 0)
     except (InputError, ValueError) as e:
         print(f"hetrain train: error: {e}", file=sys.stderr)
         return 2
