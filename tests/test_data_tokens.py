@@ -116,3 +116,11 @@ def test_token_batches_are_drawn_like_any_data_set(tmp_path: Path) -> None:
     assert all(torch.equal(a[0], b[0]) for a, b in zip(batches, again, strict=True))
     x, y = batches[0]
     assert torch.equal(x[:, 1:], y[:, :-1])  # y is x shifted by one
+
+
+def test_profiling_a_gpt_on_token_data_feeds_it_the_windows(tmp_path: Path) -> None:
+    from hetrain.profiler.layers import profile_inputs
+
+    path = write_tokens(tmp_path / "t.bin", (np.arange(5000) * 5) % 96)
+    inputs = profile_inputs(resolve_model("gpt-tiny"), f"tokens:{path}")(3)
+    assert inputs.shape == (3, 64) and inputs[1].tolist() == ((np.arange(64, 128) * 5) % 96).tolist()

@@ -231,9 +231,15 @@ def profile_inputs(source: ModelSource, data: str | None, seed: int = 0) -> Call
     Raises:
         SpecError: a user's model without ``data`` (``MODULE:FUNCTION``), or a data spec that cannot be loaded.
     """
+    from hetrain.data.tokens import is_token_spec
     from hetrain.models.registry import sample_batch
     from hetrain.models.spec import SpecError, is_user_spec
 
+    if is_token_spec(data):  # a reference GPT's windows (a user's model: refused, it needs --seq-len)
+        from hetrain.data.user import build_model_datasets
+
+        tokens = build_model_datasets(source, data, seed)[1].train
+        return lambda b: tokens.take(torch.arange(b) % len(tokens))[0]  # (b, T)
     if data is not None and is_user_spec(data):
         from hetrain.data.user import load_user_datasets
 
