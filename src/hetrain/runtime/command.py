@@ -3,7 +3,8 @@
     torchrun --nproc-per-node 4 -m hetrain.runtime.command --plan plan.json --model gpt-tiny --steps 100 \
         --checkpoint-dir ckpt --checkpoint-every 50 --metrics-out metrics.jsonl --timeline-out measured.json
 
-``hetrain train`` takes the same options (``add_train_arguments``, ``run_from_args``).
+``hetrain train`` takes the same options (``add_train_arguments``, ``run_from_args``), on the
+command line or in a TOML file, ``--config train.toml`` (``runtime.config_file``).
 Restarted by ``torchrun --max-restarts N``, a job resumes from the newest complete
 checkpoint in ``--checkpoint-dir`` by itself, under the plan it is given then.
 """
@@ -78,6 +79,7 @@ def run_train_command(plan_path: str | Path | Plan, model: str | ModelSource,
             user's own (``hetrain.models.user``), or the ``ModelSource`` of either; its layer count must
             be the plan's.
         data: a data set name (``hetrain.data.registry``; default: the real one that fits the model),
+            ``tokens:FILE.bin`` or ``text:FILE`` (``hetrain.data.tokens``, windows of the GPT's seq_len),
             ``MODULE:FUNCTION`` returning the user's own (``hetrain.data.user``; a user's model needs
             it), or ``build_model_datasets``' ``(name, datasets)``.
         steps: the step count to reach (a resumed run goes on from its checkpoint).
@@ -175,7 +177,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="validation tokens for --data tokens:/text: (default: its last 10%%)")
     parser.add_argument("--tokenizer", default=None, metavar="tokenizer.json",
                         help="tokenize --data text:FILE with this tokenizers file (default: bytes, vocab 256)")
-    parser.add_argument("--seq-len", type=int_between(1, MAX_STEPS, "MAX_STEPS"), default=None, metavar="T",
+    parser.add_argument("--seq-len", type=int_between(1, 1 << 20), default=None, metavar="T",
                         help="tokens per sample of token data (default: the reference GPT's seq_len; "
                              "needed for your own model)")
     steps = int_between(0, MAX_STEPS, "MAX_STEPS")
