@@ -30,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetrain.models.spec import SpecError
-from hetrain.models.user import ModelSource
 
 HF_PREFIX = "hf:"
 Tie = tuple[tuple[int, str], ...]
@@ -216,7 +216,7 @@ def _weight_files(spec: str, path: Path) -> dict[str, Path]:
     for shard in shards:
         try:
             with safe_open(str(shard), framework="pt") as f:  # reads the header only
-                files.update((key, shard) for key in f.keys())
+                files.update((key, shard) for key in f.keys())  # noqa: SIM118 (a safe_open, not a dict)
         except Exception as e:  # safetensors' own errors (missing, truncated, not safetensors): one line
             raise SpecError(f"--model {spec}: {shard} cannot be read as safetensors: {type(e).__name__}: "
                             f"{_first_line(e)}") from e
@@ -230,7 +230,7 @@ def _build_whole(hf: HfDir, seed: int) -> tuple[list[nn.Module], dict[int, list[
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
-            model = AutoModelForCausalLM.from_config(hf.config)
+            model = AutoModelForCausalLM.from_config(hf.config)  # type: ignore[no-untyped-call]
         except Exception as e:  # transformers' own errors: named in one line with the file
             raise SpecError(f"--model {hf.spec}: transformers cannot build a causal LM from {hf.path / 'config.json'}"
                             f": {type(e).__name__}: {_first_line(e)}") from e
@@ -287,8 +287,25 @@ def load_weights(hf: HfDir, layers: dict[int, nn.Module], hf_names: dict[int, li
                     p.copy_(f.get_tensor(key))
 
 
-def resolve_hf(spec: str) -> ModelSource:
-    """The ``ModelSource`` of ``hf:DIR``: built, cut and checked against its weights once here.
+@dataclass(frozen=True)
+class HfModel:
+    """What ``hetrain.models.user.ModelSource`` takes of an ``hf:DIR`` model.
+
+    Attributes:
+        num_layers: embed, the blocks, head.
+        layer_names: ``("embed", "block1", ..., "head")``.
+        tied: the ties, ``((layer, name in the layer), ...)`` each (``untie``).
+        build: ``build(first, end, seed)``: layers ``[first, end)``, the file's weights in them if any.
+    """
+
+    num_layers: int
+    layer_names: tuple[str, ...]
+    tied: tuple[Tie, ...]
+    build: Callable[[int, int, int], list[nn.Module]]
+
+
+def resolve_hf(spec: str) -> HfModel:
+    """``hf:DIR``, built, cut and checked against its weights once here (``ModelSource`` wraps it).
 
     Raises:
         SpecError: a missing or unreadable file, an architecture hetrain cannot cut, or weights
@@ -308,7 +325,7 @@ def resolve_hf(spec: str) -> ModelSource:
             load_weights(hf, kept, ids)
         return list(kept.values())
 
-    return ModelSource(spec, n, names, lm_loss, tied=ties, _build=build)
+    return HfModel(n, names, ties, build)
 
 
 def _first_line(e: BaseException) -> str:
@@ -316,4 +333,4 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else ""
 
 
-__all__ = ["HF_PREFIX", "is_hf_spec", "lm_loss", "load_hf_dir", "resolve_hf"]
+__all__ = ["HF_PREFIX", "HfModel", "is_hf_spec", "lm_loss", "load_hf_dir", "resolve_hf"]

@@ -198,12 +198,13 @@ def resolve_model(text: str, **config: Any) -> ModelSource:
     if not is_user_spec(text):
         return _resolve_preset(text, config)
     if text.startswith("hf:"):  # a local Hugging Face model directory (hetrain.models.hf)
-        from hetrain.models.hf import resolve_hf
+        from hetrain.models.hf import lm_loss, resolve_hf
 
         if config:
             raise SpecError(f"--set {', '.join(sorted(config))}: settings apply to reference models only; "
                             f"{text} is built from its config.json")
-        return resolve_hf(text)
+        hf = resolve_hf(text)
+        return ModelSource(text, hf.num_layers, hf.layer_names, lm_loss, tied=hf.tied, _build=hf.build)
     if config:
         raise SpecError(f"--set {', '.join(sorted(config))}: settings apply to reference models only; "
                         f"{text} is built by its own function")
