@@ -186,6 +186,8 @@ def load_hf_dir(spec: str) -> HfDir:
     if not config_file.is_file():
         raise SpecError(f"--model {spec}: {config_file} is missing (a transformers model directory holds "
                         "config.json, and optionally model.safetensors)")
+    _require(spec, "transformers")
+    _require(spec, "safetensors")
     from transformers import AutoConfig
 
     try:
@@ -194,6 +196,15 @@ def load_hf_dir(spec: str) -> HfDir:
         raise SpecError(f"--model {spec}: {config_file} cannot be read as a transformers config: "
                         f"{type(e).__name__}: {_first_line(e)}") from e
     return HfDir(spec, path, config, _weight_files(spec, path))
+
+
+def _require(spec: str, package: str) -> None:
+    """Refuse ``hf:DIR`` in one line where ``package`` (of the ``hf`` extra) is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec(package) is None:
+        raise SpecError(f"--model {spec}: Hugging Face models need {package}, which is not installed "
+                        "(pip install 'hetrain[hf]')")
 
 
 def _weight_files(spec: str, path: Path) -> dict[str, Path]:
