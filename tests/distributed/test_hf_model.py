@@ -7,7 +7,8 @@
 The pipeline puts the embedding on one Gloo rank and the LM head on the other, each with its copy of
 GPT-2's tied ``wte``/``lm_head`` matrix. The loss must fall; the copies must still be equal after
 the last step; and every weight must be that of the same transformers model trained in this
-process on the same global batches (one tied matrix, the plan's optimizer).
+process on the same global batches (one tied matrix, the plan's optimizer, gradients clipped by the
+global norm, in which the tied matrix counts once).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ TOKENS = textwrap.dedent("""
         return TensorDataset(seq[:, :-1], seq[:, 1:])  # inputs (N, T), targets shifted by one
 """)
 STEPS, SEED, LR = 15, 4, 0.003
+CLIP = 0.5  # below the gradient norm: clipped at every step, with the tied matrix counted once as in the model
 
 
 def hetrain(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -64,19 +66,22 @@ def hetrain(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     return done
 
 
-def reference(config: object, data: str, plan_optimizer: str, global_batch: int) -> dict[str, torch.Tensor]:
-    """The transformers model (one tied matrix) trained in one process, named as hetrain's layers."""
+def reference(config: object, data: str, plan_optimizer: str,
+              global_batch: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The transformers model (one tied matrix) trained in one process, named as hetrain's layers; its norms."""
     torch.manual_seed(SEED)
     model = transformers.AutoModelForCausalLM.from_config(config)
     opt = build_optimizer_fn(plan_optimizer, LR)(list(model.parameters()))
+    norms: list[float] = []
     for x, y in iter_batches(load_user_datasets(data).train, global_batch, seed=0, steps=STEPS):
         opt.zero_grad()
         lm_loss(model(x).logits, y).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())  # one tied matrix
         opt.step()
     names = {id(p): [n] for n, p in model.named_parameters(remove_duplicate=False)}
     layers = cut_causal_lm(model, config, "reference")
     untie(layers, names)
-    return LayerRange(layers).state_dict()
+    return LayerRange(layers).state_dict(), norms
 
 
 @pytest.mark.timeout(400)
@@ -102,7 +107,8 @@ def test_hf_gpt2_profiles_plans_and_trains_with_its_tied_weights_as_one_process_
     p = spawn([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "-m", "hetrain", "train", "--plan", str(tmp_path / "plan.json"), "--model", model, "--data", data,
                "--steps", str(STEPS), "--seed", str(SEED), "--lr", str(LR), "--log-every", "1",
-               "--checkpoint-dir", str(ckpt), "--metrics-out", str(metrics), "--timeout-s", "60", "--no-progress"],
+               "--checkpoint-dir", str(ckpt), "--metrics-out", str(metrics), "--timeout-s", "60", "--no-progress",
+               "--clip-grad-norm", str(CLIP)],
               {**clean_env, "HETRAIN_NODE": "n0", "HETRAIN_DEVICE": "cpu", "PYTHONPATH": str(ROOT / "src")})
     stdout, stderr = p.communicate(timeout=300)
     assert p.returncode == 0, stderr[-4000:]
@@ -113,7 +119,9 @@ def test_hf_gpt2_profiles_plans_and_trains_with_its_tied_weights_as_one_process_
     assert len(losses) == STEPS
     assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, losses
 
-    want = reference(config, data, plan.optimizer, plan.global_batch)
+    want, norms = reference(config, data, plan.optimizer, plan.global_batch)
+    assert min(norms) > CLIP  # clipping acted at every step
+    assert [r["grad_norm"] for r in rows if "step_time_s" in r] == pytest.approx(norms, rel=1e-4)
     got, _, meta = load_checkpoint(ckpt, list(want))
     assert meta["step"] == STEPS
     torch.testing.assert_close(got["layers.0.tokens.weight"], got["layers.3.lm_head.weight"], rtol=0, atol=0)

@@ -134,6 +134,7 @@ class StageParts:
         recorder: the measured timeline's events.
         modes: the sync mode's state (None under ``bsp``).
         executor: runs the rank's Actions of an iteration.
+        tied: sums the tied copies' gradients at STEP (the executor's ``before_step``); None: no ties here.
     """
 
     module: StageModule
@@ -143,6 +144,7 @@ class StageParts:
     recorder: Recorder
     modes: ModeSync | None
     executor: Executor
+    tied: TiedGrads | None = None
 
 
 @dataclass(frozen=True)
@@ -242,9 +244,9 @@ def build_stage(plan: Plan, role: Role, device: torch.device, groups: Groups, ra
     if plan.sync != "bsp":
         modes = ModeSync(plan, role.device, sync, groups.segments, groups.modes, rank_of, health, timeout_s)
     executor = Executor(role, module, loss_fn, transport, sync, optimizer, health, recorder, device, modes)
-    if tied:
-        executor.before_step = TiedGrads(tied, plan, role.device, module, groups.tied, wait)
-    return StageParts(module, optimizer, sync, transport, recorder, modes, executor)
+    tied_grads = TiedGrads(tied, plan, role.device, module, groups.tied, wait) if tied else None
+    executor.before_step = tied_grads
+    return StageParts(module, optimizer, sync, transport, recorder, modes, executor, tied_grads)
 
 
 def build_job(plan: Plan, layers_fn: LayersFn, optimizer_fn: OptimizerFn, loss_fn: LossFn,

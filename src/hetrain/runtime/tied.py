@@ -102,6 +102,8 @@ class TiedGrads:
         self._wait = wait
         # per tie: (group or None, [(param, counted here)]) for the ties this rank holds a copy of
         self._ties: list[tuple[Any, list[tuple[nn.Parameter, bool]]]] = []
+        # the copies after a tie's first that this rank counts in a global norm: the same gradient again
+        self.duplicates: list[nn.Parameter] = []
         group_of = iter(groups)
         for tie in tied:
             group = None if is_local(plan, tie) else next(group_of)
@@ -112,6 +114,8 @@ class TiedGrads:
                 owners = _owners(plan, k)
                 if device in owners:
                     copies.append((module[k].get_parameter(name), owners[0] == device))
+                    if owners[0] == device and (k, name) != tie[0]:
+                        self.duplicates.append(copies[-1][0])
             self._ties.append((group, copies))
 
     def __call__(self, step: int) -> None:

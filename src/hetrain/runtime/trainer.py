@@ -180,7 +180,8 @@ class Trainer:
         self.clip: GradClip | None = None
         if parts is not None and clip_grad_norm is not None:
             self.clip = GradClip(clip_grad_norm, plan, self.role.device, parts.sync, self.work_group,
-                                 len(self.used_ranks), job.wait, self.device)
+                                 len(self.used_ranks), job.wait, self.device,
+                                 duplicates=parts.tied.duplicates if parts.tied is not None else ())
             parts.executor.before_step = chain_hooks(parts.executor.before_step, self.clip)  # ties summed first
         self._init_sync_state()
         self._events = JobEvents(job, self.checkpoint_dir)
