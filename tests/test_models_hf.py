@@ -108,6 +108,19 @@ def test_weights_are_loaded_into_a_ranks_layers(tmp_path: Path) -> None:
     torch.testing.assert_close(chain(source.build_layers(seed=5), ids), saved(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_weights_saved_from_the_base_model_are_found_without_its_prefix(tmp_path: Path) -> None:
+    """The hub's gpt2 names its tensors "h.0.attn...", "wte.weight": saved from GPT2Model, not the LM."""
+    from safetensors.torch import save_file
+
+    spec, saved = write_dir(tmp_path, gpt2_config(), weights_seed=6)
+    base = {k.removeprefix("transformer."): t.contiguous() for k, t in saved.state_dict().items()
+            if k.startswith("transformer.") and ".attn.bias" not in k}
+    save_file(base, str(tmp_path / "model.safetensors"))
+    ids = torch.randint(0, VOCAB, (2, 9))
+    torch.testing.assert_close(chain(resolve_model(spec).build_layers(seed=0), ids), saved(ids).logits,
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_a_rank_reads_only_its_layers_tensors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     spec, _ = write_dir(tmp_path, llama_config(), weights_seed=2)
     source = resolve_model(spec)

@@ -246,8 +246,11 @@ def _build_whole(hf: HfDir, seed: int) -> tuple[list[nn.Module], dict[int, list[
             raise SpecError(f"--model {hf.spec}: transformers cannot build a causal LM from {hf.path / 'config.json'}"
                             f": {type(e).__name__}: {_first_line(e)}") from e
     hf_names: dict[int, list[str]] = {}
+    base = f"{getattr(model, 'base_model_prefix', '')}."  # "transformer." (GPT-2), "model." (Llama)
     for name, p in model.named_parameters(remove_duplicate=False):
         hf_names.setdefault(id(p), []).append(name)
+    for names in hf_names.values():  # a file saved from the base model (the hub's gpt2: "h.0...") names it so
+        names.extend(n.removeprefix(base) for n in list(names) if base != "." and n.startswith(base))
     layers = cut_causal_lm(model, hf.config, hf.spec)
     ties = untie(layers, hf_names)
     return layers, hf_names, ties
