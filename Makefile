@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[train,dev]'
+	$(PY) -m pip install -q -e '.[train,dev,hf]'
 	touch $@
 
 demo: $(VENV)/.installed

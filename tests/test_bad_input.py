@@ -375,6 +375,8 @@ def files(valid: dict[str, Json], tmp_path: Path) -> dict[str, str]:
     (tmp_path / "bad-step.jsonl").write_text('{"step": 1, "step_time_s": "fast"}\n')
     (tmp_path / "models.py").write_text(USER_MODULE)
     (tmp_path / "broken.py").write_text("import no_such_package_here\n")
+    (tmp_path / "hf-empty").mkdir()
+    write_hf_mismatch(tmp_path / "hf-bad")
     wsp = copy.deepcopy(valid["plan"])
     wsp["sync"]["mode"] = "wsp"
     (tmp_path / "wsp-plan.json").write_text(json.dumps(wsp))
@@ -384,7 +386,20 @@ def files(valid: dict[str, Json], tmp_path: Path) -> dict[str, str]:
             "missing": str(tmp_path / "missing.json"), "binary": str(tmp_path / "binary.json"),
             "deep": str(tmp_path / "deep.json"), "bad_step": str(tmp_path / "bad-step.jsonl"),
             "models": str(tmp_path / "models.py"), "broken": str(tmp_path / "broken.py"),
-            "wsp_plan": str(tmp_path / "wsp-plan.json")}
+            "wsp_plan": str(tmp_path / "wsp-plan.json"), "hf_empty": str(tmp_path / "hf-empty"),
+            "hf_bad": str(tmp_path / "hf-bad")}
+
+
+def write_hf_mismatch(path: Path) -> None:
+    """A transformers GPT-2 directory whose model.safetensors holds a 16-wide wte for a 32-wide config."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2,
+                                                  "vocab_size": 100, "n_positions": 16, "bos_token_id": 0,
+                                                  "eos_token_id": 0}))
+    # safetensors by hand: an 8-byte little-endian header length, the JSON header, the raw float32 data
+    header = json.dumps({"transformer.wte.weight": {"dtype": "F32", "shape": [100, 16],
+                                                    "data_offsets": [0, 100 * 16 * 4]}}).encode()
+    (path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(100 * 16 * 4))
 
 
 # a user's module, as `--model FILE.py:FUNCTION` and `--data FILE.py:FUNCTION` load it
@@ -484,6 +499,10 @@ ARG_CASES: list[tuple[str, list[str], tuple[str, ...]]] = [
     ("profile-micro-batch-word", ["profile", "--model", "mlp", "--micro-batch", "big"], ("--micro-batch", "'big'")),
     ("plan-user-model", [*PLAN, "--model", "{models}:good", "--global-batch", "16"],
      ("{models}:good", "profile it first", "hetrain profile --model {models}:good", "--profile profile.json")),
+    ("profile-hf-missing-dir", ["profile", "--model", "hf:{dir}/nowhere"], ("{dir}/nowhere", "does not exist")),
+    ("profile-hf-no-config", ["profile", "--model", "hf:{hf_empty}"], ("{hf_empty}/config.json", "is missing")),
+    ("profile-hf-weights-mismatch", ["profile", "--model", "hf:{hf_bad}"],
+     ("{hf_bad}/model.safetensors", "transformer.wte.weight", "(100, 16)", "(100, 32)", "do not match")),
     ("profile-user-missing-file", ["profile", "--model", "{dir}/nowhere.py:build"],
      ("{dir}/nowhere.py:build", "does not exist")),
     ("profile-user-no-module", ["profile", "--model", "no_such_module_here:build"],
@@ -527,6 +546,7 @@ ARG_CASES: list[tuple[str, list[str], tuple[str, ...]]] = [
 # `hetrain calibrate` reports a plan it cannot read with status 1, as it always has (tests/test_calibrate.py).
 STATUS_1_ARGS = {"calibrate-plan-list", "calibrate-plan-missing", "calibrate-metrics-deep",
                  "calibrate-metrics-step-string"}
+NEEDS_TRANSFORMERS = {"profile-hf-weights-mismatch", "hf-model-weights-mismatch"}  # read by transformers
 SUBPROCESS_ARGS = {"plan-global-batch-huge", "plan-output-directory", "simulate-trace-directory",
                    "profile-output-directory", "profile-repeats-huge", "plan-cluster-directory"}
 
@@ -536,6 +556,8 @@ def test_bad_argument_is_one_line(name: str, argv: list[str], needles: tuple[str
                                   tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = [a.format(**files) for a in argv]
     needles = tuple(n.format(**files) for n in needles)
+    if name in NEEDS_TRANSFORMERS:
+        pytest.importorskip("transformers")
     if name in SUBPROCESS_ARGS:
         code, stderr, seconds = run_subprocess(argv, tmp_path)
         assert seconds < HANG_LIMIT_S, f"{seconds:.1f} s to refuse"
@@ -573,6 +595,9 @@ TRAIN_CASES: list[tuple[str, list[str], tuple[str, ...]]] = [
     ("user-model-without-data", ["--model", "{models}:good"], ("{models}:good", "no --data", "MODULE:FUNCTION")),
     ("user-model-synthetic-data", ["--model", "{models}:good", "--data", "synthetic"],
      ("--data synthetic", "reference models", "MODULE:FUNCTION")),
+    ("hf-model-no-config", ["--model", "hf:{hf_empty}"], ("{hf_empty}/config.json", "is missing")),
+    ("hf-model-weights-mismatch", ["--model", "hf:{hf_bad}"],
+     ("{hf_bad}/model.safetensors", "transformer.wte.weight", "(100, 16)", "do not match")),
     ("user-data-missing-function", ["--data", "{models}:nothing"], ("{models}:nothing", "no function 'nothing'")),
     ("user-data-not-a-dataset", ["--model", "{models}:good", "--data", "{models}:number"],
      ("data function {models}:number", "int", "not a data set")),
@@ -591,6 +616,8 @@ TRAIN_CASES: list[tuple[str, list[str], tuple[str, ...]]] = [
 def test_bad_train_argument_is_one_line(name: str, extra: list[str], needles: tuple[str, ...],
                                         files: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("torch")
+    if name in NEEDS_TRANSFORMERS:
+        pytest.importorskip("transformers")
     argv = ["train", "--plan", files["plan"], "--model", "mlp-digits", "--no-progress",
             *[a.format(**files) for a in extra]]
     code, stderr = run_in_process(argv, capsys)

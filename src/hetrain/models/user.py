@@ -4,6 +4,7 @@
 
 - a reference model's name (``hetrain.models.registry``: ``gpt-tiny``, ``mlp-digits``, ...), with
   ``--set`` overrides as keyword arguments;
+- ``hf:DIR``, a local Hugging Face causal LM directory (``hetrain.models.hf``);
 - ``MODULE:FUNCTION`` or ``path/to/file.py:FUNCTION`` (``hetrain.models.spec``): a function of no
   arguments that returns the model as
 
@@ -64,6 +65,9 @@ class ModelSource:
         loss_fn: ``loss_fn(output_of_last_layer, targets)``, the micro-batch's mean loss.
         preset: the reference model's name, or None for a user's model.
         config: the reference model's overrides (``--set``); empty for a user's model.
+        tied: parameters that are one in the model, each layer holding its own copy: each tie is
+            ``((layer, name in the layer), ...)``; their gradients are summed before every
+            optimizer step (``hetrain.runtime.tied``). Only ``hf:DIR`` models have ties.
     """
 
     name: str
@@ -72,6 +76,7 @@ class ModelSource:
     loss_fn: LossFn
     preset: str | None = None
     config: dict[str, Any] = field(default_factory=dict)
+    tied: tuple[tuple[tuple[int, str], ...], ...] = ()
     _build: BuildFn | None = field(default=None, repr=False, compare=False)
 
     def build_layers(self, first: int = 0, end: int | None = None, seed: int = 0) -> list[nn.Module]:
@@ -192,6 +197,14 @@ def resolve_model(text: str, **config: Any) -> ModelSource:
     """
     if not is_user_spec(text):
         return _resolve_preset(text, config)
+    if text.startswith("hf:"):  # a local Hugging Face model directory (hetrain.models.hf)
+        from hetrain.models.hf import lm_loss, resolve_hf
+
+        if config:
+            raise SpecError(f"--set {', '.join(sorted(config))}: settings apply to reference models only; "
+                            f"{text} is built from its config.json")
+        hf = resolve_hf(text)
+        return ModelSource(text, hf.num_layers, hf.layer_names, lm_loss, tied=hf.tied, _build=hf.build)
     if config:
         raise SpecError(f"--set {', '.join(sorted(config))}: settings apply to reference models only; "
                         f"{text} is built by its own function")

@@ -12,6 +12,7 @@
 - ``stage_state``: a stage's share of a checkpoint, and its resume.
 - ``lr_schedule``: the learning rate of each step (warm-up, constant / cosine / linear decay); no torch.
 - ``clip``: gradient clipping by the global norm over the whole model, at STEP (bsp).
+- ``tied``: tied weights' copies on several layers, their gradients summed at STEP.
 - ``idle``: ranks the plan leaves unused: they join checkpoint writes only.
 - ``trainer``: ``Trainer(...).fit(data, steps)``: any model given as a list of layers.
 - ``command``: ``run_train_command`` (``hetrain train``; ``python -m hetrain.runtime.command``).

@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -64,10 +65,12 @@ class GradClip:
         ranks: how many ranks it has (1: no collective).
         wait: ``wait(work, what)`` with the job's timeout (``Job.wait``).
         on: the torch device the rank computes on (where its share of the norm is summed).
+        duplicates: parameters counted here whose gradient is another's too (tied copies after
+            their sum, ``runtime.tied``): taken out of the norm, so a tied matrix counts once.
     """
 
     def __init__(self, max_norm: float, plan: Plan, device: str, sync: GradientSync, group: Any, ranks: int,
-                 wait: WaitFn, on: torch.device) -> None:
+                 wait: WaitFn, on: torch.device, duplicates: Sequence[torch.Tensor] = ()) -> None:
         check_clip(plan, max_norm)
         self.max_norm = max_norm
         self._sync = sync
@@ -75,6 +78,7 @@ class GradClip:
         self._ranks = ranks
         self._wait = wait
         self._on = on
+        self._duplicates = list(duplicates)
         # the segments this rank counts: those whose first owner it is, and that hold gradients here
         self._owned = [s for s, seg in enumerate(plan.segments()) if seg.owners[0] == device and s in sync.buffers]
         self.norm: torch.Tensor | None = None  # the last step's global norm before clipping
@@ -87,6 +91,10 @@ class GradClip:
         squares = torch.zeros(1, dtype=torch.float32, device=self._on)
         for flat in owned:
             squares += torch.linalg.vector_norm(flat, dtype=torch.float32) ** 2
+        for p in self._duplicates:
+            if p.grad is not None:
+                squares -= torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2
+        squares.clamp_(min=0.0)  # what rounding may leave below 0 after the duplicates are taken out
         if self._ranks > 1:
             self._wait(dist.all_reduce(squares, group=self._group, async_op=True),
                        f"the gradient norm of step {step}")

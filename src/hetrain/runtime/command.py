@@ -132,7 +132,7 @@ def run_train_command(plan_path: str | Path | Plan, model: str | ModelSource,
                           source.loss_fn, timeout_s=timeout_s, checkpoint_dir=checkpoint_dir,
                           checkpoint_every=checkpoint_every, metrics_out=metrics_out, timeline_out=timeline_out,
                           progress=progress, tensorboard_dir=tensorboard_dir, log_every=log_every,
-                          lr_schedule=schedule, clip_grad_norm=clip_grad_norm)
+                          lr_schedule=schedule, clip_grad_norm=clip_grad_norm, tied=source.tied)
         if trainer.is_reporting:
             resumed = f", resuming at step {trainer.step}" if trainer.step else ""
             print(f"hetrain train: {source.name} on {data_name}, {len(plan.devices_used)} device(s) of {trainer.world} "

@@ -9,8 +9,10 @@ the stage module, optimizer, sync, transport and executor)::
     3. roles       build_roles: ranks matched to the plan's devices (pure, same result everywhere)
     4. schedule    build_schedule + validate (pure)
     5. health      Health(rank, reported).start(): heartbeats; its store keys count instances
-    6. groups      new_group: forward, backward (CUDA only), work; then segment groups, mode groups
+    6. groups      new_group: forward, backward (CUDA only), work; then segment groups, mode groups,
+                   tied-weight groups
     7. stage       used ranks only: layers, optimizer, GradientSync, Transport, Recorder, ModeSync, Executor
+                   (and TiedGrads, its before_step, when the model ties layers' weights)
 
 Steps 1, 2 and 6 are collective over the whole job: ``all_gather_object`` and
 every ``new_group`` call (even for a group the rank is not in) must be issued by
@@ -44,6 +46,7 @@ from hetrain.runtime.modes import ModeSync, build_mode_groups
 from hetrain.runtime.p2p import Transport
 from hetrain.runtime.roles import Role, RoleError, build_roles, local_device_name, match_hosts, node_from_host
 from hetrain.runtime.sync import GradientSync, SegmentGroups, build_segment_groups
+from hetrain.runtime.tied import Tie, TiedGrads, build_tie_groups
 from hetrain.schedule import Action, build_schedule, validate
 
 LayersFn = Callable[[int, int], Sequence[nn.Module]]
@@ -93,6 +96,7 @@ class Groups:
         work: the used ranks' own collectives: losses, validation loss, timeline, DASO's loss.
         segments: from ``sync.build_segment_groups``: each owner set's all-reduce.
         modes: from ``modes.build_mode_groups``: parameter-server and node groups of the sync mode.
+        tied: from ``tied.build_tie_groups``: one per tie of weights held by different ranks.
     """
 
     forward: Any
@@ -100,10 +104,11 @@ class Groups:
     work: Any
     segments: SegmentGroups
     modes: dict[tuple[str, int], Any]
+    tied: tuple[Any, ...] = ()
 
 
 def build_groups(plan: Plan, rank_of: dict[str, int], used_ranks: list[int], device: torch.device,
-                 timeout_s: float) -> Groups:
+                 timeout_s: float, tied: Sequence[Tie] = ()) -> Groups:
     """Create every process group of the job; collective over the job: every rank calls it, in the same place."""
     timeout = timedelta(seconds=timeout_s)
     forward = dist.new_group(used_ranks, timeout=timeout)
@@ -113,7 +118,8 @@ def build_groups(plan: Plan, rank_of: dict[str, int], used_ranks: list[int], dev
     work = dist.new_group(used_ranks, timeout=timeout)
     segments = build_segment_groups(plan, rank_of, timeout_s)
     modes = build_mode_groups(plan, rank_of, timeout_s)
-    return Groups(forward, backward, work, segments, modes)
+    tie_groups = tuple(build_tie_groups(plan, rank_of, tied, timeout_s))
+    return Groups(forward, backward, work, segments, modes, tie_groups)
 
 
 @dataclass(frozen=True)
@@ -128,6 +134,7 @@ class StageParts:
         recorder: the measured timeline's events.
         modes: the sync mode's state (None under ``bsp``).
         executor: runs the rank's Actions of an iteration.
+        tied: sums the tied copies' gradients at STEP (the executor's ``before_step``); None: no ties here.
     """
 
     module: StageModule
@@ -137,6 +144,7 @@ class StageParts:
     recorder: Recorder
     modes: ModeSync | None
     executor: Executor
+    tied: TiedGrads | None = None
 
 
 @dataclass(frozen=True)
@@ -214,7 +222,7 @@ def join_job(timeout_s: float) -> tuple[int, int, torch.device, list[str], bool]
 
 def build_stage(plan: Plan, role: Role, device: torch.device, groups: Groups, rank_of: dict[str, int],
                 health: Health, layers_fn: LayersFn, optimizer_fn: OptimizerFn, loss_fn: LossFn,
-                timeout_s: float) -> StageParts:
+                timeout_s: float, tied: Sequence[Tie] = (), wait: Any = None) -> StageParts:
     """Step 7, on a used rank: build its layers (each from its own seed) and the machinery that runs them.
 
     Raises:
@@ -236,11 +244,13 @@ def build_stage(plan: Plan, role: Role, device: torch.device, groups: Groups, ra
     if plan.sync != "bsp":
         modes = ModeSync(plan, role.device, sync, groups.segments, groups.modes, rank_of, health, timeout_s)
     executor = Executor(role, module, loss_fn, transport, sync, optimizer, health, recorder, device, modes)
-    return StageParts(module, optimizer, sync, transport, recorder, modes, executor)
+    tied_grads = TiedGrads(tied, plan, role.device, module, groups.tied, wait) if tied else None
+    executor.before_step = tied_grads
+    return StageParts(module, optimizer, sync, transport, recorder, modes, executor, tied_grads)
 
 
 def build_job(plan: Plan, layers_fn: LayersFn, optimizer_fn: OptimizerFn, loss_fn: LossFn,
-              timeout_s: float = DEFAULT_TIMEOUT_S) -> Job:
+              timeout_s: float = DEFAULT_TIMEOUT_S, tied: Sequence[Tie] = ()) -> Job:
     """Everything this rank needs to train ``plan``, built in the order of the module docstring.
 
     Call it on every rank of the job with the same plan: it is collective over the job.
@@ -262,8 +272,13 @@ def build_job(plan: Plan, layers_fn: LayersFn, optimizer_fn: OptimizerFn, loss_f
     used_ranks = sorted(rank_of[d] for d in plan.devices_used)
     if matched and rank == used_ranks[0]:  # the reporting rank
         print(f"hetrain: {matched}", flush=True)
-    groups = build_groups(plan, rank_of, used_ranks, device, timeout_s)  # 6
-    stage = (build_stage(plan, role, device, groups, rank_of, health, layers_fn, optimizer_fn, loss_fn, timeout_s)
+    groups = build_groups(plan, rank_of, used_ranks, device, timeout_s, tied)  # 6
+
+    def wait(work: Any, what: str) -> None:  # Job.wait, before the Job exists
+        health.wait(work, what, used_ranks, timeout_s)
+
+    stage = (build_stage(plan, role, device, groups, rank_of, health, layers_fn, optimizer_fn, loss_fn, timeout_s,
+                         tied, wait)
              if role.used else None)  # 7
     return Job(plan, rank, world, device, reported, role, rank_of, actions, health, used_ranks, groups, stage,
                timeout_s)

@@ -59,6 +59,7 @@ from hetrain.runtime.modes import DasoRate, ModeSync
 from hetrain.runtime.roles import Role
 from hetrain.runtime.stage_state import checkpoint_meta, latest_step, restore_stage, save_stage
 from hetrain.runtime.sync import GradientSync
+from hetrain.runtime.tied import Tie, chain_hooks, check_tied
 from hetrain.schedule import (
     Action,
     ActionKind,
@@ -121,6 +122,8 @@ class Trainer:
         clip_grad_norm: clip the gradients to this global norm over the whole model before each
             optimizer step (``runtime.clip``; ``bsp`` plans only); each metrics row then has
             ``grad_norm``, the norm before clipping. None: no clipping.
+        tied: weights the model ties across layers (``ModelSource.tied``), each layer holding a
+            copy: their gradients are summed before each step, before clipping (``runtime.tied``).
 
     Example:
         >>> trainer = Trainer(functools.partial(build_layers, "gpt-tiny", seed=0), plan,   # doctest: +SKIP
@@ -134,8 +137,9 @@ class Trainer:
                  timeline_out: str | Path | None = None, progress: bool | None = None,
                  tensorboard_dir: str | Path | None = None, record_timeline: bool = False,
                  log_every: int = 10, lr_schedule: LrSchedule | None = None,
-                 clip_grad_norm: float | None = None) -> None:
+                 clip_grad_norm: float | None = None, tied: Sequence[Tie] = ()) -> None:
         check_clip(plan, clip_grad_norm)  # before any process group: every rank refuses alike
+        check_tied(plan, tied)
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if checkpoint_every < 0:
@@ -160,7 +164,7 @@ class Trainer:
         self._eval_set: list[Any] = []  # fixed validation batches (fit's val_data)
         self._eval_every = 0
 
-        self.job = build_job(plan, layers_fn, optimizer_fn, loss_fn, timeout_s)  # collective: see runtime.job
+        self.job = build_job(plan, layers_fn, optimizer_fn, loss_fn, timeout_s, tied)  # collective: see runtime.job
         job = self.job
         self.rank, self.world, self.device, self.reported = job.rank, job.world, job.device, job.reported
         self.role: Role = job.role
@@ -176,8 +180,9 @@ class Trainer:
         self.clip: GradClip | None = None
         if parts is not None and clip_grad_norm is not None:
             self.clip = GradClip(clip_grad_norm, plan, self.role.device, parts.sync, self.work_group,
-                                 len(self.used_ranks), job.wait, self.device)
-            parts.executor.before_step = self.clip
+                                 len(self.used_ranks), job.wait, self.device,
+                                 duplicates=parts.tied.duplicates if parts.tied is not None else ())
+            parts.executor.before_step = chain_hooks(parts.executor.before_step, self.clip)  # ties summed first
         self._init_sync_state()
         self._events = JobEvents(job, self.checkpoint_dir)
         self._micro_batches = MicroBatches(self.role, plan.global_batch)

@@ -1,0 +1,350 @@
+"""A local Hugging Face causal LM (``--model hf:DIR``), cut into hetrain's layers.
+
+``DIR`` is a transformers model directory: ``config.json``, and optionally the weights
+(``model.safetensors``, or shards listed in ``model.safetensors.index.json``). Nothing is
+downloaded. The model is built from its config with ``AutoModelForCausalLM.from_config`` on
+every rank under the same seed, then cut; a rank with weights loads only its own layers'
+tensors (``safe_open``, reading just those keys)::
+
+                 GPT-2 (GPT2LMHeadModel)          Llama-style (LlamaForCausalLM, Mistral, Qwen2, ...)
+    layer 0      wte + wpe + drop                 embed_tokens
+    layer 1..n   h[i]                             layers[i], with model.rotary_emb's cos/sin
+    layer n+1    ln_f + lm_head                   norm + lm_head
+
+Layer 0 takes token ids ``(B, T)``; every block takes and returns hidden states
+``(B, T, C)`` and computes the causal mask (``create_causal_mask``, as the model does with no
+padding mask) and, for a rotary model, the position embeddings for positions ``0..T-1``;
+the last layer returns logits ``(B, T, V)``. The loss is next-token cross-entropy over every
+position, as for hetrain's gpt models (targets are the inputs shifted by one, made by the data).
+
+Tied weights (GPT-2's ``lm_head`` is ``wte``): every layer gets its own copy, equal at the
+start; ``ModelSource.tied`` lists each tie as ``((layer, name), ...)`` and the runtime sums
+the copies' gradients before each optimizer step (``hetrain.runtime.tied``), so they stay equal.
+
+Example:
+    >>> source = resolve_hf("hf:my-gpt2")                   # doctest: +SKIP
+    >>> source.num_layers, source.layer_names[:2], source.tied    # doctest: +SKIP
+    (4, ('embed', 'block1'), (((0, 'wte.weight'), (3, 'lm_head.weight')),))
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hetrain.models.spec import SpecError
+
+HF_PREFIX = "hf:"
+Tie = tuple[tuple[int, str], ...]
+
+
+def is_hf_spec(text: str) -> bool:
+    """Whether ``--model`` names a local Hugging Face directory (``hf:DIR``)."""
+    return text.startswith(HF_PREFIX)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy, the mean over every position of every sequence."""
+    # (B, T, V) and (B, T) -> (B·T, V) and (B·T,): one prediction per position
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+# --- the layers --------------------------------------------------------------------------
+
+
+def _positions(x: torch.Tensor) -> torch.Tensor:
+    return torch.arange(x.shape[1], device=x.device).unsqueeze(0)  # (1, T)
+
+
+class Embed(nn.Module):
+    """Token ids ``(B, T)`` -> hidden states ``(B, T, C)``: token (+ learned position) embeddings (+ dropout)."""
+
+    def __init__(self, tokens: nn.Module, positions: nn.Module | None = None, drop: nn.Module | None = None) -> None:
+        super().__init__()
+        self.tokens = tokens
+        self.positions = positions
+        self.drop = drop if drop is not None else nn.Identity()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.tokens(ids)  # (B, T, C)
+        if self.positions is not None:
+            h = h + self.positions(_positions(ids))  # (1, T, C) broadcast over B
+        out: torch.Tensor = self.drop(h)
+        return out
+
+
+class Block(nn.Module):
+    """One decoder block, ``(B, T, C)`` -> ``(B, T, C)``, with the causal mask (and rotary cos/sin) it needs."""
+
+    def __init__(self, block: nn.Module, config: Any, rotary: nn.Module | None = None) -> None:
+        super().__init__()
+        self.block = block
+        self.rotary = rotary  # shared by the blocks of a stage; no parameters, a non-persistent buffer
+        self._config = config
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        positions = _positions(h)  # (1, T)
+        # None under sdpa without padding (the kernel's is_causal), else a (B, 1, T, T) mask: as the model does
+        mask = create_causal_mask(config=self._config, inputs_embeds=h, attention_mask=None, cache=None,
+                                  position_ids=positions)
+        extra: dict[str, Any] = {}
+        if self.rotary is not None:
+            extra["position_embeddings"] = self.rotary(h, position_ids=positions)  # (cos, sin), each (1, T, D)
+        out = self.block(h, attention_mask=mask, position_ids=positions, **extra)
+        result: torch.Tensor = out[0] if isinstance(out, tuple) else out
+        return result
+
+
+class Head(nn.Module):
+    """Hidden states ``(B, T, C)`` -> logits ``(B, T, V)``: the final norm and the LM head."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+        self.lm_head = lm_head
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.lm_head(self.norm(h))
+        return out
+
+
+def cut_causal_lm(model: nn.Module, config: Any, name: str) -> list[nn.Module]:
+    """The layers of a GPT-2 or Llama-style causal LM, in forward order (parameters still shared where tied).
+
+    Raises:
+        SpecError: an architecture whose layout is neither.
+    """
+    lm_head = getattr(model, "lm_head", None)
+    inner = getattr(model, "transformer", None)
+    if lm_head is not None and inner is not None and all(hasattr(inner, a) for a in ("wte", "wpe", "h", "ln_f")):
+        embed = Embed(inner.wte, inner.wpe, getattr(inner, "drop", None))  # GPT-2
+        return [embed, *(Block(b, config) for b in inner.h), Head(inner.ln_f, lm_head)]
+    inner = getattr(model, "model", None)
+    if lm_head is not None and inner is not None and all(hasattr(inner, a) for a in ("embed_tokens", "layers",
+                                                                                      "norm")):
+        rotary = getattr(inner, "rotary_emb", None)  # Llama-style
+        return [Embed(inner.embed_tokens), *(Block(b, config, rotary) for b in inner.layers),
+                Head(inner.norm, lm_head)]
+    raise SpecError(f"{name}: {type(model).__name__} is neither GPT-2-like (transformer.wte/wpe/h/ln_f, lm_head) "
+                    "nor Llama-like (model.embed_tokens/layers/norm, lm_head); hetrain cannot cut it into layers")
+
+
+def untie(layers: list[nn.Module], hf_names: dict[int, list[str]]) -> tuple[Tie, ...]:
+    """Give each layer its own copy of a parameter it shares with an earlier layer; return the ties.
+
+    ``hf_names`` (id of a parameter -> its names in the whole model) gets the copies' ids too.
+    """
+    first_seen: dict[int, tuple[int, str]] = {}
+    ties: dict[int, list[tuple[int, str]]] = {}
+    for k, layer in enumerate(layers):
+        for name, p in list(layer.named_parameters(remove_duplicate=False)):
+            owner = first_seen.setdefault(id(p), (k, name))
+            if owner[0] == k:
+                continue
+            copy = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+            path, _, leaf = name.rpartition(".")
+            setattr(layer.get_submodule(path), leaf, copy)
+            hf_names[id(copy)] = hf_names[id(p)]
+            ties.setdefault(id(p), [owner]).append((k, name))
+    return tuple(tuple(group) for group in ties.values())
+
+
+# --- the directory -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HfDir:
+    """A checked model directory: its config and where each weight tensor is stored (empty: no weights)."""
+
+    spec: str
+    path: Path
+    config: Any
+    files: dict[str, Path]  # tensor name -> the safetensors file holding it
+
+
+def load_hf_dir(spec: str) -> HfDir:
+    """Read ``hf:DIR``'s config.json and the weights' index (no tensor data).
+
+    Raises:
+        SpecError: no such directory, no config.json, a config transformers cannot read, or a
+            weights index that cannot be read (each names the file).
+    """
+    path = Path(spec[len(HF_PREFIX):])
+    if not path.is_dir():
+        raise SpecError(f"--model {spec}: directory {path} does not exist (hf:DIR takes a local transformers model "
+                        "directory with config.json; nothing is downloaded)")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise SpecError(f"--model {spec}: {config_file} is missing (a transformers model directory holds "
+                        "config.json, and optionally model.safetensors)")
+    _require(spec, "transformers")
+    _require(spec, "safetensors")
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # transformers' own errors: named in one line with the file
+        raise SpecError(f"--model {spec}: {config_file} cannot be read as a transformers config: "
+                        f"{type(e).__name__}: {_first_line(e)}") from e
+    return HfDir(spec, path, config, _weight_files(spec, path))
+
+
+def _require(spec: str, package: str) -> None:
+    """Refuse ``hf:DIR`` in one line where ``package`` (of the ``hf`` extra) is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec(package) is None:
+        raise SpecError(f"--model {spec}: Hugging Face models need {package}, which is not installed "
+                        "(pip install 'hetrain[hf]')")
+
+
+def _weight_files(spec: str, path: Path) -> dict[str, Path]:
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    single = path / "model.safetensors"
+    if single.is_file():
+        shards = [single]
+    elif index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            shards = sorted({path / str(f) for f in weight_map.values()})
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise SpecError(f"--model {spec}: {index} is not a safetensors index (a JSON object with "
+                            f"weight_map): {type(e).__name__}: {_first_line(e)}") from e
+    else:
+        return {}
+    files: dict[str, Path] = {}
+    for shard in shards:
+        try:
+            with safe_open(str(shard), framework="pt") as f:  # reads the header only
+                files.update((key, shard) for key in f.keys())  # noqa: SIM118 (a safe_open, not a dict)
+        except Exception as e:  # safetensors' own errors (missing, truncated, not safetensors): one line
+            raise SpecError(f"--model {spec}: {shard} cannot be read as safetensors: {type(e).__name__}: "
+                            f"{_first_line(e)}") from e
+    return files
+
+
+def _build_whole(hf: HfDir, seed: int) -> tuple[list[nn.Module], dict[int, list[str]], tuple[Tie, ...]]:
+    """The whole model under ``seed``, cut and untied; ``hf_names``: parameter id -> its names in the model."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            model = AutoModelForCausalLM.from_config(hf.config)  # type: ignore[no-untyped-call]
+        except Exception as e:  # transformers' own errors: named in one line with the file
+            raise SpecError(f"--model {hf.spec}: transformers cannot build a causal LM from {hf.path / 'config.json'}"
+                            f": {type(e).__name__}: {_first_line(e)}") from e
+    hf_names: dict[int, list[str]] = {}
+    base = f"{getattr(model, 'base_model_prefix', '')}."  # "transformer." (GPT-2), "model." (Llama)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        hf_names.setdefault(id(p), []).append(name)
+    for names in hf_names.values():  # a file saved from the base model (the hub's gpt2: "h.0...") names it so
+        names.extend(n.removeprefix(base) for n in list(names) if base != "." and n.startswith(base))
+    layers = cut_causal_lm(model, hf.config, hf.spec)
+    ties = untie(layers, hf_names)
+    return layers, hf_names, ties
+
+
+def _stored_name(hf: HfDir, names: list[str]) -> str | None:
+    return next((n for n in names if n in hf.files), None)
+
+
+def check_weights(hf: HfDir, layers: list[nn.Module], hf_names: dict[int, list[str]]) -> None:
+    """Every parameter of the model has a tensor of its shape in the weights (headers only).
+
+    Raises:
+        SpecError: a missing tensor or a shape that differs, naming the file, the tensor and both shapes.
+    """
+    from safetensors import safe_open
+
+    for k, layer in enumerate(layers):
+        for name, p in layer.named_parameters():
+            names = hf_names[id(p)]
+            key = _stored_name(hf, names)
+            if key is None:
+                some = next(iter(hf.files.values()))
+                raise SpecError(f"--model {hf.spec}: {some} has no tensor {names[0]} (layer {k}, {name}); the "
+                                f"weights do not match {hf.path / 'config.json'}")
+            with safe_open(str(hf.files[key]), framework="pt") as f:
+                shape = tuple(f.get_slice(key).get_shape())
+            if shape != tuple(p.shape):
+                raise SpecError(f"--model {hf.spec}: {hf.files[key]} has {key} of shape {shape}, but "
+                                f"{hf.path / 'config.json'} makes it {tuple(p.shape)}; the weights do not match "
+                                "the config")
+
+
+def load_weights(hf: HfDir, layers: dict[int, nn.Module], hf_names: dict[int, list[str]]) -> None:
+    """Copy into ``layers`` (by global index) their tensors only, each file opened once."""
+    from safetensors import safe_open
+
+    wanted: dict[Path, list[tuple[str, nn.Parameter]]] = {}
+    for layer in layers.values():
+        for _, p in layer.named_parameters():
+            key = _stored_name(hf, hf_names[id(p)])
+            assert key is not None  # check_weights ran at resolve time
+            wanted.setdefault(hf.files[key], []).append((key, p))
+    with torch.no_grad():
+        for file, params in wanted.items():
+            with safe_open(str(file), framework="pt") as f:
+                for key, p in params:
+                    p.copy_(f.get_tensor(key))
+
+
+@dataclass(frozen=True)
+class HfModel:
+    """What ``hetrain.models.user.ModelSource`` takes of an ``hf:DIR`` model.
+
+    Attributes:
+        num_layers: embed, the blocks, head.
+        layer_names: ``("embed", "block1", ..., "head")``.
+        tied: the ties, ``((layer, name in the layer), ...)`` each (``untie``).
+        build: ``build(first, end, seed)``: layers ``[first, end)``, the file's weights in them if any.
+    """
+
+    num_layers: int
+    layer_names: tuple[str, ...]
+    tied: tuple[Tie, ...]
+    build: Callable[[int, int, int], list[nn.Module]]
+
+
+def resolve_hf(spec: str) -> HfModel:
+    """``hf:DIR``, built, cut and checked against its weights once here (``ModelSource`` wraps it).
+
+    Raises:
+        SpecError: a missing or unreadable file, an architecture hetrain cannot cut, or weights
+            that do not match the config (each in one line, naming the file).
+    """
+    hf = load_hf_dir(spec)
+    layers, hf_names, ties = _build_whole(hf, 0)
+    if hf.files:
+        check_weights(hf, layers, hf_names)
+    n = len(layers)
+    names = ("embed", *(f"block{k}" for k in range(1, n - 1)), "head")
+
+    def build(first: int, end: int, seed: int) -> list[nn.Module]:
+        built, ids, _ = _build_whole(hf, seed)
+        kept = dict(enumerate(built[first:end], start=first))
+        if hf.files:
+            load_weights(hf, kept, ids)
+        return list(kept.values())
+
+    return HfModel(n, names, ties, build)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+
+
+__all__ = ["HF_PREFIX", "HfModel", "is_hf_spec", "lm_loss", "load_hf_dir", "resolve_hf"]
