@@ -59,6 +59,19 @@ def _describe(schedule: LrSchedule, clip_grad_norm: float | None) -> str:
     return text + (f", clip {clip_grad_norm:g}" if clip_grad_norm is not None else "")
 
 
+def _print_outcome(trainer: Trainer, start: int, history: list[dict[str, Any]]) -> None:
+    """The reporting rank's last lines: steps, loss, median samples/s, validation loss; an unused rank's note."""
+    if trainer.is_reporting and history:
+        rates = [r["samples_per_s"] for r in history[1:]] or [history[0]["samples_per_s"]]
+        print(f"hetrain train: steps {start} -> {trainer.step}, loss {history[0]['loss']:.4f} -> "
+              f"{history[-1]['loss']:.4f}, {sorted(rates)[len(rates) // 2]:.1f} samples/s (median)", flush=True)
+        if trainer.val_history:
+            print(f"hetrain train: validation loss {trainer.val_history[0]['val_loss']:.4f} -> "
+                  f"{trainer.val_history[-1]['val_loss']:.4f}", flush=True)
+    elif not trainer.role.used:
+        print(f"hetrain train: rank {trainer.rank} ({trainer.role.device}) is unused by the plan; idle", flush=True)
+
+
 def run_train_command(plan_path: str | Path | Plan, model: str | ModelSource,
                       data: str | tuple[str, DatasetSplit] | None = None, steps: int = 100,
                       checkpoint_dir: str | Path | None = None, timeline_out: str | Path | None = None,
@@ -141,16 +154,7 @@ def run_train_command(plan_path: str | Path | Plan, model: str | ModelSource,
         start = trainer.step
         history = trainer.fit(train_set, steps, seed=data_seed, val_data=val_set, eval_every=eval_every,
                               eval_batches=eval_batches)
-        if trainer.is_reporting and history:
-            rates = [r["samples_per_s"] for r in history[1:]] or [history[0]["samples_per_s"]]
-            print(f"hetrain train: steps {start} -> {trainer.step}, loss {history[0]['loss']:.4f} -> "
-                  f"{history[-1]['loss']:.4f}, {sorted(rates)[len(rates) // 2]:.1f} samples/s (median)", flush=True)
-            if trainer.val_history:
-                print(f"hetrain train: validation loss {trainer.val_history[0]['val_loss']:.4f} -> "
-                      f"{trainer.val_history[-1]['val_loss']:.4f}", flush=True)
-        elif not trainer.role.used:
-            print(f"hetrain train: rank {trainer.rank} ({trainer.role.device}) is unused by the plan; idle",
-                  flush=True)
+        _print_outcome(trainer, start, history)
     except (RunError, InputError, ValueError, TypeError, OSError) as e:
         print(f"hetrain train: error: {e}", file=sys.stderr, flush=True)
         if trainer is not None:
