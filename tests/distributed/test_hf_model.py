@@ -14,13 +14,11 @@ global norm, in which the tied matrix counts once).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from cli_jobs import TWO_CPUS, hetrain, step_rows, train_standalone
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -34,15 +32,6 @@ from hetrain.plan import load_plan  # noqa: E402
 from hetrain.runtime.checkpoint import load_checkpoint  # noqa: E402
 from hetrain.runtime.trainer import build_optimizer_fn  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-CLUSTER = """
-name = "two-cpus"
-[[node]]
-name = "n0"
-devices = [{type = "cpu", count = 2}]
-intra_link = "loopback"
-nic = "1Gbit/s"
-"""
 # token sequences that count up (mod the vocabulary) from a random start: the next token is learnable
 TOKENS = textwrap.dedent("""
     import torch
@@ -56,14 +45,6 @@ TOKENS = textwrap.dedent("""
 """)
 STEPS, SEED, LR = 15, 4, 0.003
 CLIP = 0.5  # below the gradient norm: clipped at every step, with the tied matrix counted once as in the model
-
-
-def hetrain(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "hetrain", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=180)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
 
 
 def reference(config: object, data: str, plan_optimizer: str,
@@ -92,7 +73,7 @@ def test_hf_gpt2_profiles_plans_and_trains_with_its_tied_weights_as_one_process_
     config.save_pretrained(tmp_path / "gpt2-tiny")
     model, data = f"hf:{tmp_path / 'gpt2-tiny'}", f"{tmp_path / 'tokens.py'}:dataset"
     (tmp_path / "tokens.py").write_text(TOKENS)
-    (tmp_path / "two-cpus.toml").write_text(CLUSTER)
+    (tmp_path / "two-cpus.toml").write_text(TWO_CPUS)
     hetrain(["profile", "--model", model, "--data", data, "-o", "p.json", "--micro-batch", "4,8", "--repeats", "2"],
             tmp_path)
     profile = json.loads((tmp_path / "p.json").read_text())
@@ -104,24 +85,20 @@ def test_hf_gpt2_profiles_plans_and_trains_with_its_tied_weights_as_one_process_
     assert len(stages) == 2 and stages[0].first_layer == 0 and stages[1].end_layer == 4  # the tie across ranks
 
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
-    p = spawn([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "hetrain", "train", "--plan", str(tmp_path / "plan.json"), "--model", model, "--data", data,
-               "--steps", str(STEPS), "--seed", str(SEED), "--lr", str(LR), "--log-every", "1",
-               "--checkpoint-dir", str(ckpt), "--metrics-out", str(metrics), "--timeout-s", "60", "--no-progress",
-               "--clip-grad-norm", str(CLIP)],
-              {**clean_env, "HETRAIN_NODE": "n0", "HETRAIN_DEVICE": "cpu", "PYTHONPATH": str(ROOT / "src")})
-    stdout, stderr = p.communicate(timeout=300)
-    assert p.returncode == 0, stderr[-4000:]
+    stdout = train_standalone(spawn, {**clean_env, "HETRAIN_NODE": "n0"}, [
+        "--plan", str(tmp_path / "plan.json"), "--model", model, "--data", data, "--steps", str(STEPS), "--seed",
+        str(SEED), "--lr", str(LR), "--log-every", "1", "--checkpoint-dir", str(ckpt), "--metrics-out", str(metrics),
+        "--timeout-s", "60", "--no-progress", "--clip-grad-norm", str(CLIP)], timeout_s=300)
     assert f"hetrain train: {model} on {data}" in stdout, stdout
 
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    losses = [r["loss"] for r in rows if "step_time_s" in r]
+    rows = step_rows(metrics)
+    losses = [r["loss"] for r in rows]
     assert len(losses) == STEPS
     assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, losses
 
     want, norms = reference(config, data, plan.optimizer, plan.global_batch)
     assert min(norms) > CLIP  # clipping acted at every step
-    assert [r["grad_norm"] for r in rows if "step_time_s" in r] == pytest.approx(norms, rel=1e-4)
+    assert [r["grad_norm"] for r in rows] == pytest.approx(norms, rel=1e-4)
     got, _, meta = load_checkpoint(ckpt, list(want))
     assert meta["step"] == STEPS
     torch.testing.assert_close(got["layers.0.tokens.weight"], got["layers.3.lm_head.weight"], rtol=0, atol=0)

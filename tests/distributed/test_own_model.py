@@ -12,12 +12,10 @@ process on the same global batches (``torch.manual_seed(seed); build()``, the pl
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_jobs import ROOT, TWO_CPUS, hetrain, step_rows, train_standalone
 
 torch = pytest.importorskip("torch")
 
@@ -29,26 +27,9 @@ from hetrain.plan import load_plan  # noqa: E402
 from hetrain.runtime.checkpoint import load_checkpoint  # noqa: E402
 from hetrain.runtime.trainer import build_optimizer_fn  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 MODEL = f"{ROOT}/examples/own_model/model.py:build"
 DATA = f"{ROOT}/examples/own_model/model.py:dataset"
-CLUSTER = """
-name = "two-cpus"
-[[node]]
-name = "n0"
-devices = [{type = "cpu", count = 2}]
-intra_link = "loopback"
-nic = "1Gbit/s"
-"""
 STEPS, SEED, LR = 20, 3, 0.01
-
-
-def hetrain(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "hetrain", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=180)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
 
 
 def reference(plan_optimizer: str, global_batch: int) -> dict[str, torch.Tensor]:
@@ -65,7 +46,7 @@ def reference(plan_optimizer: str, global_batch: int) -> dict[str, torch.Tensor]
 
 @pytest.mark.timeout(300)
 def test_own_model_profiles_plans_and_trains_as_one_process_would(tmp_path: Path, spawn, clean_env) -> None:
-    (tmp_path / "two-cpus.toml").write_text(CLUSTER)
+    (tmp_path / "two-cpus.toml").write_text(TWO_CPUS)
     hetrain(["profile", "--model", MODEL, "--data", DATA, "-o", "p.json", "--micro-batch", "4,8", "--repeats", "2"],
             tmp_path)
     profile = json.loads((tmp_path / "p.json").read_text())
@@ -76,17 +57,13 @@ def test_own_model_profiles_plans_and_trains_as_one_process_would(tmp_path: Path
     assert [len(vw.stages) for vw in plan.virtual_workers] == [2]  # the Sequential cut over both ranks
 
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
-    p = spawn([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "hetrain", "train", "--plan", str(tmp_path / "plan.json"), "--model", MODEL, "--data", DATA,
-               "--steps", str(STEPS), "--seed", str(SEED), "--lr", str(LR), "--log-every", "1",
-               "--checkpoint-dir", str(ckpt), "--metrics-out", str(metrics), "--timeout-s", "60", "--no-progress"],
-              {**clean_env, "HETRAIN_NODE": "n0", "HETRAIN_DEVICE": "cpu", "PYTHONPATH": str(ROOT / "src")})
-    stdout, stderr = p.communicate(timeout=240)
-    assert p.returncode == 0, stderr[-4000:]
+    stdout = train_standalone(spawn, {**clean_env, "HETRAIN_NODE": "n0"}, [
+        "--plan", str(tmp_path / "plan.json"), "--model", MODEL, "--data", DATA, "--steps", str(STEPS), "--seed",
+        str(SEED), "--lr", str(LR), "--log-every", "1", "--checkpoint-dir", str(ckpt), "--metrics-out", str(metrics),
+        "--timeout-s", "60", "--no-progress"])
     assert f"hetrain train: {MODEL} on {DATA}" in stdout, stdout
 
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    losses = [r["loss"] for r in rows if "step_time_s" in r]
+    losses = [r["loss"] for r in step_rows(metrics)]
     assert len(losses) == STEPS
     assert sum(losses[-3:]) / 3 < 0.7 * sum(losses[:3]) / 3, losses
 

@@ -10,35 +10,17 @@ name, so the ranks' host is matched to the plan's node by shape (one host of 2 r
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_jobs import TWO_CPUS, hetrain, step_rows, train_standalone
 
 pytest.importorskip("torch")
 
-ROOT = Path(__file__).resolve().parents[2]
-CLUSTER = """
-name = "one-node"
-[[node]]
-name = "n0"
-devices = [{type = "cpu", count = 2}]
-intra_link = "loopback"
-nic = "1Gbit/s"
-"""
 STEPS = 20
 
 
-def hetrain(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "hetrain", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=180)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
 
 
 @pytest.mark.timeout(300)
@@ -46,7 +28,7 @@ def test_gpt_tiny_learns_from_a_token_file_on_one_host_without_naming_its_node(t
                                                                                clean_env) -> None:
     phrase = np.random.default_rng(0).integers(0, 96, size=37)
     phrase[np.arange(20000) % 37].astype("<u2").tofile(tmp_path / "train.bin")  # 20,000 tokens of a 37-token phrase
-    (tmp_path / "one-node.toml").write_text(CLUSTER)
+    (tmp_path / "one-node.toml").write_text(TWO_CPUS)
     hetrain(["plan", "--cluster", "one-node.toml", "--model", "gpt-tiny", "--global-batch", "8", "--strategy", "pp",
              "-o", "plan.json"], tmp_path)
     metrics = tmp_path / "metrics.jsonl"
@@ -55,16 +37,11 @@ def test_gpt_tiny_learns_from_a_token_file_on_one_host_without_naming_its_node(t
                                          f'steps = 1000\nlr = 3e-3\nlog_every = 1\nmetrics_out = "{metrics}"\n'
                                          'timeout_s = 60\nprogress = false\n')
     env = {k: v for k, v in clean_env.items() if k not in ("HETRAIN_NODE", "HETRAIN_HOST")}
-    p = spawn([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "hetrain", "train", "--config", str(tmp_path / "train.toml"), "--steps", str(STEPS)],
-              {**env, "HETRAIN_DEVICE": "cpu", "PYTHONPATH": str(ROOT / "src")})
-    stdout, stderr = p.communicate(timeout=240)
-    assert p.returncode == 0, stderr[-4000:]
+    stdout = train_standalone(spawn, env, ["--config", str(tmp_path / "train.toml"), "--steps", str(STEPS)])
     assert "hosts matched to the plan's nodes by their device counts: " in stdout and "-> n0 (2 rank(s))" in stdout, \
         stdout
     assert f"hetrain train: gpt-tiny on tokens:{tmp_path / 'train.bin'}" in stdout, stdout
 
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    losses = [r["loss"] for r in rows if "step_time_s" in r]
+    losses = [r["loss"] for r in step_rows(metrics)]
     assert len(losses) == STEPS  # --steps on the command line over the file's 1000
     assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, losses
