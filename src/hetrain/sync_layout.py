@@ -243,6 +243,12 @@ class Segment:
         """Whether it has anything to synchronise: more than one owner."""
         return len(self.owners) > 1
 
+    @property
+    def lead(self) -> str:
+        """The owner that speaks for the segment's replicas, which are equal after each sync: it writes the
+        segment's layers to a checkpoint and counts their gradients once in a global norm."""
+        return self.owners[0]
+
 
 @dataclass(frozen=True)
 class SyncLayout:

@@ -79,8 +79,8 @@ class GradClip:
         self._wait = wait
         self._on = on
         self._duplicates = list(duplicates)
-        # the segments this rank counts: those whose first owner it is, and that hold gradients here
-        self._owned = [s for s, seg in enumerate(plan.segments()) if seg.owners[0] == device and s in sync.buffers]
+        # the segments this rank counts: those it leads (``Segment.lead``), and that hold gradients here
+        self._owned = [s for s, seg in enumerate(plan.segments()) if seg.lead == device and s in sync.buffers]
         self.norm: torch.Tensor | None = None  # the last step's global norm before clipping
 
     def __call__(self, step: int) -> None:

@@ -39,11 +39,11 @@ class Restored(NamedTuple):
 
 
 def owned_names(plan: Plan, module: nn.Module, device: str) -> set[str]:
-    """The names ``device`` writes: those of its layers whose segment's first owner is ``device``."""
+    """The names ``device`` writes: those of its layers whose segment's lead (``Segment.lead``) is ``device``."""
     first_owner = {}
     for seg in plan.segments():
         for k in range(seg.first_layer, seg.end_layer):
-            first_owner[k] = seg.owners[0]
+            first_owner[k] = seg.lead
     out = set()
     for name in module.state_dict():
         m = _LAYER_RE.match(name)

@@ -38,26 +38,27 @@ from torch import nn
 from hetrain.errors import InputError
 from hetrain.plan import Plan
 from hetrain.runtime.losses import WaitFn
+from hetrain.sync_layout import Segment
 
 Tie = tuple[tuple[int, str], ...]
 StepHook = Callable[[int], None]
 
 
-def _owners(plan: Plan, layer: int) -> tuple[str, ...]:
-    """The devices holding ``layer``, first owner first (the segment's order)."""
+def _segment(plan: Plan, layer: int) -> Segment:
+    """The segment that holds ``layer``."""
     for seg in plan.segments():
         if seg.first_layer <= layer < seg.end_layer:
-            return seg.owners
+            return seg
     raise InputError(f"tied layer {layer} is not in the plan's {plan.profile.num_layers} layers")
 
 
 def _holders(plan: Plan, tie: Tie) -> set[str]:
-    return {d for k, _ in tie for d in _owners(plan, k)}
+    return {d for k, _ in tie for d in _segment(plan, k).owners}
 
 
 def is_local(plan: Plan, tie: Tie) -> bool:
     """Whether every device that holds a copy of the tie holds all of them (no collective needed)."""
-    return all(set(_owners(plan, k)) == _holders(plan, tie) for k, _ in tie)
+    return all(set(_segment(plan, k).owners) == _holders(plan, tie) for k, _ in tie)
 
 
 def check_tied(plan: Plan, tied: Sequence[Tie]) -> None:
@@ -111,10 +112,10 @@ class TiedGrads:
                 continue
             copies = []
             for k, name in tie:
-                owners = _owners(plan, k)
-                if device in owners:
-                    copies.append((module[k].get_parameter(name), owners[0] == device))
-                    if owners[0] == device and (k, name) != tie[0]:
+                seg = _segment(plan, k)
+                if device in seg.owners:
+                    copies.append((module[k].get_parameter(name), seg.lead == device))
+                    if seg.lead == device and (k, name) != tie[0]:
                         self.duplicates.append(copies[-1][0])
             self._ties.append((group, copies))
 
