@@ -444,6 +444,10 @@ class Trainer:
         """This device's Actions of the iteration of ``sync_state`` (the plan's schedule for it, validated once
         per kind) and its sync actions' text, for the metrics; then the state is advanced."""
         state = replace(self.sync_state, period=self._daso_rate.period)
+        if self.plan.sync == "bsp" and self._schedules:  # the same actions every iteration: built once
+            ((key, actions),) = self._schedules.items()
+            self.sync_state = advance_sync_state(self.plan, state, steps)
+            return actions, list(key)
         tail = build_sync_actions(self.plan, self.role.device, state, steps)
         key = tuple(str(a) for a in tail)
         if key not in self._schedules:
