@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hetrain.planner", "hetrain.schedule", "hetrain.timeline", "hetrain.models.analytic", "hetrain.data.sharding"),
     ("hetrain.simulator",),
     ("hetrain.calibrate",),
-    ("hetrain.models", "hetrain.data"),
+    ("hetrain.models", "hetrain.data", "hetrain.amp"),
     ("hetrain.distributed",),
     ("hetrain.profiler",),
     ("hetrain.runtime",),

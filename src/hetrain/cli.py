@@ -55,9 +55,14 @@ _non_negative = number_at_least(0.0)
 _positive = number_at_least(0.0, inclusive=False)
 
 
-def _load_model_profile(model: str | None, profile_path: str | None) -> ModelProfile:
+def _load_model_profile(model: str | None, profile_path: str | None, precision: str | None = None) -> ModelProfile:
+    """The profile to plan with, in ``precision`` (None: the profile's own, or the reference model's default)."""
     if profile_path:
-        return load_profile(profile_path)
+        profile = load_profile(profile_path)
+        if precision is not None and precision != profile.precision:
+            raise ProfileError(f"--precision {precision}: {profile_path} was measured in {profile.precision}; "
+                               f"profile in {precision} (hetrain profile --precision {precision}) and plan with that")
+        return profile
     if not model:
         raise ProfileError("give --model NAME (see `hetrain models`) or --profile profile.json")
     from hetrain.models.spec import is_user_spec
@@ -69,7 +74,7 @@ def _load_model_profile(model: str | None, profile_path: str | None) -> ModelPro
     from hetrain.models.analytic import build_profile
 
     try:
-        return build_profile(model)
+        return build_profile(model) if precision is None else build_profile(model, precision=precision)
     except KeyError as e:
         raise ProfileError(str(e.args[0])) from None
 
@@ -157,9 +162,10 @@ def _replan_from(args: argparse.Namespace) -> Plan:
     from hetrain.plan import load_plan
     from hetrain.planner.sync import choose_sync_mode, repredict_sync
 
-    given = [name for name in ("cluster", "model", "profile", "global_batch") if getattr(args, name) is not None]
+    given = [name for name in ("cluster", "model", "profile", "global_batch", "precision")
+             if getattr(args, name) is not None]
     if given:
-        raise PlanError(f"--from {args.from_plan} takes its cluster, model and global batch from the plan; "
+        raise PlanError(f"--from {args.from_plan} takes its cluster, model, global batch and precision from the plan; "
                         f"drop --{given[0].replace('_', '-')}")
     old = load_plan(args.from_plan, check_layout=False, upgrade=True)
     options = SyncOptions.from_items(args.sync_options, old.sync_options)
@@ -184,7 +190,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             if getattr(args, name) is None:
                 raise PlanError(f"hetrain plan needs --{name.replace('_', '-')} (or --from PLAN to re-predict a plan)")
         cluster = load_cluster(args.cluster)
-        profile = _load_model_profile(args.model, args.profile)
+        profile = _load_model_profile(args.model, args.profile, args.precision)
         options = _planner_options(args)
         result = plan(cluster, profile, args.global_batch, **options)
     if args.output:
@@ -295,6 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-samples", type=_positive, default=None,
                    help="samples to reach the target at small batch (time to accuracy; default 1e6)")
     p.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default="adam")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
+                   help="precision of compute the plan trains in (default: the profile's; a reference model's own)")
     p.add_argument("--objective", choices=["throughput", "time-to-accuracy"], default="throughput")
     p.add_argument("--critical-batch", type=_positive, help="critical batch size (time-to-accuracy)")
     p.add_argument("--micro-batch", type=_ints, help="micro-batch sizes to try, e.g. 1,2,4")

@@ -346,16 +346,19 @@ OPTIMIZER_STATE_PER_PARAM = {"sgd": 0, "momentum": 1, "adam": 2}
 
 
 def estimate_weight_memory(param_bytes: float, bytes_per_element: int, optimizer: str) -> float:
-    """Parameters + gradients + optimizer state (+ fp32 master copy under mixed precision).
+    """Parameters + gradients + optimizer state (+ the 16-bit copy of the weights under mixed precision).
 
-    Parameters and gradients in the training precision; optimizer state in fp32:
-    0 (SGD), 1 (momentum) or 2 (Adam: m and v) words per parameter; with 16-bit
-    training an fp32 master copy of the weights too (Rajbhandari et al., ZeRO, 2020, sec. 3.1).
+    ``param_bytes`` are fp32 (``LayerProfile.param_bytes``): training keeps the parameters, their
+    gradients and the optimizer state in fp32 whatever the precision of compute (``hetrain.amp``):
+    4 + 4 bytes per parameter, 0 (SGD), 4 (momentum) or 8 (Adam: m and v) of state. Under bf16 or
+    fp16 (``bytes_per_element`` 2) autocast keeps one 16-bit copy of each weight for the iteration:
+    2 bytes more. Adam under mixed precision: 18 bytes per parameter, against ZeRO's 16 for 16-bit
+    weights and gradients with fp32 master, m and v (Rajbhandari et al., ZeRO, 2020, sec. 3.1).
     """
-    n_params = param_bytes / bytes_per_element
+    n_params = param_bytes / 4
     state = 4 * OPTIMIZER_STATE_PER_PARAM[optimizer] * n_params
-    master = 4 * n_params if bytes_per_element < 4 else 0.0
-    return 2 * param_bytes + state + master
+    cast_copy = bytes_per_element * n_params if bytes_per_element < 4 else 0.0
+    return 2 * param_bytes + state + cast_copy
 
 
 # The loss on the last stage, in multiples of the last layer's output bytes: a
@@ -384,8 +387,9 @@ OPTIMIZER_STEP_TRANSIENT_PER_PARAM = {"sgd": 0, "momentum": 0, "adam": 1}
 
 
 def estimate_optimizer_step_memory(param_bytes: float, bytes_per_element: int, optimizer: str) -> float:
-    """The optimizer step's transient bytes on top of the weights (fp32 words, like the state)."""
-    return 4 * OPTIMIZER_STEP_TRANSIENT_PER_PARAM[optimizer] * param_bytes / bytes_per_element
+    """The optimizer step's transient bytes on top of the weights (fp32 words, like the state and
+    ``param_bytes``; ``bytes_per_element``, the precision of compute, does not change them)."""
+    return OPTIMIZER_STEP_TRANSIENT_PER_PARAM[optimizer] * param_bytes
 
 
 def estimate_stage_memory(profile: ModelProfile, first: int, end: int, recompute: Sequence[int],

@@ -218,6 +218,11 @@ class Plan:
     # --- derived views -----------------------------------------------------
 
     @property
+    def precision(self) -> str:
+        """The precision of compute the plan was made for and runs in: its profile's (``hetrain.amp``)."""
+        return self.profile.precision
+
+    @property
     def devices_used(self) -> list[str]:
         return [s.device for vw in self.virtual_workers for s in vw.stages]
 
@@ -283,7 +288,7 @@ class Plan:
         lines = [
             f"plan for {self.model} on {self.cluster.name}: {self.strategy} ({self.formation}), "
             f"{len(self.virtual_workers)} VW(s), schedule {self.schedule}, sync {self.sync}, "
-            f"global batch {self.global_batch}",
+            f"global batch {self.global_batch}, precision {self.precision}",
         ]
         mem = {m.device: m for m in pr.memory}
         for v, vw in enumerate(self.virtual_workers):

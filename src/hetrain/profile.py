@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,7 +39,7 @@ from hetrain.fields import (
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 Precision = Literal["fp32", "fp16", "bf16"]
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 #: The optimizers: one vocabulary for the plan, the cost model (``cost.OPTIMIZER_STATE_PER_PARAM``), the
 #: profiler and the runtime. ``adam`` is Adam with decoupled weight decay (``torch.optim.AdamW``, the same as
 #: Adam without weight decay).
@@ -99,8 +99,11 @@ class LayerProfile:
 
     Attributes:
         name: a label, e.g. ``"block3"``.
-        param_bytes: bytes of its parameters in the training precision.
-        output_bytes_per_sample: bytes of its output per sample (sent to the next stage).
+        param_bytes: bytes of its parameters as training keeps them: fp32, whatever the precision of
+            compute (the fp32 master weights of mixed precision, ``hetrain.amp``); also the bytes of
+            their gradients, which are summed in fp32.
+        output_bytes_per_sample: bytes of its output per sample as sent to the next stage (floating
+            outputs in the precision of compute).
         saved_bytes_per_sample: activation bytes kept for backward per sample.
         forward_flops_per_sample: forward FLOPs per sample (backward is taken as 2x).
         measured: per device type, measurements at one or more micro-batch sizes.
@@ -212,6 +215,7 @@ class ModelProfile:
 
     @property
     def bytes_per_element(self) -> int:
+        """Bytes of one element of compute: 4 under fp32, 2 under bf16 / fp16 (parameters are fp32 always)."""
         return 4 if self.precision == "fp32" else 2
 
     def figures_of(self, type_name: str) -> DeviceFigures | None:
@@ -318,10 +322,14 @@ def parse_profile(data: Mapping[str, Any]) -> ModelProfile:
     and the value."""
     data = require_mapping(data, "profile", ProfileError)
     version = require_int(data, "format_version", "", ProfileError, FORMAT_VERSION)
-    if version != FORMAT_VERSION:
-        raise ProfileError(f"profile format_version {version} is not supported (this hetrain reads {FORMAT_VERSION})")
+    if version not in (1, FORMAT_VERSION):
+        raise ProfileError(f"profile format_version {version} is not supported (this hetrain reads 1 and "
+                           f"{FORMAT_VERSION})")
     raw_layers = require_list(data, "layers", "", ProfileError, least=1, most=MAX_LAYERS, what="layers")
     layers = [_layer_from(raw, i) for i, raw in enumerate(raw_layers)]
+    precision = require_str(data, "precision", "", ProfileError, "fp32", choices=PRECISIONS)
+    # format 1 counted a 16-bit profile's parameters in 16 bits; training keeps them in fp32 (format 2)
+    widen = 2.0 if version == 1 and precision != "fp32" else 1.0
     measured_on = tuple(
         (str(t), DeviceFigures(require_number(require_mapping(f, f"measured_on[{t!r}]", ProfileError), "peak_flops",
                                               f"measured_on[{t!r}]", ProfileError, positive=True),
@@ -329,14 +337,18 @@ def parse_profile(data: Mapping[str, Any]) -> ModelProfile:
                                               ProfileError, positive=True)))
         for t, f in require_object(data, "measured_on", "", ProfileError, {}).items()
     )
+    rates = _parse_optimizer_rates(data.get("optimizer_step_s_per_byte", {}))
+    if widen != 1.0:
+        layers = [replace(layer, param_bytes=layer.param_bytes * widen) for layer in layers]
+        rates = tuple((t, tuple((n, r / widen) for n, r in rs)) for t, rs in rates)
     return ModelProfile(
         name=require_str(data, "name", "", ProfileError, "model"),
         layers=tuple(layers),
         input_bytes_per_sample=_number(data, "input_bytes_per_sample", ""),
-        precision=require_str(data, "precision", "", ProfileError, "fp32", choices=PRECISIONS),  # type: ignore[arg-type]
+        precision=precision,  # type: ignore[arg-type]
         compute_efficiency=require_number(data, "compute_efficiency", "", ProfileError, 0.5, positive=True, most=1),
         measured_on=measured_on,
-        optimizer_step_s_per_byte=_parse_optimizer_rates(data.get("optimizer_step_s_per_byte", {})),
+        optimizer_step_s_per_byte=rates,
         action_overhead_s=_parse_overheads(data.get("action_overhead_s", {})),
     )
 

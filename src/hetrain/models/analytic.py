@@ -17,8 +17,10 @@ Conventions used in every family:
   next layer's input (the same storage) and is counted there, as Korthikanti et al.
   2022 count a transformer block's input and not its output. A dropout mask is a
   bool tensor, 1 byte per element; max-pool indices are int64.
-- **bytes per element** ``e`` follows ``precision``: 4 for fp32, 2 for fp16/bf16.
+- **bytes per element** ``e`` of activations follows ``precision``: 4 for fp32, 2 for fp16/bf16.
   The model input is counted in the training precision (GPT: int64 token ids).
+  Parameters are counted in fp32 (``PARAM_BYTES``) whatever the precision: training keeps
+  them there and computes in 16 bits under autocast (``hetrain.amp``).
 
 Layer granularity (what a stage boundary may cut between):
 
@@ -78,6 +80,9 @@ def _check_positive(**values: int) -> None:
     for key, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{key} must be a positive integer, got {value!r}")
+
+
+PARAM_BYTES = 4  # bytes of one parameter (and of its gradient) as training keeps it: fp32
 
 
 def _bytes_per_element(precision: str) -> int:
@@ -195,7 +200,7 @@ def build_gpt_profile(num_layers: int, hidden: int, heads: int, seq_len: int, vo
     # Backward scatters gradients by token id, so it keeps only the ids (s,) int64.
     embed = LayerProfile(
         name="embed",
-        param_bytes=float((V * h + s * h) * e),
+        param_bytes=float((V * h + s * h) * PARAM_BYTES),
         output_bytes_per_sample=float(activation),
         saved_bytes_per_sample=float(s * INT64_BYTES),
         forward_flops_per_sample=0.0,
@@ -204,7 +209,7 @@ def build_gpt_profile(num_layers: int, hidden: int, heads: int, seq_len: int, vo
     blocks = [
         LayerProfile(
             name=f"block{k}",
-            param_bytes=float(block_params * e),
+            param_bytes=float(block_params * PARAM_BYTES),
             output_bytes_per_sample=float(activation),
             saved_bytes_per_sample=float(gpt_block_saved_bytes(h, a, s, e)),
             forward_flops_per_sample=float(gpt_block_flops(h, s)),
@@ -218,7 +223,7 @@ def build_gpt_profile(num_layers: int, hidden: int, heads: int, seq_len: int, vo
     head_params = 2 * h + (0 if tie_embeddings else h * V)
     head = LayerProfile(
         name="head",
-        param_bytes=float(head_params * e),
+        param_bytes=float(head_params * PARAM_BYTES),
         output_bytes_per_sample=float(s * V * e),
         saved_bytes_per_sample=float(2 * s * h * e + s * V * 4),
         forward_flops_per_sample=float(2 * s * h * V),
@@ -287,7 +292,7 @@ def build_vgg19_profile(image_size: int = 224, batch_norm: bool = False, num_cla
                 saved += cout * pixels * e + cout * out_side * out_side * INT64_BYTES
             layers.append(LayerProfile(
                 name=f"conv{block}_{k}",
-                param_bytes=float(params * e),
+                param_bytes=float(params * PARAM_BYTES),
                 output_bytes_per_sample=float(cout * out_side * out_side * e),
                 saved_bytes_per_sample=float(saved),
                 forward_flops_per_sample=float(_conv_flops(3, cin, cout, side, side)),
@@ -304,7 +309,7 @@ def build_vgg19_profile(image_size: int = 224, batch_norm: bool = False, num_cla
             saved += n_out * e + n_out * MASK_BYTES  # ReLU output + dropout mask
         layers.append(LayerProfile(
             name=f"fc{6 + k}",
-            param_bytes=float((n_in * n_out + n_out) * e),
+            param_bytes=float((n_in * n_out + n_out) * PARAM_BYTES),
             output_bytes_per_sample=float(n_out * e),
             saved_bytes_per_sample=float(saved),
             forward_flops_per_sample=float(2 * n_in * n_out),
@@ -357,7 +362,7 @@ def _bottleneck(cin: int, width: int, stride: int, side: int, e: int, name: str)
         saved += cout * a_out  # projection out = its BN's input (4w, out, out)
     return LayerProfile(
         name=name,
-        param_bytes=float(params * e),
+        param_bytes=float(params * PARAM_BYTES),
         output_bytes_per_sample=float(cout * a_out * e),
         saved_bytes_per_sample=float(saved * e),
         forward_flops_per_sample=float(flops),
@@ -399,7 +404,7 @@ def build_resnet_profile(depth: int = 50, image_size: int = 224, num_classes: in
     conv_px, pool_px = conv_side * conv_side, side * side
     stem = LayerProfile(
         name="stem",
-        param_bytes=float((_conv_params(7, 3, 64, False) + 2 * 64) * e),
+        param_bytes=float((_conv_params(7, 3, 64, False) + 2 * 64) * PARAM_BYTES),
         output_bytes_per_sample=float(64 * pool_px * e),
         # image (3, H, W) + BN input and ReLU output (64, H/2, W/2) + int64 pool indices
         saved_bytes_per_sample=float(3 * image_size**2 * e + 2 * 64 * conv_px * e + 64 * pool_px * INT64_BYTES),
@@ -415,7 +420,7 @@ def build_resnet_profile(depth: int = 50, image_size: int = 224, num_classes: in
             cin = width * RESNET_EXPANSION
     layers.append(LayerProfile(
         name="head",
-        param_bytes=float((cin * num_classes + num_classes) * e),
+        param_bytes=float((cin * num_classes + num_classes) * PARAM_BYTES),
         output_bytes_per_sample=float(num_classes * e),
         # average-pool input (2048, side, side) + Linear input (2048,)
         saved_bytes_per_sample=float(cin * side * side * e + cin * e),
@@ -458,7 +463,7 @@ def build_mlp_profile(sizes: Sequence[int] = DEFAULT_MLP_SIZES, precision: Preci
     layers = tuple(
         LayerProfile(
             name=f"fc{k}",
-            param_bytes=float((n_in * n_out + n_out) * e),
+            param_bytes=float((n_in * n_out + n_out) * PARAM_BYTES),
             output_bytes_per_sample=float(n_out * e),
             saved_bytes_per_sample=float(n_in * e),
             forward_flops_per_sample=float(2 * n_in * n_out),

@@ -47,6 +47,8 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from hetrain import amp
+from hetrain.amp import check_precision
 from hetrain.catalog import lookup_device_type
 from hetrain.models.user import ModelSource, check_model_on_batch
 from hetrain.profile import (
@@ -556,8 +558,10 @@ def measure_layers(layers: Sequence[nn.Module], sample_input: SampleInput,
                    min_time_s: float = 0.0, optimizers: Sequence[str] = OPTIMIZER_NAMES) -> LayersMeasurement:
     """Measure every layer at every micro-batch size; ``profile_layers`` without the conversion.
 
-    Arguments as ``profile_layers``. Layers are moved to ``device`` (and, for fp16
-    or bf16, cast) in place and left in training mode as they were found.
+    Arguments as ``profile_layers``. Layers are moved to ``device`` in place and left in
+    training mode as they were found. Under fp16 or bf16 they run as the runtime runs them
+    (``hetrain.amp``): fp32 parameters, forward under autocast; a floating fp32 output counts
+    at 2 bytes an element, as it is sent between stages.
 
     The optimizer step of each of ``optimizers`` (``measure_optimizer_step``, with
     ``min_time_s`` and ``repeats``) is measured too; ``optimizers=()`` skips it.
@@ -571,7 +575,6 @@ def measure_layers(layers: Sequence[nn.Module], sample_input: SampleInput,
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    dtype = DTYPES[precision]
     if names is not None and len(names) != len(layers):
         raise ValueError(f"{len(names)} names for {len(layers)} layers")
     names = list(names) if names is not None else [f"{type(m).__name__.lower()}{i}" for i, m in enumerate(layers)]
@@ -579,13 +582,14 @@ def measure_layers(layers: Sequence[nn.Module], sample_input: SampleInput,
         shapes = [tuple(t.shape) for t in _tensors(sample_input)]
         raise ValueError(f"sample_input must be one sample with a leading batch dimension of 1 (got shapes {shapes}), "
                          "or a callable b -> batch of b samples")
+    check_precision(precision, dev.type, "--precision")
     modes = [m.training for m in layers]
     for m in layers:
-        m.to(device=dev, dtype=dtype if precision != "fp32" else None).train()
+        m.to(device=dev).train()
 
     def batch(b: int) -> Any:
         x = sample_input(b) if callable(sample_input) else _replicate(sample_input, b)
-        return _map(x, lambda t: t.to(dev, dtype=dtype if t.is_floating_point() else t.dtype))
+        return _map(x, lambda t: t.to(dev))
 
     def as_args(x: Any) -> tuple[Any, ...]:
         return x if unpack_tuples and isinstance(x, tuple) else (x,)
@@ -601,13 +605,15 @@ def measure_layers(layers: Sequence[nn.Module], sample_input: SampleInput,
                 input_bytes = _nbytes(x) / b
             for i, layer in enumerate(layers):
                 args = as_args(x)
-                fwd, bwd, out = _time_layer(layer, args, i > 0, repeats, warmup, dev, min_time_s)
-                times[i].append((b, fwd, bwd))
-                if b == b_max:
-                    leaves = _map(args, functools.partial(_leaf, requires_grad=i > 0))
-                    saved, flops, y = _measure_saved(layer, leaves)
-                    static[i] = (saved, flops, _nbytes(y), _peak_memory(layer, args, i > 0, dev))
-                    del y
+                with amp.autocast(dev, precision):  # its cache: one 16-bit copy per weight, as an iteration
+                    fwd, bwd, out = _time_layer(layer, args, i > 0, repeats, warmup, dev, min_time_s)
+                    times[i].append((b, fwd, bwd))
+                    if b == b_max:
+                        leaves = _map(args, functools.partial(_leaf, requires_grad=i > 0))
+                        saved, flops, y = _measure_saved(layer, leaves)
+                        sent = sum(amp.to_wire(t, precision).element_size() * t.numel() for t in _tensors(y))
+                        static[i] = (saved, flops, sent, _peak_memory(layer, args, i > 0, dev))
+                        del y
                 x = out
     finally:
         for m, mode in zip(layers, modes, strict=True):
@@ -658,7 +664,8 @@ def profile_layers(layers: Sequence[nn.Module], sample_input: SampleInput,
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``.
         repeats / warmup: timed runs (median taken) and untimed runs before them.
         model_name: the profile's name.
-        precision: ``"fp32"``, or ``"fp16"`` / ``"bf16"`` (layers and floating inputs cast).
+        precision: ``"fp32"``, or ``"fp16"`` / ``"bf16"`` (autocast over fp32 layers, as the runtime
+            trains: ``hetrain.amp``; fp16 needs CUDA).
         names: one label per layer (default ``"<class><index>"``).
         unpack_tuples: a tuple output is passed to the next layer as ``*args``; with
             False it is passed as one argument (``hetrain.models``' convention).

@@ -22,15 +22,19 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from hetrain.amp import check_precision
 from hetrain.arguments import int_between, number_at_least
 from hetrain.data.datasets import DatasetSplit
 from hetrain.data.user import build_model_datasets, check_batch_fits
+from hetrain.distributed.device import choose_device
 from hetrain.errors import InputError, RunError
 from hetrain.fields import MAX_STEPS
 from hetrain.models.user import ModelSource, resolve_model
 from hetrain.plan import Plan, PlanError, load_plan
+from hetrain.profile import PRECISIONS
 from hetrain.runtime.clip import check_clip
 from hetrain.runtime.config_file import parse_with_config
+from hetrain.runtime.loss_scale import check_fp16
 from hetrain.runtime.lr_schedule import LR_SCHEDULES, LrSchedule
 from hetrain.runtime.trainer import DEFAULT_TIMEOUT_S, Trainer, build_optimizer_fn, default_lr
 
@@ -208,6 +212,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="clip gradients to global norm X over the whole model before each step; bsp plans "
                              "only (other sync modes step on gradients not summed across VWs: refused)")
     parser.add_argument("--weight-decay", type=number_at_least(0.0), default=0.0)
+    parser.add_argument("--precision", choices=PRECISIONS, default=None,
+                        help="must be the plan's precision (hetrain plan --precision), which is what runs; "
+                             "a different one is refused (re-plan)")
     parser.add_argument("--seed", type=int, default=0, help="model seed (per-layer seeds derive from it)")
     parser.add_argument("--data-seed", type=int, default=0, help="seed of the data order")
     parser.add_argument("--set", dest="model_config", action="append", default=[], metavar="KEY=VALUE",
@@ -231,6 +238,19 @@ def _check_output_paths(args: argparse.Namespace) -> None:
         raise InputError(f"--checkpoint-dir {args.checkpoint_dir!r}: is a file; give a directory")
 
 
+def check_plan_precision(plan: Plan, precision: str | None, plan_path: str) -> None:
+    """Refuse a ``--precision`` other than the plan's, fp16 under a sync mode other than bsp, and fp16 on a CPU.
+
+    Raises:
+        InputError: naming the plan file and both precisions.
+    """
+    if precision is not None and precision != plan.precision:
+        raise InputError(f"--precision {precision}: {plan_path} was planned for {plan.precision} (its memory and "
+                         f"time predictions hold for that); re-plan with hetrain plan --precision {precision}")
+    check_fp16(plan, plan_path)
+    check_precision(plan.precision, choose_device(int(os.environ.get("LOCAL_RANK", "0")))[1].type, plan_path)
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     """Run the ``train`` command from parsed ``add_train_arguments`` options.
 
@@ -241,6 +261,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         config = _model_config(args.model_config)
         _check_output_paths(args)
         plan = load_plan(args.plan)
+        check_plan_precision(plan, args.precision, args.plan)
         check_clip(plan, args.clip_grad_norm)
         LrSchedule(default_lr(plan.optimizer) if args.lr is None else args.lr, args.lr_schedule, args.warmup_steps,
                    args.min_lr)

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hetrain import amp
 from hetrain.distributed.health import Health
 from hetrain.runtime.roles import Role
 
@@ -40,8 +41,9 @@ def _to(value: Any, device: torch.device) -> Any:
 
 def evaluate_stage(role: Role, module: nn.Module | None, loss_fn: Callable[[Any, Any], torch.Tensor],
                    batches: Sequence[Batch], group: Any, health: Health, device: torch.device,
-                   timeout_s: float) -> float | None:
-    """This rank's part of one evaluation: forward-only, under ``torch.no_grad`` and ``module.eval()``.
+                   timeout_s: float, precision: str = "fp32") -> float | None:
+    """This rank's part of one evaluation: forward-only, under ``torch.no_grad`` and ``module.eval()``,
+    in the plan's ``precision`` (autocast, as training's forward: ``hetrain.amp``).
 
     Returns the mean loss over ``batches`` on VW 0's last stage, None on every other
     rank (ranks of other VWs do nothing here).
@@ -55,7 +57,7 @@ def evaluate_stage(role: Role, module: nn.Module | None, loss_fn: Callable[[Any,
     module.eval()
     total = torch.zeros((), dtype=torch.float64)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), amp.autocast(device, precision):
             for b, (x, y) in enumerate(batches):
                 if role.is_first:
                     h = module(_to(x, device))

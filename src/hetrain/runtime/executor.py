@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from hetrain import amp
 from hetrain.distributed.health import Health
 from hetrain.models.layers import LayerRange, run_layers
 from hetrain.runtime.metrics import Recorder
@@ -113,16 +114,22 @@ class Executor:
         health: where the rank's current action is published.
         recorder: times the actions when active.
         device: where inputs go.
+        precision: the plan's precision: under bf16 / fp16 an iteration runs under autocast, each
+            backward with it off, and the cast weights are dropped after anything that changes the
+            weights (``hetrain.amp``).
 
     Attributes:
         before_step: called as ``before_step(step)`` at each STEP, after the sends are waited for and before
-            the optimizer steps (every ALLREDUCE of the iteration has been waited for by then): gradient
-            clipping (``runtime.clip``), the learning rate. None: nothing.
+            the optimizer steps (every ALLREDUCE of the iteration has been waited for by then): tied
+            gradients, fp16's unscaling, gradient clipping (``runtime.clip``). It returns False to skip
+            the optimizer step (an fp16 overflow). None: nothing.
+        grad_scale: the loss scale the backward starts from (fp16's ``amp.LossScaler.scale``; 1 otherwise),
+            read at the start of each iteration.
     """
 
     def __init__(self, role: Role, module: StageModule, loss_fn: LossFn, transport: Transport, sync: GradientSync,
                  optimizer: torch.optim.Optimizer, health: Health, recorder: Recorder, device: torch.device,
-                 modes: ModeSync | None = None) -> None:
+                 modes: ModeSync | None = None, precision: str = "fp32") -> None:
         self.role = role
         self.module = module
         self.loss_fn = loss_fn
@@ -133,11 +140,15 @@ class Executor:
         self.recorder = recorder
         self.device = device
         self.modes = modes
-        self.before_step: Callable[[int], None] | None = None
+        self.precision = precision
+        self.before_step: Callable[[int], bool | None] | None = None
+        self.grad_scale = 1.0
         # BSP: n_i / N, as the seed of each micro-batch's backward: the gradient of loss * n_i / N, without the product
         # other sync modes: n_i / (this VW's mini-batch): each VW steps on its own mean gradient (docs/sync.md)
         total = role.global_batch if modes is None else sum(role.micro_batch_sizes)
         self.loss_scale = [torch.full((), n / total, device=device) for n in role.micro_batch_sizes]
+        self._seeds = self.loss_scale  # loss_scale times grad_scale, made when grad_scale changes
+        self._seeds_for = 1.0
         # the reported loss is always the global batch's mean: n_i / N
         self.report_scale = [torch.full((), n / role.global_batch, device=device) for n in role.micro_batch_sizes]
         self._record_memory = device.type == "cuda"
@@ -179,16 +190,20 @@ class Executor:
         self._posted_f = self._posted_b = 0  # how many of each list are posted
         self._done_f = self._done_b = 0  # how many were received
         self.sync.zero()
+        if self.grad_scale != self._seeds_for:
+            self._seeds = [s * self.grad_scale for s in self.loss_scale]
+            self._seeds_for = self.grad_scale
         self._post_ahead_f()
         rec = self.recorder
-        for a in actions:
-            self.health.doing = (step, a)  # formatted by the heartbeat thread, only when it beats
-            if rec.active:
-                start = rec.now()
-                self._do(a)
-                self._record(a, start, rec.now())
-            else:
-                self._do(a)
+        with amp.autocast(self.device, self.precision):  # one cast of each weight per iteration (hetrain.amp)
+            for a in actions:
+                self.health.doing = (step, a)  # formatted by the heartbeat thread, only when it beats
+                if rec.active:
+                    start = rec.now()
+                    self._do(a)
+                    self._record(a, start, rec.now())
+                else:
+                    self._do(a)
         if self.transport.posted_receives():
             raise RuntimeError(f"internal error: receives {self.transport.posted_receives()} were posted ahead in "
                                f"step {step} and never used")
@@ -215,6 +230,7 @@ class Executor:
                     self.sync.allreduce(a.segment, self._where(a))
                 else:
                     self._mode_action(a)
+                    amp.clear_cast_cache(self.precision)  # an average or a pull changed the weights
             case Step():
                 self._step(a)
 
@@ -243,14 +259,15 @@ class Executor:
         arm = self._arms.get(i)
         if arm is not None:  # the bucket all-reduces that start during this backward
             self.sync.arm(arm)
-        if self.role.is_last:
-            torch.autograd.backward([self.losses.pop(i)], [self.loss_scale[i]])
-        else:
-            outs, _ = flatten(self.outputs.pop(i))
-            grads = self.grads.pop(i)
-            pairs = [(outs[k], g) for k, g in zip(grad_slots(outs), grads, strict=True) if outs[k].requires_grad]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        with amp.no_autocast(self.device, self.precision):
+            if self.role.is_last:
+                torch.autograd.backward([self.losses.pop(i)], [self._seeds[i]])
+            else:
+                outs, _ = flatten(self.outputs.pop(i))
+                grads = self.grads.pop(i)
+                pairs = [(outs[k], g) for k, g in zip(grad_slots(outs), grads, strict=True) if outs[k].requires_grad]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         if not self.role.is_first:
             tensors = self.inputs.pop(i)
             grads_in = [tensors[k].grad for k in grad_slots(tensors)]
@@ -336,9 +353,9 @@ class Executor:
             self.recorder.events.append(_event(start, self.recorder.now(), "send", "wait for sends", None))
         else:
             self.transport.wait_sends(self._where(a))
-        if self.before_step is not None:
-            self.before_step(self.step)
-        self.optimizer.step()
+        if self.before_step is None or self.before_step(self.step) is not False:
+            self.optimizer.step()
+            amp.clear_cast_cache(self.precision)
 
     # --- helpers ---------------------------------------------------------------------
 

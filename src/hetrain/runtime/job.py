@@ -238,12 +238,13 @@ def build_stage(plan: Plan, role: Role, device: torch.device, groups: Groups, ra
     optimizer = optimizer_fn(list(module.parameters()))
     by_index = {k: module[k] for k in stage.layers}
     sync = GradientSync(plan, by_index, groups.segments, rank_of, health, timeout_s)
-    transport = Transport(health, groups.forward, groups.backward, device, timeout_s)
+    transport = Transport(health, groups.forward, groups.backward, device, timeout_s, plan.precision)
     recorder = Recorder(role.device, device if device.type == "cuda" else None)
     modes = None
     if plan.sync != "bsp":
         modes = ModeSync(plan, role.device, sync, groups.segments, groups.modes, rank_of, health, timeout_s)
-    executor = Executor(role, module, loss_fn, transport, sync, optimizer, health, recorder, device, modes)
+    executor = Executor(role, module, loss_fn, transport, sync, optimizer, health, recorder, device, modes,
+                        plan.precision)
     tied_grads = TiedGrads(tied, plan, role.device, module, groups.tied, wait) if tied else None
     executor.before_step = tied_grads
     return StageParts(module, optimizer, sync, transport, recorder, modes, executor, tied_grads)

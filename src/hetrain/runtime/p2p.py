@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hetrain.amp import from_wire, to_wire, wire_dtype
 from hetrain.distributed.health import Health, PeerError
 
 #: dtypes a header can name, by code (the index)
@@ -96,11 +97,15 @@ class Transport:
         backward_group: process group of gradients (SEND_B / RECV_B).
         device: where received tensors are allocated.
         timeout_s: the longest one receive, or the wait for one send, may take.
+        precision: the plan's precision: under bf16 / fp16, fp32 activations and gradients travel in
+            the compute dtype and are fp32 again on arrival (``hetrain.amp``).
     """
 
     def __init__(self, health: Health, forward_group: Any, backward_group: Any, device: torch.device,
-                 timeout_s: float) -> None:
+                 timeout_s: float, precision: str = "fp32") -> None:
         self.health = health
+        self.precision = precision
+        self._wire = wire_dtype(precision)
         self.groups = {True: forward_group, False: backward_group}
         self.device = device
         self.timeout = timedelta(seconds=timeout_s)
@@ -125,7 +130,7 @@ class Transport:
         Forward sends carry a header the first time micro-batch ``i`` goes to ``peer``.
         """
         group = self.groups[forward]
-        payload = [t.detach().contiguous() for t in tensors]
+        payload = [to_wire(t.detach(), self.precision).contiguous() for t in tensors]
         if len(payload) >= _TAGS_PER_MICRO_BATCH:
             raise ValueError(f"{what}: a stage output of {len(payload)} tensors; at most {_TAGS_PER_MICRO_BATCH - 1}")
         if forward:
@@ -170,7 +175,9 @@ class Transport:
 
     def post_gradients(self, like: Sequence[torch.Tensor], peer: int, i: int) -> None:
         """Post the receive of the gradients of ``like`` now; ``recv_gradients`` waits for it later."""
-        grads = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in like]
+        grads = [torch.empty_like(t, memory_format=torch.contiguous_format,
+                                  dtype=self._wire if self._wire is not None and t.dtype == torch.float32 else None)
+                 for t in like]
         works = [dist.irecv(g, peer, group=self.groups[False], tag=self._tag(i, k)) for k, g in enumerate(grads)]
         self._keep_posted((False, peer, i), grads, works)
 
@@ -197,6 +204,8 @@ class Transport:
         tensors, works = self._posted.pop((True, peer, i))
         for w in works:
             self.wait(w, what, peer)
+        if self._wire is not None:
+            tensors = [from_wire(t) for t in tensors]
         return tensors, self._recv_specs[(peer, i)][0]
 
     def recv_gradients(self, like: Sequence[torch.Tensor], peer: int, i: int, what: object) -> list[torch.Tensor]:
@@ -206,6 +215,8 @@ class Transport:
         grads, works = self._posted.pop((False, peer, i))
         for w in works:
             self.wait(w, what, peer)
+        if self._wire is not None:  # each in its output's dtype again
+            grads = [g.to(t.dtype) for g, t in zip(grads, like, strict=True)]
         return grads
 
     @staticmethod

@@ -41,7 +41,7 @@ from hetrain.runtime.losses import WaitFn
 from hetrain.sync_layout import Segment
 
 Tie = tuple[tuple[int, str], ...]
-StepHook = Callable[[int], None]
+StepHook = Callable[[int], bool | None]
 
 
 def _segment(plan: Plan, layer: int) -> Segment:
@@ -138,16 +138,21 @@ class TiedGrads:
 
 
 def chain_hooks(*hooks: StepHook | None) -> StepHook | None:
-    """One ``before_step`` hook calling the given ones in order (None: none given)."""
+    """One ``before_step`` hook calling the given ones in order (None: none given).
+
+    A hook that returns False skips the step: the hooks after it are not called, and the chain returns False.
+    """
     present = [h for h in hooks if h is not None]
     if not present:
         return None
     if len(present) == 1:
         return present[0]
 
-    def run(step: int) -> None:
+    def run(step: int) -> bool | None:
         for hook in present:
-            hook(step)
+            if hook(step) is False:
+                return False
+        return None
 
     return run
 

@@ -34,6 +34,7 @@ The Trainer keeps ``fit`` and the step loop, and the per-iteration sync state
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
@@ -44,6 +45,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hetrain.amp import LossScaler, check_precision
+from hetrain.distributed.device import choose_device
 from hetrain.plan import Plan
 from hetrain.profile import OPTIMIZER_NAMES, canonical_optimizer
 from hetrain.runtime.batches import MicroBatches, global_batches
@@ -52,6 +55,7 @@ from hetrain.runtime.evaluate import evaluate_stage
 from hetrain.runtime.executor import LossFn, StageModule
 from hetrain.runtime.idle import JobEvents
 from hetrain.runtime.job import DEFAULT_TIMEOUT_S, LayersFn, OptimizerFn, build_job, init_distributed
+from hetrain.runtime.loss_scale import LossScaling, check_fp16
 from hetrain.runtime.losses import LossSums
 from hetrain.runtime.lr_schedule import LrSchedule
 from hetrain.runtime.metrics import MetricsLog, merge_timeline
@@ -140,6 +144,8 @@ class Trainer:
                  clip_grad_norm: float | None = None, tied: Sequence[Tie] = ()) -> None:
         check_clip(plan, clip_grad_norm)  # before any process group: every rank refuses alike
         check_tied(plan, tied)
+        check_fp16(plan)
+        check_precision(plan.precision, choose_device(int(os.environ.get("LOCAL_RANK", "0")))[1].type)
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if checkpoint_every < 0:
@@ -178,11 +184,17 @@ class Trainer:
         self.modes: ModeSync | None = None if parts is None else parts.modes
         self.lr_schedule = lr_schedule
         self.clip: GradClip | None = None
+        self.loss_scaling: LossScaling | None = None  # fp16 only
+        if parts is not None and plan.precision == "fp16":
+            self.loss_scaling = LossScaling(LossScaler(), parts.sync, self.work_group, len(self.used_ranks),
+                                            job.wait, self.device, parts.executor)
+            parts.executor.before_step = chain_hooks(parts.executor.before_step, self.loss_scaling)
         if parts is not None and clip_grad_norm is not None:
             self.clip = GradClip(clip_grad_norm, plan, self.role.device, parts.sync, self.work_group,
                                  len(self.used_ranks), job.wait, self.device,
                                  duplicates=parts.tied.duplicates if parts.tied is not None else ())
-            parts.executor.before_step = chain_hooks(parts.executor.before_step, self.clip)  # ties summed first
+            # ties summed first, then fp16's gradients unscaled (a skipped step is not clipped)
+            parts.executor.before_step = chain_hooks(parts.executor.before_step, self.clip)
         self._init_sync_state()
         self._events = JobEvents(job, self.checkpoint_dir)
         self._micro_batches = MicroBatches(self.role, plan.global_batch)
@@ -317,6 +329,9 @@ class Trainer:
                 "sync_actions": sync_actions, "lr": lr}
             if self.clip is not None:
                 row["grad_norm"] = self.clip.norm  # a tensor until the row is logged (no device sync here)
+            if self.loss_scaling is not None:
+                row["loss_scale"] = self.loss_scaling.scaler.scale  # the scale after this step
+                row["step_skipped"] = self.loss_scaling.skipped_last
             if self.plan.sync == "daso":
                 row["daso_period"] = self.sync_state.period  # the k this step's actions were built with
             sums.add(row, loss)
@@ -359,7 +374,7 @@ class Trainer:
         """Validation loss of VW 0's weights now (``runtime.evaluate``); returns the seconds it took."""
         t0 = time.perf_counter()
         mine = evaluate_stage(self.role, self.module, self._loss_fn, self._eval_set, self.work_group, self.health,
-                              self.device, self.timeout_s)
+                              self.device, self.timeout_s, self.plan.precision)
         buf = torch.tensor([0.0 if mine is None else mine], dtype=torch.float64)
         if len(self.used_ranks) > 1:  # only VW 0's last stage adds its figure
             self.job.wait(dist.all_reduce(buf, group=self.work_group, async_op=True),
@@ -484,10 +499,15 @@ class Trainer:
     def _save_sync_state(self, meta: dict[str, Any]) -> None:
         if self.plan.sync == "daso":
             meta["daso"] = self._daso_rate.state_dict()
+        if self.loss_scaling is not None:  # the same on every rank: the overflow verdict is global
+            meta["loss_scaler"] = self.loss_scaling.scaler.state_dict()
 
     def _load_sync_state(self, meta: dict[str, Any]) -> None:
         if self.plan.sync == "daso" and isinstance(meta.get("daso"), dict):
             self._daso_rate.load_state_dict(meta["daso"])
+        if self.loss_scaling is not None and isinstance(meta.get("loss_scaler"), dict):
+            self.loss_scaling.scaler.load_state_dict(meta["loss_scaler"])
+            self.loss_scaling.set_scale()
 
     # === end of the per-iteration sync state ==========================================
 
