@@ -233,3 +233,18 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path: Path, capsys: pytest
     with pytest.raises(ExportError, match=r"step 3 in .*more holds layers.4.extra.weight \(1 such\), which hf:"):
         export_hf(tmp_path / "more", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_tied_copies_that_differ_are_named_and_the_first_is_written(tmp_path: Path) -> None:
+    spec = model_dir(tmp_path / "src", gpt2_config())
+    stage = LayerRange(resolve_model(spec).build_layers(seed=0))
+    state = stage.state_dict()
+    state["layers.3.lm_head.weight"] = state["layers.3.lm_head.weight"] + 0.5
+    save_checkpoint(tmp_path / "ckpt", 1, state, {}, {"model": spec})
+    with pytest.warns(RuntimeWarning, match=r"the tied copies layers.0.tokens.weight and layers.3.lm_head.weight "
+                                            r"differ \(largest difference 0.5\)"):
+        export_hf(tmp_path / "ckpt", tmp_path / "out")
+    from safetensors.torch import load_file
+
+    written = load_file(str(tmp_path / "out" / "model.safetensors"))["transformer.wte.weight"]
+    torch.testing.assert_close(written, state["layers.0.tokens.weight"], rtol=0, atol=0)

@@ -157,10 +157,16 @@ def build_hf_layout(spec: str) -> HfLayout:
 
     from hetrain.models.hf import cut_causal_lm, load_hf_dir
     from hetrain.models.layers import LayerRange
+    from hetrain.models.spec import SpecError
 
     hf = load_hf_dir(spec)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf.config)  # type: ignore[no-untyped-call]
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf.config)  # type: ignore[no-untyped-call]
+    except Exception as e:  # transformers' own errors: named in one line with the file
+        text = str(e).strip()
+        raise SpecError(f"--model {spec}: transformers cannot build a causal LM from {hf.path / 'config.json'}: "
+                        f"{type(e).__name__}: {text.splitlines()[0] if text else ''}") from e
     names_of: dict[int, list[str]] = {}  # tensor id -> its names in the model's state_dict, in order
     for name, t in model.state_dict(keep_vars=True).items():
         names_of.setdefault(id(t), []).append(name)
