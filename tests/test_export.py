@@ -1,7 +1,7 @@
 """``hetrain export``: a checkpoint's weights as a Hugging Face directory or one safetensors file; its refusals.
 
 Checkpoints here are written in this process by ``save_checkpoint`` (the function the stages call);
-``tests/distributed/test_export.py`` exports ones that two pipeline stages wrote under torchrun.
+``tests/distributed/test_hf_export.py`` exports ones that two pipeline stages wrote under torchrun.
 """
 
 from __future__ import annotations
