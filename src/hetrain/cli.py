@@ -7,6 +7,7 @@
     hetrain calibrate plan.json metrics.jsonl [--warmup N] [-o profile.json]
     hetrain profile --model NAME|MODULE:FUNCTION [--data MODULE:FUNCTION] [--micro-batch 1,2,4,8] [-o profile.json]
     torchrun --nproc-per-node N --no-python hetrain discover -o cluster.toml
+    hetrain export --checkpoint D --to-hf OUT [--step N] [--model hf:DIR]  (or --to-safetensors FILE)
     hetrain emulate run CLUSTER.toml -- COMMAND...  (also up, down, status)
     hetrain models | hetrain demo
 
@@ -271,6 +272,23 @@ def cmd_profile(args: argparse.Namespace) -> int:
                                repeats=args.repeats, precision=args.precision, inputs=inputs)
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from hetrain.runtime.export import export_hf, export_safetensors
+    from hetrain.units import format_bytes
+
+    if args.to_hf is not None:
+        done = export_hf(args.checkpoint, args.to_hf, step=args.step, model=args.model, plan=args.plan,
+                         force=args.force)
+    else:
+        for flag in ("model", "plan"):
+            if getattr(args, flag) is not None:
+                raise InputError(f"--{flag} applies to --to-hf only; --to-safetensors writes hetrain's own names")
+        done = export_safetensors(args.checkpoint, args.to_safetensors, step=args.step, force=args.force)
+    print(f"hetrain export: step {done.step} of {done.model or 'the checkpoint'} -> {done.path} "
+          f"({done.tensors} tensors, {format_bytes(done.weight_bytes)})")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from hetrain.demo import run_demo
 
@@ -353,6 +371,22 @@ def build_parser() -> argparse.ArgumentParser:
                      help="first steps left out (default 3)")
     cal.add_argument("-o", "--output", help="write the plan's profile with the fitted overhead here")
     cal.set_defaults(func=cmd_calibrate)
+
+    ex = sub.add_parser("export", help="a checkpoint's weights as a Hugging Face model directory (hf:DIR models) "
+                        "or one safetensors file")
+    ex.add_argument("--checkpoint", required=True, metavar="DIR", help="the --checkpoint-dir hetrain train wrote")
+    to = ex.add_mutually_exclusive_group(required=True)
+    to.add_argument("--to-hf", metavar="OUT", help="write a transformers model directory (a model trained from "
+                    "--model hf:DIR): model.safetensors, config.json, tokenizer files")
+    to.add_argument("--to-safetensors", metavar="FILE", help="write every layer's tensors, named layers.{k}.<name>, "
+                    "as one safetensors file (any model)")
+    ex.add_argument("--step", type=int_between(0, MAX_STEPS, "MAX_STEPS"), default=None,
+                    help="the checkpoint's step (default: the newest complete one)")
+    ex.add_argument("--model", metavar="hf:DIR", help="the model's directory (default: the plan's model, as the "
+                    "checkpoint records it)")
+    ex.add_argument("--plan", metavar="PLAN", help="the plan it was trained with, to read its model from")
+    ex.add_argument("--force", action="store_true", help="replace a non-empty OUT or an existing FILE")
+    ex.set_defaults(func=cmd_export)
 
     from hetrain.emulate.cli import add_emulate_arguments, run_emulate_args
 
