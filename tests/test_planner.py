@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hetrain.cluster import parse_cluster
-from hetrain.cost import estimate_stage_memory, in_flight
+from hetrain.cost import estimate_stage_memory, in_flight, tensor_budget
 from hetrain.models.analytic import build_profile
 from hetrain.planner import PlannerError, PlannerOptions, plan
 from hetrain.planner.formation import _set_partitions, build_formations
@@ -98,7 +98,7 @@ def test_partition_search_matches_brute_force(seed: int) -> None:
     for j, d in enumerate(found.devices):
         need = estimate_stage_memory(profile, found.cuts[j], found.cuts[j + 1], found.recompute[j], b,
                                      in_flight(schedule, m, p, j), "adam")
-        assert need <= d.memory_bytes * (1 + 1e-9), (j, need, d.memory_bytes)
+        assert need <= tensor_budget(profile, d) * (1 + 1e-9), (j, need, tensor_budget(profile, d))
 
 
 def test_vectorised_recompute_matches_scalar_greedy() -> None:
@@ -110,7 +110,7 @@ def test_vectorised_recompute_matches_scalar_greedy() -> None:
         table.ensure_recompute(math.inf)
         for k in range(12):
             for l in range(k + 1, 13):
-                scalar = choose_recompute(table.fwd_s, arrays, k, l, 2, 4, dev.memory_bytes)
+                scalar = choose_recompute(table.fwd_s, arrays, k, l, 2, 4, tensor_budget(profile, dev))
                 if scalar is None:
                     assert not np.isfinite(table.time_s[k, l])
                 else:
@@ -129,11 +129,11 @@ def test_stage_tables_shared_over_in_flight_counts_match_the_memory_rule(seed: i
             for n in (1, 2, 5, 17):
                 (table,) = build_stage_costs(profile, [dev], b, n, "gpipe", "adam")
                 loss = b * arrays.loss_table  # the last stage's loss transient
-                step_fits = arrays.step_table <= dev.memory_bytes  # weights + the optimizer step's transient
-                fits = (arrays.weight_table + n * b * arrays.saved_table + loss <= dev.memory_bytes) & upper & step_fits
+                step_fits = arrays.step_table <= tensor_budget(profile, dev)  # weights + the optimizer step's transient
+                fits = (arrays.weight_table + n * b * arrays.saved_table + loss <= tensor_budget(profile, dev)) & upper & step_fits
                 need_full = (arrays.weight_table + n * b * arrays.kept_full_table + b * arrays.transient_table
                              + loss)
-                fits_full = upper & ~fits & (need_full <= dev.memory_bytes) & step_fits
+                fits_full = upper & ~fits & (need_full <= tensor_budget(profile, dev)) & step_fits
                 assert np.array_equal(np.isfinite(table.time_s), fits)
                 assert np.array_equal(table.pending, fits_full)
                 assert np.array_equal(np.isfinite(table.full_s), fits | fits_full)

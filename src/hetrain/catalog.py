@@ -27,6 +27,14 @@ Sources (vendor datasheets and whitepapers):
   [CPU]    nominal figures for one CPU process in emulation: about one AVX2 core
            (2 FMA units x 8 fp32 lanes x 2 FLOP x ~3 GHz ~ 96 GFLOP/s peak) and a
            share of DDR4 bandwidth. Emulated devices are re-scaled by measurement.
+Runtime footprint (memory a training process holds on a device beyond its tensors):
+  [CTX]    CUDA context and library workspaces: 781 MB held after CUDA starts in a PyTorch
+           process before any tensor (pytorch/pytorch issue 34323); NCCL's buffers: 4 MiB
+           (NCCL_BUFFSIZE) per channel, direction and peer, some tens of MB per communicator
+           (NCCL environment-variable documentation). Together ~0.9 GB per CUDA device.
+  [ALLOC]  PyTorch's caching allocator reserves more than its tensors need (``memory_reserved``
+           over ``memory_allocated``; PyTorch "CUDA semantics: memory management"); 5% of the
+           tensor peak assumed until ``hetrain profile`` measures it on the device.
 Links:
   [PCIe]   PCI-SIG: 3.0 x16 ~15.75 GB/s, 4.0 x16 ~31.5 GB/s, 5.0 x16 ~63 GB/s per direction.
   [NVLink] NVIDIA: NVLink 2 (V100) 150 GB/s, NVLink 3 (A100) 300 GB/s,
@@ -73,6 +81,43 @@ class DeviceType:
     def peak_flops(self, precision: str) -> float:
         """The peak rate for ``precision`` (``"fp32"`` or ``"fp16"``/``"bf16"``)."""
         return self.peak_fp32_flops if precision == "fp32" else self.peak_fp16_flops
+
+
+@dataclass(frozen=True)
+class RuntimeFootprint:
+    """Device memory a training process holds beyond its tensors (``cost.estimate_device_memory``).
+
+    Attributes:
+        fixed_bytes: held before the first tensor: the CUDA context, communication buffers,
+            library workspaces.
+        allocator_fraction: what the caching allocator reserves beyond the tensor peak, as a
+            fraction of it (reserved over allocated, minus 1).
+        source: where the figures come from (a catalog key, or ``measured on <device>``).
+    """
+
+    fixed_bytes: float
+    allocator_fraction: float
+    source: str
+
+    def device_bytes(self, tensor_bytes: float) -> float:
+        """Device memory in use when tensors take ``tensor_bytes`` at their peak."""
+        return self.fixed_bytes + (1.0 + self.allocator_fraction) * tensor_bytes
+
+
+#: no footprint: a CPU process (the host's memory is not what a plan is fitted to), or a device type
+#: hetrain has no figures for
+NO_FOOTPRINT = RuntimeFootprint(0.0, 0.0, "none")
+#: a CUDA GPU running PyTorch with NCCL: sources [CTX] and [ALLOC]
+CUDA_FOOTPRINT = RuntimeFootprint(0.9 * GB, 0.05, "CTX, ALLOC")
+
+
+def default_footprint(type_name: str) -> RuntimeFootprint:
+    """The catalog's footprint of a device type: CUDA_FOOTPRINT for the catalog's GPUs, none for
+    ``cpu`` and for types the catalog does not know (custom types, emulated devices)."""
+    key = DEVICE_ALIASES.get(type_name, type_name)
+    if key == "cpu" or key not in DEVICE_TYPES:
+        return NO_FOOTPRINT
+    return CUDA_FOOTPRINT
 
 
 @dataclass(frozen=True)

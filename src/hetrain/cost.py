@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hetrain.catalog import lookup_device_type
+from hetrain.catalog import RuntimeFootprint, default_footprint, lookup_device_type
 from hetrain.cluster import Cluster, Device, Link
 from hetrain.profile import LayerProfile, Measurement, ModelProfile
 
@@ -359,6 +359,31 @@ def estimate_weight_memory(param_bytes: float, bytes_per_element: int, optimizer
     state = 4 * OPTIMIZER_STATE_PER_PARAM[optimizer] * n_params
     cast_copy = bytes_per_element * n_params if bytes_per_element < 4 else 0.0
     return 2 * param_bytes + state + cast_copy
+
+
+#: The share of a device's memory a plan leaves free: a plan never predicts a device more than
+#: 95% full. The memory model's error on measured GPUs (docs/profile.md) is within it, and a
+#: training run's peak moves by a few percent with the allocator's fragmentation.
+MEMORY_MARGIN_FRACTION = 0.05
+
+
+def runtime_footprint(profile: ModelProfile, device: Device) -> RuntimeFootprint:
+    """The memory a training process holds on ``device`` beyond its tensors: measured on its type
+    (``ModelProfile.memory_footprint``), else the catalog's (``catalog.default_footprint``)."""
+    return profile.footprint_of(device.type_name) or default_footprint(device.type_name)
+
+
+def estimate_device_memory(profile: ModelProfile, device: Device, tensor_bytes: float) -> float:
+    """Device memory in use at a tensor peak of ``tensor_bytes``: the footprint's fixed bytes, the
+    tensors, and what the caching allocator reserves beyond them."""
+    return runtime_footprint(profile, device).device_bytes(tensor_bytes)
+
+
+def tensor_budget(profile: ModelProfile, device: Device, margin: float = MEMORY_MARGIN_FRACTION) -> float:
+    """The largest tensor peak that leaves ``margin`` of ``device``'s memory free, its footprint counted:
+    ``fixed + (1 + allocator_fraction) * tensors <= (1 - margin) * memory``."""
+    fp = runtime_footprint(profile, device)
+    return ((1.0 - margin) * device.memory_bytes - fp.fixed_bytes) / (1.0 + fp.allocator_fraction)
 
 
 # The loss on the last stage, in multiples of the last layer's output bytes: a

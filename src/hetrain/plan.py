@@ -298,7 +298,12 @@ class Plan:
             )
             for j, s in enumerate(vw.stages):
                 m = mem.get(s.device)
-                mem_text = f"{format_bytes(m.peak_bytes)} / {format_bytes(m.capacity_bytes)}" if m else "?"
+                mem_text = "?"
+                if m:  # the device's predicted peak (its runtime footprint in), and what it leaves free
+                    free = m.capacity_bytes - m.peak_bytes
+                    mem_text = (f"{format_bytes(m.peak_bytes)} / {format_bytes(m.capacity_bytes)}, margin "
+                                f"{format_bytes(free)} ({free / m.capacity_bytes:.0%})" if m.capacity_bytes > 0
+                                else f"{format_bytes(m.peak_bytes)} / 0 B")
                 rc = f" recompute {len(s.recompute)} layer(s)" if s.recompute else ""
                 lines.append(
                     f"    stage {j}  {s.device:<12} layers [{s.first_layer:>3}, {s.end_layer:>3})"

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from hetrain.catalog import RuntimeFootprint
 from hetrain.errors import InputError
 from hetrain.fields import (
     MAX_LAYERS,
@@ -171,6 +172,9 @@ class ModelProfile:
             device getting going again after a wait. Layer times are measured back to back
             and contain none of it. It is calibrated from a real run (``hetrain calibrate``);
             a type without a figure costs 0.
+        memory_footprint: per device type, ``(fixed_bytes, allocator_fraction)``: the memory a
+            training process holds there beyond its tensors (``catalog.RuntimeFootprint``),
+            measured by the profiler on the device; a type without one takes the catalog's.
     """
 
     name: str
@@ -181,6 +185,7 @@ class ModelProfile:
     measured_on: tuple[tuple[str, DeviceFigures], ...] = ()
     optimizer_step_s_per_byte: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()
     action_overhead_s: tuple[tuple[str, float], ...] = ()
+    memory_footprint: tuple[tuple[str, float, float], ...] = ()
     _cache: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -199,6 +204,13 @@ class ModelProfile:
                         math.isfinite(rate) and rate > 0):
                     raise ProfileError(f"{where} must be a positive finite number of seconds per parameter byte, "
                                        f"got {rate!r}")
+        for type_name, fixed, fraction in self.memory_footprint:
+            for name, value in (("fixed_bytes", fixed), ("allocator_fraction", fraction)):
+                bad = isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    math.isfinite(value) and value >= 0)
+                if bad:
+                    raise ProfileError(f"memory_footprint[{type_name!r}].{name} must be a finite number >= 0, "
+                                       f"got {value!r}")
         for type_name, seconds in self.action_overhead_s:
             if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (
                     math.isfinite(seconds) and seconds >= 0):
@@ -237,6 +249,13 @@ class ModelProfile:
                         return rate
         return None
 
+    def footprint_of(self, type_name: str) -> RuntimeFootprint | None:
+        """The measured memory footprint on ``type_name`` (``memory_footprint``), else None."""
+        for t, fixed, fraction in self.memory_footprint:
+            if t == type_name:
+                return RuntimeFootprint(float(fixed), float(fraction), f"measured on {t}")
+        return None
+
     def action_overhead_of(self, type_name: str) -> float:
         """Seconds each forward and backward action costs on ``type_name`` beyond its layers (``action_overhead_s``),
         else 0."""
@@ -263,6 +282,9 @@ class ModelProfile:
             out["optimizer_step_s_per_byte"] = {t: dict(rates) for t, rates in self.optimizer_step_s_per_byte}
         if self.action_overhead_s:
             out["action_overhead_s"] = dict(self.action_overhead_s)
+        if self.memory_footprint:
+            out["memory_footprint"] = {t: {"fixed_bytes": fixed, "allocator_fraction": fraction}
+                                       for t, fixed, fraction in self.memory_footprint}
         return out
 
     @staticmethod
@@ -350,6 +372,11 @@ def parse_profile(data: Mapping[str, Any]) -> ModelProfile:
         measured_on=measured_on,
         optimizer_step_s_per_byte=rates,
         action_overhead_s=_parse_overheads(data.get("action_overhead_s", {})),
+        memory_footprint=tuple(
+            (str(t), require_number(require_mapping(f, f"memory_footprint[{t!r}]", ProfileError), "fixed_bytes",
+                                    f"memory_footprint[{t!r}]", ProfileError, least=0),
+             require_number(f, "allocator_fraction", f"memory_footprint[{t!r}]", ProfileError, least=0))
+            for t, f in require_object(data, "memory_footprint", "", ProfileError, {}).items()),
     )
 
 

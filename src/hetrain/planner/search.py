@@ -25,6 +25,8 @@ from typing import Any, Literal
 
 from hetrain.cluster import Cluster
 from hetrain.cost import (
+    MEMORY_MARGIN_FRACTION,
+    estimate_device_memory,
     estimate_optimizer_step_memory,
     estimate_optimizer_time,
     estimate_samples_to_accuracy_factor,
@@ -32,6 +34,7 @@ from hetrain.cost import (
     estimate_weight_memory,
     in_flight,
     loss_memory_per_sample,
+    tensor_budget,
 )
 from hetrain.errors import InputError
 from hetrain.plan import (
@@ -254,7 +257,7 @@ def _to_plan(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: Planne
             mem = estimate_stage_memory(profile, k, l, r.recompute[j], r.b, in_flight(c.schedule, r.m, p, j),
                                         opts.optimizer)
             stages.append(Stage(d.name, k, l, r.recompute[j], r.forward_s[j], r.backward_s[j], mem))
-            memory.append(DeviceMemory(d.name, mem, d.memory_bytes))
+            memory.append(DeviceMemory(d.name, estimate_device_memory(profile, d, mem), d.memory_bytes))
         vws.append(VirtualWorker(tuple(stages), mini, r.m, r.pipeline_s))
     tta = None
     if opts.critical_batch:
@@ -292,7 +295,7 @@ def _explain_no_fit(cluster: Cluster, profile: ModelProfile, opts: PlannerOption
     acts = profile.input_bytes_per_sample + sum(x.output_bytes_per_sample for x in profile.layers[:-1])
     step = estimate_optimizer_step_memory(profile.param_bytes, profile.bytes_per_element, opts.optimizer)
     need = weights + max(acts + sum(loss_memory_per_sample(profile)), step)
-    mems = sorted((d.memory_bytes for d in cluster.devices), reverse=True)
+    mems = sorted((tensor_budget(profile, d) for d in cluster.devices), reverse=True)  # footprint, margin out
     offer = sum(mems[: profile.num_layers])
     biggest_layer = max(profile.layers, key=lambda x: x.param_bytes)
     big, bpe = biggest_layer.param_bytes, profile.bytes_per_element
@@ -305,7 +308,8 @@ def _explain_no_fit(cluster: Cluster, profile: ModelProfile, opts: PlannerOption
         f"recomputation); the largest any arrangement offers is {format_bytes(offer)} "
         f"({min(profile.num_layers, len(mems))} devices, at most one stage per layer). Its largest layer "
         f"{biggest_layer.name!r} alone needs {format_bytes(layer_need)}; the largest device has "
-        f"{format_bytes(mems[0])}. Add devices, use a smaller model, or --optimizer sgd."
+        f"{format_bytes(mems[0])} for tensors (its memory less the runtime's footprint and a "
+        f"{MEMORY_MARGIN_FRACTION:.0%} margin). Add devices, use a smaller model, or --optimizer sgd."
     )
 
 

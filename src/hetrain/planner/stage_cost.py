@@ -32,6 +32,7 @@ from hetrain.cost import (
     estimate_weight_memory,
     in_flight,
     loss_memory_per_sample,
+    tensor_budget,
 )
 from hetrain.profile import ModelProfile
 
@@ -54,6 +55,8 @@ class StageCosts:
         fwd_s / bwd_s: per-layer forward / backward seconds at micro-batch ``b``.
         overhead_s: the device's overhead per action (``estimate_action_overhead``): ``time_s``
             holds it twice (a forward and a backward per micro-batch).
+        budget_bytes: the largest tensor peak a stage may have on the device (``cost.tensor_budget``:
+            its memory less the runtime's footprint and the margin).
     """
 
     device: Device
@@ -69,6 +72,7 @@ class StageCosts:
     recompute_order: np.ndarray
     recompute_prefix: np.ndarray
     overhead_s: float = 0.0
+    budget_bytes: float = 0.0
     done_up_to_s: float = -1.0
 
     def ensure_recompute(self, limit_s: float) -> None:
@@ -310,9 +314,10 @@ def _build_device(profile: ModelProfile, arrays: ModelArrays, dev: Device, b: in
     overhead = estimate_action_overhead(profile, dev)
     base = np.where(upper, _range_table(_prefix(fwd + bwd)) + 2 * overhead, INF)
     order = recompute_order(fwd, arrays)
-    step_fits = arrays.step_table <= dev.memory_bytes  # the optimizer step, once the activations are freed
+    budget = tensor_budget(profile, dev)  # its memory less the runtime's footprint and the margin
+    step_fits = arrays.step_table <= budget  # the optimizer step, once the activations are freed
     fits_up_to = np.where(step_fits, _most_in_flight(arrays.weight_table, arrays.saved_table, b * arrays.loss_table,
-                                                     b, dev.memory_bytes, upper), -1.0)
+                                                     b, budget, upper), -1.0)
     full = base
     full_fits: np.ndarray | None = None
     if allow_recompute and len(order):
@@ -321,7 +326,7 @@ def _build_device(profile: ModelProfile, arrays: ModelArrays, dev: Device, b: in
         full = base + _range_table(_prefix(np.where(arrays.useful, fwd, 0.0)))
         full_fits = np.where(step_fits, _most_in_flight(arrays.weight_table, arrays.kept_full_table,
                                                         b * (arrays.transient_table + arrays.loss_table), b,
-                                                        dev.memory_bytes, upper), -1.0)
+                                                        budget, upper), -1.0)
     return DeviceTables(fwd, bwd, base, full, order, fits_up_to, full_fits, overhead)
 
 
@@ -338,7 +343,7 @@ def _build_one(profile: ModelProfile, arrays: ModelArrays, dev: Device, b: int, 
         pending = ~fits & (d.full_fits_up_to >= n)
         full = np.where(pending, d.full_s, time)
     return StageCosts(dev, n, b, time, full, d.fwd_s, d.bwd_s, d.base_s, pending, arrays, d.order,
-                      np.zeros((L + 1, L + 1), dtype=np.int64), d.overhead_s)
+                      np.zeros((L + 1, L + 1), dtype=np.int64), d.overhead_s, tensor_budget(profile, dev))
 
 
 @dataclass
@@ -448,7 +453,7 @@ def _add_recompute(costs: StageCosts, todo: np.ndarray) -> None:
         added_t = np.cumsum(np.where(inside, added_all[keep][:, None, None], 0.0), axis=0)
         need = (weight_table[ks][:, ends][None] + n * b * (saved_table[ks][:, ends][None] - saved_t) + transient_t
                 + b * arrays.loss_table[ks][:, ends][None])
-        fit = need <= costs.device.memory_bytes
+        fit = need <= costs.budget_bytes
         usable = fit.any(axis=0) & block  # (k, l)
         first = np.argmax(fit, axis=0)  # (k, l)
         kk, ll = np.nonzero(usable)

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from hetrain.cost import estimate_device_memory
 from hetrain.simulator.compile import Program
 from hetrain.simulator.engine import Replayed
 from hetrain.timeline import Timeline
@@ -125,7 +126,7 @@ def build_result(program: Program, replayed: Replayed) -> SimResult:
         meta={"model": plan.model, "cluster": plan.cluster.name, "schedule": plan.schedule, "sync": plan.sync,
               "iteration_s": iteration_s, "iterations": iterations},
     )
-    capacity = {dev.name: dev.memory_bytes for dev in plan.cluster.devices}
+    devices = {dev.name: dev for dev in plan.cluster.devices}
     stats = {}
     for d, name in enumerate(names):
         v, j = program.where[d]
@@ -133,8 +134,9 @@ def build_result(program: Program, replayed: Replayed) -> SimResult:
         stats[name] = DeviceStats(
             device=name, vw=v, stage=j, iteration_s=iteration_s, busy_s=busy / iterations,
             sync_s=sync / iterations, bubble_s=max(0.0, iteration_s - (busy + sync) / iterations),
-            peak_memory_bytes=max(b for _, b in curves[d]),
-            capacity_bytes=capacity[name], max_in_flight=replayed.max_in_flight[d],
+            # the tensors' peak, with the runtime's footprint (cost.estimate_device_memory)
+            peak_memory_bytes=estimate_device_memory(plan.profile, devices[name], max(b for _, b in curves[d])),
+            capacity_bytes=devices[name].memory_bytes, max_in_flight=replayed.max_in_flight[d],
         )
     samples_per_s = plan.global_batch / iteration_s if iteration_s > 0 else 0.0
     if plan.sync != "bsp" and iteration_s > 0:
