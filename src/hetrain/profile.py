@@ -27,6 +27,7 @@ from hetrain.errors import InputError
 from hetrain.fields import (
     MAX_LAYERS,
     MAX_MICRO_BATCH,
+    MAX_SEQ_LEN,
     load_json_object,
     require_int,
     require_list,
@@ -168,6 +169,9 @@ class ModelProfile:
             device getting going again after a wait. Layer times are measured back to back
             and contain none of it. It is calibrated from a real run (``hetrain calibrate``);
             a type without a figure costs 0.
+        seq_len: tokens per sample the layers were measured at, for a token model (activation bytes
+            and times scale with it); None where unknown (not a token model, or a profile that
+            does not say). ``hetrain train`` runs at it.
     """
 
     name: str
@@ -178,6 +182,7 @@ class ModelProfile:
     measured_on: tuple[tuple[str, DeviceFigures], ...] = ()
     optimizer_step_s_per_byte: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()
     action_overhead_s: tuple[tuple[str, float], ...] = ()
+    seq_len: int | None = None
     _cache: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -201,6 +206,8 @@ class ModelProfile:
                     math.isfinite(seconds) and seconds >= 0):
                 raise ProfileError(f"action_overhead_s[{type_name!r}] must be a finite number of seconds >= 0, "
                                    f"got {seconds!r}")
+        if self.seq_len is not None and not 1 <= self.seq_len <= MAX_SEQ_LEN:
+            raise ProfileError(f"seq_len must be in [1, {MAX_SEQ_LEN}], got {self.seq_len}")
 
     @property
     def num_layers(self) -> int:
@@ -259,6 +266,8 @@ class ModelProfile:
             out["optimizer_step_s_per_byte"] = {t: dict(rates) for t, rates in self.optimizer_step_s_per_byte}
         if self.action_overhead_s:
             out["action_overhead_s"] = dict(self.action_overhead_s)
+        if self.seq_len is not None:
+            out["seq_len"] = self.seq_len
         return out
 
     @staticmethod
@@ -338,6 +347,8 @@ def parse_profile(data: Mapping[str, Any]) -> ModelProfile:
         measured_on=measured_on,
         optimizer_step_s_per_byte=_parse_optimizer_rates(data.get("optimizer_step_s_per_byte", {})),
         action_overhead_s=_parse_overheads(data.get("action_overhead_s", {})),
+        seq_len=None if data.get("seq_len") is None else require_int(
+            data, "seq_len", "", ProfileError, least=1, most=MAX_SEQ_LEN, limit_name="MAX_SEQ_LEN"),
     )
 
 
