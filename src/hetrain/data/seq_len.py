@@ -31,23 +31,22 @@ from typing import Any
 
 import torch
 
+from hetrain.data.tokens import is_token_spec
 from hetrain.models.spec import SpecError
 from hetrain.models.user import ModelSource
-
-TOKEN_PREFIXES = ("tokens:", "text:")  # hetrain.data.tokens' specs (not imported: it needs numpy files only)
 
 
 def is_token_run(model: ModelSource, data: str | None) -> bool:
     """Whether ``model`` on ``data`` takes token ids ``(B, T)``: a token model, or token data."""
-    return model.tokens is not None or (data is not None and data.startswith(TOKEN_PREFIXES))
+    return model.tokens is not None or is_token_spec(data)
 
 
 def refuse_seq_len(model: ModelSource, data: str | None, seq_len: int | None) -> None:
     """Refuse ``--seq-len`` for a run that has no sequence length (neither a token model nor token data)."""
     if seq_len is not None and not is_token_run(model, data):
-        given = f"--data {data} is" if data else "no --data is"
+        given = f"--data {data} is not token data" if data else "no token data is given"
         raise SpecError(f"--seq-len {seq_len}: model {model.name} is not a token model (a gpt model or hf:DIR) and "
-                        f"{given} not token data (tokens:FILE, text:FILE); it has no sequence length")
+                        f"{given} (--data tokens:FILE or text:FILE); it has no sequence length")
 
 
 def choose_seq_len(model: ModelSource, seq_len: int | None) -> int:

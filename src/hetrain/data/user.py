@@ -182,7 +182,8 @@ def check_batch_fits(data_name: str, split: DatasetSplit, global_batch: int, eva
     """
     if len(split.train) < global_batch:
         raise SpecError(f"--data {data_name}: {len(split.train)} training sample(s), fewer than the plan's global "
-                        f"batch of {global_batch}; give more data (or, for token data, a shorter --seq-len)")
+                        f"batch of {global_batch}; give more data (or, for token data, profile and plan at a shorter "
+                        "--seq-len)")
     if eval_batches and split.val is not None and len(split.val) < eval_batches * global_batch:
         raise SpecError(f"--data {data_name}: {len(split.val)} validation sample(s), fewer than --eval-batches "
                         f"{eval_batches} x the global batch of {global_batch} = {eval_batches * global_batch}; "
