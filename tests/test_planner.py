@@ -129,11 +129,12 @@ def test_stage_tables_shared_over_in_flight_counts_match_the_memory_rule(seed: i
             for n in (1, 2, 5, 17):
                 (table,) = build_stage_costs(profile, [dev], b, n, "gpipe", "adam")
                 loss = b * arrays.loss_table  # the last stage's loss transient
-                step_fits = arrays.step_table <= tensor_budget(profile, dev)  # weights + the optimizer step's transient
-                fits = (arrays.weight_table + n * b * arrays.saved_table + loss <= tensor_budget(profile, dev)) & upper & step_fits
+                budget = tensor_budget(profile, dev)  # its memory less the runtime's footprint and the margin
+                step_fits = arrays.step_table <= budget  # weights + the optimizer step's transient
+                fits = (arrays.weight_table + n * b * arrays.saved_table + loss <= budget) & upper & step_fits
                 need_full = (arrays.weight_table + n * b * arrays.kept_full_table + b * arrays.transient_table
                              + loss)
-                fits_full = upper & ~fits & (need_full <= tensor_budget(profile, dev)) & step_fits
+                fits_full = upper & ~fits & (need_full <= budget) & step_fits
                 assert np.array_equal(np.isfinite(table.time_s), fits)
                 assert np.array_equal(table.pending, fits_full)
                 assert np.array_equal(np.isfinite(table.full_s), fits | fits_full)

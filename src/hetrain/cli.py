@@ -5,7 +5,7 @@
     torchrun ... -m hetrain train --plan plan.json --model NAME [--steps N] [--checkpoint-dir D]
     hetrain compare predicted.json measured.json [--gantt both.png]
     hetrain calibrate plan.json metrics.jsonl [--warmup N] [-o profile.json]
-    hetrain profile --model NAME|MODULE:FUNCTION [--data MODULE:FUNCTION] [--micro-batch 1,2,4,8] [-o profile.json]
+    hetrain profile --model NAME|MODULE:FUNCTION|hf:DIR [--data SPEC] [--seq-len T] [--micro-batch 1,2,4,8] [-o P]
     torchrun --nproc-per-node N --no-python hetrain discover -o cluster.toml
     hetrain export --checkpoint D --to-hf OUT [--step N] [--model hf:DIR]  (or --to-safetensors FILE)
     hetrain emulate run CLUSTER.toml -- COMMAND...  (also up, down, status)
@@ -30,6 +30,7 @@ from hetrain.fields import (
     MAX_GLOBAL_BATCH,
     MAX_MICRO_BATCH,
     MAX_REPEATS,
+    MAX_SEQ_LEN,
     MAX_STEPS,
     check_output_path,
 )
@@ -267,9 +268,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from hetrain.profiler.layers import profile_inputs, run_profile_command
 
     source = resolve_model(args.model)  # a model or data that cannot be used is bad input (status 2), named first
-    inputs = profile_inputs(source, args.data)
+    inputs = profile_inputs(source, args.data, seq_len=args.seq_len)
     return run_profile_command(source, args.micro_batch, args.output, device=args.device,
-                               repeats=args.repeats, precision=args.precision, inputs=inputs)
+                               repeats=args.repeats, precision=args.precision, data=args.data, inputs=inputs)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -343,8 +344,11 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("profile", help="measure a model's layers on this device")
     pr.add_argument("--model", required=True, help="a reference model, or MODULE:FUNCTION / path/to/file.py:FUNCTION "
                     "returning your own (docs/own-model.md)")
-    pr.add_argument("--data", default=None, help="MODULE:FUNCTION returning a torch Dataset of (input, target): "
-                    "the input to profile on (needed for your own model)")
+    pr.add_argument("--data", default=None, help="MODULE:FUNCTION returning a torch Dataset of (input, target), "
+                    "or tokens:FILE.bin / text:FILE: the input to profile on (needed for your own model)")
+    pr.add_argument("--seq-len", type=int_between(1, MAX_SEQ_LEN, "MAX_SEQ_LEN"), default=None, metavar="T",
+                    help="tokens per sample of a token model or token data (default: a gpt model's seq_len; an "
+                    "hf:DIR model needs it); recorded in the profile, hetrain train runs at it")
     pr.add_argument("--micro-batch", type=_ints, default=[1, 2, 4, 8])
     pr.add_argument("-o", "--output", default="profile.json")
     pr.add_argument("--device", default="cpu")

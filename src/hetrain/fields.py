@@ -55,6 +55,8 @@ MAX_MICRO_BATCH = MAX_GLOBAL_BATCH
 """Samples in one micro-batch (profile measurements, ``--micro-batch``)."""
 MAX_STEPS = 10**9
 """Training steps of one run."""
+MAX_SEQ_LEN = 1 << 20
+"""Tokens per sample of a token model (``--seq-len``; the longest-context models take about a million)."""
 MAX_REPEATS = 10_000
 """Timed repetitions per measurement (``hetrain profile --repeats``)."""
 MAX_FILE_BYTES = 1 << 30

@@ -28,6 +28,7 @@ from hetrain.errors import InputError
 from hetrain.fields import (
     MAX_LAYERS,
     MAX_MICRO_BATCH,
+    MAX_SEQ_LEN,
     load_json_object,
     require_int,
     require_list,
@@ -175,6 +176,9 @@ class ModelProfile:
         memory_footprint: per device type, ``(fixed_bytes, allocator_fraction)``: the memory a
             training process holds there beyond its tensors (``catalog.RuntimeFootprint``),
             measured by the profiler on the device; a type without one takes the catalog's.
+        seq_len: tokens per sample the layers were measured at, for a token model (activation bytes
+            and times scale with it); None where unknown (not a token model, or a profile that
+            does not say). ``hetrain train`` runs at it.
     """
 
     name: str
@@ -186,6 +190,7 @@ class ModelProfile:
     optimizer_step_s_per_byte: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()
     action_overhead_s: tuple[tuple[str, float], ...] = ()
     memory_footprint: tuple[tuple[str, float, float], ...] = ()
+    seq_len: int | None = None
     _cache: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -216,6 +221,8 @@ class ModelProfile:
                     math.isfinite(seconds) and seconds >= 0):
                 raise ProfileError(f"action_overhead_s[{type_name!r}] must be a finite number of seconds >= 0, "
                                    f"got {seconds!r}")
+        if self.seq_len is not None and not 1 <= self.seq_len <= MAX_SEQ_LEN:
+            raise ProfileError(f"seq_len must be in [1, {MAX_SEQ_LEN}], got {self.seq_len}")
 
     @property
     def num_layers(self) -> int:
@@ -285,6 +292,8 @@ class ModelProfile:
         if self.memory_footprint:
             out["memory_footprint"] = {t: {"fixed_bytes": fixed, "allocator_fraction": fraction}
                                        for t, fixed, fraction in self.memory_footprint}
+        if self.seq_len is not None:
+            out["seq_len"] = self.seq_len
         return out
 
     @staticmethod
@@ -377,6 +386,8 @@ def parse_profile(data: Mapping[str, Any]) -> ModelProfile:
                                     f"memory_footprint[{t!r}]", ProfileError, least=0),
              require_number(f, "allocator_fraction", f"memory_footprint[{t!r}]", ProfileError, least=0))
             for t, f in require_object(data, "memory_footprint", "", ProfileError, {}).items()),
+        seq_len=None if data.get("seq_len") is None else require_int(
+            data, "seq_len", "", ProfileError, least=1, most=MAX_SEQ_LEN, limit_name="MAX_SEQ_LEN"),
     )
 
 

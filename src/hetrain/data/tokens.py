@@ -147,11 +147,7 @@ def read_text_tokens(path: str, tokenizer: str | None = None, vocab: int | None 
         if vocab is not None and vocab < BYTE_VOCAB:
             _check_ids(ids, vocab, path, "(a byte of the text; bytes are tokens 0..255)")
         return ids
-    tok = _load_tokenizer(tokenizer)
-    size = tok.get_vocab_size()
-    if vocab is not None and size > vocab:
-        raise TokenDataError(f"--tokenizer {tokenizer}: {size} tokens, more than the model's vocabulary of {vocab} "
-                             f"(--set vocab={size})")
+    tok = _load_tokenizer(tokenizer, vocab)
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -161,7 +157,8 @@ def read_text_tokens(path: str, tokenizer: str | None = None, vocab: int | None 
     return ids
 
 
-def _load_tokenizer(path: str) -> Any:
+def _load_tokenizer(path: str, vocab: int | None) -> Any:
+    """The tokenizer.json at ``path``, refused if it has more tokens than ``vocab``."""
     try:
         from tokenizers import Tokenizer
     except ImportError as e:
@@ -169,9 +166,14 @@ def _load_tokenizer(path: str) -> Any:
                              "pip install tokenizers") from e
     _existing_file(path, "--tokenizer")
     try:
-        return Tokenizer.from_file(path)
+        tok = Tokenizer.from_file(path)
     except Exception as e:  # tokenizers raises its own Exception subclass on a bad file
         raise TokenDataError(f"--tokenizer {path}: not a tokenizer.json ({type(e).__name__}: {e})") from e
+    size = tok.get_vocab_size()
+    if vocab is not None and size > vocab:
+        raise TokenDataError(f"--tokenizer {path}: {size} tokens, more than the model's vocabulary of {vocab} "
+                             f"(--set vocab={size})")
+    return tok
 
 
 def _tokens_of(spec: str, tokenizer: str | None, vocab: int | None) -> np.ndarray:
@@ -201,6 +203,25 @@ def load_token_datasets(spec: str, seq_len: int, vocab: int | None = None, val_s
         val_tokens = _tokens_of(val_spec, tokenizer, vocab)
         return DatasetSplit(TokenDataset(tokens, seq_len, name, vocab),
                             TokenDataset(val_tokens, seq_len, val_spec.split(":", 1)[1], vocab))
+    return _split(tokens, seq_len, name, vocab)
+
+
+def load_corpus_token_datasets(seq_len: int, tokenizer: str, vocab: int | None = None) -> DatasetSplit:
+    """The Shakespeare text shipped with hetrain (``hetrain.data.text``) tokenized by ``tokenizer`` (a
+    tokenizer.json), split and cut as ``load_token_datasets`` does: the built-in data of an ``hf:DIR`` model.
+
+    Raises:
+        TokenDataError: the tokenizer cannot be read, or gives an id >= ``vocab``.
+    """
+    from hetrain.data.text import CORPUS_FILE, load_text_corpus
+
+    ids = np.asarray(_load_tokenizer(tokenizer, vocab).encode(load_text_corpus()).ids, dtype=np.int64)
+    _check_ids(ids, vocab, CORPUS_FILE, f"(from {tokenizer})")
+    return _split(ids, seq_len, CORPUS_FILE, vocab)
+
+
+def _split(tokens: np.ndarray, seq_len: int, name: str, vocab: int | None) -> DatasetSplit:
+    """The training set (the first ``1 - VAL_FRACTION`` of ``tokens``) and the validation set (the rest)."""
     cut = len(tokens) - int(len(tokens) * VAL_FRACTION)
     if cut < seq_len + 1:
         raise TokenDataError(f"{name}: {len(tokens)} tokens are shorter than one window of seq_len {seq_len} + 1 "

@@ -17,12 +17,16 @@ Example:
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset, default_collate
 
 from hetrain.data.datasets import Batch, DatasetSplit
+from hetrain.data.seq_len import choose_seq_len, refuse_seq_len
+from hetrain.data.tokens import load_corpus_token_datasets
+from hetrain.models.hf import HF_PREFIX
 from hetrain.models.spec import SpecError, call_spec, is_user_spec, load_function
 from hetrain.models.user import ModelSource, check_model_on_batch
 
@@ -94,24 +98,25 @@ def load_user_datasets(spec: str) -> DatasetSplit:
 
 
 def _token_shape(model: ModelSource, seq_len: int | None) -> tuple[int, int | None]:
-    """``(T, vocab)`` that token data is cut and checked by: the reference GPT's ``seq_len`` (or a shorter
-    ``seq_len``) and vocab; a user's model needs ``seq_len`` (its vocabulary is not known, so not checked)."""
-    if model.preset is None:
-        if seq_len is None:
-            raise SpecError(f"model {model.name} is your own: give --seq-len T, the tokens per sample it takes, to "
-                            "cut token data into windows")
-        return seq_len, None
-    from hetrain.models.gpt import GPTConfig
-    from hetrain.models.registry import get_spec
+    """``(T, vocab)`` that token data is cut and checked by: ``seq_len``, or the token model's default, at most
+    its maximum positions (``hetrain.data.seq_len.choose_seq_len``), and its vocab; a user's model needs
+    ``seq_len`` (its vocabulary is not known, so not checked)."""
+    if model.tokens is None and model.preset is not None:
+        from hetrain.models.registry import get_spec
 
-    spec = get_spec(model.preset, **model.config)
-    c = spec.config
-    if not isinstance(c, GPTConfig):
+        spec = get_spec(model.preset, **model.config)
         raise SpecError(f"token data is for GPT models; {model.name!r} is a {spec.kind} model")
-    if seq_len is not None and seq_len > c.seq_len:
-        raise SpecError(f"--seq-len {seq_len} is longer than model {model.name}'s seq_len {c.seq_len} "
-                        f"(--set seq_len={seq_len})")
-    return seq_len or c.seq_len, c.vocab
+    return choose_seq_len(model, seq_len), model.tokens.vocab if model.tokens is not None else None
+
+
+def _hf_default_data(model: ModelSource, seq_len: int | None) -> tuple[str, DatasetSplit]:
+    """An ``hf:DIR`` model's built-in data: the shipped Shakespeare text tokenized by ``DIR/tokenizer.json``."""
+    tokenizer = Path(model.name[len(HF_PREFIX):]) / "tokenizer.json"
+    if not tokenizer.is_file():
+        raise SpecError(f"model {model.name}: no --data, and no {tokenizer} to tokenize the built-in Shakespeare "
+                        "text with; give --data tokens:FILE.bin or text:FILE")
+    t, vocab = _token_shape(model, seq_len)
+    return f"shakespeare (tokenized by {tokenizer})", load_corpus_token_datasets(t, str(tokenizer), vocab)
 
 
 def build_model_datasets(model: ModelSource, data: str | None, seed: int = 0, *, seq_len: int | None = None,
@@ -119,12 +124,14 @@ def build_model_datasets(model: ModelSource, data: str | None, seed: int = 0, *,
     """``(data name, (train, validation))`` for ``model``: ``--data`` resolved as ``hetrain train`` does.
 
     ``tokens:FILE.bin`` / ``text:FILE`` read token data (``hetrain.data.tokens``), cut into windows of
-    ``seq_len`` (default: the reference GPT's; a user's model needs it), its validation set ``val_data``
-    if given, ``text:`` tokenized by ``tokenizer`` (a tokenizer.json) if given, else by bytes.
-    ``MODULE:FUNCTION`` loads the user's data set (for any model; a user's model is run on two of
-    its samples, ``check_model_on_batch``); a name picks one of
-    ``hetrain.data.registry`` shaped for a reference model (None: the one that fits it). A
-    user's model has no known input shape, so it needs ``--data MODULE:FUNCTION``.
+    ``seq_len`` (default: the reference GPT's; a user's model and an ``hf:DIR`` model need it), its
+    validation set ``val_data`` if given, ``text:`` tokenized by ``tokenizer`` (a tokenizer.json) if
+    given, else by bytes. ``MODULE:FUNCTION`` loads the user's data set (for any model; a user's model
+    is run on two of its samples, ``check_model_on_batch``); a name picks one of
+    ``hetrain.data.registry`` shaped for a reference model (None: the one that fits it; a GPT's text
+    is cut at ``seq_len`` where given). An ``hf:DIR`` model without ``data`` gets the shipped
+    Shakespeare text tokenized by ``DIR/tokenizer.json`` (refused without one). A user's model has
+    no known input shape, so it needs ``--data MODULE:FUNCTION``.
 
     Raises:
         SpecError: a user's model without a user's data set, a data spec that cannot be loaded, or a
@@ -150,14 +157,20 @@ def build_model_datasets(model: ModelSource, data: str | None, seed: int = 0, *,
             x, y = split.train.take(torch.arange(min(2, len(split.train))))  # (2, ...) each
             check_model_on_batch(model, x, y, data)
         return data, split
+    if data is None and model.preset is None and model.tokens is not None:  # an hf:DIR model
+        return _hf_default_data(model, seq_len)
     if model.preset is None:
         given = f"--data {data} is shaped for reference models" if data else "no --data given"
         raise SpecError(f"model {model.name} is your own, and {given}: hetrain does not know its input; give "
                         "--data MODULE:FUNCTION returning a torch Dataset of (input, target) pairs (docs/own-model.md)")
     from hetrain.data.registry import build_datasets, default_data
 
-    name = data or default_data(model.preset, **model.config)
-    return name, build_datasets(name, model.preset, seed=seed, **model.config)
+    config = dict(model.config)
+    if seq_len is not None:  # a gpt model at a shorter length: its data cut at it (the model keeps its positions)
+        refuse_seq_len(model, data, seq_len)
+        config["seq_len"] = choose_seq_len(model, seq_len)
+    name = data or default_data(model.preset, **config)
+    return name, build_datasets(name, model.preset, seed=seed, **config)
 
 
 def check_batch_fits(data_name: str, split: DatasetSplit, global_batch: int, eval_batches: int = 0) -> None:
@@ -169,7 +182,8 @@ def check_batch_fits(data_name: str, split: DatasetSplit, global_batch: int, eva
     """
     if len(split.train) < global_batch:
         raise SpecError(f"--data {data_name}: {len(split.train)} training sample(s), fewer than the plan's global "
-                        f"batch of {global_batch}; give more data (or, for token data, a shorter --seq-len)")
+                        f"batch of {global_batch}; give more data (or, for token data, profile and plan at a shorter "
+                        "--seq-len)")
     if eval_batches and split.val is not None and len(split.val) < eval_batches * global_batch:
         raise SpecError(f"--data {data_name}: {len(split.val)} validation sample(s), fewer than --eval-batches "
                         f"{eval_batches} x the global batch of {global_batch} = {eval_batches * global_batch}; "

@@ -310,12 +310,35 @@ class HfModel:
         layer_names: ``("embed", "block1", ..., "head")``.
         tied: the ties, ``((layer, name in the layer), ...)`` each (``untie``).
         build: ``build(first, end, seed)``: layers ``[first, end)``, the file's weights in them if any.
+        vocab: the config's ``vocab_size``.
+        max_positions: ``(field, value)``: the config field that bounds the tokens per sample and its value.
     """
 
     num_layers: int
     layer_names: tuple[str, ...]
     tied: tuple[Tie, ...]
     build: Callable[[int, int, int], list[nn.Module]]
+    vocab: int
+    max_positions: tuple[str, int]
+
+
+#: config.json fields that bound the positions of a sample, the first present wins (GPT-2's, then the others')
+POSITION_FIELDS = ("n_positions", "max_position_embeddings")
+
+
+def max_positions(hf: HfDir) -> tuple[str, int]:
+    """``(field, value)`` of the config field that bounds the tokens per sample (``POSITION_FIELDS``).
+
+    Raises:
+        SpecError: the config gives none of them.
+    """
+    fields = hf.config.to_dict()
+    for name in POSITION_FIELDS:
+        value = fields.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return name, value
+    raise SpecError(f"--model {hf.spec}: {hf.path / 'config.json'} gives none of {', '.join(POSITION_FIELDS)}; "
+                    "hetrain needs the longest sample the model takes")
 
 
 def resolve_hf(spec: str) -> HfModel:
@@ -339,7 +362,7 @@ def resolve_hf(spec: str) -> HfModel:
             load_weights(hf, kept, ids)
         return list(kept.values())
 
-    return HfModel(n, names, ties, build)
+    return HfModel(n, names, ties, build, int(hf.config.vocab_size), max_positions(hf))
 
 
 def _first_line(e: BaseException) -> str:
@@ -347,4 +370,5 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else ""
 
 
-__all__ = ["HF_PREFIX", "HfModel", "is_hf_spec", "lm_loss", "load_hf_dir", "resolve_hf"]
+__all__ = ["HF_PREFIX", "POSITION_FIELDS", "HfModel", "is_hf_spec", "lm_loss", "load_hf_dir", "max_positions",
+           "resolve_hf"]

@@ -55,6 +55,25 @@ _HOW = "return an nn.Sequential or a list of layers (nn.Module) in forward order
 
 
 @dataclass(frozen=True)
+class TokenLimits:
+    """What a token model takes: ids below ``vocab``, at most ``max_positions`` tokens per sample.
+
+    Attributes:
+        vocab: its vocabulary size.
+        max_positions: the most tokens per sample it takes.
+        field: the config field that sets ``max_positions``: ``seq_len`` for hetrain's gpt models
+            (``--set seq_len=N``), ``n_positions`` or ``max_position_embeddings`` in a config.json.
+        default_seq_len: the length it runs at when none is given (a gpt model's ``seq_len``); None
+            where it must be given (an ``hf:DIR`` model: its maximum is far too long to default to).
+    """
+
+    vocab: int
+    max_positions: int
+    field: str
+    default_seq_len: int | None = None
+
+
+@dataclass(frozen=True)
 class ModelSource:
     """What the commands need of a model, wherever it comes from.
 
@@ -68,6 +87,8 @@ class ModelSource:
         tied: parameters that are one in the model, each layer holding its own copy: each tie is
             ``((layer, name in the layer), ...)``; their gradients are summed before every
             optimizer step (``hetrain.runtime.tied``). Only ``hf:DIR`` models have ties.
+        tokens: for a token model (a reference gpt model, an ``hf:DIR`` model), its vocabulary and
+            longest sample; None for any other (``hetrain.data.seq_len``).
     """
 
     name: str
@@ -77,6 +98,7 @@ class ModelSource:
     preset: str | None = None
     config: dict[str, Any] = field(default_factory=dict)
     tied: tuple[tuple[tuple[int, str], ...], ...] = ()
+    tokens: TokenLimits | None = None
     _build: BuildFn | None = field(default=None, repr=False, compare=False)
 
     def build_layers(self, first: int = 0, end: int | None = None, seed: int = 0) -> list[nn.Module]:
@@ -175,14 +197,17 @@ def _resolve_user(spec: str) -> ModelSource:
 
 def _resolve_preset(name: str, config: dict[str, Any]) -> ModelSource:
     from hetrain.models import registry
+    from hetrain.models.gpt import GPTConfig
 
     spec = registry.get_spec(name, **config)  # an unknown name or setting: ValueError naming it
+    c = spec.config
+    tokens = TokenLimits(c.vocab, c.seq_len, "seq_len", c.seq_len) if isinstance(c, GPTConfig) else None
 
     def build(first: int, end: int, seed: int) -> list[nn.Module]:
         return registry.build_layers(name, first, end, seed=seed, **config)
 
     return ModelSource(name, spec.num_layers, tuple(registry.layer_names(name, **config)), registry.loss_fn(name),
-                       preset=name, config=dict(config), _build=build)
+                       preset=name, config=dict(config), tokens=tokens, _build=build)
 
 
 def resolve_model(text: str, **config: Any) -> ModelSource:
@@ -204,7 +229,9 @@ def resolve_model(text: str, **config: Any) -> ModelSource:
             raise SpecError(f"--set {', '.join(sorted(config))}: settings apply to reference models only; "
                             f"{text} is built from its config.json")
         hf = resolve_hf(text)
-        return ModelSource(text, hf.num_layers, hf.layer_names, lm_loss, tied=hf.tied, _build=hf.build)
+        field_name, most = hf.max_positions
+        return ModelSource(text, hf.num_layers, hf.layer_names, lm_loss, tied=hf.tied,
+                           tokens=TokenLimits(hf.vocab, most, field_name), _build=hf.build)
     if config:
         raise SpecError(f"--set {', '.join(sorted(config))}: settings apply to reference models only; "
                         f"{text} is built by its own function")

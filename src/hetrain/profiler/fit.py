@@ -233,7 +233,7 @@ def _measured_only(layer: LayerProfile) -> tuple[tuple[str, tuple[Measurement, .
 
 
 def _check_same_model(profiles: Sequence[ModelProfile]) -> None:
-    """Raise unless every profile has the first one's layers (count, parameter bytes) and precision."""
+    """Raise unless every profile has the first one's layers (count, parameter bytes), precision and seq_len."""
     if not profiles:
         raise ProfileError("merging profiles needs at least one profile")
     first = profiles[0]
@@ -243,6 +243,9 @@ def _check_same_model(profiles: Sequence[ModelProfile]) -> None:
                                f"profile 0 ({first.name!r}) has {first.num_layers}: not the same model")
         if p.precision != first.precision:
             raise ProfileError(f"profile {k} ({p.name!r}) is {p.precision}, profile 0 is {first.precision}")
+        if p.seq_len != first.seq_len:
+            raise ProfileError(f"profile {k} ({p.name!r}) was measured at seq_len {p.seq_len}, profile 0 at "
+                               f"{first.seq_len}: re-profile at one length")
         for i, (a, b) in enumerate(zip(first.layers, p.layers, strict=True)):
             if abs(a.param_bytes - b.param_bytes) > 1e-9 * max(a.param_bytes, 1.0):
                 raise ProfileError(f"layer {i}: profile 0 has {a.param_bytes:.0f} parameter bytes "

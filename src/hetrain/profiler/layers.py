@@ -40,7 +40,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -227,20 +227,27 @@ def _leaf(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     return x.requires_grad_(requires_grad and (x.is_floating_point() or x.is_complex()))
 
 
-def profile_inputs(source: ModelSource, data: str | None, seed: int = 0) -> Callable[[int], Any]:
+def profile_inputs(source: ModelSource, data: str | None, seed: int = 0,
+                   seq_len: int | None = None) -> Callable[[int], Any]:
     """``b -> inputs of b samples`` for profiling ``source``: the first samples of ``data``, or random ones.
 
+    A token model or token data runs at ``seq_len`` tokens per sample (``hetrain.data.seq_len``: default
+    the model's, or the user's data set's sample length).
+
     Raises:
-        SpecError: a user's model without ``data`` (``MODULE:FUNCTION``), or a data spec that cannot be loaded.
+        SpecError: a user's model without ``data`` (``MODULE:FUNCTION``), a data spec that cannot be loaded,
+            or a ``seq_len`` that the model or data cannot take.
     """
+    from hetrain.data.seq_len import check_sample_length, random_token_inputs, refuse_seq_len
     from hetrain.data.tokens import is_token_spec
     from hetrain.models.registry import sample_batch
     from hetrain.models.spec import SpecError, is_user_spec
 
-    if is_token_spec(data):  # a reference GPT's windows (a user's model: refused, it needs --seq-len)
+    refuse_seq_len(source, data, seq_len)
+    if is_token_spec(data):  # windows of seq_len (a user's model: refused without it)
         from hetrain.data.user import build_model_datasets
 
-        tokens = build_model_datasets(source, data, seed)[1].train
+        tokens = build_model_datasets(source, data, seed, seq_len=seq_len)[1].train
         return lambda b: tokens.take(torch.arange(b) % len(tokens))[0]  # (b, T)
     if data is not None and is_user_spec(data):
         from hetrain.data.user import load_user_datasets
@@ -249,7 +256,13 @@ def profile_inputs(source: ModelSource, data: str | None, seed: int = 0) -> Call
         if source.preset is None:  # shapes hetrain cannot know: a mismatch named before anything is timed
             x, y = train.take(torch.arange(min(2, len(train))))  # (2, ...) each
             check_model_on_batch(source, x, y, data)
+        check_sample_length(source, data, train, seq_len, from_profile=False)
         return lambda b: train.take(torch.arange(b) % len(train))[0]  # (b, ...): sample 0, 1, ... (again if short)
+    if source.tokens is not None and (source.preset is None or seq_len is not None):  # hf:DIR, or a shorter gpt
+        if data is not None:
+            raise SpecError(f"--data {data}: profiling a token model takes tokens:FILE, text:FILE or MODULE:FUNCTION "
+                            "(random token ids without it)")
+        return random_token_inputs(source, seq_len, seed)
     if source.preset is None:
         raise SpecError(f"model {source.name} is your own: hetrain knows its input only from its data; give "
                         "--data MODULE:FUNCTION returning a torch Dataset of (input, target) pairs (docs/own-model.md)")
@@ -686,7 +699,8 @@ def profile_layers(layers: Sequence[nn.Module], sample_input: SampleInput,
 
 def run_profile_command(model: str | ModelSource, micro_batches: Sequence[int], output: str, device: str = "cpu",
                         repeats: int = 5, warmup: int = 2, precision: Precision = "fp32", seed: int = 0,
-                        data: str | None = None, inputs: Callable[[int], Any] | None = None) -> int:
+                        data: str | None = None, inputs: Callable[[int], Any] | None = None,
+                        seq_len: int | None = None) -> int:
     """``hetrain profile``: profile a model, write the JSON; exit status.
 
     ``model`` is a reference model's name, ``MODULE:FUNCTION`` (``hetrain.models.user``), or
@@ -695,9 +709,12 @@ def run_profile_command(model: str | ModelSource, micro_batches: Sequence[int], 
     (``MODULE:FUNCTION``, ``hetrain.data.user``; a user's model needs it: its input is known
     only from its data). Prints the per-layer table and the time model's error on held-out
     micro-batch sizes (with 3 or more sizes), and saves the profile. ``inputs`` (``b -> the
-    first layer's input for b samples``, from ``profile_inputs``) replaces ``data``. Returns 0,
+    first layer's input for b samples``, from ``profile_inputs``) replaces ``data`` (which still
+    says what they are). A token model or token data runs at ``seq_len`` tokens per sample
+    (``profile_inputs``); the profile records the length it was measured at. Returns 0,
     or 1 with the reason on stderr.
     """
+    from hetrain.data.seq_len import measured_seq_len
     from hetrain.models.user import resolve_model
     from hetrain.profiler.fit import TIME_MODELS, fit_error
 
@@ -706,11 +723,12 @@ def run_profile_command(model: str | ModelSource, micro_batches: Sequence[int], 
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device!r}: CUDA is not available here; use --device cpu")
         source = resolve_model(model) if isinstance(model, str) else model
-        sample = inputs if inputs is not None else profile_inputs(source, data, seed)
+        sample = inputs if inputs is not None else profile_inputs(source, data, seed, seq_len)
+        measured_at = measured_seq_len(source, data, sample)
         layers = source.build_layers(seed=seed)
         measured = measure_layers(layers, sample, micro_batches, dev, repeats, warmup, precision,
                                   source.layer_names, unpack_tuples=False)
-        profile = measured.to_profile(source.name)
+        profile = replace(measured.to_profile(source.name), seq_len=measured_at)
         profile.save(output)
     except (ValueError, RuntimeError, OSError) as e:
         print(f"hetrain profile: error: {e}", file=sys.stderr)

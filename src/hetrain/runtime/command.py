@@ -25,10 +25,12 @@ from torch import nn
 from hetrain.amp import check_precision
 from hetrain.arguments import int_between, number_at_least
 from hetrain.data.datasets import DatasetSplit
+from hetrain.data.seq_len import check_sample_length, refuse_seq_len, train_seq_len
 from hetrain.data.user import build_model_datasets, check_batch_fits
 from hetrain.distributed.device import choose_device
 from hetrain.errors import InputError, RunError
-from hetrain.fields import MAX_STEPS
+from hetrain.fields import MAX_SEQ_LEN, MAX_STEPS
+from hetrain.models.spec import is_user_spec
 from hetrain.models.user import ModelSource, resolve_model
 from hetrain.plan import Plan, PlanError, load_plan
 from hetrain.profile import PRECISIONS
@@ -76,6 +78,24 @@ def _print_outcome(trainer: Trainer, start: int, history: list[dict[str, Any]]) 
         print(f"hetrain train: rank {trainer.rank} ({trainer.role.device}) is unused by the plan; idle", flush=True)
 
 
+def build_train_datasets(plan: Plan, model: ModelSource, data: str | None, data_seed: int = 0, *,
+                         seq_len: int | None = None, val_data: str | None = None,
+                         tokenizer: str | None = None) -> tuple[str, DatasetSplit]:
+    """``build_model_datasets`` at the sequence length the plan's profile was measured at (``hetrain.data.seq_len``).
+
+    Raises:
+        SpecError: a ``seq_len`` (``--seq-len``) that differs from the profile's, one for a run with no sequence
+            length, or a user's data set for a token model whose samples are of another length.
+    """
+    refuse_seq_len(model, data, seq_len)
+    measured_at = plan.profile.seq_len
+    t = train_seq_len(measured_at, seq_len)
+    split = build_model_datasets(model, data, data_seed, seq_len=t, val_data=val_data, tokenizer=tokenizer)
+    if data is not None and is_user_spec(data):
+        check_sample_length(model, data, split[1].train, t, from_profile=measured_at is not None)
+    return split
+
+
 def run_train_command(plan_path: str | Path | Plan, model: str | ModelSource,
                       data: str | tuple[str, DatasetSplit] | None = None, steps: int = 100,
                       checkpoint_dir: str | Path | None = None, timeline_out: str | Path | None = None,
@@ -96,7 +116,8 @@ def run_train_command(plan_path: str | Path | Plan, model: str | ModelSource,
             user's own (``hetrain.models.user``), or the ``ModelSource`` of either; its layer count must
             be the plan's.
         data: a data set name (``hetrain.data.registry``; default: the real one that fits the model),
-            ``tokens:FILE.bin`` or ``text:FILE`` (``hetrain.data.tokens``, windows of the GPT's seq_len),
+            ``tokens:FILE.bin`` or ``text:FILE`` (``hetrain.data.tokens``, windows of the plan's profile's
+            seq_len, else the GPT's),
             ``MODULE:FUNCTION`` returning the user's own (``hetrain.data.user``; a user's model needs
             it), or ``build_model_datasets``' ``(name, datasets)``.
         steps: the step count to reach (a resumed run goes on from its checkpoint).
@@ -133,7 +154,7 @@ def run_train_command(plan_path: str | Path | Plan, model: str | ModelSource,
             raise PlanError(f"model {source.name!r} has {n} layers but the plan ({plan.model}) has "
                             f"{plan.profile.num_layers}")
         data_name, (train_set, val_set) = (data if isinstance(data, tuple)
-                                           else build_model_datasets(source, data, data_seed))
+                                           else build_train_datasets(plan, source, data, data_seed))
         if eval_every and val_set is None:
             raise InputError(f"--eval-every needs a validation set; --data {data_name} returned only a training "
                              "set (return a (train, validation) pair)")
@@ -185,9 +206,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="validation tokens for --data tokens:/text: (default: its last 10%%)")
     parser.add_argument("--tokenizer", default=None, metavar="tokenizer.json",
                         help="tokenize --data text:FILE with this tokenizers file (default: bytes, vocab 256)")
-    parser.add_argument("--seq-len", type=int_between(1, 1 << 20), default=None, metavar="T",
-                        help="tokens per sample of token data (default: the reference GPT's seq_len; "
-                             "needed for your own model)")
+    parser.add_argument("--seq-len", type=int_between(1, MAX_SEQ_LEN, "MAX_SEQ_LEN"), default=None, metavar="T",
+                        help="tokens per sample of token data (default: the length the plan's profile was measured "
+                             "at, which it must equal; else the reference GPT's seq_len; needed for your own model)")
     steps = int_between(0, MAX_STEPS, "MAX_STEPS")
     parser.add_argument("--steps", type=steps, default=100, help="step count to reach (default 100)")
     parser.add_argument("--checkpoint-dir", default=None, help="write checkpoints here; resume from the newest")
@@ -266,8 +287,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         LrSchedule(default_lr(plan.optimizer) if args.lr is None else args.lr, args.lr_schedule, args.warmup_steps,
                    args.min_lr)
         model = resolve_model(args.model, **config)  # a model or data set that cannot be used: refused here
-        data = build_model_datasets(model, args.data, args.data_seed, seq_len=args.seq_len, val_data=args.val_data,
-                                    tokenizer=args.tokenizer)
+        data = build_train_datasets(plan, model, args.data, args.data_seed, seq_len=args.seq_len,
+                                    val_data=args.val_data, tokenizer=args.tokenizer)
         check_batch_fits(data[0], data[1], plan.global_batch, args.eval_batches if args.eval_every else 0)
     except (InputError, ValueError) as e:
         print(f"hetrain train: error: {e}", file=sys.stderr)
