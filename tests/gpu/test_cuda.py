@@ -74,3 +74,24 @@ def test_more_ranks_than_gpus_is_refused_by_name(tmp_path: Path, cuda_env: dict[
                        env=cuda_env, capture_output=True, text=True, timeout=300)
     assert p.returncode != 0
     assert f"LOCAL_RANK {n}, but this node has {n} CUDA device(s)" in p.stderr
+
+
+def test_the_profiler_measures_the_runtime_footprint_and_bf16(tmp_path: Path, cuda_env: dict[str, str]) -> None:
+    """``hetrain profile --device cuda --precision bf16`` records the CUDA footprint (context, NCCL buffers, the
+    allocator's reserve) and fp32 parameters with bf16 activations."""
+    out = tmp_path / "profile.json"
+    _run([*HETRAIN, "profile", "--model", "gpt-tiny", "--device", "cuda", "--precision", "bf16",
+          "--micro-batch", "1,2", "--repeats", "2", "-o", str(out)], cuda_env)
+    data = json.loads(out.read_text())
+    assert data["precision"] == "bf16"
+    ((type_name, footprint),) = data["memory_footprint"].items()
+    assert type_name in data["measured_on"]
+    assert 100e6 < footprint["fixed_bytes"] < 4e9, footprint  # a CUDA context is some hundreds of MB
+    assert 0 <= footprint["allocator_fraction"] < 1.0, footprint
+    fp32 = tmp_path / "fp32.json"
+    _run([*HETRAIN, "profile", "--model", "gpt-tiny", "--device", "cuda", "--micro-batch", "1,2", "--repeats", "2",
+          "-o", str(fp32)], cuda_env)
+    ref = json.loads(fp32.read_text())
+    assert [x["param_bytes"] for x in data["layers"]] == [x["param_bytes"] for x in ref["layers"]]
+    block = 1  # a block's hidden states: fp32 in fp32, sent in bf16
+    assert data["layers"][block]["output_bytes_per_sample"] * 2 == ref["layers"][block]["output_bytes_per_sample"]

@@ -49,7 +49,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from hetrain import amp
 from hetrain.amp import check_precision
-from hetrain.catalog import lookup_device_type
+from hetrain.catalog import RuntimeFootprint, lookup_device_type
 from hetrain.models.user import ModelSource, check_model_on_batch
 from hetrain.profile import (
     OPTIMIZER_ALIASES,
@@ -61,6 +61,7 @@ from hetrain.profile import (
     ModelProfile,
     Precision,
 )
+from hetrain.profiler.footprint import allocator_footprint, measure_fixed_footprint
 
 SampleInput = Any  # a tensor, a tuple of tensors, or a callable b -> batch of size b
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -321,6 +322,7 @@ class LayersMeasurement:
     precision: Precision
     figures: DeviceFigures
     optimizer_s_per_byte: tuple[tuple[str, float], ...] = ()
+    footprint: RuntimeFootprint | None = None  # CUDA only (``profiler.footprint``)
 
     def to_profile(self, model_name: str = "model") -> ModelProfile:
         """The ModelProfile of these measurements (``measured`` and the optimizer step under ``type_name``)."""
@@ -336,9 +338,11 @@ class LayersMeasurement:
             for r in self.layers
         )
         rates = ((self.type_name, self.optimizer_s_per_byte),) if self.optimizer_s_per_byte else ()
+        footprint = (() if self.footprint is None else
+                     ((self.type_name, self.footprint.fixed_bytes, self.footprint.allocator_fraction),))
         return ModelProfile(name=model_name, layers=layers, input_bytes_per_sample=self.input_bytes_per_sample,
                             precision=self.precision, measured_on=((self.type_name, self.figures),),
-                            optimizer_step_s_per_byte=rates)
+                            optimizer_step_s_per_byte=rates, memory_footprint=footprint)
 
     def table(self) -> str:
         """One line per layer: times at each size, bytes, FLOPs (and peak memory on CUDA)."""
@@ -596,6 +600,10 @@ def measure_layers(layers: Sequence[nn.Module], sample_input: SampleInput,
         raise ValueError(f"sample_input must be one sample with a leading batch dimension of 1 (got shapes {shapes}), "
                          "or a callable b -> batch of b samples")
     check_precision(precision, dev.type, "--precision")
+    fixed_bytes = 0.0
+    if dev.type == "cuda":  # before any layer is on the device: the context, the communicator's buffers
+        fixed_bytes = measure_fixed_footprint(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
     modes = [m.training for m in layers]
     for m in layers:
         m.to(device=dev).train()
@@ -644,9 +652,10 @@ def measure_layers(layers: Sequence[nn.Module], sample_input: SampleInput,
         )
         for i, layer in enumerate(layers)
     )
+    footprint = allocator_footprint(fixed_bytes, dev, type_name) if dev.type == "cuda" else None
     rates = measure_optimizer_step(layers, dev, optimizers, min_time_s, repeats) if optimizers else {}
     return LayersMeasurement(reports, input_bytes, type_name, str(dev), precision,
-                             device_figures(type_name, dev, precision), tuple(rates.items()))
+                             device_figures(type_name, dev, precision), tuple(rates.items()), footprint)
 
 
 def _peak_memory(layer: nn.Module, args: tuple[Any, ...], grad_inputs: bool, dev: torch.device) -> int | None:
