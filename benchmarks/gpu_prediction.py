@@ -2,7 +2,8 @@
 
 For each model, on the machine's first CUDA device, the same path a user takes:
 
-    hetrain profile --device cuda      measure the layers (fp32) at several micro-batch sizes
+    hetrain profile --device cuda      measure the layers at several micro-batch sizes, in each precision
+                                       (fp32, and bf16 under autocast with fp32 master weights)
     hetrain discover (torchrun, 1)     the one-device cluster file
     hetrain plan / simulate            predicted samples/s, timeline and peak memory
     torchrun -m hetrain train          measured samples/s (median step), timeline and peak memory
@@ -14,7 +15,10 @@ memory (``torch.cuda.max_memory_allocated`` over the recorded iteration). One
 GPU gives a one-stage plan: this checks the compute and memory model on a real
 device; multi-GPU pipelines need a machine with a GPU per rank.
 
-    python benchmarks/gpu_prediction.py [--models gpt2-small,resnet50] [--steps 30] [--no-write]
+For each model the bf16 run's speed-up over fp32 is printed too, predicted and measured
+side by side (issue: bf16 is a planning decision; the planner must know what it buys).
+
+    python benchmarks/gpu_prediction.py [--models gpt2-small,resnet50] [--precisions fp32,bf16] [--steps 30]
 """
 
 from __future__ import annotations
@@ -51,16 +55,17 @@ def run(cmd: list[str], what: str) -> str:
     return p.stdout
 
 
-def measure(model: str, steps: int, warmup: int, out: Path) -> dict[str, float]:
-    """Profile, plan, simulate and train one model; the predicted and measured figures."""
+def measure(model: str, precision: str, steps: int, warmup: int, out: Path) -> dict[str, float]:
+    """Profile, plan, simulate and train one model in one precision; the predicted and measured figures."""
     batch, sizes = CASES[model]
     py, hetrain = sys.executable, [sys.executable, "-m", "hetrain"]
     torchrun = [py, "-m", "torch.distributed.run", "--nproc-per-node", "1"]
-    prof, cluster, plan = out / f"{model}.profile.json", out / f"{model}.cluster.toml", out / f"{model}.plan.json"
-    pred, meas, metrics = out / f"{model}.pred.json", out / f"{model}.meas.json", out / f"{model}.metrics.jsonl"
+    name = f"{model}.{precision}"
+    prof, cluster, plan = out / f"{name}.profile.json", out / f"{name}.cluster.toml", out / f"{name}.plan.json"
+    pred, meas, metrics = out / f"{name}.pred.json", out / f"{name}.meas.json", out / f"{name}.metrics.jsonl"
     t0 = time.monotonic()
-    run([*hetrain, "profile", "--model", model, "--device", "cuda", "--micro-batch", sizes, "-o", str(prof)],
-        f"profiling {model}")
+    run([*hetrain, "profile", "--model", model, "--device", "cuda", "--micro-batch", sizes, "--precision", precision,
+         "-o", str(prof)], f"profiling {model} in {precision}")
     run([*torchrun, "-m", "hetrain", "discover", "-o", str(cluster), "--sizes", "4KB"], "discovery")
     run([*hetrain, "plan", "--cluster", str(cluster), "--profile", str(prof), "--global-batch", str(batch),
          "-o", str(plan)], f"planning {model}")
@@ -91,6 +96,7 @@ def pct(pred: float, meas: float) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="gpt2-small,resnet50,vgg19,mlp", help=f"comma-separated, of {list(CASES)}")
+    ap.add_argument("--precisions", default="fp32,bf16", help="comma-separated, of fp32, bf16, fp16")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5, help="steps left out of the median")
     ap.add_argument("--no-write", action="store_true", help="do not write benchmarks/RESULTS.md")
@@ -106,31 +112,50 @@ def main() -> int:
     if not torch.cuda.is_available():
         sys.exit("gpu_prediction: needs a CUDA GPU; torch.cuda.is_available() is False here")
     gpu = torch.cuda.get_device_name(0)
-    head = ("| model | global batch | predicted samples/s | measured samples/s | samples/s error | forward "
+    precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    if not precisions or set(precisions) - {"fp32", "bf16", "fp16"}:
+        sys.exit(f"gpu_prediction: --precisions {args.precisions!r}: give some of fp32, bf16, fp16")
+    head = ("| model | precision | global batch | predicted samples/s | measured samples/s | samples/s error | forward "
             "| backward | optimizer | recorded iteration | peak memory predicted / measured | memory error |\n"
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     lines = [head]
+    speedups = []
     with tempfile.TemporaryDirectory() as tmp:
         for model in models:
-            f = measure(model, args.steps, args.warmup, Path(tmp))
-            mem = (f"{f['mem_pred'] / 1e9:.2f} / {f['mem_meas'] / 1e9:.2f} GB", pct(f["mem_pred"], f["mem_meas"])) \
-                if "mem_pred" in f else ("n/a", "n/a")
-            lines.append(f"| {model} | {CASES[model][0]} | {f['predicted_sps']:.1f} | {f['measured_sps']:.1f} "
-                         f"| {pct(f['predicted_sps'], f['measured_sps'])} "
-                         f"| {pct(f['forward_pred'], f['forward_meas'])} "
-                         f"| {pct(f['backward_pred'], f['backward_meas'])} "
-                         f"| {pct(f['optimizer_pred'], f['optimizer_meas'])} "
-                         f"| {pct(f['iteration_pred'], f['iteration_meas'])} | {mem[0]} | {mem[1]} |")
-            print(lines[-1], flush=True)
+            by_precision = {}
+            for precision in precisions:
+                f = by_precision[precision] = measure(model, precision, args.steps, args.warmup, Path(tmp))
+                mem = (f"{f['mem_pred'] / 1e9:.2f} / {f['mem_meas'] / 1e9:.2f} GB",
+                       pct(f["mem_pred"], f["mem_meas"])) if "mem_pred" in f else ("n/a", "n/a")
+                lines.append(f"| {model} | {precision} | {CASES[model][0]} | {f['predicted_sps']:.1f} "
+                             f"| {f['measured_sps']:.1f} "
+                             f"| {pct(f['predicted_sps'], f['measured_sps'])} "
+                             f"| {pct(f['forward_pred'], f['forward_meas'])} "
+                             f"| {pct(f['backward_pred'], f['backward_meas'])} "
+                             f"| {pct(f['optimizer_pred'], f['optimizer_meas'])} "
+                             f"| {pct(f['iteration_pred'], f['iteration_meas'])} | {mem[0]} | {mem[1]} |")
+                print(lines[-1], flush=True)
+            if "fp32" in by_precision and len(by_precision) > 1:
+                base = by_precision["fp32"]
+                for precision, f in by_precision.items():
+                    if precision != "fp32":
+                        speedups.append(f"| {model} | {precision} / fp32 | "
+                                        f"{f['predicted_sps'] / base['predicted_sps']:.2f}x | "
+                                        f"{f['measured_sps'] / base['measured_sps']:.2f}x |")
     table = "\n".join(lines)
+    if speedups:
+        table += ("\n\n| model | speed-up | predicted | measured |\n| --- | --- | ---: | ---: |\n"
+                  + "\n".join(speedups))
     print(f"\n{gpu}, torch {torch.__version__}, CUDA {torch.version.cuda}\n\n{table}")
     if not args.no_write:
-        notes = (f"On {gpu} (torch {torch.__version__}, CUDA {torch.version.cuda}), fp32, one rank under "
+        notes = (f"On {gpu} (torch {torch.__version__}, CUDA {torch.version.cuda}), one rank under "
                  f"torchrun, NCCL. Errors are (predicted - measured) / measured; samples/s is the median "
                  f"over steps {args.warmup + 1}..{args.steps}; forward/backward/optimizer and the recorded "
                  "iteration are the last step's timeline, whose actions the runtime times after a device "
                  "synchronize.")
-        write_section("Prediction on one real GPU", f"python benchmarks/gpu_prediction.py --models {','.join(models)}",
+        write_section("Prediction on one real GPU",
+                      f"python benchmarks/gpu_prediction.py --models {','.join(models)} "
+                      f"--precisions {','.join(precisions)}",
                       table, notes)
     return 0
 
