@@ -31,6 +31,7 @@ import platform
 import socket
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -108,22 +109,51 @@ def build_torch(case: str, args: argparse.Namespace, layers: int,
     return run
 
 
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu_s() -> dict[str, float]:
+    """CPU seconds (user + system) each thread of this process has used, by what it is: ``main``, a Python
+    thread's name, or ``native`` (the threads Python does not know: Gloo's, torch's)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:  # the thread ended
+            continue
+        tid = int(task)
+        kind = "main" if tid == os.getpid() else names.get(tid, "native")
+        out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime
+    return out
+
+
+Blocks = dict[str, list[float]]
+ThreadCpu = dict[str, dict[str, float]]
+
+
 def measure_case(case: str, args: argparse.Namespace, layers: int,
-                 batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, list[float]]:
-    """Seconds of each block of ``block_steps`` steps, per runtime; the runtimes take turns (ABBA)."""
+                 batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[Blocks, ThreadCpu]:
+    """Seconds of each block of ``block_steps`` steps, per runtime, the runtimes taking turns (ABBA); and the CPU
+    seconds this rank's threads spent in them, per runtime and kind of thread."""
     runs = {"hetrain": build_hetrain(case, args, layers, batch), "torch": build_torch(case, args, layers, batch)}
     for run in runs.values():
         run(args.warmup)
     out: dict[str, list[float]] = {"hetrain": [], "torch": []}
+    cpu: dict[str, dict[str, float]] = {"hetrain": {}, "torch": {}}
     for block in range(args.blocks):
         order = ("hetrain", "torch") if block % 2 == 0 else ("torch", "hetrain")
         for who in order:
             dist.barrier()
+            before = thread_cpu_s()
             start = time.perf_counter()
             runs[who](args.block_steps)
             dist.barrier()
             out[who].append(time.perf_counter() - start)
-    return out
+            for kind, seconds in thread_cpu_s().items():
+                cpu[who][kind] = cpu[who].get(kind, 0.0) + seconds - before.get(kind, 0.0)
+    return out, cpu
 
 
 def worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> None:
@@ -133,16 +163,31 @@ def worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> Non
     dist.init_process_group("gloo")
     layers = num_layers(args.model, **args.config)
     batch = sample_batch(args.model, args.global_batch, torch.Generator().manual_seed(0), **args.config)
-    blocks = {}
+    blocks, cpu = {}, {}
     for case in args.cases:
-        blocks[case] = measure_case(case, args, layers, batch)
+        blocks[case], cpu[case] = measure_case(case, args, layers, batch)
         if rank == 0:
             rates = {w: args.global_batch * args.block_steps / statistics.median(t) for w, t in blocks[case].items()}
             print(f"  {case:<6} hetrain {rates['hetrain']:8.1f}  torch {rates['torch']:8.1f} samples/s", flush=True)
+    every: list[object] = [None] * args.ranks
+    dist.all_gather_object(every, cpu)
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump(blocks, f)
+            json.dump({"blocks": blocks, "cpu": every}, f)
     dist.destroy_process_group()
+
+
+def cpu_table(cpu: list[dict[str, dict[str, dict[str, float]]]], args: argparse.Namespace) -> str:
+    """CPU milliseconds per step, summed over the ranks, by runtime and kind of thread, per comparison."""
+    steps = args.blocks * args.block_steps
+    rows = ["| comparison | thread | hetrain CPU ms/step | torch CPU ms/step |", "|---|---|---:|---:|"]
+    for case in args.cases:
+        kinds = sorted({k for rank in cpu for who in rank[case].values() for k in who})
+        for kind in kinds:
+            h = sum(rank[case]["hetrain"].get(kind, 0.0) for rank in cpu) / steps * 1e3
+            t = sum(rank[case]["torch"].get(kind, 0.0) for rank in cpu) / steps * 1e3
+            rows.append(f"| {case} | {kind} | {h:.1f} | {t:.1f} |")
+    return "\n".join(rows)
 
 
 def main() -> int:
@@ -172,7 +217,8 @@ def main() -> int:
           f"micro-batches; {args.blocks} blocks of {args.block_steps} steps per runtime, taking turns", flush=True)
     mp.spawn(worker, args=(args, port, out_path), nprocs=args.ranks, join=True)
     with open(out_path) as f:
-        blocks = json.load(f)
+        saved = json.load(f)
+    blocks, cpu = saved["blocks"], saved["cpu"]
     os.remove(out_path)
     load_after = os.getloadavg()[0]
 
@@ -188,7 +234,7 @@ def main() -> int:
         q1, q2, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
         rows.append(f"| {what[case]} | {samples / statistics.median(h):.1f} | {samples / statistics.median(t):.1f} "
                     f"| {TORCH_NAMES[case]} | {q2:.2f}x ({q1:.2f}-{q3:.2f}) |")
-    table = "\n".join(rows)
+    table = "\n".join(rows) + "\n\n" + cpu_table(cpu, args)
     print(table)
     if not args.no_write:
         command = "python benchmarks/runtime_vs_torch.py " + " ".join(sys.argv[1:])
