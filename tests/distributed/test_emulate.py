@@ -683,3 +683,87 @@ def test_rootless_run_leaves_nothing_on_the_host(tmp_path: Path, run_ids: Callab
     assert sorted(line.split("] ", 1)[1] for line in out.splitlines() if "] AT " in line) == [
         "AT fast 0", "AT fast 1", "AT slow 2"]
     assert_nothing_left(rid)
+
+
+# ---------------------------------------------------------------------------
+# scripted events (emulate.events)
+# ---------------------------------------------------------------------------
+
+EVENTS = TWO_NODES + """
+[emulation]
+max_restarts = 2
+
+[[emulation.event]]
+at_s = 1.0
+node = "fast"
+nic = "50Mbit/s"
+
+[[emulation.event]]
+at_s = 0.5
+device = "slow:0"
+cpu_share = 0.25
+"""
+
+
+def test_events_are_read_in_time_order_and_refused_by_name(tmp_path: Path) -> None:
+    settings = parse_emulation_settings(tomllib.loads(EVENTS)["emulation"])
+    assert [e.describe() for e in settings.events] == [
+        "at 0.5 s: device slow:0 cpu_share 0.25", "at 1 s: node fast nic 50 Mbit/s"]
+    assert settings.max_restarts == 2
+    assert EmulationSettings.from_dict(json.loads(json.dumps(settings.to_dict()))) == settings
+    cluster = parse_cluster(tomllib.loads(TWO_NODES))
+    bad = parse_emulation_settings({"event": [{"at_s": 1, "device": "slow:7", "cpu_share": 0.5}]})
+    with pytest.raises(EmulationError, match=r"device 'slow:7' is not in the cluster; its devices: fast:0"):
+        EmulatedCluster(cluster, bad)
+    for event, message in (
+            ({"at_s": -1, "node": "fast", "action": "kill"}, r"\]\] 0: at_s must be a number of seconds >= 0, got -1"),
+            ({"at_s": 1, "node": "fast", "action": "pause"}, r"action must be one of kill, stop, resume, start"),
+            ({"at_s": 1, "device": "fast:0", "cpu_share": 0}, r"cpu_share must be a number in \(0, 64\], got 0"),
+            ({"at_s": 1, "node": "fast", "nic": "fast"}, r"nic"),
+            ({"at_s": 1, "node": "fast"}, r"a node event takes node with nic, or node with action")):
+        with pytest.raises(EmulationError, match=message):
+            parse_emulation_settings({"event": [event]})
+
+
+def test_a_node_that_starts_late_makes_the_rendezvous_elastic() -> None:
+    cluster = parse_cluster(tomllib.loads(TWO_NODES))
+    settings = parse_emulation_settings({"max_restarts": 3, "event": [{"at_s": 5, "node": "slow", "action": "start"}]})
+    em = EmulatedCluster(cluster, settings, run_id="abc123")
+    cmd = build_torchrun_command(em, 0, ["python", "x.py"])
+    assert cmd[cmd.index("--nnodes") + 1] == "1:2" and cmd[cmd.index("--max-restarts") + 1] == "3"
+    changes = network.nic_change_commands(em.network, 1, 12.5e6)
+    assert [c[:6] for c in changes] == [("tc", "-n", em.network.nodes[1].namespace, "class", "change", "dev"),
+                                        ("tc", "-n", em.network.hub, "class", "change", "dev")]
+    assert all("100000000bit" in c for c in changes)  # 12.5 MB/s
+
+
+@pytest.mark.timeout(120)
+def test_events_change_a_share_and_a_nic_while_a_job_runs(tmp_path: Path, run_ids: Callable[[], str]) -> None:
+    cluster = load_cluster(write(tmp_path / "events.toml", EVENTS))
+    settings = load_emulation_settings_from(tmp_path / "events.toml")
+    out, err = io.StringIO(), io.StringIO()
+    with EmulatedCluster(cluster, settings, run_id=run_ids()) as em:
+        throttled = em.cgroup_root is not None
+        status = em.launch(["python", "-c", "import time; time.sleep(2.5)"], timeout_s=60, stdout=out, stderr=err)
+        shaped = subprocess.run(("tc", "-n", em.network.nodes[0].namespace, "class", "show", "dev", network.NIC),
+                                capture_output=True, text=True, timeout=20).stdout
+        quotas = {t.device: t for t in em.throttles}
+        if throttled:
+            group = quotas["slow:0"].procs_file.parent  # type: ignore[union-attr]
+            v1 = em.cgroup_root.version == 1  # type: ignore[union-attr]
+            quota = (group / ("cpu.cfs_quota_us" if v1 else "cpu.max")).read_text().split()[0]
+            period = quotas["slow:0"].period_us
+    assert status == 0, err.getvalue()[-3000:]
+    log = err.getvalue()
+    assert "event at 1 s: node fast nic 50 Mbit/s: node fast's NIC shaped to 50 Mbit/s each way" in log, log
+    assert "rate 50Mbit" in shaped, shaped
+    if throttled:
+        assert "event at 0.5 s: device slow:0 cpu_share 0.25: device slow:0: cpu share 0.5 -> 0.25" in log, log
+        assert int(quota) == round(0.25 * period)  # type: ignore[operator]
+        assert quotas["slow:0"].cpu_share == 0.25 and quotas["fast:1"].cpu_share == 0.5
+
+
+def load_emulation_settings_from(path: Path) -> EmulationSettings:
+    from hetrain.emulate.settings import load_emulation_settings
+
+    return load_emulation_settings(path)

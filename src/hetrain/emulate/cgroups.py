@@ -158,6 +158,17 @@ def create_device_cgroup(root: CgroupRoot, run_id: str, key: str, cpu_share: flo
     return group / "cgroup.procs"
 
 
+def set_cpu_share(group: Path, version: int, cpu_share: float, period_s: float) -> tuple[int, int]:
+    """Change a device cgroup's quota to ``cpu_share x period`` now (its processes stay); returns (quota, period) us."""
+    quota_us, period_us = estimate_quota(cpu_share, period_s)
+    if version == 1:
+        (group / "cpu.cfs_quota_us").write_text(str(quota_us))  # the period stays: only the quota moves
+        (group / "cpu.cfs_period_us").write_text(str(period_us))
+    else:
+        (group / "cpu.max").write_text(f"{quota_us} {period_us}")
+    return quota_us, period_us
+
+
 def _enable_cpu_controller(path: Path) -> None:
     control = path / "cgroup.subtree_control"
     enabled = control.read_text().split() if control.exists() else []  # always there on a real cgroupfs

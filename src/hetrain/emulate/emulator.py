@@ -21,7 +21,7 @@ import secrets
 import shutil
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from types import TracebackType
@@ -36,7 +36,9 @@ from hetrain.emulate.cgroups import (
     list_run_dirs,
     remove_run_dir,
     run_dir,
+    set_cpu_share,
 )
+from hetrain.emulate.events import EmulationEvent, check_targets, signal_pids
 from hetrain.emulate.keepawake import can_keep_awake
 from hetrain.emulate.launch import signals_deferred
 from hetrain.emulate.network import (
@@ -46,7 +48,9 @@ from hetrain.emulate.network import (
     build_network_plan,
     list_namespaces,
     namespace_pids,
+    nic_change_commands,
     remove_namespaces,
+    run_command,
     run_id_of,
     safe_name,
 )
@@ -127,6 +131,8 @@ class EmulatedCluster:
         if self.settings is None:
             self.settings = EmulationSettings()
         self.network = build_network_plan(self.cluster, self.settings, self.run_id)
+        check_targets(self.settings.events, [d.name for d in self.cluster.devices],
+                      [n.name for n in self.cluster.nodes])
 
     # --- bring up / take down ----------------------------------------------
 
@@ -261,6 +267,42 @@ class EmulatedCluster:
 
     def netns_path(self, k: int) -> str:
         return f"{NETNS_DIR}/{self.network.nodes[k].namespace}"
+
+    # --- changes while a job runs (emulate.events) ------------------------------
+
+    def apply_event(self, event: EmulationEvent) -> str:
+        """Make one scripted change now; what it did, for the log.
+
+        Raises:
+            EmulationError: the emulation cannot make it (an unthrottled device, an unshaped NIC).
+        """
+        if event.kind == "cpu_share":
+            assert event.value is not None
+            return self._set_cpu_share(event.target, event.value)
+        k = [n.name for n in self.cluster.nodes].index(event.target)
+        if event.kind == "nic":
+            assert event.value is not None
+            if not self.settings.shape:
+                raise EmulationError(f"{event.describe()}: shape = false, so NICs are not shaped and cannot change")
+            for cmd in nic_change_commands(self.network, k, event.value):
+                run_command(cmd)
+            return f"node {event.target}'s NIC shaped to {format_bandwidth(event.value)} each way"
+        pids = namespace_pids(self.network.nodes[k].namespace)
+        sent = signal_pids(pids, event.kind)
+        return f"node {event.target}: {event.kind} sent to {sent} process(es)"
+
+    def _set_cpu_share(self, device: str, share: float) -> str:
+        throttle = next((t for t in self.throttles if t.device == device), None)
+        if throttle is None or throttle.procs_file is None or self.cgroup_root is None:
+            raise EmulationError(f"device {device} is not throttled (no cpu_share, or no cgroups here): its share "
+                                 "cannot change")
+        scaled = share * self.settings.cpu_scale
+        quota_us, period_us = set_cpu_share(throttle.procs_file.parent, self.cgroup_root.version, scaled,
+                                            self.settings.cpu_period_s)
+        before = throttle.cpu_share
+        self.throttles = tuple(replace(t, cpu_share=scaled, quota_us=quota_us, period_us=period_us)
+                               if t.device == device else t for t in self.throttles)
+        return f"device {device}: cpu share {before:g} -> {scaled:g} ({quota_us} us per {period_us} us)"
 
     def describe(self) -> str:
         """The emulated cluster in words: nodes, addresses, shaped rates, CPU quotas, what is not emulated."""

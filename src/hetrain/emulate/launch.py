@@ -35,6 +35,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, TYPE_CHECKING, TextIO
 
+from hetrain.emulate.events import late_nodes
 from hetrain.emulate.keepawake import cpus_kept_awake
 from hetrain.emulate.network import NIC, PREFIX, kill_pids, namespace_pids
 from hetrain.emulate.rankwrap import CGROUPS_ENV, COMM_ENV, CPUS_ENV, FILL_ENV
@@ -82,15 +83,17 @@ def build_torchrun_command(em: EmulatedCluster, k: int, command: Sequence[str]) 
     """The argv that runs ``command`` on node ``k`` of ``em`` (nsenter + torchrun + rankwrap)."""
     settings: EmulationSettings = em.settings
     nodes = em.network.nodes
+    late = late_nodes(settings.events)  # joining later: the nodes meet elastically, from those at the start
+    nnodes = f"{len(nodes) - len(late)}:{len(nodes)}" if late else str(len(nodes))
     return [
         "nsenter", f"--net={em.netns_path(k)}", "--",
         sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", str(len(nodes)),
+        "--nnodes", nnodes,
         "--nproc-per-node", str(len(em.cluster.nodes[k].devices)),
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{nodes[0].address}:{settings.rdzv_port}",
         "--rdzv-id", f"{PREFIX}{em.run_id}",
         "--rdzv-conf", f"is_host={int(k == 0)},join_timeout={round(settings.join_timeout_s)}",
-        "--local-addr", nodes[k].address, "--max-restarts", "0",
+        "--local-addr", nodes[k].address, "--max-restarts", str(settings.max_restarts),
         "--no-python", sys.executable, "-m", "hetrain.emulate.rankwrap", *command,
     ]
 
@@ -167,29 +170,53 @@ def launch_job(em: EmulatedCluster, command: Sequence[str], timeout_s: float | N
         problem = awake.enter_context(cpus_kept_awake())
         if problem:
             say(f"keep_awake: {problem}; the CPUs may sleep between quota periods")
+
+    def start(k: int) -> None:
+        p = subprocess.Popen(build_torchrun_command(em, k, command), env=build_node_env(em, k),
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, errors="replace", bufsize=1, start_new_session=True)
+        procs.append(p)
+        started.append(k)
+        prefix = f"[{names[k]:<{width}}] "
+        for pipe, target in ((p.stdout, out), (p.stderr, err)):
+            t = threading.Thread(target=_forward, args=(pipe, target, prefix), daemon=True,
+                                 name=f"hetrain-emulate-{names[k]}")
+            t.start()
+            threads.append(t)
+
+    started: list[int] = []  # node index of each of procs
+    killed: set[int] = set()  # nodes an event killed: their exit is expected
+    pending = list(em.settings.events)
+    late = late_nodes(pending)
     try:
         for k, name in enumerate(names):
-            p = subprocess.Popen(build_torchrun_command(em, k, command), env=build_node_env(em, k),
-                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True, errors="replace", bufsize=1, start_new_session=True)
-            procs.append(p)
-            prefix = f"[{name:<{width}}] "
-            for pipe, target in ((p.stdout, out), (p.stderr, err)):
-                t = threading.Thread(target=_forward, args=(pipe, target, prefix), daemon=True,
-                                     name=f"hetrain-emulate-{name}")
-                t.start()
-                threads.append(t)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            if name not in late:
+                start(k)
+        t0 = time.monotonic()
+        deadline = None if timeout_s is None else t0 + timeout_s
         status: int | None = None
         failed_at: float | None = None
         while True:
+            while pending and time.monotonic() - t0 >= pending[0].at_s:
+                event = pending.pop(0)
+                if event.kind == "start":
+                    start(names.index(event.target))
+                    say(f"event {event.describe()}: node {event.target} started")
+                    continue
+                if event.kind == "kill":
+                    killed.add(names.index(event.target))
+                try:
+                    say(f"event {event.describe()}: {em.apply_event(event)}")
+                except EmulationError as e:
+                    say(f"event {event.describe()} failed: {e}")
             codes = [p.poll() for p in procs]
-            bad = [(names[k], c) for k, c in enumerate(codes) if c not in (None, 0)]
+            bad = [(names[started[j]], c) for j, c in enumerate(codes)
+                   if c not in (None, 0) and started[j] not in killed]
             if bad and status is None:
                 status = bad[0][1]
                 failed_at = time.monotonic()
                 say(f"node {bad[0][0]} failed with exit status {status}; stopping the other nodes")
-            if all(c is not None for c in codes):
+            if all(c is not None for c in codes) and not any(e.kind == "start" for e in pending):
                 return status or 0
             now = time.monotonic()
             if failed_at is not None and now - failed_at > FAILURE_GRACE_S:

@@ -133,12 +133,12 @@ def gso_size(slowest_bytes_per_s: float) -> int:
     return int(min(GSO_MAX, max(GSO_MIN, round(slowest_bytes_per_s * 0.5e-3))))
 
 
-def _htb_class(ns: str, dev: str, classid: str, bytes_per_s: float, gso: int) -> Command:
+def _htb_class(ns: str, dev: str, classid: str, bytes_per_s: float, gso: int, verb: str = "add") -> Command:
     # burst: at least two GSO segments, else 1 ms at the rate. quantum (the DRR share
     # between sibling classes) kept in htb's sane range to avoid its "quantum is big" warning.
     burst = max(2 * gso, round(bytes_per_s * 1e-3))
     quantum = min(200_000, max(1600, round(bytes_per_s / 10)))
-    return ("tc", "-n", ns, "class", "add", "dev", dev, "parent", "1:", "classid", classid, "htb",
+    return ("tc", "-n", ns, "class", verb, "dev", dev, "parent", "1:", "classid", classid, "htb",
             "rate", _rate(bytes_per_s), "burst", str(burst), "cburst", str(burst), "quantum", str(quantum))
 
 
@@ -211,6 +211,16 @@ def build_network_plan(cluster: Cluster, settings: EmulationSettings, run_id: st
             cmds.append(("tc", "-n", node.namespace, "qdisc", "add", "dev", "lo", "root", "tbf",
                          "rate", _rate(rate), "burst", str(burst), "latency", "100ms"))
     return NetworkPlan(run_id, hub, nodes, tuple(cmds))
+
+
+def nic_change_commands(plan: NetworkPlan, k: int, bytes_per_s: float) -> list[Command]:
+    """The commands that reshape node ``k``'s NIC (class 1:1 both ways: leaving it and entering it) to
+    ``bytes_per_s`` while it runs; its ``[[link]]`` classes keep their rates."""
+    rates = [n.nic_bytes_per_s for n in plan.nodes] + [bw for n in plan.nodes for bw in n.link_bytes_per_s.values()]
+    gso = gso_size(min(rates))  # the segment cap the plan set up (build_network_plan)
+    node = plan.nodes[k]
+    return [_htb_class(node.namespace, NIC, "1:1", bytes_per_s, gso, "change"),
+            _htb_class(plan.hub, node.hub_port, "1:1", bytes_per_s, gso, "change")]
 
 
 # ---------------------------------------------------------------------------

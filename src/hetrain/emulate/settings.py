@@ -12,6 +12,12 @@
     shape_intra = false     # also shape each node's loopback at its intra_link rate
     rdzv_port = 29400       # c10d rendezvous port on the first node's address
     join_timeout = "120s"   # how long torchrun waits for every node to join
+    max_restarts = 0        # torchrun --max-restarts: restarts of a node's workers after a failure
+
+    [[emulation.event]]     # scripted changes while a job runs (``emulate.events``)
+    at_s = 30
+    device = "slow:1"
+    cpu_share = 0.15
 
 Every key is optional. docs/emulate.md describes what each does.
 
@@ -26,7 +32,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from hetrain.errors import RunError
 from hetrain.units import UnitError, parse_time
@@ -35,6 +41,9 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[import-not-found, unused-ignore]
+
+if TYPE_CHECKING:
+    from hetrain.emulate.events import EmulationEvent
 
 Throttle = Literal["auto", "cgroup", "off"]
 THROTTLE_CHOICES: tuple[str, ...] = ("auto", "cgroup", "off")
@@ -78,6 +87,9 @@ class EmulationSettings:
             directions together) at its ``intra_link`` bandwidth.
         rdzv_port: c10d rendezvous port, on the first node's address.
         join_timeout_s: how long each torchrun waits for all nodes to join the rendezvous.
+        max_restarts: torchrun's ``--max-restarts`` on every node: after a failure (a node killed), the
+            survivors restart their workers this many times (elastic training, docs/elastic.md).
+        events: scripted changes while a job runs (``emulate.events``), in time order.
     """
 
     cpu_period_s: float = 0.010
@@ -91,6 +103,8 @@ class EmulationSettings:
     shape_intra: bool = False
     rdzv_port: int = 29400
     join_timeout_s: float = 120.0
+    max_restarts: int = 0
+    events: tuple[EmulationEvent, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0.001 <= self.cpu_period_s <= 1.0:
@@ -102,6 +116,8 @@ class EmulationSettings:
                                  f"got {self.throttle!r}")
         if not 1 <= self.rdzv_port <= 65535:
             raise EmulationError(f"[emulation] rdzv_port must be a port number, got {self.rdzv_port!r}")
+        if not 0 <= self.max_restarts <= 100:
+            raise EmulationError(f"[emulation] max_restarts must be an integer in [0, 100], got {self.max_restarts!r}")
         if not self.join_timeout_s >= 1:
             raise EmulationError(f"[emulation] join_timeout must be at least 1s, got {self.join_timeout_s:g} s")
 
@@ -113,16 +129,21 @@ class EmulationSettings:
         return {"cpu_period_s": self.cpu_period_s, "cpu_scale": self.cpu_scale, "throttle": self.throttle,
                 "pin_cpus": self.pin_cpus, "fill_idle": self.fill_idle, "isolate_comm": self.isolate_comm,
                 "keep_awake": self.keep_awake, "shape": self.shape,
-                "shape_intra": self.shape_intra, "rdzv_port": self.rdzv_port, "join_timeout_s": self.join_timeout_s}
+                "shape_intra": self.shape_intra, "rdzv_port": self.rdzv_port, "join_timeout_s": self.join_timeout_s,
+                "max_restarts": self.max_restarts, "events": [e.to_dict() for e in self.events]}
 
     @staticmethod
     def from_dict(data: Mapping[str, Any]) -> EmulationSettings:
         """The SI form written by ``to_dict`` (the run's state file)."""
-        return EmulationSettings(**dict(data))
+        from hetrain.emulate.events import EmulationEvent
+
+        fields = dict(data)
+        fields["events"] = tuple(EmulationEvent.from_dict(e) for e in fields.get("events", ()))
+        return EmulationSettings(**fields)
 
 
 _KEYS = {"cpu_period", "cpu_scale", "throttle", "pin_cpus", "fill_idle", "isolate_comm", "keep_awake", "shape",
-         "shape_intra", "rdzv_port", "join_timeout"}
+         "shape_intra", "rdzv_port", "join_timeout", "max_restarts", "event"}
 
 
 def parse_emulation_settings(table: Mapping[str, Any] | None) -> EmulationSettings:
@@ -162,6 +183,15 @@ def parse_emulation_settings(table: Mapping[str, Any] | None) -> EmulationSettin
         if isinstance(port, bool) or not isinstance(port, int):
             raise EmulationError(f"[emulation] rdzv_port must be an integer, got {port!r}")
         out["rdzv_port"] = port
+    if "max_restarts" in table:
+        restarts = table["max_restarts"]
+        if isinstance(restarts, bool) or not isinstance(restarts, int):
+            raise EmulationError(f"[emulation] max_restarts must be an integer, got {restarts!r}")
+        out["max_restarts"] = restarts
+    if "event" in table:
+        from hetrain.emulate.events import parse_events  # events.py reads EmulationError from here
+
+        out["events"] = parse_events(table["event"])
     return EmulationSettings(**out)
 
 
