@@ -370,6 +370,12 @@ def test_partition_with_blocking_transfers_matches_brute_force(seed: int) -> Non
     assert best.pipeline_s == pytest.approx(estimate_blocking_pipeline_time(stage_s, link_s, m), rel=1e-12)
     overlapped = evaluator_of(cluster, profile).best(b, m)
     assert overlapped is not None and overlapped.pipeline_s <= best.pipeline_s * (1 + 1e-12)
+    screened = evaluator.best(b, m, fast=True)  # two orders, full recomputation where needed: an upper bound
+    if screened is None:
+        return
+    assert screened.pipeline_s >= best.pipeline_s * (1 - 1e-9)
+    assert screened.pipeline_s == pytest.approx(
+        estimate_blocking_pipeline_time(list(screened.stage_s), list(screened.link_s), m), rel=1e-12)
 
 
 def evaluator_of(cluster, profile) -> VWEvaluator:
