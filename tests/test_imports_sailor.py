@@ -152,3 +152,14 @@ def test_a_plan_hetrain_cannot_express_is_refused_with_its_id(data: SailorData) 
 def test_a_missing_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(MeasuredRunError, match=r"measured_plans\.json: cannot read"):
         load_sailor_data(tmp_path)
+
+
+def test_a_converted_plan_round_trips_through_plan_json(data: SailorData, tmp_path: Path) -> None:
+    from hetrain.plan import load_plan
+
+    run = convert_plan(raw_plan(data, MIT), data)
+    run.plan.save(tmp_path / "plan.json")
+    again = load_plan(tmp_path / "plan.json")
+    assert again.sync_options == run.plan.sync_options and again.sync_options.transfers == "blocking"
+    assert again.profile.memory_footprint == run.plan.profile.memory_footprint
+    assert simulate(again).iteration_s == pytest.approx(simulate(run.plan).iteration_s, rel=1e-12)
