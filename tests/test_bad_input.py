@@ -342,6 +342,9 @@ PROFILE_CASES: list[tuple[str, Callable[[Json], Json] | str, tuple[str, ...]]] =
     ("measured_on-list", setting("measured_on", []), ("p.json", "measured_on", "[]")),
     ("action_overhead-string", setting("action_overhead_s", {"cpu": "fast"}),
      ("p.json", "action_overhead_s['cpu']", "'fast'")),
+    ("iteration_overhead-negative", setting("iteration_overhead_s", {"cpu": -0.5}),
+     ("p.json", "iteration_overhead_s['cpu']", "-0.5")),
+    ("iteration_overhead-list", setting("iteration_overhead_s", [1]), ("p.json", "iteration_overhead_s", "[1]")),
     ("optimizer_rates-number", setting("optimizer_step_s_per_byte", {"cpu": 3}),
      ("p.json", "optimizer_step_s_per_byte['cpu']", "3")),
 ]

@@ -13,6 +13,7 @@ from hetrain.cost import (
     LOSS_KEPT_OUTPUTS,
     allreduce_shape,
     estimate_allreduce,
+    estimate_blocking_pipeline_time,
     estimate_hierarchical_allreduce_time,
     estimate_layer_time,
     estimate_optimizer_step_memory,
@@ -220,3 +221,13 @@ def test_estimate_allreduce_can_be_held_to_the_flat_ring() -> None:
     assert (held, forced) == (best, "hierarchical")
     with pytest.raises(ValueError, match="one of auto, ring, hierarchical, got 'tree'"):
         estimate_allreduce(8e6, shape, "tree")
+
+
+def test_the_blocking_pipeline_holds_each_stage_for_the_transfers_on_both_its_sides() -> None:
+    # stages 1, 2, 1 s; links 0.5 and 0.25 s: the middle stage is held 2 + 0.5 + 0.25 = 2.75 s per micro-batch
+    assert estimate_blocking_pipeline_time([1.0, 2.0, 1.0], [0.5, 0.25], 3) == pytest.approx(4.75 + 2 * 2.75)
+    assert estimate_blocking_pipeline_time([3.0], [], 4) == pytest.approx(12.0)  # one stage: no transfer
+    with pytest.raises(ValueError, match="3 stages have 2 links between them, got 1 link times"):
+        estimate_blocking_pipeline_time([1.0, 2.0, 1.0], [0.5], 2)
+    with pytest.raises(ValueError, match="micro-batch count must be >= 1, got 0"):
+        estimate_blocking_pipeline_time([1.0], [], 0)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hetrain.cluster import parse_cluster
-from hetrain.cost import estimate_stage_memory, in_flight, tensor_budget
+from hetrain.cost import estimate_blocking_pipeline_time, estimate_stage_memory, in_flight, tensor_budget
 from hetrain.models.analytic import build_profile
 from hetrain.planner import PlannerError, PlannerOptions, plan
 from hetrain.planner.formation import _set_partitions, build_formations
@@ -329,3 +329,54 @@ def test_top_k_reranked_by_simulation() -> None:
     p = hetrain.plan(_cloud(), build_profile("gpt2-small"), 128, simulate_top_k=3)  # handed the simulator
     assert p.prediction.simulated_iteration_s is not None
     assert p.prediction.simulated_iteration_s > 0
+
+
+def brute_force_blocking(cluster, profile, b, m, schedule, optimizer="adam"):
+    """As ``brute_force``, with transfers that block: each stage held by the links on both its sides."""
+    L = profile.num_layers
+    devices = list(cluster.devices)
+    p = len(devices)
+    arrays = build_model_arrays(profile, optimizer)
+    best = math.inf
+    for order in itertools.permutations(devices):
+        stages = build_stage_costs(profile, order, b, m, schedule, optimizer)
+        for s in stages:
+            s.ensure_recompute(math.inf)
+        links = link_time_table(cluster, order, arrays, b)
+        for inner in itertools.combinations(range(1, L), p - 1):
+            cuts = (0, *inner, L)
+            t = [stages[j].time_s[cuts[j], cuts[j + 1]] for j in range(p)]
+            c = [links[j][cuts[j]] for j in range(1, p)]
+            if not all(np.isfinite(t)):
+                continue
+            best = min(best, estimate_blocking_pipeline_time(t, c, m))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_partition_with_blocking_transfers_matches_brute_force(seed: int) -> None:
+    rng = random.Random(1000 + seed)
+    cluster, profile = random_instance(rng, n=rng.randint(2, 3), layers=rng.randint(3, 6), tight_memory=seed % 2 == 0)
+    b, m = rng.choice([1, 2, 4]), rng.randint(1, 8)
+    evaluator = VWEvaluator(cluster, profile, list(cluster.devices), "1f1b", "adam", True, 1e9, 10**6, None,
+                            blocking=True)
+    best = evaluator.best(b, m)
+    expected = brute_force_blocking(cluster, profile, b, m, "1f1b")
+    if best is None:
+        assert not math.isfinite(expected)
+        return
+    assert expected * (1 - 1e-9) <= best.pipeline_s <= expected * (1 + 1e-3)  # as the search without blocking
+    stage_s, link_s = list(best.stage_s), list(best.link_s)
+    assert best.pipeline_s == pytest.approx(estimate_blocking_pipeline_time(stage_s, link_s, m), rel=1e-12)
+    overlapped = evaluator_of(cluster, profile).best(b, m)
+    assert overlapped is not None and overlapped.pipeline_s <= best.pipeline_s * (1 + 1e-12)
+    screened = evaluator.best(b, m, fast=True)  # two orders, full recomputation where needed: an upper bound
+    if screened is None:
+        return
+    assert screened.pipeline_s >= best.pipeline_s * (1 - 1e-9)
+    assert screened.pipeline_s == pytest.approx(
+        estimate_blocking_pipeline_time(list(screened.stage_s), list(screened.link_s), m), rel=1e-12)
+
+
+def evaluator_of(cluster, profile) -> VWEvaluator:
+    return VWEvaluator(cluster, profile, list(cluster.devices), "1f1b", "adam", True, 1e9, 10**6, None)

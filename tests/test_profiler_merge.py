@@ -72,3 +72,17 @@ def test_merge_names_the_device_whose_profile_is_missing(tmp_path: Path) -> None
     parse_profile(_cpu_profile(0.1)).save(node_profile_path(tmp_path, "slow", 0))
     with pytest.raises(RunError, match=r"no profile for device 'fast:1' \(.*profile-node-fast-1\.json\)"):
         merge_node_profiles(CLUSTER, tmp_path)
+
+
+def test_merging_keeps_every_types_fixed_costs() -> None:
+    from hetrain.profiler.fit import merge_profiles
+
+    a = parse_profile({**_cpu_profile(0.1), "action_overhead_s": {"cpu": 0.001},
+                       "iteration_overhead_s": {"cpu": 0.02}})
+    slow = _cpu_profile(0.2)
+    slow["layers"][0]["measured"] = {"cpu-slow": slow["layers"][0]["measured"]["cpu"]}
+    b = parse_profile({**slow, "iteration_overhead_s": {"cpu-slow": 0.05}})
+    both = merge_profiles([a, b])
+    assert both.iteration_overhead_of("cpu") == 0.02 and both.iteration_overhead_of("cpu-slow") == 0.05
+    assert both.action_overhead_of("cpu") == 0.001 and both.action_overhead_of("cpu-slow") == 0.0
+    assert both.to_dict()["iteration_overhead_s"] == {"cpu": 0.02, "cpu-slow": 0.05}

@@ -12,7 +12,7 @@ from hetrain.errors import InputError
 from hetrain.models.analytic import build_profile
 from hetrain.plan import DeviceMemory, Plan, PlanError, Prediction, Stage, VirtualWorker, parse_plan
 from hetrain.schedule import ActionKind, build_schedule
-from hetrain.sync_layout import SyncOptions, cut_buckets, group_segments
+from hetrain.sync_layout import SyncLayoutError, SyncOptions, cut_buckets, group_segments
 
 
 def two_by_two(nic: str = "100Mbit/s") -> Cluster:
@@ -146,3 +146,11 @@ def test_with_sync_makes_the_layout_anew() -> None:
     wsp = plan.with_sync("wsp", SyncOptions(placement="round-robin"))
     assert wsp.sync == "wsp" and wsp.segments()[0].ps_host is not None and not wsp.segments()[0].buckets
     assert plan.segments()[0].buckets and plan.segments()[0].ps_host is None
+
+
+def test_the_transfers_option_is_overlap_by_default_and_checked() -> None:
+    assert SyncOptions().transfers == "overlap"
+    assert SyncOptions.from_items(["transfers=blocking"]).transfers == "blocking"
+    assert SyncOptions.from_mapping({"transfers": "blocking"}).to_dict()["transfers"] == "blocking"
+    with pytest.raises(SyncLayoutError, match="transfers must be one of overlap, blocking, got 'sometimes'"):
+        SyncOptions.from_items(["transfers=sometimes"])

@@ -146,6 +146,12 @@ def estimate_action_overhead(profile: ModelProfile, device: Device) -> float:
     return profile.action_overhead_of(device.type_name)
 
 
+def estimate_iteration_overhead(profile: ModelProfile, device: Device) -> float:
+    """Seconds one iteration costs on ``device`` beyond its actions: the profile's ``iteration_overhead_s`` of
+    the device's type, else 0. The simulator and the planner add it to the device's optimizer step."""
+    return profile.iteration_overhead_of(device.type_name)
+
+
 # ---------------------------------------------------------------------------
 # communication
 # ---------------------------------------------------------------------------
@@ -329,6 +335,32 @@ def estimate_pipeline_time(stage_times: Sequence[float], m: int) -> float:
     if m < 1:
         raise ValueError(f"micro-batch count must be >= 1, got {m}")
     return float(sum(stage_times)) + (m - 1) * float(max(stage_times))
+
+
+def estimate_blocking_pipeline_time(stage_times: Sequence[float], link_times: Sequence[float], m: int) -> float:
+    """Iteration time of a pipeline of ``m`` micro-batches whose transfers block (sync option ``transfers``).
+
+    ``stage_times[j]``: stage j's forward + backward per micro-batch; ``link_times[j]``: the activation +
+    gradient transfer between stage j and j + 1 (``len(stage_times) - 1`` of them). A blocking transfer
+    (DeepSpeed's PipelineEngine: a send and its receive are on the critical path of both stages) holds
+    its sender and its receiver for its duration, so a stage's time per micro-batch is its compute plus
+    the transfers on both its sides: ``t'_j = t_j + c_{j-1} + c_j``. The first micro-batch crosses every
+    stage and every link once, the others follow at the slowest ``t'_j``::
+
+        sum_j t_j + sum_j c_j + (m - 1) * max_j (t_j + c_{j-1} + c_j)
+
+    (with ``c_{-1} = c_{p-1} = 0``). The replay of a pipeline of uniform stages and links gives exactly
+    this (tests/test_simulator.py); where the transfers overlap compute, ``estimate_pipeline_time`` with
+    each link as its own stage.
+    """
+    if m < 1:
+        raise ValueError(f"micro-batch count must be >= 1, got {m}")
+    p = len(stage_times)
+    if len(link_times) != p - 1:
+        raise ValueError(f"{p} stages have {p - 1} links between them, got {len(link_times)} link times")
+    c = [0.0, *map(float, link_times), 0.0]
+    held = [float(stage_times[j]) + c[j] + c[j + 1] for j in range(p)]
+    return float(sum(stage_times)) + float(sum(link_times)) + (m - 1) * max(held)
 
 
 def in_flight(schedule: str, m: int, p: int, j: int) -> int:

@@ -173,6 +173,9 @@ class ModelProfile:
             device getting going again after a wait. Layer times are measured back to back
             and contain none of it. It is calibrated from a real run (``hetrain calibrate``);
             a type without a figure costs 0.
+        iteration_overhead_s: per device type, the seconds each iteration costs on top of its actions:
+            the runtime's fixed work once per iteration (its step's bookkeeping, the data loader, the
+            launch of the step's kernels). Paid with the optimizer step; a type without a figure costs 0.
         memory_footprint: per device type, ``(fixed_bytes, allocator_fraction)``: the memory a
             training process holds there beyond its tensors (``catalog.RuntimeFootprint``),
             measured by the profiler on the device; a type without one takes the catalog's.
@@ -190,6 +193,7 @@ class ModelProfile:
     optimizer_step_s_per_byte: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()
     action_overhead_s: tuple[tuple[str, float], ...] = ()
     memory_footprint: tuple[tuple[str, float, float], ...] = ()
+    iteration_overhead_s: tuple[tuple[str, float], ...] = ()
     seq_len: int | None = None
     _cache: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
@@ -216,11 +220,13 @@ class ModelProfile:
                 if bad:
                     raise ProfileError(f"memory_footprint[{type_name!r}].{name} must be a finite number >= 0, "
                                        f"got {value!r}")
-        for type_name, seconds in self.action_overhead_s:
-            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (
-                    math.isfinite(seconds) and seconds >= 0):
-                raise ProfileError(f"action_overhead_s[{type_name!r}] must be a finite number of seconds >= 0, "
-                                   f"got {seconds!r}")
+        for key, figures in (("action_overhead_s", self.action_overhead_s),
+                             ("iteration_overhead_s", self.iteration_overhead_s)):
+            for type_name, seconds in figures:
+                if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (
+                        math.isfinite(seconds) and seconds >= 0):
+                    raise ProfileError(f"{key}[{type_name!r}] must be a finite number of seconds >= 0, "
+                                       f"got {seconds!r}")
         if self.seq_len is not None and not 1 <= self.seq_len <= MAX_SEQ_LEN:
             raise ProfileError(f"seq_len must be in [1, {MAX_SEQ_LEN}], got {self.seq_len}")
 
@@ -271,6 +277,13 @@ class ModelProfile:
                 return float(seconds)
         return 0.0
 
+    def iteration_overhead_of(self, type_name: str) -> float:
+        """Seconds each iteration costs on ``type_name`` beyond its actions (``iteration_overhead_s``), else 0."""
+        for t, seconds in self.iteration_overhead_s:
+            if t == type_name:
+                return float(seconds)
+        return 0.0
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "format_version": FORMAT_VERSION,
@@ -289,6 +302,8 @@ class ModelProfile:
             out["optimizer_step_s_per_byte"] = {t: dict(rates) for t, rates in self.optimizer_step_s_per_byte}
         if self.action_overhead_s:
             out["action_overhead_s"] = dict(self.action_overhead_s)
+        if self.iteration_overhead_s:
+            out["iteration_overhead_s"] = dict(self.iteration_overhead_s)
         if self.memory_footprint:
             out["memory_footprint"] = {t: {"fixed_bytes": fixed, "allocator_fraction": fraction}
                                        for t, fixed, fraction in self.memory_footprint}
@@ -381,6 +396,7 @@ def parse_profile(data: Mapping[str, Any]) -> ModelProfile:
         measured_on=measured_on,
         optimizer_step_s_per_byte=rates,
         action_overhead_s=_parse_overheads(data.get("action_overhead_s", {})),
+        iteration_overhead_s=_parse_overheads(data.get("iteration_overhead_s", {}), "iteration_overhead_s"),
         memory_footprint=tuple(
             (str(t), require_number(require_mapping(f, f"memory_footprint[{t!r}]", ProfileError), "fixed_bytes",
                                     f"memory_footprint[{t!r}]", ProfileError, least=0),
@@ -391,10 +407,10 @@ def parse_profile(data: Mapping[str, Any]) -> ModelProfile:
     )
 
 
-def _parse_overheads(raw: Any) -> tuple[tuple[str, float], ...]:
+def _parse_overheads(raw: Any, key: str = "action_overhead_s") -> tuple[tuple[str, float], ...]:
     """``{type: seconds}`` -> the tuple form; the values are checked by ``ModelProfile``."""
     if not isinstance(raw, Mapping):
-        raise ProfileError(f"action_overhead_s must be an object {{device type: seconds}}, got {raw!r}")
+        raise ProfileError(f"{key} must be an object {{device type: seconds}}, got {raw!r}")
     return tuple((str(t), v) for t, v in raw.items())
 
 

@@ -45,6 +45,9 @@ LOCAL_MODES: frozenset[str] = frozenset({"hybrid-ps", "daso"})
 PLACEMENTS: tuple[str, ...] = ("local", "round-robin")
 #: ``allreduce`` option: the cheaper of ring and hierarchical per all-reduce, or always the flat ring
 ALLREDUCE_CHOICES: tuple[str, ...] = ("auto", "ring")
+#: ``transfers`` option: a stage-to-stage transfer overlaps compute (hetrain's runtime: ``isend``, ``irecv``
+#: posted ahead), or blocks its sender and its receiver for its duration (DeepSpeed's PipelineEngine)
+TRANSFER_CHOICES: tuple[str, ...] = ("overlap", "blocking")
 #: DistributedDataParallel's default bucket size (``bucket_cap_mb=25``)
 BUCKET_BYTES = 25 * 2**20
 #: its first bucket's (``_DEFAULT_FIRST_BUCKET_BYTES``), so the last layers' all-reduce starts early
@@ -90,6 +93,8 @@ _BOUNDS: dict[str, _Bound] = {
     "bucket_bytes": _Bound(float, 1, 2**40, help="gradient bucket size (bsp)"),
     "first_bucket_bytes": _Bound(float, 1, 2**40, help="the first (last layers') bucket's size (bsp)"),
     "allreduce": _Bound(str, choices=ALLREDUCE_CHOICES, help="auto: ring or hierarchical, the cheaper; ring: always"),
+    "transfers": _Bound(str, choices=TRANSFER_CHOICES,
+                        help="overlap: a p2p transfer overlaps compute; blocking: it holds sender and receiver"),
 }
 SYNC_OPTION_HELP = ", ".join(b.describe(name) for name, b in _BOUNDS.items())
 
@@ -108,6 +113,10 @@ class SyncOptions:
         bucket_bytes: gradient bucket size of ``bsp`` (DistributedDataParallel's 25 MiB).
         first_bucket_bytes: the first bucket's (DistributedDataParallel's 1 MiB).
         allreduce: ``auto`` (ring or hierarchical, the cheaper, per all-reduce) or ``ring``.
+        transfers: how the runtime runs a stage-to-stage transfer: ``overlap`` (it overlaps compute: hetrain's
+            runtime, benchmarks/transfer_blocking.py) or ``blocking`` (it holds its sender and its receiver for
+            its duration: DeepSpeed's PipelineEngine and other synchronous runtimes). A property of the runtime
+            that runs the plan, read by the simulator and the planner's closed forms (docs/sync.md).
     """
 
     staleness: int = 1
@@ -119,6 +128,7 @@ class SyncOptions:
     bucket_bytes: float = float(BUCKET_BYTES)
     first_bucket_bytes: float = float(FIRST_BUCKET_BYTES)
     allreduce: str = ALLREDUCE_CHOICES[0]
+    transfers: str = TRANSFER_CHOICES[0]
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -12,7 +12,8 @@ over time::
     fast NIC out        |SEND_F mb1|
 
 Device event kinds: ``forward``, ``backward``, ``optimizer`` (compute),
-``recv`` (held by a receive until its data arrives), ``sync`` (in an
+``recv`` (held by a receive until its data arrives), ``send`` (held by a
+blocking send, sync option ``transfers=blocking``), ``sync`` (in an
 all-reduce); gaps are idle. Link event kinds: ``send_f`` (activations),
 ``send_b`` (gradients), ``allreduce``.
 
@@ -47,7 +48,7 @@ EVENT_FIELDS = ("start_s", "end_s", "kind", "label", "micro_batch")
 COMPUTE_KINDS = ("forward", "backward", "optimizer")
 #: fill colours of the Gantt picture, by event kind
 KIND_COLORS: dict[str, str] = {
-    "forward": "#4c72b0", "backward": "#55a868", "optimizer": "#8172b2", "recv": "#dddddd",
+    "forward": "#4c72b0", "backward": "#55a868", "optimizer": "#8172b2", "recv": "#dddddd", "send": "#bbbbbb",
     "sync": "#c44e52", "send_f": "#64b5cd", "send_b": "#8dd3a0", "allreduce": "#e8a0a2",
 }
 

@@ -10,6 +10,9 @@ where ``t_j`` is stage j's forward + backward time (with recomputation where
 memory requires it, and the device's overhead per action twice) and ``c_j``
 the activation + gradient transfer over the actual link between positions j-1
 and j (Pipe-Torch's point: cut where the link is fast or the activation small).
+Where the runtime's transfers block (sync option ``transfers=blocking``) a stage
+is held by the transfers on both its sides, and the bottleneck term becomes
+``max_j (t_j + c_j + c_{j+1})`` (cost.estimate_blocking_pipeline_time).
 
 ``f`` mixes a sum and a max, so a single min-sum or min-max DP is not exact.
 We enumerate the bottleneck: for a cap ``T`` on every stage and transfer, a
@@ -134,10 +137,12 @@ def _build_cells(p: int, L: int, span: int) -> _Cells:
     return _Cells(rows, start, end, start * (L + 1) + end, invalid)
 
 
-def _banded(block: np.ndarray, links: np.ndarray, cells: _Cells) -> tuple[np.ndarray, np.ndarray]:
+def _banded(block: np.ndarray, links: np.ndarray, cells: _Cells,
+            blocking: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Per stage j and range: cost = t_j(k, l) + c_j(k) and peak = max(t_j(k, l), c_j(k)), (p, W, span) each.
 
     ``block`` holds t_j at ``cells``; ``links[j, k]`` is the transfer into stage j cut before layer k.
+    ``blocking``: peak = t_j(k, l) + c_j(k) + c_{j+1}(l), the stage held by the transfers on both sides.
     """
     block[cells.invalid] = INF
     p, W, span = block.shape
@@ -148,6 +153,10 @@ def _banded(block: np.ndarray, links: np.ndarray, cells: _Cells) -> tuple[np.nda
     step = padded.itemsize
     c = np.lib.stride_tricks.as_strided(padded.ravel()[1:], shape=(p, W, span),
                                         strides=(step * (padded.shape[1] + 1), step, step), writeable=False)
+    if blocking:
+        after = np.zeros((p, W, 1))
+        after[:-1] = links[np.arange(1, p)[:, None, None], cells.end[:-1]]  # c_{j+1}(l): out of stage j
+        return block + c, block + c + after
     return block + c, np.maximum(block, c)
 
 
@@ -200,13 +209,14 @@ def _worst(peak: np.ndarray, cuts: Sequence[int]) -> float:
 def partition(cluster: Cluster, profile: ModelProfile, devices: Sequence[Device], b: int, m: int,
               schedule: str, optimizer: str, allow_recompute: bool = True,
               max_caps: int = 64, cache: StageTableCache | None = None,
-              full_recompute: bool = False) -> PartitionResult | None:
+              full_recompute: bool = False, blocking: bool = False) -> PartitionResult | None:
     """Best cuts of the model over ``devices`` in this order; None if no cut fits memory.
 
     Every device gets at least one layer, so ``len(devices) <= L`` is required.
     ``full_recompute`` (for screening): a stage that needs recomputation recomputes
     every useful layer instead of the greedy's cheapest set, an upper bound that
-    needs no per-range greedy.
+    needs no per-range greedy. ``blocking``: the runtime's transfers hold sender and receiver
+    (sync option ``transfers``), so each stage's time holds the transfers on both its sides.
 
     Example:
         >>> r = partition(cluster, profile, cluster.devices[:2], b=4, m=8,
@@ -237,7 +247,7 @@ def partition(cluster: Cluster, profile: ModelProfile, devices: Sequence[Device]
     for _ in range(3):
         cells = _cells(p, L, _span(bases, guess))
         block = kinds.full_at(kind + cells.flat, n)
-        cost_full, peak_full = _banded(block, links, cells)
+        cost_full, peak_full = _banded(block, links, cells, blocking)
         t_full = _min_max(peak_full, cells.rows)
         if t_full <= guess or not np.isfinite(guess):
             break
@@ -249,7 +259,7 @@ def partition(cluster: Cluster, profile: ModelProfile, devices: Sequence[Device]
     sum_full, cuts_full = found_full
     f0 = sum_full + (m - 1) * _worst(peak_full, cuts_full)
     if full_recompute:
-        return _result_full(devices, kinds, kind_of, n[:, 0, 0], links, cuts_full, m, b)
+        return _result_full(devices, kinds, kind_of, n[:, 0, 0], links, cuts_full, m, b, blocking)
     stages = build_stage_costs(profile, devices, b, m, schedule, optimizer, allow_recompute, cache)
     s_lb = float(np.min(np.stack([s.fwd_s + s.bwd_s for s in stages]), axis=0).sum())
     limit = f0 if m == 1 else min(f0, (f0 - s_lb) / (m - 1))
@@ -258,7 +268,7 @@ def partition(cluster: Cluster, profile: ModelProfile, devices: Sequence[Device]
         s.ensure_recompute(limit)
     cells = _cells(p, L, _span(bases, limit))
     block = np.stack([s.time_s[cells.start[j], cells.end[j]] for j, s in enumerate(stages)])
-    cost, peak = _banded(block, links, cells)
+    cost, peak = _banded(block, links, cells, blocking)
     rows = cells.rows
     peak = np.where(peak <= limit, peak, INF)  # ranges above the limit cannot be in the answer
     t_star = _min_max(peak, rows)
@@ -289,11 +299,11 @@ def partition(cluster: Cluster, profile: ModelProfile, devices: Sequence[Device]
         if f < best_f:
             best_f, best = f, cuts
     assert best is not None
-    return _result(devices, stages, links, best, m, b, full_recompute=False, exact=exact)
+    return _result(devices, stages, links, best, m, b, full_recompute=False, exact=exact, blocking=blocking)
 
 
 def _result_full(devices: Sequence[Device], kinds: KindTables, kind_of: Sequence[int], n: np.ndarray,
-                 links: np.ndarray, cuts: Sequence[int], m: int, b: int) -> PartitionResult:
+                 links: np.ndarray, cuts: Sequence[int], m: int, b: int, blocking: bool = False) -> PartitionResult:
     """The PartitionResult of ``cuts`` with full recomputation where a stage needs any (screening)."""
     p = len(devices)
     L = kinds.layer_s.shape[1]
@@ -316,12 +326,21 @@ def _result_full(devices: Sequence[Device], kinds: KindTables, kind_of: Sequence
     return PartitionResult(
         devices=tuple(devices), cuts=tuple(cuts), recompute=tuple(rcs), stage_s=tuple(stage_s),
         forward_s=tuple(fwd), backward_s=tuple(bwd), link_s=tuple(link_s),
-        sum_s=float(sum(stage_s) + sum(link_s)), max_s=float(max(stage_s + link_s)), m=m, b=b, exact=False,
+        sum_s=float(sum(stage_s) + sum(link_s)), max_s=_max_term(stage_s, link_s, blocking), m=m, b=b, exact=False,
     )
 
 
+def _max_term(stage_s: list[float], link_s: list[float], blocking: bool) -> float:
+    """The bottleneck: the slowest stage or link; under blocking transfers, the slowest stage with the links
+    on both its sides (``cost.estimate_blocking_pipeline_time``)."""
+    if not blocking:
+        return float(max(stage_s + link_s))
+    c = [0.0, *link_s, 0.0]
+    return float(max(t + c[j] + c[j + 1] for j, t in enumerate(stage_s)))
+
+
 def _result(devices: Sequence[Device], stages: list[StageCosts], links: np.ndarray, cuts: Sequence[int], m: int,
-            b: int, full_recompute: bool, exact: bool) -> PartitionResult:
+            b: int, full_recompute: bool, exact: bool, blocking: bool = False) -> PartitionResult:
     """The PartitionResult of ``cuts`` over the given stage tables."""
     p = len(devices)
     fwd, bwd, stage_s, rcs = [], [], [], []
@@ -337,6 +356,6 @@ def _result(devices: Sequence[Device], stages: list[StageCosts], links: np.ndarr
     return PartitionResult(
         devices=tuple(devices), cuts=tuple(cuts), recompute=tuple(rcs), stage_s=tuple(stage_s),
         forward_s=tuple(fwd), backward_s=tuple(bwd), link_s=tuple(link_s),
-        sum_s=float(sum(stage_s) + sum(link_s)), max_s=float(max(stage_s + link_s)), m=m, b=b,
+        sum_s=float(sum(stage_s) + sum(link_s)), max_s=_max_term(stage_s, link_s, blocking), m=m, b=b,
         exact=exact,
     )

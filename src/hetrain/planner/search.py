@@ -27,6 +27,7 @@ from hetrain.cluster import Cluster
 from hetrain.cost import (
     MEMORY_MARGIN_FRACTION,
     estimate_device_memory,
+    estimate_iteration_overhead,
     estimate_optimizer_step_memory,
     estimate_optimizer_time,
     estimate_samples_to_accuracy_factor,
@@ -196,7 +197,8 @@ def _evaluate(cluster: Cluster, profile: ModelProfile, formation: Formation, sch
         if sig not in evaluators:
             evaluators[sig] = VWEvaluator(
                 cluster, profile, canonical_devices(cluster, g), schedule, opts.optimizer, opts.allow_recompute,
-                opts.order_budget, opts.max_caps, opts.micro_batch_sizes, cache, opts.exhaustive_orders)
+                opts.order_budget, opts.max_caps, opts.micro_batch_sizes, cache, opts.exhaustive_orders,
+                opts.sync_options.transfers == "blocking")
     if global_batch < len(groups):
         return None
     # Guess each VW's share by peak compute, to size the coarse partitions' micro-batch count.
@@ -234,6 +236,7 @@ def _evaluate(cluster: Cluster, profile: ModelProfile, formation: Formation, sch
     optimizer_s = max(
         estimate_optimizer_time(sum(profile.layers[i].param_bytes for i in range(k, l)),
                                 profile.bytes_per_element, cluster.devices[d], opts.optimizer, profile)
+        + estimate_iteration_overhead(profile, cluster.devices[d])
         for layout in layouts for d, k, l in layout
     )
     # what each device's last backward micro-batch can hide of its BSP gradient buckets

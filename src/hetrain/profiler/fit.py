@@ -303,11 +303,14 @@ def merge_profiles(profiles: Sequence[ModelProfile]) -> ModelProfile:
         for type_name, by_optimizer in p.optimizer_step_s_per_byte:
             rates.setdefault(type_name, {}).update(by_optimizer)
     overheads: dict[str, float] = {}
+    per_iteration: dict[str, float] = {}
     for p in profiles:
         overheads.update(dict(p.action_overhead_s))
+        per_iteration.update(dict(p.iteration_overhead_s))
     return dataclasses.replace(first, layers=tuple(layers), measured_on=tuple(figures.items()),
                                optimizer_step_s_per_byte=tuple((t, tuple(r.items())) for t, r in rates.items()),
-                               action_overhead_s=tuple(overheads.items()))
+                               action_overhead_s=tuple(overheads.items()),
+                               iteration_overhead_s=tuple(per_iteration.items()))
 
 
 def average_profiles(profiles: Sequence[ModelProfile]) -> ModelProfile:

@@ -16,7 +16,12 @@ What each action costs:
   sample of the layer before the stage boundary (activation forward, its gradient
   of the same size backward). The sender does not wait (the runtime posts an
   ``isend``); the transfer starts when its link resources are free and the
-  receiver's ``RECV`` holds it until the data has arrived.
+  receiver's ``RECV`` holds it until the data has arrived. Under the sync option
+  ``transfers=blocking`` (a runtime whose sends and receives are on the critical
+  path, as DeepSpeed's PipelineEngine) the sender is held until its transfer
+  ends, and the receiver for the transfer's duration from when it reaches its
+  ``RECV`` (or from the transfer's start, if later):
+  ``cost.estimate_blocking_pipeline_time`` is the closed form.
 - ``ALLREDUCE segN``: when every owner of the segment has reached it,
   ``estimate_allreduce`` of the segment's gradient bytes, run as phases over the
   link resources it crosses: a flat ring as reduce-scatter then all-gather over
@@ -29,7 +34,8 @@ What each action costs:
   forwards among them). The device does not wait: its backward goes on while the
   bucket's phases occupy the links. ``ALLREDUCE_WAIT segN bucketK`` holds the
   device until that all-reduce has ended; the time held counts as sync.
-- ``STEP``: ``estimate_optimizer_time`` of the stage's parameters.
+- ``STEP``: ``estimate_optimizer_time`` of the stage's parameters, plus the
+  profile's fixed cost per iteration (``estimate_iteration_overhead``).
 
 Link resources and contention::
 

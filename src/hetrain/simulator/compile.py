@@ -17,6 +17,7 @@ import numpy as np
 from hetrain.cluster import Device
 from hetrain.cost import (
     estimate_action_overhead,
+    estimate_iteration_overhead,
     estimate_layer_times,
     estimate_optimizer_step_memory,
     estimate_optimizer_time,
@@ -65,7 +66,7 @@ class StageCosts:
 
     weights_bytes: float  # weights, gradients and optimizer state: held from t = 0
     step_transient_bytes: float  # the optimizer step's transient
-    optimizer_s: float
+    optimizer_s: float  # the step, and the per-iteration fixed cost (``estimate_iteration_overhead``)
     overhead_s: float  # per forward or backward action
     forward_s: list[float]
     backward_s: list[float]  # the recomputed forwards included
@@ -95,7 +96,8 @@ def estimate_stage_costs(plan: Plan, vw: VirtualWorker, stage: Stage, device: De
     return StageCosts(
         weights_bytes=weights,
         step_transient_bytes=estimate_optimizer_step_memory(param_bytes, profile.bytes_per_element, plan.optimizer),
-        optimizer_s=estimate_optimizer_time(param_bytes, profile.bytes_per_element, device, plan.optimizer, profile),
+        optimizer_s=estimate_optimizer_time(param_bytes, profile.bytes_per_element, device, plan.optimizer, profile)
+        + estimate_iteration_overhead(profile, device),
         overhead_s=overhead,
         forward_s=[per_size[b][0] for b in sizes], backward_s=[per_size[b][1] for b in sizes],
         activation_bytes=[per_size[b][2] for b in sizes], transient_bytes=[per_size[b][3] for b in sizes],
@@ -171,6 +173,7 @@ class _Compiler:
         self.cluster_index = {d.name: d.index for d in self.cluster.devices}
         self.node_of = {dev.name: dev.node for dev in self.cluster.devices}
         self.staleness = plan.sync_options.staleness
+        self.blocking = plan.sync_options.transfers == "blocking"
         self.segments = plan.segments()
         self.res = LinkResources()
         # (kind, segment, members or bucket, iteration started) -> collective number
@@ -261,7 +264,7 @@ class _Compiler:
         src, dst = a.stages_joined
         label = f"{a.kind.value} {src}->{dst} mb{i} {name}->{to}"
         return Send(i, label, TransferKey(not forward, dev.d, peer, i), duration_s, links,
-                    "send_f" if forward else "send_b")
+                    "send_f" if forward else "send_b", self.blocking)
 
     def _recv(self, a: Transfer, dev: _Device) -> Op:
         key = TransferKey(a.kind is K.RECV_B, self.index[a.named_peer()], dev.d, a.micro_batch)

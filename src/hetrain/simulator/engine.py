@@ -126,6 +126,8 @@ class _Engine:
         # point-to-point: transfer -> when it arrives (sent first) / (receiver, since when) (receiver first)
         self.arrivals: dict[TransferKey, float] = {}
         self.receivers: dict[TransferKey, tuple[int, float]] = {}
+        # a blocking transfer sent before its receiver reached it: (when it started on its links, duration)
+        self.blocking_sent: dict[TransferKey, tuple[float, float]] = {}
         # collectives: owners arrived, the phase that runs next, when it started
         self.arrived: dict[int, list[int]] = {}
         self.phase_of: dict[int, int] = {}
@@ -268,24 +270,43 @@ class _Engine:
         return _LATER
 
     def _send(self, t: float, d: int, op: Send) -> Flow:
-        """Posts the transfer on its links (FIFO) and goes on; a receiver already waiting is woken at its end."""
+        """Posts the transfer on its links (FIFO) and goes on; a receiver already waiting is woken at its end.
+
+        A blocking transfer holds the sender until it ends; the receiver is held for its duration from
+        when both it has reached its ``RECV`` and the transfer has started (``_recv``)."""
         start, end = occupy(self.free_at, op.links, t, op.duration_s)
         for r in op.links:
             self.link_events[r].append(_new(Event, (start, end, op.kind, op.label, op.micro_batch)))
         receiver = self.receivers.pop(op.key, None)
         if receiver is None:
-            self.arrivals[op.key] = end
+            if op.blocking:
+                self.blocking_sent[op.key] = (start, op.duration_s)
+            else:
+                self.arrivals[op.key] = end
+        else:
+            w, since = receiver
+            if end > since:
+                recv = self.ops[w][self.pc[w]]
+                assert isinstance(recv, Recv)
+                self.events[w].append(_new(Event, (since, end, "recv", str(recv.action), op.micro_batch)))
+            self.pc[w] += 1
+            self._wake(end, _DEVICE_READY, w)
+        if not op.blocking:
             return _NEXT
-        w, since = receiver
-        if end > since:
-            recv = self.ops[w][self.pc[w]]
-            assert isinstance(recv, Recv)
-            self.events[w].append(_new(Event, (since, end, "recv", str(recv.action), op.micro_batch)))
-        self.pc[w] += 1
-        self._wake(end, _DEVICE_READY, w)
-        return _NEXT
+        if end > t:
+            self.events[d].append(_new(Event, (t, end, "send", op.label, op.micro_batch)))
+        self._wake(end, _DEVICE_READY, d)
+        return _LATER
 
     def _recv(self, t: float, d: int, op: Recv) -> Flow:
+        sent = self.blocking_sent.pop(op.key, None)
+        if sent is not None:  # a blocking transfer: the receiver spends its duration on it from here
+            end = max(t, sent[0]) + sent[1]
+            if end > t:
+                self.events[d].append(_new(Event, (t, end, "recv", str(op.action), op.micro_batch)))
+                self._wake(end, _DEVICE_READY, d)
+                return _LATER
+            return _NEXT
         at = self.arrivals.pop(op.key, None)
         if at is None:
             self.receivers[op.key] = (d, t)

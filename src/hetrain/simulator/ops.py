@@ -7,8 +7,9 @@ index into ``Program.collectives``), so every owner's operation names the same o
     Action                       operation      what the device does
     jFi                          Forward        computes for duration_s
     jBi                          Backward       computes; starts its buckets' all-reduces on the way
-    SEND_F / SEND_B              Send           posts the transfer and goes on
-    RECV_F / RECV_B              Recv           waits until the transfer has arrived
+    SEND_F / SEND_B              Send           posts the transfer and goes on (blocking: held until it ends)
+    RECV_F / RECV_B              Recv           waits until the transfer has arrived (blocking: and for its
+                                                duration from when the receiver reaches it)
     ALLREDUCE, LOCAL_ALLREDUCE,
     AVERAGE                      Collective     waits until every owner has arrived and the phases ended
     AVERAGE_START                AverageStart   joins a posted average and goes on
@@ -61,6 +62,7 @@ class Send(NamedTuple):
     duration_s: float
     links: tuple[int, ...]
     kind: str  # the link event's kind: "send_f" or "send_b"
+    blocking: bool = False  # the plan's transfers="blocking": sender and receiver held for the duration
 
 
 class Recv(NamedTuple):

@@ -1,0 +1,389 @@
+"""Measured Megatron-DeepSpeed runs in the Sailor artifact's format, as hetrain plans (docs/measured-runs.md).
+
+The Sailor project (github.com/eth-easl/sailor, SOSP 2025, MIT licence) published
+measured training runs on real GPU clusters with the per-layer profiles and the
+network fits that go with them. ``load_sailor_data`` reads a directory of
+
+    measured_plans.json   the plans and what was measured (iteration time, per-GPU peak memory)
+    profiles.json         per-layer forward/backward seconds per GPU type, micro-batch and TP degree;
+                          per-layer parameter and activation element counts per TP degree
+    network.json          fitted bandwidth curves between and inside nodes
+
+and ``convert_plan`` turns one measured plan into a hetrain ``Plan`` by one rule,
+the same for every plan, with no per-plan constant:
+
+    Sailor                                   hetrain
+    replica of a stage (a TP group of tp     one device of type "<gpu>x<tp>" on its own node:
+      GPUs on one node)                        tp x the GPU's peak rates, bandwidth and memory;
+                                               its layer times the profile's at that tp
+    replica r of every stage                 virtual worker r (a pipeline); mini-batch mbs x m
+    activation / gradient between stages     a [[link]] whose bandwidth is the fitted curve of tp
+                                               GPUs per node sending at once (aggregate), at the
+                                               message each sends: mbs x the boundary's activation
+                                               / tp (DeepSpeed partitions a TP group's activations
+                                               and gradients over its ranks, the receiver gathers)
+    gradient all-reduce among the replicas   a [[link]] between the replicas' nodes: the curve of tp
+      of a stage                               GPUs per node at once, at a ring step's message
+                                               (a GPU's gradients / dp)
+    DeepSpeed's PipelineEngine               1F1B; transfers that block (sync option transfers);
+                                               one gradient bucket all-reduced after the last
+                                               backward, a flat ring; fp32 AdamW
+    DeepSpeed's memory beyond tensors        the profile's memory footprint of each device type:
+                                               tp x a fixed footprint per GPU, and the allocator's
+                                               share (``DeepSpeedRuntime``)
+    DeepSpeed's fixed cost per iteration     the profile's iteration_overhead_s
+
+Pure Python, no torch: the conversion is planning-side data.
+
+Example:
+    >>> data = load_sailor_data("sailor-dev")                         # doctest: +SKIP
+    >>> run = convert_plan(data.plans[0], data)                       # doctest: +SKIP
+    >>> run.plan.cluster.type_names, run.measured_iter_time_s         # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hetrain.catalog import lookup_device_type
+from hetrain.cluster import parse_cluster
+from hetrain.errors import InputError
+from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
+from hetrain.profile import DeviceFigures, LayerProfile, Measurement, ModelProfile
+from hetrain.sync_layout import SyncOptions
+
+#: bytes per element of the runs: fp32 throughout (README of the data set; Sailor's simulator uses 4)
+FP32_BYTES = 4
+#: a bucket larger than any model: DeepSpeed's PipelineEngine all-reduces the gradients once, after the
+#: last backward of the iteration (``_exec_reduce_grads``), never during it
+ONE_BUCKET_BYTES = float(2**40)
+FILES = ("measured_plans.json", "profiles.json", "network.json")
+
+
+class MeasuredRunError(InputError):
+    """A measured-run file or plan that cannot be converted; names the file or plan, the field and the value."""
+
+
+@dataclass(frozen=True)
+class DeepSpeedRuntime:
+    """The properties of the runtime that made the measured runs (Megatron-DeepSpeed's PipelineEngine).
+
+    Set as that runtime has them, not fitted per plan. The three numbers below are physical
+    constants of the runtime, fitted once on the development set (``benchmarks/real_cluster_accuracy.py
+    --fit``, docs/measured-runs.md): the same for every plan, GPU type and cluster.
+
+    Attributes:
+        transfers: ``"blocking"``: its sends and receives are on the critical path of both stages.
+        fixed_bytes_per_gpu: memory each GPU holds beyond its tensors: CUDA context, NCCL's
+            communicators (a data-parallel, a pipeline, a tensor-parallel and DeepSpeed's own
+            groups), DeepSpeed's and Megatron's buffers.
+        allocator_fraction: what PyTorch's caching allocator holds beyond the tensor peak, as a share
+            of it (fragmentation of a training step's many activation sizes).
+        iteration_overhead_s: the runtime's fixed cost per iteration (its step's bookkeeping,
+            the reduction of the tied embedding's gradients, logging).
+        action_overhead_s: the runtime's fixed cost per forward and per backward of a micro-batch
+            (the PipelineEngine interprets its instructions one by one, in Python).
+        p2p_latency_s: the fixed cost of one stage-to-stage transfer beyond its bytes (DeepSpeed
+            sends a tensor's shape before the tensor).
+        partitioned_transfers: DeepSpeed's ``pipeline.pipe_partitioned`` and ``grad_partitioned``
+            (default true where TP > 1): each TP rank sends 1/tp of an activation or gradient and the
+            receiver gathers the parts; false: every TP rank sends the whole tensor to its peer.
+    """
+
+    transfers: str = "blocking"
+    fixed_bytes_per_gpu: float = 4.41e9
+    allocator_fraction: float = 0.104
+    iteration_overhead_s: float = 0.0
+    action_overhead_s: float = 0.0
+    p2p_latency_s: float = 0.0
+    partitioned_transfers: bool = True
+
+    def sync_options(self) -> SyncOptions:
+        """What the plan records of the runtime: blocking transfers, one bucket, a flat ring."""
+        return SyncOptions(bucket_bytes=ONE_BUCKET_BYTES, first_bucket_bytes=ONE_BUCKET_BYTES, allreduce="ring",
+                           transfers=self.transfers)
+
+
+DEEPSPEED = DeepSpeedRuntime()
+
+
+@dataclass(frozen=True)
+class SailorData:
+    """The three files of a measured-run directory, as read (``load_sailor_data``)."""
+
+    directory: str
+    plans: tuple[Mapping[str, Any], ...]
+    profiles: Mapping[str, Any]
+    network: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class MeasuredPlan:
+    """One measured run and its hetrain plan.
+
+    Attributes:
+        id: the run's id in measured_plans.json; ``group``: its group.
+        plan: the hetrain plan (``convert_plan``).
+        gpus_per_device: per hetrain device name, the GPUs it stands for (its TP degree).
+        measured_iter_time_s / measured_max_mem_bytes: what was measured (peak memory per GPU).
+        usable_for_time: the data's ``usable_for_time``.
+        memory_reliable: whether its memory figure was measured on this configuration (False for the
+            ``superseded_*`` groups, whose figures were carried over between runs).
+    """
+
+    id: str
+    group: str
+    plan: Plan
+    gpus_per_device: Mapping[str, int]
+    measured_iter_time_s: float
+    measured_max_mem_bytes: float
+    usable_for_time: bool
+    memory_reliable: bool
+
+    def per_gpu_bytes(self, device_peak_bytes: Mapping[str, float]) -> float:
+        """The largest per-GPU memory of the plan, from each hetrain device's peak (a device of tp GPUs
+        holds tp shards of equal size: its peak / tp per GPU)."""
+        return max(b / self.gpus_per_device[d] for d, b in device_peak_bytes.items())
+
+
+def _load(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except OSError as e:
+        raise MeasuredRunError(f"{path}: cannot read ({e.strerror or e})") from None
+    except json.JSONDecodeError as e:
+        raise MeasuredRunError(f"{path}: not JSON ({e.msg} at line {e.lineno})") from None
+
+
+def load_sailor_data(directory: str | Path) -> SailorData:
+    """Read ``measured_plans.json``, ``profiles.json`` and ``network.json`` from ``directory``.
+
+    Raises:
+        MeasuredRunError: a file missing, not JSON, or without its top-level field.
+    """
+    d = Path(directory)
+    plans_raw, profiles, network = (_load(d / name) for name in FILES)
+    for name, raw, key in (("measured_plans.json", plans_raw, "plans"), ("profiles.json", profiles, "models"),
+                           ("network.json", network, "inter_node")):
+        if not isinstance(raw, Mapping) or key not in raw:
+            raise MeasuredRunError(f"{d / name}: expected an object with {key!r}")
+    plans = plans_raw["plans"]
+    if not isinstance(plans, list):
+        raise MeasuredRunError(f"{d / 'measured_plans.json'}: plans must be a list, got {type(plans).__name__}")
+    return SailorData(str(d), tuple(plans), profiles, network)
+
+
+# ---------------------------------------------------------------------------
+# network: the fitted curves
+# ---------------------------------------------------------------------------
+
+
+def fitted_bandwidth(fit: Mapping[str, Any], size_bytes: float) -> float:
+    """Bytes/s of a fitted curve at a message of ``size_bytes``.
+
+    ``bw_GBps = c0 L^2 + c1 L + c2`` with ``L = log2(size / 1e6)`` (network.json's ``formula``),
+    capped at the largest bandwidth measured (``max_bw_Bps``); where the quadratic is not positive
+    (far below the fitted range) the largest measured bandwidth stands in, as the data's caveat says.
+
+    Example:
+        >>> fitted_bandwidth({"coeffs": [0.0, 0.0, 2.0], "max_bw_Bps": 3e9}, 8e6)
+        2000000000.0
+    """
+    c0, c1, c2 = (float(c) for c in fit["coeffs"])
+    level = math.log2(size_bytes / 1e6)
+    gb_per_s = c0 * level * level + c1 * level + c2
+    top = float(fit["max_bw_Bps"])
+    return top if gb_per_s <= 0 else min(gb_per_s * 1e9, top)
+
+
+def _count(replica: Mapping[str, Any]) -> int:
+    """GPUs of a replica that send at once: its TP group, within one node."""
+    return int(min(replica["tp"], replica.get("gpus_per_node") or replica["tp"]))
+
+
+def _inter_fit(network: Mapping[str, Any], sender: Mapping[str, Any], receiver: Mapping[str, Any],
+               plan_id: str) -> Mapping[str, Any]:
+    keys = (str(sender["gpu_type"]), str(_count(sender)), str(receiver["gpu_type"]), str(_count(receiver)))
+    node: Any = network["inter_node"]
+    for k in keys:
+        if not isinstance(node, Mapping) or k not in node:
+            raise MeasuredRunError(f"plan {plan_id}: network.json has no inter_node{list(keys)} fit "
+                                   f"(missing {k!r})")
+        node = node[k]
+    return node  # type: ignore[no-any-return]
+
+
+# ---------------------------------------------------------------------------
+# the profile of one model at one TP degree
+# ---------------------------------------------------------------------------
+
+
+def device_type_name(gpu: str, tp: int) -> str:
+    """The hetrain device type of a TP group: ``"GH-96x4"``."""
+    return f"{gpu}x{tp}"
+
+
+def _model(data: SailorData, name: str, plan_id: str) -> Mapping[str, Any]:
+    models = data.profiles["models"]
+    if name not in models:
+        raise MeasuredRunError(f"plan {plan_id}: profiles.json has no model {name!r}; it has {', '.join(models)}")
+    return models[name]  # type: ignore[no-any-return]
+
+
+def _gpu_figures(data: SailorData, gpu: str, tp: int) -> tuple[float, float, float]:
+    """(peak fp32 FLOP/s, memory bytes, memory bandwidth) of a TP group of ``tp`` GPUs of type ``gpu``: the
+    catalog's rates, the memory the data's cluster had per GPU (``basic_cluster_config``), times tp."""
+    t = lookup_device_type(gpu)
+    cfg = data.network.get("basic_cluster_config", {}).get(gpu, {})
+    memory = float(cfg.get("mem_per_gpu") or t.memory_bytes)
+    return tp * t.peak_fp32_flops, tp * memory, tp * t.memory_bandwidth_bytes_per_s
+
+
+def build_sailor_profile(data: SailorData, model_name: str, tp: int, gpus: Sequence[str],
+                         runtime: DeepSpeedRuntime = DEEPSPEED, plan_id: str = "") -> ModelProfile:
+    """The hetrain profile of ``model_name`` run at TP degree ``tp`` on device types ``<gpu>x<tp>``.
+
+    Per layer (Sailor's ids: 0 embedding, 1..L blocks, L+1 final norm + head + loss), for a device of
+    tp GPUs: ``param_bytes`` = tp x a TP rank's parameters x 4; ``saved_bytes_per_sample`` = tp x a rank's
+    activation memory (``act_mem_floats``) x 4; ``output_bytes_per_sample`` = the whole activation sent
+    to the next stage (``act_output_floats`` at tp 1) x 4. The last layer's output is its logits, tp x
+    a rank's share: hetrain's loss term keeps one such output per micro-batch in flight, so the last
+    layer's saved bytes are its activation memory less that one. Times: the profile's seconds at
+    ``tp`` and each measured micro-batch size, per device type.
+    """
+    where = f"plan {plan_id}" if plan_id else f"model {model_name}"
+    model = _model(data, model_name, plan_id)
+    sizes_tp, sizes_1 = model["layer_sizes_per_tp"].get(str(tp)), model["layer_sizes_per_tp"]["1"]
+    if sizes_tp is None:
+        raise MeasuredRunError(f"{where}: profiles.json has no layer_sizes_per_tp[{tp!r}] for {model_name}")
+    dims = model["dims"]
+    seq, hidden = int(dims["sequence_length"]), int(dims["hidden_size"])
+    n = len(sizes_tp["params_floats"])
+    measured: dict[int, list[tuple[str, tuple[Measurement, ...]]]] = {i: [] for i in range(n)}
+    for gpu in gpus:
+        by_mbs = model["timing"].get(gpu)
+        if by_mbs is None:
+            raise MeasuredRunError(f"{where}: profiles.json has no timing for GPU type {gpu!r} of {model_name}")
+        rows = sorted((int(mbs), t[str(tp)]) for mbs, t in by_mbs.items() if str(tp) in t)
+        if not rows:
+            raise MeasuredRunError(f"{where}: profiles.json has no timing of {gpu!r} at tp {tp}")
+        for i in range(n):
+            ms = tuple(Measurement(mbs, float(t["fwd_s"][i]), float(t["bwd_s"][i])) for mbs, t in rows)
+            measured[i].append((device_type_name(gpu, tp), ms))
+    layers = []
+    for i in range(n):
+        out = FP32_BYTES * float(sizes_1["act_output_floats"][i])
+        saved = tp * FP32_BYTES * float(sizes_tp["act_mem_floats"][i])
+        if i == n - 1:
+            out = tp * FP32_BYTES * float(sizes_tp["act_output_floats"][i])
+            saved = max(0.0, saved - out)
+        attention = 4.0 * seq * seq * hidden if 0 < i < n - 1 else 0.0  # QK^T and AV, per sample
+        flops = 2.0 * float(sizes_1["params_floats"][i]) * seq + attention
+        name = "embedding" if i == 0 else "head" if i == n - 1 else f"block{i}"
+        layers.append(LayerProfile(name, tp * FP32_BYTES * float(sizes_tp["params_floats"][i]), out, saved, flops,
+                                   tuple(measured[i])))
+    types = [device_type_name(g, tp) for g in gpus]
+    figures = {device_type_name(g, tp): _gpu_figures(data, g, tp) for g in gpus}
+    return ModelProfile(
+        name=model_name, layers=tuple(layers),
+        input_bytes_per_sample=FP32_BYTES * float(sizes_1["act_input_floats"][0]), precision="fp32",
+        measured_on=tuple((t, DeviceFigures(figures[t][0], figures[t][2])) for t in types),
+        memory_footprint=tuple((t, tp * runtime.fixed_bytes_per_gpu, runtime.allocator_fraction) for t in types),
+        iteration_overhead_s=tuple((t, runtime.iteration_overhead_s) for t in types if runtime.iteration_overhead_s),
+        action_overhead_s=tuple((t, runtime.action_overhead_s) for t in types if runtime.action_overhead_s),
+        seq_len=seq,
+    )
+
+
+# ---------------------------------------------------------------------------
+# one plan
+# ---------------------------------------------------------------------------
+
+
+def _field(raw: Mapping[str, Any], key: str, plan_id: str) -> Any:
+    if key not in raw:
+        raise MeasuredRunError(f"plan {plan_id}: missing field {key!r}")
+    return raw[key]
+
+
+def convert_plan(raw: Mapping[str, Any], data: SailorData, runtime: DeepSpeedRuntime = DEEPSPEED) -> MeasuredPlan:
+    """The hetrain plan of one measured plan of ``data`` (module docstring: the rule).
+
+    Raises:
+        MeasuredRunError: a plan hetrain cannot represent (stages with different data-parallel degrees,
+            replicas of different TP degrees), or data it needs missing from the files.
+    """
+    plan_id = str(raw.get("id", "?"))
+    stages = _field(raw, "stages", plan_id)
+    mbs, m = int(_field(raw, "mbs", plan_id)), int(_field(raw, "num_microbatches", plan_id))
+    dps = {len(s["replicas"]) for s in stages}
+    if len(dps) != 1:
+        raise MeasuredRunError(f"plan {plan_id}: stages with different data-parallel degrees "
+                               f"{[len(s['replicas']) for s in stages]}: a replica would serve two pipelines, "
+                               f"which hetrain's virtual workers cannot express")
+    dp = dps.pop()
+    tps = {int(r["tp"]) for s in stages for r in s["replicas"]}
+    if len(tps) != 1:
+        raise MeasuredRunError(f"plan {plan_id}: replicas of TP degrees {sorted(tps)}; one TP degree per plan")
+    tp = tps.pop()
+    gpus = list(dict.fromkeys(str(r["gpu_type"]) for s in stages for r in s["replicas"]))
+    model_name = str(_field(raw, "model", plan_id))
+    profile = build_sailor_profile(data, model_name, tp, gpus, runtime, plan_id)
+    if sum(len(s["layers"]) for s in stages) != profile.num_layers:
+        raise MeasuredRunError(f"plan {plan_id}: its stages hold {sum(len(s['layers']) for s in stages)} layers, "
+                               f"the profile of {model_name} has {profile.num_layers}")
+
+    def node(j: int, r: int) -> str:
+        return f"s{j}r{r}"
+
+    nodes, links = [], []
+    for j, s in enumerate(stages):
+        for r, rep in enumerate(s["replicas"]):
+            peak, memory, bandwidth = _gpu_figures(data, str(rep["gpu_type"]), tp)
+            own = _inter_fit(data.network, rep, rep, plan_id)
+            nodes.append({"name": node(j, r), "nic": {"bandwidth_bytes_per_s": float(own["max_bw_Bps"])},
+                          "devices": [{"type": device_type_name(str(rep["gpu_type"]), tp), "peak_fp32_flops": peak,
+                                       "memory_bytes": memory, "memory_bandwidth_bytes_per_s": bandwidth}]})
+    for j, s in enumerate(stages[:-1]):  # activations and gradients: tp pairs at once, each 1/tp of the tensor
+        last = s["layers"][-1]
+        size = mbs * profile.layers[last].output_bytes_per_sample
+        for r, rep in enumerate(s["replicas"]):
+            peer = stages[j + 1]["replicas"][r % dp]
+            k = _count(rep)
+            aggregate = fitted_bandwidth(_inter_fit(data.network, rep, peer, plan_id),
+                                         size / k if runtime.partitioned_transfers else size)
+            bw = aggregate if runtime.partitioned_transfers else aggregate / k  # k copies of the whole tensor
+            links.append({"nodes": [node(j, r), node(j + 1, r % dp)],
+                          "bandwidth_bytes_per_s": bw, "latency_s": runtime.p2p_latency_s})
+    for j, s in enumerate(stages):  # the gradient all-reduce: the tp ranks' rings run at once
+        if dp < 2:
+            continue
+        rank_bytes = sum(profile.layers[i].param_bytes for i in s["layers"]) / tp
+        for r, a in enumerate(s["replicas"]):
+            for q in range(r + 1, dp):
+                b = s["replicas"][q]
+                fits = (_inter_fit(data.network, a, b, plan_id), _inter_fit(data.network, b, a, plan_id))
+                bw = min(fitted_bandwidth(f, rank_bytes / dp) for f in fits)
+                links.append({"nodes": [node(j, r), node(j, q)], "bandwidth_bytes_per_s": bw, "latency_s": 0.0})
+    cluster = parse_cluster({"name": str(raw.get("cluster", "measured")), "node": nodes, "link": links})
+    vws = tuple(VirtualWorker(tuple(Stage(f"{node(j, r)}:0", s["layers"][0], s["layers"][-1] + 1)
+                                    for j, s in enumerate(stages)), mbs * m, m) for r in range(dp))
+    strategy = "dp" if len(stages) == 1 else "pp" if dp == 1 else "hybrid"
+    plan = Plan(model_name, dp * mbs * m, "1f1b", "bsp", "adam", vws, Prediction(0.0, 0.0, 0.0, 0.0, 0.0),
+                strategy, "measured", cluster, profile, options={"measured_run": plan_id},
+                sync_options=runtime.sync_options())
+    measured = _field(raw, "measured", plan_id)
+    group = str(raw.get("group", ""))
+    return MeasuredPlan(
+        id=plan_id, group=group, plan=plan,
+        gpus_per_device={d.name: tp for d in cluster.devices},
+        measured_iter_time_s=float(measured.get("iter_time_s") or 0.0),
+        measured_max_mem_bytes=float(measured.get("max_mem_bytes") or 0.0),
+        usable_for_time=bool(raw.get("usable_for_time", True)) and float(measured.get("iter_time_s") or 0) > 0,
+        memory_reliable=not group.startswith("superseded") and float(measured.get("max_mem_bytes") or 0) > 0,
+    )

@@ -1,0 +1,165 @@
+"""Measured runs in the Sailor artifact's format as hetrain plans, against values computed by hand.
+
+tests/data/sailor holds two plans of the development set (README there: source and licence).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import pytest
+
+from hetrain.cost import estimate_blocking_pipeline_time, estimate_optimizer_time, estimate_stage_memory
+from hetrain.imports.sailor import (
+    DEEPSPEED,
+    MeasuredRunError,
+    SailorData,
+    convert_plan,
+    fitted_bandwidth,
+    load_sailor_data,
+)
+from hetrain.simulator import simulate
+
+DATA = Path(__file__).resolve().parent / "data" / "sailor"
+GH200 = "clariden/OPT-350/N2/N2_D1"
+MIT = "superseded/mit/N4/N4_D2@37ded10"
+
+
+@pytest.fixture(scope="module")
+def data() -> SailorData:
+    return load_sailor_data(DATA)
+
+
+def raw_plan(data: SailorData, plan_id: str) -> dict:
+    return copy.deepcopy(next(p for p in data.plans if p["id"] == plan_id))
+
+
+def curve_gb_s(coeffs: tuple[float, float, float], size_bytes: float) -> float:
+    level = math.log2(size_bytes / 1e6)
+    return coeffs[0] * level**2 + coeffs[1] * level + coeffs[2]
+
+
+def test_fitted_bandwidth_is_the_quadratic_in_log_size_capped_at_the_largest_measured() -> None:
+    fit = {"coeffs": [-0.65351182, 11.42553946, 45.25031399], "max_bw_Bps": 92551901043.9898}
+    # 16 MiB: L = log2(16.777216) = 4.0704; -0.6535 * 16.568 + 11.4255 * 4.0704 + 45.2503 = 80.93 GB/s
+    assert fitted_bandwidth(fit, 2**24) == pytest.approx(80.93e9, rel=1e-3)
+    # at its top (L = 11.4255 / (2 x 0.6535) = 8.74, 428 MB) the quadratic gives 95.2 GB/s: capped at 92.6
+    assert curve_gb_s((-0.65351182, 11.42553946, 45.25031399), 4.28e8) > 92.6
+    assert fitted_bandwidth(fit, 4.28e8) == 92551901043.9898
+    assert fitted_bandwidth({"coeffs": [0, 1, -5], "max_bw_Bps": 3e9}, 1e6) == 3e9  # not positive: the largest
+
+
+def test_a_gh200_pipeline_by_hand(data: SailorData) -> None:
+    """Two stages of one GH200 TP group of 4 each, micro-batches of 8, 4 of them, nothing else."""
+    run = convert_plan(raw_plan(data, GH200), data)
+    plan, profile, cluster = run.plan, run.plan.profile, run.plan.cluster
+    assert cluster.type_names == ["GH-96x4"] and [d.name for d in cluster.devices] == ["s0r0:0", "s1r0:0"]
+    dev = cluster.devices[0]
+    assert dev.memory_bytes == 4 * 102625181696  # the cluster's 95.6 GiB per GPU, times 4
+    assert dev.peak_fp32_flops == 4 * 67e12 and dev.memory_bandwidth_bytes_per_s == 4 * 4000e9
+    # layer sizes: a block holds 3153664 floats per TP rank (x4 ranks, x4 bytes); it sends 2048 x 1024 floats
+    assert profile.layers[1].param_bytes == 4 * 4 * 3153664
+    assert profile.layers[1].output_bytes_per_sample == 4 * 2097152
+    assert profile.layers[1].saved_bytes_per_sample == 4 * 4 * 27398144
+    # the head: its logits are 4 ranks' 25952257 floats; its saved bytes are its activations less one of them
+    assert profile.layers[25].output_bytes_per_sample == 4 * 4 * 25952257
+    assert profile.layers[25].saved_bytes_per_sample == 4 * 4 * (54532864 - 25952257)
+    # DeepSpeed's runtime as it runs: blocking transfers, one bucket after the last backward, a ring, fp32 AdamW
+    opts = plan.sync_options
+    assert (opts.transfers, opts.allreduce, plan.optimizer, plan.precision, plan.schedule) == (
+        "blocking", "ring", "adam", "fp32", "1f1b")
+    assert [len(vw.stages) for vw in plan.virtual_workers] == [2]
+    vw = plan.virtual_workers[0]
+    assert (vw.mini_batch, vw.micro_batches, plan.global_batch) == (32, 4, 32)
+    assert [(s.first_layer, s.end_layer) for s in vw.stages] == [(0, 12), (12, 26)]
+    # the link: 8 x 2097152 x 4 = 67108864 bytes, each of the 4 ranks sending a quarter at once (16 MiB)
+    bw = curve_gb_s((-0.65351182, 11.42553946, 45.25031399), 2**24) * 1e9
+    assert cluster.link(0, 1).bandwidth_bytes_per_s == pytest.approx(bw, rel=1e-12)
+    c = 67108864 / bw  # one transfer: about 0.83 ms
+    # the stages' times: the profile's seconds at micro-batch 8 and TP 4, summed over each stage's layers
+    timing = data.profiles["models"]["OPT-350"]["timing"]["GH-96"]["8"]["4"]
+    t = [sum(timing["fwd_s"][a:b]) + sum(timing["bwd_s"][a:b]) for a, b in ((0, 12), (12, 26))]
+    pipeline = estimate_blocking_pipeline_time(t, [2 * c], 4)  # exact for two stages
+    step = estimate_optimizer_time(sum(profile.layers[i].param_bytes for i in range(12)), 4, dev, "adam", profile)
+    result = simulate(plan)
+    assert result.iteration_s == pytest.approx(pipeline + step, rel=1e-9)
+    assert run.measured_iter_time_s == 0.65705 and run.usable_for_time and run.memory_reliable
+
+
+def test_the_runtime_footprint_enters_the_memory_of_a_converted_plan(data: SailorData) -> None:
+    run = convert_plan(raw_plan(data, GH200), data)
+    profile = run.plan.profile
+    result = simulate(run.plan)
+    # stage 1 of 2 holds 1 micro-batch in flight under 1F1B, stage 0 two
+    tensors = [estimate_stage_memory(profile, 0, 12, (), 8, 2, "adam"),
+               estimate_stage_memory(profile, 12, 26, (), 8, 1, "adam")]
+    per_gpu = [DEEPSPEED.fixed_bytes_per_gpu + (1 + DEEPSPEED.allocator_fraction) * x / 4 for x in tensors]
+    peaks = {name: d.peak_memory_bytes for name, d in result.devices.items()}
+    assert [peaks["s0r0:0"] / 4, peaks["s1r0:0"] / 4] == pytest.approx(per_gpu, rel=1e-9)
+    assert run.per_gpu_bytes(peaks) == pytest.approx(max(per_gpu), rel=1e-9)
+    # measured 26.94 GB per GPU; without the footprint the tensors alone are 20 GB short
+    assert run.per_gpu_bytes(peaks) == pytest.approx(26942111744, rel=0.05)
+    assert max(tensors) / 4 < 0.8 * 26942111744
+
+
+def test_a_heterogeneous_pipeline_with_data_parallelism_by_hand(data: SailorData) -> None:
+    """Two Titan-RTX TP groups feed two RTX-2080 TP groups; micro-batches of 2, 64 per replica."""
+    run = convert_plan(raw_plan(data, MIT), data)
+    plan, cluster = run.plan, run.plan.cluster
+    assert cluster.type_names == ["Titan-RTXx4", "RTX-2080x4"]
+    assert [d.memory_bytes for d in cluster.devices] == [4 * 25769803776] * 2 + [4 * 11811160064] * 2
+    assert [vw.devices for vw in plan.virtual_workers] == [["s0r0:0", "s1r0:0"], ["s0r1:0", "s1r1:0"]]
+    assert [(vw.mini_batch, vw.micro_batches) for vw in plan.virtual_workers] == [(128, 64)] * 2
+    assert plan.global_batch == 256 and plan.strategy == "hybrid"
+    index = {d.name: d.index for d in cluster.devices}
+    # replica r of stage 0 sends to replica r of stage 1: 2 x 2097152 x 4 bytes, a quarter per rank (4 MiB)
+    p2p = curve_gb_s((-0.00218887321, 0.0231685991, 2.81825896), 2**22) * 1e9
+    for r in (0, 1):
+        assert cluster.link(index[f"s0r{r}:0"], index[f"s1r{r}:0"]).bandwidth_bytes_per_s == pytest.approx(p2p)
+    # the all-reduce among a stage's replicas: a ring step moves a rank's gradients / 2
+    sizes = data.profiles["models"]["OPT-350"]["layer_sizes_per_tp"]["4"]["params_floats"]
+    rank_0, rank_1 = 4 * sum(sizes[:12]), 4 * sum(sizes[12:])
+    # (the Titan-RTX curve reaches 3.03 GB/s at 99 MB, above its largest measurement 2.86 GB/s: capped)
+    titan = min(curve_gb_s((0.00180047079, 0.0196319076, 2.82089851), rank_0 / 2) * 1e9, 2857686333.2586045)
+    rtx = min(curve_gb_s((-0.00567164, 0.05690722, 2.77867113), rank_1 / 2) * 1e9, 2857722937.2829)
+    assert titan == 2857686333.2586045
+    assert cluster.link(index["s0r0:0"], index["s0r1:0"]).bandwidth_bytes_per_s == pytest.approx(titan)
+    assert cluster.link(index["s1r0:0"], index["s1r1:0"]).bandwidth_bytes_per_s == pytest.approx(rtx)
+    # one bucket per stage, all-reduced by a ring after the last backward
+    segments = plan.segments()
+    assert [(s.owners, len(s.buckets), s.buckets[0].algorithm) for s in segments] == [
+        (("s0r0:0", "s0r1:0"), 1, "ring"), (("s1r0:0", "s1r1:0"), 1, "ring")]
+    assert segments[0].param_bytes == pytest.approx(4 * rank_0)
+    assert not run.memory_reliable and run.usable_for_time
+    # the simulated iteration is within the run-to-run noise of the measured 33.5 s
+    assert simulate(plan).iteration_s == pytest.approx(run.measured_iter_time_s, rel=0.05)
+
+
+def test_a_plan_hetrain_cannot_express_is_refused_with_its_id(data: SailorData) -> None:
+    raw = raw_plan(data, MIT)
+    raw["stages"][1]["replicas"] = raw["stages"][1]["replicas"][:1]
+    with pytest.raises(MeasuredRunError, match=r"plan superseded/mit/N4/N4_D2@37ded10: stages with different "
+                                               r"data-parallel degrees \[2, 1\]"):
+        convert_plan(raw, data)
+    raw = raw_plan(data, GH200)
+    raw["model"] = "OPT-999"
+    with pytest.raises(MeasuredRunError, match=r"profiles\.json has no model 'OPT-999'"):
+        convert_plan(raw, data)
+
+
+def test_a_missing_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(MeasuredRunError, match=r"measured_plans\.json: cannot read"):
+        load_sailor_data(tmp_path)
+
+
+def test_a_converted_plan_round_trips_through_plan_json(data: SailorData, tmp_path: Path) -> None:
+    from hetrain.plan import load_plan
+
+    run = convert_plan(raw_plan(data, MIT), data)
+    run.plan.save(tmp_path / "plan.json")
+    again = load_plan(tmp_path / "plan.json")
+    assert again.sync_options == run.plan.sync_options and again.sync_options.transfers == "blocking"
+    assert again.profile.memory_footprint == run.plan.profile.memory_footprint
+    assert simulate(again).iteration_s == pytest.approx(simulate(run.plan).iteration_s, rel=1e-12)
