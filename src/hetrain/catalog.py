@@ -11,6 +11,8 @@ Sources (vendor datasheets and whitepapers):
   [A100]   NVIDIA A100 Tensor Core GPU datasheet, 2021 (SXM).
   [H100]   NVIDIA H100 Tensor Core GPU datasheet, 2023 (SXM5, dense rates).
   [H200]   NVIDIA H200 Tensor Core GPU product brief, 2024 (SXM).
+  [GH200]  NVIDIA GH200 Grace Hopper Superchip datasheet, 2023: the Hopper GPU with 96 GB of
+           HBM3 at 4 TB/s; its compute rates are the H100 SXM5's (67 TFLOPS fp32, 989 dense fp16).
   [L4]     NVIDIA L4 datasheet, 2023 (dense = half the sparse figure).
   [T4]     NVIDIA T4 datasheet, 2019.
   [A10]    NVIDIA A10 datasheet, 2021 (dense).
@@ -100,6 +102,7 @@ DEVICE_TYPES: dict[str, DeviceType] = {
         _d("A100-80GB", 19.5, 312.0, 80 * GiB, 2039, "A100"),
         _d("H100", 67.0, 989.0, 80 * GiB, 3350, "H100"),
         _d("H200", 67.0, 989.0, 141 * GB, 4800, "H200"),
+        _d("GH200-96GB", 67.0, 989.0, 96 * GiB, 4000, "GH200"),
         _d("L4", 30.3, 121.0, 24 * GiB, 300, "L4"),
         _d("T4", 8.1, 65.0, 16 * GiB, 320, "T4"),
         _d("A10", 31.2, 125.0, 24 * GiB, 600, "A10"),
@@ -121,6 +124,8 @@ DEVICE_ALIASES: dict[str, str] = {
     "RTX-4090": "RTX4090", "TITANV": "TITAN-V", "TITAN V": "TITAN-V",
     "TITANRTX": "TITAN-RTX", "TITAN RTX": "TITAN-RTX", "Quadro-P4000": "P4000",
     "QuadroP4000": "P4000", "Quadro P4000": "P4000", "CPU": "cpu",
+    "A100-40": "A100-40GB", "A100-80": "A100-80GB", "V100-16": "V100-16GB", "GH200": "GH200-96GB",
+    "GH-96": "GH200-96GB",
 }
 
 LINK_PRESETS: dict[str, LinkPreset] = {
