@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -167,3 +169,16 @@ def test_bad_model_file_is_one_line_naming_file_and_field(tmp_path: Path, capsys
                  str(OPT), "--global-batch", "8", "--time-model", str(bad)]) == 2
     err = capsys.readouterr().err.strip()
     assert "bad.json: not JSON" in err and len(err.splitlines()) == 1
+
+
+def test_planning_with_a_model_imports_neither_sklearn_nor_torch(tmp_path: Path) -> None:
+    model_path = tmp_path / "time_model.json"
+    fit_time_model(_profiles()).save(model_path)
+    cluster = DATA.parent.parent / "examples/clusters/cloud-mixed.toml"
+    code = ("import sys; from hetrain.cli import main; "
+            f"assert main(['plan', '--cluster', {str(cluster)!r}, '--profile', {str(OPT)!r}, '--global-batch', '16', "
+            f"'--time-model', {str(model_path)!r}]) == 0; "
+            "assert 'sklearn' not in sys.modules and 'torch' not in sys.modules, 'imported'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "layer times for T4 from the learned model" in done.stdout
