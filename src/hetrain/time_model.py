@@ -33,6 +33,7 @@ import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +104,7 @@ def layer_features(profile: ModelProfile, i: int, figures: TypeFigures, b: int) 
     layer = profile.layers[i]
     in_bytes = profile.input_bytes_per_sample if i == 0 else profile.layers[i - 1].output_bytes_per_sample
     peak, bw = figures.peak_flops, figures.memory_bandwidth_bytes_per_s
-    roof = np.array(_roofline_layer(layer, in_bytes, b, peak, bw, 1.0))
+    roof = np.maximum(np.array(_roofline_layer(layer, in_bytes, b, peak, bw, 1.0)), 1e-12)  # > 0: it divides
     flops = np.array([1.0, 2.0]) * b * layer.forward_flops_per_sample
     moved = np.array([layer.param_bytes + b * (in_bytes + layer.output_bytes_per_sample),
                       2 * layer.param_bytes + b * (in_bytes + layer.output_bytes_per_sample
@@ -112,7 +113,7 @@ def layer_features(profile: ModelProfile, i: int, figures: TypeFigures, b: int) 
     memory_s = np.maximum(moved / bw, 1e-12)
     device = [math.log(peak / 1e12), math.log(figures.peak_fp16_flops / 1e12), math.log(bw / 1e9),
               math.log(figures.peak_fp16_flops / peak), math.log(peak / bw)]
-    rows = np.array([[d, math.log(b), math.log(compute_s[d] / memory_s[d]), math.log(max(roof[d], 1e-12)), *device]
+    rows = np.array([[d, math.log(b), math.log(compute_s[d] / memory_s[d]), math.log(roof[d]), *device]
                      for d in (0, 1)])
     return rows, roof
 
@@ -127,19 +128,6 @@ class Tree:
     feature: tuple[int, ...]
     threshold: tuple[float, ...]
     value: tuple[float, ...]
-
-    def predict(self, x: np.ndarray) -> np.ndarray:
-        """Leaf values for the rows of ``x`` (n, len(FEATURES))."""
-        left, right = np.asarray(self.left), np.asarray(self.right)
-        feature, threshold = np.asarray(self.feature), np.asarray(self.threshold)
-        node = np.zeros(len(x), dtype=int)
-        rows = np.arange(len(x))
-        while True:
-            inner = left[node] >= 0
-            if not inner.any():
-                return np.asarray(self.value)[node]
-            go_left = x[rows, np.maximum(feature[node], 0)] <= threshold[node]
-            node = np.where(inner, np.where(go_left, left[node], right[node]), node)
 
 
 @dataclass(frozen=True)
@@ -164,11 +152,31 @@ class LayerTimeModel:
     sklearn_version: str = ""
     path: str = ""
 
+    @cached_property
+    def _packed(self) -> tuple[np.ndarray, ...]:
+        """The trees as (trees, nodes) arrays, padded with leaves: left, right, feature, threshold, value."""
+        shape = (len(self.trees), max((len(t.left) for t in self.trees), default=1))
+        left, right, feature = np.full(shape, -1), np.full(shape, -1), np.zeros(shape, dtype=int)
+        threshold, value = np.zeros(shape), np.zeros(shape)
+        for k, t in enumerate(self.trees):
+            n = len(t.left)
+            left[k, :n], right[k, :n], feature[k, :n] = t.left, t.right, np.maximum(t.feature, 0)
+            threshold[k, :n], value[k, :n] = t.threshold, t.value
+        return left, right, feature, threshold, value
+
     def predict(self, x: np.ndarray) -> np.ndarray:
-        """g for the rows of ``x``."""
-        out = np.full(len(x), self.init)
-        for tree in self.trees:
-            out += self.learning_rate * tree.predict(x)
+        """g for the rows of ``x`` (n, len(FEATURES)): every tree walked at once, one level per step."""
+        left, right, feature, threshold, value = self._packed
+        trees, rows = np.arange(len(self.trees))[:, None], np.arange(len(x))[None, :]
+        node = np.zeros((len(self.trees), len(x)), dtype=int)
+        while True:
+            nxt = left[trees, node]
+            inner = nxt >= 0
+            if not inner.any():
+                break
+            go_left = x[rows, feature[trees, node]] <= threshold[trees, node]
+            node = np.where(inner, np.where(go_left, nxt, right[trees, node]), node)
+        out: np.ndarray = self.init + self.learning_rate * value[trees, node].sum(axis=0)
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -272,18 +280,16 @@ def predict_layer_time(predict: Predictor, profile: ModelProfile, i: int, figure
     learned time straight from the roofline, ``roof_T * exp(g_T)``.
     """
     here, roof_here = layer_features(profile, i, figures, b)
-    g_here = predict(here)
-    logs: list[np.ndarray] = []
-    for type_name, ms in _measured_only(profile.layers[i]):
-        fig = TypeFigures.of_catalog(type_name, profile.precision)
-        if fig is None:
-            continue
-        there, roof_there = layer_features(profile, i, fig, b)
-        measured = np.maximum(np.array(interpolate_measurements(ms, b)), MIN_TIME_S)
-        logs.append(np.log(measured) + np.log(roof_here / roof_there) + g_here - predict(there))
-    if not logs:
-        out = roof_here * np.exp(g_here)
+    refs = [(ms, fig) for t, ms in _measured_only(profile.layers[i])
+            if (fig := TypeFigures.of_catalog(t, profile.precision)) is not None]
+    feats = [layer_features(profile, i, fig, b) for _, fig in refs]
+    g = predict(np.vstack([here, *(f for f, _ in feats)])).reshape(-1, 2)  # rows: this type, then each reference
+    if not refs:
+        out = roof_here * np.exp(g[0])
     else:
+        logs = [np.log(np.maximum(np.array(interpolate_measurements(ms, b)), MIN_TIME_S))
+                + np.log(roof_here / roof_there) + g[0] - g[1 + k]
+                for k, ((ms, _), (_, roof_there)) in enumerate(zip(refs, feats, strict=True))]
         out = np.exp(np.mean(logs, axis=0))
     return float(out[0]), float(out[1])
 
