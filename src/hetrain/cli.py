@@ -6,6 +6,7 @@
     hetrain compare predicted.json measured.json [--gantt both.png]
     hetrain calibrate plan.json metrics.jsonl [--warmup N] [-o profile.json]
     hetrain profile --model NAME|MODULE:FUNCTION|hf:DIR [--data SPEC] [--seq-len T] [--micro-batch 1,2,4,8] [-o P]
+    hetrain fit-time-model --profiles P1.json P2.json ... [-o time_model.json]
     torchrun --nproc-per-node N --no-python hetrain discover -o cluster.toml
     hetrain export --checkpoint D --to-hf OUT [--step N] [--model hf:DIR]  (or --to-safetensors FILE)
     hetrain emulate run CLUSTER.toml -- COMMAND...  (also up, down, status)
@@ -21,6 +22,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from hetrain.arguments import int_between, number_at_least
@@ -164,7 +166,7 @@ def _replan_from(args: argparse.Namespace) -> Plan:
     from hetrain.plan import load_plan
     from hetrain.planner.sync import choose_sync_mode, repredict_sync
 
-    given = [name for name in ("cluster", "model", "profile", "global_batch", "precision")
+    given = [name for name in ("cluster", "model", "profile", "global_batch", "precision", "time_model")
              if getattr(args, name) is not None]
     if given:
         raise PlanError(f"--from {args.from_plan} takes its cluster, model, global batch and precision from the plan; "
@@ -193,8 +195,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 raise PlanError(f"hetrain plan needs --{name.replace('_', '-')} (or --from PLAN to re-predict a plan)")
         cluster = load_cluster(args.cluster)
         profile = _load_model_profile(args.model, args.profile, args.precision)
+        learned: tuple[str, ...] = ()
+        if args.time_model:  # layer times of the unmeasured device types from the learned model (docs/profile.md)
+            from hetrain.time_model import apply_time_model, load_time_model
+
+            profile, learned = apply_time_model(profile, cluster.devices, load_time_model(args.time_model))
         options = _planner_options(args)
         result = plan(cluster, profile, args.global_batch, **options)
+        if learned:
+            result = replace(result, options={**result.options,
+                                              "time_model": {"file": args.time_model, "types": list(learned)}})
     if args.output:
         result.save(args.output)
     # the families compared under the plan's sync mode (the one --sync auto chose, if so)
@@ -273,6 +283,13 @@ def cmd_profile(args: argparse.Namespace) -> int:
                                repeats=args.repeats, precision=args.precision, data=args.data, inputs=inputs)
 
 
+def cmd_fit_time_model(args: argparse.Namespace) -> int:
+    check_output_path(args.output, "-o")
+    from hetrain.profiler.learned import run_fit_command
+
+    return run_fit_command(args.profiles, args.output)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from hetrain.runtime.export import export_hf, export_safetensors
     from hetrain.units import format_bytes
@@ -326,6 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--critical-batch", type=_positive, help="critical batch size (time-to-accuracy)")
     p.add_argument("--micro-batch", type=_ints, help="micro-batch sizes to try, e.g. 1,2,4")
     p.add_argument("--no-recompute", action="store_true", help="never recompute activations")
+    p.add_argument("--time-model", metavar="FILE", help="layer times for device types the profile has no "
+                   "measurements of from this learned model (hetrain fit-time-model), not the roofline ratio")
     p.add_argument("-o", "--output", help="write plan.json here")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=cmd_plan)
@@ -355,6 +374,13 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--repeats", type=int_between(1, MAX_REPEATS, "MAX_REPEATS"), default=5)
     pr.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32")
     pr.set_defaults(func=cmd_profile)
+
+    ft = sub.add_parser("fit-time-model", help="fit the learned layer-time model on measured profiles (needs "
+                        "scikit-learn)")
+    ft.add_argument("--profiles", nargs="+", required=True, metavar="PROFILE",
+                    help="profile JSON files with measured layer times on device types the catalog knows")
+    ft.add_argument("-o", "--output", default="time_model.json")
+    ft.set_defaults(func=cmd_fit_time_model)
 
     # Listed for --help; `main` hands `discover` and `train` to their own parsers (they import torch).
     sub.add_parser("discover", help="under torchrun: measure devices and links, write a cluster file",

@@ -312,6 +312,10 @@ class Plan:
                 )
         if self.unused_devices:
             lines.append(f"  unused devices: {', '.join(self.unused_devices)}")
+        learned = self.options.get("time_model")
+        if isinstance(learned, Mapping) and learned.get("types"):
+            lines.append(f"  layer times for {', '.join(map(str, learned['types']))} from the learned model "
+                         f"({learned.get('file')})")
         sim = ""
         if pr.simulated_iteration_s:
             sim = (f"; simulated {format_time(pr.simulated_iteration_s)}, "
