@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hetrain.plan",),
     ("hetrain.planner", "hetrain.schedule", "hetrain.timeline", "hetrain.models.analytic", "hetrain.data.sharding"),
     ("hetrain.simulator",),
-    ("hetrain.calibrate",),
+    ("hetrain.calibrate", "hetrain.elastic"),
     ("hetrain.models", "hetrain.data", "hetrain.amp"),
     ("hetrain.distributed",),
     ("hetrain.profiler",),
