@@ -11,13 +11,21 @@ the optimizer state and the data order went through the change unharmed.
 
 A world too small for the model is refused on every rank with one line naming the memory needed and
 available; ``--replan off`` keeps the refusal of a world that is not the plan's.
+
+Under torchrun itself (``--nnodes 1:2 --max-restarts 1``, c10d rendezvous, two agents on this host as
+nodes a and b): node b dies after the first checkpoint, node a's agent restarts its rank, which
+re-plans for a:0 alone and trains to the last step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -179,3 +187,73 @@ def test_replan_off_refuses_a_world_other_than_the_plans(tmp_path, spawn, clean_
         assert p.returncode == 1, stderr[-3000:]
         assert "the world does not match the plan" in stderr
         assert "no rank drives n0:2" in stderr
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rpartition(")")[2].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def _kill_node(agent: Any) -> None:
+    """A node dies: its torchrun agent and the ranks it started (each in a session of its own) are killed at once."""
+    for pid in [*_children(agent.pid), agent.pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+#: the rendezvous waits 1 s for late nodes, and finds a dead node after 2 missed keep-alives of 1 s
+RDZV_CONF = "last_call_timeout=1,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=2"
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds a torchrun agent's ranks in /proc")
+def test_torchrun_goes_on_with_a_new_plan_when_a_node_dies(tmp_path, spawn, clean_env, free_port):
+    """Two nodes of one device under ``torchrun --nnodes 1:2 --max-restarts 1``; node b dies after the first
+    checkpoint; node a's agent restarts its rank, which re-plans for a:0 alone and trains to the last step."""
+    cluster = {"name": "two-nodes", "node": [
+        {"name": n, "devices": [{"type": "cpu", "count": 1}], "intra_link": "loopback", "nic": "1Gbit/s"}
+        for n in ("a", "b")]}
+    plan = hetrain.plan(parse_cluster(cluster), MLP, 16, optimizer="sgd")
+    assert sorted(plan.devices_used) == ["a:0", "b:0"], plan.summary()
+    plan.save(tmp_path / "plan.json")
+    ckpt, steps = tmp_path / "ckpt", 400
+    port = free_port()
+    env = {**clean_env, "HETRAIN_DEVICE": "cpu", "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
+    agents = {}
+    for node, host in (("a", 1), ("b", 0)):  # a hosts the rendezvous store, so b is the one that may die
+        agents[node] = spawn([
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
+            "--max-restarts", "1", "--monitor-interval", "0.2", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test",
+            "--rdzv-conf", f"is_host={host},{RDZV_CONF}",
+            "-m", "hetrain", "train", "--plan", str(tmp_path / "plan.json"), "--model", "mlp-digits",
+            "--data", "synthetic", "--steps", str(steps), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10",
+            "--timeout-s", "20", "--no-progress"], {**env, "HETRAIN_NODE": node})
+    try:
+        deadline = time.monotonic() + 120
+        while not (ckpt / "step-00000010").is_dir():
+            assert time.monotonic() < deadline and agents["a"].poll() is None, "no checkpoint of step 10"
+            time.sleep(0.02)
+        _kill_node(agents["b"])
+        out, err = agents["a"].communicate(timeout=240)
+    finally:
+        for agent in agents.values():
+            if agent.poll() is None:
+                _kill_node(agent)
+    assert agents["a"].returncode == 0, err[-4000:]
+    (plan_file,) = (ckpt / "plans").iterdir()
+    resumed = int(plan_file.stem.removeprefix("plan-step"))
+    assert 10 <= resumed < steps
+    assert "the world changed (lost b:0): re-planned for 1 device(s)" in out
+    assert f"steps {resumed} -> {steps}" in out
+    written = load_plan(plan_file)
+    assert written.devices_used == ["a:0"] and written.options["replan"]["lost"] == ["b:0"]
+    assert (ckpt / f"step-{steps:08d}").is_dir()
