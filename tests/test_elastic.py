@@ -136,3 +136,15 @@ def test_ranks_that_disagree_or_fail_are_named() -> None:
         check_same_plan(["ab12", "error: boom", "ab12"])
     with pytest.raises(ReplanError, match=r"^too small$"):  # every rank alike: the reason itself
         check_same_plan(["error: too small", "error: too small"])
+
+
+def test_a_node_that_joins_is_planned_for_with_its_links_assumed() -> None:
+    plan = hetrain.plan(parse_cluster(cpus(2)), MLP, 16, optimizer="sgd")
+    replanned = replan(plan, [*present("n0:0", "n0:1"), *present("n1:0", type_name="T4")], from_step=7)
+    new = replanned.plan
+    assert [d.name for d in new.cluster.devices] == ["n0:0", "n0:1", "n1:0"]
+    assert new.cluster.device("n1:0").type_name == "T4"
+    assert new.cluster.nodes[1].nic == plan.cluster.nodes[0].nic  # the saved cluster's slowest (its only one)
+    assert replanned.record["added"] == ["n1:0"] and replanned.record["assumed_links"] == ["n1"]
+    assert replanned.record["lost"] == []
+    assert "n1:0" in new.devices_used  # a T4 is far faster than a CPU: the plan gives it work
