@@ -275,7 +275,7 @@ def build_job(plan: Plan, layers_fn: LayersFn, optimizer_fn: OptimizerFn, loss_f
     reported, matched = match_hosts(plan, reported) if from_hosts else (reported, None)  # 3
     reported, replanned = replan_world(plan, reported, rank, device, replan, from_hosts)
     if replanned is not None:
-        plan, matched = replanned.plan, None
+        plan = replanned.plan
     roles = build_roles(plan, reported)
     role = roles[rank]
     rank_of = {r.device: r.rank for r in roles}
