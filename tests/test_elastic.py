@@ -99,6 +99,29 @@ def test_the_options_are_the_plans_own() -> None:
     assert (opts.strategy, opts.schedule, opts.sync, opts.optimizer, opts.objective) == (
         "pp", "gpipe", "bsp", "momentum", "throughput")
     assert opts.sync_options == plan.sync_options
+
+
+def test_every_option_is_recorded_and_comes_back_from_the_file() -> None:
+    plan = hetrain.plan(parse_cluster(cpus(3)), MLP, 16, optimizer="sgd", micro_batch_sizes=(2, 4),
+                        allow_recompute=False, sync="auto", staleness_penalty=0.5, refine_top_k=2)
+    assert plan.options["planner"]["micro_batch_sizes"] == [2, 4] and plan.options["planner"]["sync"] == "auto"
+    opts = planner_options_of(parse_plan(json.loads(json.dumps(plan.to_dict()))))
+    assert (opts.micro_batch_sizes, opts.allow_recompute, opts.staleness_penalty, opts.refine_top_k) == (
+        (2, 4), False, 0.5, 2)
+    assert opts.sync == plan.sync != "auto"  # the mode the plan runs, not chosen again
+    assert opts.global_batch_choices == ()
+    new = replan(plan, present("n0:0", "n0:1")).plan
+    assert all(vw.micro_batch_size in (2, 4) for vw in new.virtual_workers)
+    assert all(not s.recompute for vw in new.virtual_workers for s in vw.stages)
+    assert new.options["planner"] == {**plan.options["planner"], "sync": plan.sync, "schedule": plan.schedule,
+                                      "global_batch_choices": []}
+
+
+def test_a_plan_without_its_options_recorded_is_remade_from_what_it_has() -> None:
+    plan = hetrain.plan(parse_cluster(cpus(3)), MLP, 16, optimizer="momentum", strategy="dp", schedule="gpipe")
+    bare = parse_plan({**plan.to_dict(), "options": {k: v for k, v in plan.options.items() if k != "planner"}})
+    opts = planner_options_of(bare)
+    assert (opts.strategy, opts.schedule, opts.optimizer, opts.micro_batch_sizes) == ("dp", "gpipe", "momentum", None)
     manual = Plan("mlp-digits", 4, "1f1b", "bsp", "sgd", (VirtualWorker((Stage("n0:0", 0, 3),), 4, 1),),
                   Prediction(0, 0, 0, 0, 0), "dp", "manual", parse_cluster(cpus(1)), MLP)
     assert not made_by_planner(manual)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from hetrain.catalog import lookup_device_type
@@ -43,6 +43,8 @@ from hetrain.simulator import simulate
 
 #: the key of ``Plan.options`` that says how a re-planned plan came about (``Replanned.record``)
 REPLAN_KEY = "replan"
+#: the key of ``Plan.options`` that holds the planner options a plan was made with (``record_planner_options``)
+PLANNER_KEY = "planner"
 
 
 class ReplanError(RunError):
@@ -139,28 +141,53 @@ def world_differs(plan: Plan, reported: Sequence[str]) -> bool:
     return any(d not in known for d in reported) or any(d not in present for d in plan.devices_used)
 
 
-def planner_options_of(plan: Plan) -> PlannerOptions:
-    """The planner options ``plan`` was made with, as far as it records them.
+def record_planner_options(plan: Plan, opts: PlannerOptions) -> Plan:
+    """``plan`` with ``options["planner"]``: the options it was made with (those JSON holds), so that it can be
+    re-made as it was (``planner_options_of``). ``hetrain.plan`` records them in every plan it makes."""
+    recorded: dict[str, Any] = {}
+    for f in fields(opts):
+        value = getattr(opts, f.name)
+        if f.name == "sync_options":
+            continue  # the plan's own (``Plan.sync_options``), which ``hetrain plan --from`` may change
+        if isinstance(value, tuple) and all(isinstance(v, (int, float, str)) for v in value):
+            value = list(value)
+        elif not (value is None or isinstance(value, (bool, int, float, str))):
+            continue  # not a JSON value
+        recorded[f.name] = value
+    return replace(plan, options={**plan.options, PLANNER_KEY: recorded})
 
-    Recorded and kept: strategy, objective, critical batch (``plan.options``), the schedule, the
-    sync mode and its options, the optimizer (the plan's own fields), and, when ``--sync auto``
-    chose the mode, its staleness penalty and samples to target. The sync mode is the one the plan
-    runs (not chosen again), so the mode's state carries over. Not recorded, so the planner's
-    defaults: the micro-batch sizes tried, recomputation allowed, the search's budgets.
+
+def planner_options_of(plan: Plan) -> PlannerOptions:
+    """The planner options ``plan`` was made with, for the same global batch and sync mode.
+
+    From ``options["planner"]`` where the plan has it (``record_planner_options``: every option),
+    else from what every planner's plan records: strategy, objective, critical batch, and, where
+    ``--sync auto`` chose the mode, its staleness penalty and samples to target. Either way the
+    plan's own fields win: its schedule, sync mode and options, optimizer. The sync mode is the one
+    the plan runs (not chosen again), so the mode's state carries over; no other global batch is
+    tried (``global_batch_choices`` empty).
+
+    Raises:
+        ReplanError: a recorded option this planner refuses, naming it.
     """
     o = plan.options
-    kwargs: dict[str, Any] = {
-        "strategy": o.get("strategy", "auto"), "objective": o.get("objective", "throughput"),
-        "schedule": plan.schedule, "sync": plan.sync, "sync_options": plan.sync_options,
-        "optimizer": plan.optimizer,
-    }
+    known = {f.name for f in fields(PlannerOptions)}
+    kwargs: dict[str, Any] = {"strategy": o.get("strategy", "auto"), "objective": o.get("objective", "throughput")}
     if o.get("critical_batch") is not None:
         kwargs["critical_batch"] = float(o["critical_batch"])
     choice = o.get("sync_choice")
     if isinstance(choice, Mapping):
         kwargs["staleness_penalty"] = float(choice.get("staleness_penalty", 0.0))
         kwargs["target_samples"] = float(choice.get("target_samples", 1e6))
-    return PlannerOptions(**kwargs)
+    recorded = o.get(PLANNER_KEY)
+    if isinstance(recorded, Mapping):
+        kwargs.update({k: tuple(v) if isinstance(v, list) else v for k, v in recorded.items() if k in known})
+    kwargs.update(schedule=plan.schedule, sync=plan.sync, sync_options=plan.sync_options, optimizer=plan.optimizer,
+                  global_batch_choices=())
+    try:
+        return PlannerOptions(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ReplanError(f"the plan's options.{PLANNER_KEY} cannot be used to re-plan: {e}") from None
 
 
 def _slowest(links: Sequence[Link]) -> Link:
@@ -266,9 +293,8 @@ def replan(plan: Plan, present: Sequence[PresentDevice], from_step: int = 0) -> 
                           f"; {change.describe()}) cannot run the plan's model at global batch {plan.global_batch}: "
                           f"{e}") from None
     record = {**change.to_dict(), "from_step": from_step, "previous_devices": plan.devices_used,
-              "previous_samples_per_s": predicted_samples_per_s(plan),
-              "planner": {"strategy": opts.strategy, "objective": opts.objective, "schedule": opts.schedule,
-                          "sync": opts.sync, "optimizer": opts.optimizer}}
+              "previous_samples_per_s": predicted_samples_per_s(plan)}
+    new = record_planner_options(new, opts)  # so that it too can be re-made as it was
     new = replace(new, options={**new.options, REPLAN_KEY: record})
     return Replanned(new, change, plan_digest(new))
 
