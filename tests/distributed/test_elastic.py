@@ -81,14 +81,16 @@ def small(memory: str, count: int) -> dict[str, Any]:
     return {"type": f"small-{memory}", "tflops": 0.1, "memory": memory, "memory_bandwidth": "20GB/s", "count": count}
 
 
-def run_phase(root: Path, name: str, plan_file: Path, checkpoint_dir: Path, world: int, steps: int) -> list[dict]:
+def run_phase(root: Path, name: str, plan_file: Path, checkpoint_dir: Path, world: int, steps: int,
+              nodes: str = "n0", local_ranks: list[int] | None = None) -> list[dict]:
+    """``world`` ranks of the worker (``nodes``: HETRAIN_NODE, one name or one per rank); their saved parts."""
     out = root / name
     out.mkdir()
     case = {"plan": str(plan_file), "checkpoint_dir": str(checkpoint_dir), "steps": steps, "lr": LR,
             "out": str(out)}
     (out / "cases.json").write_text(json.dumps([case]))
     (out / "worker.py").write_text(WORKER)
-    run_worker_ranks(out, "n0", list(range(world)), timeout_s=180)
+    run_worker_ranks(out, nodes, local_ranks if local_ranks is not None else list(range(world)), timeout_s=180)
     return [torch.load(out / f"rank{r}.pt") for r in range(world)]
 
 
@@ -148,6 +150,34 @@ def test_weights_after_the_restart_equal_single_process_training(restarted: dict
     for part in second:
         assert [h["step"] for h in part["history"]] == list(range(FIRST_STEPS + 1, STEPS + 1))
         assert [h["loss"] for h in part["history"]] == pytest.approx(losses[FIRST_STEPS:], rel=1e-5)
+
+
+def test_a_node_that_joins_gets_work_and_training_goes_on_unchanged(tmp_path, monkeypatch):
+    """2 ranks on n0 to step 3, then 3 ranks: n0:0, n0:1 and n1:0, a node the plan's cluster lacks, whose type
+    comes from HETRAIN_DEVICE_TYPE (a T4: far faster than the CPUs, so the new plan gives it work)."""
+    plan = hetrain.plan(parse_cluster(cpu_cluster([{"type": "cpu", "count": 2}])), MLP, 16, optimizer="sgd")
+    plan.save(tmp_path / "plan.json")
+    ckpt = tmp_path / "ckpt"
+    run_phase(tmp_path, "two", tmp_path / "plan.json", ckpt, 2, FIRST_STEPS)
+    monkeypatch.setenv("HETRAIN_DEVICE_TYPE", "T4")  # read for n1:0 only: n0's devices keep the cluster's cpu
+    grown = run_phase(tmp_path, "three", tmp_path / "plan.json", ckpt, 3, STEPS, nodes="n0,n0,n1",
+                      local_ranks=[0, 1, 0])
+    written = load_plan(ckpt / "plans" / f"plan-step{FIRST_STEPS}.json")
+    assert {part["digest"] for part in grown} == {plan_digest(written)}
+    assert [(d.name, d.type_name) for d in written.cluster.devices] == [("n0:0", "cpu"), ("n0:1", "cpu"),
+                                                                        ("n1:0", "T4")]
+    record = written.options["replan"]
+    assert (record["lost"], record["added"], record["assumed_links"]) == ([], ["n1:0"], ["n1"])
+    assert "n1:0" in written.devices_used
+    got: dict[str, torch.Tensor] = {}
+    for part in grown:
+        got.update(part["weights"])
+    want, losses = reference(STEPS)
+    worst = max(((got[k] - want[k]).norm() / want[k].norm()).item() for k in want)
+    assert worst <= 1e-5, f"worst relative error {worst:.2e}"
+    used = [part for part in grown if part["history"]]
+    assert used and all([h["loss"] for h in part["history"]] == pytest.approx(losses[FIRST_STEPS:], rel=1e-5)
+                        for part in used)
 
 
 def pipeline_on_small_devices(tmp_path: Path) -> Path:
