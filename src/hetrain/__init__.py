@@ -12,9 +12,11 @@ simulator, timeline) imports no torch. Example::
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from hetrain.cluster import Cluster, ClusterError, Device, Link, Node, load_cluster, parse_cluster
+from hetrain.elastic import record_planner_options
 from hetrain.models.analytic import build_profile
 from hetrain.plan import Plan, PlanError, load_plan
 from hetrain.planner import PlannerError, PlannerOptions
@@ -35,9 +37,14 @@ def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: Pl
          **kwargs: Any) -> Plan:
     """``planner.plan`` whose best ``simulate_top_k`` candidates are re-ranked by the simulator.
 
-    The planner imports no simulator (DESIGN.md): it is handed ``simulated_iteration_s`` here.
+    The planner imports no simulator (DESIGN.md): it is handed ``simulated_iteration_s`` here. The plan
+    records the options in ``options["planner"]``, so that a restart on other devices re-makes it alike
+    (``hetrain.elastic``, docs/elastic.md).
     """
-    return _plan(cluster, profile, global_batch, options, score=simulated_iteration_s, **kwargs)
+    opts = options if options is not None else PlannerOptions(**kwargs)
+    if options is not None and kwargs:
+        opts = replace(options, **kwargs)
+    return record_planner_options(_plan(cluster, profile, global_batch, opts, score=simulated_iteration_s), opts)
 
 
 # Torch-side names load on first use, so `import hetrain` never imports torch.

@@ -6,7 +6,9 @@
 ``hetrain train`` takes the same options (``add_train_arguments``, ``run_from_args``), on the
 command line or in a TOML file, ``--config train.toml`` (``runtime.config_file``).
 Restarted by ``torchrun --max-restarts N``, a job resumes from the newest complete
-checkpoint in ``--checkpoint-dir`` by itself, under the plan it is given then.
+checkpoint in ``--checkpoint-dir`` by itself, under the plan it is given then; when the
+world it restarts on is not that plan's (a node left or joined, ``torchrun --nnodes MIN:MAX``),
+``--replan auto`` re-plans it first (``runtime.elastic``, docs/elastic.md).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from hetrain.plan import Plan, PlanError, load_plan
 from hetrain.profile import PRECISIONS
 from hetrain.runtime.clip import check_clip
 from hetrain.runtime.config_file import parse_with_config
+from hetrain.runtime.elastic import REPLAN_MODES
 from hetrain.runtime.loss_scale import check_fp16
 from hetrain.runtime.lr_schedule import LR_SCHEDULES, LrSchedule
 from hetrain.runtime.trainer import DEFAULT_TIMEOUT_S, Trainer, build_optimizer_fn, default_lr
@@ -105,7 +108,7 @@ def run_train_command(plan_path: str | Path | Plan, model: str | ModelSource,
                       tensorboard_dir: str | Path | None = None, log_every: int = 10,
                       model_config: dict[str, Any] | None = None, eval_every: int = 0,
                       eval_batches: int = 8, lr_schedule: str = "constant", warmup_steps: int = 0,
-                      min_lr: float = 0.0, clip_grad_norm: float | None = None) -> int:
+                      min_lr: float = 0.0, clip_grad_norm: float | None = None, replan: str = "auto") -> int:
     """``hetrain train``: train a reference model with a plan, on every rank of a torchrun job.
 
     The plan runs as it is: its sync mode, sync options and optimizer (module docstring).
@@ -140,6 +143,7 @@ def run_train_command(plan_path: str | Path | Plan, model: str | ModelSource,
         warmup_steps: linear warm-up from 0 to ``lr`` over this many steps.
         min_lr: the learning rate the decay ends at.
         clip_grad_norm: clip gradients to this global norm over the whole model (``bsp`` plans only).
+        replan: ``auto``: re-plan a world that is not the plan's (``runtime.elastic``); ``off``: refuse it.
 
     Returns:
         The exit status: 0, or 1 after an error printed to stderr.
@@ -170,7 +174,8 @@ def run_train_command(plan_path: str | Path | Plan, model: str | ModelSource,
                           source.loss_fn, timeout_s=timeout_s, checkpoint_dir=checkpoint_dir,
                           checkpoint_every=checkpoint_every, metrics_out=metrics_out, timeline_out=timeline_out,
                           progress=progress, tensorboard_dir=tensorboard_dir, log_every=log_every,
-                          lr_schedule=schedule, clip_grad_norm=clip_grad_norm, tied=source.tied)
+                          lr_schedule=schedule, clip_grad_norm=clip_grad_norm, tied=source.tied, replan=replan)
+        plan = trainer.plan  # re-made when the world changed
         if trainer.is_reporting:
             resumed = f", resuming at step {trainer.step}" if trainer.step else ""
             print(f"hetrain train: {source.name} on {data_name}, {len(plan.devices_used)} device(s) of {trainer.world} "
@@ -236,6 +241,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", choices=PRECISIONS, default=None,
                         help="must be the plan's precision (hetrain plan --precision), which is what runs; "
                              "a different one is refused (re-plan)")
+    parser.add_argument("--replan", choices=REPLAN_MODES, default="auto",
+                        help="auto: a restart whose devices are not the plan's (a node left or joined) re-plans "
+                             "with the plan's cluster, profile and options, and resumes from the newest checkpoint "
+                             "under the new plan (written to CHECKPOINT_DIR/plans/); off: refuse it (default auto; "
+                             "docs/elastic.md)")
     parser.add_argument("--seed", type=int, default=0, help="model seed (per-layer seeds derive from it)")
     parser.add_argument("--data-seed", type=int, default=0, help="seed of the data order")
     parser.add_argument("--set", dest="model_config", action="append", default=[], metavar="KEY=VALUE",
@@ -300,7 +310,7 @@ def run_from_args(args: argparse.Namespace) -> int:
                              log_every=args.log_every, model_config=config, eval_every=args.eval_every,
                              eval_batches=args.eval_batches, lr_schedule=args.lr_schedule,
                              warmup_steps=args.warmup_steps, min_lr=args.min_lr,
-                             clip_grad_norm=args.clip_grad_norm)
+                             clip_grad_norm=args.clip_grad_norm, replan=args.replan)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,6 +6,7 @@ the stage module, optimizer, sync, transport and executor)::
 
     1. join        init_distributed: the default process group (NCCL with CUDA, else Gloo)
     2. report      all_gather_object: every rank's device name "<node>:<LOCAL_RANK>"
+       (re-plan)   a world other than the plan's, re-planning on: a new plan (``runtime.elastic``, collective)
     3. roles       build_roles: ranks matched to the plan's devices (pure, same result everywhere)
     4. schedule    build_schedule + validate (pure)
     5. health      Health(rank, reported).start(): heartbeats; its store keys count instances
@@ -29,7 +30,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,7 @@ from hetrain.distributed.health import Health
 from hetrain.distributed.store import attempt_store
 from hetrain.distributed.work import first_line as _first_line
 from hetrain.plan import Plan
+from hetrain.runtime.elastic import ReplanPolicy, replan_world
 from hetrain.runtime.executor import Executor, LossFn, StageModule
 from hetrain.runtime.metrics import Recorder
 from hetrain.runtime.modes import ModeSync, build_mode_groups
@@ -48,6 +50,9 @@ from hetrain.runtime.roles import Role, RoleError, build_roles, local_device_nam
 from hetrain.runtime.sync import GradientSync, SegmentGroups, build_segment_groups
 from hetrain.runtime.tied import Tie, TiedGrads, build_tie_groups
 from hetrain.schedule import Action, build_schedule, validate
+
+if TYPE_CHECKING:
+    from hetrain.elastic import Replanned
 
 LayersFn = Callable[[int, int], Sequence[nn.Module]]
 OptimizerFn = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -164,6 +169,7 @@ class Job:
         groups: the job's process groups.
         stage: this rank's stage and its machinery; None on a rank the plan leaves unused.
         timeout_s: the longest any distributed wait may take.
+        replanned: how ``plan`` was re-made for a changed world (``runtime.elastic``); None: the plan given.
     """
 
     plan: Plan
@@ -179,6 +185,7 @@ class Job:
     groups: Groups
     stage: StageParts | None
     timeout_s: float
+    replanned: Replanned | None = None
 
     @property
     def report_rank(self) -> int:
@@ -251,18 +258,24 @@ def build_stage(plan: Plan, role: Role, device: torch.device, groups: Groups, ra
 
 
 def build_job(plan: Plan, layers_fn: LayersFn, optimizer_fn: OptimizerFn, loss_fn: LossFn,
-              timeout_s: float = DEFAULT_TIMEOUT_S, tied: Sequence[Tie] = ()) -> Job:
+              timeout_s: float = DEFAULT_TIMEOUT_S, tied: Sequence[Tie] = (),
+              replan: ReplanPolicy | None = None) -> Job:
     """Everything this rank needs to train ``plan``, built in the order of the module docstring.
 
-    Call it on every rank of the job with the same plan: it is collective over the job.
+    Call it on every rank of the job with the same plan: it is collective over the job. With
+    ``replan`` (mode ``auto``), a world other than the plan's gets a new plan (``Job.plan``).
 
     Raises:
         RoleError: the job could not be formed, or its processes do not match the plan's devices.
+        ReplanError: re-planning a changed world failed (the model does not fit the devices present...).
         DeviceError: this rank's device cannot be used.
         ValueError: ``layers_fn`` returned the wrong number of layers.
     """
     rank, world, device, reported, from_hosts = join_job(timeout_s)  # 1, 2
     reported, matched = match_hosts(plan, reported) if from_hosts else (reported, None)  # 3
+    reported, replanned = replan_world(plan, reported, rank, device, replan, from_hosts)
+    if replanned is not None:
+        plan = replanned.plan
     roles = build_roles(plan, reported)
     role = roles[rank]
     rank_of = {r.device: r.rank for r in roles}
@@ -282,5 +295,5 @@ def build_job(plan: Plan, layers_fn: LayersFn, optimizer_fn: OptimizerFn, loss_f
                          tied, wait)
              if role.used else None)  # 7
     return Job(plan, rank, world, device, reported, role, rank_of, actions, health, used_ranks, groups, stage,
-               timeout_s)
+               timeout_s, replanned)
 

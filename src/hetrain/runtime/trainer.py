@@ -51,6 +51,7 @@ from hetrain.plan import Plan
 from hetrain.profile import OPTIMIZER_NAMES, canonical_optimizer
 from hetrain.runtime.batches import MicroBatches, global_batches
 from hetrain.runtime.clip import GradClip, check_clip
+from hetrain.runtime.elastic import ReplanPolicy
 from hetrain.runtime.evaluate import evaluate_stage
 from hetrain.runtime.executor import LossFn, StageModule
 from hetrain.runtime.idle import JobEvents
@@ -128,6 +129,10 @@ class Trainer:
             ``grad_norm``, the norm before clipping. None: no clipping.
         tied: weights the model ties across layers (``ModelSource.tied``), each layer holding a
             copy: their gradients are summed before each step, before clipping (``runtime.tied``).
+        replan: ``auto``: a world whose devices are not the plan's (a torchrun restart after a node left or
+            joined) is re-planned, when the plan records how it was made, and training resumes from the
+            newest checkpoint under the new plan (``runtime.elastic``; ``self.plan`` is then the new plan);
+            ``off``: such a world is refused.
 
     Example:
         >>> trainer = Trainer(functools.partial(build_layers, "gpt-tiny", seed=0), plan,   # doctest: +SKIP
@@ -141,7 +146,7 @@ class Trainer:
                  timeline_out: str | Path | None = None, progress: bool | None = None,
                  tensorboard_dir: str | Path | None = None, record_timeline: bool = False,
                  log_every: int = 10, lr_schedule: LrSchedule | None = None,
-                 clip_grad_norm: float | None = None, tied: Sequence[Tie] = ()) -> None:
+                 clip_grad_norm: float | None = None, tied: Sequence[Tie] = (), replan: str = "auto") -> None:
         check_clip(plan, clip_grad_norm)  # before any process group: every rank refuses alike
         check_tied(plan, tied)
         check_fp16(plan)
@@ -170,7 +175,9 @@ class Trainer:
         self._eval_set: list[Any] = []  # fixed validation batches (fit's val_data)
         self._eval_every = 0
 
-        self.job = build_job(plan, layers_fn, optimizer_fn, loss_fn, timeout_s, tied)  # collective: see runtime.job
+        self.job = build_job(plan, layers_fn, optimizer_fn, loss_fn, timeout_s, tied,  # collective: see runtime.job
+                             ReplanPolicy(replan, self.checkpoint_dir))
+        plan = self.plan = self.job.plan  # re-made when the world changed (runtime.elastic)
         job = self.job
         self.rank, self.world, self.device, self.reported = job.rank, job.world, job.device, job.reported
         self.role: Role = job.role
