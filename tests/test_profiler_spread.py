@@ -73,7 +73,7 @@ def test_old_profiles_read_as_spread_unknown_and_bad_spreads_are_named() -> None
         parse_profile(_raw({"micro_batch": 2, "forward_s": 0.1, "backward_s": 0.2, "forward_spread_s": -1}))
     with pytest.raises(ProfileError, match="backward_spread_s"):
         parse_profile(_raw({"micro_batch": 2, "forward_s": 0.1, "backward_s": 0.2, "backward_spread_s": "x"}))
-    with pytest.raises(ProfileError, match="forward_spread_s must be a finite number of seconds >= 0, got -0.5"):
+    with pytest.raises(ProfileError, match=r"forward_spread_s must be a finite number of seconds >= 0, got -0\.5"):
         Measurement(1, 0.1, 0.2, "measured", -0.5)
 
 
