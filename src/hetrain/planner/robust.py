@@ -94,9 +94,9 @@ def draw_profiles(profile: ModelProfile, draws: int, seed: int = SEED) -> list[M
 
 
 def describe_layout(plan: Plan) -> str:
-    """The plan's VWs: ``"n0:0 L0-6 > n1:0 L7-9 (16 as 4x4) | ..."``: stages in pipeline order (device, layers),
+    """The plan's VWs: ``"n0:0 L0-6 > n1:0 L7-9 (16 as 4x4); ..."``: stages in pipeline order (device, layers),
     then the mini-batch as micro-batches x their size."""
-    return " | ".join(" > ".join(f"{s.device} L{s.first_layer}-{s.end_layer - 1}" for s in vw.stages)
+    return "; ".join(" > ".join(f"{s.device} L{s.first_layer}-{s.end_layer - 1}" for s in vw.stages)
                       + f" ({vw.mini_batch} as {vw.micro_batches}x{vw.micro_batch_size})"
                       for vw in plan.virtual_workers)
 
