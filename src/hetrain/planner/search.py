@@ -18,6 +18,7 @@ simulator; the planner imports no simulator).
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -270,15 +271,24 @@ def reversed_orders(cluster: Cluster, profile: ModelProfile, c: Candidate, opts:
     early stages are not symmetric, so the scoring function is handed both (slow first and fast first).
     """
     parts: list[PartitionResult] = []
+    done: dict[tuple[object, ...], PartitionResult | None] = {}  # VWs alike in figures and links: one partition
     for r in c.parts:
         if len(r.devices) < 2 or len({d.type_name for d in r.devices}) < 2:
             parts.append(r)
             continue
-        flipped = partition(cluster, profile, r.devices[::-1], r.b, r.m, c.schedule, opts.optimizer,
-                            opts.allow_recompute, opts.max_caps)
+        devices = r.devices[::-1]
+        idx = [d.index for d in devices]
+        key = (r.b, r.m, tuple((d.type_name, d.peak_fp32_flops, d.peak_fp16_flops, d.memory_bytes,
+                                d.memory_bandwidth_bytes_per_s) for d in devices),
+               tuple((float(cluster.bandwidth_bytes_per_s[a, b]), float(cluster.latency_s[a, b]))
+                     for a, b in itertools.pairwise(idx)))
+        if key not in done:
+            done[key] = partition(cluster, profile, devices, r.b, r.m, c.schedule, opts.optimizer,
+                                  opts.allow_recompute, opts.max_caps)
+        flipped = done[key]
         if flipped is None:
             return None
-        parts.append(flipped)
+        parts.append(replace(flipped, devices=devices))
     if all(a is b for a, b in zip(parts, c.parts, strict=True)):
         return None
     return _assemble(cluster, profile, c.formation, c.schedule, c.global_batch, parts, c.mini_batches, opts)
