@@ -143,6 +143,8 @@ def test_the_planner_with_spread_is_deterministic_and_says_how_sure_it_is() -> N
     assert figures["draws"] == 8 and len(figures["candidates"]) >= 2
     assert figures["candidates"][0]["layout"] == describe_layout(one)
     assert sum(c["fastest_in_draws"] for c in figures["candidates"]) == 8
+    # plans alike in every figure (the same VWs, devices paired otherwise) are listed once
+    assert len({(c["objective"], c["worst_objective"]) for c in figures["candidates"]}) == len(figures["candidates"])
     text = format_confidence(one)
     assert "next best plan" in text or "chosen for its worst case" in text
     assert "of 8 draws" in text

@@ -108,10 +108,15 @@ def choose_robust(medians: Sequence[float], worst: Sequence[float]) -> int:
     return min(within, key=lambda c: (worst[c], medians[c]))
 
 
+def _alike(a: Sequence[float], b: Sequence[float]) -> bool:
+    return all(math.isclose(x, y, rel_tol=1e-9) for x, y in zip(a, b, strict=True))
+
+
 def rank_robust(plans: Sequence[Plan], key: Callable[[Plan, float], float], score: Callable[[Plan], float],
                 draws: int = DRAWS, seed: int = SEED) -> tuple[list[Plan], dict[str, Any]]:
     """``plans`` (each with ``prediction.simulated_iteration_s`` set, sorted by ``key``) with the robust choice
-    first, and the figures of ``confidence``.
+    first, and the figures of ``confidence``. Plans alike in every figure (at the medians and in every draw, as
+    two VWs with their devices paired the other way) count as one: the first; the others go last.
 
     Args:
         plans: the candidates, best first at the medians; all of one profile.
@@ -127,13 +132,17 @@ def rank_robust(plans: Sequence[Plan], key: Callable[[Plan, float], float], scor
     drawn = draw_profiles(plans[0].profile, draws, seed) if draws > 0 and has_spread(plans[0].profile) else []
     # times[c][k]: candidate c on drawn profile k, the same profiles for every candidate
     times = [[key(p, score(dataclasses.replace(p, profile=d))) for d in drawn] for p in plans]
-    order = list(range(len(plans)))
+    # plans alike in every figure (the same VWs with their devices paired otherwise) count once
+    order: list[int] = []
+    for c in range(len(plans)):
+        if not any(_alike([medians[c], *times[c]], [medians[e], *times[e]]) for e in order):
+            order.append(c)
+    alike = [c for c in range(len(plans)) if c not in order]
     if drawn:
-        worst = [max(ts) for ts in times]
-        first = choose_robust(medians, worst)
+        worst = {c: max(times[c]) for c in order}
+        first = order[choose_robust([medians[c] for c in order], [worst[c] for c in order])]
         order = [first] + [c for c in order if c != first]
-    fastest = [sum(1 for k in range(len(drawn)) if min(range(len(plans)), key=lambda c: times[c][k]) == c)
-               for c in range(len(plans))]
+    fastest = {c: sum(1 for k in range(len(drawn)) if min(order, key=lambda e: times[e][k]) == c) for c in order}
     figures: dict[str, Any] = {
         "draws": len(drawn), "seed": seed,
         "rule": "fastest at the profile's medians" if not drawn else
@@ -145,7 +154,7 @@ def rank_robust(plans: Sequence[Plan], key: Callable[[Plan, float], float], scor
             **({"worst_objective": max(times[c]), "fastest_in_draws": fastest[c]} if drawn else {}),
         } for c in order],
     }
-    ranked = [plans[c] for c in order]
+    ranked = [plans[c] for c in order + alike]
     ranked[0] = dataclasses.replace(ranked[0], options={**ranked[0].options, "confidence": figures})
     return ranked, figures
 
