@@ -32,6 +32,16 @@ Needs root (or is skipped, saying so).
 
     sudo -E .venv/bin/python benchmarks/emulated_speedup.py [--steps 20] [--scenarios both]
     sudo -E .venv/bin/python benchmarks/emulated_speedup.py --quick   # 4 steps, 1 warm-up, no RESULTS.md
+
+With ``--repeats N`` (N >= 2) it asks another question instead: is the whole flow repeatable? Each
+scenario runs profile -> discover -> calibrate -> plan -> train N times from scratch, training
+hetrain's plan only, and reports per run the chosen plan (its layout and how sure the planner was,
+``planner.robust``) and the measured samples/s; per scenario the spread of the measured samples/s
+((max - min) / min) and how many distinct plans were chosen. As a control, run 1's plan is trained
+once more (after a fresh profile and link discovery, not re-planned): how far two trainings of one
+plan are apart on this host.
+
+    sudo -E .venv/bin/python benchmarks/emulated_speedup.py --repeats 3 [--scenarios compute]
 """
 
 from __future__ import annotations
@@ -91,11 +101,17 @@ def main() -> int:
                         help="a smoke run: 4 steps, 1 warm-up, RESULTS.md left alone")
     parser.add_argument("--no-write", action="store_true", help="do not write benchmarks/RESULTS.md")
     parser.add_argument("--out", default="out/bench-emulated")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the whole flow this many times per scenario, hetrain's plan only (>= 2)")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.warmup, args.no_write = 4, 1, True
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if not ready_to_emulate(parser, args):
         return 0
+    if args.repeats > 1:
+        return run_repeats(args)
     rows = ["| scenario | run | runtime | shape | predicted samples/s | measured samples/s | iteration error | "
             "speed-up over torch DDP |", "| --- | --- | --- | --- | ---: | ---: | ---: | ---: |"]
     start, load0 = time.perf_counter(), os.getloadavg()[0]
@@ -140,6 +156,75 @@ def main() -> int:
         command = "sudo -E .venv/bin/python benchmarks/emulated_speedup.py " + " ".join(sys.argv[1:])
         write_section("Emulated speed-up (hetrain plan vs torch DDP vs torch pipelining)", command.strip(), table,
                       notes)
+    return 0
+
+
+def run_repeats(args: argparse.Namespace) -> int:
+    """The whole flow ``args.repeats`` times per scenario: the spread of what was measured and of the plans."""
+    from hetrain.planner.robust import describe_layout
+
+    rows = ["| scenario | run | hetrain's plan | how sure the planner was | predicted samples/s | "
+            "measured samples/s |", "| --- | ---: | --- | --- | ---: | ---: |"]
+    summary = ["| scenario | measured samples/s, min - max | spread (max - min) / min | distinct plans | "
+               "measured per plan | run 1's plan, trained twice |", "| --- | --- | ---: | ---: | --- | --- |"]
+    start, load0 = time.perf_counter(), os.getloadavg()[0]
+    for name in args.scenarios:
+        measured: list[tuple[str, float]] = []
+        measured_plans = []
+        for k in range(args.repeats):
+            result = run_emulated_comparison(SCENARIOS[name], Path(args.out) / f"{name}-{k}", "gpt-tiny",
+                                             args.global_batch, args.steps, args.warmup, log=lambda s: None,
+                                             train=("hetrain",), baselines=())
+            run = result.runs["hetrain"]
+            layout = describe_layout(run.plan)
+            figures = run.plan.options.get("confidence", {})
+            candidates = figures.get("candidates", [])
+            sure = "one candidate"
+            if len(candidates) >= 2:
+                gap = min(c["objective"] for c in candidates[1:]) / candidates[0]["objective"] - 1
+                sure = f"next best {100 * gap:+.1f}%"
+                if figures.get("draws"):
+                    sure += f", fastest in {candidates[0]['fastest_in_draws']} of {figures['draws']} draws"
+            measured.append((layout, run.measured_samples_per_s))
+            measured_plans.append(run.plan)
+            rows.append(f"| {name} | {k + 1} | {layout} | {sure} | {run.predicted_samples_per_s:.1f} | "
+                        f"{run.measured_samples_per_s:.1f} |")
+            print(rows[-1], flush=True)
+        # control: run 1's plan trained again after a fresh profile and discovery, no re-planning: how far two
+        # trainings of one plan are apart on this host, against which the spread over repeats is to be read
+        first = measured_plans[0]
+        again = run_emulated_comparison(SCENARIOS[name], Path(args.out) / f"{name}-again", "gpt-tiny",
+                                        args.global_batch, args.steps, args.warmup, log=lambda s: None,
+                                        train=("hetrain",), baselines=(), calibrate=False,
+                                        plan_builder=lambda cluster, profile, batch, p=first: {"hetrain": p})
+        same = again.runs["hetrain"].measured_samples_per_s
+        rows.append(f"| {name} | run 1's plan again | {describe_layout(first)} | (not re-planned) | "
+                    f"{again.runs['hetrain'].predicted_samples_per_s:.1f} | {same:.1f} |")
+        print(rows[-1], flush=True)
+        rates = [r for _, r in measured]
+        per_plan: dict[str, list[float]] = {}
+        for layout, rate in measured:
+            per_plan.setdefault(layout, []).append(rate)
+        summary.append(f"| {name} | {min(rates):.1f} - {max(rates):.1f} | {100 * (max(rates) / min(rates) - 1):.1f}% | "
+                       f"{len(per_plan)} | " + "; ".join(f"plan {i + 1}: " + ", ".join(f"{r:.1f}" for r in rs)
+                                                          for i, rs in enumerate(per_plan.values()))
+                       + f" | {rates[0]:.1f} and {same:.1f}: "
+                       f"{100 * (max(rates[0], same) / min(rates[0], same) - 1):.1f}% |")
+        print(summary[-1], flush=True)
+    table = "\n".join(rows) + "\n\n" + "\n".join(summary)
+    took = time.perf_counter() - start
+    notes = (f"gpt-tiny, global batch {args.global_batch}, {args.steps} steps per run, first {args.warmup} left out; "
+             f"every run from scratch: each device profiled (3 repeats of blocks of calls, the spread recorded), "
+             f"links discovered, overhead per action calibrated, planned with the spread (planner.robust: the best "
+             f"plans simulated on 8 profiles drawn within it), then hetrain's plan trained; then run 1's plan trained "
+             f"again. Emulation as in the "
+             f"speed-up section (2-core host shared with other work, isolate_comm). Took {took:.0f} s; host load "
+             f"average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.")
+    print(table)
+    print(notes)
+    if not args.no_write:
+        command = "sudo -E .venv/bin/python benchmarks/emulated_speedup.py " + " ".join(sys.argv[1:])
+        write_section("Emulated repeatability (profile, plan, train, repeated)", command.strip(), table, notes)
     return 0
 
 

@@ -182,6 +182,7 @@ def _replan_from(args: argparse.Namespace) -> Plan:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from hetrain import plan
+    from hetrain.planner.robust import format_confidence
 
     if args.output:
         check_output_path(args.output, "-o")
@@ -216,6 +217,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(cluster.summary())
     print()
     print(result.summary())
+    if sure := format_confidence(result):
+        print(sure)
     print()
     print("predicted against the pure families on the same cluster:")
     print(format_comparison(rows))

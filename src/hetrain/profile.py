@@ -30,6 +30,7 @@ from hetrain.fields import (
     MAX_MICRO_BATCH,
     MAX_SEQ_LEN,
     load_json_object,
+    optional_number,
     require_int,
     require_list,
     require_mapping,
@@ -72,12 +73,19 @@ class Measurement:
 
     ``source`` is ``"measured"`` (profiled on that device type) or ``"scaled"``
     (derived from another type's measurement by the roofline ratio).
+
+    ``forward_spread_s`` / ``backward_spread_s``: how far one timed repeat strays from the
+    median, as a standard deviation estimated from the repeats' interquartile range
+    (``profiler.layers.estimate_spread``); None where unknown (one repeat, an older profile,
+    a scaled figure). The planner scores its best plans under it (``planner.robust``).
     """
 
     micro_batch: int
     forward_s: float
     backward_s: float
     source: str = "measured"
+    forward_spread_s: float | None = None
+    backward_spread_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.micro_batch < 1:
@@ -86,12 +94,20 @@ class Measurement:
             raise ProfileError(
                 f"measured times must be >= 0, got forward {self.forward_s} s, backward {self.backward_s} s"
             )
+        for key in ("forward_spread_s", "backward_spread_s"):
+            value = getattr(self, key)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ProfileError(f"measurement at micro_batch {self.micro_batch}: {key} must be a finite "
+                                   f"number of seconds >= 0, got {value}")
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"micro_batch": self.micro_batch, "forward_s": self.forward_s,
                                "backward_s": self.backward_s}
         if self.source != "measured":
             out["source"] = self.source
+        for key in ("forward_spread_s", "backward_spread_s"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
         return out
 
 
@@ -339,6 +355,8 @@ def _measurement_from(raw: Any, where: str) -> Measurement:
         require_number(raw, "forward_s", where, ProfileError, least=0),
         require_number(raw, "backward_s", where, ProfileError, least=0),
         require_str(raw, "source", where, ProfileError, "measured"),
+        optional_number(raw, "forward_spread_s", where, ProfileError, least=0),
+        optional_number(raw, "backward_spread_s", where, ProfileError, least=0),
     )
 
 

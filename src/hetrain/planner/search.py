@@ -18,6 +18,7 @@ simulator; the planner imports no simulator).
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -50,7 +51,8 @@ from hetrain.plan import (
     VirtualWorker,
 )
 from hetrain.planner.formation import Formation, build_formations
-from hetrain.planner.partition import PartitionResult
+from hetrain.planner.partition import PartitionResult, partition
+from hetrain.planner.robust import DRAWS, SEED, rank_robust
 from hetrain.planner.stage_cost import StageTableCache
 from hetrain.planner.sync import Scorer, choose_sync_mode, estimate_mode_sync_time
 from hetrain.planner.vw import VWEvaluator, canonical_devices, vw_signature
@@ -91,6 +93,10 @@ class PlannerOptions:
         exhaustive_devices: clusters this small also try every set partition.
         refine_top_k: search this many best screened candidates exactly.
         simulate_top_k: re-rank this many best candidates by the scoring function, where one is given (0: off).
+        robust_draws: where the profile has spreads, score those candidates on this many profiles drawn within
+            them too, and prefer the best worst case among the plans within the fastest's spread
+            (``planner.robust``; 0: off).
+        robust_seed: the seed of those draws (the same seed, the same plan).
     """
 
     strategy: Literal["auto", "dp", "pp", "hybrid"] = "auto"
@@ -111,6 +117,8 @@ class PlannerOptions:
     exhaustive_devices: int = 6
     refine_top_k: int = 3
     simulate_top_k: int = 3
+    robust_draws: int = DRAWS
+    robust_seed: int = SEED
 
     def __post_init__(self) -> None:
         if self.strategy not in ("auto", "dp", "pp", "hybrid"):
@@ -129,6 +137,8 @@ class PlannerOptions:
             raise ValueError(f"objective must be throughput or time-to-accuracy, got {self.objective!r}")
         if self.objective == "time-to-accuracy" and not (self.critical_batch and self.critical_batch > 0):
             raise ValueError("objective time-to-accuracy needs a positive critical_batch (--critical-batch)")
+        if self.robust_draws < 0:
+            raise ValueError(f"robust_draws must be >= 0, got {self.robust_draws}")
         if self.micro_batch_sizes is not None and any(b < 1 for b in self.micro_batch_sizes):
             raise ValueError(f"micro-batch sizes must be >= 1, got {list(self.micro_batch_sizes)}")
 
@@ -231,6 +241,12 @@ def _evaluate(cluster: Cluster, profile: ModelProfile, formation: Formation, sch
         pos = {d.index: q for q, d in enumerate(evaluators[sigs[v]].devices)}
         mapped = tuple(canon[pos[d.index]] for d in r.devices)
         parts.append(replace(r, devices=mapped))
+    return _assemble(cluster, profile, formation, schedule, global_batch, parts, split, opts)
+
+
+def _assemble(cluster: Cluster, profile: ModelProfile, formation: Formation, schedule: str, global_batch: int,
+              parts: list[PartitionResult], split: list[int], opts: PlannerOptions) -> Candidate:
+    """The candidate of these VW partitions and batch split: its optimizer step and sync added."""
     pipeline_s = max(r.pipeline_s for r in parts)
     layouts = [[(d.index, r.cuts[j], r.cuts[j + 1]) for j, d in enumerate(r.devices)] for r in parts]
     optimizer_s = max(
@@ -247,6 +263,38 @@ def _evaluate(cluster: Cluster, profile: ModelProfile, formation: Formation, sch
     c.extra["layouts"] = layouts
     c.extra["hide"] = hide
     return c
+
+
+def reversed_orders(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: PlannerOptions) -> Candidate | None:
+    """``c`` with each pipeline over devices of more than one type run in the reverse device order, partitioned
+    anew at the same micro-batch size and count; None where no VW has such a pipeline, or one does not fit.
+
+    The closed forms price a pipeline and its reverse alike (``sum + (m - 1) * max`` is symmetric in stage
+    order), and the search keeps the first of equals; warm-up, cool-down, transfers and the memory of 1F1B's
+    early stages are not symmetric, so the scoring function is handed both (slow first and fast first).
+    """
+    parts: list[PartitionResult] = []
+    done: dict[tuple[object, ...], PartitionResult | None] = {}  # VWs alike in figures and links: one partition
+    for r in c.parts:
+        if len(r.devices) < 2 or len({d.type_name for d in r.devices}) < 2:
+            parts.append(r)
+            continue
+        devices = r.devices[::-1]
+        idx = [d.index for d in devices]
+        key = (r.b, r.m, tuple((d.type_name, d.peak_fp32_flops, d.peak_fp16_flops, d.memory_bytes,
+                                d.memory_bandwidth_bytes_per_s) for d in devices),
+               tuple((float(cluster.bandwidth_bytes_per_s[a, b]), float(cluster.latency_s[a, b]))
+                     for a, b in itertools.pairwise(idx)))
+        if key not in done:
+            done[key] = partition(cluster, profile, devices, r.b, r.m, c.schedule, opts.optimizer,
+                                  opts.allow_recompute, opts.max_caps)
+        flipped = done[key]
+        if flipped is None:
+            return None
+        parts.append(replace(flipped, devices=devices))
+    if all(a is b for a, b in zip(parts, c.parts, strict=True)):
+        return None
+    return _assemble(cluster, profile, c.formation, c.schedule, c.global_batch, parts, c.mini_batches, opts)
 
 
 def _to_plan(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: PlannerOptions) -> Plan:
@@ -399,23 +447,33 @@ def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: Pl
                                 opts.staleness_penalty, opts.target_samples, opts.critical_batch,
                                 score if opts.simulate_top_k > 0 else None)
     found = search(cluster, profile, global_batch, opts)
-    plans = [_to_plan(cluster, profile, c, opts) for c in found[: max(1, opts.simulate_top_k)]]
+    top = found[: max(1, opts.simulate_top_k)]
+    if opts.simulate_top_k > 0 and score is not None and (flipped := reversed_orders(cluster, profile, top[0], opts)):
+        top = [*top, flipped]  # the best pipeline's reverse order: only the scoring function tells them apart
+    plans = [_to_plan(cluster, profile, c, opts) for c in top]
     if opts.simulate_top_k > 0 and score is not None:
         plans = rerank(plans, opts, score)
     return plans[0]
 
 
 def rerank(plans: list[Plan], opts: PlannerOptions, score: Callable[[Plan], float]) -> list[Plan]:
-    """Score each plan (its iteration seconds), record the figure, and order by it (or TTA)."""
+    """Score each plan (its iteration seconds), record the figure, and order by it (or TTA); then, where the
+    profile has spreads, put the robust choice first (``planner.robust.rank_robust``), which also records in
+    the first plan's ``options["confidence"]`` how sure the choice is."""
     out = []
     for p in plans:
         pred = replace(p.prediction, simulated_iteration_s=score(p))
         out.append(replace(p, prediction=pred))
 
-    def key(p: Plan) -> float:
-        assert p.prediction.simulated_iteration_s is not None
-        t = p.prediction.simulated_iteration_s
+    def objective(p: Plan, t: float) -> float:
         if opts.objective == "time-to-accuracy" and opts.critical_batch:
             return t * estimate_samples_to_accuracy_factor(p.global_batch, opts.critical_batch) / p.global_batch
         return t / p.global_batch
-    return sorted(out, key=key)
+
+    def key(p: Plan) -> float:
+        assert p.prediction.simulated_iteration_s is not None
+        return objective(p, p.prediction.simulated_iteration_s)
+    ranked = sorted(out, key=key)
+    if len(ranked) < 2:
+        return ranked
+    return rank_robust(ranked, objective, score, opts.robust_draws, opts.robust_seed)[0]

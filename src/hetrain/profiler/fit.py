@@ -313,9 +313,30 @@ def merge_profiles(profiles: Sequence[ModelProfile]) -> ModelProfile:
                                iteration_overhead_s=tuple(per_iteration.items()))
 
 
+def _spread_of(spreads: Sequence[float | None], medians: Sequence[float]) -> float | None:
+    """The spread of a median over devices: the larger of the devices' median spread over their own repeats and
+    the spread between their medians (``profiler.layers.estimate_spread``: IQR / 1.349); None where no device
+    knew its spread and there is one device."""
+    known = [s for s in spreads if s is not None]
+    within = statistics.median(known) if known else None
+    if len(medians) < 2:
+        return within
+    q1, _, q3 = statistics.quantiles(medians, n=4, method="inclusive")
+    return max(within or 0.0, (q3 - q1) / 1.349)
+
+
+def _median_measurement(ms: Sequence[Measurement]) -> Measurement:
+    """Several devices' measurements of one layer at one size as one: the medians and their spread."""
+    forward, backward = [m.forward_s for m in ms], [m.backward_s for m in ms]
+    return Measurement(ms[0].micro_batch, statistics.median(forward), statistics.median(backward), "measured",
+                       _spread_of([m.forward_spread_s for m in ms], forward),
+                       _spread_of([m.backward_spread_s for m in ms], backward))
+
+
 def average_profiles(profiles: Sequence[ModelProfile]) -> ModelProfile:
     """One profile from several measurements of the same device type(s): each measured time (per type, layer
-    and micro-batch size) and each optimizer-step rate is the median over the profiles that have it.
+    and micro-batch size) and each optimizer-step rate is the median over the profiles that have it; the
+    spread of a time is the larger of the devices' spread over their repeats and the spread between devices.
 
     Several devices of one type, profiled at once, each time the same layers with their
     own noise (10-15% per layer on an emulated device); the median of two or more halves
@@ -335,9 +356,7 @@ def average_profiles(profiles: Sequence[ModelProfile]) -> ModelProfile:
             for type_name, ms in _measured_only(p.layers[i]):
                 for m in ms:
                     samples.setdefault(type_name, {}).setdefault(m.micro_batch, []).append(m)
-        measured = tuple((t, tuple(Measurement(b, statistics.median(m.forward_s for m in by_b[b]),
-                                               statistics.median(m.backward_s for m in by_b[b]))
-                                   for b in sorted(by_b))) for t, by_b in samples.items())
+        measured = tuple((t, tuple(_median_measurement(by_b[b]) for b in sorted(by_b))) for t, by_b in samples.items())
         layers.append(_with_measured(profiles, i, measured))
     figures: dict[str, DeviceFigures] = {}
     rates: dict[str, dict[str, list[float]]] = {}

@@ -8,7 +8,7 @@
            backward timed: y_i.backward(random grad of y_i's shape)
 
 - times: median of ``repeats`` runs after ``warmup`` runs; CUDA events on a GPU,
-  ``time.perf_counter`` on the CPU;
+  ``time.perf_counter`` on the CPU; their spread over the repeats too (``estimate_spread``);
 - ``param_bytes``: exact, the sum of parameter storage in the training precision;
 - ``output_bytes_per_sample``: the layer's output (what crosses a stage boundary);
 - ``saved_bytes_per_sample``: what autograd keeps for backward, caught with
@@ -295,6 +295,8 @@ class LayerReport:
 
     Attributes:
         times_s: ``(micro_batch, forward_s, backward_s)`` per measured size.
+        spreads_s: ``(forward_spread_s, backward_spread_s)`` per entry of ``times_s``
+            (``estimate_spread`` of the repeats; None for one repeat).
         peak_memory_bytes: CUDA only: peak memory of forward + backward at the
             largest micro-batch above what was allocated before (None on CPU).
     """
@@ -306,6 +308,7 @@ class LayerReport:
     forward_flops_per_sample: float
     times_s: tuple[tuple[int, float, float], ...]
     peak_memory_bytes: int | None = None
+    spreads_s: tuple[tuple[float | None, float | None], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -333,7 +336,9 @@ class LayersMeasurement:
                 output_bytes_per_sample=r.output_bytes_per_sample,
                 saved_bytes_per_sample=r.saved_bytes_per_sample,
                 forward_flops_per_sample=r.forward_flops_per_sample,
-                measured=((self.type_name, tuple(Measurement(b, f, g) for b, f, g in r.times_s)),),
+                measured=((self.type_name, tuple(
+                    Measurement(b, f, g, "measured", *(r.spreads_s[k] if r.spreads_s else (None, None)))
+                    for k, (b, f, g) in enumerate(r.times_s))),),
             )
             for r in self.layers
         )
@@ -390,9 +395,34 @@ def _measure_saved(layer: nn.Module, args: tuple[Any, ...]) -> tuple[int, float,
     return sum(saved.values()), float(counter.get_total_flops()), out
 
 
+def estimate_spread(values: Sequence[float]) -> float | None:
+    """How far one of ``values`` strays from their median: the interquartile range / 1.349, the standard
+    deviation of a normal law with that range, which one outlier cannot inflate as it does the sample
+    standard deviation. None for fewer than 2 values (nothing to tell)."""
+    if len(values) < 2:
+        return None
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return (q3 - q1) / 1.349
+
+
+@dataclass(frozen=True)
+class _Timed:
+    """Medians of one layer's repeats at one micro-batch size, and their spreads (``estimate_spread``)."""
+
+    forward_s: float
+    backward_s: float
+    forward_spread_s: float | None
+    backward_spread_s: float | None
+
+    @staticmethod
+    def of(forward: Sequence[float], backward: Sequence[float]) -> _Timed:
+        return _Timed(statistics.median(forward), statistics.median(backward),
+                      estimate_spread(forward), estimate_spread(backward))
+
+
 def _time_layer(layer: nn.Module, args: tuple[Any, ...], grad_inputs: bool, repeats: int, warmup: int,
-                device: torch.device, min_time_s: float = 0.0) -> tuple[float, float, Any]:
-    """Median forward and backward seconds of ``layer(*args)``, and its (detached) output.
+                device: torch.device, min_time_s: float = 0.0) -> tuple[_Timed, Any]:
+    """Median forward and backward seconds of ``layer(*args)`` with their spreads, and its (detached) output.
 
     With ``min_time_s > 0`` on a CPU, the times are medians over ``repeats`` blocks of back-to-back
     calls of at least that long (``_time_layer_blocks``), for a process under a CPU quota; single calls
@@ -419,17 +449,14 @@ def _time_layer(layer: nn.Module, args: tuple[Any, ...], grad_inputs: bool, repe
             fwd.append(tf.seconds())
             bwd.append(tb.seconds() if outs else 0.0)
     layer.zero_grad(set_to_none=True)
-    if blocks:
-        f_med, b_med = _time_layer_blocks(layer, args, grad_inputs, min_time_s, repeats)
-    else:
-        f_med, b_med = statistics.median(fwd), statistics.median(bwd)
-    return f_med, b_med, _map(out, lambda t: t.detach())
+    timed = _time_layer_blocks(layer, args, grad_inputs, min_time_s, repeats) if blocks else _Timed.of(fwd, bwd)
+    return timed, _map(out, lambda t: t.detach())
 
 
 def _time_layer_blocks(layer: nn.Module, args: tuple[Any, ...], grad_inputs: bool,
-                       min_time_s: float, repeats: int = 1) -> tuple[float, float]:
+                       min_time_s: float, repeats: int = 1) -> _Timed:
     """Forward and backward seconds per call over blocks of back-to-back calls lasting ``min_time_s`` or more:
-    the medians over ``repeats`` pairs of blocks.
+    the medians over ``repeats`` pairs of blocks (and their spreads).
 
     Under a CPU quota (a cgroup's ``quota`` per ``period``) a call shorter than the
     quota that is left runs at full speed and the process waits later, between calls;
@@ -468,7 +495,7 @@ def _time_layer_blocks(layer: nn.Module, args: tuple[Any, ...], grad_inputs: boo
         forward.append(block(False))
         backward.append(max(block(True) - forward[-1], 0.0))
     layer.zero_grad(set_to_none=True)
-    return statistics.median(forward), statistics.median(backward)
+    return _Timed.of(forward, backward)
 
 
 def _sync(device: torch.device) -> None:
@@ -616,6 +643,7 @@ def measure_layers(layers: Sequence[nn.Module], sample_input: SampleInput,
         return x if unpack_tuples and isinstance(x, tuple) else (x,)
 
     times: list[list[tuple[int, float, float]]] = [[] for _ in layers]
+    spreads: list[list[tuple[float | None, float | None]]] = [[] for _ in layers]
     static: list[tuple[int, float, float, int | None]] = [(0, 0.0, 0.0, None)] * len(layers)
     b_max = sizes[-1]
     input_bytes = 0.0
@@ -627,8 +655,9 @@ def measure_layers(layers: Sequence[nn.Module], sample_input: SampleInput,
             for i, layer in enumerate(layers):
                 args = as_args(x)
                 with amp.autocast(dev, precision):  # its cache: one 16-bit copy per weight, as an iteration
-                    fwd, bwd, out = _time_layer(layer, args, i > 0, repeats, warmup, dev, min_time_s)
-                    times[i].append((b, fwd, bwd))
+                    timed, out = _time_layer(layer, args, i > 0, repeats, warmup, dev, min_time_s)
+                    times[i].append((b, timed.forward_s, timed.backward_s))
+                    spreads[i].append((timed.forward_spread_s, timed.backward_spread_s))
                     if b == b_max:
                         leaves = _map(args, functools.partial(_leaf, requires_grad=i > 0))
                         saved, flops, y = _measure_saved(layer, leaves)
@@ -649,6 +678,7 @@ def measure_layers(layers: Sequence[nn.Module], sample_input: SampleInput,
             forward_flops_per_sample=static[i][1] / b_max,
             times_s=tuple(times[i]),
             peak_memory_bytes=static[i][3],
+            spreads_s=tuple(spreads[i]),
         )
         for i, layer in enumerate(layers)
     )

@@ -1,0 +1,184 @@
+"""Plans under profile noise (planner.robust) and the order of a pipeline's stages, scored by the simulator."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import hetrain
+from hetrain.cluster import parse_cluster
+from hetrain.plan import Plan, Stage
+from hetrain.planner import PlannerOptions
+from hetrain.planner.robust import (
+    choose_robust,
+    describe_layout,
+    draw_profiles,
+    format_confidence,
+    has_spread,
+    rank_robust,
+)
+from hetrain.planner.search import _to_plan, reversed_orders, search
+from hetrain.planner.vw import candidate_orders
+from hetrain.profile import DeviceFigures, LayerProfile, Measurement, ModelProfile
+from hetrain.simulator import simulate
+
+
+def _device(type_name: str, tflops: float) -> dict[str, object]:
+    return {"type": type_name, "tflops": tflops, "memory": "16GB", "memory_bandwidth": "300GB/s"}
+
+
+def _cluster(nic: str = "1Gbit/s"):
+    """Two nodes of one device each: ``noisy`` (fast) and ``steady`` (slower)."""
+    return parse_cluster({"name": "two", "node": [
+        {"name": "a", "devices": [_device("noisy", 20)], "nic": nic},
+        {"name": "b", "devices": [_device("steady", 8)], "nic": nic}]})
+
+
+def _profile(noisy_s: float = 1e-3, steady_s: float = 2.5e-3, noisy_spread: float | None = None,
+             layers: int = 10) -> ModelProfile:
+    """``layers`` identical layers measured on both types (backward 2x forward, time proportional to the
+    micro-batch); the ``noisy`` type's times with a relative spread ``noisy_spread``."""
+    def measured(f: float, spread: float | None) -> tuple[Measurement, ...]:
+        return tuple(Measurement(b, f * b, 2 * f * b, "measured",
+                                 None if spread is None else spread * f * b,
+                                 None if spread is None else spread * 2 * f * b) for b in (1, 2, 4, 8))
+    layer_list = tuple(LayerProfile(f"l{i}", 4e6, 2e5, 1e6, 1e9, (("noisy", measured(noisy_s, noisy_spread)),
+                                                                   ("steady", measured(steady_s, None))))
+                       for i in range(layers))
+    return ModelProfile("uniform", layer_list, 2e5, measured_on=(("noisy", DeviceFigures(20e12, 3e11)),
+                                                                 ("steady", DeviceFigures(8e12, 3e11))))
+
+
+def _moved(plan: Plan, layers: int) -> Plan:
+    """``plan`` (one pipeline of two stages) with ``layers`` layers moved from its first stage to its second."""
+    vw = plan.virtual_workers[0]
+    first, second = vw.stages
+    cut = first.end_layer - layers
+    stages = (Stage(first.device, first.first_layer, cut), Stage(second.device, cut, second.end_layer))
+    return dataclasses.replace(plan, virtual_workers=(dataclasses.replace(vw, stages=stages),))
+
+
+def _objective(p: Plan, t: float) -> float:
+    return t / p.global_batch
+
+
+def _simulated(p: Plan) -> Plan:
+    return dataclasses.replace(p, prediction=dataclasses.replace(p.prediction,
+                                                                 simulated_iteration_s=simulate(p).iteration_s))
+
+
+def _noisy_first_pair(profile: ModelProfile) -> list[Plan]:
+    """The mean-best pipeline noisy -> steady, and the runner-up with one layer fewer on the noisy device,
+    ranked by simulated time at the medians."""
+    best = hetrain.plan(_cluster(), profile, 16, strategy="pp", micro_batch_sizes=(1,), robust_draws=0)
+    if best.virtual_workers[0].stages[0].device != "a:0":  # the noisy device first, whichever order won
+        vw = best.virtual_workers[0]
+        n = vw.stages[1].end_layer - vw.stages[1].first_layer
+        stages = (Stage("a:0", 0, n), Stage("b:0", n, profile.num_layers))
+        best = dataclasses.replace(best, virtual_workers=(dataclasses.replace(vw, stages=stages),))
+    pair = [_simulated(best), _simulated(_moved(best, 1))]
+    return sorted(pair, key=lambda p: _objective(p, p.prediction.simulated_iteration_s or 0.0))
+
+
+def test_the_rule_on_literal_figures() -> None:
+    # medians 1.00, 1.02, 1.30; worst draws 1.40, 1.10, 1.31: the second and the third are within the
+    # first's spread (<= 1.40); the second has the best worst case
+    assert choose_robust([1.00, 1.02, 1.30], [1.40, 1.10, 1.31]) == 1
+    # no spread: every worst case is the median, only ties are within, the fastest stays
+    assert choose_robust([1.00, 1.02, 1.30], [1.00, 1.02, 1.30]) == 0
+    # a runner-up outside the fastest's spread never wins, however steady
+    assert choose_robust([1.00, 1.20], [1.10, 1.20]) == 0
+    # equal worst cases: the faster at the medians
+    assert choose_robust([1.05, 1.00], [1.20, 1.20]) == 1
+
+
+def test_draws_are_deterministic_and_keep_what_has_no_spread() -> None:
+    profile = _profile(noisy_spread=0.3)
+    assert has_spread(profile) and not has_spread(_profile())
+    a, b = draw_profiles(profile, 4, seed=7), draw_profiles(profile, 4, seed=7)
+    assert [p.layers for p in a] == [p.layers for p in b]
+    assert [p.layers for p in a] != [p.layers for p in draw_profiles(profile, 4, seed=8)]
+    for drawn in a:
+        for layer, base in zip(drawn.layers, profile.layers, strict=True):
+            assert layer.measurements("steady") == base.measurements("steady")  # no spread: as measured
+            moved = [m.forward_s / o.forward_s for m, o in zip(layer.measurements("noisy"),
+                                                                base.measurements("noisy"), strict=True)]
+            assert all(r > 0 for r in moved)
+            assert max(moved) == pytest.approx(min(moved))  # one draw per layer and direction, every size
+    assert draw_profiles(_profile(), 2)[0].layers == _profile().layers
+
+
+def test_robust_choice_prefers_the_steadier_runner_up_within_the_spread() -> None:
+    # the mean-best split gives the noisy device 15 of 20 layers; 14 is 1.4% slower at the medians but
+    # steadier: with a 60% spread on the noisy device the robust rule takes it
+    noisy = _profile(noisy_spread=0.6, layers=20)
+    best, runner_up = _noisy_first_pair(noisy)
+    assert best.virtual_workers[0].stages[0].end_layer > runner_up.virtual_workers[0].stages[0].end_layer
+    ranked, figures = rank_robust([best, runner_up], _objective, lambda p: simulate(p).iteration_s)
+    assert describe_layout(ranked[0]) == describe_layout(runner_up)
+    first, second = figures["candidates"]
+    assert first["layout"] == describe_layout(runner_up)
+    assert first["objective"] > second["objective"]  # slower at the medians ...
+    assert first["worst_objective"] < second["worst_objective"]  # ... faster in the worst draw
+    assert second["objective"] <= first["objective"] <= second["worst_objective"]  # within the spread
+    assert figures["draws"] == 8
+    assert ranked[0].options["confidence"] == figures
+    # the same instance without spread: the mean-best, no draws
+    steady = [dataclasses.replace(p, profile=_profile(layers=20)) for p in (best, runner_up)]
+    ranked0, figures0 = rank_robust(steady, _objective, lambda p: simulate(p).iteration_s)
+    assert describe_layout(ranked0[0]) == describe_layout(best)
+    assert figures0["draws"] == 0
+    # deterministic: the same plans, the same figures
+    again, figures_again = rank_robust([best, runner_up], _objective, lambda p: simulate(p).iteration_s)
+    assert figures_again == figures and describe_layout(again[0]) == describe_layout(ranked[0])
+
+
+def test_the_planner_with_spread_is_deterministic_and_says_how_sure_it_is() -> None:
+    profile = _profile(noisy_spread=0.3)
+    one = hetrain.plan(_cluster(), profile, 16)
+    two = hetrain.plan(_cluster(), profile, 16)
+    assert one.to_dict() == two.to_dict()
+    figures = one.options["confidence"]
+    assert figures["draws"] == 8 and len(figures["candidates"]) >= 2
+    assert figures["candidates"][0]["layout"] == describe_layout(one)
+    assert sum(c["fastest_in_draws"] for c in figures["candidates"]) == 8
+    # plans alike in every figure (the same VWs, devices paired otherwise) are listed once
+    assert len({(c["objective"], c["worst_objective"]) for c in figures["candidates"]}) == len(figures["candidates"])
+    text = format_confidence(one)
+    assert "next best plan" in text or "chosen for its worst case" in text
+    assert "of 8 draws" in text
+    # round trip: the figures are in plan.json
+    assert Plan.from_dict(one.to_dict()).options["confidence"] == figures
+
+
+def test_without_spread_the_plan_is_the_one_without_robust_scoring() -> None:
+    profile = _profile()
+    plain = hetrain.plan(_cluster(), profile, 16)
+    off = hetrain.plan(_cluster(), profile, 16, robust_draws=0)
+    assert describe_layout(plain) == describe_layout(off)
+    assert plain.options["confidence"]["draws"] == 0
+    assert "no spread" in format_confidence(plain)
+    with pytest.raises(ValueError, match="robust_draws must be >= 0, got -1"):
+        PlannerOptions(robust_draws=-1)
+
+
+def test_stage_order_slow_first_and_fast_first_differ_and_the_planner_takes_the_faster() -> None:
+    cluster, profile = _cluster("100Mbit/s"), _profile()
+    vw = list(cluster.devices)
+    assert sorted(candidate_orders(cluster, vw, profile.num_layers, 1e9)) == [(0, 1), (1, 0)]
+    opts = PlannerOptions(strategy="pp", micro_batch_sizes=(1,))
+    best = search(cluster, profile, 16, opts)[0]
+    flipped = reversed_orders(cluster, profile, best, opts)
+    assert flipped is not None
+    orders = [tuple(d.type_name for d in c.parts[0].devices) for c in (best, flipped)]
+    assert sorted(orders) == [("noisy", "steady"), ("steady", "noisy")]
+    # the closed form cannot tell them apart: sum + (m - 1) * max is symmetric in the order of the stages
+    assert flipped.pipeline_s == pytest.approx(best.pipeline_s, rel=1e-9)
+    times = {order: simulate(_to_plan(cluster, profile, c, opts)).iteration_s
+             for order, c in zip(orders, (best, flipped), strict=True)}
+    assert abs(times[orders[0]] - times[orders[1]]) > 1e-6 * max(times.values())  # the simulator can
+    chosen = hetrain.plan(cluster, profile, 16, strategy="pp", micro_batch_sizes=(1,))
+    order = tuple(cluster.device(s.device).type_name for s in chosen.virtual_workers[0].stages)
+    assert times[order] == min(times.values())
+    assert chosen.prediction.simulated_iteration_s == pytest.approx(min(times.values()))
