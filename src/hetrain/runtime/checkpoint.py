@@ -249,7 +249,7 @@ def _write_files(tmp: Path, tensors: Mapping[str, torch.Tensor],
                                "optimizer_state": sorted(state)}
         size, digest = _save_atomic(tmp / file, content)
         files[file] = {"bytes": size, "sha256": digest, "names": described}
-    _fsync_dir(tmp)
+    fsync_path(tmp)
     return {"files": files}
 
 
@@ -308,8 +308,9 @@ def _digest(path: Path) -> tuple[int, str]:
     return size, h.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
-    """Make renames inside ``path`` durable (POSIX; a no-op where directories cannot be opened)."""
+def fsync_path(path: Path) -> None:
+    """Make ``path`` durable: a file's bytes, or the renames inside a directory (POSIX; a no-op where it
+    cannot be opened)."""
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -359,13 +360,13 @@ def _complete(directory: Path, tmp: Path, final: Path, step: int, reports: list[
         "meta": meta,
     }
     _write_manifest(tmp / MANIFEST, manifest)
-    _fsync_dir(tmp)
+    fsync_path(tmp)
     replaced = directory / f".{final.name}.replaced"
     if final.exists():
         _remove(replaced)
         os.replace(final, replaced)
     os.replace(tmp, final)
-    _fsync_dir(directory)
+    fsync_path(directory)
     _remove(replaced)
 
 

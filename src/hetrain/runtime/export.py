@@ -34,7 +34,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import uuid
@@ -48,7 +47,7 @@ import torch
 
 from hetrain.errors import InputError
 from hetrain.fields import check_output_path
-from hetrain.runtime.checkpoint import CheckpointError, load_checkpoint, load_manifest, step_dir_name
+from hetrain.runtime.checkpoint import CheckpointError, fsync_path, load_checkpoint, load_manifest, step_dir_name
 
 #: files of a transformers model directory, besides config.json and the weights, copied when present
 SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -245,21 +244,11 @@ def _check_out_dir(out: Path, force: bool) -> None:
         raise ExportError(f"--to-hf {out}: {parent} is not a directory")
 
 
-def _fsync(path: Path) -> None:
-    """Make ``path`` (a file, or the renames inside a directory) durable (POSIX; a no-op where it cannot be)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> int:
     from safetensors.torch import save_file
 
     save_file(tensors, str(path), metadata=metadata)
-    _fsync(path)
+    fsync_path(path)
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
@@ -273,7 +262,7 @@ def _place_dir(tmp: Path, out: Path) -> None:
         else:
             out.rmdir()
     os.replace(tmp, out)
-    _fsync(out.parent)
+    fsync_path(out.parent)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
 
@@ -329,8 +318,8 @@ def export_hf(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], *
         for name in ("config.json", *SIDE_FILES):
             if (layout.source / name).is_file():
                 shutil.copyfile(layout.source / name, tmp / name)
-                _fsync(tmp / name)
-        _fsync(tmp)
+                fsync_path(tmp / name)
+        fsync_path(tmp)
         _place_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -367,7 +356,7 @@ def export_safetensors(checkpoint: str | os.PathLike[str], file: str | os.PathLi
     except BaseException:
         part.unlink(missing_ok=True)
         raise
-    _fsync(path.parent)
+    fsync_path(path.parent)
     return Exported(path, step_done, model, len(tensors), weight_bytes)
 
 
