@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -182,3 +183,20 @@ def test_stage_order_slow_first_and_fast_first_differ_and_the_planner_takes_the_
     order = tuple(cluster.device(s.device).type_name for s in chosen.virtual_workers[0].stages)
     assert times[order] == min(times.values())
     assert chosen.prediction.simulated_iteration_s == pytest.approx(min(times.values()))
+
+
+def test_plan_takes_robust_draws_from_the_command_line(tmp_path: Path) -> None:
+    """``hetrain plan --robust-draws N`` reaches the planner, recorded with the plan's planner options."""
+    from hetrain.cli import main
+    from hetrain.plan import load_plan
+
+    cluster = Path(__file__).resolve().parents[1] / "examples" / "clusters" / "pipetorch.toml"
+    for draws in (0, 3):
+        out = tmp_path / f"plan{draws}.json"
+        assert main(["plan", "--cluster", str(cluster), "--model", "gpt2-small", "--global-batch", "16",
+                     "--robust-draws", str(draws), "-o", str(out)]) == 0
+        assert load_plan(out).options["planner"]["robust_draws"] == draws
+    with pytest.raises(SystemExit) as refused:
+        main(["plan", "--cluster", str(cluster), "--model", "gpt2-small", "--global-batch", "16",
+              "--robust-draws", "-1"])
+    assert refused.value.code == 2

@@ -90,6 +90,8 @@ def _planner_options(args: argparse.Namespace) -> dict[str, Any]:
         "sync_options": SyncOptions.from_items(args.sync_options),
         "staleness_penalty": args.staleness_penalty,
     }
+    if args.robust_draws is not None:
+        opts["robust_draws"] = args.robust_draws
     if args.target_samples is not None:
         opts["target_samples"] = args.target_samples
     if args.critical_batch is not None:
@@ -346,6 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--critical-batch", type=_positive, help="critical batch size (time-to-accuracy)")
     p.add_argument("--micro-batch", type=_ints, help="micro-batch sizes to try, e.g. 1,2,4")
     p.add_argument("--no-recompute", action="store_true", help="never recompute activations")
+    p.add_argument("--robust-draws", type=int_between(0, 1000), default=None, metavar="N",
+                   help="where the profile records layer-time spreads, score the top plans on N profiles drawn "
+                        "within them and prefer the best worst case (default 8; 0: medians only; docs/planner.md)")
     p.add_argument("--time-model", metavar="FILE", help="layer times for device types the profile has no "
                    "measurements of from this learned model (hetrain fit-time-model), not the roofline ratio")
     p.add_argument("-o", "--output", help="write plan.json here")
