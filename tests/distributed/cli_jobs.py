@@ -1,6 +1,6 @@
 """Helpers for the tests that drive the ``hetrain`` command end to end: profile, plan, then train under torchrun.
 
-Shared by test_own_model, test_hf_model and test_token_data.
+Shared by test_own_model, test_hf_model, test_hf_export and test_token_data.
 """
 
 from __future__ import annotations
@@ -22,6 +22,22 @@ name = "n0"
 devices = [{type = "cpu", count = 2}]
 intra_link = "loopback"
 nic = "1Gbit/s"
+"""
+
+
+
+def counting_tokens(samples: int) -> str:
+    """A ``--data MODULE:FUNCTION`` module: ``samples`` token sequences of 16 that count up (mod 64) from a
+    random start, so the next token is learnable; targets are the inputs shifted by one."""
+    return f"""
+import torch
+from torch.utils.data import TensorDataset
+
+def dataset():
+    g = torch.Generator().manual_seed(0)
+    start = torch.randint(0, 64, ({samples}, 1), generator=g)
+    seq = (start + torch.arange(17)) % 64          # (N, T + 1)
+    return TensorDataset(seq[:, :-1], seq[:, 1:])  # inputs (N, T), targets shifted by one
 """
 
 

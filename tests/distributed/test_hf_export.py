@@ -13,11 +13,10 @@ the checkpoint, which differ from the untrained model's.
 
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 
 import pytest
-from cli_jobs import TWO_CPUS, train_standalone
+from cli_jobs import TWO_CPUS, counting_tokens, train_standalone
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -28,16 +27,7 @@ from hetrain.models.layers import LayerRange  # noqa: E402
 from hetrain.models.user import resolve_model  # noqa: E402
 from hetrain.runtime.checkpoint import load_checkpoint, load_manifest  # noqa: E402
 
-TOKENS = textwrap.dedent("""
-    import torch
-    from torch.utils.data import TensorDataset
-
-    def dataset():
-        g = torch.Generator().manual_seed(0)
-        start = torch.randint(0, 64, (128, 1), generator=g)
-        seq = (start + torch.arange(17)) % 64          # (N, T + 1): counting up, learnable
-        return TensorDataset(seq[:, :-1], seq[:, 1:])  # inputs (N, T), targets shifted by one
-""")
+TOKENS = counting_tokens(128)  # the next token is learnable
 STEPS, SEED = 6, 3
 CONFIGS = {
     "gpt2": lambda: transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32,

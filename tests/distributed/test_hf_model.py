@@ -14,11 +14,10 @@ global norm, in which the tied matrix counts once).
 from __future__ import annotations
 
 import json
-import textwrap
 from pathlib import Path
 
 import pytest
-from cli_jobs import TWO_CPUS, hetrain, step_rows, train_standalone
+from cli_jobs import TWO_CPUS, counting_tokens, hetrain, step_rows, train_standalone
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -32,17 +31,7 @@ from hetrain.plan import load_plan  # noqa: E402
 from hetrain.runtime.checkpoint import load_checkpoint  # noqa: E402
 from hetrain.runtime.trainer import build_optimizer_fn  # noqa: E402
 
-# token sequences that count up (mod the vocabulary) from a random start: the next token is learnable
-TOKENS = textwrap.dedent("""
-    import torch
-    from torch.utils.data import TensorDataset
-
-    def dataset():
-        g = torch.Generator().manual_seed(0)
-        start = torch.randint(0, 64, (256, 1), generator=g)
-        seq = (start + torch.arange(17)) % 64          # (N, T + 1)
-        return TensorDataset(seq[:, :-1], seq[:, 1:])  # inputs (N, T), targets shifted by one
-""")
+TOKENS = counting_tokens(256)  # the next token is learnable
 STEPS, SEED, LR = 15, 4, 0.003
 CLIP = 0.5  # below the gradient norm: clipped at every step, with the tied matrix counted once as in the model
 
