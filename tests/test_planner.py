@@ -52,8 +52,15 @@ def random_instance(rng: random.Random, n: int, layers: int, tight_memory: bool)
     return cluster, profile
 
 
-def brute_force(cluster, profile, b, m, schedule, optimizer="adam"):
-    """Best pipeline time over every device order and every contiguous split, same stage costs."""
+def overlapped_pipeline_time(t, c, m):
+    """Transfers overlapping compute: the stages and links in turn once, then the slowest of them m - 1 times."""
+    return sum(t) + sum(c) + (m - 1) * max(t + c)
+
+
+def brute_force(cluster, profile, b, m, schedule, optimizer="adam", pipeline_time=overlapped_pipeline_time):
+    """Best pipeline time over every device order and every contiguous split, same stage costs;
+    ``pipeline_time(stage_s, link_s, m)`` scores one split (``cost.estimate_blocking_pipeline_time`` when
+    transfers block)."""
     L = profile.num_layers
     devices = list(cluster.devices)
     p = len(devices)
@@ -70,8 +77,7 @@ def brute_force(cluster, profile, b, m, schedule, optimizer="adam"):
             c = [links[j][cuts[j]] for j in range(1, p)]
             if not all(np.isfinite(t)):
                 continue
-            f = sum(t) + sum(c) + (m - 1) * max(t + c)
-            best = min(best, f)
+            best = min(best, pipeline_time(t, c, m))
     return best
 
 
@@ -331,28 +337,6 @@ def test_top_k_reranked_by_simulation() -> None:
     assert p.prediction.simulated_iteration_s > 0
 
 
-def brute_force_blocking(cluster, profile, b, m, schedule, optimizer="adam"):
-    """As ``brute_force``, with transfers that block: each stage held by the links on both its sides."""
-    L = profile.num_layers
-    devices = list(cluster.devices)
-    p = len(devices)
-    arrays = build_model_arrays(profile, optimizer)
-    best = math.inf
-    for order in itertools.permutations(devices):
-        stages = build_stage_costs(profile, order, b, m, schedule, optimizer)
-        for s in stages:
-            s.ensure_recompute(math.inf)
-        links = link_time_table(cluster, order, arrays, b)
-        for inner in itertools.combinations(range(1, L), p - 1):
-            cuts = (0, *inner, L)
-            t = [stages[j].time_s[cuts[j], cuts[j + 1]] for j in range(p)]
-            c = [links[j][cuts[j]] for j in range(1, p)]
-            if not all(np.isfinite(t)):
-                continue
-            best = min(best, estimate_blocking_pipeline_time(t, c, m))
-    return best
-
-
 @pytest.mark.parametrize("seed", range(6))
 def test_partition_with_blocking_transfers_matches_brute_force(seed: int) -> None:
     rng = random.Random(1000 + seed)
@@ -361,7 +345,7 @@ def test_partition_with_blocking_transfers_matches_brute_force(seed: int) -> Non
     evaluator = VWEvaluator(cluster, profile, list(cluster.devices), "1f1b", "adam", True, 1e9, 10**6, None,
                             blocking=True)
     best = evaluator.best(b, m)
-    expected = brute_force_blocking(cluster, profile, b, m, "1f1b")
+    expected = brute_force(cluster, profile, b, m, "1f1b", pipeline_time=estimate_blocking_pipeline_time)
     if best is None:
         assert not math.isfinite(expected)
         return
