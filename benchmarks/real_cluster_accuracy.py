@@ -120,9 +120,11 @@ def table(rows: Sequence[tuple[str, dict[str, float | str | int]]]) -> str:
 
 #: the runtime as hetrain modelled it before issue 18: transfers that overlap, no footprint, no fixed cost
 BEFORE = replace(DEEPSPEED, transfers="overlap", fixed_bytes_per_gpu=0.0, allocator_fraction=0.0,
-                 iteration_overhead_s=0.0, action_overhead_s=0.0)
-#: DeepSpeed with pipe_partitioned / grad_partitioned off: each TP rank sends the whole tensor
-WHOLE_TENSORS = replace(DEEPSPEED, partitioned_transfers=False)
+                 iteration_overhead_s=0.0, action_overhead_s=0.0, rebuild_bytes_per_s=0.0)
+#: DeepSpeed without the receiver's rebuild of each received tensor (the default before it was modelled)
+NO_REBUILD = replace(DEEPSPEED, rebuild_bytes_per_s=0.0)
+#: DeepSpeed with pipe_partitioned / grad_partitioned off: each TP rank sends the whole tensor, nothing to rebuild
+WHOLE_TENSORS = replace(DEEPSPEED, partitioned_transfers=False, rebuild_bytes_per_s=0.0)
 
 
 def convert_all(data_dir: str, runtime: DeepSpeedRuntime) -> tuple[list[MeasuredPlan], list[str]]:
@@ -136,11 +138,26 @@ def convert_all(data_dir: str, runtime: DeepSpeedRuntime) -> tuple[list[Measured
     return runs, skipped
 
 
+#: the rebuild throughputs ``--fit`` tries: 2 to 60 GB/s by 0.5 GB/s
+REBUILD_GRID_BYTES_PER_S = tuple(k * 0.5e9 for k in range(4, 121))
+
+
+def _group_mape(pairs: Sequence[tuple[str, float, float]]) -> float:
+    """Mean over groups of the time MAPE of (group, predicted, measured) triples."""
+    groups = sorted({g for g, _, _ in pairs})
+    return statistics.fmean(statistics.fmean(abs(p - m) / m for g2, p, m in pairs if g2 == g) for g in groups)
+
+
 def fit(data_dir: str) -> DeepSpeedRuntime:
-    """Fit the runtime's constants on the data. Memory: least squares over the plans whose memory is
-    reliable, ``measured per GPU = fixed + (1 + allocator share) * tensors per GPU``. Time: the fixed cost
-    per iteration, from 0 to 200 ms by 1 ms, that minimises the mean over groups of the time MAPE."""
-    base = replace(DEEPSPEED, fixed_bytes_per_gpu=0.0, allocator_fraction=0.0, iteration_overhead_s=0.0)
+    """Fit the runtime's constants on the data and print how well the time constant holds out.
+
+    Memory: least squares over the plans whose memory is reliable, ``measured per GPU = fixed + (1 +
+    allocator share) * tensors per GPU``. Time: the receiver's rebuild throughput (``REBUILD_GRID_BYTES_PER_S``)
+    that minimises the mean over groups of the time MAPE, then the fixed cost per iteration, from 0 to 200 ms
+    by 1 ms, the same way. Leave one plan out: each plan predicted with the throughput fitted on the others.
+    """
+    base = replace(DEEPSPEED, fixed_bytes_per_gpu=0.0, allocator_fraction=0.0, iteration_overhead_s=0.0,
+                   rebuild_bytes_per_s=0.0)
     runs, _ = convert_all(data_dir, base)
     scored = score(runs)
     mem = [(s.tensor_peak_per_gpu_bytes, s.run.measured_max_mem_bytes) for s in scored if s.run.memory_reliable]
@@ -151,16 +168,28 @@ def fit(data_dir: str) -> DeepSpeedRuntime:
     sxy = sum(x * y for x, y in mem)
     slope = (n * sxy - sx * sy) / (n * sxx - sx * sx)
     intercept = (sy - slope * sx) / n
-    timed = [s for s in scored if s.run.usable_for_time]
-    groups = sorted({s.run.group for s in timed})
+    # time: every candidate throughput simulated once; the fit and the leave-one-out pick among them
+    timed: dict[float, list[tuple[str, str, float, float]]] = {}
+    for rebuild in (0.0, *REBUILD_GRID_BYTES_PER_S):
+        runs, _ = convert_all(data_dir, replace(base, rebuild_bytes_per_s=rebuild))
+        timed[rebuild] = [(s.run.id, s.run.group, s.predicted_iter_time_s, s.run.measured_iter_time_s)
+                          for s in score(runs) if s.run.usable_for_time]
 
-    def mape(overhead_s: float) -> float:
-        return statistics.fmean(statistics.fmean(
-            abs(s.predicted_iter_time_s + overhead_s - s.run.measured_iter_time_s) / s.run.measured_iter_time_s
-            for s in timed if s.run.group == g) for g in groups)
-    overhead = min((k / 1000 for k in range(201)), key=mape)
+    def best(skip: str = "") -> float:
+        return min(timed, key=lambda r: _group_mape([(g, p, m) for i, g, p, m in timed[r] if i != skip]))
+    rebuild = best()
+    held_out = []
+    for i, g, _, m in timed[rebuild]:
+        r = best(skip=i)
+        held_out.append((g, next(p for i2, _, p, _ in timed[r] if i2 == i), m))
+    for g in sorted({g for g, _, _ in held_out}):
+        errs = [(p - m) / m for g2, p, m in held_out if g2 == g]
+        print(f"leave one plan out, {g}: time MAPE {100 * statistics.fmean(abs(e) for e in errs):.1f}%, "
+              f"signed {100 * statistics.fmean(errs):+.1f}%")
+    at = [(g, p, m) for _, g, p, m in timed[rebuild]]
+    overhead = min((k / 1000 for k in range(201)), key=lambda o: _group_mape([(g, p + o, m) for g, p, m in at]))
     return replace(DEEPSPEED, fixed_bytes_per_gpu=intercept, allocator_fraction=slope - 1.0,
-                   iteration_overhead_s=overhead)
+                   iteration_overhead_s=overhead, rebuild_bytes_per_s=rebuild)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     scored = score(runs)
     rows = [("DeepSpeed (default)", r) for r in group_rows(scored)]
     if args.baseline:
-        rows = [("before issue 18", r) for r in group_rows(score(convert_all(args.data, BEFORE)[0]))] + rows
+        rows = ([("before issue 18", r) for r in group_rows(score(convert_all(args.data, BEFORE)[0]))]
+                + [("no rebuild", r) for r in group_rows(score(convert_all(args.data, NO_REBUILD)[0]))] + rows)
         rows += [("whole tensors", r) for r in group_rows(score(convert_all(args.data, WHOLE_TENSORS)[0]))]
     text = table(rows)
     print(text)

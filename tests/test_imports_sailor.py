@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,12 +20,15 @@ from hetrain.imports.sailor import (
     convert_plan,
     fitted_bandwidth,
     load_sailor_data,
+    stage_link_bandwidth,
 )
 from hetrain.simulator import simulate
 
 DATA = Path(__file__).resolve().parent / "data" / "sailor"
 GH200 = "clariden/OPT-350/N2/N2_D1"
 MIT = "superseded/mit/N4/N4_D2@37ded10"
+#: the network part of the rule alone: the runtime without its receiver's rebuild (tested on its own below)
+NO_REBUILD = replace(DEEPSPEED, rebuild_bytes_per_s=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +57,7 @@ def test_fitted_bandwidth_is_the_quadratic_in_log_size_capped_at_the_largest_mea
 
 def test_a_gh200_pipeline_by_hand(data: SailorData) -> None:
     """Two stages of one GH200 TP group of 4 each, micro-batches of 8, 4 of them, nothing else."""
-    run = convert_plan(raw_plan(data, GH200), data)
+    run = convert_plan(raw_plan(data, GH200), data, NO_REBUILD)
     plan, profile, cluster = run.plan, run.plan.profile, run.plan.cluster
     assert cluster.type_names == ["GH-96x4"] and [d.name for d in cluster.devices] == ["s0r0:0", "s1r0:0"]
     dev = cluster.devices[0]
@@ -88,6 +92,45 @@ def test_a_gh200_pipeline_by_hand(data: SailorData) -> None:
     assert run.measured_iter_time_s == 0.65705 and run.usable_for_time and run.memory_reliable
 
 
+def test_the_receivers_rebuild_holds_each_stage_once_per_received_tensor_by_hand(data: SailorData) -> None:
+    """The GH200 pipeline above under the default runtime: each stage rebuilds the tensor it receives."""
+    assert DEEPSPEED.rebuild_bytes_per_s == 11e9
+    run = convert_plan(raw_plan(data, GH200), data)
+    plan, profile, cluster = run.plan, run.plan.profile, run.plan.cluster
+    # a whole activation of micro-batch 8: 8 x 2048 x 1024 x 4 = 67108864 bytes, rebuilt at 11 GB/s: 6.10 ms
+    assert DEEPSPEED.rebuild_time_s(67108864) == pytest.approx(67108864 / 11e9, rel=1e-12)
+    network = curve_gb_s((-0.65351182, 11.42553946, 45.25031399), 2**24) * 1e9  # 80.93 GB/s, as above
+    # half a rebuild on each of the link's transfers: 1 / (1 / 80.93 + 1 / 22) GB/s = 17.30 GB/s
+    link_bw = 1 / (1 / network + 0.5 / 11e9)
+    assert link_bw == pytest.approx(17.30e9, rel=1e-3)
+    assert cluster.link(0, 1).bandwidth_bytes_per_s == pytest.approx(link_bw, rel=1e-12)
+    assert stage_link_bandwidth(network, NO_REBUILD) == network
+    # per micro-batch each stage is held for the activation and the gradient (0.83 ms each on the network)
+    # and its one rebuild (6.10 ms): the link's two transfers, 2 x 0.83 + 6.10 = 7.76 ms
+    c = 67108864 / network
+    both = 2 * c + 67108864 / 11e9
+    assert 2 * 67108864 / link_bw == pytest.approx(both, rel=1e-12)
+    assert both == pytest.approx(7.76e-3, rel=1e-3)
+    timing = data.profiles["models"]["OPT-350"]["timing"]["GH-96"]["8"]["4"]
+    t = [sum(timing["fwd_s"][a:b]) + sum(timing["bwd_s"][a:b]) for a, b in ((0, 12), (12, 26))]
+    dev = cluster.devices[0]
+    step = estimate_optimizer_time(sum(profile.layers[i].param_bytes for i in range(12)), 4, dev, "adam", profile)
+    result = simulate(plan)
+    assert result.iteration_s == pytest.approx(estimate_blocking_pipeline_time(t, [both], 4) + step, rel=1e-9)
+    # the first micro-batch crosses the link once, the other 3 follow a stage held one rebuild longer:
+    # 4 rebuilds on the critical path, 24.4 ms more than without them (0.649 s against 0.625 s)
+    without = simulate(convert_plan(raw_plan(data, GH200), data, NO_REBUILD).plan).iteration_s
+    assert result.iteration_s - without == pytest.approx(4 * 67108864 / 11e9, rel=1e-9)
+
+
+def test_a_run_without_transfers_rebuilds_nothing(data: SailorData) -> None:
+    """One stage (data parallelism only): no tensor crosses a stage boundary, the rebuild changes nothing."""
+    raw = raw_plan(data, GH200)
+    raw["stages"] = [{**raw["stages"][0], "layers": list(range(26))}]
+    assert simulate(convert_plan(raw, data).plan).iteration_s == pytest.approx(
+        simulate(convert_plan(raw, data, NO_REBUILD).plan).iteration_s, rel=1e-12)
+
+
 def test_the_runtime_footprint_enters_the_memory_of_a_converted_plan(data: SailorData) -> None:
     run = convert_plan(raw_plan(data, GH200), data)
     profile = run.plan.profile
@@ -106,7 +149,7 @@ def test_the_runtime_footprint_enters_the_memory_of_a_converted_plan(data: Sailo
 
 def test_a_heterogeneous_pipeline_with_data_parallelism_by_hand(data: SailorData) -> None:
     """Two Titan-RTX TP groups feed two RTX-2080 TP groups; micro-batches of 2, 64 per replica."""
-    run = convert_plan(raw_plan(data, MIT), data)
+    run = convert_plan(raw_plan(data, MIT), data, NO_REBUILD)
     plan, cluster = run.plan, run.plan.cluster
     assert cluster.type_names == ["Titan-RTXx4", "RTX-2080x4"]
     assert [d.memory_bytes for d in cluster.devices] == [4 * 25769803776] * 2 + [4 * 11811160064] * 2

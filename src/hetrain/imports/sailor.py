@@ -22,6 +22,9 @@ the same for every plan, with no per-plan constant:
                                                message each sends: mbs x the boundary's activation
                                                / tp (DeepSpeed partitions a TP group's activations
                                                and gradients over its ranks, the receiver gathers)
+    the receiver's rebuild of each received  on that [[link]]: half a rebuild per transfer (the whole tensor
+      tensor (host zero-fill, pageable copy,   at rebuild_bytes_per_s), so each of the two stages is held one
+      TP all-gather: reconstruct_tensor)       rebuild per tensor it receives (``stage_link_bandwidth``)
     gradient all-reduce among the replicas   a [[link]] between the replicas' nodes: the curve of tp
       of a stage                               GPUs per node at once, at a ring step's message
                                                (a GPU's gradients / dp)
@@ -63,6 +66,9 @@ FP32_BYTES = 4
 #: last backward of the iteration (``_exec_reduce_grads``), never during it
 ONE_BUCKET_BYTES = float(2**40)
 FILES = ("measured_plans.json", "profiles.json", "network.json")
+#: bytes of a received tensor the measured runs' receiver rebuilds per second (``DeepSpeedRuntime``), fitted
+#: once on the development set (benchmarks/real_cluster_accuracy.py --fit, docs/measured-runs.md)
+REBUILD_BYTES_PER_S = 11e9
 
 
 class MeasuredRunError(InputError):
@@ -93,6 +99,14 @@ class DeepSpeedRuntime:
         partitioned_transfers: DeepSpeed's ``pipeline.pipe_partitioned`` and ``grad_partitioned``
             (default true where TP > 1): each TP rank sends 1/tp of an activation or gradient and the
             receiver gathers the parts; false: every TP rank sends the whole tensor to its peer.
+        rebuild_bytes_per_s: how fast a receiving stage rebuilds a received activation or gradient into
+            the whole tensor before it computes with it, in bytes of that whole tensor per second; 0: no
+            rebuild. The measured runs' PipelineEngine (``reconstruct_tensor``, called at the start of every
+            forward of a stage that is not the first and every backward of one that is not the last)
+            allocates and zero-fills the whole tensor on the host, copies it to the GPU from pageable
+            memory, all-gathers the parts within the TP group and copies the result, with the host
+            waiting for the GPU in between: a cost proportional to the tensor, on the receiver's critical
+            path (``rebuild_time_s``; ``stage_link_bandwidth``: how it enters the plan).
     """
 
     transfers: str = "blocking"
@@ -102,6 +116,16 @@ class DeepSpeedRuntime:
     action_overhead_s: float = 0.0
     p2p_latency_s: float = 0.0
     partitioned_transfers: bool = True
+    rebuild_bytes_per_s: float = REBUILD_BYTES_PER_S
+
+    def rebuild_time_s(self, tensor_bytes: float) -> float:
+        """Seconds a receiving stage spends rebuilding one received tensor of ``tensor_bytes`` (whole).
+
+        Example:
+            >>> DeepSpeedRuntime(rebuild_bytes_per_s=10e9).rebuild_time_s(67108864)  # 8 x 2048 x 1024 fp32
+            0.0067108864
+        """
+        return tensor_bytes / self.rebuild_bytes_per_s if self.rebuild_bytes_per_s > 0 else 0.0
 
     def sync_options(self) -> SyncOptions:
         """What the plan records of the runtime: blocking transfers, one bucket, a flat ring."""
@@ -199,6 +223,30 @@ def fitted_bandwidth(fit: Mapping[str, Any], size_bytes: float) -> float:
     gb_per_s = c0 * level * level + c1 * level + c2
     top = float(fit["max_bw_Bps"])
     return top if gb_per_s <= 0 else min(gb_per_s * 1e9, top)
+
+
+def stage_link_bandwidth(network_bytes_per_s: float, runtime: DeepSpeedRuntime) -> float:
+    """The bandwidth of a link between two stages: the network's, and the receiver's rebuild of each tensor.
+
+    A blocking transfer holds its sender and its receiver for its duration (sync option ``transfers``).
+    The runtime's receiver then rebuilds the tensor it received (``DeepSpeedRuntime.rebuild_time_s``), its
+    sender does not. Between two stages the tensors go both ways, one per micro-batch each way: stage j
+    sends micro-batch i's activation and receives its gradient, so each of the two stages rebuilds one
+    tensor per micro-batch for each of the two transfers that hold it. Half a rebuild on each transfer
+    holds each stage exactly its own rebuilds (and DeepSpeed's ``TrainSchedule`` runs the two stages'
+    rebuilds in the same step, side by side)::
+
+        one transfer of a tensor of S bytes (whole):  S / network + S / (2 x rebuild)
+        a link's two transfers per micro-batch:       2 S / network + S / rebuild
+        so stage j is held per micro-batch for t_j plus, on each of its links, both transfers and its one rebuild
+
+    Example:
+        >>> stage_link_bandwidth(60e9, DeepSpeedRuntime(rebuild_bytes_per_s=10e9))  # 1 / (1/60 + 1/20) GB/s
+        15000000000.0
+    """
+    if runtime.rebuild_bytes_per_s <= 0:
+        return network_bytes_per_s
+    return 1.0 / (1.0 / network_bytes_per_s + 0.5 / runtime.rebuild_bytes_per_s)
 
 
 def _count(replica: Mapping[str, Any]) -> int:
@@ -359,7 +407,8 @@ def convert_plan(raw: Mapping[str, Any], data: SailorData, runtime: DeepSpeedRun
                                          size / k if runtime.partitioned_transfers else size)
             bw = aggregate if runtime.partitioned_transfers else aggregate / k  # k copies of the whole tensor
             links.append({"nodes": [node(j, r), node(j + 1, r % dp)],
-                          "bandwidth_bytes_per_s": bw, "latency_s": runtime.p2p_latency_s})
+                          "bandwidth_bytes_per_s": stage_link_bandwidth(bw, runtime),
+                          "latency_s": runtime.p2p_latency_s})
     for j, s in enumerate(stages):  # the gradient all-reduce: the tp ranks' rings run at once
         if dp < 2:
             continue
