@@ -9,8 +9,9 @@ the LM head and the loss.
 Conversion rule (one, for every model and GPU type):
 
 - only tensor-parallel degree 1 (one GPU runs the whole layer; hetrain has no tensor parallelism);
-- a GPU type becomes its catalog type (``hetrain.catalog``: ``A100-40`` -> ``A100-40GB``, ``GH-96`` ->
-  ``GH200-96GB``, ...), with its peak fp32 rate and memory bandwidth recorded in ``measured_on``;
+- a GPU type becomes its catalog type (``hetrain.imports.sailor.catalog_type``: ``A100-40`` -> ``A100-40GB``,
+  ``GH-96`` -> ``GH200``, ``RTX-2080`` -> ``RTX2080Ti``: the data gives those GPUs 11 GiB, a 2080 Ti's memory),
+  with its peak fp32 rate and memory bandwidth recorded in ``measured_on``;
 - bytes are elements x 4 (the runs were fp32): ``param_bytes`` from ``params_floats``,
   ``output_bytes_per_sample`` from ``act_output_floats``, ``saved_bytes_per_sample`` from ``act_mem_floats``;
 - forward FLOPs per sample from the dims (``models.analytic.gpt_block_flops`` for a block; the LM head
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from hetrain.catalog import lookup_device_type
+from hetrain.imports.sailor import catalog_type
 from hetrain.models.analytic import gpt_block_flops
 from hetrain.profile import DeviceFigures, LayerProfile, Measurement, ModelProfile
 
@@ -54,7 +56,7 @@ def convert_model(model: str, raw: dict[str, Any], layer_ids: list[int] | None =
     figures: dict[str, DeviceFigures] = {}
     per_layer: dict[int, dict[str, list[Measurement]]] = {i: {} for i in ids}
     for gpu, by_mbs in raw["timing"].items():
-        t = lookup_device_type(gpu)
+        t = lookup_device_type(catalog_type(gpu))
         for mbs, by_tp in sorted(by_mbs.items(), key=lambda kv: int(kv[0])):
             if "1" not in by_tp:
                 continue

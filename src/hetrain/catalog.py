@@ -16,7 +16,7 @@ Sources (vendor datasheets and whitepapers):
   [L4]     NVIDIA L4 datasheet, 2023 (dense = half the sparse figure).
   [T4]     NVIDIA T4 datasheet, 2019.
   [A10]    NVIDIA A10 datasheet, 2021 (dense).
-  [TU]     NVIDIA Turing GPU architecture whitepaper, 2018, appendix A (RTX 2080; GeForce
+  [TU]     NVIDIA Turing GPU architecture whitepaper, 2018, appendix A (RTX 2080, RTX 2080 Ti; GeForce
            Turing runs fp16 tensor ops with fp32 accumulate at half the fp16-accumulate
            rate) and the GeForce RTX 2060 specifications, 2019 (its tensor rate derived
            the same way: 240 tensor cores x 64 FMA x 2 FLOP x 1.68 GHz / 2).
@@ -153,6 +153,7 @@ DEVICE_TYPES: dict[str, DeviceType] = {
         _d("A10", 31.2, 125.0, 24 * GiB, 600, "A10"),
         _d("RTX2060", 6.45, 25.8, 6 * GiB, 336, "TU"),
         _d("RTX2080", 10.1, 40.3, 8 * GiB, 448, "TU"),
+        _d("RTX2080Ti", 13.4, 53.8, 11 * GiB, 616, "TU"),
         _d("RTX3090", 35.6, 71.0, 24 * GiB, 936, "GA102"),
         _d("RTX4090", 82.6, 165.2, 24 * GiB, 1008, "AD102"),
         _d("TITAN-V", 14.9, 110.0, 12 * GiB, 653, "TITANV"),
@@ -165,7 +166,7 @@ DEVICE_TYPES: dict[str, DeviceType] = {
 # Other spellings users write; each maps to a catalog name.
 DEVICE_ALIASES: dict[str, str] = {
     "V100": "V100-16GB", "A100": "A100-40GB", "H100-80GB": "H100", "H100-SXM": "H100",
-    "RTX-2060": "RTX2060", "RTX-2080": "RTX2080", "RTX-3090": "RTX3090",
+    "RTX-2060": "RTX2060", "RTX-2080": "RTX2080", "RTX-2080Ti": "RTX2080Ti", "RTX-3090": "RTX3090",
     "RTX-4090": "RTX4090", "TITANV": "TITAN-V", "TITAN V": "TITAN-V",
     "TITANRTX": "TITAN-RTX", "TITAN RTX": "TITAN-RTX", "Quadro-P4000": "P4000",
     "QuadroP4000": "P4000", "Quadro P4000": "P4000", "CPU": "cpu",

@@ -271,6 +271,22 @@ def _inter_fit(network: Mapping[str, Any], sender: Mapping[str, Any], receiver: 
 # ---------------------------------------------------------------------------
 
 
+#: GPU names of the data whose catalog type is not the one the name suggests, by what the data says of them:
+#: its "RTX-2080" nodes have 11 GiB per GPU (network.json ``basic_cluster_config`` and ``gpu_memory_GB``),
+#: which among Turing GeForce cards only the RTX 2080 Ti has (the RTX 2080 has 8 GB)
+SAILOR_GPU_TYPES = {"RTX-2080": "RTX2080Ti"}
+
+
+def catalog_type(gpu: str) -> str:
+    """The catalog type of one of the data's GPU names (``SAILOR_GPU_TYPES``, else the catalog's alias).
+
+    Example:
+        >>> catalog_type("RTX-2080"), catalog_type("GH-96")
+        ('RTX2080Ti', 'GH200')
+    """
+    return lookup_device_type(SAILOR_GPU_TYPES.get(gpu, gpu)).name
+
+
 def device_type_name(gpu: str, tp: int) -> str:
     """The hetrain device type of a TP group: ``"GH-96x4"``."""
     return f"{gpu}x{tp}"
@@ -286,7 +302,7 @@ def _model(data: SailorData, name: str, plan_id: str) -> Mapping[str, Any]:
 def _gpu_figures(data: SailorData, gpu: str, tp: int) -> tuple[float, float, float]:
     """(peak fp32 FLOP/s, memory bytes, memory bandwidth) of a TP group of ``tp`` GPUs of type ``gpu``: the
     catalog's rates, the memory the data's cluster had per GPU (``basic_cluster_config``), times tp."""
-    t = lookup_device_type(gpu)
+    t = lookup_device_type(catalog_type(gpu))
     cfg = data.network.get("basic_cluster_config", {}).get(gpu, {})
     memory = float(cfg.get("mem_per_gpu") or t.memory_bytes)
     return tp * t.peak_fp32_flops, tp * memory, tp * t.memory_bandwidth_bytes_per_s
