@@ -12,10 +12,12 @@ the one conversion rule of ``hetrain.imports.sailor``, simulates it, and prints 
 ``--json OUT`` writes ``{"plans": [{"id", "group", "predicted_iter_time_s", "predicted_max_mem_bytes",
 "measured_iter_time_s", "measured_max_mem_bytes"}, ...]}``, one entry per usable plan.
 ``--results`` writes the table to benchmarks/RESULTS.md; ``--baseline`` also scores the runtime as
-hetrain modelled it before (transfers that overlap, no footprint, no fixed cost), and DeepSpeed with
-its partitioned transfers off (every TP rank sends the whole tensor), beside it.
+hetrain modelled it before (transfers that overlap, no footprint, no fixed cost), DeepSpeed without the
+receiver's rebuild of each received tensor, and DeepSpeed with its partitioned transfers off (every TP
+rank sends the whole tensor), beside it.
 ``--fit`` fits the runtime's physical constants (``DeepSpeedRuntime``: fixed memory per GPU, the
-allocator's share, the fixed cost per iteration) on the data and prints them: never a per-plan constant.
+allocator's share, the rebuild throughput, the fixed cost per iteration) on the data and prints them,
+with the rebuild throughput's leave-one-plan-out error: never a per-plan constant.
 """
 
 from __future__ import annotations
@@ -241,8 +243,12 @@ def main(argv: list[str] | None = None) -> int:
             "measured; memory per GPU where the data marks it reliable (not superseded_*). \"before issue 18\": "
             "the same conversion under hetrain's model before it (transfers that overlap compute, no runtime "
             "footprint). \"DeepSpeed (default)\": blocking transfers, the fitted footprint (4.41 GB per GPU and "
-            "10.4% of the tensor peak). \"whole tensors\": DeepSpeed's partitioned transfers off, every TP rank "
-            "sending the whole activation. Run-to-run spread of the data: 5% on average, 14% at most on GH200."
+            "10.4% of the tensor peak), and the receiver's rebuild of every activation and gradient it receives "
+            "(the runs' PipelineEngine zero-fills the whole tensor on the host, copies it to the GPU and "
+            "all-gathers it within the TP group: 11 GB/s, fitted once, docs/measured-runs.md). \"no rebuild\": "
+            "the same without the rebuild. \"whole tensors\": DeepSpeed's partitioned transfers off, every TP "
+            "rank sending the whole activation, no rebuild. Run-to-run spread of the data: 5% on average, 14% at "
+            "most on GH200."
             + (f" Skipped: {'; '.join(skipped)}." if skipped else ""))
         write_section("Real clusters: measured runs (issue 18)",
                       "python benchmarks/real_cluster_accuracy.py --data DIR --baseline --results", text, notes)
