@@ -30,11 +30,13 @@ from hetrain.time_model import (
     layer_features,
     load_time_model,
     predict_layer_time,
+    reference_weights,
+    type_distance,
 )
 
 pytest.importorskip("sklearn")  # training needs the train extra; reading a model does not
 
-from hetrain.profiler.learned import fit_regressor, fit_time_model
+from hetrain.profiler.learned import REFERENCE_POWER, fit_regressor, fit_time_model
 
 DATA = Path(__file__).resolve().parent / "data"
 OPT = DATA / "sailor_OPT-350M.json"
@@ -92,12 +94,48 @@ def test_model_round_trips_to_disk(tmp_path: Path) -> None:
     back = load_time_model(path)
     assert back.trained_on == model.trained_on and len(back.trees) == len(model.trees) == 200
     assert back.precision == "fp32" and back.path == str(path)
+    assert back.reference_power == model.reference_power == REFERENCE_POWER
     p = load_profile(OPT)
     rows = np.vstack([layer_features(p, i, TypeFigures.of_catalog("T4", "fp32"), b)[0]  # type: ignore[arg-type]
                       for i in range(p.num_layers) for b in (1, 3, 16)])
     np.testing.assert_array_equal(back.predict(rows), model.predict(rows))
     # the numpy evaluation of the saved trees is scikit-learn's own prediction
     np.testing.assert_allclose(model.predict(rows), fit_regressor(_profiles(), "trees")(rows), rtol=1e-12)
+
+
+def test_references_weigh_by_their_distance_by_hand() -> None:
+    """A reference's weight is d^-p, d the distance of the two types' (log peak, log fp16 peak, log bandwidth)."""
+    e = float(np.e)
+    here = TypeFigures(10e12, 40e12, 500e9)
+    near = TypeFigures(10e12, 40e12, 500e9 * e)          # log bandwidth 1 apart: d = 1
+    far = TypeFigures(10e12 * e * e, 40e12, 500e9)       # log peak 2 apart: d = 2
+    assert type_distance(here, near) == pytest.approx(1.0) and type_distance(here, far) == pytest.approx(2.0)
+    assert type_distance(here, TypeFigures(10e12 * e, 40e12 * e, 500e9 * e)) == pytest.approx(3 ** 0.5)
+    np.testing.assert_allclose(reference_weights(here, [near, far], 0.0), [0.5, 0.5])
+    np.testing.assert_allclose(reference_weights(here, [near, far], 2.0), [0.8, 0.2])      # 1 : 1/4
+    np.testing.assert_allclose(reference_weights(here, [near, far], 4.0), [16 / 17, 1 / 17])  # 1 : 1/16
+
+
+def test_a_layers_time_is_the_weighted_log_mean_of_its_references_predictions() -> None:
+    """With two measured types, the prediction is exp(w1 log p1 + w2 log p2), p_k the one from type k alone."""
+    profiles = _profiles()
+    opt = profiles[0]
+    predict = fit_regressor(profiles, "trees", exclude=["V100-16GB"])
+    fig = TypeFigures.of_catalog("V100-16GB", "fp32")
+    assert fig is not None
+    pair = ["TITAN-RTX", "A100-80GB"]
+    both = _without(opt, "V100-16GB")
+    for t, _ in opt.measured_on:
+        if t not in pair:
+            both = _without(both, t)
+    alone = [_without(both, pair[1]), _without(both, pair[0])]
+    w = reference_weights(fig, [TypeFigures.of_catalog(t, "fp32") for t in pair], 4.0)  # type: ignore[misc]
+    assert w[0] > 0.9  # the Titan RTX is far nearer the V100 than the A100 is
+    for i in range(opt.num_layers):
+        one = [np.array(predict_layer_time(predict, p, i, fig, 4)) for p in alone]
+        for power, weights in ((0.0, [0.5, 0.5]), (4.0, w)):
+            expected = np.exp(weights[0] * np.log(one[0]) + weights[1] * np.log(one[1]))
+            np.testing.assert_allclose(predict_layer_time(predict, both, i, fig, 4, power), expected, rtol=1e-12)
 
 
 def test_plan_takes_an_unmeasured_types_layer_times_from_the_model(tmp_path: Path, capsys) -> None:
@@ -121,8 +159,8 @@ def test_plan_takes_an_unmeasured_types_layer_times_from_the_model(tmp_path: Pat
         assert layer.measurements("A100-40GB") == original.layers[i].measurements("A100-40GB")
         for m in ms:  # what the plan's cost model uses for T4 is the model's prediction ...
             fig = TypeFigures.of_device(t4, "fp32")
-            assert (m.forward_s, m.backward_s) == pytest.approx(predict_layer_time(model.predict, original, i, fig,
-                                                                                   m.micro_batch), rel=1e-12)
+            assert (m.forward_s, m.backward_s) == pytest.approx(predict_layer_time(
+                model.predict, original, i, fig, m.micro_batch, model.reference_power), rel=1e-12)
     fwd, bwd = estimate_layer_times(plan.profile, t4, 4)
     roof = [estimate_layer_time(original, i, t4, 4) for i in range(original.num_layers)]
     # ... and not the roofline ratio's
@@ -163,6 +201,12 @@ def test_bad_model_file_is_one_line_naming_file_and_field(tmp_path: Path, capsys
     broken = {**good, "precision": 3}
     bad.write_text(json.dumps(broken))
     with pytest.raises(TimeModelError, match=r"bad\.json: field 'precision' has the wrong type"):
+        load_time_model(bad)
+    old = {k: v for k, v in good.items() if k != "reference_power"}  # written before the weighting: a plain mean
+    bad.write_text(json.dumps(old))
+    assert load_time_model(bad).reference_power == 0.0
+    bad.write_text(json.dumps({**good, "reference_power": -1}))
+    with pytest.raises(TimeModelError, match=r"bad\.json: field 'reference_power' is -1\.0; it must be finite"):
         load_time_model(bad)
     bad.write_text("{not json")
     assert main(["plan", "--cluster", str(DATA.parent.parent / "examples/clusters/cloud-mixed.toml"), "--profile",

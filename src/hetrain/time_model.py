@@ -14,13 +14,16 @@ with the learned correction on top:
 
     log t_T = log t_R(b) + log(roof_T / roof_R) + g(T) - g(R)
 
-and the predictions from all references are averaged in log space. Where g is exact this is exact; where
-g is wrong by the same amount on two similar types the error cancels.
+and the predictions from all references are averaged in log space, each weighted by ``d^-p`` with ``d`` its
+distance to T in the space of the type's figures (``type_distance``: log peak, log fp16 peak, log memory
+bandwidth) and ``p`` the model's ``reference_power`` (0: a plain mean). Where g is exact this is exact;
+where g is wrong by the same amount on two similar types the error cancels, and the nearer a reference,
+the more alike the two types' errors.
 
 The fitted model is gradient-boosted regression trees (``hetrain.profiler.learned`` trains it with
-scikit-learn; it beat an MLP and a log-space linear model in leave-one-GPU-type-out, see
-benchmarks/RESULTS.md). It is saved as JSON (``save``/``load_time_model``): the trees' arrays, read and
-evaluated here with numpy, so planning with a time model needs no scikit-learn.
+scikit-learn; cross-validated over GPU types it beat an MLP and a log-space linear model, and chose the
+weighting p = 4, see benchmarks/RESULTS.md). It is saved as JSON (``save``/``load_time_model``): the
+trees' arrays, read and evaluated here with numpy, so planning with a time model needs no scikit-learn.
 
 Example:
     >>> model = load_time_model("time_model.json")                          # doctest: +SKIP
@@ -95,6 +98,30 @@ class TypeFigures:
         return TypeFigures(t.peak_flops(precision), t.peak_fp16_flops, t.memory_bandwidth_bytes_per_s)
 
 
+def type_distance(a: TypeFigures, b: TypeFigures) -> float:
+    """How far apart two types are: the Euclidean distance of (log peak, log fp16 peak, log bandwidth).
+
+    Example:
+        >>> x = TypeFigures(10e12, 40e12, 500e9)
+        >>> round(type_distance(x, TypeFigures(10e12, 40e12, 500e9 * math.e)), 12)
+        1.0
+    """
+    return math.sqrt(math.log(a.peak_flops / b.peak_flops) ** 2 + math.log(a.peak_fp16_flops / b.peak_fp16_flops) ** 2
+                     + math.log(a.memory_bandwidth_bytes_per_s / b.memory_bandwidth_bytes_per_s) ** 2)
+
+
+#: a reference this near (type_distance) counts as this near: a type measured twice under two names
+MIN_TYPE_DISTANCE = 1e-3
+
+
+def reference_weights(figures: TypeFigures, references: Sequence[TypeFigures], power: float) -> np.ndarray:
+    """Weights (summing to 1) of the references' predictions for a type: ``d^-power``, d its distance."""
+    d = np.array([max(type_distance(figures, r), MIN_TYPE_DISTANCE) for r in references])
+    w: np.ndarray = d ** -power
+    out: np.ndarray = w / w.sum()
+    return out
+
+
 def layer_features(profile: ModelProfile, i: int, figures: TypeFigures, b: int) -> tuple[np.ndarray, np.ndarray]:
     """(features, roofline seconds) of layer ``i`` at micro-batch ``b`` on a type: rows forward, backward.
 
@@ -140,6 +167,7 @@ class LayerTimeModel:
         trees: the trees, in order.
         trained_on: the device types whose measurements trained it.
         precision: the precision of compute of the profiles it was trained on.
+        reference_power: how much nearer references weigh (``reference_weights``); 0: all alike.
         sklearn_version: the scikit-learn that fitted it (a record; the file needs none to be read).
         path: the file it was read from ("" if built in memory).
     """
@@ -149,6 +177,7 @@ class LayerTimeModel:
     trees: tuple[Tree, ...]
     trained_on: tuple[str, ...]
     precision: str
+    reference_power: float = 0.0
     sklearn_version: str = ""
     path: str = ""
 
@@ -182,6 +211,7 @@ class LayerTimeModel:
     def to_dict(self) -> dict[str, Any]:
         return {"format": FORMAT, "format_version": FORMAT_VERSION, "kind": "gradient_boosted_trees",
                 "features": list(FEATURES), "precision": self.precision, "trained_on": list(self.trained_on),
+                "reference_power": self.reference_power,
                 "sklearn_version": self.sklearn_version, "init": self.init, "learning_rate": self.learning_rate,
                 "trees": [{"left": list(t.left), "right": list(t.right), "feature": list(t.feature),
                            "threshold": list(t.threshold), "value": list(t.value)} for t in self.trees]}
@@ -245,9 +275,12 @@ def parse_time_model(data: Any, path: str = "time model") -> LayerTimeModel:
     rate = float(_field(data, "learning_rate", path, (int, float)))
     if not (math.isfinite(init) and math.isfinite(rate) and rate > 0):
         raise TimeModelError(f"{path}: fields 'init' {init} and 'learning_rate' {rate} must be finite, the rate > 0")
+    power = float(_field(data, "reference_power", path, (int, float))) if "reference_power" in data else 0.0
+    if not (math.isfinite(power) and power >= 0):
+        raise TimeModelError(f"{path}: field 'reference_power' is {power}; it must be finite and >= 0")
     return LayerTimeModel(init=init, learning_rate=rate, trees=trees,
                           trained_on=tuple(str(t) for t in _field(data, "trained_on", path, list)),
-                          precision=str(_field(data, "precision", path, str)),
+                          precision=str(_field(data, "precision", path, str)), reference_power=power,
                           sklearn_version=str(data.get("sklearn_version", "")), path=path)
 
 
@@ -272,12 +305,12 @@ def _measured_only(layer: LayerProfile) -> list[tuple[str, tuple[Measurement, ..
 
 
 def predict_layer_time(predict: Predictor, profile: ModelProfile, i: int, figures: TypeFigures,
-                       b: int) -> tuple[float, float]:
+                       b: int, reference_power: float = 0.0) -> tuple[float, float]:
     """Forward and backward seconds of layer ``i`` at micro-batch ``b`` on a type with ``figures``.
 
     From every measured type of the layer that the catalog knows (its figures are needed for g):
-    ``t_R(b) * roof_T / roof_R * exp(g_T - g_R)``, averaged in log space. No such reference: the
-    learned time straight from the roofline, ``roof_T * exp(g_T)``.
+    ``t_R(b) * roof_T / roof_R * exp(g_T - g_R)``, averaged in log space with ``reference_weights`` at
+    ``reference_power``. No such reference: the learned time straight from the roofline, ``roof_T * exp(g_T)``.
     """
     here, roof_here = layer_features(profile, i, figures, b)
     refs = [(ms, fig) for t, ms in _measured_only(profile.layers[i])
@@ -290,7 +323,8 @@ def predict_layer_time(predict: Predictor, profile: ModelProfile, i: int, figure
         logs = [np.log(np.maximum(np.array(interpolate_measurements(ms, b)), MIN_TIME_S))
                 + np.log(roof_here / roof_there) + g[0] - g[1 + k]
                 for k, ((ms, _), (_, roof_there)) in enumerate(zip(refs, feats, strict=True))]
-        out = np.exp(np.mean(logs, axis=0))
+        w = reference_weights(figures, [fig for _, fig in refs], reference_power)
+        out = np.exp(np.sum(w[:, None] * np.array(logs), axis=0))
     return float(out[0]), float(out[1])
 
 
@@ -322,7 +356,8 @@ def apply_time_model(profile: ModelProfile, devices: Sequence[Device],
         measured = [(t, ms) for t, ms in layer.measured if t not in targets]
         for type_name, fig in targets.items():
             measured.append((type_name, tuple(
-                Measurement(b, *predict_layer_time(model.predict, profile, i, fig, b), source=LEARNED_SOURCE)
+                Measurement(b, *predict_layer_time(model.predict, profile, i, fig, b, model.reference_power),
+                            source=LEARNED_SOURCE)
                 for b in sizes)))
         layers.append(replace(layer, measured=tuple(measured)))
     return replace(profile, layers=tuple(layers)), tuple(sorted(targets))

@@ -35,6 +35,11 @@ from hetrain.time_model import (
 KINDS = ("trees", "mlp", "linear")
 #: the boosting's settings: shallow trees, many small steps (fixed, not tuned per held-out type)
 TREES = {"n_estimators": 200, "max_depth": 3, "learning_rate": 0.05, "random_state": 0}
+#: the reference weightings the type-out cross-validation chooses among (``time_model.reference_weights``)
+REFERENCE_POWERS = (0.0, 2.0, 4.0)
+#: the weighting a saved model uses: the one leave-one-type-out over all 7 GPU types of the Sailor profiles
+#: chose (benchmarks/learned_time_model.py, "chosen on all types")
+REFERENCE_POWER = 4.0
 
 
 def training_set(profiles: Sequence[ModelProfile], exclude: Sequence[str] = ()) -> tuple[np.ndarray, np.ndarray]:
@@ -95,7 +100,8 @@ def fit_regressor(profiles: Sequence[ModelProfile], kind: str = "trees", exclude
     return predict
 
 
-def fit_time_model(profiles: Sequence[ModelProfile], exclude: Sequence[str] = ()) -> LayerTimeModel:
+def fit_time_model(profiles: Sequence[ModelProfile], exclude: Sequence[str] = (),
+                   reference_power: float = REFERENCE_POWER) -> LayerTimeModel:
     """Gradient-boosted trees for g, fitted on the profiles' measured times, as a LayerTimeModel.
 
     Raises:
@@ -118,7 +124,7 @@ def fit_time_model(profiles: Sequence[ModelProfile], exclude: Sequence[str] = ()
     init = float(np.ravel(est.init_.predict(x[:1]))[0])
     return LayerTimeModel(init=init, learning_rate=float(est.learning_rate), trees=tuple(trees),
                           trained_on=trained_types(profiles, exclude), precision=precisions[0],
-                          sklearn_version=sklearn.__version__)
+                          reference_power=reference_power, sklearn_version=sklearn.__version__)
 
 
 def run_fit_command(profile_paths: Sequence[str], output: str) -> int:
