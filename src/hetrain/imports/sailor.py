@@ -79,8 +79,9 @@ class MeasuredRunError(InputError):
 class DeepSpeedRuntime:
     """The properties of the runtime that made the measured runs (Megatron-DeepSpeed's PipelineEngine).
 
-    Set as that runtime has them, not fitted per plan. The three numbers below are physical
-    constants of the runtime, fitted once on the development set (``benchmarks/real_cluster_accuracy.py
+    Set as that runtime has them, not fitted per plan. Four numbers are physical constants of the
+    runtime (``fixed_bytes_per_gpu``, ``allocator_fraction``, ``iteration_overhead_s``,
+    ``rebuild_bytes_per_s``), fitted once on the development set (``benchmarks/real_cluster_accuracy.py
     --fit``, docs/measured-runs.md): the same for every plan, GPU type and cluster.
 
     Attributes:
