@@ -142,6 +142,22 @@ def compile_program(plan: Plan, schedules: Sequence[Schedule]) -> Program:
     return _Compiler(plan, schedules).program()
 
 
+_SENDS = frozenset((K.SEND_F, K.SEND_B))
+
+
+@dataclass(frozen=True)
+class _SendRoute:
+    """What a device's sends of one kind from one stage to one peer share, whatever the micro-batch."""
+
+    to: str
+    peer: int  # its device number
+    forward: bool
+    bytes_per_sample: float
+    label_head: str  # the label is label_head, the micro-batch, label_tail
+    label_tail: str
+    kind: str  # the link event's kind
+
+
 @dataclass
 class _Device:
     """What compiling one device's actions needs, and its operations compiled so far."""
@@ -158,6 +174,8 @@ class _Device:
     ops: list[Op] = field(default_factory=list)
     last_backward: int = -1  # index in ops of the latest Backward
     wave: int = 0  # parameter-server waves: one per iteration that pulls
+    sends: dict[tuple[ActionKind, int, str | None], _SendRoute] = field(default_factory=dict)  # (``_send``)
+    recv_peers: dict[str | None, int] = field(default_factory=dict)  # peer name -> device number
     pulled: bool = False  # this iteration has a PULL
 
 
@@ -217,14 +235,26 @@ class _Compiler:
         )
 
     def _device_ops(self, dev: _Device) -> list[Op]:
-        """``dev``'s operations over all iterations, each action's appended to ``dev.ops`` in turn."""
+        """``dev``'s operations over all iterations, each action's appended to ``dev.ops`` in turn.
+
+        Computes and transfers, nearly all of them, are compiled here without ``_compile``'s dispatch."""
+        ops, forward, backward = dev.ops, dev.forward, dev.backward
         for it, sched in enumerate(self.schedules):
             for a in sched[dev.name]:
-                dev.ops.append(self._compile(a, it, dev))
+                if isinstance(a, Compute):
+                    if a.kind is K.F:
+                        ops.append(forward[a.micro_batch])
+                    else:
+                        dev.last_backward = len(ops)  # where it goes: an ALLREDUCE_START after it rides on it
+                        ops.append(backward[a.micro_batch])
+                elif isinstance(a, Transfer):
+                    ops.append(self._send(a, dev) if a.kind in _SENDS else self._recv(a, dev))
+                else:
+                    ops.append(self._compile(a, it, dev))
             if dev.pulled:
                 dev.wave += 1
                 dev.pulled = False
-        return dev.ops
+        return ops
 
     def _compile(self, a: Action, it: int, dev: _Device) -> Op:
         """The operation of action ``a`` of ``dev`` in iteration ``it``: one method per class of action."""
@@ -250,25 +280,35 @@ class _Compiler:
         return dev.backward[a.micro_batch]
 
     def _send(self, a: Transfer, dev: _Device) -> Op:
-        """``SEND_F`` / ``SEND_B``: ``b_i x`` the output bytes per sample of the layer before the boundary."""
-        i, name, to = a.micro_batch, dev.name, a.named_peer()
-        peer = self.index[to]
-        forward = a.kind is K.SEND_F
-        num_bytes = dev.sizes[i] * (dev.out_bytes if forward else dev.in_bytes)
+        """``SEND_F`` / ``SEND_B``: ``b_i x`` the output bytes per sample of the layer before the boundary.
+
+        What does not depend on the micro-batch (the peer, the label's text, bytes per sample) is worked
+        out once per (kind, stage, peer) of the device (``dev.sends``)."""
+        i, name = a.micro_batch, dev.name
+        route = dev.sends.get((a.kind, a.stage, a.peer))
+        if route is None:
+            to = a.named_peer()
+            forward = a.kind is K.SEND_F
+            src, dst = a.stages_joined
+            route = dev.sends[(a.kind, a.stage, a.peer)] = _SendRoute(
+                to, self.index[to], forward, dev.out_bytes if forward else dev.in_bytes,
+                f"{a.kind.value} {src}->{dst} mb", f" {name}->{to}", "send_f" if forward else "send_b")
+        peer, forward = route.peer, route.forward
+        num_bytes = dev.sizes[i] * route.bytes_per_sample
         ckey = (dev.d, peer, num_bytes)
         if ckey not in self.p2p_cache:
-            a_idx, b_idx = self.cluster_index[name], self.cluster_index[to]
+            a_idx, b_idx = self.cluster_index[name], self.cluster_index[route.to]
             self.p2p_cache[ckey] = (estimate_p2p_time(num_bytes, self.cluster.link(a_idx, b_idx)),
                                     edge_links(self.cluster, a_idx, b_idx, self.res))
         duration_s, links = self.p2p_cache[ckey]
-        src, dst = a.stages_joined
-        label = f"{a.kind.value} {src}->{dst} mb{i} {name}->{to}"
-        return Send(i, label, TransferKey(not forward, dev.d, peer, i), duration_s, links,
-                    "send_f" if forward else "send_b", self.blocking)
+        return Send(i, f"{route.label_head}{i}{route.label_tail}", TransferKey(not forward, dev.d, peer, i),
+                    duration_s, links, route.kind, self.blocking)
 
     def _recv(self, a: Transfer, dev: _Device) -> Op:
-        key = TransferKey(a.kind is K.RECV_B, self.index[a.named_peer()], dev.d, a.micro_batch)
-        return Recv(a.micro_batch, a, key)
+        peer = dev.recv_peers.get(a.peer)
+        if peer is None:
+            peer = dev.recv_peers[a.peer] = self.index[a.named_peer()]
+        return Recv(a.micro_batch, a, TransferKey(a.kind is K.RECV_B, peer, dev.d, a.micro_batch))
 
     def _collective_id(self, key: tuple[ActionKind, int, tuple[object, ...], int], members: Sequence[str],
                        num_bytes: float, algorithm: str, label: str) -> int:
