@@ -10,7 +10,7 @@ plan's (``Plan.layout``, ``sync_layout``): the replay reads them and decides non
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -200,6 +200,9 @@ class _Compiler:
         self.last_start: dict[tuple[int, int], int] = {}  # (device, segment) -> iteration of its AVERAGE_START
         self.p2p_cache: dict[tuple[int, int, float], tuple[float, tuple[int, ...]]] = {}
         self.labels: dict[tuple[str, int, int], list[str]] = {}  # "jFi" strings, shared by devices of equal (j, m)
+        # devices alike (the same stage of equal VWs on the same kind of device) share their costs and compute ops
+        self.costs: dict[tuple[object, ...], StageCosts] = {}
+        self.computes: dict[tuple[int, int], tuple[list[Forward], list[Backward]]] = {}
 
     def program(self) -> Program:
         where = {s.device: (v, j) for v, vw in enumerate(self.plan.virtual_workers) for j, s in enumerate(vw.stages)}
@@ -211,11 +214,20 @@ class _Compiler:
                 raise ScheduleError(f"{name} has actions but holds no stage in the plan")
             v, j = where[name]
             vw = self.plan.virtual_workers[v]
-            dev = self._device(d, name, vw, j, estimate_stage_costs(self.plan, vw, vw.stages[j], devices[name]))
+            dev = self._device(d, name, vw, j, self._stage_costs(vw, vw.stages[j], devices[name]))
             ops.append(self._device_ops(dev))
             weights.append(dev.costs.weights_bytes)
         return Program(self.plan, self.schedules[0], len(self.schedules), self.names,
                        [where[name] for name in self.names], weights, ops, self.collectives, self.res)
+
+    def _stage_costs(self, vw: VirtualWorker, stage: Stage, device: Device) -> StageCosts:
+        """``estimate_stage_costs``, once per kind of device (its figures, not its name) and stage."""
+        key = (tuple(vw.micro_batch_sizes), stage.first_layer, stage.end_layer, stage.recompute,
+               replace(device, name="", node="", index=0))
+        costs = self.costs.get(key)
+        if costs is None:
+            costs = self.costs[key] = estimate_stage_costs(self.plan, vw, stage, device)
+        return costs
 
     def _device(self, d: int, name: str, vw: VirtualWorker, j: int, costs: StageCosts) -> _Device:
         stage, profile = vw.stages[j], self.plan.profile
@@ -225,13 +237,17 @@ class _Compiler:
                 self.labels[(letter, j, m)] = [f"{j}{letter}{i}" for i in range(m)]
         f_labels, b_labels = self.labels[("F", j, m)], self.labels[("B", j, m)]
         first, end = stage.first_layer, stage.end_layer
+        computes = self.computes.get((id(costs), j))
+        if computes is None:
+            computes = self.computes[(id(costs), j)] = (
+                [Forward(i, f_labels[i], costs.forward_s[i], costs.activation_bytes[i]) for i in range(m)],
+                [Backward(i, b_labels[i], costs.backward_s[i], costs.activation_bytes[i], costs.transient_bytes[i])
+                 for i in range(m)])
         return _Device(
             d, name, stage, costs, vw.micro_batch_sizes,
             out_bytes=profile.layers[end - 1].output_bytes_per_sample,
             in_bytes=profile.layers[first - 1].output_bytes_per_sample if first > 0 else 0.0,
-            forward=[Forward(i, f_labels[i], costs.forward_s[i], costs.activation_bytes[i]) for i in range(m)],
-            backward=[Backward(i, b_labels[i], costs.backward_s[i], costs.activation_bytes[i],
-                               costs.transient_bytes[i]) for i in range(m)],
+            forward=computes[0], backward=computes[1],
         )
 
     def _device_ops(self, dev: _Device) -> list[Op]:
