@@ -130,8 +130,8 @@ def main() -> int:
         write_section("Simulator speed (issue 21)", command, "\n".join(lines),
                       "Each plan the planner re-ranks (`simulate_top_k=3`, and the best plan's reverse order) for "
                       "gpt2-medium, 4 samples per device, on nodes of 8 GPUs of four generations (NICs 10 to "
-                      "200 Gbit/s); `simulate(plan)` wall time, schedule building and compiling included, fastest "
-                      f"of {args.repeat} runs in fresh processes, the two checkouts alternating; the simulated "
+                      "200 Gbit/s); `simulate(plan)` wall and CPU time, schedule building and compiling included, "
+                      f"fastest of {args.repeat} runs in fresh processes, the two checkouts alternating; the simulated "
                       f"iterations of the two are equal.{load}")
     print("\n".join(lines))
     print(f"{time.strftime('%H:%M:%S')} done")
