@@ -65,6 +65,9 @@ The package, one job per module::
 
     compile.py   Actions -> timed operations (ops.py), link resources (links.py), collectives
     engine.py    the event queue: named event kinds, one handler per event kind and per operation
+                 (the reference replay: ``simulate(plan, reference=True)``)
+    fast_engine.py  the same replay, event for event, with forward, backward, send and receive
+                 inlined in one loop: what ``simulate`` runs (tests/test_simulator_fast.py)
     result.py    SimResult, DeviceStats, the summary table
     replay.py    simulate(): schedules (build_schedules) -> compile -> engine -> result;
                  with_simulated_prediction() for a hand-built plan

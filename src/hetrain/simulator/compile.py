@@ -10,7 +10,7 @@ plan's (``Plan.layout``, ``sync_layout``): the replay reads them and decides non
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -142,6 +142,22 @@ def compile_program(plan: Plan, schedules: Sequence[Schedule]) -> Program:
     return _Compiler(plan, schedules).program()
 
 
+_SENDS = frozenset((K.SEND_F, K.SEND_B))
+
+
+@dataclass(frozen=True)
+class _SendRoute:
+    """What a device's sends of one kind from one stage to one peer share, whatever the micro-batch."""
+
+    to: str
+    peer: int  # its device number
+    forward: bool
+    bytes_per_sample: float
+    label_head: str  # the label is label_head, the micro-batch, label_tail
+    label_tail: str
+    kind: str  # the link event's kind
+
+
 @dataclass
 class _Device:
     """What compiling one device's actions needs, and its operations compiled so far."""
@@ -158,6 +174,8 @@ class _Device:
     ops: list[Op] = field(default_factory=list)
     last_backward: int = -1  # index in ops of the latest Backward
     wave: int = 0  # parameter-server waves: one per iteration that pulls
+    sends: dict[tuple[ActionKind, int, str | None], _SendRoute] = field(default_factory=dict)  # (``_send``)
+    recv_peers: dict[str | None, int] = field(default_factory=dict)  # peer name -> device number
     pulled: bool = False  # this iteration has a PULL
 
 
@@ -182,6 +200,9 @@ class _Compiler:
         self.last_start: dict[tuple[int, int], int] = {}  # (device, segment) -> iteration of its AVERAGE_START
         self.p2p_cache: dict[tuple[int, int, float], tuple[float, tuple[int, ...]]] = {}
         self.labels: dict[tuple[str, int, int], list[str]] = {}  # "jFi" strings, shared by devices of equal (j, m)
+        # devices alike (the same stage of equal VWs on the same kind of device) share their costs and compute ops
+        self.costs: dict[tuple[object, ...], StageCosts] = {}
+        self.computes: dict[tuple[int, int], tuple[list[Forward], list[Backward]]] = {}
 
     def program(self) -> Program:
         where = {s.device: (v, j) for v, vw in enumerate(self.plan.virtual_workers) for j, s in enumerate(vw.stages)}
@@ -193,11 +214,20 @@ class _Compiler:
                 raise ScheduleError(f"{name} has actions but holds no stage in the plan")
             v, j = where[name]
             vw = self.plan.virtual_workers[v]
-            dev = self._device(d, name, vw, j, estimate_stage_costs(self.plan, vw, vw.stages[j], devices[name]))
+            dev = self._device(d, name, vw, j, self._stage_costs(vw, vw.stages[j], devices[name]))
             ops.append(self._device_ops(dev))
             weights.append(dev.costs.weights_bytes)
         return Program(self.plan, self.schedules[0], len(self.schedules), self.names,
                        [where[name] for name in self.names], weights, ops, self.collectives, self.res)
+
+    def _stage_costs(self, vw: VirtualWorker, stage: Stage, device: Device) -> StageCosts:
+        """``estimate_stage_costs``, once per kind of device (its figures, not its name) and stage."""
+        key = (tuple(vw.micro_batch_sizes), stage.first_layer, stage.end_layer, stage.recompute,
+               replace(device, name="", node="", index=0))
+        costs = self.costs.get(key)
+        if costs is None:
+            costs = self.costs[key] = estimate_stage_costs(self.plan, vw, stage, device)
+        return costs
 
     def _device(self, d: int, name: str, vw: VirtualWorker, j: int, costs: StageCosts) -> _Device:
         stage, profile = vw.stages[j], self.plan.profile
@@ -207,24 +237,40 @@ class _Compiler:
                 self.labels[(letter, j, m)] = [f"{j}{letter}{i}" for i in range(m)]
         f_labels, b_labels = self.labels[("F", j, m)], self.labels[("B", j, m)]
         first, end = stage.first_layer, stage.end_layer
+        computes = self.computes.get((id(costs), j))
+        if computes is None:
+            computes = self.computes[(id(costs), j)] = (
+                [Forward(i, f_labels[i], costs.forward_s[i], costs.activation_bytes[i]) for i in range(m)],
+                [Backward(i, b_labels[i], costs.backward_s[i], costs.activation_bytes[i], costs.transient_bytes[i])
+                 for i in range(m)])
         return _Device(
             d, name, stage, costs, vw.micro_batch_sizes,
             out_bytes=profile.layers[end - 1].output_bytes_per_sample,
             in_bytes=profile.layers[first - 1].output_bytes_per_sample if first > 0 else 0.0,
-            forward=[Forward(i, f_labels[i], costs.forward_s[i], costs.activation_bytes[i]) for i in range(m)],
-            backward=[Backward(i, b_labels[i], costs.backward_s[i], costs.activation_bytes[i],
-                               costs.transient_bytes[i]) for i in range(m)],
+            forward=computes[0], backward=computes[1],
         )
 
     def _device_ops(self, dev: _Device) -> list[Op]:
-        """``dev``'s operations over all iterations, each action's appended to ``dev.ops`` in turn."""
+        """``dev``'s operations over all iterations, each action's appended to ``dev.ops`` in turn.
+
+        Computes and transfers, nearly all of them, are compiled here without ``_compile``'s dispatch."""
+        ops, forward, backward = dev.ops, dev.forward, dev.backward
         for it, sched in enumerate(self.schedules):
             for a in sched[dev.name]:
-                dev.ops.append(self._compile(a, it, dev))
+                if isinstance(a, Compute):
+                    if a.kind is K.F:
+                        ops.append(forward[a.micro_batch])
+                    else:
+                        dev.last_backward = len(ops)  # where it goes: an ALLREDUCE_START after it rides on it
+                        ops.append(backward[a.micro_batch])
+                elif isinstance(a, Transfer):
+                    ops.append(self._send(a, dev) if a.kind in _SENDS else self._recv(a, dev))
+                else:
+                    ops.append(self._compile(a, it, dev))
             if dev.pulled:
                 dev.wave += 1
                 dev.pulled = False
-        return dev.ops
+        return ops
 
     def _compile(self, a: Action, it: int, dev: _Device) -> Op:
         """The operation of action ``a`` of ``dev`` in iteration ``it``: one method per class of action."""
@@ -250,25 +296,35 @@ class _Compiler:
         return dev.backward[a.micro_batch]
 
     def _send(self, a: Transfer, dev: _Device) -> Op:
-        """``SEND_F`` / ``SEND_B``: ``b_i x`` the output bytes per sample of the layer before the boundary."""
-        i, name, to = a.micro_batch, dev.name, a.named_peer()
-        peer = self.index[to]
-        forward = a.kind is K.SEND_F
-        num_bytes = dev.sizes[i] * (dev.out_bytes if forward else dev.in_bytes)
+        """``SEND_F`` / ``SEND_B``: ``b_i x`` the output bytes per sample of the layer before the boundary.
+
+        What does not depend on the micro-batch (the peer, the label's text, bytes per sample) is worked
+        out once per (kind, stage, peer) of the device (``dev.sends``)."""
+        i, name = a.micro_batch, dev.name
+        route = dev.sends.get((a.kind, a.stage, a.peer))
+        if route is None:
+            to = a.named_peer()
+            forward = a.kind is K.SEND_F
+            src, dst = a.stages_joined
+            route = dev.sends[(a.kind, a.stage, a.peer)] = _SendRoute(
+                to, self.index[to], forward, dev.out_bytes if forward else dev.in_bytes,
+                f"{a.kind.value} {src}->{dst} mb", f" {name}->{to}", "send_f" if forward else "send_b")
+        peer, forward = route.peer, route.forward
+        num_bytes = dev.sizes[i] * route.bytes_per_sample
         ckey = (dev.d, peer, num_bytes)
         if ckey not in self.p2p_cache:
-            a_idx, b_idx = self.cluster_index[name], self.cluster_index[to]
+            a_idx, b_idx = self.cluster_index[name], self.cluster_index[route.to]
             self.p2p_cache[ckey] = (estimate_p2p_time(num_bytes, self.cluster.link(a_idx, b_idx)),
                                     edge_links(self.cluster, a_idx, b_idx, self.res))
         duration_s, links = self.p2p_cache[ckey]
-        src, dst = a.stages_joined
-        label = f"{a.kind.value} {src}->{dst} mb{i} {name}->{to}"
-        return Send(i, label, TransferKey(not forward, dev.d, peer, i), duration_s, links,
-                    "send_f" if forward else "send_b", self.blocking)
+        return Send(i, f"{route.label_head}{i}{route.label_tail}", TransferKey(not forward, dev.d, peer, i),
+                    duration_s, links, route.kind, self.blocking)
 
     def _recv(self, a: Transfer, dev: _Device) -> Op:
-        key = TransferKey(a.kind is K.RECV_B, self.index[a.named_peer()], dev.d, a.micro_batch)
-        return Recv(a.micro_batch, a, key)
+        peer = dev.recv_peers.get(a.peer)
+        if peer is None:
+            peer = dev.recv_peers[a.peer] = self.index[a.named_peer()]
+        return Recv(a.micro_batch, a, TransferKey(a.kind is K.RECV_B, peer, dev.d, a.micro_batch))
 
     def _collective_id(self, key: tuple[ActionKind, int, tuple[object, ...], int], members: Sequence[str],
                        num_bytes: float, algorithm: str, label: str) -> int:

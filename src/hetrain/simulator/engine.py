@@ -154,6 +154,10 @@ class _Engine:
         while queue:
             t, _, kind, subject = pop(queue)
             on_event[kind](t, subject)
+        return self.finished()
+
+    def finished(self) -> Replayed:
+        """What the replay measured, once the queue is empty; ScheduleError if a device never finished."""
         program = self.program
         stuck = [program.names[d] for d, ops in enumerate(self.ops) if self.pc[d] < len(ops)]
         if stuck:

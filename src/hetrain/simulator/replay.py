@@ -9,6 +9,7 @@ from hetrain.plan import DeviceMemory, Plan, Prediction
 from hetrain.schedule import Schedule, advance_sync_state, build_schedule, initial_sync_state, validate
 from hetrain.simulator.compile import compile_program
 from hetrain.simulator.engine import run_program
+from hetrain.simulator.fast_engine import run_program_fast
 from hetrain.simulator.result import SimResult, build_result
 
 #: iterations replayed for a sync mode whose iterations differ (the result is their average)
@@ -34,7 +35,8 @@ def build_schedules(plan: Plan, n: int) -> list[Schedule]:
     return out
 
 
-def simulate(plan: Plan, schedule: Schedule | None = None, iterations: int | None = None) -> SimResult:
+def simulate(plan: Plan, schedule: Schedule | None = None, iterations: int | None = None,
+             reference: bool = False) -> SimResult:
     """Replay ``plan``'s iterations and time every action; the result is per iteration (an average over several
     for the sync modes other than ``bsp``, whose iterations differ and whose fast VWs may run ahead).
 
@@ -43,6 +45,8 @@ def simulate(plan: Plan, schedule: Schedule | None = None, iterations: int | Non
         schedule: the Actions of one iteration to replay; by default ``build_schedules(plan, n)``.
             A schedule passed in is validated first and replayed once.
         iterations: how many iterations to replay (default ``simulated_iterations(plan)``).
+        reference: replay with the reference engine (``engine.run_program``, one call per operation)
+            rather than ``fast_engine.run_program_fast``; the same result, slower: for tests that compare them.
 
     Raises:
         ScheduleError: an invalid schedule, or an action kind the simulator cannot time.
@@ -62,7 +66,7 @@ def simulate(plan: Plan, schedule: Schedule | None = None, iterations: int | Non
     gc.disable()
     try:
         program = compile_program(plan, schedules)
-        return build_result(program, run_program(program))
+        return build_result(program, (run_program if reference else run_program_fast)(program))
     finally:
         if enabled:
             gc.enable()

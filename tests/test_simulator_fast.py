@@ -1,0 +1,153 @@
+"""The fast event loop (``fast_engine.run_program_fast``, what ``simulate`` runs) replays exactly what the
+reference engine (``engine.run_program``, ``simulate(plan, reference=True)``) does: on random small plans of
+every sync mode and both schedules, and on plans whose identical virtual workers tie on shared NICs."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from hetrain.cluster import Cluster, parse_cluster
+from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
+from hetrain.profile import LayerProfile, Measurement, ModelProfile
+from hetrain.schedule import ScheduleError, build_schedule
+from hetrain.simulator import SimResult, simulate
+from hetrain.simulator.compile import compile_program
+from hetrain.simulator.engine import run_program
+from hetrain.simulator.fast_engine import run_program_fast
+from hetrain.sync_layout import SyncOptions
+
+TYPES = ("A100-40GB", "V100-16GB", "T4", "RTX3090")
+MODES = ("bsp", "wsp", "local-sgd", "hybrid-ps", "daso")
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def random_cluster(rng: random.Random) -> Cluster:
+    """2 to 4 nodes of 1 to 4 devices; 2 to 4 device types (the first nodes take one each); links at random."""
+    types = rng.sample(TYPES, rng.randint(2, 4))
+    nodes = []
+    for k in range(rng.randint(2, 4)):
+        nodes.append({
+            "name": f"n{k}", "devices": [{"type": types[k] if k < len(types) else rng.choice(types),
+                                          "count": rng.randint(1, 4)}],
+            "intra_link": {"bandwidth_bytes_per_s": rng.choice([1e9, 1e10, 1e11]),
+                           "latency_s": rng.choice([0.0, 1e-6])},
+            "nic": {"bandwidth_bytes_per_s": rng.choice([1e8, 1e9, 3e9]), "latency_s": rng.choice([0.0, 1e-5])}})
+    return parse_cluster({"name": "random", "node": nodes})
+
+
+def random_profile(rng: random.Random, types: set[str]) -> ModelProfile:
+    measured = tuple((t, (Measurement(1, rng.uniform(1e-3, 1e-2), rng.uniform(2e-3, 2e-2)),
+                          Measurement(4, rng.uniform(4e-3, 4e-2), rng.uniform(8e-3, 8e-2)))) for t in sorted(types))
+    layers = tuple(LayerProfile(f"l{i}", rng.choice([1e5, 4e6, 3e7]), rng.choice([1e3, 1e5, 1e6]),
+                                rng.choice([1e4, 1e6]), 1e9, measured) for i in range(rng.randint(3, 8)))
+    return ModelProfile("random", layers, 1e3)
+
+
+def random_plan(seed: int) -> Plan:
+    """VWs of 1 to 4 stages over the shuffled devices (some left idle), random layer cuts and recompute sets,
+    1 to 6 micro-batches of uneven sizes; the sync mode and schedule cycle with ``seed``, the options random."""
+    rng = random.Random(seed)
+    cluster = random_cluster(rng)
+    profile = random_profile(rng, {d.type_name for d in cluster.devices})
+    num_layers = len(profile.layers)
+    devices = [d.name for d in cluster.devices]
+    rng.shuffle(devices)
+    vws, k = [], 0
+    while k < len(devices):
+        p = rng.randint(1, min(4, len(devices) - k, num_layers))
+        bounds = [0, *sorted(rng.sample(range(1, num_layers), p - 1)), num_layers]
+        stages = tuple(Stage(devices[k + j], bounds[j], bounds[j + 1],
+                             tuple(x for x in range(bounds[j], bounds[j + 1]) if rng.random() < 0.2))
+                       for j in range(p))
+        m = rng.randint(1, 6)
+        vws.append(VirtualWorker(stages, m * rng.randint(1, 3) + rng.randint(0, m - 1), m))
+        k += p
+    if len(vws) > 1 and rng.random() < 0.3:
+        vws.pop()
+    options = SyncOptions(staleness=rng.randint(0, 2), period=rng.randint(1, 4), aggregate=rng.randint(1, 3),
+                          bucket_bytes=rng.choice([1e6, 25 * 2**20]), first_bucket_bytes=rng.choice([1e5, 2**20]),
+                          allreduce=rng.choice(["auto", "ring"]), transfers=rng.choice(["overlap", "blocking"]),
+                          placement=rng.choice(["local", "round-robin"]))
+    return Plan("random", sum(v.mini_batch for v in vws), SCHEDULES[seed // len(MODES) % 2],  # type: ignore[arg-type]
+                MODES[seed % len(MODES)], rng.choice(["sgd", "adam"]), tuple(vws), Prediction(0, 0, 0, 0, 0),
+                "hybrid", "random", cluster, profile, sync_options=options)
+
+
+def spread_plan(nodes: int, stages: int, micro_batches: int, transfers: str = "overlap") -> Plan:
+    """Identical VWs, stage j of VW v on node j + stages * (v // 8), device v % 8: every stage boundary crosses
+    NICs shared by 8 VWs, which ask for them at the same instants (ties broken by the queue's order)."""
+    node = [{"name": f"n{k}", "devices": [{"type": TYPES[k % 2], "count": 8}],
+             "intra_link": {"bandwidth_bytes_per_s": 1e11, "latency_s": 1e-6},
+             "nic": {"bandwidth_bytes_per_s": 1e9 if k % 2 else 3e9, "latency_s": 1e-5}} for k in range(nodes)]
+    cluster = parse_cluster({"name": "spread", "node": node})
+    measured = tuple((t, (Measurement(1, 1e-3, 2e-3),)) for t in TYPES[:2])
+    profile = ModelProfile("block", tuple(LayerProfile(f"b{i}", 1e7, 4e6, 1e7, 1e9, measured)
+                                          for i in range(2 * stages)), 1e3)
+    vws = tuple(VirtualWorker(tuple(Stage(f"n{j + stages * (v // 8)}:{v % 8}", 2 * j, 2 * j + 2)
+                                    for j in range(stages)), micro_batches, micro_batches)
+                for v in range(8 * (nodes // stages)))
+    return Plan("block", sum(v.mini_batch for v in vws), "1f1b", "bsp", "adam", vws,  # type: ignore[arg-type]
+                Prediction(0, 0, 0, 0, 0), "hybrid", "spread", cluster, profile,
+                sync_options=SyncOptions(transfers=transfers))
+
+
+def assert_same(fast: SimResult, reference: SimResult) -> None:
+    """The figures to 1e-9, and the timelines (device, link and memory rows) event for event."""
+    assert fast.iteration_s == pytest.approx(reference.iteration_s, rel=1e-9)
+    assert fast.pipeline_s == pytest.approx(reference.pipeline_s, rel=1e-9)
+    assert fast.samples_per_s == pytest.approx(reference.samples_per_s, rel=1e-9)
+    assert list(fast.devices) == list(reference.devices)
+    for name, ref in reference.devices.items():
+        got = fast.devices[name]
+        assert (got.vw, got.stage, got.max_in_flight) == (ref.vw, ref.stage, ref.max_in_flight), name
+        for f in ("busy_s", "sync_s", "bubble_s", "peak_memory_bytes"):
+            assert getattr(got, f) == pytest.approx(getattr(ref, f), rel=1e-9, abs=1e-12), (name, f)
+    assert fast.timeline.devices == reference.timeline.devices
+    assert fast.timeline.links == reference.timeline.links
+    assert fast.timeline.memory == reference.timeline.memory
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_fast_replay_equals_the_reference_on_random_plans(seed: int) -> None:
+    plan = random_plan(seed)
+    assert_same(simulate(plan), simulate(plan, reference=True))
+
+
+def test_the_random_plans_cover_every_mode_schedule_and_contention() -> None:
+    plans = [random_plan(seed) for seed in range(30)]
+    assert {(p.sync, p.schedule) for p in plans} == {(m, s) for m in MODES for s in SCHEDULES}
+    assert any(p.sync_options.transfers == "blocking" for p in plans)
+    assert any(len({d.type_name for d in p.cluster.devices}) == 4 for p in plans)
+    assert any(len(vw.stages) > 1 and len(p.virtual_workers) > 1 for p in plans for vw in p.virtual_workers)
+    # some transfers queue behind others: a link row with an event that starts when the one before it ends
+    queued = 0
+    for p in plans[:10]:
+        for evs in simulate(p).timeline.links.values():
+            queued += sum(b.start_s == a.end_s and b.start_s > 0 for a, b in itertools.pairwise(evs))
+    assert queued > 0
+
+
+@pytest.mark.parametrize("transfers", ["overlap", "blocking"])
+def test_the_fast_replay_breaks_ties_on_shared_nics_as_the_reference(transfers: str) -> None:
+    plan = spread_plan(nodes=8, stages=4, micro_batches=6, transfers=transfers)
+    fast, reference = simulate(plan), simulate(plan, reference=True)
+    assert_same(fast, reference)
+    # the 8 VWs of a node group asked for the NIC at the same instant: the queue put them one after another
+    nic = fast.timeline.links["n0 NIC out"]
+    assert sum(e.start_s > 0 and e.start_s == prev.end_s for prev, e in itertools.pairwise(nic)) >= 7
+
+
+def test_the_fast_replay_stalls_as_the_reference() -> None:
+    plan = spread_plan(nodes=4, stages=4, micro_batches=2)
+    schedule = build_schedule(plan)
+    first = next(iter(schedule))
+    dropped = next(a for a in schedule[first] if str(a).startswith("SEND_F"))  # its receiver waits forever
+    stalled = {d: [a for a in acts if a is not dropped] for d, acts in schedule.items()}
+    with pytest.raises(ScheduleError) as ref_error:
+        run_program(compile_program(plan, [stalled]))
+    with pytest.raises(ScheduleError) as fast_error:
+        run_program_fast(compile_program(plan, [stalled]))
+    assert str(fast_error.value) == str(ref_error.value)
