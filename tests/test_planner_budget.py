@@ -83,8 +83,8 @@ def test_a_tiny_budget_simulates_nothing_and_a_large_one_simulates_the_best_few(
     counted, calls = _counting(hetrain.simulated_iteration_s)
     tiny = plan(cluster, profile, 64, score=counted, time_budget_s=0.0)
     assert calls == [] and tiny.prediction.simulated_iteration_s is None
-    assert _report(tiny) == PlannerReport(7, 3, 0, 0, "time budget", 0.0)
-    closed = plan(cluster, profile, 64, simulate_top_k=0)
+    assert _report(tiny) == PlannerReport(7, 1, 0, 0, "time budget", 0.0)  # the best screened searched exactly
+    closed = plan(cluster, profile, 64, simulate_top_k=0, refine_top_k=1)
     assert tiny.to_dict() == {**closed.to_dict(), "options": tiny.to_dict()["options"]}  # the closed forms' best
 
     large = plan(cluster, profile, 64, score=counted, time_budget_s=None)

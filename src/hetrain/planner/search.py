@@ -21,11 +21,11 @@ Within a time budget (``PlannerOptions.time_budget_s``, ``hetrain plan --time-bu
            (the dearest simulation so far per unit of plan size) fits in what is left
         ─► the robust draws and the sync-mode choice, where their simulations fit too
 
-Screening and the exact search always run (no plan without them); the first simulation runs
-whenever any budget is left, so the budget is exceeded by at most one simulation's
-misestimate. Where the budget cuts the simulations short, which candidates were simulated
-depends on the machine's speed, and so may the plan. The plan records what was done in
-``options["planner_report"]`` (``format_planner_report``).
+Screening always runs, and the exact search of at least the best screened candidate (no plan
+without them); the first simulation runs whenever any budget is left, so the budget is
+exceeded by at most one simulation's misestimate. Where the budget cuts the simulations
+short, which candidates were simulated depends on the machine's speed, and so may the plan.
+The plan records what was done in ``options["planner_report"]`` (``format_planner_report``).
 """
 
 from __future__ import annotations
@@ -405,9 +405,10 @@ def search(cluster: Cluster, profile: ModelProfile, global_batch: int, opts: Pla
     return _search(cluster, profile, global_batch, opts)[0]
 
 
-def _search(cluster: Cluster, profile: ModelProfile, global_batch: int,
-            opts: PlannerOptions) -> tuple[list[Candidate], int, int]:
-    """``search``'s candidates, and how many were screened and how many searched exactly."""
+def _search(cluster: Cluster, profile: ModelProfile, global_batch: int, opts: PlannerOptions,
+            budget: TimeBudget | None = None) -> tuple[list[Candidate], int, int]:
+    """``search``'s candidates, and how many were screened and how many searched exactly: the best
+    ``refine_top_k``, or fewer where ``budget`` is spent (never fewer than one)."""
     if global_batch < 1:
         raise PlannerError(f"global batch must be >= 1, got {global_batch}")
     formations = build_formations(cluster, profile.num_layers, opts.strategy, profile.precision,
@@ -448,12 +449,14 @@ def _search(cluster: Cluster, profile: ModelProfile, global_batch: int,
     if not screened:
         raise PlannerError(_explain_no_fit(cluster, profile, opts))
     screened = rank(screened)
-    found = []
+    found: list[Candidate] = []
     for c in screened[: max(1, opts.refine_top_k)]:
+        if found and budget is not None and budget.left_s() <= 0:
+            break
         exact = _evaluate(cluster, profile, c.formation, c.schedule, c.global_batch, opts, evaluators, cache,
                           exact=True)
         found.append(exact if exact is not None and exact.score(opts) <= c.score(opts) else c)
-    return rank(found) + screened[max(1, opts.refine_top_k):], len(screened), len(found)
+    return rank(found) + screened[len(found):], len(screened), len(found)
 
 
 def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: PlannerOptions | None = None,
@@ -498,7 +501,7 @@ def _plan_within(cluster: Cluster, profile: ModelProfile, global_batch: int, opt
                                   budget.timed(score) if by_simulation and score is not None else None)
         counts = {**base.options[REPORT_KEY], "simulations": budget.simulations}
         return replace(chosen, options={**chosen.options, REPORT_KEY: counts})
-    found, screened, searched = _search(cluster, profile, global_batch, opts)
+    found, screened, searched = _search(cluster, profile, global_batch, opts, budget)
     plans, stopped_by = _simulate_best(cluster, profile, found, opts, score, budget)
     simulated = len(plans)
     if plans and score is not None:
