@@ -526,6 +526,8 @@ def _simulate_best(cluster: Cluster, profile: ModelProfile, found: list[Candidat
     cap = SIMULATE_AT_MOST if opts.simulate_top_k is None else opts.simulate_top_k
     if cap == 0:
         return [], "simulate_top_k"
+    if budget.left_s() <= 0:  # spent by the search: not even the best one's reverse is partitioned
+        return [], "time budget"
     head: list[Candidate] = found[:cap]
     flipped = reversed_orders(cluster, profile, head[0], opts)
     candidates = [*head, flipped] if flipped is not None else head
