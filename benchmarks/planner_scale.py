@@ -12,7 +12,7 @@ Two questions (issue 21):
    than 2% by a plan among the closed form's top 50 when all 50 are simulated. Target: the
    chosen plan is the simulated best in >= 95% of instances, and never 2% behind it.
 
-    python benchmarks/planner_scale.py [--quick] [--time-budget 10] [--instances 20] [--no-write]
+    python benchmarks/planner_scale.py [--quick] [--sizes 64 256] [--time-budget 10] [--instances 20] [--no-write]
 
 ``--quick``: 64 and 256 devices, 5 small instances. Timing on a shared machine only adds other
 programs' time; the load average is printed with the tables.
@@ -146,16 +146,18 @@ def main() -> int:
     parser.add_argument("--time-budget", type=float, default=10.0, help="the planner's budget in seconds (10)")
     parser.add_argument("--instances", type=int, default=20, help="small random instances (20)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), help="gpt2-medium, gpt2-xl, gpt-200 ...")
+    parser.add_argument("--sizes", nargs="+", type=int, default=None, help="device counts, multiples of 8")
     parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
     args = parser.parse_args()
     if args.instances < 1 or args.time_budget < 0:
         parser.error(f"--instances must be >= 1 and --time-budget >= 0, got {args.instances}, {args.time_budget}")
-    sizes = [n for n in SIZES if n <= 256] if args.quick else list(SIZES)
+    sizes = args.sizes or ([n for n in SIZES if n <= 256] if args.quick else list(SIZES))
     instances = 5 if args.quick else args.instances
     command = "python benchmarks/planner_scale.py" + (" --quick" if args.quick else "") \
         + (f" --time-budget {args.time_budget:g}" if args.time_budget != 10.0 else "") \
         + (f" --instances {args.instances}" if args.instances != 20 and not args.quick else "") \
-        + (f" --models {' '.join(args.models)}" if args.models != list(MODELS) else "")
+        + (f" --models {' '.join(args.models)}" if args.models != list(MODELS) else "") \
+        + (f" --sizes {' '.join(map(str, args.sizes))}" if args.sizes else "")
 
     rows = []
     for n in sizes:

@@ -21,7 +21,7 @@ It times ``build_schedule``, ``validate`` and ``simulate`` separately, prints a 
 replaces the "Simulator scale" section of benchmarks/RESULTS.md.
 
 Run:
-    python benchmarks/simulator_scale.py [--quick] [--no-write]     # the planner's plans, 64 to 4096 devices
+    python benchmarks/simulator_scale.py [--quick] [--sizes 64 256] [--no-write]   # the planner's plans
     python benchmarks/simulator_scale.py --hand-built [--vws 16]    # the hand-built 1024-device plans
 """
 
@@ -177,9 +177,8 @@ def planned_table(rows: list[PlannedRow]) -> str:
     return "\n".join(lines)
 
 
-def planner_plans(quick: bool, models: list[str], write: bool) -> None:
+def planner_plans(sizes: list[int], models: list[str], write: bool) -> None:
     """The planner's plans from 64 to 4096 devices: simulation time and the closed form's error (issue 21)."""
-    sizes = [n for n in SIZES if n <= 256] if quick else list(SIZES)
     rows: list[PlannedRow] = []
     for n in sizes:
         for model in models:
@@ -194,7 +193,8 @@ def planner_plans(quick: bool, models: list[str], write: bool) -> None:
         if hasattr(os, "getloadavg") else ""
     print(f"slowest simulation at {max(sizes)} devices: {slowest:.1f} s; worst closed-form error {worst:.0%}")
     if write:
-        command = "python benchmarks/simulator_scale.py" + (" --quick" if quick else "") \
+        command = "python benchmarks/simulator_scale.py" \
+            + (f" --sizes {' '.join(map(str, sizes))}" if sizes != list(SIZES) else "") \
             + (f" --models {' '.join(models)}" if models != list(MODELS) else "")
         write_results_section(
             "Simulator scale, planner's plans (issue 21)", command, text,
@@ -212,13 +212,14 @@ def main() -> None:
                     "(the 'Simulator scale' section)")
     ap.add_argument("--quick", action="store_true", help="planner's plans on 64 and 256 devices only")
     ap.add_argument("--models", nargs="+", default=list(MODELS), help="gpt2-medium, gpt2-xl, gpt-200 ...")
+    ap.add_argument("--sizes", nargs="+", type=int, default=None, help="device counts, multiples of 8 (64 ... 4096)")
     ap.add_argument("--vws", type=int, default=128)
     ap.add_argument("--stages", type=int, default=8)
     ap.add_argument("--micro-batches", type=int, default=64)
     ap.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
     args = ap.parse_args()
     if not args.hand_built:
-        planner_plans(args.quick, args.models, not args.no_write)
+        planner_plans(args.sizes or [n for n in SIZES if n <= 256 or not args.quick], args.models, not args.no_write)
         return
     rows = [run(f, args.vws, args.stages, args.micro_batches) for f in ("node", "spread")]
     text = table(rows)
