@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -180,3 +181,12 @@ def test_hetrain_plan_prints_and_records_what_the_planner_did(tmp_path: Path, ca
     err = capsys.readouterr().err
     assert err == "hetrain plan: error: --time-budget 'abc': expected seconds or minutes such as 10s, 1.5s, 2m, " \
                   "or none for no limit\n"
+
+
+def test_hetrain_plan_json_carries_the_planning_seconds(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--cluster", str(CLUSTER), "--model", "gpt2-small", "--global-batch", "64",
+                 "--time-budget", "none", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["planning_s"] > 0
+    report = PlannerReport.from_dict(data["plan"]["options"][REPORT_KEY])
+    assert report.time_budget_s is None and report.stopped_by in ("closed form", "all candidates")
