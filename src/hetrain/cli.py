@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -37,6 +38,7 @@ from hetrain.fields import (
     check_output_path,
 )
 from hetrain.plan import Plan, PlanError
+from hetrain.planner.search import DEFAULT_TIME_BUDGET_S
 from hetrain.profile import ModelProfile, ProfileError, load_profile
 from hetrain.sync_layout import SYNC_OPTION_HELP, SyncOptions
 from hetrain.units import format_time
@@ -56,6 +58,37 @@ def _ints(text: str) -> list[int]:
 
 
 _non_negative = number_at_least(0.0)
+
+#: the units --time-budget reads: seconds (also bare numbers) and minutes
+_BUDGET_UNITS_S = {"": 1.0, "s": 1.0, "m": 60.0, "min": 60.0}
+#: the longest --time-budget: a day
+MAX_TIME_BUDGET_S = 86400.0
+
+
+def parse_time_budget(text: str) -> float | None:
+    """``--time-budget``: ``"10s"``, ``"10"``, ``"1.5s"``, ``"2m"`` in seconds; ``"none"``: no limit (None).
+
+    Raises:
+        InputError: one line naming the flag and the value.
+
+    Example:
+        >>> parse_time_budget("2m"), parse_time_budget("1.5s"), parse_time_budget("none")
+        (120.0, 1.5, None)
+    """
+    word = text.strip().lower()
+    if word in ("none", "off"):
+        return None
+    number = word.rstrip("smin")
+    unit = word[len(number):]
+    try:
+        value = float(number) * _BUDGET_UNITS_S[unit]
+    except (ValueError, KeyError):
+        raise InputError(f"--time-budget {text!r}: expected seconds or minutes such as 10s, 1.5s, 2m, "
+                         "or none for no limit") from None
+    if not 0 <= value <= MAX_TIME_BUDGET_S:
+        raise InputError(f"--time-budget {text!r}: expected a time from 0 s to {MAX_TIME_BUDGET_S:g} s "
+                         "(MAX_TIME_BUDGET_S), or none for no limit")
+    return value
 _positive = number_at_least(0.0, inclusive=False)
 
 
@@ -92,6 +125,7 @@ def _planner_options(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.robust_draws is not None:
         opts["robust_draws"] = args.robust_draws
+    opts["time_budget_s"] = parse_time_budget(args.time_budget)
     if args.target_samples is not None:
         opts["target_samples"] = args.target_samples
     if args.critical_batch is not None:
@@ -184,10 +218,13 @@ def _replan_from(args: argparse.Namespace) -> Plan:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from hetrain import plan
+    from hetrain.planner.budget import PlannerReport, format_planner_report
     from hetrain.planner.robust import format_confidence
+    from hetrain.planner.search import REPORT_KEY
 
     if args.output:
         check_output_path(args.output, "-o")
+    planning_s = None
     if args.from_plan:
         result = _replan_from(args)
         cluster, profile = result.cluster, result.profile
@@ -204,7 +241,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
             profile, learned = apply_time_model(profile, cluster.devices, load_time_model(args.time_model))
         options = _planner_options(args)
+        start_s = time.perf_counter()
         result = plan(cluster, profile, args.global_batch, **options)
+        planning_s = time.perf_counter() - start_s
         if learned:
             result = replace(result, options={**result.options,
                                               "time_model": {"file": args.time_model, "types": list(learned)}})
@@ -214,11 +253,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     rows = compare_strategies(cluster, profile, result.global_batch, result, {**options, "sync": result.sync})
     if args.json:
         print(json.dumps({"plan": result.to_dict() if not args.output else args.output,
-                          "comparison": rows}, indent=1))
+                          "comparison": rows, "planning_s": planning_s}, indent=1))
         return 0
     print(cluster.summary())
     print()
     print(result.summary())
+    if planning_s is not None and REPORT_KEY in result.options:  # what this planning did (not a --from plan's)
+        print("planner: " + format_planner_report(PlannerReport.from_dict(result.options[REPORT_KEY]), planning_s))
     if sure := format_confidence(result):
         print(sure)
     print()
@@ -351,6 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--robust-draws", type=int_between(0, 1000), default=None, metavar="N",
                    help="where the profile records layer-time spreads, score the top plans on N profiles drawn "
                         "within them and prefer the best worst case (default 8; 0: medians only; docs/planner.md)")
+    p.add_argument("--time-budget", default=f"{DEFAULT_TIME_BUDGET_S:g}s", metavar="T",
+                   help="seconds the planning may take (10s, 1.5s, 2m; none: no limit; default 10s): screening and "
+                        "the exact search, then simulating as many of the best plans as fit (docs/planner.md)")
     p.add_argument("--time-model", metavar="FILE", help="layer times for device types the profile has no "
                    "measurements of from this learned model (hetrain fit-time-model), not the roofline ratio")
     p.add_argument("-o", "--output", help="write plan.json here")

@@ -13,6 +13,19 @@ The formations are ranked by the objective (throughput, or time to accuracy
 with a critical batch size), and the best few are re-ranked by a scoring
 function when the caller hands one in (``hetrain.plan`` hands in the
 simulator; the planner imports no simulator).
+
+Within a time budget (``PlannerOptions.time_budget_s``, ``hetrain plan --time-budget``)::
+
+    screen every formation (fast partitions) ─► search the best refine_top_k exactly
+        ─► simulate the best candidates, one at a time, while the next one's estimated cost
+           (the dearest simulation so far per unit of plan size) fits in what is left
+        ─► the robust draws and the sync-mode choice, where their simulations fit too
+
+Screening always runs, and the exact search of at least the best screened candidate (no plan
+without them); the first simulation runs whenever any budget is left, so the budget is
+exceeded by at most one simulation's misestimate. Where the budget cuts the simulations
+short, which candidates were simulated depends on the machine's speed, and so may the plan.
+The plan records what was done in ``options["planner_report"]`` (``format_planner_report``).
 """
 
 from __future__ import annotations
@@ -50,9 +63,10 @@ from hetrain.plan import (
     Stage,
     VirtualWorker,
 )
+from hetrain.planner.budget import PlannerReport, TimeBudget
 from hetrain.planner.formation import Formation, build_formations
 from hetrain.planner.partition import PartitionResult, partition
-from hetrain.planner.robust import DRAWS, SEED, rank_robust
+from hetrain.planner.robust import DRAWS, SEED, has_spread, rank_robust
 from hetrain.planner.stage_cost import StageTableCache
 from hetrain.planner.sync import Scorer, choose_sync_mode, estimate_mode_sync_time
 from hetrain.planner.vw import VWEvaluator, canonical_devices, vw_signature
@@ -61,6 +75,18 @@ from hetrain.sync_layout import SYNC_MODES, SyncMode, SyncOptions
 from hetrain.units import format_bytes
 
 INF = float("inf")
+
+#: seconds ``hetrain plan`` may spend by default (issue 21: 4096 devices planned in about 10 s)
+DEFAULT_TIME_BUDGET_S = 10.0
+#: with ``simulate_top_k=None``: simulate at least this many of the best candidates where the budget allows
+#: (the planner's fixed top 3 before the budget), and at most this many
+SIMULATE_AT_LEAST = 3
+SIMULATE_AT_MOST = 50
+#: with ``simulate_top_k=None``, past SIMULATE_AT_LEAST: stop once the next candidate, at the smallest
+#: simulated / closed-form ratio seen less this fraction, could not beat the best simulated plan
+PLAUSIBLE_FRACTION = 0.05
+#: the key of ``Plan.options`` that says what the planner did (``PlannerReport``)
+REPORT_KEY = "planner_report"
 
 
 class PlannerError(InputError):
@@ -92,7 +118,12 @@ class PlannerOptions:
         exhaustive_orders: try every device order of a VW when it has at most this many.
         exhaustive_devices: clusters this small also try every set partition.
         refine_top_k: search this many best screened candidates exactly.
-        simulate_top_k: re-rank this many best candidates by the scoring function, where one is given (0: off).
+        simulate_top_k: re-rank at most this many best candidates (and the best one's reversed pipelines) by the
+            scoring function, where one is given (0: off); None: as many as ``time_budget_s`` allows, at least
+            SIMULATE_AT_LEAST where it allows, at most SIMULATE_AT_MOST, and none past the first that the closed
+            form says cannot win (PLAUSIBLE_FRACTION).
+        time_budget_s: seconds the planning may take: screening and the exact search always run, then
+            simulations while the next one's estimated cost fits (module docstring); None: no limit.
         robust_draws: where the profile has spreads, score those candidates on this many profiles drawn within
             them too, and prefer the best worst case among the plans within the fastest's spread
             (``planner.robust``; 0: off).
@@ -116,7 +147,8 @@ class PlannerOptions:
     exhaustive_orders: int = 120
     exhaustive_devices: int = 6
     refine_top_k: int = 3
-    simulate_top_k: int = 3
+    simulate_top_k: int | None = None
+    time_budget_s: float | None = DEFAULT_TIME_BUDGET_S
     robust_draws: int = DRAWS
     robust_seed: int = SEED
 
@@ -137,6 +169,10 @@ class PlannerOptions:
             raise ValueError(f"objective must be throughput or time-to-accuracy, got {self.objective!r}")
         if self.objective == "time-to-accuracy" and not (self.critical_batch and self.critical_batch > 0):
             raise ValueError("objective time-to-accuracy needs a positive critical_batch (--critical-batch)")
+        if self.simulate_top_k is not None and self.simulate_top_k < 0:
+            raise ValueError(f"simulate_top_k must be >= 0 or None, got {self.simulate_top_k}")
+        if self.time_budget_s is not None and not (math.isfinite(self.time_budget_s) and self.time_budget_s >= 0):
+            raise ValueError(f"time_budget_s must be a finite number of seconds >= 0 or None, got {self.time_budget_s}")
         if self.robust_draws < 0:
             raise ValueError(f"robust_draws must be >= 0, got {self.robust_draws}")
         if self.micro_batch_sizes is not None and any(b < 1 for b in self.micro_batch_sizes):
@@ -366,6 +402,13 @@ def _explain_no_fit(cluster: Cluster, profile: ModelProfile, opts: PlannerOption
 
 def search(cluster: Cluster, profile: ModelProfile, global_batch: int, opts: PlannerOptions) -> list[Candidate]:
     """Every feasible candidate, best first by the objective (closed forms only)."""
+    return _search(cluster, profile, global_batch, opts)[0]
+
+
+def _search(cluster: Cluster, profile: ModelProfile, global_batch: int, opts: PlannerOptions,
+            budget: TimeBudget | None = None) -> tuple[list[Candidate], int, int]:
+    """``search``'s candidates, and how many were screened and how many searched exactly: the best
+    ``refine_top_k``, or fewer where ``budget`` is spent (never fewer than one)."""
     if global_batch < 1:
         raise PlannerError(f"global batch must be >= 1, got {global_batch}")
     formations = build_formations(cluster, profile.num_layers, opts.strategy, profile.precision,
@@ -406,12 +449,14 @@ def search(cluster: Cluster, profile: ModelProfile, global_batch: int, opts: Pla
     if not screened:
         raise PlannerError(_explain_no_fit(cluster, profile, opts))
     screened = rank(screened)
-    found = []
+    found: list[Candidate] = []
     for c in screened[: max(1, opts.refine_top_k)]:
+        if found and budget is not None and budget.left_s() <= 0:
+            break
         exact = _evaluate(cluster, profile, c.formation, c.schedule, c.global_batch, opts, evaluators, cache,
                           exact=True)
         found.append(exact if exact is not None and exact.score(opts) <= c.score(opts) else c)
-    return rank(found) + screened[max(1, opts.refine_top_k):]
+    return rank(found) + screened[len(found):], len(screened), len(found)
 
 
 def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: PlannerOptions | None = None,
@@ -427,8 +472,9 @@ def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: Pl
             None ranks by the closed forms only.
 
     Returns:
-        The best Plan by the objective: by ``score`` among the closed form's
-        best ``simulate_top_k`` where a scorer is given.
+        The best Plan by the objective: by ``score`` among the closed form's best candidates that were
+        simulated within ``time_budget_s`` (at most ``simulate_top_k``) where a scorer is given. Its
+        ``options["planner_report"]`` says what was done (``planner.budget.PlannerReport``).
 
     Raises:
         PlannerError: no arrangement fits, or the batch is too small; the message has the numbers.
@@ -442,38 +488,119 @@ def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: Pl
     opts = options if options is not None else PlannerOptions(**kwargs)
     if options is not None and kwargs:
         opts = replace(options, **kwargs)
+    return _plan_within(cluster, profile, global_batch, opts, score, TimeBudget(opts.time_budget_s))
+
+
+def _plan_within(cluster: Cluster, profile: ModelProfile, global_batch: int, opts: PlannerOptions,
+                 score: Scorer | None, budget: TimeBudget) -> Plan:
     if opts.sync == "auto":  # plan for BSP, then pick the mode by predicted time to accuracy (docs/sync.md)
-        return choose_sync_mode(plan(cluster, profile, global_batch, replace(opts, sync="bsp"), score),
-                                opts.staleness_penalty, opts.target_samples, opts.critical_batch,
-                                score if opts.simulate_top_k > 0 else None)
-    found = search(cluster, profile, global_batch, opts)
-    top = found[: max(1, opts.simulate_top_k)]
-    if opts.simulate_top_k > 0 and score is not None and (flipped := reversed_orders(cluster, profile, top[0], opts)):
-        top = [*top, flipped]  # the best pipeline's reverse order: only the scoring function tells them apart
-    plans = [_to_plan(cluster, profile, c, opts) for c in top]
-    if opts.simulate_top_k > 0 and score is not None:
-        plans = rerank(plans, opts, score)
-    return plans[0]
+        base = _plan_within(cluster, profile, global_batch, replace(opts, sync="bsp"), score, budget)
+        # every mode of the chosen plan simulated, where they fit; else the closed forms choose
+        by_simulation = score is not None and opts.simulate_top_k != 0 and budget.fits([base] * len(SYNC_MODES))
+        chosen = choose_sync_mode(base, opts.staleness_penalty, opts.target_samples, opts.critical_batch,
+                                  budget.timed(score) if by_simulation and score is not None else None)
+        counts = {**base.options[REPORT_KEY], "simulations": budget.simulations}
+        return replace(chosen, options={**chosen.options, REPORT_KEY: counts})
+    found, screened, searched = _search(cluster, profile, global_batch, opts, budget)
+    plans, stopped_by = _simulate_best(cluster, profile, found, opts, score, budget)
+    simulated = len(plans)
+    if plans and score is not None:
+        plans = _rank_simulated(plans, opts, budget.timed(score), budget)
+    else:  # the closed forms' best
+        plans = [_to_plan(cluster, profile, found[0], opts)]
+    report = PlannerReport(screened, searched, simulated, budget.simulations, stopped_by, opts.time_budget_s)
+    return replace(plans[0], options={**plans[0].options, REPORT_KEY: report.to_dict()})
+
+
+def _simulate_best(cluster: Cluster, profile: ModelProfile, found: list[Candidate], opts: PlannerOptions,
+                   score: Scorer | None, budget: TimeBudget) -> tuple[list[Plan], str]:
+    """The best candidates as plans, each with its simulated iteration time, as many as ``opts`` and the budget
+    allow, in the closed form's order (the best one's reversed pipelines last); and why no more were simulated.
+
+    They are simulated best first, the reverse of the best second (only the scoring function tells it from
+    the best); with ``simulate_top_k=None``, past SIMULATE_AT_LEAST, only while the next candidate could beat
+    the best simulated one by the closed form scaled by the smallest simulated / closed-form ratio seen.
+    """
+    if score is None:
+        return [], "no scoring function"
+    cap = SIMULATE_AT_MOST if opts.simulate_top_k is None else opts.simulate_top_k
+    if cap == 0:
+        return [], "simulate_top_k"
+    if budget.left_s() <= 0:  # spent by the search: not even the best one's reverse is partitioned
+        return [], "time budget"
+    head: list[Candidate] = found[:cap]
+    flipped = reversed_orders(cluster, profile, head[0], opts)
+    candidates = [*head, flipped] if flipped is not None else head
+    order = [0, len(head)] if flipped is not None else [0]
+    order += list(range(1, len(head)))
+    timed = budget.timed(score)
+    done: dict[int, Plan] = {}
+    best = INF  # the best simulated objective
+    ratio = INF  # the smallest simulated / closed-form iteration time seen
+    stopped_by = "all candidates" if cap >= len(found) else "simulate_top_k"
+    for q in order:
+        c = candidates[q]
+        looked = sum(1 for e in done if e < len(head))  # simulated of the closed form's best, the reverse not
+        if opts.simulate_top_k is None and q < len(head) and looked >= SIMULATE_AT_LEAST \
+                and _objective(opts, c.global_batch, c.iteration_s * ratio * (1 - PLAUSIBLE_FRACTION)) >= best:
+            stopped_by = "closed form"
+            break
+        p = _to_plan(cluster, profile, c, opts)
+        if not budget.fits([p]):
+            stopped_by = "time budget"
+            break
+        t = timed(p)
+        done[q] = replace(p, prediction=replace(p.prediction, simulated_iteration_s=t))
+        best = min(best, _objective(opts, c.global_batch, t))
+        ratio = min(ratio, t / c.iteration_s)
+    return [done[q] for q in sorted(done)], stopped_by
+
+
+def _objective(opts: PlannerOptions, global_batch: int, iteration_s: float) -> float:
+    """Lower is better: seconds per sample, or (time to accuracy) that times the samples-to-accuracy factor."""
+    if opts.objective == "time-to-accuracy" and opts.critical_batch:
+        return iteration_s * estimate_samples_to_accuracy_factor(global_batch, opts.critical_batch) / global_batch
+    return iteration_s / global_batch
+
+
+def candidate_plans(cluster: Cluster, profile: ModelProfile, global_batch: int, count: int,
+                    options: PlannerOptions | None = None, **kwargs: Any) -> list[Plan]:
+    """The ``count`` best candidates of the search as plans, best first by the closed forms (none simulated).
+
+    For benchmarks that simulate them all, to see how often the planner's choice is beaten
+    (benchmarks/planner_scale.py).
+    """
+    opts = options if options is not None else PlannerOptions(**kwargs)
+    if options is not None and kwargs:
+        opts = replace(options, **kwargs)
+    return [_to_plan(cluster, profile, c, opts) for c in search(cluster, profile, global_batch, opts)[:count]]
 
 
 def rerank(plans: list[Plan], opts: PlannerOptions, score: Callable[[Plan], float]) -> list[Plan]:
     """Score each plan (its iteration seconds), record the figure, and order by it (or TTA); then, where the
     profile has spreads, put the robust choice first (``planner.robust.rank_robust``), which also records in
-    the first plan's ``options["confidence"]`` how sure the choice is."""
-    out = []
-    for p in plans:
-        pred = replace(p.prediction, simulated_iteration_s=score(p))
-        out.append(replace(p, prediction=pred))
+    the first plan's ``options["confidence"]`` how sure the choice is. No time budget."""
+    out = [replace(p, prediction=replace(p.prediction, simulated_iteration_s=score(p))) for p in plans]
+    return _rank_simulated(out, opts, score, TimeBudget(None))
 
+
+def _rank_simulated(plans: list[Plan], opts: PlannerOptions, score: Callable[[Plan], float],
+                    budget: TimeBudget) -> list[Plan]:
+    """``plans`` (simulated) ordered by their simulated objective, then the robust choice first, its draws
+    simulated for as many of the best as fit in the budget (the draws of none where not even two fit)."""
     def objective(p: Plan, t: float) -> float:
-        if opts.objective == "time-to-accuracy" and opts.critical_batch:
-            return t * estimate_samples_to_accuracy_factor(p.global_batch, opts.critical_batch) / p.global_batch
-        return t / p.global_batch
+        return _objective(opts, p.global_batch, t)
 
     def key(p: Plan) -> float:
         assert p.prediction.simulated_iteration_s is not None
         return objective(p, p.prediction.simulated_iteration_s)
-    ranked = sorted(out, key=key)
+    ranked = sorted(plans, key=key)
     if len(ranked) < 2:
         return ranked
-    return rank_robust(ranked, objective, score, opts.robust_draws, opts.robust_seed)[0]
+    draws = opts.robust_draws if has_spread(ranked[0].profile) else 0
+    count = len(ranked)
+    while draws and count >= 2 and not budget.fits([p for p in ranked[:count] for _ in range(draws)]):
+        count -= 1
+    if count < 2:
+        draws, count = 0, len(ranked)
+    return rank_robust(ranked[:count], objective, score, draws, opts.robust_seed)[0] + ranked[count:]

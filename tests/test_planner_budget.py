@@ -1,0 +1,192 @@
+"""The planner within a time budget: parsing --time-budget, the clock's estimates, and the report's counts."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import hetrain
+from hetrain.cli import main, parse_time_budget
+from hetrain.errors import InputError
+from hetrain.plan import Plan, load_plan
+from hetrain.planner import PlannerOptions, plan, search
+from hetrain.planner.budget import PlannerReport, TimeBudget, format_planner_report, simulation_size
+from hetrain.planner.search import REPORT_KEY, SIMULATE_AT_LEAST, candidate_plans
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER = ROOT / "examples" / "clusters" / "pipetorch.toml"  # 8 devices: 7 candidates for gpt2-small at 64
+
+
+def _instance() -> tuple[hetrain.Cluster, hetrain.ModelProfile]:
+    return hetrain.load_cluster(CLUSTER), hetrain.build_profile("gpt2-small")
+
+
+def _counting(score: Callable[[Plan], float]) -> tuple[Callable[[Plan], float], list[Plan]]:
+    calls: list[Plan] = []
+
+    def counted(p: Plan) -> float:
+        calls.append(p)
+        return score(p)
+    return counted, calls
+
+
+def _report(p: Plan) -> PlannerReport:
+    return PlannerReport.from_dict(p.options[REPORT_KEY])
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("10s", 10.0), ("10", 10.0), ("1.5s", 1.5), ("2m", 120.0),
+                                               ("2min", 120.0), (" 0.25 s ", 0.25), ("0", 0.0), ("none", None)])
+def test_time_budget_reads_seconds_and_minutes(text: str, seconds: float | None) -> None:
+    assert parse_time_budget(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["3x", "ten", "", "-1s", "5ms", "2h", "inf", "nan", "100000s"])
+def test_a_bad_time_budget_names_the_flag_and_the_value(text: str) -> None:
+    with pytest.raises(InputError) as refused:
+        parse_time_budget(text)
+    message = str(refused.value)
+    assert message.startswith(f"--time-budget {text!r}:") and "\n" not in message
+
+
+def test_planner_options_refuse_a_negative_budget_or_top_k() -> None:
+    with pytest.raises(ValueError, match="time_budget_s must be a finite number of seconds >= 0 or None, got -1"):
+        PlannerOptions(time_budget_s=-1.0)
+    with pytest.raises(ValueError, match="simulate_top_k must be >= 0 or None, got -2"):
+        PlannerOptions(simulate_top_k=-2)
+
+
+def test_the_clock_lets_the_first_simulation_start_then_estimates_by_plan_size() -> None:
+    now = [100.0]
+    budget = TimeBudget(10.0, clock=lambda: now[0])
+    p = candidate_plans(*_instance(), 64, 1)[0]
+    assert budget.fits([p])  # nothing measured yet: the first one runs while any budget is left
+    now[0] += 9.0  # the search took 9 s
+
+    def takes_half_a_second(plan_: Plan) -> float:
+        now[0] += 0.5
+        return 1.0
+    budget.timed(takes_half_a_second)(p)
+    assert budget.simulations == 1 and budget.elapsed_s() == pytest.approx(9.5)
+    assert budget.estimate_s([p]) == pytest.approx(0.5)
+    assert budget.seconds_per_size == pytest.approx(0.5 / simulation_size(p))
+    assert budget.fits([p]) and not budget.fits([p, p])  # 0.5 s left: one more fits, two do not
+    now[0] += 0.6
+    assert budget.left_s() < 0 and not budget.fits([p]) and not budget.fits([])
+    assert TimeBudget(None).fits([p] * 1000)
+
+
+def test_a_tiny_budget_simulates_nothing_and_a_large_one_simulates_the_best_few() -> None:
+    cluster, profile = _instance()
+    counted, calls = _counting(hetrain.simulated_iteration_s)
+    tiny = plan(cluster, profile, 64, score=counted, time_budget_s=0.0)
+    assert calls == [] and tiny.prediction.simulated_iteration_s is None
+    assert _report(tiny) == PlannerReport(7, 1, 0, 0, "time budget", 0.0)  # the best screened searched exactly
+    closed = plan(cluster, profile, 64, simulate_top_k=0, refine_top_k=1)
+    assert tiny.to_dict() == {**closed.to_dict(), "options": tiny.to_dict()["options"]}  # the closed forms' best
+
+    large = plan(cluster, profile, 64, score=counted, time_budget_s=None)
+    report = _report(large)
+    assert report.simulated >= SIMULATE_AT_LEAST + 1 and report.simulations == len(calls) == report.simulated
+    assert report.stopped_by in ("closed form", "all candidates") and large.prediction.simulated_iteration_s
+    assert report.screened == 7 and report.searched == 3
+    # every candidate the planner simulated is one of the search's, or the best one's reverse
+    assert report.simulated <= len(search(cluster, profile, 64, PlannerOptions())) + 1
+
+
+def test_simulate_top_k_given_is_an_upper_bound() -> None:
+    cluster, profile = _instance()
+    counted, calls = _counting(hetrain.simulated_iteration_s)
+    p = plan(cluster, profile, 64, score=counted, simulate_top_k=2, time_budget_s=None)
+    report = _report(p)
+    assert report.simulated == len(calls) <= 3  # the best 2, and the best one's reverse where it has one
+    assert report.stopped_by == "simulate_top_k"
+    every = plan(cluster, profile, 64, score=hetrain.simulated_iteration_s, simulate_top_k=50, time_budget_s=None)
+    assert _report(every).stopped_by == "all candidates" and _report(every).simulated == 8  # 7 and the reverse
+
+
+def test_a_budget_that_runs_out_stops_before_the_next_simulation_and_overruns_by_at_most_one() -> None:
+    """A scoring function that takes 0.2 s per thousand actions of the plan (0.7 s for all 8 candidates): the
+    planner stops where the next estimate no longer fits, and exceeds the budget by no more than the one
+    simulation it let start."""
+    cluster, profile = _instance()
+    per_size_s = 2e-4
+
+    def slow_score(p: Plan) -> float:
+        time.sleep(per_size_s * simulation_size(p))
+        return hetrain.simulated_iteration_s(p)
+    unlimited = plan(cluster, profile, 64, score=slow_score, simulate_top_k=50, time_budget_s=None)
+    start = time.perf_counter()
+    search(cluster, profile, 64, PlannerOptions())
+    search_s = time.perf_counter() - start
+    one_simulation_s = 0.0  # the dearest simulation, the sleep and the simulator's own time
+    for p in candidate_plans(cluster, profile, 64, 8):
+        start = time.perf_counter()
+        slow_score(p)
+        one_simulation_s = max(one_simulation_s, time.perf_counter() - start)
+    budget_s = 2 * search_s + 0.3  # the search (twice, for a busy machine), then about 0.3 s of simulations
+    start = time.perf_counter()
+    cut = plan(cluster, profile, 64, score=slow_score, simulate_top_k=50, time_budget_s=budget_s)
+    took_s = time.perf_counter() - start
+    report = _report(cut)
+    assert report.stopped_by == "time budget"
+    assert 1 <= report.simulated < _report(unlimited).simulated
+    assert took_s <= budget_s + 2 * one_simulation_s  # one simulation over, and as much for a busy machine
+    assert cut.prediction.simulated_iteration_s is not None
+
+
+def test_sync_auto_counts_the_simulations_of_every_mode_where_they_fit() -> None:
+    cluster, profile = _instance()
+    counted, calls = _counting(hetrain.simulated_iteration_s)
+    p = plan(cluster, profile, 64, score=counted, sync="auto", time_budget_s=None)
+    report = _report(p)
+    assert report.simulations == len(calls) == report.simulated + 5  # and the 5 sync modes of the chosen plan
+    assert p.options["sync_choice"]["modes"][0]["simulated"]
+    calls.clear()
+    p = plan(cluster, profile, 64, score=counted, sync="auto", time_budget_s=0.0)
+    assert calls == [] and _report(p).simulations == 0
+    assert not p.options["sync_choice"]["modes"][0]["simulated"]  # the closed forms chose the mode
+
+
+def test_the_report_reads_as_the_issue_asks() -> None:
+    text = format_planner_report(PlannerReport(18432, 40, 12, 12, "time budget", 10.0), 9.1)
+    assert text.startswith("screened 18,432, searched 40, simulated 12 in 9.1 s (time budget 10 s;")
+    assert "13 simulations" in format_planner_report(PlannerReport(7, 3, 4, 13, "closed form", None))
+
+
+def test_candidate_plans_are_the_search_in_its_order() -> None:
+    cluster, profile = _instance()
+    plans = candidate_plans(cluster, profile, 64, 50)
+    found = search(cluster, profile, 64, PlannerOptions())
+    assert len(plans) == len(found) == 7
+    assert [p.prediction.iteration_s for p in plans] == [c.iteration_s for c in found]
+    assert all(p.prediction.simulated_iteration_s is None for p in plans)
+
+
+def test_hetrain_plan_prints_and_records_what_the_planner_did(tmp_path: Path, capsys: pytest.CaptureFixture[str]) \
+        -> None:
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--cluster", str(CLUSTER), "--model", "gpt2-small", "--global-batch", "64",
+                 "--time-budget", "1m", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    line = next(x for x in text.splitlines() if x.startswith("planner: screened 7, searched 3, simulated "))
+    assert "(time budget 60 s;" in line
+    saved = load_plan(out)
+    assert _report(saved).time_budget_s == 60.0 and saved.options["planner"]["time_budget_s"] == 60.0
+    assert main(["plan", "--cluster", str(CLUSTER), "--model", "gpt2-small", "--global-batch", "64",
+                 "--time-budget", "abc"]) == 2
+    err = capsys.readouterr().err
+    assert err == "hetrain plan: error: --time-budget 'abc': expected seconds or minutes such as 10s, 1.5s, 2m, " \
+                  "or none for no limit\n"
+
+
+def test_hetrain_plan_json_carries_the_planning_seconds(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--cluster", str(CLUSTER), "--model", "gpt2-small", "--global-batch", "64",
+                 "--time-budget", "none", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["planning_s"] > 0
+    report = PlannerReport.from_dict(data["plan"]["options"][REPORT_KEY])
+    assert report.time_budget_s is None and report.stopped_by in ("closed form", "all candidates")
