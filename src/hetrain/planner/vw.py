@@ -14,6 +14,8 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from hetrain.cluster import Cluster, Device
 from hetrain.planner.partition import PartitionResult, partition
 from hetrain.planner.stage_cost import StageTableCache
@@ -32,11 +34,12 @@ def vw_signature(cluster: Cluster, group: Sequence[int]) -> tuple[object, ...]:
         node = relabel.setdefault(int(cluster.node_index[d]), len(relabel))
         kinds.append((node, dev.type_name, dev.peak_fp32_flops, dev.peak_fp16_flops, dev.memory_bytes,
                       dev.memory_bandwidth_bytes_per_s))
-    links = tuple(
-        (float(cluster.bandwidth_bytes_per_s[a, b]), float(cluster.latency_s[a, b]))
-        for a in devs for b in devs if a != b
-    )
-    return (tuple(kinds), links)
+    # the links between every ordered pair, as bytes (the diagonal, a device to itself, left out as 0)
+    idx = np.ix_(devs, devs)
+    bandwidth, latency = cluster.bandwidth_bytes_per_s[idx], cluster.latency_s[idx]
+    np.fill_diagonal(bandwidth, 0.0)
+    np.fill_diagonal(latency, 0.0)
+    return (tuple(kinds), bandwidth.tobytes(), latency.tobytes())
 
 
 def canonical_devices(cluster: Cluster, group: Sequence[int]) -> list[Device]:
