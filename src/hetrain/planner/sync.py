@@ -20,6 +20,7 @@ from typing import Any
 from hetrain.cluster import Cluster
 from hetrain.cost import estimate_allreduce_time, estimate_p2p_time, estimate_samples_to_accuracy_factor
 from hetrain.plan import Plan
+from hetrain.planner.sharing import PipelineTraffic, estimate_shared_sync_time
 from hetrain.profile import ModelProfile
 from hetrain.sync_layout import SYNC_MODES, Layout, SyncOptions, place_ps_shard
 from hetrain.sync_layout import group_segments as build_segments
@@ -30,8 +31,10 @@ Scorer = Callable[[Plan], float]
 
 def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout],
                        hide_s: Mapping[int, float] | None = None,
-                       bucket_bytes: float = SyncOptions.bucket_bytes) -> float:
-    """Seconds of BSP gradient all-reduce left after the backward pass: the busiest device's.
+                       bucket_bytes: float = SyncOptions.bucket_bytes,
+                       traffic: PipelineTraffic | None = None) -> float:
+    """Seconds of BSP gradient all-reduce left after the backward pass: the busiest device's, or the busiest
+    shared link's.
 
     Without ``hide_s``: the device's sum over its segments, as if every all-reduce waited for the
     whole backward. With ``hide_s`` (device index -> seconds of its last micro-batch's backward):
@@ -40,9 +43,22 @@ def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequenc
     ``max(sum - hide, the last bucket's all-reduce)``, the last bucket (a segment's first layers,
     at most ``bucket_bytes``) being ready only when backward ends. The simulator replays the
     buckets one by one on the links; this is its closed form.
+
+    ``traffic`` (``planner.sharing.estimate_pipeline_traffic``) has each device's lead, the seconds before
+    the end of the pipeline its last backward starts (default: ``hide_s``). A device whose pipeline ends
+    early starts its buckets early: ``max(sum - lead, last bucket - (lead - hide))``.
+
+    Segments of other devices, and the pipelines' transfers (``traffic``), share the links
+    (``planner.sharing``): every segment's all-reduce holds the NICs and intra-node links of its ring for
+    its duration, from when the last of its owners starts its last backward (its owners' least lead). The
+    busiest link's makespan after the pipeline's end (``estimate_shared_sync_time``) bounds the sync from
+    below; the larger of the two is returned. Where every all-reduce has its links to itself the two agree
+    or the device's is the larger.
     """
+    lead_s = traffic.lead_s if traffic is not None else hide_s
     per_device: dict[int, float] = {}
     tail: dict[int, float] = {}
+    jobs: list[tuple[Sequence[int], float, float]] = []
     for first, end, owners in build_segments(profile.num_layers, layouts):
         if len(owners) < 2:
             continue
@@ -52,9 +68,13 @@ def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequenc
         for d in owners:
             per_device[d] = per_device.get(d, 0.0) + t
             tail[d] = max(tail.get(d, 0.0), last)
-    if hide_s is None:
-        return max(per_device.values(), default=0.0)
-    return max((max(t - hide_s.get(d, 0.0), tail[d]) for d, t in per_device.items()), default=0.0)
+        jobs.append((owners, num_bytes, min(lead_s.get(d, 0.0) for d in owners) if lead_s is not None else 0.0))
+    shared, delay = estimate_shared_sync_time(cluster, jobs, traffic)
+    if hide_s is None or lead_s is None:
+        return max(max(per_device.values(), default=0.0), shared)
+    own = max((max(t - lead_s.get(d, 0.0), tail[d] - (lead_s.get(d, 0.0) - hide_s.get(d, 0.0)))
+               for d, t in per_device.items()), default=0.0)
+    return max(delay + own, shared)
 
 
 def estimate_local_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout]) -> float:
@@ -95,11 +115,13 @@ def estimate_ps_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[
 
 def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout], mode: str,
                             options: SyncOptions, compute_s: float,
-                            hide_s: Mapping[int, float] | None = None) -> float:
+                            hide_s: Mapping[int, float] | None = None,
+                            traffic: PipelineTraffic | None = None) -> float:
     """Seconds of synchronisation per iteration under sync mode ``mode`` (closed forms; docs/sync.md).
 
     ``compute_s`` is the iteration's pipeline and optimizer time, what asynchronous traffic can hide behind;
-    ``hide_s`` per device the backward its BSP gradient buckets overlap (``estimate_sync_time``).
+    ``hide_s`` per device the backward its BSP gradient buckets overlap, ``traffic`` how long before the
+    pipeline's end that backward starts and the transfers on the links (``estimate_sync_time``).
     With ``S`` the BSP all-reduce, ``L`` the node-local all-reduce, ``P`` one wave's push and pull traffic::
 
         bsp        S, less what the buckets hide behind the last backward
@@ -112,7 +134,7 @@ def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Se
     """
     k, a, stale, placement = options.period, options.aggregate, options.staleness, options.placement
     if mode == "bsp":
-        return estimate_sync_time(cluster, profile, layouts, hide_s, options.bucket_bytes)
+        return estimate_sync_time(cluster, profile, layouts, hide_s, options.bucket_bytes, traffic)
     if mode == "local-sgd":
         return estimate_sync_time(cluster, profile, layouts) / k
     if mode == "daso":

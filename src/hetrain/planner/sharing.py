@@ -1,0 +1,287 @@
+"""Links the whole plan shares: what every all-reduce and every pipeline transfer puts on each node's NIC and
+each intra-node link, and how long the busiest one keeps the iteration waiting.
+
+The per-device closed forms (``planner.sync``, ``planner.partition``) charge each segment's all-reduce and each
+stage boundary's transfer as if it had its links to itself. The simulator does not (simulator/links.py): every
+node has one NIC out and one NIC in, each ordered pair of devices in a node one link, and a transfer or a phase
+of an all-reduce holds *all* its resources for its whole duration, one holder at a time per resource, first
+come first served. Hundreds of segment rings that cross one node queue on its NIC::
+
+    segment s0 ring ─┐                          ┌─ n0 NIC out ═ network ═ n1 NIC in ─┐
+    segment s1 ring ─┼─► all wait for ──────────┤                                     ├─► one at a time
+    VW 2 stage 3→4  ─┘                          └─ ...                                ┘
+
+This module counts that sharing in closed form. Resources are numbered ``out(node) = node``,
+``in(node) = N + node`` (N nodes) and ``pair(a, b) = 2 N + a D + b`` (devices a -> b in one node, D devices).
+
+- All-reduces (``estimate_shared_sync_time``): each segment's all-reduce puts its phases' seconds on the
+  resources the simulator's phases hold (``collective_loads``) and is released when the last of its owners
+  starts its last backward. One resource serving jobs in release order finishes at
+  ``max_k (release_k + sum_{j: release_j >= release_k} seconds_j)`` (the makespan of one machine with release
+  dates; here in one vectorised pass over all resources). The plan's exposed sync is bounded below by the
+  busiest resource's.
+- Pipeline transfers (``estimate_shared_pipeline_times``): each NIC carries, per iteration, the forward and
+  backward transfers of every VW whose stage boundary crosses it: ``P_r = sum m_v c_v / 2`` over those
+  boundaries (``c_v``: activation + gradient seconds, half each way). A VW's micro-batches cannot pass the NIC
+  faster than one every ``P_r / m_v``, so the NIC is one more stage of the pipeline formula:
+  ``sum_s + (m - 1) * max(max_s, max_r P_r / m)``. Alone on its links, a VW's NIC time per micro-batch is at
+  most its own largest transfer, and the formula is the partition's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from hetrain.cluster import Cluster
+from hetrain.cost import (
+    allreduce_shape,
+    estimate_allreduce,
+    estimate_hierarchical_allreduce_time,
+    estimate_ring_allreduce_time,
+)
+from hetrain.planner.partition import PartitionResult
+
+
+class Load(NamedTuple):
+    """Seconds ``duration_s`` that one job holds every resource in ``resources`` (resource numbers)."""
+
+    resources: np.ndarray
+    duration_s: float
+
+
+def nic_out(cluster: Cluster, node: int) -> int:
+    """The resource number of node ``node``'s NIC out (what every transfer leaving the node holds)."""
+    return node
+
+
+def nic_in(cluster: Cluster, node: int) -> int:
+    """The resource number of node ``node``'s NIC in (what every transfer entering the node holds)."""
+    return len(cluster.nodes) + node
+
+
+def edge_resources(cluster: Cluster, a: int, b: int) -> tuple[int, ...]:
+    """The resources a transfer from device index ``a`` to ``b`` holds (``simulator.links.edge_links``)."""
+    na, nb = int(cluster.node_index[a]), int(cluster.node_index[b])
+    if na == nb:
+        return (2 * len(cluster.nodes) + a * len(cluster.devices) + b,)
+    return (nic_out(cluster, na), nic_in(cluster, nb))
+
+
+def ring_resources(cluster: Cluster, order: Sequence[int]) -> np.ndarray:
+    """The resources a ring over device indices ``order`` holds, each once (``simulator.links.ring_links``)."""
+    if len(order) < 2:
+        return np.zeros(0, dtype=np.int64)
+    ids = [r for k in range(len(order)) for r in edge_resources(cluster, order[k], order[(k + 1) % len(order)])]
+    return np.array(list(dict.fromkeys(ids)), dtype=np.int64)
+
+
+def _hierarchical_resources(cluster: Cluster, order: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(the intra-node rings' links, every node's NIC out and in) of a hierarchical all-reduce over ``order``."""
+    by_node: dict[int, list[int]] = {}
+    for d in order:
+        by_node.setdefault(int(cluster.node_index[d]), []).append(d)
+    intra = [ring_resources(cluster, members) for members in by_node.values()]
+    nics = [r for n in by_node for r in (nic_out(cluster, n), nic_in(cluster, n))]
+    return (np.concatenate(intra) if intra else np.zeros(0, dtype=np.int64)), np.array(nics, dtype=np.int64)
+
+
+def collective_loads(cluster: Cluster, owners: Sequence[int], num_bytes: float,
+                     algorithm: str = "auto") -> list[Load]:
+    """What one all-reduce of ``num_bytes`` among device indices ``owners`` puts on each resource.
+
+    The same phases as the simulator's (``simulator.links.allreduce_phases``): a flat ring holds all its
+    links for the whole all-reduce (reduce-scatter, then all-gather); the hierarchical scheme holds the
+    intra-node rings for ``2 intra`` and every node's NIC for ``inter`` (``cost.estimate_hierarchical_allreduce_time``).
+    The seconds add up to ``cost.estimate_allreduce``'s on every resource an all-reduce alone holds.
+
+    Example:
+        >>> [(list(x.resources), x.duration_s) for x in collective_loads(c, [0, 8], 1e9)]   # doctest: +SKIP
+        [([0, 3, 1, 2], 0.16)]                   # n0 out, n1 in, n1 out, n0 in: 2 (2 - 1) / 2 * 1 GB / 12.5 GB/s
+    """
+    shape = allreduce_shape(cluster, owners)
+    total, chosen = estimate_allreduce(num_bytes, shape, algorithm)
+    if total <= 0:
+        return []
+    cache: dict[tuple[tuple[int, ...], str], tuple[np.ndarray, ...]] = \
+        cluster.__dict__.setdefault("_shared_resource_cache", {})
+    key = (shape.order, chosen)
+    if key not in cache:
+        cache[key] = ((ring_resources(cluster, shape.order),) if chosen == "ring"
+                      else _hierarchical_resources(cluster, shape.order))
+    if chosen == "ring":
+        return [Load(cache[key][0], total)]
+    inter = estimate_ring_allreduce_time(num_bytes, shape.nodes, shape.inter_bandwidth_bytes_per_s,
+                                         shape.inter_latency_s)
+    intra2 = estimate_hierarchical_allreduce_time(num_bytes, shape) - inter  # both intra phases
+    intra_ids, nic_ids = cache[key]
+    return [x for x in (Load(intra_ids, intra2), Load(nic_ids, inter)) if x.duration_s > 0 and len(x.resources)]
+
+
+def estimate_release_makespan(resources: np.ndarray, release_s: np.ndarray, duration_s: np.ndarray) -> float:
+    """When the busiest resource has served its jobs: entry k is job k's ``duration_s[k]`` on resource
+    ``resources[k]``, ready from ``release_s[k]``.
+
+    One resource serving its jobs as they become ready, never idle while one waits, ends at
+    ``max_k (release_k + sum_{j: release_j >= release_k} duration_j)`` (a single machine with release dates);
+    the largest over resources is returned (-inf for no jobs). One sort and one cumulative sum over all entries::
+
+        resource 0: jobs (release 0, 2 s), (release 1, 1 s)  -> max(0 + 3, 1 + 1) = 3
+    """
+    if len(resources) == 0:
+        return float("-inf")
+    order = np.lexsort((-release_s, resources))  # by resource, latest release first
+    res, rel, dur = resources[order], release_s[order], duration_s[order]
+    cum = np.cumsum(dur)
+    first = np.flatnonzero(np.r_[True, res[1:] != res[:-1]])  # where each resource's run of entries starts
+    before = np.repeat(np.r_[0.0, cum[first[1:] - 1]], np.diff(np.r_[first, len(res)]))
+    return float((rel + cum - before).max())
+
+
+def estimate_shared_sync_time(cluster: Cluster, jobs: Sequence[tuple[Sequence[int], float, float]],
+                              traffic: PipelineTraffic | None = None) -> tuple[float, float]:
+    """(seconds after the end of the pipeline until the busiest link has carried every segment's all-reduce,
+    seconds the all-reduces that cut into the pipelines' transfers delay the end of the pipeline).
+
+    ``jobs``: per segment, (owner device indices, bytes, seconds before the pipeline's end its all-reduce may
+    start: the owners' least lead). Each all-reduce's phases go on the links the simulator gives them
+    (``collective_loads``); ``traffic``'s pipeline transfers are on the NICs too, each NIC's as one job from
+    its first transfer on. The first figure is ``estimate_release_makespan`` over them all, at least 0.
+
+    The second: the simulator's links serve in order of request, so an all-reduce released while a NIC still
+    carries transfers goes between them, and the pipeline ends that much later. A NIC whose first transfer
+    can start at ``head``, which carries ``P`` seconds of transfers and ``S`` of all-reduces released before
+    the pipeline's last transfer through it, and after whose last transfer the pipeline still runs
+    ``drain`` seconds, ends the pipeline no sooner than ``head + P + S + drain``; the delay is that less
+    the pipeline's closed form, at least 0 (0 without ``traffic``).
+    """
+    res: list[np.ndarray] = []
+    rel: list[np.ndarray] = []
+    dur: list[np.ndarray] = []
+    for owners, num_bytes, lead_s in jobs:
+        for load in collective_loads(cluster, owners, num_bytes):
+            n = len(load.resources)
+            res.append(load.resources)
+            rel.append(np.full(n, -lead_s))
+            dur.append(np.full(n, load.duration_s))
+    if not res:
+        return 0.0, 0.0
+    sync_res, sync_rel, sync_dur = np.concatenate(res), np.concatenate(rel), np.concatenate(dur)
+    if traffic is None or len(traffic.resources) == 0:
+        return max(0.0, estimate_release_makespan(sync_res, sync_rel, sync_dur)), 0.0
+    shared = estimate_release_makespan(np.concatenate([sync_res, traffic.resources]),
+                                       np.concatenate([sync_rel, traffic.release_s]),
+                                       np.concatenate([sync_dur, traffic.duration_s]))
+    # the all-reduce seconds on each NIC released before its last transfer (-drain, from the end)
+    n_nics = 2 * len(cluster.nodes)
+    last_transfer = np.full(n_nics, -np.inf)
+    last_transfer[traffic.resources] = -traffic.drain_s
+    on_nic = sync_res < n_nics
+    nic, when, secs = sync_res[on_nic], sync_rel[on_nic], sync_dur[on_nic]
+    early = when < last_transfer[nic]
+    cut_in = np.bincount(nic[early], weights=secs[early], minlength=n_nics)[traffic.resources]
+    delay = float((traffic.release_s + traffic.duration_s + cut_in + traffic.drain_s).max())
+    return max(0.0, shared), max(0.0, delay)
+
+
+class PipelineTraffic(NamedTuple):
+    """What the pipelines of a plan leave for its all-reduces, seen from the end of the pipeline (time 0).
+
+    Attributes:
+        lead_s: per device index, seconds before the end its last backward starts (``estimate_sync_leads``).
+        resources / release_s / duration_s: per NIC the plan's transfers cross, its whole iteration's
+            transfer seconds ``P_r`` as one job, ready from its first transfer (negative: before the end).
+        drain_s: per NIC, how long the pipeline runs on after its last transfer through it: the lead of the
+            stage before the boundary, whose backward follows the last gradient through it.
+    """
+
+    lead_s: dict[int, float]
+    resources: np.ndarray
+    release_s: np.ndarray
+    duration_s: np.ndarray
+    drain_s: np.ndarray
+
+
+def _nic_loads(cluster: Cluster, parts: Sequence[PartitionResult],
+               lead_s: dict[int, float] | None = None) -> tuple[list[np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
+    """(per VW the NICs its boundaries hold, per NIC the transfer seconds ``P_r`` of one iteration, per NIC
+    the earliest its first transfer can start: the first micro-batch's forward up to the boundary, per NIC
+    the least ``lead_s`` of a device before a boundary through it: inf without ``lead_s``)."""
+    n_nodes = len(cluster.nodes)
+    node = cluster.node_index
+    crossing: list[np.ndarray] = []
+    load: list[np.ndarray] = []
+    head: list[np.ndarray] = []
+    drain: list[np.ndarray] = []
+    for r in parts:
+        idx = np.array([d.index for d in r.devices], dtype=np.int64)
+        a, b = node[idx[:-1]], node[idx[1:]]
+        link = np.asarray(r.link_s, dtype=float)
+        # forward of micro-batch 0 through stages 0..j and the links between them, then boundary j -> j+1
+        reach = np.cumsum(np.asarray(r.forward_s[:-1], dtype=float)) + np.r_[0.0, np.cumsum(link)[:-1] / 2]
+        across = a != b
+        a, b, half, reach = a[across], b[across], link[across] / 2 * r.m, reach[across]
+        crossing.append(np.concatenate([a, n_nodes + b, b, n_nodes + a]))  # forward: out(a), in(b); back: out(b), in(a)
+        load.append(np.tile(half, 4))
+        head.append(np.tile(reach, 4))
+        before = np.array([lead_s[d.index] if lead_s else np.inf for d in r.devices[:-1]])[across]
+        drain.append(np.tile(before, 4))
+    ids = np.concatenate(crossing) if crossing else np.zeros(0, dtype=np.int64)
+    per_nic = np.bincount(ids, weights=np.concatenate(load) if load else None, minlength=2 * n_nodes)
+    first = np.full(2 * n_nodes, np.inf)
+    last = np.full(2 * n_nodes, np.inf)
+    if len(ids):
+        np.minimum.at(first, ids, np.concatenate(head))
+        np.minimum.at(last, ids, np.concatenate(drain))
+    return crossing, per_nic, first, last
+
+
+def estimate_shared_pipeline_times(cluster: Cluster, parts: Sequence[PartitionResult]) -> list[float]:
+    """Each VW's pipeline seconds with every NIC shared by the transfers of all VWs that cross it.
+
+    ``P_r = sum m_v c_v / 2`` per NIC direction over every stage boundary through it (forward on the
+    sender's NIC out and the receiver's NIC in, backward the other way); VW v's pipeline is
+    ``sum_s + (m - 1) * max(max_s, max_r P_r / m)`` over the NICs its boundaries hold. Transfers inside a
+    node hold a link of their own device pair, which no other VW uses: they are the partition's ``c_j``.
+    """
+    crossing, per_nic, _, _ = _nic_loads(cluster, parts)
+    out = []
+    for r, ids in zip(parts, crossing, strict=True):
+        busiest = float(per_nic[ids].max()) / r.m if len(ids) else 0.0
+        out.append(r.sum_s + (r.m - 1) * max(r.max_s, busiest))
+    return out
+
+
+def estimate_pipeline_traffic(cluster: Cluster, parts: Sequence[PartitionResult],
+                              vw_pipeline_s: Sequence[float]) -> PipelineTraffic:
+    """The plan's ``PipelineTraffic``: its devices' leads and its NICs' transfer seconds, from the VWs'
+    partitions and their (shared) pipeline seconds ``vw_pipeline_s`` (``estimate_shared_pipeline_times``)."""
+    pipeline_s = max(vw_pipeline_s)
+    lead = estimate_sync_leads([([d.index for d in r.devices], r.backward_s, r.link_s, t)
+                                for r, t in zip(parts, vw_pipeline_s, strict=True)], pipeline_s)
+    _, per_nic, first, drain = _nic_loads(cluster, parts, lead)
+    used = np.flatnonzero(per_nic > 0)
+    return PipelineTraffic(lead, used, first[used] - pipeline_s, per_nic[used], drain[used])
+
+
+def estimate_sync_leads(vws: Sequence[tuple[Sequence[int], Sequence[float], Sequence[float], float]],
+                        pipeline_s: float) -> dict[int, float]:
+    """Per device index, seconds before the end of the pipeline (``pipeline_s``, the slowest VW's) its last
+    backward starts: when its gradient buckets begin to be ready for the all-reduce.
+
+    ``vws``: per VW, (device indices by stage, backward seconds per micro-batch by stage, transfer seconds
+    per boundary (activation + gradient, half of it the gradient), the VW's pipeline seconds). The last
+    micro-batch's backward runs from the last stage to the first, so stage j's ends
+    ``sum_{k<j} (B_k + c_k / 2)`` before stage 0's, which ends with its VW's pipeline::
+
+        lead_j = B_j + sum_{k<j} (B_k + c_k / 2) + (pipeline_s - pipeline_v)
+    """
+    lead: dict[int, float] = {}
+    for devices, backward_s, link_s, vw_pipeline_s in vws:
+        before = pipeline_s - vw_pipeline_s
+        for j, d in enumerate(devices):
+            lead[d] = before + backward_s[j]
+            before += backward_s[j] + (link_s[j] / 2 if j < len(link_s) else 0.0)
+    return lead
