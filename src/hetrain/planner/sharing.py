@@ -30,7 +30,10 @@ This module counts that sharing in closed form. Resources are numbered ``out(nod
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections.abc import Sequence
+from enum import IntEnum
 from typing import NamedTuple
 
 import numpy as np
@@ -88,18 +91,19 @@ def _hierarchical_resources(cluster: Cluster, order: Sequence[int]) -> tuple[np.
     return (np.concatenate(intra) if intra else np.zeros(0, dtype=np.int64)), np.array(nics, dtype=np.int64)
 
 
-def collective_loads(cluster: Cluster, owners: Sequence[int], num_bytes: float,
-                     algorithm: str = "auto") -> list[Load]:
-    """What one all-reduce of ``num_bytes`` among device indices ``owners`` puts on each resource.
+def collective_phases(cluster: Cluster, owners: Sequence[int], num_bytes: float,
+                      algorithm: str = "auto") -> list[Load]:
+    """Each phase of one all-reduce of ``num_bytes`` among device indices ``owners``, in order: the resources it
+    holds and for how long, as the simulator runs it (``simulator.links.allreduce_phases``).
 
-    The same phases as the simulator's (``simulator.links.allreduce_phases``): a flat ring holds all its
-    links for the whole all-reduce (reduce-scatter, then all-gather); the hierarchical scheme holds the
-    intra-node rings for ``2 intra`` and every node's NIC for ``inter`` (``cost.estimate_hierarchical_allreduce_time``).
-    The seconds add up to ``cost.estimate_allreduce``'s on every resource an all-reduce alone holds.
+    A flat ring holds all its links for the reduce-scatter, then again for the all-gather (half the
+    all-reduce each); the hierarchical scheme holds the intra-node rings for ``intra``, every node's NIC for
+    ``inter``, the intra-node rings again for ``intra`` (``cost.estimate_hierarchical_allreduce_time``).
+    The seconds add up to ``cost.estimate_allreduce``'s.
 
     Example:
-        >>> [(list(x.resources), x.duration_s) for x in collective_loads(c, [0, 8], 1e9)]   # doctest: +SKIP
-        [([0, 3, 1, 2], 0.16)]                   # n0 out, n1 in, n1 out, n0 in: 2 (2 - 1) / 2 * 1 GB / 12.5 GB/s
+        >>> [(list(x.resources), x.duration_s) for x in collective_phases(c, [0, 8], 1e9)]   # doctest: +SKIP
+        [([0, 3, 1, 2], 0.08), ([0, 3, 1, 2], 0.08)]   # n0 out, n1 in, n1 out, n0 in: (2 - 1) / 2 * 1 GB / 12.5 GB/s
     """
     shape = allreduce_shape(cluster, owners)
     total, chosen = estimate_allreduce(num_bytes, shape, algorithm)
@@ -112,12 +116,25 @@ def collective_loads(cluster: Cluster, owners: Sequence[int], num_bytes: float,
         cache[key] = ((ring_resources(cluster, shape.order),) if chosen == "ring"
                       else _hierarchical_resources(cluster, shape.order))
     if chosen == "ring":
-        return [Load(cache[key][0], total)]
+        return [Load(cache[key][0], total / 2), Load(cache[key][0], total / 2)]
     inter = estimate_ring_allreduce_time(num_bytes, shape.nodes, shape.inter_bandwidth_bytes_per_s,
                                          shape.inter_latency_s)
-    intra2 = estimate_hierarchical_allreduce_time(num_bytes, shape) - inter  # both intra phases
+    intra = (estimate_hierarchical_allreduce_time(num_bytes, shape) - inter) / 2
     intra_ids, nic_ids = cache[key]
-    return [x for x in (Load(intra_ids, intra2), Load(nic_ids, inter)) if x.duration_s > 0 and len(x.resources)]
+    return [x for x in (Load(intra_ids, intra), Load(nic_ids, inter), Load(intra_ids, intra))
+            if x.duration_s > 0 and len(x.resources)]
+
+
+def collective_loads(cluster: Cluster, owners: Sequence[int], num_bytes: float,
+                     algorithm: str = "auto") -> list[Load]:
+    """What one all-reduce puts on each resource over all its phases (``collective_phases``, a flat ring's two
+    phases as one): on every resource an all-reduce alone holds, ``cost.estimate_allreduce``'s seconds."""
+    phases = collective_phases(cluster, owners, num_bytes, algorithm)
+    if len(phases) == 2 and phases[0].resources is phases[1].resources:
+        return [Load(phases[0].resources, phases[0].duration_s + phases[1].duration_s)]
+    if len(phases) == 3:
+        return [Load(phases[0].resources, phases[0].duration_s + phases[2].duration_s), phases[1]]
+    return phases
 
 
 def estimate_release_makespan(resources: np.ndarray, release_s: np.ndarray, duration_s: np.ndarray) -> float:
@@ -186,6 +203,16 @@ def estimate_shared_sync_time(cluster: Cluster, jobs: Sequence[tuple[Sequence[in
     return max(0.0, shared), max(0.0, delay)
 
 
+class Wave(NamedTuple):
+    """The last micro-batch's backward through one VW: its devices by stage, each stage's backward seconds,
+    each boundary's gradient transfer seconds (between stage j and j + 1), and when the last stage starts it."""
+
+    devices: tuple[int, ...]
+    backward_s: tuple[float, ...]
+    gradient_s: tuple[float, ...]
+    start_s: float
+
+
 class PipelineTraffic(NamedTuple):
     """What the pipelines of a plan leave for its all-reduces, seen from the end of the pipeline (time 0).
 
@@ -195,6 +222,7 @@ class PipelineTraffic(NamedTuple):
             transfer seconds ``P_r`` as one job, ready from its first transfer (negative: before the end).
         drain_s: per NIC, how long the pipeline runs on after its last transfer through it: the lead of the
             stage before the boundary, whose backward follows the last gradient through it.
+        waves: per VW, its last micro-batch's backward (``estimate_tail``), from its lead at the last stage.
     """
 
     lead_s: dict[int, float]
@@ -202,6 +230,7 @@ class PipelineTraffic(NamedTuple):
     release_s: np.ndarray
     duration_s: np.ndarray
     drain_s: np.ndarray
+    waves: tuple[Wave, ...] = ()
 
 
 def _nic_loads(cluster: Cluster, parts: Sequence[PartitionResult],
@@ -263,7 +292,9 @@ def estimate_pipeline_traffic(cluster: Cluster, parts: Sequence[PartitionResult]
                                 for r, t in zip(parts, vw_pipeline_s, strict=True)], pipeline_s)
     _, per_nic, first, drain = _nic_loads(cluster, parts, lead)
     used = np.flatnonzero(per_nic > 0)
-    return PipelineTraffic(lead, used, first[used] - pipeline_s, per_nic[used], drain[used])
+    waves = tuple(Wave(tuple(d.index for d in r.devices), r.backward_s, tuple(c / 2 for c in r.link_s),
+                       -lead[r.devices[-1].index]) for r in parts)
+    return PipelineTraffic(lead, used, first[used] - pipeline_s, per_nic[used], drain[used], waves)
 
 
 def estimate_sync_leads(vws: Sequence[tuple[Sequence[int], Sequence[float], Sequence[float], float]],
@@ -285,3 +316,71 @@ def estimate_sync_leads(vws: Sequence[tuple[Sequence[int], Sequence[float], Sequ
             lead[d] = before + backward_s[j]
             before += backward_s[j] + (link_s[j] / 2 if j < len(link_s) else 0.0)
     return lead
+
+
+class _Kind(IntEnum):
+    STAGE = 0  # a stage starts the last backward: its segments' owners arrive
+    CROSS = 1  # the gradient leaves a stage for the one before it
+    PHASE = 2  # an all-reduce's phase is due (or the all-reduce ends)
+
+
+def estimate_tail(cluster: Cluster, jobs: Sequence[tuple[Sequence[int], float]],
+                  waves: Sequence[Wave]) -> tuple[float, float]:
+    """(when the last VW's pipeline ends, when the last all-reduce ends): the last micro-batch's backward in
+    every VW and every segment's all-reduce, on links served first come first served.
+
+    The tail of an iteration is where the all-reduces meet the pipelines: stage j's segments are released as
+    its last backward starts, their rings take the NICs, and the gradient of that micro-batch, sent next,
+    queues behind them on its way to stage j - 1, whose segments are then released later. The recurrence
+    below walks every VW's last backward wave (``Wave``) and every all-reduce's phases (``collective_phases``)
+    in time order, booking each on its resources as the simulator does (a phase starts when all its
+    resources are free and holds them all): O(stages + the resources of every phase) per plan. ``jobs``:
+    per segment, (owner device indices, bytes). Transfers of earlier micro-batches are left out (the
+    pipeline's closed form and ``estimate_shared_pipeline_times`` count them).
+    """
+    free: dict[int, float] = {}
+    segments_of: dict[int, list[int]] = {}
+    phases: list[list[Load]] = []
+    for s, (owners, num_bytes) in enumerate(jobs):
+        phases.append(collective_phases(cluster, owners, num_bytes))
+        for d in owners:
+            segments_of.setdefault(d, []).append(s)
+    arrived = [0] * len(jobs)
+    released = [float("-inf")] * len(jobs)
+    queue: list[tuple[float, int, _Kind, int, int]] = []
+    seq = itertools.count()
+    for v, w in enumerate(waves):
+        heapq.heappush(queue, (w.start_s, next(seq), _Kind.STAGE, v, len(w.devices) - 1))
+    pipeline_end = sync_end = float("-inf")
+
+    def book(resources: Sequence[int], t: float, duration_s: float) -> float:
+        start = max([t, *(free.get(r, t) for r in resources)])
+        for r in resources:
+            free[r] = start + duration_s
+        return start + duration_s
+
+    while queue:
+        t, _, kind, a, j = heapq.heappop(queue)
+        if kind is _Kind.STAGE:
+            w = waves[a]
+            for s in segments_of.get(w.devices[j], ()):
+                arrived[s] += 1
+                released[s] = max(released[s], t)
+                if arrived[s] == len(jobs[s][0]):
+                    heapq.heappush(queue, (released[s], next(seq), _Kind.PHASE, s, 0))
+            end = t + w.backward_s[j]
+            if j == 0:
+                pipeline_end = max(pipeline_end, end)
+            else:
+                heapq.heappush(queue, (end, next(seq), _Kind.CROSS, a, j))
+        elif kind is _Kind.CROSS:
+            w = waves[a]
+            links = edge_resources(cluster, w.devices[j], w.devices[j - 1])
+            heapq.heappush(queue, (book(links, t, w.gradient_s[j - 1]), next(seq), _Kind.STAGE, a, j - 1))
+        elif j == len(phases[a]):
+            sync_end = max(sync_end, t)
+        else:
+            phase = phases[a][j]
+            heapq.heappush(queue, (book(phase.resources.tolist(), t, phase.duration_s), next(seq), _Kind.PHASE,
+                                   a, j + 1))
+    return pipeline_end, sync_end

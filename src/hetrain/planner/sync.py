@@ -20,7 +20,7 @@ from typing import Any
 from hetrain.cluster import Cluster
 from hetrain.cost import estimate_allreduce_time, estimate_p2p_time, estimate_samples_to_accuracy_factor
 from hetrain.plan import Plan
-from hetrain.planner.sharing import PipelineTraffic, estimate_shared_sync_time
+from hetrain.planner.sharing import PipelineTraffic, estimate_shared_sync_time, estimate_tail
 from hetrain.profile import ModelProfile
 from hetrain.sync_layout import SYNC_MODES, Layout, SyncOptions, place_ps_shard
 from hetrain.sync_layout import group_segments as build_segments
@@ -74,7 +74,10 @@ def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequenc
         return max(max(per_device.values(), default=0.0), shared)
     own = max((max(t - lead_s.get(d, 0.0), tail[d] - (lead_s.get(d, 0.0) - hide_s.get(d, 0.0)))
                for d, t in per_device.items()), default=0.0)
-    return max(delay + own, shared)
+    if traffic is None or not traffic.waves or not jobs:
+        return max(delay + own, shared)
+    pipeline_end, sync_end = estimate_tail(cluster, [(o, b) for o, b, _ in jobs], traffic.waves)
+    return max(delay + own, shared, pipeline_end, sync_end)
 
 
 def estimate_local_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout]) -> float:
