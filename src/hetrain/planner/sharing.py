@@ -324,7 +324,7 @@ class _Kind(IntEnum):
     PHASE = 2  # an all-reduce's phase is due (or the all-reduce ends)
 
 
-def estimate_tail(cluster: Cluster, jobs: Sequence[tuple[Sequence[int], float]],
+def estimate_tail(cluster: Cluster, jobs: Sequence[tuple[Sequence[int], float, float]],
                   waves: Sequence[Wave]) -> tuple[float, float]:
     """(when the last VW's pipeline ends, when the last all-reduce ends): the last micro-batch's backward in
     every VW and every segment's all-reduce, on links served first come first served.
@@ -335,13 +335,14 @@ def estimate_tail(cluster: Cluster, jobs: Sequence[tuple[Sequence[int], float]],
     below walks every VW's last backward wave (``Wave``) and every all-reduce's phases (``collective_phases``)
     in time order, booking each on its resources as the simulator does (a phase starts when all its
     resources are free and holds them all): O(stages + the resources of every phase) per plan. ``jobs``:
-    per segment, (owner device indices, bytes). Transfers of earlier micro-batches are left out (the
+    per segment, (owner device indices, bytes, the share of an owner's last backward before the segment's
+    first bucket is ready). Transfers of earlier micro-batches are left out (the
     pipeline's closed form and ``estimate_shared_pipeline_times`` count them).
     """
     free: dict[int, float] = {}
     segments_of: dict[int, list[int]] = {}
     phases: list[list[Load]] = []
-    for s, (owners, num_bytes) in enumerate(jobs):
+    for s, (owners, num_bytes, _) in enumerate(jobs):
         phases.append(collective_phases(cluster, owners, num_bytes))
         for d in owners:
             segments_of.setdefault(d, []).append(s)
@@ -365,7 +366,7 @@ def estimate_tail(cluster: Cluster, jobs: Sequence[tuple[Sequence[int], float]],
             w = waves[a]
             for s in segments_of.get(w.devices[j], ()):
                 arrived[s] += 1
-                released[s] = max(released[s], t)
+                released[s] = max(released[s], t + jobs[s][2] * w.backward_s[j])
                 if arrived[s] == len(jobs[s][0]):
                     heapq.heappush(queue, (released[s], next(seq), _Kind.PHASE, s, 0))
             end = t + w.backward_s[j]

@@ -32,7 +32,8 @@ Scorer = Callable[[Plan], float]
 def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout],
                        hide_s: Mapping[int, float] | None = None,
                        bucket_bytes: float = SyncOptions.bucket_bytes,
-                       traffic: PipelineTraffic | None = None) -> float:
+                       traffic: PipelineTraffic | None = None,
+                       first_bucket_bytes: float = SyncOptions.first_bucket_bytes) -> float:
     """Seconds of BSP gradient all-reduce left after the backward pass: the busiest device's, or the busiest
     shared link's.
 
@@ -46,7 +47,8 @@ def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequenc
 
     ``traffic`` (``planner.sharing.estimate_pipeline_traffic``) has each device's lead, the seconds before
     the end of the pipeline its last backward starts (default: ``hide_s``). A device whose pipeline ends
-    early starts its buckets early: ``max(sum - lead, last bucket - (lead - hide))``.
+    early starts its buckets early: ``max(sum - lead, last bucket - (lead - hide))``. With ``traffic`` a
+    segment's first bucket (at least ``first_bucket_bytes``) is ready after its share of the backward.
 
     Segments of other devices, and the pipelines' transfers (``traffic``), share the links
     (``planner.sharing``): every segment's all-reduce holds the NICs and intra-node links of its ring for
@@ -68,16 +70,40 @@ def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequenc
         for d in owners:
             per_device[d] = per_device.get(d, 0.0) + t
             tail[d] = max(tail.get(d, 0.0), last)
-        jobs.append((owners, num_bytes, min(lead_s.get(d, 0.0) for d in owners) if lead_s is not None else 0.0))
-    shared, delay = estimate_shared_sync_time(cluster, jobs, traffic)
+        jobs.append((owners, num_bytes, _first_bucket_share(profile, first, end, first_bucket_bytes)
+                     if traffic is not None else 0.0))
+    released = [(owners, num_bytes, _segment_lead(owners, lead_s, hide_s, share))
+                for owners, num_bytes, share in jobs]
+    shared, delay = estimate_shared_sync_time(cluster, released, traffic)
     if hide_s is None or lead_s is None:
         return max(max(per_device.values(), default=0.0), shared)
     own = max((max(t - lead_s.get(d, 0.0), tail[d] - (lead_s.get(d, 0.0) - hide_s.get(d, 0.0)))
                for d, t in per_device.items()), default=0.0)
     if traffic is None or not traffic.waves or not jobs:
         return max(delay + own, shared)
-    pipeline_end, sync_end = estimate_tail(cluster, [(o, b) for o, b, _ in jobs], traffic.waves)
+    pipeline_end, sync_end = estimate_tail(cluster, jobs, traffic.waves)
     return max(delay + own, shared, pipeline_end, sync_end)
+
+
+def _first_bucket_share(profile: ModelProfile, first: int, end: int, first_bucket_bytes: float) -> float:
+    """The share of segment [first, end)'s backward before its first gradient bucket is ready: the bucket's
+    bytes (its last layers, at least ``first_bucket_bytes``, ``sync_layout.cut_buckets``) over the segment's."""
+    total = held = 0.0
+    for i in range(end - 1, first - 1, -1):
+        total += profile.layers[i].param_bytes
+        if held < first_bucket_bytes:
+            held = total
+    return held / total if total > 0 else 1.0
+
+
+def _segment_lead(owners: Sequence[int], lead_s: Mapping[int, float] | None, hide_s: Mapping[int, float] | None,
+                  share: float) -> float:
+    """Seconds before the pipeline's end a segment's all-reduce can start: when the last of its owners has
+    the first bucket ready, ``share`` into its last backward (``hide_s``), which starts ``lead_s`` before."""
+    if lead_s is None:
+        return 0.0
+    hide = hide_s or {}
+    return min(lead_s.get(d, 0.0) - share * hide.get(d, 0.0) for d in owners)
 
 
 def estimate_local_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout]) -> float:
@@ -137,7 +163,8 @@ def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Se
     """
     k, a, stale, placement = options.period, options.aggregate, options.staleness, options.placement
     if mode == "bsp":
-        return estimate_sync_time(cluster, profile, layouts, hide_s, options.bucket_bytes, traffic)
+        return estimate_sync_time(cluster, profile, layouts, hide_s, options.bucket_bytes, traffic,
+                                  options.first_bucket_bytes)
     if mode == "local-sgd":
         return estimate_sync_time(cluster, profile, layouts) / k
     if mode == "daso":
