@@ -234,8 +234,10 @@ class PipelineTraffic(NamedTuple):
 
 
 def _nic_loads(cluster: Cluster, parts: Sequence[PartitionResult],
-               lead_s: dict[int, float] | None = None) -> tuple[list[np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
-    """(per VW the NICs its boundaries hold, per NIC the transfer seconds ``P_r`` of one iteration, per NIC
+               lead_s: dict[int, float] | None = None
+               ) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
+    """(per VW the NICs its boundaries hold and its seconds on each, per NIC the transfer seconds ``P_r`` of
+    one iteration, per NIC
     the earliest its first transfer can start: the first micro-batch's forward up to the boundary, per NIC
     the least ``lead_s`` of a device before a boundary through it: inf without ``lead_s``)."""
     n_nodes = len(cluster.nodes)
@@ -264,7 +266,7 @@ def _nic_loads(cluster: Cluster, parts: Sequence[PartitionResult],
     if len(ids):
         np.minimum.at(first, ids, np.concatenate(head))
         np.minimum.at(last, ids, np.concatenate(drain))
-    return crossing, per_nic, first, last
+    return crossing, load, per_nic, first, last
 
 
 def estimate_shared_pipeline_times(cluster: Cluster, parts: Sequence[PartitionResult]) -> list[float]:
@@ -272,14 +274,28 @@ def estimate_shared_pipeline_times(cluster: Cluster, parts: Sequence[PartitionRe
 
     ``P_r = sum m_v c_v / 2`` per NIC direction over every stage boundary through it (forward on the
     sender's NIC out and the receiver's NIC in, backward the other way); VW v's pipeline is
-    ``sum_s + (m - 1) * max(max_s, max_r P_r / m)`` over the NICs its boundaries hold. Transfers inside a
-    node hold a link of their own device pair, which no other VW uses: they are the partition's ``c_j``.
+    ``sum_s + wait + (m - 1) * max(max_s, max_r P_r / m)`` over the NICs its boundaries hold. ``wait``
+    is what its first micro-batch queues behind the other VWs' on the NIC where they put the most, half
+    their traffic of one micro-batch there (the other half goes the other way): ``max_r (P_r - P_r,v) / 2m``.
+    Transfers inside a node hold a link of their own device pair, which no other VW uses: they are the
+    partition's ``c_j``. A VW alone on its NICs gets the partition's own ``sum_s + (m - 1) * max_s``.
+
+    Two VWs a:0 -> b:0 -> a:2 and a:1 -> b:1 -> a:3, stages of 0.3 s, transfers of 0.5 s each way, m = 4:
+    every NIC direction carries 4 transfers per micro-batch, 2 s; ``2.9 + 0.5 + 3 * 2 = 9.4`` s for each
+    (GPipe's replay: 9.4 s), against ``2.9 + 3 * 1 = 5.9`` alone (tests/test_sharing.py).
     """
-    crossing, per_nic, _, _ = _nic_loads(cluster, parts)
+    crossing, loads, per_nic, _, _ = _nic_loads(cluster, parts)
     out = []
-    for r, ids in zip(parts, crossing, strict=True):
-        busiest = float(per_nic[ids].max()) / r.m if len(ids) else 0.0
-        out.append(r.sum_s + (r.m - 1) * max(r.max_s, busiest))
+    for r, ids, mine in zip(parts, crossing, loads, strict=True):
+        if not len(ids):
+            out.append(r.pipeline_s)
+            continue
+        own: dict[int, float] = {}
+        for k, x in zip(ids.tolist(), mine.tolist(), strict=True):
+            own[k] = own.get(k, 0.0) + x
+        busiest = float(per_nic[ids].max()) / r.m
+        wait = max(float(per_nic[k]) - x for k, x in own.items()) / (2 * r.m)
+        out.append(r.sum_s + wait + (r.m - 1) * max(r.max_s, busiest))
     return out
 
 
@@ -290,7 +306,7 @@ def estimate_pipeline_traffic(cluster: Cluster, parts: Sequence[PartitionResult]
     pipeline_s = max(vw_pipeline_s)
     lead = estimate_sync_leads([([d.index for d in r.devices], r.backward_s, r.link_s, t)
                                 for r, t in zip(parts, vw_pipeline_s, strict=True)], pipeline_s)
-    _, per_nic, first, drain = _nic_loads(cluster, parts, lead)
+    _, _, per_nic, first, drain = _nic_loads(cluster, parts, lead)
     used = np.flatnonzero(per_nic > 0)
     waves = tuple(Wave(tuple(d.index for d in r.devices), r.backward_s, tuple(c / 2 for c in r.link_s),
                        -lead[r.devices[-1].index]) for r in parts)
