@@ -8,7 +8,9 @@ import pytest
 
 from hetrain.cluster import Cluster, Device, parse_cluster
 from hetrain.cost import allreduce_shape, estimate_allreduce, estimate_optimizer_time
+from hetrain.models.analytic import build_gpt_profile
 from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
+from hetrain.planner import plan as planner_plan
 from hetrain.planner.partition import PartitionResult
 from hetrain.planner.sharing import (
     collective_loads,
@@ -17,7 +19,7 @@ from hetrain.planner.sharing import (
     estimate_release_makespan,
     estimate_shared_pipeline_times,
 )
-from hetrain.planner.sync import estimate_sync_time, plan_layouts
+from hetrain.planner.sync import estimate_sync_time, plan_layouts, repredict_sync
 from hetrain.profile import LayerProfile, Measurement, ModelProfile
 from hetrain.simulator import simulate
 from hetrain.sync_layout import SyncOptions
@@ -198,3 +200,22 @@ def test_without_sharing_the_closed_form_is_the_per_device_one() -> None:
     assert estimate_sync_time(cluster, profile, layouts) == pytest.approx(1.0)
     hide = {0: 0.2, 1: 0.2}
     assert estimate_sync_time(cluster, profile, layouts, hide) == pytest.approx(0.8)
+
+
+def test_a_plan_re_predicted_counts_sharing_as_the_planner_did() -> None:
+    """``hetrain plan --from PLAN --sync MODE`` re-predicts from the plan's stages (``plan_traffic``): the same
+    sync figures as the planner's, for every mode, on a plan whose VWs share the NICs."""
+    nodes = [{"name": f"n{k}", "devices": [{"type": t, "count": 8}], "intra_link": intra, "nic": nic}
+             for k, (t, intra, nic) in enumerate([("A100-40GB", "nvlink3", "200Gbit/s"), ("V100-32GB", "nvlink2",
+                                                  "25Gbit/s"), ("T4", "pcie3", "10Gbit/s"), ("RTX3090", "pcie4",
+                                                  "100Gbit/s")])]
+    cluster = parse_cluster({"name": "four", "node": nodes})
+    p = planner_plan(cluster, build_gpt_profile(8, 1024, 16, 1024, 50257, name="gpt-10"), 128, simulate_top_k=0)
+    again = repredict_sync(p, "bsp", p.sync_options)
+    assert again.prediction.sync_s == pytest.approx(p.prediction.sync_s, rel=1e-9)
+    for mode, row in p.options["sync_predictions"].items():
+        assert again.options["sync_predictions"][mode]["sync_s"] == pytest.approx(row["sync_s"], rel=1e-9), mode
+    layouts = plan_layouts(p)
+    hide = {cluster.device(s.device).index: s.predicted_backward_s for vw in p.virtual_workers for s in vw.stages}
+    assert len(p.virtual_workers) > 1  # 8 VWs through 4 NICs: the segments' rings queue on them
+    assert p.prediction.sync_s > 1.5 * estimate_sync_time(cluster, p.profile, layouts, hide)  # 35 ms, not 20

@@ -20,7 +20,14 @@ from typing import Any
 from hetrain.cluster import Cluster
 from hetrain.cost import estimate_allreduce_time, estimate_p2p_time, estimate_samples_to_accuracy_factor
 from hetrain.plan import Plan
-from hetrain.planner.sharing import PipelineTraffic, estimate_shared_sync_time, estimate_tail
+from hetrain.planner.partition import PartitionResult
+from hetrain.planner.sharing import (
+    PipelineTraffic,
+    estimate_pipeline_traffic,
+    estimate_shared_pipeline_times,
+    estimate_shared_sync_time,
+    estimate_tail,
+)
 from hetrain.profile import ModelProfile
 from hetrain.sync_layout import SYNC_MODES, Layout, SyncOptions, place_ps_shard
 from hetrain.sync_layout import group_segments as build_segments
@@ -317,6 +324,28 @@ def plan_layouts(plan: Plan) -> list[list[tuple[int, int, int]]]:
     return [[(index[s.device], s.first_layer, s.end_layer) for s in vw.stages] for vw in plan.virtual_workers]
 
 
+def plan_traffic(plan: Plan) -> PipelineTraffic:
+    """What ``plan``'s pipelines put on the links and when each device's last backward starts
+    (``planner.sharing.estimate_pipeline_traffic``), from its stages' predicted figures: the closed forms'
+    view of a plan made earlier, so that a re-prediction counts sharing as the planner did."""
+    cluster, profile = plan.cluster, plan.profile
+    index = {d.name: d.index for d in cluster.devices}
+    parts = []
+    for vw in plan.virtual_workers:
+        devices = tuple(cluster.devices[index[s.device]] for s in vw.stages)
+        b = vw.micro_batch_size
+        link_s = tuple(2 * estimate_p2p_time(b * profile.layers[s.end_layer - 1].output_bytes_per_sample,
+                                             cluster.link(x.index, y.index))
+                       for s, x, y in zip(vw.stages, devices, devices[1:], strict=False))
+        stage_s = tuple(s.predicted_forward_s + s.predicted_backward_s for s in vw.stages)
+        parts.append(PartitionResult(
+            devices, (*(s.first_layer for s in vw.stages), vw.stages[-1].end_layer),
+            tuple(s.recompute for s in vw.stages), stage_s, tuple(s.predicted_forward_s for s in vw.stages),
+            tuple(s.predicted_backward_s for s in vw.stages), link_s, sum(stage_s) + sum(link_s),
+            max(stage_s + link_s), vw.micro_batches, b, True))
+    return estimate_pipeline_traffic(cluster, parts, estimate_shared_pipeline_times(cluster, parts))
+
+
 def repredict_sync(plan: Plan, mode: str, options: SyncOptions, score: Scorer | None = None) -> Plan:
     """``plan``'s stages under sync ``mode`` with ``options``: its layout made anew and its prediction's sync,
     iteration and throughput re-estimated (closed form; and ``score``, the simulator, when given).
@@ -326,11 +355,12 @@ def repredict_sync(plan: Plan, mode: str, options: SyncOptions, score: Scorer | 
     layouts = plan_layouts(plan)
     index = {d.name: d.index for d in plan.cluster.devices}
     hide = {index[s.device]: s.predicted_backward_s for vw in plan.virtual_workers for s in vw.stages}
+    traffic = plan_traffic(plan)
     pr = plan.prediction
     compute_s = pr.pipeline_s + pr.optimizer_s
     table = {}
     for m in SYNC_MODES:  # every mode's closed form, as the planner records them (docs/sync.md)
-        s = estimate_mode_sync_time(plan.cluster, plan.profile, layouts, m, options, compute_s, hide)
+        s = estimate_mode_sync_time(plan.cluster, plan.profile, layouts, m, options, compute_s, hide, traffic)
         table[m] = {"sync_s": s, "iteration_s": compute_s + s,
                     "samples_per_s": plan.global_batch / (compute_s + s) if compute_s + s > 0 else 0.0}
     new = plan.with_sync(mode, options)
