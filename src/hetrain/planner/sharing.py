@@ -24,8 +24,15 @@ This module counts that sharing in closed form. Resources are numbered ``out(nod
   backward transfers of every VW whose stage boundary crosses it: ``P_r = sum m_v c_v / 2`` over those
   boundaries (``c_v``: activation + gradient seconds, half each way). A VW's micro-batches cannot pass the NIC
   faster than one every ``P_r / m_v``, so the NIC is one more stage of the pipeline formula:
-  ``sum_s + (m - 1) * max(max_s, max_r P_r / m)``. Alone on its links, a VW's NIC time per micro-batch is at
-  most its own largest transfer, and the formula is the partition's own.
+  ``sum_s + wait + (m - 1) * max(max_s, max_r P_r / m)``. Alone on its links, a VW's NIC time per micro-batch
+  is at most its own largest transfer, ``wait`` is 0, and the formula is the partition's own.
+- The tail (``estimate_tail``): where the all-reduces meet the pipelines. A segment's ring released while the
+  last micro-batch's backward still flows takes the NICs first; the gradient queues behind it. A walk in time
+  order over every VW's last backward and every all-reduce's phases books each on its resources as the
+  simulator does.
+
+docs/planner.md ("Links the whole plan shares") has the formulas and tests/test_sharing.py the hand-computed
+cases.
 """
 
 from __future__ import annotations
