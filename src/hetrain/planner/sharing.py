@@ -110,7 +110,8 @@ def collective_phases(cluster: Cluster, owners: Sequence[int], num_bytes: float,
 
     Example:
         >>> [(list(x.resources), x.duration_s) for x in collective_phases(c, [0, 8], 1e9)]   # doctest: +SKIP
-        [([0, 3, 1, 2], 0.08), ([0, 3, 1, 2], 0.08)]   # n0 out, n1 in, n1 out, n0 in: (2 - 1) / 2 * 1 GB / 12.5 GB/s
+        [([0, 3, 1, 2], 0.04), ([0, 3, 1, 2], 0.04)]   # n0 out, n1 in, n1 out, n0 in (2 nodes of 100 Gbit/s);
+                                                       # each half of 2 (2 - 1) / 2 * 1 GB / 12.5 GB/s
     """
     shape = allreduce_shape(cluster, owners)
     total, chosen = estimate_allreduce(num_bytes, shape, algorithm)
