@@ -12,7 +12,8 @@ come first served. Hundreds of segment rings that cross one node queue on its NI
     VW 2 stage 3→4  ─┘                          └─ ...                                ┘
 
 This module counts that sharing in closed form. Resources are numbered ``out(node) = node``,
-``in(node) = N + node`` (N nodes) and ``pair(a, b) = 2 N + a D + b`` (devices a -> b in one node, D devices).
+``in(node) = N + node`` (N nodes) and ``pair(a, b) = 2 N + a K + position of b in its node`` (devices
+a -> b in one node, K the most devices in one node).
 
 - All-reduces (``estimate_shared_sync_time``): each segment's all-reduce puts its phases' seconds on the
   resources the simulator's phases hold (``collective_loads``) and is released when the last of its owners
@@ -55,6 +56,25 @@ from hetrain.cost import (
 from hetrain.planner.partition import PartitionResult
 
 
+class SegmentJob(NamedTuple):
+    """One segment's all-reduce as the shared-link estimates see it.
+
+    Attributes:
+        owners: its owners' device indices.
+        num_bytes: its gradient bytes.
+        scale: its seconds over one all-reduce of ``num_bytes`` (bucket by bucket, each bucket pays the
+            latency terms: ``sum_b t(b) / t(num_bytes)``; 1 for one all-reduce of the whole segment).
+        lead_s: seconds before the pipeline's end it may start (``estimate_shared_sync_time``).
+        share: the share of an owner's last backward before its first bucket is ready (``estimate_tail``).
+    """
+
+    owners: Sequence[int]
+    num_bytes: float
+    scale: float = 1.0
+    lead_s: float = 0.0
+    share: float = 0.0
+
+
 class Load(NamedTuple):
     """Seconds ``duration_s`` that one job holds every resource in ``resources`` (resource numbers)."""
 
@@ -72,11 +92,29 @@ def nic_in(cluster: Cluster, node: int) -> int:
     return len(cluster.nodes) + node
 
 
+def _positions(cluster: Cluster) -> tuple[np.ndarray, int]:
+    """(each device's position in its node, the most devices in one node), cached on the cluster."""
+    cached: tuple[np.ndarray, int] | None = cluster.__dict__.get("_node_positions")
+    if cached is None:
+        node = cluster.node_index
+        start = {int(n): k for k, n in reversed(list(enumerate(node.tolist())))}
+        pos = np.array([k - start[int(n)] for k, n in enumerate(node.tolist())], dtype=np.int64)
+        cached = cluster.__dict__["_node_positions"] = (pos, int(pos.max()) + 1 if len(pos) else 1)
+    return cached
+
+
+def resource_count(cluster: Cluster) -> int:
+    """How many resource numbers there are: 2 per node (NIC out, in), then one per device and position in its
+    node (the pair links: ``2 N + a K + position(b)``, K the most devices in one node)."""
+    return 2 * len(cluster.nodes) + len(cluster.devices) * _positions(cluster)[1]
+
+
 def edge_resources(cluster: Cluster, a: int, b: int) -> tuple[int, ...]:
     """The resources a transfer from device index ``a`` to ``b`` holds (``simulator.links.edge_links``)."""
     na, nb = int(cluster.node_index[a]), int(cluster.node_index[b])
     if na == nb:
-        return (2 * len(cluster.nodes) + a * len(cluster.devices) + b,)
+        pos, most = _positions(cluster)
+        return (2 * len(cluster.nodes) + a * most + int(pos[b]),)
     return (nic_out(cluster, na), nic_in(cluster, nb))
 
 
@@ -165,13 +203,13 @@ def estimate_release_makespan(resources: np.ndarray, release_s: np.ndarray, dura
     return float((rel + cum - before).max())
 
 
-def estimate_shared_sync_time(cluster: Cluster, jobs: Sequence[tuple[Sequence[int], float, float]],
+def estimate_shared_sync_time(cluster: Cluster, jobs: Sequence[SegmentJob],
                               traffic: PipelineTraffic | None = None) -> tuple[float, float]:
     """(seconds after the end of the pipeline until the busiest link has carried every segment's all-reduce,
     seconds the all-reduces that cut into the pipelines' transfers delay the end of the pipeline).
 
-    ``jobs``: per segment, (owner device indices, bytes, seconds before the pipeline's end its all-reduce may
-    start: the owners' least lead). Each all-reduce's phases go on the links the simulator gives them
+    ``jobs``: per segment, its owners, bytes and seconds before the pipeline's end its all-reduce may start
+    (the owners' least lead; ``SegmentJob``). Each all-reduce's phases go on the links the simulator gives them
     (``collective_loads``); ``traffic``'s pipeline transfers are on the NICs too, each NIC's as one job from
     its first transfer on. The first figure is ``estimate_release_makespan`` over them all, at least 0.
 
@@ -185,12 +223,12 @@ def estimate_shared_sync_time(cluster: Cluster, jobs: Sequence[tuple[Sequence[in
     res: list[np.ndarray] = []
     rel: list[np.ndarray] = []
     dur: list[np.ndarray] = []
-    for owners, num_bytes, lead_s in jobs:
-        for load in collective_loads(cluster, owners, num_bytes):
+    for job in jobs:
+        for load in collective_loads(cluster, job.owners, job.num_bytes):
             n = len(load.resources)
             res.append(load.resources)
-            rel.append(np.full(n, -lead_s))
-            dur.append(np.full(n, load.duration_s))
+            rel.append(np.full(n, -job.lead_s))
+            dur.append(np.full(n, load.duration_s * job.scale))
     if not res:
         return 0.0, 0.0
     sync_res, sync_rel, sync_dur = np.concatenate(res), np.concatenate(rel), np.concatenate(dur)
@@ -241,40 +279,43 @@ class PipelineTraffic(NamedTuple):
     waves: tuple[Wave, ...] = ()
 
 
-def _nic_loads(cluster: Cluster, parts: Sequence[PartitionResult],
-               lead_s: dict[int, float] | None = None
-               ) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
-    """(per VW the NICs its boundaries hold and its seconds on each, per NIC the transfer seconds ``P_r`` of
-    one iteration, per NIC
-    the earliest its first transfer can start: the first micro-batch's forward up to the boundary, per NIC
-    the least ``lead_s`` of a device before a boundary through it: inf without ``lead_s``)."""
-    n_nodes = len(cluster.nodes)
+class _Crossings(NamedTuple):
+    """Every stage boundary of every VW that crosses nodes, four entries each (forward: the sender's NIC out
+    and the receiver's NIC in; backward: the receiver's NIC out and the sender's NIC in), as flat arrays."""
+
+    vw: np.ndarray  # the VW of each entry
+    nic: np.ndarray  # its resource number
+    load_s: np.ndarray  # the VW's seconds on it per iteration: m c / 2
+    head_s: np.ndarray  # the first micro-batch's forward up to the boundary
+    drain_s: np.ndarray  # the lead of the device before the boundary (inf without leads)
+
+
+def _crossings(cluster: Cluster, parts: Sequence[PartitionResult],
+               lead_s: dict[int, float] | None = None) -> _Crossings:
+    """The ``_Crossings`` of ``parts``: one pass over the boundaries in Python, the rest in numpy."""
     node = cluster.node_index
-    crossing: list[np.ndarray] = []
-    load: list[np.ndarray] = []
-    head: list[np.ndarray] = []
-    drain: list[np.ndarray] = []
-    for r in parts:
-        idx = np.array([d.index for d in r.devices], dtype=np.int64)
-        a, b = node[idx[:-1]], node[idx[1:]]
-        link = np.asarray(r.link_s, dtype=float)
-        # forward of micro-batch 0 through stages 0..j and the links between them, then boundary j -> j+1
-        reach = np.cumsum(np.asarray(r.forward_s[:-1], dtype=float)) + np.r_[0.0, np.cumsum(link)[:-1] / 2]
-        across = a != b
-        a, b, half, reach = a[across], b[across], link[across] / 2 * r.m, reach[across]
-        crossing.append(np.concatenate([a, n_nodes + b, b, n_nodes + a]))  # forward: out(a), in(b); back: out(b), in(a)
-        load.append(np.tile(half, 4))
-        head.append(np.tile(reach, 4))
-        before = np.array([lead_s[d.index] if lead_s else np.inf for d in r.devices[:-1]])[across]
-        drain.append(np.tile(before, 4))
-    ids = np.concatenate(crossing) if crossing else np.zeros(0, dtype=np.int64)
-    per_nic = np.bincount(ids, weights=np.concatenate(load) if load else None, minlength=2 * n_nodes)
-    first = np.full(2 * n_nodes, np.inf)
-    last = np.full(2 * n_nodes, np.inf)
-    if len(ids):
-        np.minimum.at(first, ids, np.concatenate(head))
-        np.minimum.at(last, ids, np.concatenate(drain))
-    return crossing, load, per_nic, first, last
+    vw: list[int] = []
+    a: list[int] = []
+    b: list[int] = []
+    load: list[float] = []
+    head: list[float] = []
+    drain: list[float] = []
+    for v, r in enumerate(parts):
+        reach = 0.0
+        for k in range(len(r.devices) - 1):
+            reach += r.forward_s[k] + (r.link_s[k - 1] / 2 if k > 0 else 0.0)
+            x, y = r.devices[k].index, r.devices[k + 1].index
+            if node[x] == node[y]:
+                continue
+            vw.append(v)
+            a.append(x)
+            b.append(y)
+            load.append(r.link_s[k] / 2 * r.m)
+            head.append(reach)
+            drain.append(lead_s[x] if lead_s else np.inf)
+    na, nb, n_nodes = node[np.array(a, dtype=np.int64)], node[np.array(b, dtype=np.int64)], len(cluster.nodes)
+    return _Crossings(np.tile(np.array(vw, dtype=np.int64), 4), np.concatenate([na, n_nodes + nb, nb, n_nodes + na]),
+                      np.tile(np.array(load), 4), np.tile(np.array(head), 4), np.tile(np.array(drain), 4))
 
 
 def estimate_shared_pipeline_times(cluster: Cluster, parts: Sequence[PartitionResult]) -> list[float]:
@@ -292,19 +333,21 @@ def estimate_shared_pipeline_times(cluster: Cluster, parts: Sequence[PartitionRe
     every NIC direction carries 4 transfers per micro-batch, 2 s; ``2.9 + 0.5 + 3 * 2 = 9.4`` s for each
     (GPipe's replay: 9.4 s), against ``2.9 + 3 * 1 = 5.9`` alone (tests/test_sharing.py).
     """
-    crossing, loads, per_nic, _, _ = _nic_loads(cluster, parts)
-    out = []
-    for r, ids, mine in zip(parts, crossing, loads, strict=True):
-        if not len(ids):
-            out.append(r.pipeline_s)
-            continue
-        own: dict[int, float] = {}
-        for k, x in zip(ids.tolist(), mine.tolist(), strict=True):
-            own[k] = own.get(k, 0.0) + x
-        busiest = float(per_nic[ids].max()) / r.m
-        wait = max(float(per_nic[k]) - x for k, x in own.items()) / (2 * r.m)
-        out.append(r.sum_s + wait + (r.m - 1) * max(r.max_s, busiest))
-    return out
+    x = _crossings(cluster, parts)
+    if not len(x.vw):
+        return [r.pipeline_s for r in parts]
+    n_nics = 2 * len(cluster.nodes)
+    per_nic = np.bincount(x.nic, weights=x.load_s, minlength=n_nics)
+    busiest = np.zeros(len(parts))
+    np.maximum.at(busiest, x.vw, per_nic[x.nic])
+    pairs, where = np.unique(x.vw * n_nics + x.nic, return_inverse=True)  # (VW, NIC) pairs
+    own = np.bincount(where, weights=x.load_s)
+    others = np.zeros(len(parts))
+    np.maximum.at(others, pairs // n_nics, per_nic[pairs % n_nics] - own)
+    m = np.array([r.m for r in parts], dtype=float)
+    bottleneck = np.maximum([r.max_s for r in parts], busiest / m)
+    out = np.array([r.sum_s for r in parts]) + others / (2 * m) + (m - 1) * bottleneck
+    return [float(t) for t in out]
 
 
 def estimate_pipeline_traffic(cluster: Cluster, parts: Sequence[PartitionResult],
@@ -314,7 +357,12 @@ def estimate_pipeline_traffic(cluster: Cluster, parts: Sequence[PartitionResult]
     pipeline_s = max(vw_pipeline_s)
     lead = estimate_sync_leads([([d.index for d in r.devices], r.backward_s, r.link_s, t)
                                 for r, t in zip(parts, vw_pipeline_s, strict=True)], pipeline_s)
-    _, _, per_nic, first, drain = _nic_loads(cluster, parts, lead)
+    x = _crossings(cluster, parts, lead)
+    n_nics = 2 * len(cluster.nodes)
+    per_nic = np.bincount(x.nic, weights=x.load_s, minlength=n_nics)
+    first, drain = np.full(n_nics, np.inf), np.full(n_nics, np.inf)
+    np.minimum.at(first, x.nic, x.head_s)
+    np.minimum.at(drain, x.nic, x.drain_s)
     used = np.flatnonzero(per_nic > 0)
     waves = tuple(Wave(tuple(d.index for d in r.devices), r.backward_s, tuple(c / 2 for c in r.link_s),
                        -lead[r.devices[-1].index]) for r in parts)
@@ -348,7 +396,7 @@ class _Kind(IntEnum):
     PHASE = 2  # an all-reduce's phase is due (or the all-reduce ends)
 
 
-def estimate_tail(cluster: Cluster, jobs: Sequence[tuple[Sequence[int], float, float]],
+def estimate_tail(cluster: Cluster, jobs: Sequence[SegmentJob],
                   waves: Sequence[Wave]) -> tuple[float, float]:
     """(when the last VW's pipeline ends, when the last all-reduce ends): the last micro-batch's backward in
     every VW and every segment's all-reduce, on links served first come first served.
@@ -359,16 +407,17 @@ def estimate_tail(cluster: Cluster, jobs: Sequence[tuple[Sequence[int], float, f
     below walks every VW's last backward wave (``Wave``) and every all-reduce's phases (``collective_phases``)
     in time order, booking each on its resources as the simulator does (a phase starts when all its
     resources are free and holds them all): O(stages + the resources of every phase) per plan. ``jobs``:
-    per segment, (owner device indices, bytes, the share of an owner's last backward before the segment's
-    first bucket is ready). Transfers of earlier micro-batches are left out (the
+    per segment, its owners, bytes, and the share of an owner's last backward before its first bucket is
+    ready (``SegmentJob``). Transfers of earlier micro-batches are left out (the
     pipeline's closed form and ``estimate_shared_pipeline_times`` count them).
     """
-    free: dict[int, float] = {}
+    free = np.full(resource_count(cluster), -np.inf)
     segments_of: dict[int, list[int]] = {}
     phases: list[list[Load]] = []
-    for s, (owners, num_bytes, _) in enumerate(jobs):
-        phases.append(collective_phases(cluster, owners, num_bytes))
-        for d in owners:
+    for s, job in enumerate(jobs):
+        phases.append([x._replace(duration_s=x.duration_s * job.scale)
+                       for x in collective_phases(cluster, job.owners, job.num_bytes)])
+        for d in job.owners:
             segments_of.setdefault(d, []).append(s)
     arrived = [0] * len(jobs)
     released = [float("-inf")] * len(jobs)
@@ -378,11 +427,10 @@ def estimate_tail(cluster: Cluster, jobs: Sequence[tuple[Sequence[int], float, f
         heapq.heappush(queue, (w.start_s, next(seq), _Kind.STAGE, v, len(w.devices) - 1))
     pipeline_end = sync_end = float("-inf")
 
-    def book(resources: Sequence[int], t: float, duration_s: float) -> float:
-        start = max([t, *(free.get(r, t) for r in resources)])
-        for r in resources:
-            free[r] = start + duration_s
-        return start + duration_s
+    def book(resources: np.ndarray, t: float, duration_s: float) -> float:
+        end = max(t, float(free[resources].max())) + duration_s
+        free[resources] = end
+        return end
 
     while queue:
         t, _, kind, a, j = heapq.heappop(queue)
@@ -390,8 +438,8 @@ def estimate_tail(cluster: Cluster, jobs: Sequence[tuple[Sequence[int], float, f
             w = waves[a]
             for s in segments_of.get(w.devices[j], ()):
                 arrived[s] += 1
-                released[s] = max(released[s], t + jobs[s][2] * w.backward_s[j])
-                if arrived[s] == len(jobs[s][0]):
+                released[s] = max(released[s], t + jobs[s].share * w.backward_s[j])
+                if arrived[s] == len(jobs[s].owners):
                     heapq.heappush(queue, (released[s], next(seq), _Kind.PHASE, s, 0))
             end = t + w.backward_s[j]
             if j == 0:
@@ -400,12 +448,12 @@ def estimate_tail(cluster: Cluster, jobs: Sequence[tuple[Sequence[int], float, f
                 heapq.heappush(queue, (end, next(seq), _Kind.CROSS, a, j))
         elif kind is _Kind.CROSS:
             w = waves[a]
-            links = edge_resources(cluster, w.devices[j], w.devices[j - 1])
+            links = np.array(edge_resources(cluster, w.devices[j], w.devices[j - 1]))
             heapq.heappush(queue, (book(links, t, w.gradient_s[j - 1]), next(seq), _Kind.STAGE, a, j - 1))
         elif j == len(phases[a]):
             sync_end = max(sync_end, t)
         else:
             phase = phases[a][j]
-            heapq.heappush(queue, (book(phase.resources.tolist(), t, phase.duration_s), next(seq), _Kind.PHASE,
+            heapq.heappush(queue, (book(phase.resources, t, phase.duration_s), next(seq), _Kind.PHASE,
                                    a, j + 1))
     return pipeline_end, sync_end

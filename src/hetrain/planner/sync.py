@@ -23,13 +23,14 @@ from hetrain.plan import Plan
 from hetrain.planner.partition import PartitionResult
 from hetrain.planner.sharing import (
     PipelineTraffic,
+    SegmentJob,
     estimate_pipeline_traffic,
     estimate_shared_pipeline_times,
     estimate_shared_sync_time,
     estimate_tail,
 )
 from hetrain.profile import ModelProfile
-from hetrain.sync_layout import SYNC_MODES, Layout, SyncOptions, place_ps_shard
+from hetrain.sync_layout import SYNC_MODES, Layout, SyncOptions, cut_buckets, place_ps_shard
 from hetrain.sync_layout import group_segments as build_segments
 
 #: a plan's simulated iteration seconds (the simulator's, handed in by the caller: the planner imports no simulator)
@@ -54,8 +55,10 @@ def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequenc
 
     ``traffic`` (``planner.sharing.estimate_pipeline_traffic``) has each device's lead, the seconds before
     the end of the pipeline its last backward starts (default: ``hide_s``). A device whose pipeline ends
-    early starts its buckets early: ``max(sum - lead, last bucket - (lead - hide))``. With ``traffic`` a
-    segment's first bucket (at least ``first_bucket_bytes``) is ready after its share of the backward.
+    early starts its buckets early: ``max(sum - lead, last bucket - (lead - hide))``. With ``traffic`` (the
+    planner's BSP estimate) a segment is all-reduced bucket by bucket as the plan cuts it
+    (``sync_layout.cut_buckets``), each bucket paying the latency terms, and its first bucket (at least
+    ``first_bucket_bytes``) is ready after its share of the backward.
 
     Segments of other devices, and the pipelines' transfers (``traffic``), share the links
     (``planner.sharing``): every segment's all-reduce holds the NICs and intra-node links of its ring for
@@ -67,20 +70,25 @@ def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequenc
     lead_s = traffic.lead_s if traffic is not None else hide_s
     per_device: dict[int, float] = {}
     tail: dict[int, float] = {}
-    jobs: list[tuple[Sequence[int], float, float]] = []
+    jobs: list[SegmentJob] = []
+    layer_bytes = [x.param_bytes for x in profile.layers]
     for first, end, owners in build_segments(profile.num_layers, layouts):
         if len(owners) < 2:
             continue
         num_bytes = sum(profile.layers[i].param_bytes for i in range(first, end))
         t = estimate_allreduce_time(cluster, owners, num_bytes)
+        job = SegmentJob(owners, num_bytes)
+        if traffic is not None and t > 0:  # the planner's BSP estimate: bucket by bucket, as the plan cuts them
+            cuts = cut_buckets(layer_bytes, first, end, first_bucket_bytes, bucket_bytes)
+            by_bucket = sum(estimate_allreduce_time(cluster, owners, size) for _, _, size in cuts)
+            job = job._replace(scale=by_bucket / t, share=cuts[0][2] / num_bytes if num_bytes > 0 else 1.0)
+            t = by_bucket
         last = t if num_bytes <= bucket_bytes else estimate_allreduce_time(cluster, owners, bucket_bytes)
         for d in owners:
             per_device[d] = per_device.get(d, 0.0) + t
             tail[d] = max(tail.get(d, 0.0), last)
-        jobs.append((owners, num_bytes, _first_bucket_share(profile, first, end, first_bucket_bytes)
-                     if traffic is not None else 0.0))
-    released = [(owners, num_bytes, _segment_lead(owners, lead_s, hide_s, share))
-                for owners, num_bytes, share in jobs]
+        jobs.append(job)
+    released = [j._replace(lead_s=_segment_lead(j.owners, lead_s, hide_s, j.share)) for j in jobs]
     shared, delay = estimate_shared_sync_time(cluster, released, traffic)
     if hide_s is None or lead_s is None:
         return max(max(per_device.values(), default=0.0), shared)
@@ -90,17 +98,6 @@ def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequenc
         return max(delay + own, shared)
     pipeline_end, sync_end = estimate_tail(cluster, jobs, traffic.waves)
     return max(delay + own, shared, pipeline_end, sync_end)
-
-
-def _first_bucket_share(profile: ModelProfile, first: int, end: int, first_bucket_bytes: float) -> float:
-    """The share of segment [first, end)'s backward before its first gradient bucket is ready: the bucket's
-    bytes (its last layers, at least ``first_bucket_bytes``, ``sync_layout.cut_buckets``) over the segment's."""
-    total = held = 0.0
-    for i in range(end - 1, first - 1, -1):
-        total += profile.layers[i].param_bytes
-        if held < first_bucket_bytes:
-            held = total
-    return held / total if total > 0 else 1.0
 
 
 def _segment_lead(owners: Sequence[int], lead_s: Mapping[int, float] | None, hide_s: Mapping[int, float] | None,
