@@ -18,10 +18,12 @@ from hetrain.planner.sharing import (
     estimate_pipeline_traffic,
     estimate_release_makespan,
     estimate_shared_pipeline_times,
+    ring_resources,
 )
 from hetrain.planner.sync import estimate_sync_time, plan_layouts, repredict_sync
 from hetrain.profile import LayerProfile, Measurement, ModelProfile
 from hetrain.simulator import simulate
+from hetrain.simulator.links import LinkResources, ring_links
 from hetrain.sync_layout import SyncOptions
 
 A100 = "A100-40GB"
@@ -219,3 +221,21 @@ def test_a_plan_re_predicted_counts_sharing_as_the_planner_did() -> None:
     hide = {cluster.device(s.device).index: s.predicted_backward_s for vw in p.virtual_workers for s in vw.stages}
     assert len(p.virtual_workers) > 1  # 8 VWs through 4 NICs: the segments' rings queue on them
     assert p.prediction.sync_s > 1.5 * estimate_sync_time(cluster, p.profile, layouts, hide)  # 35 ms, not 20
+
+
+def test_a_ring_holds_the_links_the_simulator_gives_it() -> None:
+    """``ring_resources`` (vectorised) names the same links, in the same order, as the simulator's
+    ``ring_links`` hop by hop, on random rings over three nodes of four."""
+    cluster = cluster_of({"a": 4, "b": 4, "c": 4}, 1e9)
+    names = LinkResources()
+    rng = np.random.default_rng(0)
+    seen: dict[int, str] = {}
+    n = len(cluster.nodes)
+    for _ in range(50):
+        order = [int(d) for d in rng.permutation(12)[: rng.integers(2, 13)]]
+        ours = ring_resources(cluster, order).tolist()
+        theirs = [names.names[r] for r in ring_links(cluster, order, names)]
+        assert len(ours) == len(set(ours)) == len(theirs)
+        for r, name in zip(ours, theirs, strict=True):  # one resource, one name, in every ring
+            assert seen.setdefault(r, name) == name
+            assert (r < n) == name.endswith("NIC out") and (n <= r < 2 * n) == name.endswith("NIC in")

@@ -122,8 +122,18 @@ def ring_resources(cluster: Cluster, order: Sequence[int]) -> np.ndarray:
     """The resources a ring over device indices ``order`` holds, each once (``simulator.links.ring_links``)."""
     if len(order) < 2:
         return np.zeros(0, dtype=np.int64)
-    ids = [r for k in range(len(order)) for r in edge_resources(cluster, order[k], order[(k + 1) % len(order)])]
-    return np.array(list(dict.fromkeys(ids)), dtype=np.int64)
+    a = np.asarray(order, dtype=np.int64)
+    b = np.roll(a, -1)
+    na, nb = cluster.node_index[a], cluster.node_index[b]
+    pos, most = _positions(cluster)
+    n_nodes = len(cluster.nodes)
+    same = na == nb
+    # per hop: (the pair link, -1) inside a node, (NIC out, NIC in) across: in ring order, then each once
+    hops = np.stack([np.where(same, 2 * n_nodes + a * most + pos[b], na), np.where(same, -1, n_nodes + nb)], 1)
+    ids = hops.ravel()
+    ids = ids[ids >= 0]
+    _, first = np.unique(ids, return_index=True)
+    return ids[np.sort(first)]
 
 
 def _hierarchical_resources(cluster: Cluster, order: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -412,6 +422,7 @@ def estimate_tail(cluster: Cluster, jobs: Sequence[SegmentJob],
     pipeline's closed form and ``estimate_shared_pipeline_times`` count them).
     """
     free = np.full(resource_count(cluster), -np.inf)
+    edges: dict[tuple[int, int], np.ndarray] = cluster.__dict__.setdefault("_edge_resource_cache", {})
     segments_of: dict[int, list[int]] = {}
     phases: list[list[Load]] = []
     for s, job in enumerate(jobs):
@@ -448,7 +459,10 @@ def estimate_tail(cluster: Cluster, jobs: Sequence[SegmentJob],
                 heapq.heappush(queue, (end, next(seq), _Kind.CROSS, a, j))
         elif kind is _Kind.CROSS:
             w = waves[a]
-            links = np.array(edge_resources(cluster, w.devices[j], w.devices[j - 1]))
+            key = (w.devices[j], w.devices[j - 1])
+            links = edges.get(key)
+            if links is None:
+                links = edges[key] = np.array(edge_resources(cluster, *key))
             heapq.heappush(queue, (book(links, t, w.gradient_s[j - 1]), next(seq), _Kind.STAGE, a, j - 1))
         elif j == len(phases[a]):
             sync_end = max(sync_end, t)
