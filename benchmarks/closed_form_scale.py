@@ -92,8 +92,8 @@ def main() -> int:
                      f"| {r['plan']} |" + (f" {was} |" if before else ""))
     if args.save_json:
         args.save_json.write_text(json.dumps(rows, indent=1))
-    head = ("| devices | layers | closed form | simulated | error | planning CPU (wall) | simulation time | chosen plan |"
-            + (" before: closed form / simulated (error), plan, planning time |" if before else ""))
+    head = ("| devices | layers | closed form | simulated | error | planning CPU (wall) | simulation time "
+            "| chosen plan |" + (" before: closed form / simulated (error), plan, planning time |" if before else ""))
     rule = "|---:|---:|---:|---:|---:|---:|---:|---|" + ("---|" if before else "")
     command = "python benchmarks/closed_form_scale.py" + (" --quick" if args.quick else "") \
         + (" --big" if args.big else "") + (" --before before.json" if before else "")
