@@ -4,7 +4,8 @@ Layers are grouped into segments with the same owner devices; each segment's
 gradients are all-reduced among exactly its owners. Segments with disjoint
 owners run at once; a device runs its segments one after another, so the
 closed form is the largest per-device sum, less what the gradient buckets hide
-behind the last backward micro-batch (the simulator adds link contention)::
+behind the last backward micro-batch, or more where segments and pipeline
+transfers queue on the NICs they share (``planner.sharing``)::
 
     VW0: d0 [0..4)  d1 [4..8)        segment [0..3) owners {d0, d2}
     VW1: d2 [0..3)  d3 [3..8)        segment [3..4) owners {d0, d3}
@@ -62,10 +63,15 @@ def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequenc
 
     Segments of other devices, and the pipelines' transfers (``traffic``), share the links
     (``planner.sharing``): every segment's all-reduce holds the NICs and intra-node links of its ring for
-    its duration, from when the last of its owners starts its last backward (its owners' least lead). The
-    busiest link's makespan after the pipeline's end (``estimate_shared_sync_time``) bounds the sync from
-    below; the larger of the two is returned. Where every all-reduce has its links to itself the two agree
-    or the device's is the larger.
+    its duration, from when the last of its owners has its first bucket. The result is the largest of
+
+    - the per-device form above;
+    - the busiest link's makespan after the pipeline's end (``estimate_shared_sync_time``);
+    - with ``traffic``: the per-device form after the delay the all-reduces put on the pipeline's last
+      transfers through a NIC, and when the walk over every VW's last backward and every all-reduce ends
+      (``estimate_tail``).
+
+    Where every all-reduce has its links to itself the per-device form is the largest.
     """
     lead_s = traffic.lead_s if traffic is not None else hide_s
     per_device: dict[int, float] = {}
