@@ -67,6 +67,7 @@ from hetrain.planner.budget import PlannerReport, TimeBudget
 from hetrain.planner.formation import Formation, build_formations
 from hetrain.planner.partition import PartitionResult, partition
 from hetrain.planner.robust import DRAWS, SEED, has_spread, rank_robust
+from hetrain.planner.sharing import estimate_pipeline_traffic, estimate_shared_pipeline_times
 from hetrain.planner.stage_cost import StageTableCache
 from hetrain.planner.sync import Scorer, choose_sync_mode, estimate_mode_sync_time
 from hetrain.planner.vw import VWEvaluator, canonical_devices, vw_signature
@@ -283,7 +284,8 @@ def _evaluate(cluster: Cluster, profile: ModelProfile, formation: Formation, sch
 def _assemble(cluster: Cluster, profile: ModelProfile, formation: Formation, schedule: str, global_batch: int,
               parts: list[PartitionResult], split: list[int], opts: PlannerOptions) -> Candidate:
     """The candidate of these VW partitions and batch split: its optimizer step and sync added."""
-    pipeline_s = max(r.pipeline_s for r in parts)
+    vw_pipeline_s = estimate_shared_pipeline_times(cluster, parts)  # the NICs shared by every VW's transfers
+    pipeline_s = max(vw_pipeline_s)
     layouts = [[(d.index, r.cuts[j], r.cuts[j + 1]) for j, d in enumerate(r.devices)] for r in parts]
     optimizer_s = max(
         estimate_optimizer_time(sum(profile.layers[i].param_bytes for i in range(k, l)),
@@ -293,11 +295,13 @@ def _assemble(cluster: Cluster, profile: ModelProfile, formation: Formation, sch
     )
     # what each device's last backward micro-batch can hide of its BSP gradient buckets
     hide = {d.index: r.backward_s[j] for r in parts for j, d in enumerate(r.devices)}
+    traffic = estimate_pipeline_traffic(cluster, parts, vw_pipeline_s)
     sync_s = estimate_mode_sync_time(cluster, profile, layouts, opts.sync, opts.sync_options,
-                                     pipeline_s + optimizer_s, hide)
+                                     pipeline_s + optimizer_s, hide, traffic)
     c = Candidate(formation, schedule, global_batch, parts, split, pipeline_s, sync_s, optimizer_s)
     c.extra["layouts"] = layouts
     c.extra["hide"] = hide
+    c.extra["traffic"] = traffic
     return c
 
 
@@ -360,7 +364,8 @@ def _to_plan(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: Planne
     if layouts is not None:  # every mode's prediction for this plan's VWs, so a user can compare (docs/sync.md)
         options["sync_predictions"] = {
             mode: {"sync_s": (s := estimate_mode_sync_time(cluster, profile, layouts, mode, opts.sync_options,
-                                                           c.pipeline_s + c.optimizer_s, c.extra.get("hide"))),
+                                                           c.pipeline_s + c.optimizer_s, c.extra.get("hide"),
+                                                           c.extra.get("traffic"))),
                    "iteration_s": c.pipeline_s + c.optimizer_s + s,
                    "samples_per_s": c.global_batch / (c.pipeline_s + c.optimizer_s + s)}
             for mode in SYNC_MODES}

@@ -4,7 +4,8 @@ Layers are grouped into segments with the same owner devices; each segment's
 gradients are all-reduced among exactly its owners. Segments with disjoint
 owners run at once; a device runs its segments one after another, so the
 closed form is the largest per-device sum, less what the gradient buckets hide
-behind the last backward micro-batch (the simulator adds link contention)::
+behind the last backward micro-batch, or more where segments and pipeline
+transfers queue on the NICs they share (``planner.sharing``)::
 
     VW0: d0 [0..4)  d1 [4..8)        segment [0..3) owners {d0, d2}
     VW1: d2 [0..3)  d3 [3..8)        segment [3..4) owners {d0, d3}
@@ -20,8 +21,17 @@ from typing import Any
 from hetrain.cluster import Cluster
 from hetrain.cost import estimate_allreduce_time, estimate_p2p_time, estimate_samples_to_accuracy_factor
 from hetrain.plan import Plan
+from hetrain.planner.partition import PartitionResult
+from hetrain.planner.sharing import (
+    PipelineTraffic,
+    SegmentJob,
+    estimate_pipeline_traffic,
+    estimate_shared_pipeline_times,
+    estimate_shared_sync_time,
+    estimate_tail,
+)
 from hetrain.profile import ModelProfile
-from hetrain.sync_layout import SYNC_MODES, Layout, SyncOptions, place_ps_shard
+from hetrain.sync_layout import SYNC_MODES, Layout, SyncOptions, cut_buckets, place_ps_shard
 from hetrain.sync_layout import group_segments as build_segments
 
 #: a plan's simulated iteration seconds (the simulator's, handed in by the caller: the planner imports no simulator)
@@ -30,8 +40,11 @@ Scorer = Callable[[Plan], float]
 
 def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout],
                        hide_s: Mapping[int, float] | None = None,
-                       bucket_bytes: float = SyncOptions.bucket_bytes) -> float:
-    """Seconds of BSP gradient all-reduce left after the backward pass: the busiest device's.
+                       bucket_bytes: float = SyncOptions.bucket_bytes,
+                       traffic: PipelineTraffic | None = None,
+                       first_bucket_bytes: float = SyncOptions.first_bucket_bytes) -> float:
+    """Seconds of BSP gradient all-reduce left after the backward pass: the busiest device's, or the busiest
+    shared link's.
 
     Without ``hide_s``: the device's sum over its segments, as if every all-reduce waited for the
     whole backward. With ``hide_s`` (device index -> seconds of its last micro-batch's backward):
@@ -40,21 +53,67 @@ def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequenc
     ``max(sum - hide, the last bucket's all-reduce)``, the last bucket (a segment's first layers,
     at most ``bucket_bytes``) being ready only when backward ends. The simulator replays the
     buckets one by one on the links; this is its closed form.
+
+    ``traffic`` (``planner.sharing.estimate_pipeline_traffic``) has each device's lead, the seconds before
+    the end of the pipeline its last backward starts (default: ``hide_s``). A device whose pipeline ends
+    early starts its buckets early: ``max(sum - lead, last bucket - (lead - hide))``. With ``traffic`` (the
+    planner's BSP estimate) a segment is all-reduced bucket by bucket as the plan cuts it
+    (``sync_layout.cut_buckets``), each bucket paying the latency terms, and its first bucket (at least
+    ``first_bucket_bytes``) is ready after its share of the backward.
+
+    Segments of other devices, and the pipelines' transfers (``traffic``), share the links
+    (``planner.sharing``): every segment's all-reduce holds the NICs and intra-node links of its ring for
+    its duration, from when the last of its owners has its first bucket. The result is the largest of
+
+    - the per-device form above;
+    - the busiest link's makespan after the pipeline's end (``estimate_shared_sync_time``);
+    - with ``traffic``: the per-device form after the delay the all-reduces put on the pipeline's last
+      transfers through a NIC, and when the walk over every VW's last backward and every all-reduce ends
+      (``estimate_tail``).
+
+    Where every all-reduce has its links to itself the per-device form is the largest.
     """
+    lead_s = traffic.lead_s if traffic is not None else hide_s
     per_device: dict[int, float] = {}
     tail: dict[int, float] = {}
+    jobs: list[SegmentJob] = []
+    layer_bytes = [x.param_bytes for x in profile.layers]
     for first, end, owners in build_segments(profile.num_layers, layouts):
         if len(owners) < 2:
             continue
         num_bytes = sum(profile.layers[i].param_bytes for i in range(first, end))
         t = estimate_allreduce_time(cluster, owners, num_bytes)
+        job = SegmentJob(owners, num_bytes)
+        if traffic is not None and t > 0:  # the planner's BSP estimate: bucket by bucket, as the plan cuts them
+            cuts = cut_buckets(layer_bytes, first, end, first_bucket_bytes, bucket_bytes)
+            by_bucket = sum(estimate_allreduce_time(cluster, owners, size) for _, _, size in cuts)
+            job = job._replace(scale=by_bucket / t, share=cuts[0][2] / num_bytes if num_bytes > 0 else 1.0)
+            t = by_bucket
         last = t if num_bytes <= bucket_bytes else estimate_allreduce_time(cluster, owners, bucket_bytes)
         for d in owners:
             per_device[d] = per_device.get(d, 0.0) + t
             tail[d] = max(tail.get(d, 0.0), last)
-    if hide_s is None:
-        return max(per_device.values(), default=0.0)
-    return max((max(t - hide_s.get(d, 0.0), tail[d]) for d, t in per_device.items()), default=0.0)
+        jobs.append(job)
+    released = [j._replace(lead_s=_segment_lead(j.owners, lead_s, hide_s, j.share)) for j in jobs]
+    shared, delay = estimate_shared_sync_time(cluster, released, traffic)
+    if hide_s is None or lead_s is None:
+        return max(max(per_device.values(), default=0.0), shared)
+    own = max((max(t - lead_s.get(d, 0.0), tail[d] - (lead_s.get(d, 0.0) - hide_s.get(d, 0.0)))
+               for d, t in per_device.items()), default=0.0)
+    if traffic is None or not traffic.waves or not jobs:
+        return max(delay + own, shared)
+    pipeline_end, sync_end = estimate_tail(cluster, jobs, traffic.waves)
+    return max(delay + own, shared, pipeline_end, sync_end)
+
+
+def _segment_lead(owners: Sequence[int], lead_s: Mapping[int, float] | None, hide_s: Mapping[int, float] | None,
+                  share: float) -> float:
+    """Seconds before the pipeline's end a segment's all-reduce can start: when the last of its owners has
+    the first bucket ready, ``share`` into its last backward (``hide_s``), which starts ``lead_s`` before."""
+    if lead_s is None:
+        return 0.0
+    hide = hide_s or {}
+    return min(lead_s.get(d, 0.0) - share * hide.get(d, 0.0) for d in owners)
 
 
 def estimate_local_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout]) -> float:
@@ -95,11 +154,13 @@ def estimate_ps_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[
 
 def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout], mode: str,
                             options: SyncOptions, compute_s: float,
-                            hide_s: Mapping[int, float] | None = None) -> float:
+                            hide_s: Mapping[int, float] | None = None,
+                            traffic: PipelineTraffic | None = None) -> float:
     """Seconds of synchronisation per iteration under sync mode ``mode`` (closed forms; docs/sync.md).
 
     ``compute_s`` is the iteration's pipeline and optimizer time, what asynchronous traffic can hide behind;
-    ``hide_s`` per device the backward its BSP gradient buckets overlap (``estimate_sync_time``).
+    ``hide_s`` per device the backward its BSP gradient buckets overlap, ``traffic`` how long before the
+    pipeline's end that backward starts and the transfers on the links (``estimate_sync_time``).
     With ``S`` the BSP all-reduce, ``L`` the node-local all-reduce, ``P`` one wave's push and pull traffic::
 
         bsp        S, less what the buckets hide behind the last backward
@@ -112,7 +173,8 @@ def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Se
     """
     k, a, stale, placement = options.period, options.aggregate, options.staleness, options.placement
     if mode == "bsp":
-        return estimate_sync_time(cluster, profile, layouts, hide_s, options.bucket_bytes)
+        return estimate_sync_time(cluster, profile, layouts, hide_s, options.bucket_bytes, traffic,
+                                  options.first_bucket_bytes)
     if mode == "local-sgd":
         return estimate_sync_time(cluster, profile, layouts) / k
     if mode == "daso":
@@ -265,6 +327,28 @@ def plan_layouts(plan: Plan) -> list[list[tuple[int, int, int]]]:
     return [[(index[s.device], s.first_layer, s.end_layer) for s in vw.stages] for vw in plan.virtual_workers]
 
 
+def plan_traffic(plan: Plan) -> PipelineTraffic:
+    """What ``plan``'s pipelines put on the links and when each device's last backward starts
+    (``planner.sharing.estimate_pipeline_traffic``), from its stages' predicted figures: the closed forms'
+    view of a plan made earlier, so that a re-prediction counts sharing as the planner did."""
+    cluster, profile = plan.cluster, plan.profile
+    index = {d.name: d.index for d in cluster.devices}
+    parts = []
+    for vw in plan.virtual_workers:
+        devices = tuple(cluster.devices[index[s.device]] for s in vw.stages)
+        b = vw.micro_batch_size
+        link_s = tuple(2 * estimate_p2p_time(b * profile.layers[s.end_layer - 1].output_bytes_per_sample,
+                                             cluster.link(x.index, y.index))
+                       for s, x, y in zip(vw.stages, devices, devices[1:], strict=False))
+        stage_s = tuple(s.predicted_forward_s + s.predicted_backward_s for s in vw.stages)
+        parts.append(PartitionResult(
+            devices, (*(s.first_layer for s in vw.stages), vw.stages[-1].end_layer),
+            tuple(s.recompute for s in vw.stages), stage_s, tuple(s.predicted_forward_s for s in vw.stages),
+            tuple(s.predicted_backward_s for s in vw.stages), link_s, sum(stage_s) + sum(link_s),
+            max(stage_s + link_s), vw.micro_batches, b, True))
+    return estimate_pipeline_traffic(cluster, parts, estimate_shared_pipeline_times(cluster, parts))
+
+
 def repredict_sync(plan: Plan, mode: str, options: SyncOptions, score: Scorer | None = None) -> Plan:
     """``plan``'s stages under sync ``mode`` with ``options``: its layout made anew and its prediction's sync,
     iteration and throughput re-estimated (closed form; and ``score``, the simulator, when given).
@@ -274,11 +358,12 @@ def repredict_sync(plan: Plan, mode: str, options: SyncOptions, score: Scorer | 
     layouts = plan_layouts(plan)
     index = {d.name: d.index for d in plan.cluster.devices}
     hide = {index[s.device]: s.predicted_backward_s for vw in plan.virtual_workers for s in vw.stages}
+    traffic = plan_traffic(plan)
     pr = plan.prediction
     compute_s = pr.pipeline_s + pr.optimizer_s
     table = {}
     for m in SYNC_MODES:  # every mode's closed form, as the planner records them (docs/sync.md)
-        s = estimate_mode_sync_time(plan.cluster, plan.profile, layouts, m, options, compute_s, hide)
+        s = estimate_mode_sync_time(plan.cluster, plan.profile, layouts, m, options, compute_s, hide, traffic)
         table[m] = {"sync_s": s, "iteration_s": compute_s + s,
                     "samples_per_s": plan.global_batch / (compute_s + s) if compute_s + s > 0 else 0.0}
     new = plan.with_sync(mode, options)

@@ -1,0 +1,241 @@
+"""The closed form that counts sharing (planner/sharing.py) against hand-computed cases and the simulator's
+first-come-first-served links."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hetrain.cluster import Cluster, Device, parse_cluster
+from hetrain.cost import allreduce_shape, estimate_allreduce, estimate_optimizer_time
+from hetrain.models.analytic import build_gpt_profile
+from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
+from hetrain.planner import plan as planner_plan
+from hetrain.planner.partition import PartitionResult
+from hetrain.planner.sharing import (
+    collective_loads,
+    collective_phases,
+    estimate_pipeline_traffic,
+    estimate_release_makespan,
+    estimate_shared_pipeline_times,
+    ring_resources,
+)
+from hetrain.planner.sync import estimate_sync_time, plan_layouts, repredict_sync
+from hetrain.profile import LayerProfile, Measurement, ModelProfile
+from hetrain.simulator import simulate
+from hetrain.simulator.links import LinkResources, ring_links
+from hetrain.sync_layout import SyncOptions
+
+A100 = "A100-40GB"
+
+
+def link(bandwidth_bytes_per_s: float, latency_s: float = 0.0) -> dict[str, float]:
+    return {"bandwidth_bytes_per_s": bandwidth_bytes_per_s, "latency_s": latency_s}
+
+
+def cluster_of(nodes: dict[str, int], nic_bytes_per_s: float, intra_bytes_per_s: float = 1e30) -> Cluster:
+    """Nodes of A100s, ``nodes[name]`` each, joined by NICs of ``nic_bytes_per_s``, no latency anywhere."""
+    return parse_cluster({"name": "shared", "node": [
+        {"name": name, "devices": [{"type": A100, "count": count}], "intra_link": link(intra_bytes_per_s),
+         "nic": link(nic_bytes_per_s)} for name, count in nodes.items()]})
+
+
+def model(num_layers: int, param_bytes: float = 0.0, output_bytes: float = 10.0) -> ModelProfile:
+    """Layers of forward 0.1 s and backward 0.2 s on an A100 at micro-batch 1."""
+    return ModelProfile("m", tuple(LayerProfile(f"l{k}", param_bytes, output_bytes, 1e4, 1e9,
+                                                ((A100, (Measurement(1, 0.1, 0.2),)),))
+                                   for k in range(num_layers)), 1e3)
+
+
+def make_plan(cluster: Cluster, profile: ModelProfile, vws: list[list[str]], m: int, schedule: str) -> Plan:
+    """One layer per stage, ``m`` micro-batches of one sample per VW."""
+    built = tuple(VirtualWorker(tuple(Stage(d, j, j + 1) for j, d in enumerate(devs)), m, m) for devs in vws)
+    return Plan(profile.name, m * len(vws), schedule, "bsp", "sgd", built,  # type: ignore[arg-type]
+                Prediction(0, 0, 0, 0, 0), "pp", "manual", cluster, profile, sync_options=SyncOptions())
+
+
+def partition_of(cluster: Cluster, devices: list[str], link_s: float, m: int) -> PartitionResult:
+    """The partition figures of a VW of one layer per stage (forward 0.1 s, backward 0.2 s) whose stage
+    boundaries each take ``link_s`` (activation + gradient)."""
+    p = len(devices)
+    links = (link_s,) * (p - 1)
+    return PartitionResult(tuple(cluster.device(d) for d in devices), tuple(range(p + 1)), ((),) * p,
+                           (0.3,) * p, (0.1,) * p, (0.2,) * p, links, 0.3 * p + sum(links),
+                           max(0.3, *links), m, 1, True)
+
+
+def device_index(cluster: Cluster, name: str) -> int:
+    return cluster.device(name).index
+
+
+def step_s(cluster: Cluster, param_bytes: float) -> float:
+    device: Device = cluster.devices[0]
+    return estimate_optimizer_time(param_bytes, 4, device, "sgd")
+
+
+def sync_closed_form(plan: Plan, parts: list[PartitionResult]) -> float:
+    """``estimate_sync_time`` of ``plan`` as the planner calls it: hidden behind each device's last backward,
+    with the pipelines' traffic and leads (``estimate_pipeline_traffic``)."""
+    times = estimate_shared_pipeline_times(plan.cluster, parts)
+    hide = {d.index: r.backward_s[j] for r in parts for j, d in enumerate(r.devices)}
+    traffic = estimate_pipeline_traffic(plan.cluster, parts, times)
+    return estimate_sync_time(plan.cluster, plan.profile, plan_layouts(plan), hide, traffic=traffic)
+
+
+def test_release_makespan_of_one_resource_by_hand() -> None:
+    # resource 0: (release 0, 2 s), (release 1, 1 s) -> max(0 + 3, 1 + 1) = 3; resource 1: (5, 1) -> 6
+    res, rel, dur = np.array([0, 0, 1]), np.array([0.0, 1.0, 5.0]), np.array([2.0, 1.0, 1.0])
+    assert estimate_release_makespan(res, rel, dur) == pytest.approx(6.0)
+    assert estimate_release_makespan(res[:2], rel[:2], dur[:2]) == pytest.approx(3.0)
+    # released late enough, each job runs on its own: max(0 + 2, 3 + 1) = 4
+    assert estimate_release_makespan(res[:2], np.array([0.0, 3.0]), dur[:2]) == pytest.approx(4.0)
+
+
+def test_two_segments_all_reducing_over_one_shared_nic() -> None:
+    """Two VWs a:0 -> a:1 and b:0 -> b:1 (GPipe, one micro-batch, forward 0.1 s and backward 0.2 s per
+    stage, transfers inside the nodes ~0 s). Segment 0 (layer 0, 100 MB) is all-reduced by a:0 and b:0,
+    segment 1 (layer 1) by a:1 and b:1: two rings over the same two NICs of 100 MB/s, each
+    ``2 (2 - 1) / 2 * 1e8 / 1e8 = 1.0`` s (0.5 s per phase).
+
+    Each device takes part in one all-reduce of 1.0 s: the per-device closed form says 1.0 s. Both rings hold
+    both NICs: the NICs carry 2.0 s. With the pipeline (0.6 s) the stages' last backwards end at 0.4 s
+    (stage 1) and 0.6 s (stage 0); the all-reduces are released then, 0.2 s and 0 s before the end of the
+    pipeline, and the NICs serve them in order of request::
+
+        seg1 reduce-scatter [-0.2, 0.3]  seg0 reduce-scatter [0.3, 0.8]
+        seg1 all-gather     [ 0.8, 1.3]  seg0 all-gather     [1.3, 1.8]      sync 1.8 s after the pipeline
+
+    (one resource with releases: ``max(-0.2 + 2.0, 0 + 1.0) = 1.8``). The simulator replays exactly this:
+    iteration 0.6 + 1.8 s plus the optimizer step; the per-device form would say 0.6 + 0.8.
+    """
+    cluster = cluster_of({"a": 2, "b": 2}, 1e8)
+    params = 1e8
+    profile = model(2, params)
+    plan = make_plan(cluster, profile, [["a:0", "a:1"], ["b:0", "b:1"]], 1, "gpipe")
+    layouts = plan_layouts(plan)
+    index = {name: device_index(cluster, name) for name in ("a:0", "a:1", "b:0", "b:1")}
+    for owners in ([index["a:0"], index["b:0"]], [index["a:1"], index["b:1"]]):
+        (load,) = collective_loads(cluster, owners, params)
+        assert load.duration_s == pytest.approx(1.0)
+        assert sorted(cluster.nodes[r % 2].name + (" out" if r < 2 else " in") for r in load.resources) == [
+            "a in", "a out", "b in", "b out"]
+    # without the pipeline: the busiest NIC's 2.0 s, not any device's 1.0 s
+    assert estimate_sync_time(cluster, profile, layouts) == pytest.approx(2.0)
+    parts = [partition_of(cluster, vw, 0.0, 1) for vw in (["a:0", "a:1"], ["b:0", "b:1"])]
+    assert estimate_shared_pipeline_times(cluster, parts) == pytest.approx([0.6, 0.6])
+    assert sync_closed_form(plan, parts) == pytest.approx(1.8)
+    result = simulate(plan)
+    assert result.pipeline_s == pytest.approx(0.6)
+    assert result.iteration_s == pytest.approx(0.6 + 1.8 + step_s(cluster, params), rel=1e-9)
+
+
+def test_hierarchical_ring_with_a_shared_node() -> None:
+    """Four VWs of two stages on two nodes of four: a:0 -> a:2, a:1 -> a:3, b:0 -> b:2, b:1 -> b:3.
+    Segment 0 (layer 0, 1 GB) is owned by a:0, a:1, b:0, b:1; segment 1 by a:2, a:3, b:2, b:3. Inside a
+    node 100 GB/s, between them 1 GB/s, so each all-reduce is hierarchical (flat ring: 2 * 3/4 * 1 s = 1.5 s)::
+
+        intra reduce-scatter  (2 - 1)/2 * 1e9 / 1e11 = 0.005 s   on its own device pairs
+        inter all-reduce      2 (2 - 1)/2 * 1e9 / 1e9 = 1.0 s    on the NICs of a and b: shared by both
+        intra all-gather      0.005 s                              total 1.01 s
+
+    Segment 1 is released at -0.2 s (its stage's last backward ends 0.2 s before the pipeline's), segment 0
+    at 0::
+
+        seg1  intra [-0.2, -0.195]  inter [-0.195, 0.805]  intra [0.805, 0.81]
+        seg0  intra [ 0.0,  0.005]  inter [ 0.805, 1.805]  intra [1.805, 1.81]   (waits for the NICs)
+
+    Sync 1.81 s after the pipeline, as the simulator replays it; per device: 1.01 - 0.2 = 0.81 s.
+    """
+    cluster = cluster_of({"a": 4, "b": 4}, 1e9, 1e11)
+    params = 1e9
+    profile = model(2, params)
+    vws = [["a:0", "a:2"], ["a:1", "a:3"], ["b:0", "b:2"], ["b:1", "b:3"]]
+    plan = make_plan(cluster, profile, vws, 1, "gpipe")
+    owners = [device_index(cluster, d) for d in ("a:0", "a:1", "b:0", "b:1")]
+    phases = collective_phases(cluster, owners, params)
+    assert [x.duration_s for x in phases] == pytest.approx([0.005, 1.0, 0.005])
+    assert len(phases[1].resources) == 4 and all(r < 4 for r in phases[1].resources)  # the two NICs, both ways
+    assert estimate_allreduce(params, allreduce_shape(cluster, owners))[1] == "hierarchical"
+    parts = [partition_of(cluster, vw, 0.0, 1) for vw in vws]
+    assert sync_closed_form(plan, parts) == pytest.approx(1.81)
+    result = simulate(plan)
+    assert result.iteration_s == pytest.approx(0.6 + 1.81 + step_s(cluster, params), rel=1e-9)
+
+
+@pytest.mark.parametrize(("schedule", "m", "simulated_s"), [("gpipe", 4, 9.4), ("gpipe", 8, 17.4),
+                                                            ("1f1b", 4, 10.0), ("1f1b", 8, 18.0)])
+def test_pipeline_transfers_of_two_vws_through_one_nic(schedule: str, m: int, simulated_s: float) -> None:
+    """VWs a:0 -> b:0 -> a:2 and a:1 -> b:1 -> a:3: stages of 0.3 s (forward 0.1 s, backward 0.2 s), every
+    boundary crosses the NICs of 1 MB/s, 0.5 MB each way: c = 1.0 s per boundary (0.5 s each way).
+
+    Alone, a VW's pipeline is ``sum + (m - 1) max = (3 * 0.3 + 2 * 1.0) + (m - 1) * 1.0``. Shared: b's NIC
+    out carries, per micro-batch, each VW's gradient to stage 0 and activation to stage 2, 4 * 0.5 = 2.0 s
+    (the other three NIC directions the same), and a VW's first micro-batch waits behind the other's, half
+    of the other's 1.0 s::
+
+        2.9 + 0.5 + (m - 1) * 2.0 = 9.4 s (m = 4), 17.4 s (m = 8)      alone: 5.9 s, 9.9 s
+
+    GPipe's replay gives exactly this; 1F1B's interleaves forwards and backwards on the NICs less evenly
+    (10.0 s, 18.0 s: within 7%).
+    """
+    cluster = cluster_of({"a": 4, "b": 2}, 1e6)
+    profile = model(3, output_bytes=5e5)
+    vws = [["a:0", "b:0", "a:2"], ["a:1", "b:1", "a:3"]]
+    parts = [partition_of(cluster, vw, 1.0, m) for vw in vws]
+    assert [r.pipeline_s for r in parts] == pytest.approx([2.9 + (m - 1) * 1.0] * 2)
+    shared = 2.9 + 0.5 + (m - 1) * 2.0
+    assert estimate_shared_pipeline_times(cluster, parts) == pytest.approx([shared, shared])
+    assert estimate_shared_pipeline_times(cluster, parts[:1]) == pytest.approx([2.9 + (m - 1) * 1.0])  # alone
+    result = simulate(make_plan(cluster, profile, vws, m, schedule))
+    assert result.pipeline_s == pytest.approx(simulated_s, rel=1e-9)
+    assert shared == pytest.approx(result.pipeline_s, rel=0.07)
+    if schedule == "gpipe":
+        assert shared == pytest.approx(result.pipeline_s, rel=1e-9)
+
+
+def test_without_sharing_the_closed_form_is_the_per_device_one() -> None:
+    """Data parallel on two nodes of one device, one segment: its ring holds the NICs alone, and the shared
+    bound is the per-device one (``2 (2 - 1)/2 * 1e8 / 1e8 = 1.0`` s; 0.8 s with 0.2 s of it hidden)."""
+    cluster = cluster_of({"a": 1, "b": 1}, 1e8)
+    profile = model(1, 1e8)
+    layouts = [[(0, 0, 1)], [(1, 0, 1)]]
+    assert estimate_sync_time(cluster, profile, layouts) == pytest.approx(1.0)
+    hide = {0: 0.2, 1: 0.2}
+    assert estimate_sync_time(cluster, profile, layouts, hide) == pytest.approx(0.8)
+
+
+def test_a_plan_re_predicted_counts_sharing_as_the_planner_did() -> None:
+    """``hetrain plan --from PLAN --sync MODE`` re-predicts from the plan's stages (``plan_traffic``): the same
+    sync figures as the planner's, for every mode, on a plan whose VWs share the NICs."""
+    nodes = [{"name": f"n{k}", "devices": [{"type": t, "count": 8}], "intra_link": intra, "nic": nic}
+             for k, (t, intra, nic) in enumerate([("A100-40GB", "nvlink3", "200Gbit/s"), ("V100-32GB", "nvlink2",
+                                                  "25Gbit/s"), ("T4", "pcie3", "10Gbit/s"), ("RTX3090", "pcie4",
+                                                  "100Gbit/s")])]
+    cluster = parse_cluster({"name": "four", "node": nodes})
+    p = planner_plan(cluster, build_gpt_profile(8, 1024, 16, 1024, 50257, name="gpt-10"), 128, simulate_top_k=0)
+    again = repredict_sync(p, "bsp", p.sync_options)
+    assert again.prediction.sync_s == pytest.approx(p.prediction.sync_s, rel=1e-9)
+    for mode, row in p.options["sync_predictions"].items():
+        assert again.options["sync_predictions"][mode]["sync_s"] == pytest.approx(row["sync_s"], rel=1e-9), mode
+    layouts = plan_layouts(p)
+    hide = {cluster.device(s.device).index: s.predicted_backward_s for vw in p.virtual_workers for s in vw.stages}
+    assert len(p.virtual_workers) > 1  # 8 VWs through 4 NICs: the segments' rings queue on them
+    assert p.prediction.sync_s > 1.5 * estimate_sync_time(cluster, p.profile, layouts, hide)  # 35 ms, not 20
+
+
+def test_a_ring_holds_the_links_the_simulator_gives_it() -> None:
+    """``ring_resources`` (vectorised) names the same links, in the same order, as the simulator's
+    ``ring_links`` hop by hop, on random rings over three nodes of four."""
+    cluster = cluster_of({"a": 4, "b": 4, "c": 4}, 1e9)
+    names = LinkResources()
+    rng = np.random.default_rng(0)
+    seen: dict[int, str] = {}
+    n = len(cluster.nodes)
+    for _ in range(50):
+        order = [int(d) for d in rng.permutation(12)[: rng.integers(2, 13)]]
+        ours = ring_resources(cluster, order).tolist()
+        theirs = [names.names[r] for r in ring_links(cluster, order, names)]
+        assert len(ours) == len(set(ours)) == len(theirs)
+        for r, name in zip(ours, theirs, strict=True):  # one resource, one name, in every ring
+            assert seen.setdefault(r, name) == name
+            assert (r < n) == name.endswith("NIC out") and (n <= r < 2 * n) == name.endswith("NIC in")
