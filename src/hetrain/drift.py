@@ -220,10 +220,14 @@ def base_type(type_name: str) -> str:
     return type_name.partition("@")[0]
 
 
-def _micro_batch_grid(profile: ModelProfile, global_batch: int) -> list[int]:
-    """Every micro-batch size the profile measured, with 1 and the global batch: where a slowed type's layer
-    times are written (between them the cost model interpolates, as for any measured type)."""
-    sizes = {1, global_batch}
+def _micro_batch_grid(profile: ModelProfile, plan: Plan) -> list[int]:
+    """Where a slowed type's layer times are written: every micro-batch size the profile measured, the powers
+    of two up to the global batch, the global batch, and the plan's own micro-batch sizes. Between them the
+    cost model interpolates, as for any measured type (a roofline time, ``max(flops, bytes)``, is piecewise
+    linear in the micro-batch: exact at the grid, close between)."""
+    n = plan.global_batch
+    sizes = {n, *(2 ** k for k in range(n.bit_length()) if 2 ** k <= n)}
+    sizes.update(b for vw in plan.virtual_workers for b in vw.micro_batch_sizes)
     for layer in profile.layers:
         for _, ms in layer.measured:
             sizes.update(m.micro_batch for m in ms)
@@ -245,8 +249,8 @@ def _per_type(entries: tuple[tuple[str, float], ...], old: str, new: str, factor
 def slowed_plan(plan: Plan, factors: Mapping[str, float]) -> Plan:
     """``plan`` with each device of ``factors`` made that many times slower, as the planner and simulator see it.
 
-    The device gets a type of its own, ``"<type>@<device>"``: its layer times (at every micro-batch
-    size the profile measured, plus 1 and the global batch) are the device's estimated times
+    The device gets a type of its own, ``"<type>@<device>"``: its layer times (at the micro-batch sizes
+    of ``_micro_batch_grid``) are the device's estimated times
     (``cost.estimate_layer_time``) times the factor; its action and iteration overheads and its
     optimizer rate likewise; its memory footprint is copied. Its memory and peak figures stay, so
     what fits where does not change. A device already slowed is slowed again from its slowed
@@ -260,7 +264,7 @@ def slowed_plan(plan: Plan, factors: Mapping[str, float]) -> Plan:
     missing = sorted(set(factors) - set(known))
     if missing:
         raise ReplanError(f"drift on {', '.join(missing)}: not a device of the plan's cluster {cluster.name!r}")
-    grid = _micro_batch_grid(profile, plan.global_batch)
+    grid = _micro_batch_grid(profile, plan)
     layers = list(profile.layers)
     renamed: dict[str, str] = {}
     for name in sorted(factors):

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hetrain.distributed.barrier import poll
+from hetrain.distributed.health import Health
 from hetrain.drift import (
     CHECKPOINT_BYTES_PER_S,
     Drift,
@@ -59,6 +61,21 @@ class DriftSwitch(RunError):
         super().__init__(message)
         self.step = step
         self.plan_file = plan_file
+
+
+def leave_together(health: Health, step: int, timeout_s: float) -> None:
+    """Before a switch's exit, on every rank of the job: stop the heartbeat and mark this rank as leaving; the
+    rank that serves the job's store leaves last, once every rank has marked (at most ``timeout_s``), so that
+    no rank loses the store while it still finishes the checkpoint."""
+    health.stop()
+    store = health.store
+    if store is None:
+        return
+    key = f"drift-switch/{step}/left"
+    store.set(f"{key}/{health.rank}", "1")
+    if health.hosts_store():
+        keys = [f"{key}/{r}" for r in range(len(health.devices))]
+        poll(lambda: store.check(keys), timeout_s)
 
 
 def process_age_s() -> float | None:

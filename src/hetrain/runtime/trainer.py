@@ -52,7 +52,7 @@ from hetrain.plan import Plan
 from hetrain.profile import OPTIMIZER_NAMES, canonical_optimizer
 from hetrain.runtime.batches import MicroBatches, global_batches
 from hetrain.runtime.clip import GradClip, check_clip
-from hetrain.runtime.drift import DriftMonitor, DriftSwitch, drift_row
+from hetrain.runtime.drift import DriftMonitor, DriftSwitch, drift_row, leave_together
 from hetrain.runtime.elastic import ReplanPolicy, plan_path
 from hetrain.runtime.evaluate import evaluate_stage
 from hetrain.runtime.executor import LossFn, StageModule
@@ -266,7 +266,11 @@ class Trainer:
 
             self._eval_set = fixed_batches(val_data, self.plan.global_batch, eval_batches)
         if not self.role.used:
-            self.step = self._events.idle(self.step)
+            try:
+                self.step = self._events.idle(self.step)
+            except DriftSwitch as e:  # the used ranks switch plans (runtime.drift)
+                leave_together(self.health, e.step, self.timeout_s)
+                raise
             return []
         start_step = self.step
         log = (MetricsLog(self.metrics_out, self.tensorboard_dir, self.progress, steps, start_step)
@@ -274,7 +278,8 @@ class Trainer:
         out: list[dict[str, Any]] = []
         try:
             self._train(global_batches(data, self.plan.global_batch, seed, self.step), steps, log, out)
-        except DriftSwitch:  # every rank leaves alike, on purpose: nothing to tell the others
+        except DriftSwitch as e:  # every rank leaves alike, on purpose: nothing to tell the others
+            leave_together(self.health, e.step, self.timeout_s)
             raise
         except Exception as e:
             self.health.post_error(str(e))
