@@ -51,8 +51,10 @@ WORKER = textwrap.dedent("""
     data = build_datasets("synthetic", "mlp-digits", seed=0, synthetic_samples=256).train
     starts, stalled = [], []
 
-    def batches():  # the global batches, from a loader that stalls once on rank 1
+    def batches():  # the global batches, from a loader that stalls once on rank 1 (and is slow on rank 0)
         for i, batch in enumerate(iter_batches(data, 16, seed=0)):
+            if rank == 0 and case["stall_at"] <= i < case["stall_at"] + case["slow_steps"]:
+                time.sleep(case["slow_s"])
             if rank == 1 and i == case["stall_at"] and case["stall_s"] > 0:
                 stalled.append(time.time())
                 time.sleep(case["stall_s"])
@@ -85,12 +87,14 @@ def relaxed_plan(root: Path, mode: str, options: SyncOptions) -> Path:
     return root / f"plan-{mode}.json"
 
 
-def run_ranks(root: Path, plan: Path, stall_s: float, timeout_s: float) -> tuple[list[int], list[dict[str, Any]]]:
-    """Both ranks of the worker; their exit codes and what they recorded."""
-    out = root / f"run-{plan.stem}-{stall_s:g}-{timeout_s:g}"
+def run_ranks(root: Path, plan: Path, stall_s: float, timeout_s: float, slow_steps: int = 0,
+              slow_s: float = 0.0) -> tuple[list[int], list[dict[str, Any]]]:
+    """Both ranks of the worker; their exit codes and what they recorded. Rank 1 stalls ``stall_s`` before step
+    index STALL_AT; rank 0's loader takes ``slow_s`` for each of its ``slow_steps`` steps from STALL_AT."""
+    out = root / f"run-{plan.stem}-{stall_s:g}-{timeout_s:g}-{slow_steps}"
     out.mkdir()
     case = {"plan": str(plan), "stall_at": STALL_AT, "stall_s": stall_s, "timeout_s": timeout_s, "steps": STEPS,
-            "out": str(out)}
+            "out": str(out), "slow_steps": slow_steps, "slow_s": slow_s}
     (out / "cases.json").write_text(json.dumps([case]))
     (out / "worker.py").write_text(WORKER)
     with socket.socket() as s:
@@ -135,6 +139,17 @@ def test_a_relaxed_mode_carries_on_up_to_its_bound_and_no_further(tmp_path, mode
     else:  # blocking averages: the stall changes when, not what
         _, calm = run_ranks(tmp_path, plan, stall_s=0.0, timeout_s=30.0)
         assert parts[0]["losses"] == pytest.approx(calm[0]["losses"], rel=1e-6)
+
+
+def test_the_timeout_counts_from_when_a_vw_must_wait_not_from_when_it_ran_ahead(tmp_path) -> None:
+    """wsp, D = 4, --timeout-s 3: rank 1 stalls 4 s; rank 0 spends about 2 s on its 4 waves ahead (a slow
+    loader), then waits about 2 s at its PULL: within the timeout, though its first wave ahead was pushed 4 s
+    before the stalled VW answered."""
+    plan = relaxed_plan(tmp_path, "wsp", SyncOptions(staleness=4))
+    codes, parts = run_ranks(tmp_path, plan, stall_s=4.0, timeout_s=3.0, slow_steps=4, slow_s=0.5)
+    assert codes == [0, 0], [p["error"] for p in parts]
+    assert last_started_in_stall(parts) == STALL_AT + 4
+    assert len(parts[0]["losses"]) == STEPS
 
 
 def test_a_stall_beyond_the_timeout_stops_the_job_naming_the_stalled_peer(tmp_path) -> None:
