@@ -14,7 +14,7 @@ cost (checkpoint, restart, warm-up) included. The switch's delay: the time of th
 line minus the event's. Then the noise check: the adaptive job on the unchanged cluster for
 ``--noise-steps`` steps, counting drift decisions (trigger, skip, switch).
 
-    sudo -E .venv/bin/python benchmarks/elastic_straggler.py [--steps 300] [--event-at 40] [--noise-steps 500]
+    sudo -E .venv/bin/python benchmarks/elastic_straggler.py [--steps 800] [--event-at 30] [--noise-steps 500]
 """
 
 from __future__ import annotations
@@ -133,8 +133,8 @@ def after_event(job: dict[str, Any], event_at_s: float) -> dict[str, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--event-at", type=float, default=40.0, help="seconds into the job of the cut")
+    parser.add_argument("--steps", type=int, default=800)
+    parser.add_argument("--event-at", type=float, default=30.0, help="seconds into the job of the cut")
     parser.add_argument("--noise-steps", type=int, default=500, help="steps of the unchanged run (0: none)")
     parser.add_argument("--out", default="out/bench-elastic-straggler")
     parser.add_argument("--no-write", action="store_true", help="do not write benchmarks/RESULTS.md")
