@@ -14,13 +14,14 @@ cost (checkpoint, restart, warm-up) included. The switch's delay: the time of th
 line minus the event's. Then the noise check: the adaptive job on the unchanged cluster for
 ``--noise-steps`` steps, counting drift decisions (trigger, skip, switch).
 
-    sudo -E .venv/bin/python benchmarks/elastic_straggler.py [--steps 800] [--event-at 30] [--noise-steps 500]
+    sudo -E .venv/bin/python benchmarks/elastic_straggler.py [--steps 1000] [--event-at 60] [--noise-steps 500]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import threading
 import time
@@ -133,8 +134,8 @@ def after_event(job: dict[str, Any], event_at_s: float) -> dict[str, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=800)
-    parser.add_argument("--event-at", type=float, default=30.0, help="seconds into the job of the cut")
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--event-at", type=float, default=60.0, help="seconds into the job of the cut")
     parser.add_argument("--noise-steps", type=int, default=500, help="steps of the unchanged run (0: none)")
     parser.add_argument("--out", default="out/bench-elastic-straggler")
     parser.add_argument("--no-write", action="store_true", help="do not write benchmarks/RESULTS.md")
@@ -162,9 +163,8 @@ def main() -> int:
                                               ("calm", "noise", args.noise_steps, "auto")):
             if steps <= 0:
                 continue
-            for old in out.glob(f"*-{name}*"):
-                if old.is_file():
-                    old.unlink()
+            for old in (out / f"metrics-{name}.jsonl", out / f"ckpt-{name}"):  # a run starts from nothing
+                shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
             data = tomllib.loads(texts[text_key])
             (out / f"cluster-{name}.toml").write_text(texts[text_key])
             with EmulatedCluster(parse_cluster(data), parse_emulation_settings(data.get("emulation")),

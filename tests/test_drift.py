@@ -223,3 +223,21 @@ def test_a_restart_takes_the_newest_drift_plan_of_its_plan_while_the_world_is_it
     world_plan = hetrain.elastic.replan(plan, [hetrain.elastic.PresentDevice(d, "cpu") for d in world[:2]], 8).plan
     write_plan(world_plan, ckpt, 8)  # a newer plan made for a changed world: the drift plan is history
     assert adopt_drift_plan(plan, world, ckpt) is None
+
+
+def test_hetrain_train_refuses_a_drill_it_cannot_run_and_a_drill_it_cannot_read(plan: Plan, tmp_path: Path,
+                                                                                 capsys: pytest.CaptureFixture[str]
+                                                                                 ) -> None:
+    from hetrain.runtime.command import main
+
+    plan.save(tmp_path / "plan.json")
+    base = ["--plan", str(tmp_path / "plan.json"), "--model", "mlp-digits", "--data", "synthetic"]
+    assert main([*base, "--force-drift", "3:n0:1=2", "--replan", "world"]) == 2
+    assert ("--force-drift 3:n0:1=2: a drift switch needs --replan auto (got world) and a --checkpoint-dir "
+            "(got none)") in capsys.readouterr().err
+    assert main([*base, "--force-drift", "n0:1", "--checkpoint-dir", str(tmp_path / "ckpt")]) == 2
+    assert "--force-drift 'n0:1': expected STEP:DEVICE=FACTOR" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stopped:  # argparse's own refusal
+        main([*base, "--drift-threshold", "0", "--checkpoint-dir", str(tmp_path / "ckpt")])
+    assert stopped.value.code == 2
+    assert "--drift-threshold: expected a finite number > 0, got '0'" in capsys.readouterr().err

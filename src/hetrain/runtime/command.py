@@ -327,6 +327,9 @@ def run_from_args(args: argparse.Namespace) -> int:
                                     val_data=args.val_data, tokenizer=args.tokenizer)
         check_batch_fits(data[0], data[1], plan.global_batch, args.eval_batches if args.eval_every else 0)
         drift = None
+        if args.force_drift and not (args.replan == "auto" and args.checkpoint_dir):
+            raise InputError(f"--force-drift {args.force_drift}: a drift switch needs --replan auto (got "
+                             f"{args.replan}) and a --checkpoint-dir (got {args.checkpoint_dir or 'none'})")
         if args.replan == "auto" and args.checkpoint_dir:
             drift = DriftOptions(args.drift_threshold, args.drift_window, args.replan_cooldown,
                                  force=parse_force(args.force_drift) if args.force_drift else None)
