@@ -206,7 +206,9 @@ def main() -> int:
                  f"to 0.3 at {args.event_at:g} s into the job (`[[emulation.event]]`), {args.steps} steps "
                  f"per run. Samples/s after the cut count the switch's own cost (checkpoint, torchrun "
                  f"restart, warm-up). The adaptive run's decisions: {why}. One run each, in turn, on a "
-                 f"shared 2-core host that other jobs load: the figures are noisy.")
+                 f"shared 2-core host that other jobs load: the figures are noisy. An earlier run with every "
+                 f"micro-batch size allowed read 0.81x: its drift plan took micro-batches of 1, which the "
+                 f"analytic profile prices at nothing per action and these CPUs at much more.")
         write_section("Elastic: emulated straggler, adaptive vs static",
                       "sudo -E .venv/bin/python benchmarks/elastic_straggler.py " + " ".join(sys.argv[1:]), table,
                       notes)
