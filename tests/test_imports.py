@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hetrain.planner", "hetrain.schedule", "hetrain.timeline", "hetrain.models.analytic", "hetrain.data.sharding",
      "hetrain.imports"),
     ("hetrain.simulator",),
-    ("hetrain.calibrate", "hetrain.elastic"),
+    ("hetrain.calibrate", "hetrain.elastic", "hetrain.drift"),
     ("hetrain.models", "hetrain.data", "hetrain.amp"),
     ("hetrain.distributed",),
     ("hetrain.profiler",),

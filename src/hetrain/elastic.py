@@ -285,6 +285,16 @@ def replan(plan: Plan, present: Sequence[PresentDevice], from_step: int = 0) -> 
             memory needed and available), or a new device's type is unknown.
     """
     cluster, change = build_world_cluster(plan.cluster, present)
+    return replan_on_cluster(plan, cluster, change, from_step)
+
+
+def replan_on_cluster(plan: Plan, cluster: Cluster, change: WorldChange, from_step: int = 0) -> Replanned:
+    """A plan for ``cluster``, made as ``plan`` was, with ``plan``'s profile and global batch (``replan``'s work,
+    also for a cluster with a slowed device: ``drift.slowed_plan``).
+
+    Raises:
+        ReplanError: the model fits no arrangement of the cluster's devices (the planner's reason).
+    """
     opts = planner_options_of(plan)
     try:
         new = build_plan(cluster, plan.profile, plan.global_batch, opts, score=_simulated_iteration_s)

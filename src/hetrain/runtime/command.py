@@ -30,6 +30,7 @@ from hetrain.data.datasets import DatasetSplit
 from hetrain.data.seq_len import check_sample_length, refuse_seq_len, train_seq_len
 from hetrain.data.user import build_model_datasets, check_batch_fits
 from hetrain.distributed.device import choose_device
+from hetrain.drift import DriftOptions, parse_force
 from hetrain.errors import InputError, RunError
 from hetrain.fields import MAX_SEQ_LEN, MAX_STEPS
 from hetrain.models.spec import is_user_spec
@@ -38,6 +39,7 @@ from hetrain.plan import Plan, PlanError, load_plan
 from hetrain.profile import PRECISIONS
 from hetrain.runtime.clip import check_clip
 from hetrain.runtime.config_file import parse_with_config
+from hetrain.runtime.drift import SWITCH_EXIT_STATUS, DriftSwitch
 from hetrain.runtime.elastic import REPLAN_MODES
 from hetrain.runtime.loss_scale import check_fp16
 from hetrain.runtime.lr_schedule import LR_SCHEDULES, LrSchedule
@@ -108,7 +110,8 @@ def run_train_command(plan_path: str | Path | Plan, model: str | ModelSource,
                       tensorboard_dir: str | Path | None = None, log_every: int = 10,
                       model_config: dict[str, Any] | None = None, eval_every: int = 0,
                       eval_batches: int = 8, lr_schedule: str = "constant", warmup_steps: int = 0,
-                      min_lr: float = 0.0, clip_grad_norm: float | None = None, replan: str = "auto") -> int:
+                      min_lr: float = 0.0, clip_grad_norm: float | None = None, replan: str = "auto",
+                      drift: DriftOptions | None = None) -> int:
     """``hetrain train``: train a reference model with a plan, on every rank of a torchrun job.
 
     The plan runs as it is: its sync mode, sync options and optimizer (module docstring).
@@ -143,10 +146,14 @@ def run_train_command(plan_path: str | Path | Plan, model: str | ModelSource,
         warmup_steps: linear warm-up from 0 to ``lr`` over this many steps.
         min_lr: the learning rate the decay ends at.
         clip_grad_norm: clip gradients to this global norm over the whole model (``bsp`` plans only).
-        replan: ``auto``: re-plan a world that is not the plan's (``runtime.elastic``); ``off``: refuse it.
+        replan: ``auto``: re-plan a world that is not the plan's (``runtime.elastic``) and watch for drift
+            (``runtime.drift``); ``world``: the changed world only; ``off``: refuse a changed world.
+        drift: the drift watch's options (``replan="auto"`` with a ``checkpoint_dir`` only); None: no watch.
 
     Returns:
-        The exit status: 0, or 1 after an error printed to stderr.
+        The exit status: 0; ``SWITCH_EXIT_STATUS`` (75) after a drift switch's checkpoint and plan are
+        written (run it again, as torchrun's ``--max-restarts`` does, to go on under the new plan); 1 after
+        an error printed to stderr.
     """
     trainer: Trainer | None = None
     config = dict(model_config or {})
@@ -174,7 +181,8 @@ def run_train_command(plan_path: str | Path | Plan, model: str | ModelSource,
                           source.loss_fn, timeout_s=timeout_s, checkpoint_dir=checkpoint_dir,
                           checkpoint_every=checkpoint_every, metrics_out=metrics_out, timeline_out=timeline_out,
                           progress=progress, tensorboard_dir=tensorboard_dir, log_every=log_every,
-                          lr_schedule=schedule, clip_grad_norm=clip_grad_norm, tied=source.tied, replan=replan)
+                          lr_schedule=schedule, clip_grad_norm=clip_grad_norm, tied=source.tied, replan=replan,
+                          drift=drift)
         plan = trainer.plan  # re-made when the world changed
         if trainer.is_reporting:
             resumed = f", resuming at step {trainer.step}" if trainer.step else ""
@@ -185,6 +193,11 @@ def run_train_command(plan_path: str | Path | Plan, model: str | ModelSource,
         history = trainer.fit(train_set, steps, seed=data_seed, val_data=val_set, eval_every=eval_every,
                               eval_batches=eval_batches)
         _print_outcome(trainer, start, history)
+    except DriftSwitch as e:
+        print(f"hetrain train: {e}", flush=True)
+        if trainer is not None:
+            trainer.close()
+        return SWITCH_EXIT_STATUS
     except (RunError, InputError, ValueError, TypeError, OSError) as e:
         print(f"hetrain train: error: {e}", file=sys.stderr, flush=True)
         if trainer is not None:
@@ -244,8 +257,21 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replan", choices=REPLAN_MODES, default="auto",
                         help="auto: a restart whose devices are not the plan's (a node left or joined) re-plans "
                              "with the plan's cluster, profile and options, and resumes from the newest checkpoint "
-                             "under the new plan (written to CHECKPOINT_DIR/plans/); off: refuse it (default auto; "
-                             "docs/elastic.md)")
+                             "under the new plan (written to CHECKPOINT_DIR/plans/); with --checkpoint-dir it also "
+                             "watches for a device that drifts and switches plans when that pays (exit status 75, "
+                             "for torchrun to restart); world: the changed world only, no drift watch; off: refuse "
+                             "a changed world (default auto; docs/elastic.md)")
+    parser.add_argument("--drift-threshold", type=number_at_least(0.0, inclusive=False), default=0.3, metavar="X",
+                        help="a device drifts when its compute runs 1+X times slower (or faster) than its baseline "
+                             "(default 0.3)")
+    parser.add_argument("--drift-window", type=int_between(1, MAX_STEPS, "MAX_STEPS"), default=20, metavar="N",
+                        help="steps in a row a device must drift before a re-plan is considered; also its "
+                             "baseline's steps (default 20)")
+    parser.add_argument("--replan-cooldown", type=int_between(0, MAX_STEPS, "MAX_STEPS"), default=100,
+                        metavar="N", help="no drift decision within N steps of the last one (default 100)")
+    parser.add_argument("--force-drift", default=None, metavar="STEP:DEVICE=FACTOR",
+                        help="a drill: at STEP act as if DEVICE ran FACTOR times slower and switch plans whatever "
+                             "the gain (e.g. 40:n0:1=3)")
     parser.add_argument("--seed", type=int, default=0, help="model seed (per-layer seeds derive from it)")
     parser.add_argument("--data-seed", type=int, default=0, help="seed of the data order")
     parser.add_argument("--set", dest="model_config", action="append", default=[], metavar="KEY=VALUE",
@@ -300,6 +326,13 @@ def run_from_args(args: argparse.Namespace) -> int:
         data = build_train_datasets(plan, model, args.data, args.data_seed, seq_len=args.seq_len,
                                     val_data=args.val_data, tokenizer=args.tokenizer)
         check_batch_fits(data[0], data[1], plan.global_batch, args.eval_batches if args.eval_every else 0)
+        drift = None
+        if args.force_drift and not (args.replan == "auto" and args.checkpoint_dir):
+            raise InputError(f"--force-drift {args.force_drift}: a drift switch needs --replan auto (got "
+                             f"{args.replan}) and a --checkpoint-dir (got {args.checkpoint_dir or 'none'})")
+        if args.replan == "auto" and args.checkpoint_dir:
+            drift = DriftOptions(args.drift_threshold, args.drift_window, args.replan_cooldown,
+                                 force=parse_force(args.force_drift) if args.force_drift else None)
     except (InputError, ValueError) as e:
         print(f"hetrain train: error: {e}", file=sys.stderr)
         return 2
@@ -310,7 +343,7 @@ def run_from_args(args: argparse.Namespace) -> int:
                              log_every=args.log_every, model_config=config, eval_every=args.eval_every,
                              eval_batches=args.eval_batches, lr_schedule=args.lr_schedule,
                              warmup_steps=args.warmup_steps, min_lr=args.min_lr,
-                             clip_grad_norm=args.clip_grad_norm, replan=args.replan)
+                             clip_grad_norm=args.clip_grad_norm, replan=args.replan, drift=drift)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

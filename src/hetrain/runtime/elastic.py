@@ -32,22 +32,28 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hetrain.drift import DRIFT_KIND, base_digest_of, drift_factors_of
 from hetrain.elastic import (
+    REPLAN_KEY,
     PresentDevice,
     ReplanError,
     Replanned,
+    WorldChange,
     check_same_plan,
     describe_replan,
     made_by_planner,
+    plan_digest,
+    predicted_samples_per_s,
     replan,
     world_differs,
 )
-from hetrain.plan import Plan
+from hetrain.plan import Plan, load_plan
 from hetrain.runtime.roles import device_name
 from hetrain.runtime.stage_state import latest_step
 
-#: ``--replan``: ``auto`` re-plans a changed world when the plan records how it was made; ``off`` refuses it
-REPLAN_MODES: tuple[str, ...] = ("auto", "off")
+#: ``--replan``: ``auto`` re-plans a changed world when the plan records how it was made, and watches for drift
+#: (``runtime.drift``); ``world``: the changed world only; ``off`` refuses a changed world
+REPLAN_MODES: tuple[str, ...] = ("auto", "world", "off")
 
 
 @dataclass(frozen=True)
@@ -55,7 +61,8 @@ class ReplanPolicy:
     """Whether and where a changed world is re-planned.
 
     Attributes:
-        mode: ``auto`` (re-plan when the plan was made by the planner) or ``off`` (refuse, as ``roles`` does).
+        mode: ``auto`` or ``world`` (re-plan when the plan was made by the planner; ``auto`` also watches for
+            drift) or ``off`` (refuse, as ``roles`` does).
         checkpoint_dir: where the checkpoint is resumed from; the new plan goes to its ``plans/``.
     """
 
@@ -84,6 +91,39 @@ def plan_path(checkpoint_dir: Path, step: int) -> Path:
     return checkpoint_dir / "plans" / f"plan-step{step}.json"
 
 
+def newest_replanned(checkpoint_dir: Path) -> tuple[int, Path] | None:
+    """The newest plan re-made beside the checkpoint at a step the newest complete checkpoint has reached:
+    ``(step, CKPT/plans/plan-step{step}.json)``, or None."""
+    reached = latest_step(checkpoint_dir)
+    found = []
+    for path in (checkpoint_dir / "plans").glob("plan-step*.json"):
+        tail = path.stem.removeprefix("plan-step")
+        if tail.isdigit() and reached is not None and int(tail) <= reached:
+            found.append((int(tail), path))
+    return max(found) if found else None
+
+
+def adopt_drift_plan(plan: Plan, names: Sequence[str], checkpoint_dir: Path | None) -> Replanned | None:
+    """The drift plan a restarted job runs instead of ``plan`` (plan.json), or None.
+
+    It is the newest plan re-made beside the checkpoint (``newest_replanned``) when that plan was made on
+    drift (``options.replan.kind == "drift"``) from this very ``plan`` (its ``base_digest``), and the devices
+    reported are its devices. Else None: ``plan`` runs, re-planned as on any restart when the world changed
+    (the drift's slowdown is then forgotten). Reads files only: the same on every rank of a shared directory.
+    """
+    if checkpoint_dir is None:
+        return None
+    newest = newest_replanned(checkpoint_dir)
+    if newest is None:
+        return None
+    drifted = load_plan(newest[1])
+    record = drifted.options.get(REPLAN_KEY)
+    if not (isinstance(record, dict) and record.get("kind") == DRIFT_KIND
+            and record.get("base_digest") == base_digest_of(plan) and not world_differs(drifted, names)):
+        return None
+    return Replanned(drifted, WorldChange((), ()), plan_digest(drifted))
+
+
 def _one_host_as_node(plan: Plan, reported: Sequence[str], from_hosts: bool) -> list[str]:
     """With host names for nodes (no ``HETRAIN_NODE``), one host and a one-node plan: the host is that node."""
     hosts = {d.rpartition(":")[0] for d in reported}
@@ -91,6 +131,12 @@ def _one_host_as_node(plan: Plan, reported: Sequence[str], from_hosts: bool) -> 
         return list(reported)
     node = plan.cluster.nodes[0].name
     return [device_name(node, int(d.rpartition(":")[2])) for d in reported]
+
+
+def describe_drift(plan: Plan) -> str:
+    """``"n0:1 x3.00 slower; predicted 255.7 samples/s"``: a drift plan's slowdowns and prediction."""
+    slow = ", ".join(f"{d} x{f:.2f}" for d, f in sorted(drift_factors_of(plan).items()))
+    return f"slowdown {slow or 'none'}; predicted {predicted_samples_per_s(plan):.1f} samples/s under it"
 
 
 def _gather(value: Any, world: int, what: str) -> list[Any]:
@@ -126,9 +172,17 @@ def replan_world(plan: Plan, reported: Sequence[str], rank: int, device: torch.d
     if policy is None or policy.mode == "off" or not made_by_planner(plan):
         return list(reported), None
     names = _one_host_as_node(plan, reported, from_hosts)
+    world = len(names)
+    adopted = adopt_drift_plan(plan, names, policy.checkpoint_dir) if len(set(names)) == len(names) else None
+    if adopted is not None:  # a drift switch's restart: its plan, which every rank read from the same file
+        check_same_plan([str(d) for d in _gather(adopted.digest, world, "the drift plan's digest they read")])
+        if rank == 0:
+            print(f"hetrain: resuming under the plan re-made on drift, {policy.checkpoint_dir}/plans/"
+                  f"plan-step{adopted.record.get('from_step')}.json (plan {adopted.digest}; "
+                  f"{describe_drift(adopted.plan)})", flush=True)
+        return names, adopted
     if len(set(names)) != len(names) or not world_differs(plan, names):
         return list(reported), None
-    world = len(names)
     types = _gather(local_device_type(device), world, "their device types")  # 1
     present = [PresentDevice(n, str(t)) for n, t in zip(names, types, strict=True)]
     step = (latest_step(policy.checkpoint_dir) if policy.checkpoint_dir is not None else None) or 0

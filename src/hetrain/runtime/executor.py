@@ -24,6 +24,7 @@ gradient, whatever the VWs' mini-batch sizes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -125,6 +126,8 @@ class Executor:
             the optimizer step (an fp16 overflow). None: nothing.
         grad_scale: the loss scale the backward starts from (fp16's ``amp.LossScaler.scale``; 1 otherwise),
             read at the start of each iteration.
+        compute_s: the host's seconds of the last iteration's F and B actions (on a GPU: their launch and
+            whatever waits they hold, not the kernels' time), for the drift watch (``runtime.drift``).
     """
 
     def __init__(self, role: Role, module: StageModule, loss_fn: LossFn, transport: Transport, sync: GradientSync,
@@ -143,6 +146,7 @@ class Executor:
         self.precision = precision
         self.before_step: Callable[[int], bool | None] | None = None
         self.grad_scale = 1.0
+        self.compute_s = 0.0  # host seconds of the last iteration's F and B actions (drift watch, runtime.drift)
         # BSP: n_i / N, as the seed of each micro-batch's backward: the gradient of loss * n_i / N, without the product
         # other sync modes: n_i / (this VW's mini-batch): each VW steps on its own mean gradient (docs/sync.md)
         total = role.global_batch if modes is None else sum(role.micro_batch_sizes)
@@ -181,6 +185,7 @@ class Executor:
         self.grads: dict[int, list[torch.Tensor]] = {}
         self.input_grads: dict[int, list[torch.Tensor]] = {}
         self.loss_sum = torch.zeros((), device=self.device)
+        self.compute_s = 0.0
         # receives are posted one ahead of the one being waited for, per direction (see _post_ahead_*)
         orders = self._orders.get(id(actions))
         if orders is None or orders[0] is not actions:
@@ -214,10 +219,12 @@ class Executor:
         """Run one action: one method per kind."""
         match a:
             case Compute():
+                t0 = time.perf_counter()
                 if a.kind is K.F:
                     self._forward(a)
                 else:
                     self._backward(a)
+                self.compute_s += time.perf_counter() - t0
             case Transfer():
                 self._transfers[a.kind](a)
             case BucketSync():

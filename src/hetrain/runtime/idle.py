@@ -20,6 +20,7 @@ from typing import Any
 from hetrain.distributed.barrier import Barrier, BarrierError
 from hetrain.distributed.health import PeerError, beat_counter
 from hetrain.runtime.checkpoint import save_checkpoint
+from hetrain.runtime.drift import DriftSwitch
 from hetrain.runtime.job import Job
 
 
@@ -73,6 +74,8 @@ class JobEvents:
             self.count += 1
             if event["kind"] == "done":
                 return step
+            if event["kind"] == "switch":  # the used ranks switch plans (runtime.drift): leave with them
+                raise DriftSwitch(f"switching plans at step {event['step']} (drift)", int(event["step"]), None)
             step = int(event["step"])
             save_checkpoint(self.checkpoint_dir, step, {}, {}, event["meta"], owned_names=set(),
                             timeout_s=job.timeout_s)

@@ -51,6 +51,11 @@ K = ActionKind
 #: checkpoint names of a parameter-server shard's global weights: ``ps.layers.3.weight`` (one file per layer)
 PS_PREFIX = "ps."
 _instances = itertools.count()  # store keys per ModeSync: trainers are built in the same order on every rank
+#: seconds a parameter-server shard's reduce and broadcast of one wave may stay in flight. A VW may run up to
+#: D waves ahead of the slowest owner, and D waves may take any time, so a wave's collectives may wait that
+#: long without anything being wrong; what bounds a stall is the worker's own wait at its PULL (``timeout_s``
+#: from when it blocks, naming the peers), and a peer that dies closes its connections at once.
+PS_IN_FLIGHT_S = 24 * 3600.0
 
 
 def build_mode_groups(plan: Plan, rank_of: Mapping[str, int], timeout_s: float) -> dict[tuple[str, int], Any]:
@@ -72,7 +77,7 @@ def build_mode_groups(plan: Plan, rank_of: Mapping[str, int], timeout_s: float) 
                 out[("local", s)] = group
         if seg.ps_host is not None:
             ranks = sorted(rank_of[o] for o in seg.owners)
-            group = dist.new_group(ranks, timeout=timeout)
+            group = dist.new_group(ranks, timeout=timedelta(seconds=max(timeout_s, PS_IN_FLIGHT_S)))
             if me in ranks:
                 out[("ps", s)] = group
     return out
@@ -246,7 +251,8 @@ class ModeSync:
                 self.global_wave[s] = -1
                 host = self._host(s)
                 if host == device:
-                    shard = _Shard(s, self.base[s], self.mode_groups[("ps", s)], rank_of[host], timeout_s)
+                    shard = _Shard(s, self.base[s], self.mode_groups[("ps", s)], rank_of[host],
+                                   max(timeout_s, PS_IN_FLIGHT_S))
                     shard.start()
                     self.shards[s] = shard
                 else:

@@ -47,11 +47,13 @@ from torch import nn
 
 from hetrain.amp import LossScaler, check_precision
 from hetrain.distributed.device import choose_device
+from hetrain.drift import DriftOptions
 from hetrain.plan import Plan
 from hetrain.profile import OPTIMIZER_NAMES, canonical_optimizer
 from hetrain.runtime.batches import MicroBatches, global_batches
 from hetrain.runtime.clip import GradClip, check_clip
-from hetrain.runtime.elastic import ReplanPolicy
+from hetrain.runtime.drift import DriftMonitor, DriftSwitch, drift_row, leave_together
+from hetrain.runtime.elastic import ReplanPolicy, plan_path
 from hetrain.runtime.evaluate import evaluate_stage
 from hetrain.runtime.executor import LossFn, StageModule
 from hetrain.runtime.idle import JobEvents
@@ -132,7 +134,11 @@ class Trainer:
         replan: ``auto``: a world whose devices are not the plan's (a torchrun restart after a node left or
             joined) is re-planned, when the plan records how it was made, and training resumes from the
             newest checkpoint under the new plan (``runtime.elastic``; ``self.plan`` is then the new plan);
-            ``off``: such a world is refused.
+            ``world``: the same, without the drift watch; ``off``: such a world is refused.
+        drift: under ``replan="auto"`` with a ``checkpoint_dir``, watch each device's compute time and
+            switch to a re-made plan when a device drifts and switching pays (``runtime.drift``,
+            docs/elastic.md): ``fit`` then checkpoints and raises ``DriftSwitch`` on every rank, and a
+            new Trainer on the same checkpoint directory takes the new plan. None: no watch.
 
     Example:
         >>> trainer = Trainer(functools.partial(build_layers, "gpt-tiny", seed=0), plan,   # doctest: +SKIP
@@ -146,7 +152,9 @@ class Trainer:
                  timeline_out: str | Path | None = None, progress: bool | None = None,
                  tensorboard_dir: str | Path | None = None, record_timeline: bool = False,
                  log_every: int = 10, lr_schedule: LrSchedule | None = None,
-                 clip_grad_norm: float | None = None, tied: Sequence[Tie] = (), replan: str = "auto") -> None:
+                 clip_grad_norm: float | None = None, tied: Sequence[Tie] = (), replan: str = "auto",
+                 drift: DriftOptions | None = None) -> None:
+        started_s = time.perf_counter()
         check_clip(plan, clip_grad_norm)  # before any process group: every rank refuses alike
         check_tied(plan, tied)
         check_fp16(plan)
@@ -206,6 +214,11 @@ class Trainer:
         self._events = JobEvents(job, self.checkpoint_dir)
         self._micro_batches = MicroBatches(self.role, plan.global_batch)
         self._restore()
+        self._drift: DriftMonitor | None = None  # the drift watch (runtime.drift), on used ranks
+        if drift is not None and replan == "auto" and self.checkpoint_dir is not None and parts is not None:
+            device_of = {r: d for d, r in self.rank_of.items()}
+            self._drift = DriftMonitor(plan, self.role.device, [device_of[r] for r in self.used_ranks],
+                                       self.work_group, job.wait, drift, started_s, self.step)
 
     # --- public --------------------------------------------------------------------
 
@@ -253,7 +266,11 @@ class Trainer:
 
             self._eval_set = fixed_batches(val_data, self.plan.global_batch, eval_batches)
         if not self.role.used:
-            self.step = self._events.idle(self.step)
+            try:
+                self.step = self._events.idle(self.step)
+            except DriftSwitch as e:  # the used ranks switch plans (runtime.drift)
+                leave_together(self.health, e.step, self.timeout_s)
+                raise
             return []
         start_step = self.step
         log = (MetricsLog(self.metrics_out, self.tensorboard_dir, self.progress, steps, start_step)
@@ -261,6 +278,9 @@ class Trainer:
         out: list[dict[str, Any]] = []
         try:
             self._train(global_batches(data, self.plan.global_batch, seed, self.step), steps, log, out)
+        except DriftSwitch as e:  # every rank leaves alike, on purpose: nothing to tell the others
+            leave_together(self.health, e.step, self.timeout_s)
+            raise
         except Exception as e:
             self.health.post_error(str(e))
             self.health.linger(min(self.timeout_s, 3 * self.health.period_s + 2))
@@ -353,9 +373,56 @@ class Trainer:
                 self._log_losses(sums.drain(), log, out)
                 excluded += self._evaluate(log, elapsed)
                 t_prev = time.perf_counter()
+            if self._drift is not None:
+                self._watch_drift(parts.executor.compute_s, step_time, steps, log, out, sums, checkpoint)
+        if self._drift is not None:
+            self._drift.flush(self.step)
         self._log_losses(sums.drain(), log, out)
         if self.modes is not None:
             self.modes.finish(f"the end of training (step {self.step})")
+
+    def _watch_drift(self, compute_s: float, step_s: float, steps: int, log: MetricsLog | None,
+                     out: list[dict[str, Any]], sums: LossSums, saved: bool) -> None:
+        """Record this step's compute time; every ``share_every`` steps share the figures and, on a sustained
+        drift, decide (the same on every rank) and log it; switch when that pays (``runtime.drift``)."""
+        mon = self._drift
+        assert mon is not None
+        mon.after_step(self.step, compute_s, step_s)
+        if self.step >= steps:
+            return
+        drift = mon.detector.forced(self.step)
+        if drift is None and mon.due():
+            drift = mon.observe(mon.share(self.step))
+        if drift is None:
+            return
+        self._log_drift(drift_row(self.step, "trigger", drift, None), log)
+        decision = mon.decide(drift, self.step, steps)
+        self._log_drift(drift_row(self.step, "switch" if decision.switch else "skip", drift, decision), log)
+        if not decision.switch or decision.replanned is None:
+            return
+        mon.flush(self.step)
+        self._log_losses(sums.flush(), log, out)
+        self._log_losses(sums.drain(), log, out)
+        if not saved:
+            self._save(out[-1]["loss"] if out else None)
+        assert self.checkpoint_dir is not None
+        path = plan_path(self.checkpoint_dir, self.step)
+        if self.is_reporting:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            decision.replanned.plan.save(path)
+        self._events.post({"kind": "switch", "step": self.step})
+        raise DriftSwitch(f"switching plans at step {self.step} (drift: {decision.reason}); checkpoint written, "
+                          f"the new plan is {path} (plan {decision.replanned.digest}): restart to take it",
+                          self.step, str(path))
+
+    def _log_drift(self, row: dict[str, Any], log: MetricsLog | None) -> None:
+        """A drift decision: a metrics row and one printed line, on the reporting rank."""
+        if not self.is_reporting:
+            return
+        if log is not None:
+            log.log(row)
+        print(f"hetrain: drift {row['drift']} at step {row['step']}: "
+              + (row.get("reason") or ", ".join(f"{d} x{f:.2f}" for d, f in row["factors"].items())), flush=True)
 
     def _log_losses(self, rows: list[dict[str, Any]], log: MetricsLog | None, out: list[dict[str, Any]]) -> None:
         """Steps whose summed loss has been read: into ``out``, the history and the metrics log."""
@@ -431,9 +498,12 @@ class Trainer:
         mode_tensors = ({} if self.modes is None else  # parameter-server shards; DASO's k (runtime.modes)
                         self.modes.checkpoint_state(self.module, f"the checkpoint of step {self.step}"))
         self._save_sync_state(meta)
+        t0 = time.perf_counter()
         self._events.post({"kind": "checkpoint", "step": self.step, "meta": meta})
         save_stage(self.checkpoint_dir, self.step, self.module, self.optimizer, self.plan, self.role.device,
                    mode_tensors, meta, self.timeout_s)
+        if self._drift is not None:  # the switch's cost counts it (runtime.drift)
+            self._drift.checkpoint_s = time.perf_counter() - t0
 
     def _restore(self) -> None:
         """Resume from the newest complete checkpoint, if any: the stage, its optimizer, the sync mode's state."""
