@@ -114,7 +114,21 @@ def test_every_option_is_recorded_and_comes_back_from_the_file() -> None:
     assert all(vw.micro_batch_size in (2, 4) for vw in new.virtual_workers)
     assert all(not s.recompute for vw in new.virtual_workers for s in vw.stages)
     assert new.options["planner"] == {**plan.options["planner"], "sync": plan.sync, "schedule": plan.schedule,
-                                      "global_batch_choices": []}
+                                      "global_batch_choices": [], "time_budget_s": None,
+                                      "simulate_top_k": plan.options["planner_report"]["simulated"]}
+
+
+def test_a_replan_runs_no_clock_and_simulates_as_many_as_the_planning_did() -> None:
+    plan = hetrain.plan(parse_cluster(cpus(3)), MLP, 16, optimizer="sgd")
+    assert plan.options["planner"]["time_budget_s"] == 10.0 and plan.options["planner"]["simulate_top_k"] is None
+    opts = planner_options_of(plan)
+    assert opts.time_budget_s is None
+    assert opts.simulate_top_k == plan.options["planner_report"]["simulated"] >= 1
+    without = parse_plan({**plan.to_dict(), "options": {k: v for k, v in plan.options.items()
+                                                        if k != "planner_report"}})
+    assert planner_options_of(without).simulate_top_k == 3
+    bounded = hetrain.plan(parse_cluster(cpus(3)), MLP, 16, optimizer="sgd", simulate_top_k=1)
+    assert planner_options_of(bounded).simulate_top_k == 1
 
 
 def test_a_plan_without_its_options_recorded_is_remade_from_what_it_has() -> None:

@@ -141,6 +141,10 @@ def world_differs(plan: Plan, reported: Sequence[str]) -> bool:
     return any(d not in known for d in reported) or any(d not in present for d in plan.devices_used)
 
 
+#: candidates a re-plan simulates where the plan does not say how many its planning simulated
+DETERMINISTIC_TOP_K = 3
+
+
 def record_planner_options(plan: Plan, opts: PlannerOptions) -> Plan:
     """``plan`` with ``options["planner"]``: the options it was made with (those JSON holds), so that it can be
     re-made as it was (``planner_options_of``). ``hetrain.plan`` records them in every plan it makes."""
@@ -165,7 +169,8 @@ def planner_options_of(plan: Plan) -> PlannerOptions:
     ``--sync auto`` chose the mode, its staleness penalty and samples to target. Either way the
     plan's own fields win: its schedule, sync mode and options, optimizer. The sync mode is the one
     the plan runs (not chosen again), so the mode's state carries over; no other global batch is
-    tried (``global_batch_choices`` empty).
+    tried (``global_batch_choices`` empty). No time budget: every rank must make the same plan, so the
+    re-plan simulates as many candidates as the plan's planning did (``planner_report``), whatever the clock.
 
     Raises:
         ReplanError: a recorded option this planner refuses, naming it.
@@ -184,6 +189,13 @@ def planner_options_of(plan: Plan) -> PlannerOptions:
         kwargs.update({k: tuple(v) if isinstance(v, list) else v for k, v in recorded.items() if k in known})
     kwargs.update(schedule=plan.schedule, sync=plan.sync, sync_options=plan.sync_options, optimizer=plan.optimizer,
                   global_batch_choices=())
+    # Every rank re-plans, and their plans must be one (check_same_plan): no clock may cut the search. So no
+    # time budget, and as many candidates simulated as the plan's own planning did (3 where it does not say).
+    report = o.get("planner_report")
+    if kwargs.get("simulate_top_k") is None:
+        simulated = report.get("simulated") if isinstance(report, Mapping) else None
+        kwargs["simulate_top_k"] = simulated if isinstance(simulated, int) and simulated >= 0 else DETERMINISTIC_TOP_K
+    kwargs["time_budget_s"] = None
     try:
         return PlannerOptions(**kwargs)
     except (TypeError, ValueError) as e:
