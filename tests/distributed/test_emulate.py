@@ -29,7 +29,7 @@ from hetrain.emulate import cgroups, cli, keepawake, network, rankwrap
 from hetrain.emulate.cgroups import CgroupRoot, estimate_quota, find_cpu_cgroups
 from hetrain.emulate.emulator import STATE_DIR, EmulatedCluster, assign_cpus, check_permissions, list_runs, remove_run
 from hetrain.emulate.events import late_nodes
-from hetrain.emulate.launch import build_node_env, build_torchrun_command
+from hetrain.emulate.launch import UNSHARED_STORE_ENV, build_node_env, build_torchrun_command
 from hetrain.emulate.rankwrap import CGROUPS_ENV, COMM_ENV, CPUS_ENV
 from hetrain.emulate.rootless import probe_user_namespaces
 from hetrain.emulate.settings import EmulationError, EmulationSettings, parse_emulation_settings
@@ -756,8 +756,12 @@ def test_a_node_killed_or_started_again_makes_the_rendezvous_go_on_without_it() 
             assert cmd[cmd.index("--nnodes") + 1] == "1:2"
             assert cmd[cmd.index("--rdzv-conf") + 1] == (f"is_host={int(k == 0)},join_timeout=120,last_call_timeout=2,"
                                                          "keep_alive_interval=1,keep_alive_max_attempt=2")
+            # a node joining a running job waited for a master address no round wrote, with the store shared
+            assert build_node_env(em, k, {"PATH": "/usr/bin"})[UNSHARED_STORE_ENV] == "1"
     fixed = build_torchrun_command(EmulatedCluster(cluster, EmulationSettings(), run_id="abc125"), 1, ["true"])
     assert fixed[fixed.index("--nnodes") + 1] == "2" and "last_call" not in " ".join(fixed)
+    assert UNSHARED_STORE_ENV not in build_node_env(EmulatedCluster(cluster, EmulationSettings(), run_id="abc125"), 1,
+                                                    {"PATH": "/usr/bin"})
     with pytest.raises(EmulationError, match=r"keep_alive_interval must be between 1s and 3600s, got 0\.5 s"):
         parse_emulation_settings({"keep_alive_interval": "0.5s"})
     with pytest.raises(EmulationError, match=r"keep_alive_max_attempt must be an integer, got 1\.5"):

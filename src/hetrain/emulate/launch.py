@@ -47,6 +47,8 @@ if TYPE_CHECKING:
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                   "MASTER_ADDR", "MASTER_PORT", "HETRAIN_HOST", "HETRAIN_NODE", CGROUPS_ENV, CPUS_ENV,
                   FILL_ENV, COMM_ENV)
+#: torchrun's switch that gives each rendezvous round its own workers' store (set where nodes leave or join)
+UNSHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 FAILURE_GRACE_S = 2.0  # after one node fails, how long the others may take to stop on their own
 STOP_GRACE_S = 2.0     # after SIGTERM, how long a torchrun may take to stop its ranks
 
@@ -115,6 +117,11 @@ def build_node_env(em: EmulatedCluster, k: int, base: dict[str, str] | None = No
         HETRAIN_NODE=name, HETRAIN_HOST=name, GLOO_SOCKET_IFNAME=NIC, TP_SOCKET_IFNAME=NIC,
         PATH=os.pathsep.join([bin_dir, env.get("PATH", os.defpath)]), PYTHONUNBUFFERED="1",
     )
+    if absent_nodes(em.settings.events):
+        # torchrun's agents share one TCP store with their workers by default; a node joining a running job then
+        # waits for the master address of the new round, which the first node, holding its store from before,
+        # never writes (both agents time out after 60 s; pytorch issue 135712). Unshared, each round writes it.
+        env[UNSHARED_STORE_ENV] = "1"
     env[CGROUPS_ENV] = json.dumps(em.node_cgroups(k))
     env[CPUS_ENV] = json.dumps(em.node_cpus(k))
     env[FILL_ENV] = json.dumps(em.node_fillers(k))
