@@ -371,25 +371,27 @@ def report(args: argparse.Namespace, run_: ElasticRun, plan4: Any, plan2: Any, r
     from hetrain.planner.robust import describe_layout
 
     N = args.global_batch
-    attempts = split_attempts(run_.rows)
-    written = sorted((out / "ckpt" / "plans").glob("plan-step*.json")) if (out / "ckpt" / "plans").is_dir() else []
     finished = run_.status == 0 and bool(run_.rows) and run_.rows[-1]["step"] == run_.steps \
         and (out / "ckpt" / f"step-{run_.steps:08d}").is_dir()
     say = print
-    say(f"elastic run: exit status {run_.status}, {len(attempts)} attempt(s): " + "; ".join(
-        f"steps {a[0]['step']}..{a[-1]['step']}" for a in attempts))
-    kill_t = run_.lines.first("node n2 kill")
-    if kill_t is not None and not any(r["t"] < kill_t for r in run_.rows):
+    kill_t, start_t = run_.lines.first("node n2 kill"), run_.lines.first("node n2 start")
+    if kill_t is None or not any(r["t"] < kill_t for r in run_.rows):
         say(f"the job trained no step before n2 was killed at {args.kill_at_s:g} s (it took longer to start on "
             f"this host): raise --kill-at-s; see {out / 'jobs.log'}")
         return 1
-    if len(attempts) != 3:
-        say(f"expected 3 attempts (4 devices, n1 alone, 4 devices again); see {out / 'jobs.log'}")
+    # before n2 is back: the 4-device attempt, then n1's; after: one attempt on 4 devices, if n2 was let in
+    before = split_attempts([r for r in run_.rows if start_t is None or r["t"] < start_t])
+    after = split_attempts([r for r in run_.rows if start_t is not None and r["t"] >= start_t])
+    say(f"elastic run: exit status {run_.status}; attempts before n2 came back: " + "; ".join(
+        f"steps {a[0]['step']}..{a[-1]['step']}" for a in before) + "; after: " + "; ".join(
+        f"steps {a[0]['step']}..{a[-1]['step']}" for a in after))
+    if len(before) != 2:
+        say(f"expected 2 attempts before n2 came back (4 devices, n1 alone); see {out / 'jobs.log'}")
         return 1
-    first, alone, again = attempts
+    first, alone = before
     lost = read_restart(run_, first, alone, "node n2 kill")
-    back = read_restart(run_, alone, again, "node n2 start")
-    replanned = load_plan(written[0]) if written else None
+    replanned_path = out / "ckpt" / "plans" / f"plan-step{lost.resumed_from}.json"
+    replanned = load_plan(replanned_path) if replanned_path.exists() else None
     same_as_fresh = replanned is not None and describe_layout(replanned) == describe_layout(plan2)
     # the new world's steps in the 60 s after the kill, its first step (warm-up, a checkpoint load) left out
     window = [r for r in alone[1:] if r["t"] <= lost.event_t + WINDOW_S]
@@ -398,7 +400,6 @@ def report(args: argparse.Namespace, run_: ElasticRun, plan4: Any, plan2: Any, r
     with_downtime = N * len(done_in_window) / WINDOW_S
     steady_alone = rate(alone[1:], N)
     steady_before = rate(first[5:], N)
-    steady_again = rate(again[1:], N)
     interval = args.checkpoint_every
     ok = "met" if in_window >= 0.9 * r2 else "NOT met"
     rows = [
@@ -415,25 +416,36 @@ def report(args: argparse.Namespace, run_: ElasticRun, plan4: Any, plan2: Any, r
         f"its first left out) | {in_window:.1f} = {100 * in_window / r2:.0f}% of n1's fresh plan alone "
         f"({r2:.1f}) | >= 90%: {ok} |",
         f"| samples/s over the {WINDOW_S:.0f} s after the kill, the restart's downtime included | "
-        f"{with_downtime:.1f} = "
-        f"{100 * with_downtime / r2:.0f}% of {r2:.1f} | |",
+        f"{with_downtime:.1f} = {100 * with_downtime / r2:.0f}% of {r2:.1f} | |",
         f"| samples/s of the new plan, all its {len(alone) - 1} steps but the first | {steady_alone:.1f} = "
         f"{100 * steady_alone / r2:.0f}% | |",
         f"| no human action | exit status {run_.status}, {'reached' if finished else 'did NOT reach'} step "
         f"{run_.steps} with its checkpoint | the job finishes: {'met' if finished else 'NOT met'} |",
     ]
-    rows2 = [
-        "| node added back (n2 started again) | measured | |", "| --- | --- | --- |",
-        f"| steps lost at the membership restart | {back.steps_lost} (last logged {back.last_before}, resumed from "
-        f"{back.resumed_from}) | |",
-        f"| start -> first step on 4 devices | {back.to_first_step_s:.1f} s | |",
-        f"| plan | {'re-planned' if back.replan_t is not None else 'plan.json (the 4 devices are its world)'}: "
-        f"{describe_layout(plan4)} | |",
-        f"| samples/s with n1 alone -> with n2 back | {steady_alone:.1f} -> {steady_again:.1f} "
-        f"({steady_again / steady_alone:.2f}x) | rise: {'met' if steady_again > steady_alone else 'NOT met'} |",
-        f"| samples/s with n2 back vs before the kill vs the 4-device plan alone | {steady_again:.1f} vs "
-        f"{steady_before:.1f} vs {r4:.1f} | |",
-    ]
+    own_world = run_.lines.first("hetrain: the world changed (lost n1:0, n1:1)")
+    if len(after) == 1 and own_world is None:
+        again = after[0]
+        back = read_restart(run_, alone, again, "node n2 start")
+        steady_again = rate(again[1:], N)
+        rows2 = [
+            "| node added back (n2 started again) | measured | |", "| --- | --- | --- |",
+            f"| steps lost at the membership restart | {back.steps_lost} (last logged {back.last_before}, resumed "
+            f"from {back.resumed_from}) | |",
+            f"| start -> first step on 4 devices | {back.to_first_step_s:.1f} s | |",
+            f"| plan | {'re-planned' if back.replan_t is not None else 'plan.json (the 4 devices are its world)'}: "
+            f"{describe_layout(plan4)} | |",
+            f"| samples/s with n1 alone -> with n2 back | {steady_alone:.1f} -> {steady_again:.1f} "
+            f"({steady_again / steady_alone:.2f}x) | rise: {'met' if steady_again > steady_alone else 'NOT met'} |",
+            f"| samples/s with n2 back vs before the kill vs the 4-device plan alone | {steady_again:.1f} vs "
+            f"{steady_before:.1f} vs {r4:.1f} | |",
+        ]
+    else:
+        why = ("n2 made a world of its own (its ranks re-planned for n2 alone): two jobs on one checkpoint directory"
+               if own_world is not None else
+               "n2 was not let in" + (" (its rendezvous timed out)" if run_.lines.first("RendezvousTimeoutError")
+                                      else ""))
+        rows2 = ["| node added back (n2 started again) | measured | |", "| --- | --- | --- |",
+                 f"| let in | NO: {why}; attempts after the start: {len(after)} | |"]
     table = "\n".join(rows) + "\n\n" + "\n".join(rows2)
     shared = loads[0][0] > 0.5 or loads[1][0] > 2.5
     notes = (
