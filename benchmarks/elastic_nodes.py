@@ -258,6 +258,8 @@ def run_elastic(out: Path, plan_path: Path, steps: int, every: int, kill_at_s: f
     with MetricsTail(metrics) as tail:
         status, t0 = launch(cluster_text() + table, train_command(plan_path, steps, metrics, ckpt, every), log,
                             start_at_s + 600, stamped)
+    with open(out / "elastic-stamped.json", "w") as f:  # what the tables are read from, kept
+        json.dump({"rows": tail.rows, "lines": stamped.lines}, f)
     return ElasticRun(status, tail.rows, stamped, t0, steps)
 
 
@@ -379,16 +381,14 @@ def report(args: argparse.Namespace, run_: ElasticRun, plan4: Any, plan2: Any, r
         say(f"the job trained no step before n2 was killed at {args.kill_at_s:g} s (it took longer to start on "
             f"this host): raise --kill-at-s; see {out / 'jobs.log'}")
         return 1
-    # before n2 is back: the 4-device attempt, then n1's; after: one attempt on 4 devices, if n2 was let in
-    before = split_attempts([r for r in run_.rows if start_t is None or r["t"] < start_t])
-    after = split_attempts([r for r in run_.rows if start_t is not None and r["t"] >= start_t])
-    say(f"elastic run: exit status {run_.status}; attempts before n2 came back: " + "; ".join(
-        f"steps {a[0]['step']}..{a[-1]['step']}" for a in before) + "; after: " + "; ".join(
-        f"steps {a[0]['step']}..{a[-1]['step']}" for a in after))
-    if len(before) != 2:
+    # the 4-device attempt, n1's (which runs on until n2 is let in), then one on 4 devices if n2 was let in
+    attempts = split_attempts(run_.rows)
+    say(f"elastic run: exit status {run_.status}; attempts: " + "; ".join(
+        f"steps {a[0]['step']}..{a[-1]['step']}" for a in attempts))
+    if len(attempts) < 2 or (start_t is not None and attempts[1][0]["t"] >= start_t):
         say(f"expected 2 attempts before n2 came back (4 devices, n1 alone); see {out / 'jobs.log'}")
         return 1
-    first, alone = before
+    first, alone, after = attempts[0], attempts[1], attempts[2:]
     lost = read_restart(run_, first, alone, "node n2 kill")
     replanned_path = out / "ckpt" / "plans" / f"plan-step{lost.resumed_from}.json"
     replanned = load_plan(replanned_path) if replanned_path.exists() else None
@@ -423,7 +423,7 @@ def report(args: argparse.Namespace, run_: ElasticRun, plan4: Any, plan2: Any, r
         f"{run_.steps} with its checkpoint | the job finishes: {'met' if finished else 'NOT met'} |",
     ]
     own_world = run_.lines.first("hetrain: the world changed (lost n1:0, n1:1)")
-    if len(after) == 1 and own_world is None:
+    if len(after) == 1 and own_world is None and start_t is not None and after[0][0]["t"] >= start_t:
         again = after[0]
         back = read_restart(run_, alone, again, "node n2 start")
         steady_again = rate(again[1:], N)
