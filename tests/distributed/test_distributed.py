@@ -175,6 +175,7 @@ def test_keys_of_two_attempts_never_meet(server, monkeypatch):
     dead.set("beat/1", '{"n": 3, "t": 0.0, "doing": "step 9"}')
     dead.post_error(1, "rank 1: killed")
     dead.set("b/1", "")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # the store outlives the attempt
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     restarted = client(server, "train/0", number=None)
     assert restarted.prefix == "hetrain/attempt_1/train/0/" == attempt_prefix() + "train/0/"
@@ -185,6 +186,20 @@ def test_keys_of_two_attempts_never_meet(server, monkeypatch):
     # scopes inside one attempt are apart too
     assert client(server, "train/1", number=0).posted_errors(range(2)) == {}
     assert dead.child("pg").prefix == "hetrain/attempt_0/train/0/pg/"
+
+
+def test_ranks_of_agents_with_other_restart_counts_meet_on_a_store_of_their_own(server, monkeypatch):
+    """A node that joins a running job counts its restarts from 0, the node it joins from its own: where
+    each attempt has a new store (no agent store), both use one prefix, so they meet at a barrier."""
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    restarted = client(server, "checkpoint/200", number=None)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    joined = client(server, "checkpoint/200", number=None)
+    assert restarted.prefix == joined.prefix == "hetrain/attempt_0/checkpoint/200/"
+    restarted.set("b/0", "")
+    joined.set("b/1", "")
+    assert Barrier(joined, 1, 2, 0.3).missing("b", [0, 1]) == []
 
 
 # ---------------------------------------------------------------------------

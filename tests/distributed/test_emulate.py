@@ -28,7 +28,8 @@ from hetrain.cluster import load_cluster, parse_cluster
 from hetrain.emulate import cgroups, cli, keepawake, network, rankwrap
 from hetrain.emulate.cgroups import CgroupRoot, estimate_quota, find_cpu_cgroups
 from hetrain.emulate.emulator import STATE_DIR, EmulatedCluster, assign_cpus, check_permissions, list_runs, remove_run
-from hetrain.emulate.launch import build_node_env, build_torchrun_command
+from hetrain.emulate.events import late_nodes
+from hetrain.emulate.launch import UNSHARED_STORE_ENV, build_node_env, build_torchrun_command
 from hetrain.emulate.rankwrap import CGROUPS_ENV, COMM_ENV, CPUS_ENV
 from hetrain.emulate.rootless import probe_user_namespaces
 from hetrain.emulate.settings import EmulationError, EmulationSettings, parse_emulation_settings
@@ -735,6 +736,66 @@ def test_a_node_that_starts_late_makes_the_rendezvous_elastic() -> None:
     assert [c[:6] for c in changes] == [("tc", "-n", em.network.nodes[1].namespace, "class", "change", "dev"),
                                         ("tc", "-n", em.network.hub, "class", "change", "dev")]
     assert all("100000000bit" in c for c in changes)  # 12.5 MB/s
+
+
+KILL_AND_START = [{"at_s": 8, "node": "slow", "action": "kill"}, {"at_s": 10, "node": "slow", "action": "start"}]
+
+
+def test_a_node_killed_or_started_again_makes_the_rendezvous_go_on_without_it() -> None:
+    """A killed node must not hold the survivors' restart (fixed ``--nnodes 2`` waited for it until join_timeout),
+    and a node killed and then started again is there from the job's start."""
+    cluster = parse_cluster(tomllib.loads(TWO_NODES))
+    tuned = {"max_restarts": 2, "last_call_timeout": "2s", "keep_alive_interval": "1s", "keep_alive_max_attempt": 2}
+    for events in (KILL_AND_START[:1], KILL_AND_START):
+        settings = parse_emulation_settings({**tuned, "event": events})
+        assert late_nodes(settings.events) == set()
+        assert EmulationSettings.from_dict(json.loads(json.dumps(settings.to_dict()))) == settings
+        em = EmulatedCluster(cluster, settings, run_id="abc124")
+        for k in (0, 1):
+            cmd = build_torchrun_command(em, k, ["python", "x.py"])
+            assert cmd[cmd.index("--nnodes") + 1] == "1:2"
+            assert cmd[cmd.index("--rdzv-conf") + 1] == (f"is_host={int(k == 0)},join_timeout=120,last_call_timeout=2,"
+                                                         "keep_alive_interval=1,keep_alive_max_attempt=2")
+            # a node joining a running job waited for a master address no round wrote, with the store shared
+            assert build_node_env(em, k, {"PATH": "/usr/bin"})[UNSHARED_STORE_ENV] == "1"
+    fixed = build_torchrun_command(EmulatedCluster(cluster, EmulationSettings(), run_id="abc125"), 1, ["true"])
+    assert fixed[fixed.index("--nnodes") + 1] == "2" and "last_call" not in " ".join(fixed)
+    assert UNSHARED_STORE_ENV not in build_node_env(EmulatedCluster(cluster, EmulationSettings(), run_id="abc125"), 1,
+                                                    {"PATH": "/usr/bin"})
+    with pytest.raises(EmulationError, match=r"keep_alive_interval must be between 1s and 3600s, got 0\.5 s"):
+        parse_emulation_settings({"keep_alive_interval": "0.5s"})
+    with pytest.raises(EmulationError, match=r"keep_alive_max_attempt must be an integer, got 1\.5"):
+        parse_emulation_settings({"keep_alive_max_attempt": 1.5})
+
+
+@pytest.mark.timeout(120)
+def test_a_node_started_again_after_a_kill_fails_the_job_when_it_fails(tmp_path: Path,
+                                                                       run_ids: Callable[[], str]) -> None:
+    """The kill's pardon covers the killed torchrun only: the node's next torchrun failing fails the job
+    (the launcher pardoned the node, so the job hung until its time limit)."""
+    script = write(tmp_path / "job.py", f"""
+        import os, pathlib, sys, time
+        if os.environ["HETRAIN_NODE"] == "slow":
+            flag = pathlib.Path({str(tmp_path)!r}) / "slow-ran"
+            if flag.exists():
+                sys.exit(3)  # the node started again fails
+            flag.touch()
+        time.sleep(60)
+    """)
+    cluster = parse_cluster(tomllib.loads(TWO_NODES))
+    settings = parse_emulation_settings({"last_call_timeout": "2s", "keep_alive_interval": "1s",
+                                         "keep_alive_max_attempt": 2, "throttle": "off", "event": KILL_AND_START})
+    out, err = io.StringIO(), io.StringIO()
+    with EmulatedCluster(cluster, settings, run_id=run_ids()) as em:
+        start = time.monotonic()
+        status = em.launch(["python", str(script)], timeout_s=60, stdout=out, stderr=err)
+        took = time.monotonic() - start
+    log = err.getvalue()
+    assert (tmp_path / "slow-ran").exists(), log[-3000:]  # the first torchrun's rank ran before the kill
+    assert "event at 8 s: node slow kill: node slow: kill sent to" in log, log[-3000:]
+    assert "event at 10 s: node slow start: node slow started" in log, log[-3000:]
+    assert status not in (0, 124) and "node slow failed with exit status" in log, log[-3000:]
+    assert took < 55, f"{took:.0f} s"
 
 
 @pytest.mark.timeout(120)

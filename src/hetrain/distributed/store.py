@@ -4,7 +4,8 @@ torchrun (2.13) keeps one store for every attempt of a job: after ``--max-restar
 a restarted rank would read what the dead attempt wrote (its heartbeats, its
 errors, the addresses its process group published: pytorch/pytorch#135712).
 Every key hetrain writes therefore lives under the attempt's prefix, which the
-agents of a job restart together (``TORCHELASTIC_RESTART_COUNT``)::
+agents of a job restart together (``TORCHELASTIC_RESTART_COUNT``; 0 where each
+attempt has a store of its own, see ``attempt``)::
 
     hetrain/attempt_0/pg/...                  the default process group (attempt_store)
     hetrain/attempt_0/train/0/beat/2          a heartbeat (distributed.health)
@@ -45,7 +46,16 @@ class StoreError(PeerError):
 
 
 def attempt() -> int:
-    """This process's torchrun attempt: 0, then 1, 2, ... after each restart of the job."""
+    """This process's torchrun attempt: 0, then 1, 2, ... after each restart of the job, where the store
+    outlives attempts (torchrun's agent store, ``TORCHELASTIC_USE_AGENT_STORE``); else 0.
+
+    Without the agent's store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, or no torchrun) rank 0 serves a
+    new store each attempt, so nothing old is there to avoid; and the agents' restart counts need not agree
+    (a node that joins a running job counts from 0, the node it joins from its own restarts): under them,
+    ranks of one attempt waited at a checkpoint barrier under two prefixes, each for the others.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return 0
     try:
         return int(os.environ.get(ATTEMPT_VARIABLE, "0"))
     except ValueError:

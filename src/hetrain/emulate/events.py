@@ -24,8 +24,9 @@ node goes away or comes back. Each event happens ``at_s`` seconds after the job 
     action = "start"            # the node's torchrun starts now, not with the job (it joins late)
 
 A node killed by an event is expected to go: its exit does not fail the job. A node with a
-``start`` event is left out of the job's start; while one is pending the nodes rendezvous
-elastically (``--nnodes MIN:MAX``). Each event is logged when it happens, with what it changed.
+``start`` event is left out of the job's start, unless an earlier event killed it (then it comes
+back). Where a node is killed or starts late the nodes rendezvous elastically (``--nnodes MIN:MAX``,
+MIN the nodes no event takes away). Each event is logged when it happens, with what it changed.
 Events need what the emulation has: ``cpu_share`` a throttled device (cgroups), ``nic`` shaping.
 
 Example:
@@ -145,8 +146,21 @@ def check_targets(events: Sequence[EmulationEvent], devices: Collection[str], no
 
 
 def late_nodes(events: Sequence[EmulationEvent]) -> set[str]:
-    """Nodes left out of the job's start: each joins at its ``start`` event."""
-    return {e.target for e in events if e.kind == "start"}
+    """Nodes left out of the job's start: each joins at its ``start`` event. A node killed before its
+    ``start`` (``events`` in time order) is there from the start: it goes and comes back."""
+    killed: set[str] = set()
+    late: set[str] = set()
+    for e in events:
+        if e.kind == "kill":
+            killed.add(e.target)
+        elif e.kind == "start" and e.target not in killed:
+            late.add(e.target)
+    return late
+
+
+def absent_nodes(events: Sequence[EmulationEvent]) -> set[str]:
+    """Nodes the job must be able to run without: those started late and those killed."""
+    return late_nodes(events) | {e.target for e in events if e.kind == "kill"}
 
 
 def signal_pids(pids: Sequence[int], kind: str) -> int:
@@ -161,4 +175,4 @@ def signal_pids(pids: Sequence[int], kind: str) -> int:
     return sent
 
 
-__all__ = ["ACTIONS", "EmulationEvent", "check_targets", "late_nodes", "parse_events", "signal_pids"]
+__all__ = ["ACTIONS", "EmulationEvent", "absent_nodes", "check_targets", "late_nodes", "parse_events", "signal_pids"]

@@ -35,7 +35,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, TYPE_CHECKING, TextIO
 
-from hetrain.emulate.events import late_nodes
+from hetrain.emulate.events import absent_nodes, late_nodes
 from hetrain.emulate.keepawake import cpus_kept_awake
 from hetrain.emulate.network import NIC, PREFIX, kill_pids, namespace_pids
 from hetrain.emulate.rankwrap import CGROUPS_ENV, COMM_ENV, CPUS_ENV, FILL_ENV
@@ -47,6 +47,8 @@ if TYPE_CHECKING:
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                   "MASTER_ADDR", "MASTER_PORT", "HETRAIN_HOST", "HETRAIN_NODE", CGROUPS_ENV, CPUS_ENV,
                   FILL_ENV, COMM_ENV)
+#: torchrun's switch that gives each rendezvous round its own workers' store (set where nodes leave or join)
+UNSHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 FAILURE_GRACE_S = 2.0  # after one node fails, how long the others may take to stop on their own
 STOP_GRACE_S = 2.0     # after SIGTERM, how long a torchrun may take to stop its ranks
 
@@ -83,8 +85,14 @@ def build_torchrun_command(em: EmulatedCluster, k: int, command: Sequence[str]) 
     """The argv that runs ``command`` on node ``k`` of ``em`` (nsenter + torchrun + rankwrap)."""
     settings: EmulationSettings = em.settings
     nodes = em.network.nodes
-    late = late_nodes(settings.events)  # joining later: the nodes meet elastically, from those at the start
-    nnodes = f"{len(nodes) - len(late)}:{len(nodes)}" if late else str(len(nodes))
+    # a node killed or joining later: the nodes meet elastically, from those no event takes away
+    away = absent_nodes(settings.events)
+    nnodes = f"{max(1, len(nodes) - len(away))}:{len(nodes)}" if away else str(len(nodes))
+    conf = f"is_host={int(k == 0)},join_timeout={round(settings.join_timeout_s)}"
+    if away:  # how soon a dead node is dropped, and how long a round waits for late nodes once MIN are there
+        conf += (f",last_call_timeout={round(settings.last_call_timeout_s)}"
+                 f",keep_alive_interval={round(settings.keep_alive_interval_s)}"
+                 f",keep_alive_max_attempt={settings.keep_alive_max_attempt}")
     return [
         "nsenter", f"--net={em.netns_path(k)}", "--",
         sys.executable, "-m", "torch.distributed.run",
@@ -92,7 +100,7 @@ def build_torchrun_command(em: EmulatedCluster, k: int, command: Sequence[str]) 
         "--nproc-per-node", str(len(em.cluster.nodes[k].devices)),
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{nodes[0].address}:{settings.rdzv_port}",
         "--rdzv-id", f"{PREFIX}{em.run_id}",
-        "--rdzv-conf", f"is_host={int(k == 0)},join_timeout={round(settings.join_timeout_s)}",
+        "--rdzv-conf", conf,
         "--local-addr", nodes[k].address, "--max-restarts", str(settings.max_restarts),
         "--no-python", sys.executable, "-m", "hetrain.emulate.rankwrap", *command,
     ]
@@ -109,6 +117,11 @@ def build_node_env(em: EmulatedCluster, k: int, base: dict[str, str] | None = No
         HETRAIN_NODE=name, HETRAIN_HOST=name, GLOO_SOCKET_IFNAME=NIC, TP_SOCKET_IFNAME=NIC,
         PATH=os.pathsep.join([bin_dir, env.get("PATH", os.defpath)]), PYTHONUNBUFFERED="1",
     )
+    if absent_nodes(em.settings.events):
+        # torchrun's agents share one TCP store with their workers by default; a node joining a running job then
+        # waits for the master address of the new round, which the first node, holding its store from before,
+        # never writes (both agents time out after 60 s; pytorch issue 135712). Unshared, each round writes it.
+        env[UNSHARED_STORE_ENV] = "1"
     env[CGROUPS_ENV] = json.dumps(em.node_cgroups(k))
     env[CPUS_ENV] = json.dumps(em.node_cpus(k))
     env[FILL_ENV] = json.dumps(em.node_fillers(k))
@@ -185,7 +198,7 @@ def launch_job(em: EmulatedCluster, command: Sequence[str], timeout_s: float | N
             threads.append(t)
 
     started: list[int] = []  # node index of each of procs
-    killed: set[int] = set()  # nodes an event killed: their exit is expected
+    killed: set[int] = set()  # indices in procs of the torchruns an event killed: their exit is expected
     pending = list(em.settings.events)
     late = late_nodes(pending)
     try:
@@ -203,15 +216,16 @@ def launch_job(em: EmulatedCluster, command: Sequence[str], timeout_s: float | N
                     start(names.index(event.target))
                     say(f"event {event.describe()}: node {event.target} started")
                     continue
-                if event.kind == "kill":
-                    killed.add(names.index(event.target))
+                if event.kind == "kill":  # the node's torchrun now; one started again later must not fail
+                    gone = names.index(event.target)
+                    killed.update(j for j, node in enumerate(started) if node == gone)
                 try:
                     say(f"event {event.describe()}: {em.apply_event(event)}")
                 except EmulationError as e:
                     say(f"event {event.describe()} failed: {e}")
             codes = [p.poll() for p in procs]
             bad = [(names[started[j]], c) for j, c in enumerate(codes)
-                   if c not in (None, 0) and started[j] not in killed]
+                   if c not in (None, 0) and j not in killed]
             if bad and status is None:
                 status = bad[0][1]
                 failed_at = time.monotonic()

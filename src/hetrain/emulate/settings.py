@@ -13,6 +13,9 @@
     rdzv_port = 29400       # c10d rendezvous port on the first node's address
     join_timeout = "120s"   # how long torchrun waits for every node to join
     max_restarts = 0        # torchrun --max-restarts: restarts of a node's workers after a failure
+    last_call_timeout = "30s"   # elastic rendezvous (a node killed or started late): the wait for more
+    keep_alive_interval = "5s"  # nodes once MIN are there; a dead node is dropped after
+    keep_alive_max_attempt = 3  # keep_alive_interval x keep_alive_max_attempt
 
     [[emulation.event]]     # scripted changes while a job runs (``emulate.events``)
     at_s = 30
@@ -89,6 +92,12 @@ class EmulationSettings:
         join_timeout_s: how long each torchrun waits for all nodes to join the rendezvous.
         max_restarts: torchrun's ``--max-restarts`` on every node: after a failure (a node killed), the
             survivors restart their workers this many times (elastic training, docs/elastic.md).
+        last_call_timeout_s: where the rendezvous is elastic (an event kills a node or starts one late),
+            how long a round waits for more nodes once the fewest it may run with are there (torchrun's
+            ``last_call_timeout``; whole seconds).
+        keep_alive_interval_s: there, how often each node's agent tells the rendezvous it is alive
+            (whole seconds); a node silent for ``keep_alive_max_attempt`` of them is dropped from it.
+        keep_alive_max_attempt: see ``keep_alive_interval_s``.
         events: scripted changes while a job runs (``emulate.events``), in time order.
     """
 
@@ -104,6 +113,9 @@ class EmulationSettings:
     rdzv_port: int = 29400
     join_timeout_s: float = 120.0
     max_restarts: int = 0
+    last_call_timeout_s: float = 30.0  # torchrun's defaults
+    keep_alive_interval_s: float = 5.0
+    keep_alive_max_attempt: int = 3
     events: tuple[EmulationEvent, ...] = ()
 
     def __post_init__(self) -> None:
@@ -120,6 +132,13 @@ class EmulationSettings:
             raise EmulationError(f"[emulation] max_restarts must be an integer in [0, 100], got {self.max_restarts!r}")
         if not self.join_timeout_s >= 1:
             raise EmulationError(f"[emulation] join_timeout must be at least 1s, got {self.join_timeout_s:g} s")
+        for key, value in (("last_call_timeout", self.last_call_timeout_s),
+                           ("keep_alive_interval", self.keep_alive_interval_s)):
+            if not 1 <= value <= 3600:
+                raise EmulationError(f"[emulation] {key} must be between 1s and 3600s, got {value:g} s")
+        if not 1 <= self.keep_alive_max_attempt <= 100:
+            raise EmulationError(f"[emulation] keep_alive_max_attempt must be an integer in [1, 100], "
+                                 f"got {self.keep_alive_max_attempt!r}")
 
     def with_overrides(self, **changes: Any) -> EmulationSettings:
         """A copy with the given fields replaced; ``None`` values are ignored (unset CLI flags)."""
@@ -130,7 +149,9 @@ class EmulationSettings:
                 "pin_cpus": self.pin_cpus, "fill_idle": self.fill_idle, "isolate_comm": self.isolate_comm,
                 "keep_awake": self.keep_awake, "shape": self.shape,
                 "shape_intra": self.shape_intra, "rdzv_port": self.rdzv_port, "join_timeout_s": self.join_timeout_s,
-                "max_restarts": self.max_restarts, "events": [e.to_dict() for e in self.events]}
+                "max_restarts": self.max_restarts, "last_call_timeout_s": self.last_call_timeout_s,
+                "keep_alive_interval_s": self.keep_alive_interval_s,
+                "keep_alive_max_attempt": self.keep_alive_max_attempt, "events": [e.to_dict() for e in self.events]}
 
     @staticmethod
     def from_dict(data: Mapping[str, Any]) -> EmulationSettings:
@@ -143,7 +164,8 @@ class EmulationSettings:
 
 
 _KEYS = {"cpu_period", "cpu_scale", "throttle", "pin_cpus", "fill_idle", "isolate_comm", "keep_awake", "shape",
-         "shape_intra", "rdzv_port", "join_timeout", "max_restarts", "event"}
+         "shape_intra", "rdzv_port", "join_timeout", "max_restarts", "last_call_timeout", "keep_alive_interval",
+         "keep_alive_max_attempt", "event"}
 
 
 def parse_emulation_settings(table: Mapping[str, Any] | None) -> EmulationSettings:
@@ -160,7 +182,8 @@ def parse_emulation_settings(table: Mapping[str, Any] | None) -> EmulationSettin
     if extra:
         raise EmulationError(f"[emulation]: unknown keys {sorted(extra)}; known: {sorted(_KEYS)}")
     out: dict[str, Any] = {}
-    for key, field in (("cpu_period", "cpu_period_s"), ("join_timeout", "join_timeout_s")):
+    for key, field in (("cpu_period", "cpu_period_s"), ("join_timeout", "join_timeout_s"),
+                       ("last_call_timeout", "last_call_timeout_s"), ("keep_alive_interval", "keep_alive_interval_s")):
         if key in table:
             try:
                 out[field] = parse_time(table[key], f"[emulation] {key}")
@@ -183,11 +206,12 @@ def parse_emulation_settings(table: Mapping[str, Any] | None) -> EmulationSettin
         if isinstance(port, bool) or not isinstance(port, int):
             raise EmulationError(f"[emulation] rdzv_port must be an integer, got {port!r}")
         out["rdzv_port"] = port
-    if "max_restarts" in table:
-        restarts = table["max_restarts"]
-        if isinstance(restarts, bool) or not isinstance(restarts, int):
-            raise EmulationError(f"[emulation] max_restarts must be an integer, got {restarts!r}")
-        out["max_restarts"] = restarts
+    for key in ("max_restarts", "keep_alive_max_attempt"):
+        if key in table:
+            count = table[key]
+            if isinstance(count, bool) or not isinstance(count, int):
+                raise EmulationError(f"[emulation] {key} must be an integer, got {count!r}")
+            out[key] = count
     if "event" in table:
         from hetrain.emulate.events import parse_events  # events.py reads EmulationError from here
 
