@@ -14,7 +14,7 @@ from hetrain.cli import main, parse_time_budget
 from hetrain.errors import InputError
 from hetrain.plan import Plan, load_plan
 from hetrain.planner import PlannerOptions, plan, search
-from hetrain.planner.budget import PlannerReport, TimeBudget, format_planner_report, simulation_size
+from hetrain.planner.budget import ESTIMATE_HEADROOM, PlannerReport, TimeBudget, format_planner_report, simulation_size
 from hetrain.planner.search import REPORT_KEY, SIMULATE_AT_LEAST, candidate_plans
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,17 +64,20 @@ def test_the_clock_lets_the_first_simulation_start_then_estimates_by_plan_size()
     budget = TimeBudget(10.0, clock=lambda: now[0])
     p = candidate_plans(*_instance(), 64, 1)[0]
     assert budget.fits([p])  # nothing measured yet: the first one runs while any budget is left
-    now[0] += 9.0  # the search took 9 s
+    now[0] += 8.5  # the search took 8.5 s
 
     def takes_half_a_second(plan_: Plan) -> float:
         now[0] += 0.5
         return 1.0
     budget.timed(takes_half_a_second)(p)
-    assert budget.simulations == 1 and budget.elapsed_s() == pytest.approx(9.5)
+    assert budget.simulations == 1 and budget.elapsed_s() == pytest.approx(9.0)
     assert budget.estimate_s([p]) == pytest.approx(0.5)
     assert budget.seconds_per_size == pytest.approx(0.5 / simulation_size(p))
-    assert budget.fits([p]) and not budget.fits([p, p])  # 0.5 s left: one more fits, two do not
+    assert ESTIMATE_HEADROOM == 1.5
+    assert budget.fits([p]) and not budget.fits([p, p])  # 1 s left: one more fits (0.75 s), two do not (1.5 s)
     now[0] += 0.6
+    assert not budget.fits([p])  # 0.4 s left: the 0.5 s estimate fits bare, not with its headroom
+    now[0] += 0.5
     assert budget.left_s() < 0 and not budget.fits([p]) and not budget.fits([])
     assert TimeBudget(None).fits([p] * 1000)
 

@@ -41,6 +41,12 @@ def simulation_size(plan: Plan) -> int:
     return sum(2 * len(vw.stages) * vw.micro_batches for vw in plan.virtual_workers) + len(plan.devices_used)
 
 
+#: a simulation is started only where this times its estimate fits in what is left: one simulation's seconds
+#: vary with the host's load by a few tens of percent, and making its plan (not timed with it) adds to it, so
+#: a planning that started its last simulation on the bare estimate overran its budget by that much
+ESTIMATE_HEADROOM = 1.5
+
+
 class TimeBudget:
     """The clock of one planning, and what each of its simulations cost.
 
@@ -69,13 +75,14 @@ class TimeBudget:
 
     def fits(self, plans: Sequence[Plan]) -> bool:
         """Whether simulating ``plans`` fits in what is left: the first simulation of a planning whenever any
-        budget is left (nothing says yet what one costs), the others where their estimate fits."""
+        budget is left (nothing says yet what one costs), the others where their estimate, with
+        ``ESTIMATE_HEADROOM``, fits."""
         left = self.left_s()
         if math.isinf(left):
             return True
         if not plans:
             return left >= 0
-        return left > 0 and (self.simulations == 0 or self.estimate_s(plans) <= left)
+        return left > 0 and (self.simulations == 0 or ESTIMATE_HEADROOM * self.estimate_s(plans) <= left)
 
     def timed(self, score: Callable[[Plan], float]) -> Callable[[Plan], float]:
         """``score``, counting its calls and the seconds each took per unit of plan size."""
