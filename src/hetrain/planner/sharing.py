@@ -223,40 +223,62 @@ def estimate_shared_sync_time(cluster: Cluster, jobs: Sequence[SegmentJob],
     (``collective_loads``); ``traffic``'s pipeline transfers are on the NICs too, each NIC's as one job from
     its first transfer on. The first figure is ``estimate_release_makespan`` over them all, at least 0.
 
-    The second: the simulator's links serve in order of request, so an all-reduce released while a NIC still
-    carries transfers goes between them, and the pipeline ends that much later. A NIC whose first transfer
-    can start at ``head``, which carries ``P`` seconds of transfers and ``S`` of all-reduces released before
-    the pipeline's last transfer through it, and after whose last transfer the pipeline still runs
-    ``drain`` seconds, ends the pipeline no sooner than ``head + P + S + drain``; the delay is that less
-    the pipeline's closed form, at least 0 (0 without ``traffic``).
+    The second: the largest of ``estimate_cut_ins``'s delays, at least 0 (0 without ``traffic``).
     """
-    res: list[np.ndarray] = []
-    rel: list[np.ndarray] = []
-    dur: list[np.ndarray] = []
-    for job in jobs:
-        for load in collective_loads(cluster, job.owners, job.num_bytes):
-            n = len(load.resources)
-            res.append(load.resources)
-            rel.append(np.full(n, -job.lead_s))
-            dur.append(np.full(n, load.duration_s * job.scale))
-    if not res:
+    sync_res, sync_rel, sync_dur, _ = _sync_entries(cluster, jobs)
+    if not len(sync_res):
         return 0.0, 0.0
-    sync_res, sync_rel, sync_dur = np.concatenate(res), np.concatenate(rel), np.concatenate(dur)
     if traffic is None or len(traffic.resources) == 0:
         return max(0.0, estimate_release_makespan(sync_res, sync_rel, sync_dur)), 0.0
     shared = estimate_release_makespan(np.concatenate([sync_res, traffic.resources]),
                                        np.concatenate([sync_rel, traffic.release_s]),
                                        np.concatenate([sync_dur, traffic.duration_s]))
-    # the all-reduce seconds on each NIC released before its last transfer (-drain, from the end)
+    delay = max((d for d, _ in estimate_cut_ins(cluster, jobs, traffic)), default=0.0)
+    return max(0.0, shared), max(0.0, delay)
+
+
+def _sync_entries(cluster: Cluster, jobs: Sequence[SegmentJob]) -> tuple[np.ndarray, ...]:
+    """Every all-reduce's loads as flat arrays, one entry per (job, resource): (resource, release seconds from
+    the pipeline's end, seconds, the job's index in ``jobs``)."""
+    res: list[np.ndarray] = []
+    rel: list[np.ndarray] = []
+    dur: list[np.ndarray] = []
+    who: list[np.ndarray] = []
+    for k, job in enumerate(jobs):
+        for load in collective_loads(cluster, job.owners, job.num_bytes):
+            n = len(load.resources)
+            res.append(load.resources)
+            rel.append(np.full(n, -job.lead_s))
+            dur.append(np.full(n, load.duration_s * job.scale))
+            who.append(np.full(n, k, dtype=np.int64))
+    if not res:
+        return np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0), np.zeros(0, dtype=np.int64)
+    return np.concatenate(res), np.concatenate(rel), np.concatenate(dur), np.concatenate(who)
+
+
+def estimate_cut_ins(cluster: Cluster, jobs: Sequence[SegmentJob],
+                     traffic: PipelineTraffic) -> list[tuple[float, np.ndarray]]:
+    """Per NIC that carries pipeline transfers: (seconds the all-reduces that cut in between its transfers
+    delay the end of the pipeline, the indices in ``jobs`` of those all-reduces).
+
+    The simulator's links serve in order of request, so an all-reduce released while a NIC still carries
+    transfers goes between them, and the pipeline ends that much later. A NIC whose first transfer can start
+    at ``head``, which carries ``P`` seconds of transfers and ``S`` of all-reduces released before the
+    pipeline's last transfer through it, and after whose last transfer the pipeline still runs ``drain``
+    seconds, ends the pipeline no sooner than ``head + P + S + drain``; the delay is that less the pipeline's
+    closed form. The all-reduces that cut in are served before that last transfer: they are over when the
+    delayed pipeline ends (``planner.sync.estimate_sync_time`` does not charge them again after it).
+    """
+    sync_res, sync_rel, sync_dur, sync_job = _sync_entries(cluster, jobs)
     n_nics = 2 * len(cluster.nodes)
     last_transfer = np.full(n_nics, -np.inf)
     last_transfer[traffic.resources] = -traffic.drain_s
     on_nic = sync_res < n_nics
-    nic, when, secs = sync_res[on_nic], sync_rel[on_nic], sync_dur[on_nic]
+    nic, when, secs, job = sync_res[on_nic], sync_rel[on_nic], sync_dur[on_nic], sync_job[on_nic]
     early = when < last_transfer[nic]
     cut_in = np.bincount(nic[early], weights=secs[early], minlength=n_nics)[traffic.resources]
-    delay = float((traffic.release_s + traffic.duration_s + cut_in + traffic.drain_s).max())
-    return max(0.0, shared), max(0.0, delay)
+    delays = traffic.release_s + traffic.duration_s + cut_in + traffic.drain_s
+    return [(float(d), np.unique(job[early & (nic == r)])) for d, r in zip(delays, traffic.resources, strict=True)]
 
 
 class Wave(NamedTuple):
