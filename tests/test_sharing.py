@@ -8,10 +8,11 @@ import pytest
 
 from hetrain.cluster import Cluster, Device, parse_cluster
 from hetrain.cost import allreduce_shape, estimate_allreduce, estimate_optimizer_time
-from hetrain.models.analytic import build_gpt_profile
+from hetrain.models.analytic import build_gpt_profile, build_profile
 from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
 from hetrain.planner import plan as planner_plan
 from hetrain.planner.partition import PartitionResult
+from hetrain.planner.search import candidate_plans
 from hetrain.planner.sharing import (
     collective_loads,
     collective_phases,
@@ -239,3 +240,24 @@ def test_a_ring_holds_the_links_the_simulator_gives_it() -> None:
         for r, name in zip(ours, theirs, strict=True):  # one resource, one name, in every ring
             assert seen.setdefault(r, name) == name
             assert (r < n) == name.endswith("NIC out") and (n <= r < 2 * n) == name.endswith("NIC in")
+
+
+def test_all_reduces_that_cut_in_are_not_charged_again_after_the_delayed_pipeline() -> None:
+    """64 devices: 8 nodes of 8 GPUs of four generations in turn (H100 / NVLink 4 / 200 Gbit/s, A100 /
+    NVLink 3 / 100 Gbit/s, V100 / NVLink 2 / 25 Gbit/s, T4 / PCIe 3 / 10 Gbit/s), gpt2-medium, batch 256.
+    The planner's choice is 32 VWs of two stages on two nodes each, their segments all-reduced hierarchically
+    across four nodes. The all-reduce of the second stages' segments is released while the first stages'
+    NICs still carry the last gradients: it goes between them and the pipeline ends later. It is then over;
+    charging it again in the per-device form after the delay put the closed form 26% above the replay
+    (537 ms against 428 ms). Counted once, it is within 2% (421 ms)."""
+    kinds = [("H100", "nvlink4", "ib-hdr"), ("A100-80GB", "nvlink3", "ib-edr"), ("V100-32GB", "nvlink2", "25gbe"),
+             ("T4", "pcie3", "10gbe")]
+    cluster = parse_cluster({"name": "hetero-64", "node": [
+        {"name": f"n{k:03d}", "devices": [{"type": t, "count": 8}], "intra_link": intra, "nic": nic}
+        for k in range(8) for t, intra, nic in [kinds[k % 4]]]})
+    (plan,) = candidate_plans(cluster, build_profile("gpt2-medium"), 256, 1)
+    assert [len(vw.stages) for vw in plan.virtual_workers] == [2] * 32
+    result = simulate(plan)
+    # the all-reduces cut in: the replay's pipeline ends well after the closed form's (153 ms against 80 ms)
+    assert result.pipeline_s > 1.5 * plan.prediction.pipeline_s
+    assert plan.prediction.iteration_s == pytest.approx(result.iteration_s, rel=0.02)
