@@ -66,6 +66,7 @@ class SegmentJob(NamedTuple):
             latency terms: ``sum_b t(b) / t(num_bytes)``; 1 for one all-reduce of the whole segment).
         lead_s: seconds before the pipeline's end it may start (``estimate_shared_sync_time``).
         share: the share of an owner's last backward before its first bucket is ready (``estimate_tail``).
+        buckets: how many buckets the plan cuts it into (``estimate_tail`` releases them over the backward).
     """
 
     owners: Sequence[int]
@@ -73,6 +74,11 @@ class SegmentJob(NamedTuple):
     scale: float = 1.0
     lead_s: float = 0.0
     share: float = 0.0
+    buckets: int = 1
+
+
+#: the most pieces ``estimate_tail`` releases one segment's all-reduce in (its buckets, grouped)
+MAX_TAIL_PIECES = 32
 
 
 class Load(NamedTuple):
@@ -382,6 +388,23 @@ def estimate_shared_pipeline_times(cluster: Cluster, parts: Sequence[PartitionRe
     return [float(t) for t in out]
 
 
+def _stagger(x: _Crossings, m: np.ndarray, num_vws: int) -> np.ndarray:
+    """Per VW, how late its last micro-batch passes the NICs it shares with other VWs: a NIC serves one
+    micro-batch of each VW in turn, so VW v's comes after the earlier VWs' of that micro-batch there
+    (``load / m`` each); the largest over its NICs."""
+    out = np.zeros(num_vws)
+    per_mb = x.load_s / m[x.vw] if len(x.vw) else x.load_s
+    done: dict[int, float] = {}
+    seen: set[tuple[int, int]] = set()
+    for e in np.lexsort((x.vw, x.nic)).tolist():  # by NIC, then VW
+        nic, v = int(x.nic[e]), int(x.vw[e])
+        if (nic, v) not in seen:
+            seen.add((nic, v))
+            out[v] = max(out[v], done.get(nic, 0.0))
+        done[nic] = done.get(nic, 0.0) + float(per_mb[e])
+    return out
+
+
 def estimate_pipeline_traffic(cluster: Cluster, parts: Sequence[PartitionResult],
                               vw_pipeline_s: Sequence[float]) -> PipelineTraffic:
     """The plan's ``PipelineTraffic``: its devices' leads and its NICs' transfer seconds, from the VWs'
@@ -396,8 +419,9 @@ def estimate_pipeline_traffic(cluster: Cluster, parts: Sequence[PartitionResult]
     np.minimum.at(first, x.nic, x.head_s)
     np.minimum.at(drain, x.nic, x.drain_s)
     used = np.flatnonzero(per_nic > 0)
+    stagger = _stagger(x, np.array([r.m for r in parts], dtype=float), len(parts))
     waves = tuple(Wave(tuple(d.index for d in r.devices), r.backward_s, tuple(c / 2 for c in r.link_s),
-                       -lead[r.devices[-1].index]) for r in parts)
+                       -lead[r.devices[-1].index] + float(stagger[v])) for v, r in enumerate(parts))
     return PipelineTraffic(lead, used, first[used] - pipeline_s, per_nic[used], drain[used], waves)
 
 
@@ -439,25 +463,35 @@ def estimate_tail(cluster: Cluster, jobs: Sequence[SegmentJob],
     below walks every VW's last backward wave (``Wave``) and every all-reduce's phases (``collective_phases``)
     in time order, booking each on its resources as the simulator does (a phase starts when all its
     resources are free and holds them all): O(stages + the resources of every phase) per plan. ``jobs``:
-    per segment, its owners, bytes, and the share of an owner's last backward before its first bucket is
-    ready (``SegmentJob``). Transfers of earlier micro-batches are left out (the
+    per segment, its owners, bytes, buckets, and the share of an owner's last backward before its first bucket
+    is ready (``SegmentJob``). Transfers of earlier micro-batches are left out (the
     pipeline's closed form and ``estimate_shared_pipeline_times`` count them).
+
+    A segment's buckets become ready one after another through its owners' last backward, each one an
+    all-reduce of its own that the links serve in order of request; a gradient sent during that backward
+    goes after the buckets requested before it. The walk releases each segment in ``buckets`` pieces (at
+    most ``MAX_TAIL_PIECES``), piece i once every owner is ``share + (1 - share) i / (n - 1)`` into its last
+    backward. The VWs that share a NIC pass it one after another (``Wave.start_s`` has that stagger), so the
+    later ones' last gradients queue behind more pieces: on a 1024-device plan (8 VWs per node, a segment of
+    134 buckets, 540 ms on every NIC of its ring) the replay's last gradients waited 0, 39, 82, ... 517 ms,
+    where one piece per segment let the walk charge them at most half of it.
     """
     free = np.full(resource_count(cluster), -np.inf)
     edges: dict[tuple[int, int], np.ndarray] = cluster.__dict__.setdefault("_edge_resource_cache", {})
     segments_of: dict[int, list[int]] = {}
     phases: list[list[Load]] = []
+    pieces = [max(1, min(job.buckets, MAX_TAIL_PIECES)) for job in jobs]
     for s, job in enumerate(jobs):
-        phases.append([x._replace(duration_s=x.duration_s * job.scale)
+        phases.append([x._replace(duration_s=x.duration_s * job.scale / pieces[s])
                        for x in collective_phases(cluster, job.owners, job.num_bytes)])
         for d in job.owners:
             segments_of.setdefault(d, []).append(s)
     arrived = [0] * len(jobs)
-    released = [float("-inf")] * len(jobs)
-    queue: list[tuple[float, int, _Kind, int, int]] = []
+    backwards: list[list[tuple[float, float]]] = [[] for _ in jobs]  # per segment, its owners' (start, seconds)
+    queue: list[tuple[float, int, _Kind, int, int, int]] = []
     seq = itertools.count()
     for v, w in enumerate(waves):
-        heapq.heappush(queue, (w.start_s, next(seq), _Kind.STAGE, v, len(w.devices) - 1))
+        heapq.heappush(queue, (w.start_s, next(seq), _Kind.STAGE, v, len(w.devices) - 1, 0))
     pipeline_end = sync_end = float("-inf")
 
     def book(resources: np.ndarray, t: float, duration_s: float) -> float:
@@ -466,30 +500,34 @@ def estimate_tail(cluster: Cluster, jobs: Sequence[SegmentJob],
         return end
 
     while queue:
-        t, _, kind, a, j = heapq.heappop(queue)
+        t, _, kind, a, j, c = heapq.heappop(queue)
         if kind is _Kind.STAGE:
             w = waves[a]
             for s in segments_of.get(w.devices[j], ()):
                 arrived[s] += 1
-                released[s] = max(released[s], t + jobs[s].share * w.backward_s[j])
-                if arrived[s] == len(jobs[s].owners):
-                    heapq.heappush(queue, (released[s], next(seq), _Kind.PHASE, s, 0))
+                backwards[s].append((t, w.backward_s[j]))
+                if arrived[s] == len(jobs[s].owners):  # piece i ready once every owner is that far into it
+                    n, share = pieces[s], jobs[s].share
+                    for i in range(n):
+                        f = share + (1 - share) * i / (n - 1) if n > 1 else share
+                        ready = max(t0 + f * b for t0, b in backwards[s])
+                        heapq.heappush(queue, (ready, next(seq), _Kind.PHASE, s, 0, i))
             end = t + w.backward_s[j]
             if j == 0:
                 pipeline_end = max(pipeline_end, end)
             else:
-                heapq.heappush(queue, (end, next(seq), _Kind.CROSS, a, j))
+                heapq.heappush(queue, (end, next(seq), _Kind.CROSS, a, j, 0))
         elif kind is _Kind.CROSS:
             w = waves[a]
             key = (w.devices[j], w.devices[j - 1])
             links = edges.get(key)
             if links is None:
                 links = edges[key] = np.array(edge_resources(cluster, *key))
-            heapq.heappush(queue, (book(links, t, w.gradient_s[j - 1]), next(seq), _Kind.STAGE, a, j - 1))
+            heapq.heappush(queue, (book(links, t, w.gradient_s[j - 1]), next(seq), _Kind.STAGE, a, j - 1, 0))
         elif j == len(phases[a]):
             sync_end = max(sync_end, t)
         else:
             phase = phases[a][j]
             heapq.heappush(queue, (book(phase.resources, t, phase.duration_s), next(seq), _Kind.PHASE,
-                                   a, j + 1))
+                                   a, j + 1, c))
     return pipeline_end, sync_end

@@ -89,7 +89,8 @@ def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequenc
         if traffic is not None and t > 0:  # the planner's BSP estimate: bucket by bucket, as the plan cuts them
             cuts = cut_buckets(layer_bytes, first, end, first_bucket_bytes, bucket_bytes)
             by_bucket = sum(estimate_allreduce_time(cluster, owners, size) for _, _, size in cuts)
-            job = job._replace(scale=by_bucket / t, share=cuts[0][2] / num_bytes if num_bytes > 0 else 1.0)
+            job = job._replace(scale=by_bucket / t, share=cuts[0][2] / num_bytes if num_bytes > 0 else 1.0,
+                               buckets=len(cuts))
             t = by_bucket
         last = t if num_bytes <= bucket_bytes else estimate_allreduce_time(cluster, owners, bucket_bytes)
         for d in owners:
