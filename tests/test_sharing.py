@@ -14,11 +14,14 @@ from hetrain.planner import plan as planner_plan
 from hetrain.planner.partition import PartitionResult
 from hetrain.planner.search import candidate_plans
 from hetrain.planner.sharing import (
+    SegmentJob,
+    Wave,
     collective_loads,
     collective_phases,
     estimate_pipeline_traffic,
     estimate_release_makespan,
     estimate_shared_pipeline_times,
+    estimate_tail,
     ring_resources,
 )
 from hetrain.planner.sync import estimate_sync_time, plan_layouts, repredict_sync
@@ -261,3 +264,24 @@ def test_all_reduces_that_cut_in_are_not_charged_again_after_the_delayed_pipelin
     # the all-reduces cut in: the replay's pipeline ends well after the closed form's (153 ms against 80 ms)
     assert result.pipeline_s > 1.5 * plan.prediction.pipeline_s
     assert plan.prediction.iteration_s == pytest.approx(result.iteration_s, rel=0.02)
+
+
+def test_a_gradient_queues_behind_the_buckets_requested_before_it_only() -> None:
+    """The tail walk, by hand. Nodes a, b, c of one device, NICs of 100 MB/s. VW 0 is a:0 -> b:0 (backward
+    0.2 s per stage, the gradient b:0 -> a:0 0.1 s), its last backward starting at 0 on b:0; VW 1 is c:0 alone,
+    its last backward from 0.1 to 0.3. One segment, owned by b:0 and c:0, 100 MB in 4 buckets (the first a
+    quarter): a ring over b's and c's NICs of ``2 (2 - 1) / 2 * 1e8 / 1e8 = 1.0`` s, 0.125 s per bucket and
+    phase. Bucket i is ready once both owners are ``0.25 + 0.75 i / 3`` into their backward: at 0.15, 0.2,
+    0.25, 0.3. The gradient, sent at 0.2, goes after bucket 0's reduce-scatter only (0.15-0.275)::
+
+        b NIC out  [b0 RS 0.15-0.275][gradient 0.275-0.375][b1 RS][b2 RS][b0 AG][b3 RS][b1 AG][b2 AG][b3 AG]
+        a:0 backward 0.375-0.575: the pipeline ends at 0.575; the all-reduce at 0.15 + 1.0 + 0.1 = 1.25
+
+    As one job released with the first bucket, the gradient waited for the whole reduce-scatter (0.65) and
+    the pipeline ended at 0.95."""
+    cluster = cluster_of({"a": 1, "b": 1, "c": 1}, 1e8)
+    a0, b0, c0 = (device_index(cluster, n) for n in ("a:0", "b:0", "c:0"))
+    job = SegmentJob((b0, c0), 1e8, share=0.25, buckets=4)
+    waves = [Wave((a0, b0), (0.2, 0.2), (0.1,), 0.0), Wave((c0,), (0.2,), (), 0.1)]
+    assert estimate_tail(cluster, [job], waves) == pytest.approx((0.575, 1.25))
+    assert estimate_tail(cluster, [job._replace(buckets=1)], waves) == pytest.approx((0.95, 1.25))
