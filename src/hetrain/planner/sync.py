@@ -18,6 +18,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from hetrain.cluster import Cluster
 from hetrain.cost import estimate_allreduce_time, estimate_p2p_time, estimate_samples_to_accuracy_factor
 from hetrain.plan import Plan
@@ -125,15 +127,23 @@ def _estimate_delayed_own(cluster: Cluster, jobs: Sequence[SegmentJob], traffic:
     hide_d))``. Charging them again after the delay counted them twice (a 64-device plan whose segments
     cut in on the NICs of the stage before: 537 ms closed form against 428 ms simulated).
     """
+    devices = list(by_device)
+    pair_dev = np.array([i for i, d in enumerate(devices) for _ in by_device[d]], dtype=np.int64)
+    pair_job = np.array([k for d in devices for k, _ in by_device[d]], dtype=np.int64)
+    pair_s = np.array([t for d in devices for _, t in by_device[d]])
+    lead = np.array([lead_s.get(d, 0.0) for d in devices])
+    last = np.array([tail[d] - (lead_s.get(d, 0.0) - hide_s.get(d, 0.0)) for d in devices])
     best = own
+    own_of: dict[bytes, float] = {}  # NICs with the same all-reduces cut in: one per-device form
     for delay_r, cut in sorted(estimate_cut_ins(cluster, jobs, traffic), key=lambda x: -x[0]):
         if delay_r + own <= best:
             break  # own_r <= own: no later NIC can give more
-        skip = set(cut.tolist())
-        own_r = max((max(sum(t for k, t in segs if k not in skip) - lead_s.get(d, 0.0),
-                         tail[d] - (lead_s.get(d, 0.0) - hide_s.get(d, 0.0)))
-                     for d, segs in by_device.items()), default=0.0)
-        best = max(best, delay_r + own_r)
+        key = cut.tobytes()
+        if key not in own_of:
+            kept = pair_s * ~np.isin(pair_job, cut)
+            left = np.bincount(pair_dev, weights=kept, minlength=len(devices)) - lead
+            own_of[key] = float(np.maximum(left, last).max()) if len(devices) else 0.0
+        best = max(best, delay_r + own_of[key])
     return best
 
 
