@@ -278,10 +278,11 @@ def estimate_cut_ins(cluster: Cluster, jobs: Sequence[SegmentJob],
     sync_res, sync_rel, sync_dur, sync_job = _sync_entries(cluster, jobs)
     n_nics = 2 * len(cluster.nodes)
     last_transfer = np.full(n_nics, -np.inf)
-    last_transfer[traffic.resources] = -traffic.drain_s
+    # an all-reduce requested with or after the last transfer goes behind it (the links serve in order of request)
+    last_transfer[traffic.resources] = -(traffic.request_s if len(traffic.request_s) else traffic.drain_s)
     on_nic = sync_res < n_nics
     nic, when, secs, job = sync_res[on_nic], sync_rel[on_nic], sync_dur[on_nic], sync_job[on_nic]
-    early = when < last_transfer[nic]
+    early = when < last_transfer[nic] - 1e-9  # a tie (the same backward ends both) is not a cut-in
     cut_in = np.bincount(nic[early], weights=secs[early], minlength=n_nics)[traffic.resources]
     delays = traffic.release_s + traffic.duration_s + cut_in + traffic.drain_s
     return [(float(d), np.unique(job[early & (nic == r)])) for d, r in zip(delays, traffic.resources, strict=True)]
@@ -307,6 +308,8 @@ class PipelineTraffic(NamedTuple):
         drain_s: per NIC, how long the pipeline runs on after its last transfer through it: the lead of the
             stage before the boundary, whose backward follows the last gradient through it.
         waves: per VW, its last micro-batch's backward (``estimate_tail``), from its lead at the last stage.
+        request_s: per NIC, seconds before the end its last transfer is requested: ``drain_s`` and that
+            gradient's own seconds (empty: ``drain_s``).
     """
 
     lead_s: dict[int, float]
@@ -315,6 +318,7 @@ class PipelineTraffic(NamedTuple):
     duration_s: np.ndarray
     drain_s: np.ndarray
     waves: tuple[Wave, ...] = ()
+    request_s: np.ndarray = np.zeros(0)
 
 
 class _Crossings(NamedTuple):
@@ -326,6 +330,7 @@ class _Crossings(NamedTuple):
     load_s: np.ndarray  # the VW's seconds on it per iteration: m c / 2
     head_s: np.ndarray  # the first micro-batch's forward up to the boundary
     drain_s: np.ndarray  # the lead of the device before the boundary (inf without leads)
+    gradient_s: np.ndarray  # the boundary's gradient seconds: c / 2
 
 
 def _crossings(cluster: Cluster, parts: Sequence[PartitionResult],
@@ -338,6 +343,7 @@ def _crossings(cluster: Cluster, parts: Sequence[PartitionResult],
     load: list[float] = []
     head: list[float] = []
     drain: list[float] = []
+    grad: list[float] = []
     for v, r in enumerate(parts):
         reach = 0.0
         for k in range(len(r.devices) - 1):
@@ -351,9 +357,11 @@ def _crossings(cluster: Cluster, parts: Sequence[PartitionResult],
             load.append(r.link_s[k] / 2 * r.m)
             head.append(reach)
             drain.append(lead_s[x] if lead_s else np.inf)
+            grad.append(r.link_s[k] / 2)
     na, nb, n_nodes = node[np.array(a, dtype=np.int64)], node[np.array(b, dtype=np.int64)], len(cluster.nodes)
     return _Crossings(np.tile(np.array(vw, dtype=np.int64), 4), np.concatenate([na, n_nodes + nb, nb, n_nodes + na]),
-                      np.tile(np.array(load), 4), np.tile(np.array(head), 4), np.tile(np.array(drain), 4))
+                      np.tile(np.array(load), 4), np.tile(np.array(head), 4), np.tile(np.array(drain), 4),
+                      np.tile(np.array(grad), 4))
 
 
 def estimate_shared_pipeline_times(cluster: Cluster, parts: Sequence[PartitionResult]) -> list[float]:
@@ -418,11 +426,13 @@ def estimate_pipeline_traffic(cluster: Cluster, parts: Sequence[PartitionResult]
     first, drain = np.full(n_nics, np.inf), np.full(n_nics, np.inf)
     np.minimum.at(first, x.nic, x.head_s)
     np.minimum.at(drain, x.nic, x.drain_s)
+    request = np.full(n_nics, np.inf)
+    np.minimum.at(request, x.nic, x.drain_s + x.gradient_s)
     used = np.flatnonzero(per_nic > 0)
     stagger = _stagger(x, np.array([r.m for r in parts], dtype=float), len(parts))
     waves = tuple(Wave(tuple(d.index for d in r.devices), r.backward_s, tuple(c / 2 for c in r.link_s),
                        -lead[r.devices[-1].index] + float(stagger[v])) for v, r in enumerate(parts))
-    return PipelineTraffic(lead, used, first[used] - pipeline_s, per_nic[used], drain[used], waves)
+    return PipelineTraffic(lead, used, first[used] - pipeline_s, per_nic[used], drain[used], waves, request[used])
 
 
 def estimate_sync_leads(vws: Sequence[tuple[Sequence[int], Sequence[float], Sequence[float], float]],
