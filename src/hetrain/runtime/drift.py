@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -75,7 +76,11 @@ def leave_together(health: Health, step: int, timeout_s: float) -> None:
     store.set(f"{key}/{health.rank}", "1")
     if health.hosts_store():
         keys = [f"{key}/{r}" for r in range(len(health.devices))]
-        poll(lambda: store.check(keys), timeout_s)
+        if not poll(lambda: store.check(keys), timeout_s):
+            late = ", ".join(health.name(r) for r in range(len(health.devices))
+                             if not store.check([f"{key}/{r}"]))
+            print(f"hetrain: switching plans at step {step}: {late} had not finished after {timeout_s:g} s; "
+                  "leaving without them", file=sys.stderr, flush=True)
 
 
 def process_age_s() -> float | None:
