@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from worker_ranks import kill_groups
 
 import hetrain
 from hetrain.cluster import parse_cluster
@@ -71,9 +72,7 @@ def stages(plan: Plan) -> list[list[tuple[str, int, int]]]:
 
 @pytest.fixture(scope="module")
 def switched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    import contextlib
     import os
-    import signal
     import socket
     import subprocess
 
@@ -107,11 +106,7 @@ def switched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         first = run_attempt(spawn, clean, port(), args)
         second = run_attempt(spawn, clean, port(), args)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.communicate()
+        kill_groups(procs)
     return {"plan": plan, "root": root, "first": first, "second": second}
 
 

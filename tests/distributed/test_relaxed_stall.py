@@ -16,10 +16,8 @@ numbers depend on timing, stall or not.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from worker_ranks import kill_groups
 
 import hetrain
 from hetrain.cluster import parse_cluster
@@ -110,11 +109,7 @@ def run_ranks(root: Path, plan: Path, stall_s: float, timeout_s: float, slow_ste
         for p in procs:
             p.communicate(timeout=120)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.communicate()
+        kill_groups(procs)
     return [int(p.returncode) for p in procs], [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 

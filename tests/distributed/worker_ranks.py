@@ -35,10 +35,16 @@ def run_worker_ranks(root: Path, nodes: str, local_ranks: Sequence[int], timeout
     try:
         outputs = [p.communicate(timeout=timeout_s) for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.communicate()
+        kill_groups(procs)
     for r, (p, (_, err)) in enumerate(zip(procs, outputs, strict=True)):
         assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{err[-4000:]}"
+
+
+def kill_groups(procs: Sequence[subprocess.Popen]) -> None:
+    """Kill the process group of every one of ``procs`` still running (each started with
+    ``start_new_session=True``), and reap it."""
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
