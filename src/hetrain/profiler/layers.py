@@ -61,6 +61,7 @@ from hetrain.profile import (
     ModelProfile,
     Precision,
 )
+from hetrain.profiler.fit import estimate_common_spread
 from hetrain.profiler.footprint import allocator_footprint, measure_fixed_footprint
 
 SampleInput = Any  # a tensor, a tuple of tensors, or a callable b -> batch of size b
@@ -326,6 +327,19 @@ class LayersMeasurement:
     figures: DeviceFigures
     optimizer_s_per_byte: tuple[tuple[str, float], ...] = ()
     footprint: RuntimeFootprint | None = None  # CUDA only (``profiler.footprint``)
+    #: the whole model's forward + backward seconds at the largest micro-batch, one per repeat (``_time_model``)
+    model_times_s: tuple[float, ...] = ()
+
+    def common_spread(self) -> float | None:
+        """How far all the layers' times move together from repeat to repeat, as a fraction of the whole
+        model's time: the repeats' whole-model spread beyond what the layers' own spreads at that size add up
+        to (``fit.estimate_common_spread``); None with fewer than 2 repeats or layers without a spread."""
+        spread = estimate_spread(self.model_times_s)
+        parts = [s for r in self.layers if r.spreads_s for s in r.spreads_s[-1]]
+        if spread is None or any(s is None for s in parts):
+            return None
+        return estimate_common_spread(spread, [s for s in parts if s is not None],
+                                      statistics.median(self.model_times_s))
 
     def to_profile(self, model_name: str = "model") -> ModelProfile:
         """The ModelProfile of these measurements (``measured`` and the optimizer step under ``type_name``)."""
@@ -345,9 +359,11 @@ class LayersMeasurement:
         rates = ((self.type_name, self.optimizer_s_per_byte),) if self.optimizer_s_per_byte else ()
         footprint = (() if self.footprint is None else
                      ((self.type_name, self.footprint.fixed_bytes, self.footprint.allocator_fraction),))
+        common = self.common_spread()
         return ModelProfile(name=model_name, layers=layers, input_bytes_per_sample=self.input_bytes_per_sample,
                             precision=self.precision, measured_on=((self.type_name, self.figures),),
-                            optimizer_step_s_per_byte=rates, memory_footprint=footprint)
+                            optimizer_step_s_per_byte=rates, memory_footprint=footprint,
+                            common_spread=() if common is None else ((self.type_name, common),))
 
     def table(self) -> str:
         """One line per layer: times at each size, bytes, FLOPs (and peak memory on CUDA)."""
@@ -496,6 +512,47 @@ def _time_layer_blocks(layer: nn.Module, args: tuple[Any, ...], grad_inputs: boo
         backward.append(max(block(True) - forward[-1], 0.0))
     layer.zero_grad(set_to_none=True)
     return _Timed.of(forward, backward)
+
+
+def _time_model(layers: Sequence[nn.Module], args: tuple[Any, ...], as_args: Callable[[Any], tuple[Any, ...]],
+                repeats: int, warmup: int, device: torch.device, min_time_s: float = 0.0) -> list[float]:
+    """The whole model's forward + backward seconds per call, one figure per repeat: the layers chained as
+    in training (each output feeds the next), a random upstream gradient at the end. Single calls after
+    ``warmup``, or, with ``min_time_s > 0`` on a CPU, blocks of calls lasting that long (as
+    ``_time_layer_blocks``). Set against the layers' own spreads, these say how much of the noise is common
+    to all layers (``LayersMeasurement.common_spread``)."""
+    grads: list[torch.Tensor] | None = None
+
+    def call() -> None:
+        nonlocal grads
+        out: Any = args
+        for k, layer in enumerate(layers):
+            out = layer(*(args if k == 0 else as_args(out)))
+        outs = [t for t in _tensors(out) if t.requires_grad]
+        if grads is None:
+            grads = [torch.randn_like(t) for t in outs]
+        if outs:
+            torch.autograd.backward(outs, grads)
+
+    def timed() -> float:
+        n, start = 0, time.perf_counter()
+        while True:
+            call()
+            n += 1
+            if device.type != "cpu":
+                _sync(device)
+            elapsed = time.perf_counter() - start
+            if blocks is False or (n >= 2 and elapsed >= min_time_s):
+                return elapsed / n
+
+    blocks = min_time_s > 0 and device.type == "cpu"
+    for _ in range(max(warmup, 1)):  # allocates the gradients and the upstream ones outside the timed calls
+        call()
+    _sync(device)
+    out = [timed() for _ in range(repeats)]
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)
+    return out
 
 
 def _sync(device: torch.device) -> None:
@@ -683,9 +740,20 @@ def measure_layers(layers: Sequence[nn.Module], sample_input: SampleInput,
         for i, layer in enumerate(layers)
     )
     footprint = allocator_footprint(fixed_bytes, dev, type_name) if dev.type == "cuda" else None
+    model_s: list[float] = []
+    if repeats >= 2:  # the whole model's repeats, for the noise common to all layers
+        for m in layers:
+            m.train()
+        try:
+            with amp.autocast(dev, precision):
+                model_s = _time_model(layers, as_args(batch(b_max)), as_args, repeats, warmup, dev, min_time_s)
+        finally:
+            for m, mode in zip(layers, modes, strict=True):
+                m.train(mode)
     rates = measure_optimizer_step(layers, dev, optimizers, min_time_s, repeats) if optimizers else {}
     return LayersMeasurement(reports, input_bytes, type_name, str(dev), precision,
-                             device_figures(type_name, dev, precision), tuple(rates.items()), footprint)
+                             device_figures(type_name, dev, precision), tuple(rates.items()), footprint,
+                             tuple(model_s))
 
 
 def _peak_memory(layer: nn.Module, args: tuple[Any, ...], grad_inputs: bool, dev: torch.device) -> int | None:
