@@ -327,15 +327,16 @@ class LayersMeasurement:
     figures: DeviceFigures
     optimizer_s_per_byte: tuple[tuple[str, float], ...] = ()
     footprint: RuntimeFootprint | None = None  # CUDA only (``profiler.footprint``)
-    #: the whole model's forward + backward seconds at the largest micro-batch, one per repeat (``_time_model``)
+    #: the whole model's forward + backward seconds at the smallest micro-batch, one per repeat (``_time_model``)
     model_times_s: tuple[float, ...] = ()
 
     def common_spread(self) -> float | None:
         """How far all the layers' times move together from repeat to repeat, as a fraction of the whole
-        model's time: the repeats' whole-model spread beyond what the layers' own spreads at that size add up
+        model's time: the repeats' whole-model spread beyond what the layers' own spreads at the smallest size
+        (where the whole model was timed) add up
         to (``fit.estimate_common_spread``); None with fewer than 2 repeats or layers without a spread."""
         spread = estimate_spread(self.model_times_s)
-        parts = [s for r in self.layers if r.spreads_s for s in r.spreads_s[-1]]
+        parts = [s for r in self.layers if r.spreads_s for s in r.spreads_s[0]]
         if spread is None or any(s is None for s in parts):
             return None
         return estimate_common_spread(spread, [s for s in parts if s is not None],
@@ -549,10 +550,29 @@ def _time_model(layers: Sequence[nn.Module], args: tuple[Any, ...], as_args: Cal
     for _ in range(max(warmup, 1)):  # allocates the gradients and the upstream ones outside the timed calls
         call()
     _sync(device)
-    out = [timed() for _ in range(repeats)]
-    for layer in layers:
-        layer.zero_grad(set_to_none=True)
-    return out
+    return [timed() for _ in range(repeats)]
+
+
+def _time_model_if_it_fits(layers: Sequence[nn.Module], args: tuple[Any, ...],
+                           as_args: Callable[[Any], tuple[Any, ...]], repeats: int, warmup: int,
+                           device: torch.device, min_time_s: float, precision: Precision) -> list[float]:
+    """``_time_model`` in training mode under ``precision``'s autocast, modes restored after; ``[]`` where the
+    whole model does not fit on the device (a model profiled layer by layer to be split over several)."""
+    modes = [m.training for m in layers]
+    for m in layers:
+        m.train()
+    try:
+        with amp.autocast(device, precision):
+            return _time_model(layers, args, as_args, repeats, warmup, device, min_time_s)
+    except torch.OutOfMemoryError:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return []
+    finally:
+        for m, mode in zip(layers, modes, strict=True):
+            m.train(mode)
+        for m in layers:
+            m.zero_grad(set_to_none=True)
 
 
 def _sync(device: torch.device) -> None:
@@ -742,14 +762,8 @@ def measure_layers(layers: Sequence[nn.Module], sample_input: SampleInput,
     footprint = allocator_footprint(fixed_bytes, dev, type_name) if dev.type == "cuda" else None
     model_s: list[float] = []
     if repeats >= 2:  # the whole model's repeats, for the noise common to all layers
-        for m in layers:
-            m.train()
-        try:
-            with amp.autocast(dev, precision):
-                model_s = _time_model(layers, as_args(batch(b_max)), as_args, repeats, warmup, dev, min_time_s)
-        finally:
-            for m, mode in zip(layers, modes, strict=True):
-                m.train(mode)
+        model_s = _time_model_if_it_fits(layers, as_args(batch(sizes[0])), as_args, repeats, warmup, dev,
+                                         min_time_s, precision)
     rates = measure_optimizer_step(layers, dev, optimizers, min_time_s, repeats) if optimizers else {}
     return LayersMeasurement(reports, input_bytes, type_name, str(dev), precision,
                              device_figures(type_name, dev, precision), tuple(rates.items()), footprint,
