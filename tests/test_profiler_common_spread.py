@@ -64,6 +64,7 @@ def test_a_real_profile_measures_the_whole_model_per_repeat_and_records_its_comm
     common = m.common_spread()
     assert common is not None and 0 <= common <= 1
     assert m.to_profile().common_spread == (("cpu", common),)
+    assert f"common to all layers: {100 * common:.1f}%" in m.table()
     # in blocks of calls (a device under a CPU quota) too
     blocks = measure_layers(_layers(), torch.randn(1, 32), (2,), repeats=3, warmup=0, min_time_s=0.005,
                             optimizers=())

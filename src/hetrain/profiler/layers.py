@@ -381,6 +381,11 @@ class LayersMeasurement:
             if r.peak_memory_bytes is not None:
                 row += f"{r.peak_memory_bytes / 1e6:>9.1f}"
             lines.append(row)
+        common = self.common_spread()
+        if common is not None:
+            lines.append(f"whole model, forward + backward at {sizes[0]}, per repeat: "
+                         + ", ".join(f"{t * 1e3:.3f}" for t in self.model_times_s)
+                         + f" ms; common to all layers: {100 * common:.1f}%")
         if self.optimizer_s_per_byte:
             lines.append("optimizer step, ns per parameter byte: "
                          + ", ".join(f"{name} {rate * 1e9:.3f}" for name, rate in self.optimizer_s_per_byte))
