@@ -198,6 +198,12 @@ class ModelProfile:
         seq_len: tokens per sample the layers were measured at, for a token model (activation bytes
             and times scale with it); None where unknown (not a token model, or a profile that
             does not say). ``hetrain train`` runs at it.
+        common_spread: per device type, how far every measured time of that type moves together from
+            one profiling to the next, as a fraction of the time (a relative standard deviation): a
+            shift common to all the type's layers (its clock, the host's load, a quota's phase), which
+            the per-layer spreads, each over its own repeats, do not hold
+            (``profiler.layers.estimate_common_spread``). A type without a figure: none known. The
+            planner draws it once per type and draw (``planner.robust``).
     """
 
     name: str
@@ -211,6 +217,7 @@ class ModelProfile:
     memory_footprint: tuple[tuple[str, float, float], ...] = ()
     iteration_overhead_s: tuple[tuple[str, float], ...] = ()
     seq_len: int | None = None
+    common_spread: tuple[tuple[str, float], ...] = ()
     _cache: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -243,6 +250,11 @@ class ModelProfile:
                         math.isfinite(seconds) and seconds >= 0):
                     raise ProfileError(f"{key}[{type_name!r}] must be a finite number of seconds >= 0, "
                                        f"got {seconds!r}")
+        for type_name, fraction in self.common_spread:
+            if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not (
+                    math.isfinite(fraction) and 0 <= fraction <= 1):
+                raise ProfileError(f"common_spread[{type_name!r}] must be a fraction of the time in [0, 1], "
+                                   f"got {fraction!r}")
         if self.seq_len is not None and not 1 <= self.seq_len <= MAX_SEQ_LEN:
             raise ProfileError(f"seq_len must be in [1, {MAX_SEQ_LEN}], got {self.seq_len}")
 
@@ -300,6 +312,13 @@ class ModelProfile:
                 return float(seconds)
         return 0.0
 
+    def common_spread_of(self, type_name: str) -> float:
+        """The relative spread of a shift common to all of ``type_name``'s times (``common_spread``), else 0."""
+        for t, fraction in self.common_spread:
+            if t == type_name:
+                return float(fraction)
+        return 0.0
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "format_version": FORMAT_VERSION,
@@ -325,6 +344,8 @@ class ModelProfile:
                                        for t, fixed, fraction in self.memory_footprint}
         if self.seq_len is not None:
             out["seq_len"] = self.seq_len
+        if self.common_spread:
+            out["common_spread"] = dict(self.common_spread)
         return out
 
     @staticmethod
@@ -422,13 +443,15 @@ def parse_profile(data: Mapping[str, Any]) -> ModelProfile:
             for t, f in require_object(data, "memory_footprint", "", ProfileError, {}).items()),
         seq_len=None if data.get("seq_len") is None else require_int(
             data, "seq_len", "", ProfileError, least=1, most=MAX_SEQ_LEN, limit_name="MAX_SEQ_LEN"),
+        common_spread=_parse_overheads(data.get("common_spread", {}), "common_spread", "fraction"),
     )
 
 
-def _parse_overheads(raw: Any, key: str = "action_overhead_s") -> tuple[tuple[str, float], ...]:
-    """``{type: seconds}`` -> the tuple form; the values are checked by ``ModelProfile``."""
+def _parse_overheads(raw: Any, key: str = "action_overhead_s", what: str = "seconds") -> tuple[tuple[str, float], ...]:
+    """``{type: seconds}`` (or another ``what`` per type) -> the tuple form; the values are checked by
+    ``ModelProfile``."""
     if not isinstance(raw, Mapping):
-        raise ProfileError(f"{key} must be an object {{device type: seconds}}, got {raw!r}")
+        raise ProfileError(f"{key} must be an object {{device type: {what}}}, got {raw!r}")
     return tuple((str(t), v) for t, v in raw.items())
 
 
@@ -483,6 +506,9 @@ def relabel_profile(profile: ModelProfile, type_name: str, figures: tuple[float,
     rates = data.get("optimizer_step_s_per_byte", {})
     if rates:
         data["optimizer_step_s_per_byte"] = {type_name: {k: v for r in rates.values() for k, v in r.items()}}
+    spreads = data.get("common_spread", {})
+    if spreads:
+        data["common_spread"] = {type_name: max(spreads.values())}
     if figures is not None:
         data["measured_on"] = {type_name: {"peak_flops": figures[0], "memory_bandwidth_bytes_per_s": figures[1]}}
     else:

@@ -9,7 +9,14 @@ a planner that trusts the medians exactly can choose a different plan from each.
 ``t`` with spread ``s`` becomes ``t * (1 + s / t) ** z`` (log-normal: about
 ``t + z * s`` for a small spread, never below 0, however noisy the repeats were),
 with one standard normal ``z`` per (layer, device type, forward or backward) shared
-by every micro-batch size, drawn from a generator seeded with ``seed``. Every candidate plan is scored
+by every micro-batch size, drawn from a generator seeded with ``seed``. A device type with a
+``common_spread`` ``c`` (``ModelProfile.common_spread``: how far all its times move together from one
+profiling to the next) has all its times, and its optimizer step, multiplied by ``(1 + c) ** z_type`` as
+well, one standard normal ``z_type`` per type and draw from a second generator of the same seed (so a
+profile without it draws exactly what it drew before). Independent draws of many layers average out
+over a stage (a stage of ``n`` layers moves by about ``s / sqrt(n)``); a common shift does not, and it
+moves every stage of that type the same way: what tells apart a plan that leans on the slow type from
+one that does not. Every candidate plan is scored
 on the same K profiles (common random numbers), so the comparison between two plans
 is not blurred by independent noise, and the same inputs give the same plan.
 
@@ -55,9 +62,9 @@ SEED = 0
 
 
 def has_spread(profile: ModelProfile) -> bool:
-    """Whether any measured time of ``profile`` has a spread above 0."""
-    return any(m.forward_spread_s or m.backward_spread_s
-               for layer in profile.layers for _, ms in layer.measured for m in ms)
+    """Whether any measured time of ``profile`` has a spread above 0, or a device type a common spread."""
+    return any(fraction > 0 for _, fraction in profile.common_spread) or any(
+        m.forward_spread_s or m.backward_spread_s for layer in profile.layers for _, ms in layer.measured for m in ms)
 
 
 def _drawn(t: float, spread: float | None, z: float) -> float:
@@ -68,9 +75,17 @@ def _drawn(t: float, spread: float | None, z: float) -> float:
     return t * math.exp(z * math.log1p(spread / t))
 
 
-def _shifted(m: Measurement, z_forward: float, z_backward: float) -> Measurement:
-    return dataclasses.replace(m, forward_s=_drawn(m.forward_s, m.forward_spread_s, z_forward),
-                               backward_s=_drawn(m.backward_s, m.backward_spread_s, z_backward))
+def _shifted(m: Measurement, z_forward: float, z_backward: float, common: float = 1.0) -> Measurement:
+    """``m`` with its times drawn within their spreads, then scaled by the type's common factor."""
+    return dataclasses.replace(m, forward_s=common * _drawn(m.forward_s, m.forward_spread_s, z_forward),
+                               backward_s=common * _drawn(m.backward_s, m.backward_spread_s, z_backward))
+
+
+def _common_factors(profile: ModelProfile, rng: np.random.Generator) -> dict[str, float]:
+    """One draw's factor per device type with a common spread: ``(1 + c) ** z``, ``z`` standard normal, the
+    types in name order (deterministic whatever order the profile lists them in)."""
+    return {t: math.exp(float(rng.standard_normal()) * math.log1p(c))
+            for t, c in sorted(profile.common_spread) if c > 0}
 
 
 def draw_profiles(profile: ModelProfile, draws: int, seed: int = SEED) -> list[ModelProfile]:
@@ -80,16 +95,21 @@ def draw_profiles(profile: ModelProfile, draws: int, seed: int = SEED) -> list[M
     spread are kept as they are.
     """
     rng = np.random.default_rng(seed)
+    rng_common = np.random.default_rng([seed, 1])  # its own stream: the per-layer draws stay as they were
     out = []
     for _ in range(draws):
+        factors = _common_factors(profile, rng_common)
         layers: list[LayerProfile] = []
         for layer in profile.layers:
             measured = []
             for type_name, ms in layer.measured:
                 z_forward, z_backward = (float(z) for z in rng.standard_normal(2))
-                measured.append((type_name, tuple(_shifted(m, z_forward, z_backward) for m in ms)))
+                factor = factors.get(type_name, 1.0)
+                measured.append((type_name, tuple(_shifted(m, z_forward, z_backward, factor) for m in ms)))
             layers.append(dataclasses.replace(layer, measured=tuple(measured)))
-        out.append(dataclasses.replace(profile, layers=tuple(layers)))
+        rates = tuple((t, tuple((n, r * factors.get(t, 1.0)) for n, r in by_name))
+                      for t, by_name in profile.optimizer_step_s_per_byte)
+        out.append(dataclasses.replace(profile, layers=tuple(layers), optimizer_step_s_per_byte=rates))
     return out
 
 

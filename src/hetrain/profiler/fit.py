@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -304,13 +305,73 @@ def merge_profiles(profiles: Sequence[ModelProfile]) -> ModelProfile:
             rates.setdefault(type_name, {}).update(by_optimizer)
     overheads: dict[str, float] = {}
     per_iteration: dict[str, float] = {}
+    common: dict[str, float] = {}
     for p in profiles:
         overheads.update(dict(p.action_overhead_s))
         per_iteration.update(dict(p.iteration_overhead_s))
+        common.update(dict(p.common_spread))
     return dataclasses.replace(first, layers=tuple(layers), measured_on=tuple(figures.items()),
                                optimizer_step_s_per_byte=tuple((t, tuple(r.items())) for t, r in rates.items()),
                                action_overhead_s=tuple(overheads.items()),
-                               iteration_overhead_s=tuple(per_iteration.items()))
+                               iteration_overhead_s=tuple(per_iteration.items()),
+                               common_spread=tuple(common.items()))
+
+
+def estimate_common_spread(total_spread_s: float, part_spreads_s: Sequence[float], total_s: float) -> float:
+    """The relative spread of a shift common to every part of a sum, from the spread of the sum and the parts'.
+
+    Parts that vary independently add their variances: ``var(T) = sum_i var(t_i)``; a shift ``c``
+    (a fraction) common to all of them adds ``(c T)^2`` on top (it moves every part the same way)::
+
+        c = sqrt(max(s_T^2 - sum_i s_i^2, 0)) / T
+
+    Here the parts are a device's layer times and the sum its whole model's time per repeat (or per
+    device of a type); 0 where the sum strays no more than independent parts would make it, and where
+    ``total_s`` is 0. Clipped to 1.
+
+    Example:
+        >>> round(estimate_common_spread(0.10, [0.01] * 10, 1.0), 4)  # 10 parts of 0.1 s, each 1% apart: common
+        0.0995
+    """
+    if total_s <= 0:
+        return 0.0
+    excess = total_spread_s ** 2 - sum(s * s for s in part_spreads_s)
+    return min(math.sqrt(max(excess, 0.0)) / total_s, 1.0)
+
+
+def _iqr_spread(values: Sequence[float]) -> float:
+    """IQR / 1.349 (``profiler.layers.estimate_spread``) of two or more values."""
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return (q3 - q1) / 1.349
+
+
+def _common_between(profiles: Sequence[ModelProfile]) -> dict[str, float]:
+    """Per device type measured by two or more of ``profiles`` (devices of that type profiled at once): the
+    shift common to all of a device's layers that sets the devices apart (``estimate_common_spread`` of their
+    whole-model forward + backward times against the layers' own spreads between devices), at the largest
+    micro-batch size every layer was measured at on each of them."""
+    out: dict[str, float] = {}
+    types = {t for p in profiles for layer in p.layers for t, _ in _measured_only(layer)}
+    for type_name in sorted(types):
+        # per profile: {micro_batch: [f + b of each layer]}, complete sizes only
+        per_profile: list[dict[int, list[float]]] = []
+        for p in profiles:
+            sizes: dict[int, list[float]] = {}
+            for layer in p.layers:
+                for m in dict(_measured_only(layer)).get(type_name, ()):
+                    sizes.setdefault(m.micro_batch, []).append(m.forward_s + m.backward_s)
+            complete = {b: ts for b, ts in sizes.items() if len(ts) == p.num_layers}
+            if complete:
+                per_profile.append(complete)
+        common_sizes = set.intersection(*(set(d) for d in per_profile)) if len(per_profile) >= 2 else set()
+        if not common_sizes:
+            continue
+        b = max(common_sizes)
+        rows = [d[b] for d in per_profile]  # rows[device][layer]
+        totals = [sum(r) for r in rows]
+        parts = [_iqr_spread([r[i] for r in rows]) for i in range(len(rows[0]))]
+        out[type_name] = estimate_common_spread(_iqr_spread(totals), parts, statistics.median(totals))
+    return out
 
 
 def _spread_of(spreads: Sequence[float | None], medians: Sequence[float]) -> float | None:
@@ -336,7 +397,9 @@ def _median_measurement(ms: Sequence[Measurement]) -> Measurement:
 def average_profiles(profiles: Sequence[ModelProfile]) -> ModelProfile:
     """One profile from several measurements of the same device type(s): each measured time (per type, layer
     and micro-batch size) and each optimizer-step rate is the median over the profiles that have it; the
-    spread of a time is the larger of the devices' spread over their repeats and the spread between devices.
+    spread of a time is the larger of the devices' spread over their repeats and the spread between devices;
+    so is a type's ``common_spread`` (the devices' own, and the shift common to all layers that sets the
+    devices apart, ``_common_between``).
 
     Several devices of one type, profiled at once, each time the same layers with their
     own noise (10-15% per layer on an emulated device); the median of two or more halves
@@ -365,10 +428,19 @@ def average_profiles(profiles: Sequence[ModelProfile]) -> ModelProfile:
         for type_name, by_optimizer in p.optimizer_step_s_per_byte:
             for name, rate in by_optimizer:
                 rates.setdefault(type_name, {}).setdefault(name, []).append(rate)
+    # a type's common shift: the larger of its devices' own (median) and the one that sets them apart
+    own: dict[str, list[float]] = {}
+    for p in profiles:
+        for type_name, fraction in p.common_spread:
+            own.setdefault(type_name, []).append(fraction)
+    between = _common_between(profiles)
+    common = {t: max(statistics.median(own[t]) if t in own else 0.0, between.get(t, 0.0))
+              for t in [*own, *(t for t in between if t not in own)]}
     return dataclasses.replace(profiles[0], layers=tuple(layers), measured_on=tuple(figures.items()),
                                optimizer_step_s_per_byte=tuple(
                                    (t, tuple((n, statistics.median(v)) for n, v in r.items()))
-                                   for t, r in rates.items()))
+                                   for t, r in rates.items()),
+                               common_spread=tuple(common.items()))
 
 
 def _catalog_device(type_name: str) -> Device:

@@ -61,6 +61,7 @@ from hetrain.profile import (
     ModelProfile,
     Precision,
 )
+from hetrain.profiler.fit import estimate_common_spread
 from hetrain.profiler.footprint import allocator_footprint, measure_fixed_footprint
 
 SampleInput = Any  # a tensor, a tuple of tensors, or a callable b -> batch of size b
@@ -326,6 +327,20 @@ class LayersMeasurement:
     figures: DeviceFigures
     optimizer_s_per_byte: tuple[tuple[str, float], ...] = ()
     footprint: RuntimeFootprint | None = None  # CUDA only (``profiler.footprint``)
+    #: the whole model's forward + backward seconds at the smallest micro-batch, one per repeat (``_time_model``)
+    model_times_s: tuple[float, ...] = ()
+
+    def common_spread(self) -> float | None:
+        """How far all the layers' times move together from repeat to repeat, as a fraction of the whole
+        model's time: the repeats' whole-model spread beyond what the layers' own spreads at the smallest size
+        (where the whole model was timed) add up
+        to (``fit.estimate_common_spread``); None with fewer than 2 repeats or layers without a spread."""
+        spread = estimate_spread(self.model_times_s)
+        parts = [s for r in self.layers if r.spreads_s for s in r.spreads_s[0]]
+        if spread is None or any(s is None for s in parts):
+            return None
+        return estimate_common_spread(spread, [s for s in parts if s is not None],
+                                      statistics.median(self.model_times_s))
 
     def to_profile(self, model_name: str = "model") -> ModelProfile:
         """The ModelProfile of these measurements (``measured`` and the optimizer step under ``type_name``)."""
@@ -345,9 +360,11 @@ class LayersMeasurement:
         rates = ((self.type_name, self.optimizer_s_per_byte),) if self.optimizer_s_per_byte else ()
         footprint = (() if self.footprint is None else
                      ((self.type_name, self.footprint.fixed_bytes, self.footprint.allocator_fraction),))
+        common = self.common_spread()
         return ModelProfile(name=model_name, layers=layers, input_bytes_per_sample=self.input_bytes_per_sample,
                             precision=self.precision, measured_on=((self.type_name, self.figures),),
-                            optimizer_step_s_per_byte=rates, memory_footprint=footprint)
+                            optimizer_step_s_per_byte=rates, memory_footprint=footprint,
+                            common_spread=() if common is None else ((self.type_name, common),))
 
     def table(self) -> str:
         """One line per layer: times at each size, bytes, FLOPs (and peak memory on CUDA)."""
@@ -364,6 +381,11 @@ class LayersMeasurement:
             if r.peak_memory_bytes is not None:
                 row += f"{r.peak_memory_bytes / 1e6:>9.1f}"
             lines.append(row)
+        common = self.common_spread()
+        if common is not None:
+            lines.append(f"whole model, forward + backward at {sizes[0]}, per repeat: "
+                         + ", ".join(f"{t * 1e3:.3f}" for t in self.model_times_s)
+                         + f" ms; common to all layers: {100 * common:.1f}%")
         if self.optimizer_s_per_byte:
             lines.append("optimizer step, ns per parameter byte: "
                          + ", ".join(f"{name} {rate * 1e9:.3f}" for name, rate in self.optimizer_s_per_byte))
@@ -496,6 +518,66 @@ def _time_layer_blocks(layer: nn.Module, args: tuple[Any, ...], grad_inputs: boo
         backward.append(max(block(True) - forward[-1], 0.0))
     layer.zero_grad(set_to_none=True)
     return _Timed.of(forward, backward)
+
+
+def _time_model(layers: Sequence[nn.Module], args: tuple[Any, ...], as_args: Callable[[Any], tuple[Any, ...]],
+                repeats: int, warmup: int, device: torch.device, min_time_s: float = 0.0) -> list[float]:
+    """The whole model's forward + backward seconds per call, one figure per repeat: the layers chained as
+    in training (each output feeds the next), a random upstream gradient at the end. Single calls after
+    ``warmup``, or, with ``min_time_s > 0`` on a CPU, blocks of calls lasting that long (as
+    ``_time_layer_blocks``). Set against the layers' own spreads, these say how much of the noise is common
+    to all layers (``LayersMeasurement.common_spread``)."""
+    grads: list[torch.Tensor] | None = None
+
+    def call() -> None:
+        nonlocal grads
+        out: Any = args
+        for k, layer in enumerate(layers):
+            out = layer(*(args if k == 0 else as_args(out)))
+        outs = [t for t in _tensors(out) if t.requires_grad]
+        if grads is None:
+            grads = [torch.randn_like(t) for t in outs]
+        if outs:
+            torch.autograd.backward(outs, grads)
+
+    def timed() -> float:
+        n, start = 0, time.perf_counter()
+        while True:
+            call()
+            n += 1
+            if device.type != "cpu":
+                _sync(device)
+            elapsed = time.perf_counter() - start
+            if blocks is False or (n >= 2 and elapsed >= min_time_s):
+                return elapsed / n
+
+    blocks = min_time_s > 0 and device.type == "cpu"
+    for _ in range(max(warmup, 1)):  # allocates the gradients and the upstream ones outside the timed calls
+        call()
+    _sync(device)
+    return [timed() for _ in range(repeats)]
+
+
+def _time_model_if_it_fits(layers: Sequence[nn.Module], args: tuple[Any, ...],
+                           as_args: Callable[[Any], tuple[Any, ...]], repeats: int, warmup: int,
+                           device: torch.device, min_time_s: float, precision: Precision) -> list[float]:
+    """``_time_model`` in training mode under ``precision``'s autocast, modes restored after; ``[]`` where the
+    whole model does not fit on the device (a model profiled layer by layer to be split over several)."""
+    modes = [m.training for m in layers]
+    for m in layers:
+        m.train()
+    try:
+        with amp.autocast(device, precision):
+            return _time_model(layers, args, as_args, repeats, warmup, device, min_time_s)
+    except torch.OutOfMemoryError:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return []
+    finally:
+        for m, mode in zip(layers, modes, strict=True):
+            m.train(mode)
+        for m in layers:
+            m.zero_grad(set_to_none=True)
 
 
 def _sync(device: torch.device) -> None:
@@ -683,9 +765,14 @@ def measure_layers(layers: Sequence[nn.Module], sample_input: SampleInput,
         for i, layer in enumerate(layers)
     )
     footprint = allocator_footprint(fixed_bytes, dev, type_name) if dev.type == "cuda" else None
+    model_s: list[float] = []
+    if repeats >= 2:  # the whole model's repeats, for the noise common to all layers
+        model_s = _time_model_if_it_fits(layers, as_args(batch(sizes[0])), as_args, repeats, warmup, dev,
+                                         min_time_s, precision)
     rates = measure_optimizer_step(layers, dev, optimizers, min_time_s, repeats) if optimizers else {}
     return LayersMeasurement(reports, input_bytes, type_name, str(dev), precision,
-                             device_figures(type_name, dev, precision), tuple(rates.items()), footprint)
+                             device_figures(type_name, dev, precision), tuple(rates.items()), footprint,
+                             tuple(model_s))
 
 
 def _peak_memory(layer: nn.Module, args: tuple[Any, ...], grad_inputs: bool, dev: torch.device) -> int | None:
