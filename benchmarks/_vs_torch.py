@@ -37,6 +37,7 @@ from hetrain.models.registry import build_layers, layer_names, loss_fn, num_laye
 from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
 from hetrain.profile import LayerProfile, ModelProfile
 from hetrain.runtime import Trainer, build_optimizer_fn
+from hetrain.sync_layout import SyncOptions
 
 LR = 0.01
 CASES = ("1f1b", "gpipe", "dp")
@@ -58,7 +59,8 @@ def local_cluster(ranks: int) -> Cluster:
 def build_plan(case: str, args: argparse.Namespace, layers: int, cluster: Cluster) -> Plan:
     """The plan both runtimes follow on ``cluster``'s devices, in its order (rank k: device k): one pipeline
     over every device with the layers split evenly, or one single-stage VW per device with the batch split
-    evenly."""
+    evenly. Its all-reduces: ``args.allreduce`` where set (``ring``, as DistributedDataParallel; ``auto``:
+    hierarchical across nodes where the sync layout finds it cheaper), else ``auto``."""
     devices = [d.name for d in cluster.devices]
     p = len(devices)
     if case == "dp":
@@ -77,7 +79,8 @@ def build_plan(case: str, args: argparse.Namespace, layers: int, cluster: Cluste
     profile = ModelProfile(args.model, tuple(LayerProfile(name, size, 0, 0, 0) for name, size in
                                              zip(layer_names(args.model, **args.config), sizes, strict=True)), 0)
     return Plan(args.model, args.global_batch, "gpipe" if case == "gpipe" else "1f1b", "bsp", "sgd", vws,
-                Prediction(0, 0, 0, 0, 0), strategy, "manual", cluster, profile)
+                Prediction(0, 0, 0, 0, 0), strategy, "manual", cluster, profile,
+                sync_options=SyncOptions(allreduce=vars(args).get("allreduce", "auto")))
 
 
 def build_hetrain(case: str, args: argparse.Namespace, layers: int, batch: Batch,
