@@ -114,14 +114,14 @@ def main() -> int:
     out_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".runtime_vs_torch.json")
     load_before = os.getloadavg()[0]
     throttled = "" if args.cpu_quota is None else f", all under a quota of {args.cpu_quota:g} CPUs"
-    print(f"{args.model}, {args.ranks} Gloo ranks, global batch {args.global_batch}, {args.micro_batches} "
-          f"micro-batches; {args.blocks} blocks of {args.block_steps} steps per runtime, taking turns{throttled}",
-          flush=True)
     throttled_s = None
     try:
         with contextlib.ExitStack() as stack:
             if args.cpu_quota is not None:
                 group = stack.enter_context(cpu_quota_group(args.cpu_quota))
+            print(f"{args.model}, {args.ranks} Gloo ranks, global batch {args.global_batch}, {args.micro_batches} "
+                  f"micro-batches; {args.blocks} blocks of {args.block_steps} steps per runtime, taking "
+                  f"turns{throttled}", flush=True)
             mp.spawn(worker, args=(args, port, out_path), nprocs=args.ranks, join=True)
             if args.cpu_quota is not None:
                 stat = read_cpu_stat(group)
