@@ -80,9 +80,9 @@ def run_job(name: str, isolate: str, args: argparse.Namespace) -> dict[str, obje
     config.write_text(json.dumps({"args": rank_args, "cluster_toml": text, "result": str(result.resolve())}))
     log_path = out / "job.log"
     start = time.perf_counter()
-    with open(log_path, "w") as log, EmulatedCluster(parse_cluster(nominal), settings, log=log.write) as em:
-        log.write(em.describe() + "\n")
-        log.flush()
+    with open(log_path, "w") as log, EmulatedCluster(parse_cluster(nominal), settings,
+                                                     log=lambda m: print(m, file=log, flush=True)) as em:
+        print(em.describe(), file=log, flush=True)
         status = em.launch([sys.executable, str(Path(__file__).resolve()), "--rank-worker", str(config.resolve())],
                            timeout_s=args.job_timeout, stdout=log, stderr=log)
     took = time.perf_counter() - start

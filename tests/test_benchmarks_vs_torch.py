@@ -144,3 +144,34 @@ def test_cpu_quota_group_holds_children_and_is_removed() -> None:
         assert group.name == "run" and group.parent.name.startswith("hetrain-emu-")
     assert not group.exists() and not group.parent.exists()
     assert cpu_cgroup_of(Path("/proc/self/cgroup").read_text()) == home
+
+
+def test_emulated_rows_read_a_jobs_result() -> None:
+    import argparse
+
+    from emulated_vs_torch import table_rows
+
+    rank = {"dp": {"hetrain": {"main": 1.2, "hetrain-heartbeat": 0.012, "native": 0.3},
+                   "torch": {"main": 1.2, "native": 0.6}}}
+    saved = {"blocks": {"dp": {"hetrain": [1.0, 1.0, 2.0], "torch": [1.1, 1.0, 2.4]}},
+             "cpu": [rank, rank], "threads": [[20, 20], [19, 20]]}
+    args = argparse.Namespace(cases=["dp"], global_batch=32, blocks=3, block_steps=2)
+    assert table_rows("network", "on", saved, args) == [
+        # 64 samples per block, the median block 1.0 s (hetrain) and 1.1 s (torch); ratios 1.0, 1.1, 1.2;
+        # CPU: 2 ranks x 1.2 s over 6 steps = 400 ms/step on the main thread
+        "| network | on | dp (DistributedDataParallel) | 64.0 | 58.2 | 1.10x (1.00-1.20) | 400.0 / 400.0 | "
+        "4.0 / 0.0 | 100.0 / 200.0 | 39 of 40 |"]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--global-batch", "30"], "--global-batch 30 must divide among the 4 devices"),
+    (["--global-batch", "4", "--micro-batches", "8"], "hold the --micro-batches 8"),
+    (["--blocks", "0"], "--blocks must be >= 1, got 0"),
+])
+def test_emulated_script_refuses_bad_options(argv: list[str], message: str) -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "emulated_vs_torch.py"), *argv], env=env, text=True,
+                          capture_output=True, timeout=120)
+    assert done.returncode == 2
+    assert message in done.stderr
