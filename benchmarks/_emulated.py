@@ -10,11 +10,16 @@ def ready_to_emulate(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 
     Prints ``skipped: <why>`` and returns False where it cannot (not root, no namespaces...).
     """
+    if not 0 <= args.warmup < args.steps:
+        parser.error(f"--warmup must leave at least one timed step of --steps {args.steps}, got {args.warmup}")
+    return can_emulate()
+
+
+def can_emulate() -> bool:
+    """Whether this host can emulate; prints ``skipped: <why>`` where it cannot (not root, no namespaces...)."""
     from hetrain.emulate import EmulationError
     from hetrain.emulate.emulator import check_permissions
 
-    if not 0 <= args.warmup < args.steps:
-        parser.error(f"--warmup must leave at least one timed step of --steps {args.steps}, got {args.warmup}")
     try:
         check_permissions("up")
     except EmulationError as e:

@@ -1,0 +1,319 @@
+"""What the runtime-vs-torch benchmarks share: both runtimes on one partition in the same Gloo processes.
+
+``runtime_vs_torch.py`` runs the ranks on this host (optionally all of them under one CPU
+quota: ``cpu_quota_group``); ``emulated_vs_torch.py`` runs them as the ranks of an emulated
+cluster. Either way each rank calls ``run_rank``: per case it builds hetrain's Trainer and
+torch's runner on the same plan (``build_plan``), warms both up, then times blocks of steps
+between barriers, the two taking turns (ABBA: ``measure_case``), and reads the CPU time of
+each of its threads. The ratio of a case is the median over adjacent pairs of blocks
+(``paired_ratio``)::
+
+    block      0        1        2        3     ...
+    order   hetrain  torch    torch    hetrain
+            torch    hetrain  hetrain  torch
+    pair k: torch's seconds / hetrain's seconds in block k  (> 1: hetrain was faster)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import secrets
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hetrain.baselines import build_ddp_step, build_pipelining_step, even_bounds
+from hetrain.cluster import Cluster, parse_cluster
+from hetrain.models.registry import build_layers, layer_names, loss_fn, num_layers, sample_batch
+from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
+from hetrain.profile import LayerProfile, ModelProfile
+from hetrain.runtime import Trainer, build_optimizer_fn
+from hetrain.sync_layout import SyncOptions
+
+LR = 0.01
+CASES = ("1f1b", "gpipe", "dp")
+TORCH_NAMES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "dp": "DistributedDataParallel"}
+#: the CFS period of ``cpu_quota_group`` (the hand-made throttled runs of RESULTS.md used 100 ms too)
+QUOTA_PERIOD_S = 0.100
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+Blocks = dict[str, list[float]]
+ThreadCpu = dict[str, dict[str, float]]
+
+
+def local_cluster(ranks: int) -> Cluster:
+    """One node ``n0`` of ``ranks`` CPU devices (``n0:0``, ``n0:1``, ...): the ranks of this host."""
+    return parse_cluster({"name": "local", "node": [{"name": "n0", "devices": [{"type": "cpu", "count": ranks}],
+                                                    "intra_link": "loopback", "nic": "1Gbit/s"}]})
+
+
+def build_plan(case: str, args: argparse.Namespace, layers: int, cluster: Cluster) -> Plan:
+    """The plan both runtimes follow on ``cluster``'s devices, in its order (rank k: device k): one pipeline
+    over every device with the layers split evenly, or one single-stage VW per device with the batch split
+    evenly. Its all-reduces: ``args.allreduce`` where set (``ring``, as DistributedDataParallel; ``auto``:
+    hierarchical across nodes where the sync layout finds it cheaper), else ``auto``."""
+    devices = [d.name for d in cluster.devices]
+    p = len(devices)
+    if case == "dp":
+        share = args.global_batch // p
+        vws = tuple(VirtualWorker((Stage(d, 0, layers),), share, 1) for d in devices)
+        strategy = "dp"
+    else:
+        b = even_bounds(layers, p)
+        vws = (VirtualWorker(tuple(Stage(d, b[j], b[j + 1]) for j, d in enumerate(devices)), args.global_batch,
+                             args.micro_batches),)
+        strategy = "pp"
+    # the runtime reads the layer count of the profile, and each layer's parameter bytes, from which
+    # the plan's sync layout cuts the gradient buckets (DistributedDataParallel's sizes: 1 MiB first, then 25 MiB)
+    sizes = [float(sum(p.numel() * p.element_size() for p in layer.parameters()))
+             for layer in build_layers(args.model, seed=0, **args.config)]
+    profile = ModelProfile(args.model, tuple(LayerProfile(name, size, 0, 0, 0) for name, size in
+                                             zip(layer_names(args.model, **args.config), sizes, strict=True)), 0)
+    return Plan(args.model, args.global_batch, "gpipe" if case == "gpipe" else "1f1b", "bsp", "sgd", vws,
+                Prediction(0, 0, 0, 0, 0), strategy, "manual", cluster, profile,
+                sync_options=SyncOptions(allreduce=vars(args).get("allreduce", "auto")))
+
+
+def build_hetrain(case: str, args: argparse.Namespace, layers: int, batch: Batch,
+                  cluster: Cluster) -> Callable[[int], None]:
+    """``run(k)``: k more steps of hetrain's Trainer."""
+    plan = build_plan(case, args, layers, cluster)
+    trainer = Trainer(lambda a, b: build_layers(args.model, a, b, seed=0, **args.config), plan,
+                      build_optimizer_fn("sgd", LR), loss_fn(args.model), timeout_s=120, progress=False,
+                      log_every=args.block_steps)
+    data = itertools.repeat(batch)
+
+    def run(k: int) -> None:
+        trainer.fit(data, trainer.step + k)
+
+    return run
+
+
+def build_torch(case: str, args: argparse.Namespace, batch: Batch) -> Callable[[int], None]:
+    """``run(k)``: k more steps of torch's pipelining schedule, or of DistributedDataParallel
+    (``hetrain.baselines``, the same runners the emulated speed-up benchmark launches)."""
+    opt_fn = build_optimizer_fn("sgd", LR)
+    if case == "dp":
+        step, _ = build_ddp_step(args.model, args.config, args.global_batch, opt_fn, seed=0)
+    else:
+        step, _ = build_pipelining_step(args.model, args.config, args.micro_batches, case, opt_fn, seed=0)
+
+    def run(k: int) -> None:
+        for _ in range(k):
+            step(batch)
+
+    return run
+
+
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu_s() -> dict[str, float]:
+    """CPU seconds (user + system) each thread of this process has used, by what it is: ``main``, a Python
+    thread's name, or ``native`` (the threads Python does not know: Gloo's, torch's)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:  # the thread ended
+            continue
+        tid = int(task)
+        kind = "main" if tid == os.getpid() else names.get(tid, "native")
+        out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime
+    return out
+
+
+def cpu_cgroup_of(proc_cgroup_text: str) -> str:
+    """The cgroup path of the cpu controller in a ``/proc/<pid>/cgroup`` text: the v1 line whose controllers
+    include ``cpu``, else the v2 line (``0::``); ``""`` where neither is there.
+
+    Example:
+        >>> cpu_cgroup_of("2:cpuacct:/\\n1:cpu:/hetrain-emu-1a2b3c/0-n0-0\\n0::/\\n")
+        '/hetrain-emu-1a2b3c/0-n0-0'
+    """
+    unified = ""
+    for line in proc_cgroup_text.splitlines():
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if "cpu" in controllers.split(","):
+            return path
+        if hierarchy == "0" and controllers == "":
+            unified = path
+    return unified
+
+
+def threads_outside_main_cgroup() -> tuple[int, int]:
+    """``(moved, others)``: of this process's threads other than the main one, how many sit in another cpu
+    cgroup than the main thread (``isolate_comm`` moves them out of the device's quota), and how many there are."""
+    def cgroup(tid: int) -> str | None:
+        try:
+            return cpu_cgroup_of(Path(f"/proc/self/task/{tid}/cgroup").read_text())
+        except OSError:  # the thread ended
+            return None
+
+    main = cgroup(os.getpid())
+    others = [g for g in (cgroup(int(t)) for t in os.listdir("/proc/self/task") if int(t) != os.getpid())
+              if g is not None]
+    return sum(g != main for g in others), len(others)
+
+
+def measure_case(case: str, args: argparse.Namespace, layers: int, batch: Batch,
+                 cluster: Cluster) -> tuple[Blocks, ThreadCpu]:
+    """Seconds of each block of ``block_steps`` steps, per runtime, the runtimes taking turns (ABBA); and the CPU
+    seconds this rank's threads spent in them, per runtime and kind of thread."""
+    runs = {"hetrain": build_hetrain(case, args, layers, batch, cluster), "torch": build_torch(case, args, batch)}
+    for run in runs.values():
+        run(args.warmup)
+    out: dict[str, list[float]] = {"hetrain": [], "torch": []}
+    cpu: dict[str, dict[str, float]] = {"hetrain": {}, "torch": {}}
+    for block in range(args.blocks):
+        order = ("hetrain", "torch") if block % 2 == 0 else ("torch", "hetrain")
+        for who in order:
+            dist.barrier()
+            before = thread_cpu_s()
+            start = time.perf_counter()
+            runs[who](args.block_steps)
+            dist.barrier()
+            out[who].append(time.perf_counter() - start)
+            for kind, seconds in thread_cpu_s().items():
+                cpu[who][kind] = cpu[who].get(kind, 0.0) + seconds - before.get(kind, 0.0)
+    return out, cpu
+
+
+def run_rank(args: argparse.Namespace, cluster: Cluster, out_path: str | Path) -> None:
+    """This rank's part of the comparison (the process group from the environment, as torchrun sets it): every
+    case of ``args.cases`` measured; rank 0 writes ``{"blocks": {case: Blocks}, "cpu": [per rank {case:
+    ThreadCpu}], "threads": [per rank (moved, others)]}`` to ``out_path``."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    layers = num_layers(args.model, **args.config)
+    batch = sample_batch(args.model, args.global_batch, torch.Generator().manual_seed(0), **args.config)
+    blocks, cpu = {}, {}
+    for case in args.cases:
+        blocks[case], cpu[case] = measure_case(case, args, layers, batch, cluster)
+        if rank == 0:
+            rates = {w: args.global_batch * args.block_steps / statistics.median(t) for w, t in blocks[case].items()}
+            print(f"  {case:<6} hetrain {rates['hetrain']:8.1f}  torch {rates['torch']:8.1f} samples/s", flush=True)
+    every: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, {"cpu": cpu, "threads": threads_outside_main_cgroup()})
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"blocks": blocks, "cpu": [r["cpu"] for r in every],  # type: ignore[index]
+                       "threads": [r["threads"] for r in every]}, f)  # type: ignore[index]
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------
+# reading the blocks back (pure)
+# ---------------------------------------------------------------------------
+
+
+def paired_ratio(hetrain_s: list[float], torch_s: list[float]) -> tuple[float, float, float]:
+    """``(q1, median, q3)`` of torch's block time / hetrain's over the pairs of blocks taken side by side
+    (> 1: hetrain's block was shorter), quartiles by ``statistics.quantiles``' default (exclusive) method.
+    One pair: that ratio three times.
+
+    Example:
+        >>> paired_ratio([1.0, 2.0, 1.0], [1.1, 2.0, 0.9])
+        (0.9, 1.0, 1.1)
+    """
+    if len(hetrain_s) != len(torch_s) or not hetrain_s:
+        raise ValueError(f"need as many blocks of each runtime, at least one: got {len(hetrain_s)} of hetrain's "
+                         f"and {len(torch_s)} of torch's")
+    ratios = sorted(t / h for h, t in zip(hetrain_s, torch_s, strict=True))
+    if len(ratios) == 1:
+        return ratios[0], ratios[0], ratios[0]
+    q1, q2, q3 = statistics.quantiles(ratios, n=4)  # the "exclusive" method, as the figures before
+    return q1, q2, q3
+
+
+def thread_group(kind: str) -> str:
+    """The column a kind of thread of ``thread_cpu_s`` goes in: ``main``, ``native``, else ``python`` (a Python
+    thread: hetrain's heartbeat and all-reduce chain)."""
+    return kind if kind in ("main", "native") else "python"
+
+
+def cpu_ms_per_step(cpu: list[dict[str, ThreadCpu]], case: str, steps: int,
+                    group: Callable[[str], str] = lambda kind: kind) -> dict[str, tuple[float, float]]:
+    """CPU milliseconds per step, summed over the ranks, by kind of thread (``group(kind)``): (hetrain, torch).
+
+    Example:
+        >>> cpu_ms_per_step([{"dp": {"hetrain": {"main": 1.0}, "torch": {"main": 0.5, "native": 0.1}}}], "dp", 10)
+        {'main': (100.0, 50.0), 'native': (0.0, 10.0)}
+    """
+    out: dict[str, list[float]] = {}
+    for rank in cpu:
+        for k, who in enumerate(("hetrain", "torch")):
+            for kind, seconds in rank[case][who].items():
+                out.setdefault(group(kind), [0.0, 0.0])[k] += seconds / steps * 1e3
+    return {kind: (h, t) for kind, (h, t) in sorted(out.items())}
+
+
+# ---------------------------------------------------------------------------
+# the whole run under one CPU quota
+# ---------------------------------------------------------------------------
+
+
+class QuotaError(Exception):
+    """The run cannot be put under a CPU quota here; the message says why in one line."""
+
+
+def cpu_quota_problem(cpus: float, host_cpus: int) -> str | None:
+    """Why ``cpus`` is no CPU quota for this host (None: it is one): it must be positive and at most the host's.
+
+    Example:
+        >>> cpu_quota_problem(3.0, 2)
+        '--cpu-quota 3 is more than the 2 CPUs of this host'
+    """
+    if not cpus > 0:  # NaN too
+        return f"--cpu-quota must be a number of CPUs > 0, got {cpus:g}"
+    if cpus > host_cpus:
+        return f"--cpu-quota {cpus:g} is more than the {host_cpus} CPUs of this host"
+    return None
+
+
+@contextlib.contextmanager
+def cpu_quota_group(cpus: float, period_s: float = QUOTA_PERIOD_S) -> Iterator[Path]:
+    """This process, and every process and thread it starts inside the block, under a quota of ``cpus`` CPUs.
+
+    A cgroup made as the emulator makes a device's (``hetrain.emulate.cgroups``: cgroup v1's cpu hierarchy,
+    else v2's; named ``hetrain-emu-<id>``, so ``hetrain emulate down`` finds a leftover); this process joins
+    it, and leaves it for the cgroup it came from before it is removed at the end. Yields the cgroup's
+    directory (its ``cpu.stat`` says how long the run was throttled).
+
+    Raises:
+        QuotaError: no cgroup hierarchy with a cpu controller, or not writable (not root).
+    """
+    from hetrain.emulate.cgroups import create_device_cgroup, find_cpu_cgroups, remove_run_dir, run_dir
+    from hetrain.emulate.rankwrap import join_cgroup
+
+    root, why = find_cpu_cgroups()
+    if root is None:
+        raise QuotaError(f"cannot put the run under a CPU quota: {why}")
+    home = root.path / cpu_cgroup_of(Path("/proc/self/cgroup").read_text()).lstrip("/") / "cgroup.procs"
+    run_id = secrets.token_hex(3)
+    try:
+        procs = create_device_cgroup(root, run_id, "run", cpus, period_s)
+        join_cgroup(str(procs), os.getpid())
+    except OSError as e:
+        remove_run_dir(run_dir(root, run_id))
+        raise QuotaError(f"cannot put the run under a CPU quota in {root.describe()}: "
+                         f"{e.filename}: {e.strerror}") from None
+    try:
+        yield procs.parent
+    finally:
+        with contextlib.suppress(OSError):
+            join_cgroup(str(home), os.getpid())
+        remove_run_dir(run_dir(root, run_id))

@@ -1,0 +1,177 @@
+"""The runtime-vs-torch benchmarks' own logic: paired ratios, CPU by thread, the CPU quota of ``--cpu-quota``.
+
+The script is run as a user runs it for what it must refuse (a bad quota; no cgroup cpu
+controller, in a mount namespace without cgroups); the quota's cgroup itself is made for
+real where this host allows it (root and a cpu controller), else the test says why it skips.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+from _vs_torch import (  # noqa: E402
+    QUOTA_PERIOD_S,
+    cpu_cgroup_of,
+    cpu_ms_per_step,
+    cpu_quota_group,
+    cpu_quota_problem,
+    paired_ratio,
+    thread_group,
+)
+from hetrain.emulate.cgroups import estimate_quota, find_cpu_cgroups  # noqa: E402
+
+SCRIPT = BENCHMARKS / "runtime_vs_torch.py"
+
+
+def run_script(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([*prefix, sys.executable, str(SCRIPT), *args, "--no-write"], env=env, text=True,
+                          capture_output=True, timeout=120)
+
+
+# --- pure helpers --------------------------------------------------------------
+
+
+def test_paired_ratio_is_torch_over_hetrain_per_pair_with_quartiles() -> None:
+    hetrain = [1.0, 2.0, 1.0, 1.0, 0.5]
+    torch = [1.1, 2.0, 0.9, 1.2, 0.5]  # ratios 1.1, 1.0, 0.9, 1.2, 1.0
+    q1, median, q3 = paired_ratio(hetrain, torch)
+    assert median == pytest.approx(1.0)
+    # quartiles of 0.9 1.0 1.0 1.1 1.2 at positions 1.5 and 4.5 of 5 (statistics.quantiles' exclusive method)
+    assert (q1, q3) == (pytest.approx(0.95), pytest.approx(1.15))
+    assert paired_ratio([2.0], [3.0]) == (1.5, 1.5, 1.5)
+
+
+def test_paired_ratio_pairs_blocks_not_medians() -> None:
+    # the load moved between pairs: each pair says hetrain's block was 10% shorter, whatever the medians
+    hetrain = [1.0, 3.0, 1.0, 3.0]
+    torch = [1.1, 3.3, 1.1, 3.3]
+    assert paired_ratio(hetrain, torch) == pytest.approx((1.1, 1.1, 1.1))
+
+
+def test_paired_ratio_refuses_unpaired_blocks() -> None:
+    with pytest.raises(ValueError, match="1 of hetrain's and 2 of torch's"):
+        paired_ratio([1.0], [1.0, 2.0])
+    with pytest.raises(ValueError, match="at least one"):
+        paired_ratio([], [])
+
+
+def test_cpu_ms_per_step_sums_ranks_by_thread_group() -> None:
+    rank0 = {"dp": {"hetrain": {"main": 1.0, "hetrain-heartbeat": 0.02, "native": 0.1},
+                    "torch": {"main": 0.9, "native": 0.3}}}
+    rank1 = {"dp": {"hetrain": {"main": 2.0, "hetrain-allreduce-chain": 0.08},
+                    "torch": {"main": 2.1}}}
+    got = cpu_ms_per_step([rank0, rank1], "dp", 10, thread_group)
+    assert got == {"main": pytest.approx((300.0, 300.0)), "native": pytest.approx((10.0, 30.0)),
+                   "python": pytest.approx((10.0, 0.0))}
+    ungrouped = cpu_ms_per_step([rank0], "dp", 10)
+    assert set(ungrouped) == {"main", "hetrain-heartbeat", "native"}
+
+
+def test_cpu_quota_problem_names_the_value_and_the_limit() -> None:
+    assert cpu_quota_problem(1.2, 2) is None
+    assert cpu_quota_problem(2.0, 2) is None
+    assert cpu_quota_problem(0.0, 2) == "--cpu-quota must be a number of CPUs > 0, got 0"
+    assert cpu_quota_problem(-1.0, 2) == "--cpu-quota must be a number of CPUs > 0, got -1"
+    assert cpu_quota_problem(math.nan, 2) == "--cpu-quota must be a number of CPUs > 0, got nan"
+    assert cpu_quota_problem(2.5, 2) == "--cpu-quota 2.5 is more than the 2 CPUs of this host"
+
+
+def test_quota_of_more_than_one_cpu_is_quota_over_period() -> None:
+    # 1.2 CPUs: 120 ms of CPU time in every 100 ms period, shared by every thread in the cgroup
+    assert estimate_quota(1.2, QUOTA_PERIOD_S) == (120_000, 100_000)
+    assert estimate_quota(0.005, QUOTA_PERIOD_S) == (1000, 200_000)  # the kernel's 1 ms minimum quota
+
+
+def test_cpu_cgroup_of_reads_v1_cpu_line_else_v2() -> None:
+    v1 = "4:memory:/x\n2:cpu,cpuacct:/hetrain-emu-1a2b3c/run\n0::/\n"
+    assert cpu_cgroup_of(v1) == "/hetrain-emu-1a2b3c/run"
+    assert cpu_cgroup_of("1:cpuset:/a\n0::/user.slice/job\n") == "/user.slice/job"
+    assert cpu_cgroup_of("1:cpuset:/a\n") == ""
+
+
+# --- the script, as a user runs it -----------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["0", "-1", str((os.cpu_count() or 1) + 1)])
+def test_cpu_quota_refuses_bad_values_in_one_line(value: str) -> None:
+    done = run_script("--cpu-quota", value)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("runtime_vs_torch.py: --cpu-quota")
+    assert f"{float(value):g}" in lines[0]
+    assert done.stdout == ""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="needs root and unshare(1) to hide the cgroup mounts in a mount namespace")
+def test_cpu_quota_without_cpu_controller_says_so_in_one_line() -> None:
+    hide = ("unshare", "-m", "sh", "-c", 'umount -R /sys/fs/cgroup 2>/dev/null; exec "$0" "$@"')
+    done = run_script("--cpu-quota", "1", prefix=hide)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "runtime_vs_torch.py: cannot put the run under a CPU quota: no cgroup hierarchy with a cpu controller "
+        "is mounted"]
+    assert done.stdout == ""  # nothing started
+
+
+def _cgroups_or_skip() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("making a cgroup needs root")
+    root, why = find_cpu_cgroups()
+    if root is None:
+        pytest.skip(f"no cgroup to make here: {why}")
+
+
+def test_cpu_quota_group_holds_children_and_is_removed() -> None:
+    _cgroups_or_skip()
+    home = cpu_cgroup_of(Path("/proc/self/cgroup").read_text())
+    with cpu_quota_group(1.0) as group:
+        child = subprocess.run(["cat", "/proc/self/cgroup"], capture_output=True, text=True, check=True)
+        assert cpu_cgroup_of(child.stdout).endswith(f"/{group.parent.name}/{group.name}")
+        assert group.name == "run" and group.parent.name.startswith("hetrain-emu-")
+    assert not group.exists() and not group.parent.exists()
+    assert cpu_cgroup_of(Path("/proc/self/cgroup").read_text()) == home
+
+
+def test_emulated_rows_read_a_jobs_result() -> None:
+    import argparse
+
+    from emulated_vs_torch import table_rows
+
+    rank = {"dp": {"hetrain": {"main": 1.2, "hetrain-heartbeat": 0.012, "native": 0.3},
+                   "torch": {"main": 1.2, "native": 0.6}}}
+    saved = {"blocks": {"dp": {"hetrain": [1.0, 1.0, 2.0], "torch": [1.1, 1.0, 2.4]}},
+             "cpu": [rank, rank], "threads": [[20, 20], [19, 20]]}
+    args = argparse.Namespace(cases=["dp"], global_batch=32, blocks=3, block_steps=2)
+    assert table_rows("network", "on", saved, args) == [
+        # 64 samples per block, the median block 1.0 s (hetrain) and 1.1 s (torch); ratios 1.0, 1.1, 1.2;
+        # CPU: 2 ranks x 1.2 s over 6 steps = 400 ms/step on the main thread
+        "| network | on | dp (DistributedDataParallel) | 64.0 | 58.2 | 1.10x (1.00-1.20) | 400.0 / 400.0 | "
+        "4.0 / 0.0 | 100.0 / 200.0 | 39 of 40 |"]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--global-batch", "30"], "--global-batch 30 must divide among the 4 devices"),
+    (["--global-batch", "4", "--micro-batches", "8"], "hold the --micro-batches 8"),
+    (["--blocks", "0"], "--blocks must be >= 1, got 0"),
+])
+def test_emulated_script_refuses_bad_options(argv: list[str], message: str) -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "emulated_vs_torch.py"), *argv], env=env, text=True,
+                          capture_output=True, timeout=120)
+    assert done.returncode == 2
+    assert message in done.stderr
