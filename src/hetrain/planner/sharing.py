@@ -62,11 +62,13 @@ class SegmentJob(NamedTuple):
     Attributes:
         owners: its owners' device indices.
         num_bytes: its gradient bytes.
-        scale: its seconds over one all-reduce of ``num_bytes`` (bucket by bucket, each bucket pays the
-            latency terms: ``sum_b t(b) / t(num_bytes)``; 1 for one all-reduce of the whole segment).
+        scale: its seconds over one all-reduce of ``num_bytes`` by ``algorithm`` (bucket by bucket, each bucket
+            pays the latency terms: ``sum_b t(b) / t(num_bytes)``; 1 for one all-reduce of the whole segment).
         lead_s: seconds before the pipeline's end it may start (``estimate_shared_sync_time``).
         share: the share of an owner's last backward before its first bucket is ready (``estimate_tail``).
         buckets: how many buckets the plan cuts it into (``estimate_tail`` releases them over the backward).
+        algorithm: the phases its all-reduce runs as (``collective_phases``): its buckets' algorithm, which
+            may not be the one of a single all-reduce of ``num_bytes`` ("auto": that one).
     """
 
     owners: Sequence[int]
@@ -75,6 +77,7 @@ class SegmentJob(NamedTuple):
     lead_s: float = 0.0
     share: float = 0.0
     buckets: int = 1
+    algorithm: str = "auto"
 
 
 #: the most pieces ``estimate_tail`` releases one segment's all-reduce in (its buckets, grouped)
@@ -251,7 +254,7 @@ def _sync_entries(cluster: Cluster, jobs: Sequence[SegmentJob]) -> tuple[np.ndar
     dur: list[np.ndarray] = []
     who: list[np.ndarray] = []
     for k, job in enumerate(jobs):
-        for load in collective_loads(cluster, job.owners, job.num_bytes):
+        for load in collective_loads(cluster, job.owners, job.num_bytes, job.algorithm):
             n = len(load.resources)
             res.append(load.resources)
             rel.append(np.full(n, -job.lead_s))
@@ -493,7 +496,7 @@ def estimate_tail(cluster: Cluster, jobs: Sequence[SegmentJob],
     pieces = [max(1, min(job.buckets, MAX_TAIL_PIECES)) for job in jobs]
     for s, job in enumerate(jobs):
         phases.append([x._replace(duration_s=x.duration_s * job.scale / pieces[s])
-                       for x in collective_phases(cluster, job.owners, job.num_bytes)])
+                       for x in collective_phases(cluster, job.owners, job.num_bytes, job.algorithm)])
         for d in job.owners:
             segments_of.setdefault(d, []).append(s)
     arrived = [0] * len(jobs)
