@@ -371,3 +371,27 @@ def test_a_bucket_pays_its_latency_in_the_phase_that_holds_the_nics() -> None:
     result = simulate(plan)
     assert result.pipeline_s > 3 * pipeline_s  # the last gradient waited behind the buckets (700 ms, not 188)
     assert closed_s == pytest.approx(result.iteration_s, rel=0.01)
+
+
+def test_a_bucket_is_ready_when_the_backward_of_its_layers_is_over() -> None:
+    """Data parallel on nodes a and b of one device (NICs of 1 GB/s), one micro-batch, three layers: l0 and l1
+    of 50 MB (backward 2 ms each) and a head of 8 kB whose backward takes 40 ms. The first bucket (the head
+    and l1, 50 MB) is final 42 ms into the 44 ms backward, half of the segment's bytes but 95% of its
+    backward; then the second (l0). Each is a ring over both NICs of ``2 (2 - 1) / 2 * 5e7 / 1e9 = 50`` ms,
+    one after the other: the sync ends at 22 + 42 + 100 = 164 ms, as in the replay. Released after half the
+    backward, as the bytes said, the closed form ended it 20 ms early (144 ms, 12% below)."""
+    cluster = cluster_of({"a": 1, "b": 1}, 1e9)
+
+    def layer(name: str, param_bytes: float, backward_s: float) -> LayerProfile:
+        return LayerProfile(name, param_bytes, 1e5, 1e4, 1e9, ((A100, (Measurement(1, backward_s / 2, backward_s),)),))
+
+    profile = ModelProfile("head", (layer("l0", 5e7, 0.002), layer("l1", 5e7, 0.002), layer("head", 8e3, 0.04)), 1e3)
+    plan = Plan(profile.name, 2, "1f1b", "bsp", "sgd", tuple(VirtualWorker((Stage(d, 0, 3),), 1, 1)
+                                                             for d in ("a:0", "b:0")),
+                Prediction(0, 0, 0, 0, 0), "dp", "manual", cluster, profile, sync_options=SyncOptions())
+    assert [(b.first_layer, b.end_layer) for b in plan.layout.segments[0].buckets] == [(1, 3), (0, 1)]
+    parts = [PartitionResult((cluster.device(d),), (0, 3), ((),), (0.066,), (0.022,), (0.044,), (), 0.066, 0.066,
+                             1, 1, True) for d in ("a:0", "b:0")]
+    closed_s = 0.066 + sync_closed_form(plan, parts)
+    assert closed_s == pytest.approx(0.022 + 0.042 + (50.008e6 + 50e6) / 1e9)  # 164 ms
+    assert simulate(plan).iteration_s == pytest.approx(closed_s + step_s(cluster, 5e7 + 5e7 + 8e3), rel=1e-9)

@@ -25,6 +25,7 @@ from hetrain.cost import (
     allreduce_shape,
     estimate_allreduce,
     estimate_allreduce_time,
+    estimate_layer_times,
     estimate_p2p_time,
     estimate_samples_to_accuracy_factor,
 )
@@ -103,8 +104,12 @@ def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequenc
             # bucket's; 134 hierarchical buckets hold the NICs as no flat ring of the whole segment does
             algorithm = max(zip(cuts, priced, strict=True), key=lambda x: x[0][2])[1][1]
             whole = estimate_allreduce(num_bytes, shape, algorithm)[0]
-            job = job._replace(scale=by_bucket / whole, share=cuts[0][2] / num_bytes if num_bytes > 0 else 1.0,
-                               buckets=len(cuts), algorithm=algorithm)
+            # the first bucket is final once the backward of its layers is over: its share of the segment's
+            # backward seconds (a head of 8 kB and 105 GFLOPs is most of its bucket's time, none of its bytes)
+            g = estimate_layer_times(profile, cluster.devices[owners[0]], 1)[1]
+            seg_s = float(g[first:end].sum())
+            share = float(g[cuts[0][0]:end].sum()) / seg_s if seg_s > 0 else cuts[0][2] / num_bytes
+            job = job._replace(scale=by_bucket / whole, share=share, buckets=len(cuts), algorithm=algorithm)
             t = by_bucket
         last = t if num_bytes <= bucket_bytes else estimate_allreduce_time(cluster, owners, bucket_bytes)
         for d in owners:
