@@ -62,11 +62,13 @@ class SegmentJob(NamedTuple):
     Attributes:
         owners: its owners' device indices.
         num_bytes: its gradient bytes.
-        scale: its seconds over one all-reduce of ``num_bytes`` (bucket by bucket, each bucket pays the
-            latency terms: ``sum_b t(b) / t(num_bytes)``; 1 for one all-reduce of the whole segment).
+        scale: its seconds over one all-reduce of ``num_bytes`` by ``algorithm`` (bucket by bucket, each bucket
+            pays the latency terms: ``sum_b t(b) / t(num_bytes)``; 1 for one all-reduce of the whole segment).
         lead_s: seconds before the pipeline's end it may start (``estimate_shared_sync_time``).
         share: the share of an owner's last backward before its first bucket is ready (``estimate_tail``).
         buckets: how many buckets the plan cuts it into (``estimate_tail`` releases them over the backward).
+        algorithm: the phases its all-reduce runs as (``collective_phases``): its buckets' algorithm, which
+            may not be the one of a single all-reduce of ``num_bytes`` ("auto": that one).
     """
 
     owners: Sequence[int]
@@ -75,6 +77,7 @@ class SegmentJob(NamedTuple):
     lead_s: float = 0.0
     share: float = 0.0
     buckets: int = 1
+    algorithm: str = "auto"
 
 
 #: the most pieces ``estimate_tail`` releases one segment's all-reduce in (its buckets, grouped)
@@ -251,7 +254,7 @@ def _sync_entries(cluster: Cluster, jobs: Sequence[SegmentJob]) -> tuple[np.ndar
     dur: list[np.ndarray] = []
     who: list[np.ndarray] = []
     for k, job in enumerate(jobs):
-        for load in collective_loads(cluster, job.owners, job.num_bytes):
+        for load in collective_loads(cluster, job.owners, job.num_bytes, job.algorithm):
             n = len(load.resources)
             res.append(load.resources)
             rel.append(np.full(n, -job.lead_s))
@@ -481,7 +484,10 @@ def estimate_tail(cluster: Cluster, jobs: Sequence[SegmentJob],
     all-reduce of its own that the links serve in order of request; a gradient sent during that backward
     goes after the buckets requested before it. The walk releases each segment in ``buckets`` pieces (at
     most ``MAX_TAIL_PIECES``), piece i once every owner is ``share + (1 - share) i / (n - 1)`` into its last
-    backward. The VWs that share a NIC pass it one after another (``Wave.start_s`` has that stagger), so the
+    backward; each piece holds its resources phase by phase as one bucket of the segment's mean size does, by
+    the buckets' algorithm (``SegmentJob.algorithm``), a hierarchical bucket paying its NIC latency steps
+    in its NIC phase, and the pieces add up to the segment's bucket-by-bucket seconds. The VWs that share a
+    NIC pass it one after another (``Wave.start_s`` has that stagger), so the
     later ones' last gradients queue behind more pieces: on a 1024-device plan (8 VWs per node, a segment of
     134 buckets, 540 ms on every NIC of its ring) the replay's last gradients waited 0, 39, 82, ... 517 ms,
     where one piece per segment let the walk charge them at most half of it.
@@ -492,8 +498,13 @@ def estimate_tail(cluster: Cluster, jobs: Sequence[SegmentJob],
     phases: list[list[Load]] = []
     pieces = [max(1, min(job.buckets, MAX_TAIL_PIECES)) for job in jobs]
     for s, job in enumerate(jobs):
-        phases.append([x._replace(duration_s=x.duration_s * job.scale / pieces[s])
-                       for x in collective_phases(cluster, job.owners, job.num_bytes)])
+        # a piece: buckets / pieces buckets of the mean size, split into phases as one such bucket is (each
+        # bucket's latency terms in the phase that pays them), scaled to the job's seconds
+        whole = collective_phases(cluster, job.owners, job.num_bytes, job.algorithm)
+        one = whole if job.buckets <= 1 else \
+            collective_phases(cluster, job.owners, job.num_bytes / job.buckets, job.algorithm)
+        f = job.scale * sum(x.duration_s for x in whole) / (pieces[s] * sum(x.duration_s for x in one)) if one else 0.0
+        phases.append([x._replace(duration_s=x.duration_s * f) for x in one])
         for d in job.owners:
             segments_of.setdefault(d, []).append(s)
     arrived = [0] * len(jobs)

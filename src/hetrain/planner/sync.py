@@ -21,7 +21,14 @@ from typing import Any
 import numpy as np
 
 from hetrain.cluster import Cluster
-from hetrain.cost import estimate_allreduce_time, estimate_p2p_time, estimate_samples_to_accuracy_factor
+from hetrain.cost import (
+    allreduce_shape,
+    estimate_allreduce,
+    estimate_allreduce_time,
+    estimate_layer_times,
+    estimate_p2p_time,
+    estimate_samples_to_accuracy_factor,
+)
 from hetrain.plan import Plan
 from hetrain.planner.partition import PartitionResult
 from hetrain.planner.sharing import (
@@ -90,9 +97,19 @@ def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequenc
         job = SegmentJob(owners, num_bytes)
         if traffic is not None and t > 0:  # the planner's BSP estimate: bucket by bucket, as the plan cuts them
             cuts = cut_buckets(layer_bytes, first, end, first_bucket_bytes, bucket_bytes)
-            by_bucket = sum(estimate_allreduce_time(cluster, owners, size) for _, _, size in cuts)
-            job = job._replace(scale=by_bucket / t, share=cuts[0][2] / num_bytes if num_bytes > 0 else 1.0,
-                               buckets=len(cuts))
+            shape = allreduce_shape(cluster, owners)
+            priced = [estimate_allreduce(size, shape) for _, _, size in cuts]
+            by_bucket = sum(s for s, _ in priced)
+            # the replay runs each bucket by its own algorithm (sync_layout): the phases are its largest
+            # bucket's; 134 hierarchical buckets hold the NICs as no flat ring of the whole segment does
+            algorithm = max(zip(cuts, priced, strict=True), key=lambda x: x[0][2])[1][1]
+            whole = estimate_allreduce(num_bytes, shape, algorithm)[0]
+            # the first bucket is final once the backward of its layers is over: its share of the segment's
+            # backward seconds (a head of 8 kB and 105 GFLOPs is most of its bucket's time, none of its bytes)
+            g = estimate_layer_times(profile, cluster.devices[owners[0]], 1)[1]
+            seg_s = float(g[first:end].sum())
+            share = float(g[cuts[0][0]:end].sum()) / seg_s if seg_s > 0 else cuts[0][2] / num_bytes
+            job = job._replace(scale=by_bucket / whole, share=share, buckets=len(cuts), algorithm=algorithm)
             t = by_bucket
         last = t if num_bytes <= bucket_bytes else estimate_allreduce_time(cluster, owners, bucket_bytes)
         for d in owners:
