@@ -58,6 +58,7 @@ from hetrain.simulator.ops import (
 from hetrain.sync_layout import Bucket
 
 K = ActionKind
+_new = tuple.__new__  # a NamedTuple record without its Python-level __new__: millions per large plan
 
 
 @dataclass(frozen=True)
@@ -253,20 +254,40 @@ class _Compiler:
     def _device_ops(self, dev: _Device) -> list[Op]:
         """``dev``'s operations over all iterations, each action's appended to ``dev.ops`` in turn.
 
-        Computes and transfers, nearly all of them, are compiled here without ``_compile``'s dispatch."""
+        Computes and transfers, nearly all of them, are compiled here without ``_compile``'s dispatch,
+        their records built with ``tuple.__new__`` (a NamedTuple's own ``__new__`` is a Python call)."""
         ops, forward, backward = dev.ops, dev.forward, dev.backward
+        append, d, sizes, send, p2p = ops.append, dev.d, dev.sizes, self._send, self.p2p_cache
+        routes = dev.sends
+        recv_b = K.RECV_B
+        blocking = self.blocking
         for it, sched in enumerate(self.schedules):
             for a in sched[dev.name]:
-                if isinstance(a, Compute):
+                cls = a.__class__
+                if cls is Compute:
                     if a.kind is K.F:
-                        ops.append(forward[a.micro_batch])
+                        append(forward[a.micro_batch])
                     else:
                         dev.last_backward = len(ops)  # where it goes: an ALLREDUCE_START after it rides on it
-                        ops.append(backward[a.micro_batch])
-                elif isinstance(a, Transfer):
-                    ops.append(self._send(a, dev) if a.kind in _SENDS else self._recv(a, dev))
+                        append(backward[a.micro_batch])
+                elif cls is Transfer:
+                    kind, i = a.kind, a.micro_batch
+                    if kind in _SENDS:
+                        route = routes.get((kind, a.stage, a.peer))
+                        cached = None if route is None else p2p.get((d, route.peer, sizes[i] * route.bytes_per_sample))
+                        if cached is None:  # the first send of its route and size: _send works it out
+                            append(send(a, dev))
+                            continue
+                        append(_new(Send, (i, f"{route.label_head}{i}{route.label_tail}",
+                                           _new(TransferKey, (not route.forward, d, route.peer, i)),
+                                           cached[0], cached[1], route.kind, blocking)))
+                    else:
+                        peer = dev.recv_peers.get(a.peer)
+                        if peer is None:
+                            peer = dev.recv_peers[a.peer] = self.index[a.named_peer()]
+                        append(_new(Recv, (i, a, _new(TransferKey, (kind is recv_b, peer, d, i)))))
                 else:
-                    ops.append(self._compile(a, it, dev))
+                    append(self._compile(a, it, dev))
             if dev.pulled:
                 dev.wave += 1
                 dev.pulled = False
