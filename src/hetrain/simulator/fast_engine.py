@@ -136,7 +136,7 @@ class _FastEngine(_Engine):
                     k += 1
                     break
                 if op.__class__ is Recv:  # see _Engine._recv
-                    sent = blocking_sent.pop(op.key, None)
+                    sent = blocking_sent.pop(op.key, None) if blocking_sent else None  # none unless blocking
                     if sent is not None:
                         end = (t if t > sent[0] else sent[0]) + sent[1]
                         k += 1
