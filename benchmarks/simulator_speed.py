@@ -6,12 +6,17 @@ RTX 3090 on PCIe 4 and 25 Gbit/s); gpt2-medium (26 layers), a global batch of 4 
 device (16384 on 4096 devices). The planner (``simulate_top_k=3``) hands each of the plans
 it re-ranks to the scoring function; this script times ``simulate`` on each of them.
 
+``--scale-models MODEL ...`` times instead the plans of ``simulator_scale.py``: the closed form's best
+two (``planner.search.candidate_plans``) on the clusters of ``_scale_cases.py``, for each model named
+(``gpt2-medium``, ``gpt-200``: 26 and 200 layers).
+
 ``--before-src DIR`` times the same plans with another checkout's sources too (``DIR`` is
 its ``src``), in a fresh process per run, alternating with this checkout's, so that both
 see the same load on a shared machine; each figure is the fastest of ``--repeat`` runs.
 Either way the iteration times of the two must be equal (the script fails otherwise).
 
     python benchmarks/simulator_speed.py [--devices 1024 4096] [--repeat 3] [--before-src DIR] [--no-write]
+    python benchmarks/simulator_speed.py --devices 4096 --scale-models gpt2-medium gpt-200 --before-src DIR
 """
 
 from __future__ import annotations
@@ -26,10 +31,13 @@ import time
 from pathlib import Path
 
 from _results import write_section
+from _scale_cases import build_cluster as build_scale_cluster
+from _scale_cases import build_model
 from hetrain.cluster import Cluster, parse_cluster
 from hetrain.models.analytic import build_profile
 from hetrain.plan import Plan
 from hetrain.planner import plan
+from hetrain.planner.search import candidate_plans
 
 TYPES = [("A100-40GB", "nvlink3", "200Gbit/s"), ("V100-32GB", "nvlink2", "100Gbit/s"),
          ("T4", "pcie3", "10Gbit/s"), ("RTX3090", "pcie4", "25Gbit/s")]
@@ -69,6 +77,11 @@ def reranked_plans(num_devices: int) -> list[Plan]:
     return seen
 
 
+def scale_case_plans(num_devices: int, model: str) -> list[Plan]:
+    """The closed form's best two plans for ``model`` on ``_scale_cases.build_cluster(num_devices)``."""
+    return candidate_plans(build_scale_cluster(num_devices), build_model(model), 4 * num_devices, 2)
+
+
 def time_one(src: Path, plan_path: Path) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(src)}
     out = subprocess.run([sys.executable, "-c", TIME_ONE, str(plan_path)], env=env, check=True,
@@ -82,6 +95,8 @@ def main() -> int:
     parser.add_argument("--devices", type=int, nargs="+", default=[1024, 4096], help="cluster sizes (x8 GPUs)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per plan and checkout; the fastest counts")
     parser.add_argument("--before-src", type=Path, help="another checkout's src, timed alternately with this one")
+    parser.add_argument("--scale-models", nargs="+", metavar="MODEL",
+                        help="time the closed form's best two plans of _scale_cases.py for these models instead")
     parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
     args = parser.parse_args()
     if args.repeat < 1:
@@ -89,9 +104,11 @@ def main() -> int:
     trees = {"after": SRC} if args.before_src is None else {"before": args.before_src.resolve(), "after": SRC}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for n in args.devices:
-            for k, p in enumerate(reranked_plans(n)):
-                path = Path(tmp) / f"plan-{n}-{k}.json"
+        cases = [(n, model, scale_case_plans(n, model)) for n in args.devices for model in args.scale_models] \
+            if args.scale_models else [(n, "", reranked_plans(n)) for n in args.devices]
+        for n, model, plans in cases:
+            for k, p in enumerate(plans):
+                path = Path(tmp) / f"plan-{n}-{model}-{k}.json"
                 p.save(path)
                 best: dict[str, float] = {}  # wall seconds, and CPU seconds under "name cpu"
                 iteration: dict[str, float] = {}
@@ -105,7 +122,8 @@ def main() -> int:
                     print(f"MISMATCH on {n} devices, plan {k}: {iteration}", file=sys.stderr)
                     return 1
                 vw = p.virtual_workers[0]
-                row = {"devices": n, "plan": f"{len(p.virtual_workers)} x {len(vw.stages)} ({p.formation})",
+                shape = f"{len(p.virtual_workers)} x {len(vw.stages)} ({p.formation})"
+                row = {"devices": n, "plan": f"{model}: {shape}" if model else shape,
                        "m": vw.micro_batches, "iteration_s": iteration["after"], **best}
                 rows.append(row)
                 times = "  ".join(f"{name} {best[name]:6.2f} s (CPU {best[name + ' cpu']:6.2f} s)" for name in trees)
@@ -125,12 +143,18 @@ def main() -> int:
     load = f" Load average when it ended: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (a shared host)."
     if not args.no_write:
         command = "python benchmarks/simulator_speed.py" + (
+            f" --devices {' '.join(map(str, args.devices))}" if args.devices != [1024, 4096] else "") + (
+            f" --scale-models {' '.join(args.scale_models)}" if args.scale_models else "") + (
             " --before-src <checkout of the commit before>/src" if args.before_src else "") + (
             f" --repeat {args.repeat}" if args.repeat != 3 else "")
+        which = ("The closed form's best two plans (`planner.search.candidate_plans`, the plans of "
+                 "benchmarks/simulator_scale.py) for each model, 4 samples per device, on the clusters of "
+                 "benchmarks/_scale_cases.py (H100 / A100-80GB / V100-32GB / T4 nodes of 8, NICs 200 to 10 Gbit/s)"
+                 if args.scale_models else
+                 "Each plan the planner re-ranks (`simulate_top_k=3`, and the best plan's reverse order) for "
+                 "gpt2-medium, 4 samples per device, on nodes of 8 GPUs of four generations (NICs 10 to 200 Gbit/s)")
         write_section("Simulator speed (issue 21)", command, "\n".join(lines),
-                      "Each plan the planner re-ranks (`simulate_top_k=3`, and the best plan's reverse order) for "
-                      "gpt2-medium, 4 samples per device, on nodes of 8 GPUs of four generations (NICs 10 to "
-                      "200 Gbit/s); `simulate(plan)` wall and CPU time, schedule building and compiling included, "
+                      f"{which}; `simulate(plan)` wall and CPU time, schedule building and compiling included, "
                       f"fastest of {args.repeat} runs in fresh processes, the two checkouts alternating; the simulated "
                       f"iterations of the two are equal.{load}")
     print("\n".join(lines))

@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import replace
 
 import pytest
 
 from hetrain.cluster import Cluster, parse_cluster
 from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
 from hetrain.profile import LayerProfile, Measurement, ModelProfile
-from hetrain.schedule import ScheduleError, build_schedule
+from hetrain.schedule import ActionKind, BucketSync, Compute, ScheduleError, build_schedule
+from hetrain.schedule.sync import buckets_by_device
 from hetrain.simulator import SimResult, simulate
-from hetrain.simulator.compile import compile_program
+from hetrain.simulator.compile import compile_program, estimate_stage_costs
 from hetrain.simulator.engine import run_program
 from hetrain.simulator.fast_engine import run_program_fast
+from hetrain.simulator.links import LinkResources, allreduce_phases
+from hetrain.simulator.ops import Backward
 from hetrain.sync_layout import SyncOptions
 
 TYPES = ("A100-40GB", "V100-16GB", "T4", "RTX3090")
@@ -151,3 +155,68 @@ def test_the_fast_replay_stalls_as_the_reference() -> None:
     with pytest.raises(ScheduleError) as fast_error:
         run_program_fast(compile_program(plan, [stalled]))
     assert str(fast_error.value) == str(ref_error.value)
+
+
+# --- what compile shares among devices is what each device would have had on its own ---------------------
+
+def bsp_plan(seed: int) -> Plan:
+    """A random plan under ``bsp`` with small buckets: several buckets per stage, segments of several owners."""
+    plan = random_plan(seed * len(MODES))  # the seeds of bsp
+    return plan.with_sync("bsp", replace(plan.sync_options, bucket_bytes=1e5, first_bucket_bytes=1e5))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_each_backward_carries_its_own_devices_bucket_starts(seed: int) -> None:
+    """The seconds into a backward at which each bucket's gradients are final, worked out afresh for every
+    device (its own stage costs, no sharing), and the all-reduce each starts, named by its label."""
+    plan = bsp_plan(seed)
+    schedule = build_schedule(plan)
+    program = compile_program(plan, [schedule])
+    where = {s.device: (vw, s) for vw in plan.virtual_workers for s in vw.stages}
+    devices = {d.name: d for d in plan.cluster.devices}
+    starts = 0
+    for d, name in enumerate(program.names):
+        vw, stage = where[name]
+        costs = estimate_stage_costs(plan, vw, stage, devices[name])
+        f, g = costs.layer_times, costs.backward_s
+        expected: dict[int, list[tuple[float, str]]] = {}
+        last = -1
+        for k, a in enumerate(schedule[name]):
+            if isinstance(a, Compute) and a.kind is ActionKind.B:
+                last = k
+            elif isinstance(a, BucketSync) and a.kind is ActionKind.ALLREDUCE_START:
+                bucket = plan.segments()[a.segment].buckets[a.bucket]
+                i = schedule[name][last].micro_batch  # type: ignore[union-attr]
+                fwd, bwd = f[vw.micro_batch_sizes[i]]
+                later = [x for x in stage.recompute if x >= bucket.first_layer]
+                offset = g[i] if bucket.first_layer <= stage.first_layer else costs.overhead_s + float(
+                    bwd[bucket.first_layer:stage.end_layer].sum() + fwd[later].sum())
+                expected.setdefault(last, []).append((offset, f"ALLREDUCE seg{a.segment} bucket{a.bucket}"))
+        for k, rides in expected.items():
+            op = program.ops[d][k]
+            assert isinstance(op, Backward)
+            assert [(o, program.collectives[c].label) for o, c in op.bucket_starts] == rides, (name, k)
+            starts += len(rides)
+    assert starts > len(program.names)  # more than one bucket per device on average
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_buckets_by_device_are_the_layouts(seed: int) -> None:
+    plan = bsp_plan(seed) if seed % 2 else random_plan(seed)
+    by_device = buckets_by_device(plan)
+    for dev in plan.cluster.devices:
+        assert by_device.get(dev.name, []) == plan.layout.device_buckets(dev.name), dev.name
+
+
+def test_all_reduces_of_one_ring_share_its_links_numbered_as_on_their_own() -> None:
+    plan = spread_plan(nodes=8, stages=4, micro_batches=2)
+    cluster, owners = plan.cluster, [d.index for d in plan.cluster.devices if d.name.endswith(":0")]
+    for algorithm in ("ring", "hierarchical"):
+        shared = LinkResources()
+        first = allreduce_phases(cluster, owners, 1e6, shared, algorithm)
+        second = allreduce_phases(cluster, owners, 3e6, shared, algorithm)
+        alone = LinkResources()
+        again = allreduce_phases(cluster, owners, 3e6, alone, algorithm)
+        assert [p.links for p in first] == [p.links for p in second] == [p.links for p in again]
+        assert [p.duration_s for p in second] == [p.duration_s for p in again]
+        assert shared.names == alone.names

@@ -114,12 +114,13 @@ class Transfer:
     def __post_init__(self) -> None:
         _check_kind(self, self.kind, _TRANSFER_KINDS)
 
-    def __str__(self) -> str:
-        src, dst = self.stages_joined
-        text = f"{self.kind.value} {src}->{dst} mb{self.micro_batch}"
-        if self.peer is not None:
-            text += f" {'to' if self.is_send else 'from'} {self.peer}"
-        return text
+    def __str__(self) -> str:  # the simulator prints one per receive it waits on: kept to one table lookup
+        name, offset, word = _TRANSFER_TEXT[self.kind]
+        j = self.stage
+        src, dst = (j, j + offset) if word == " to " else (j + offset, j)
+        if self.peer is None:
+            return f"{name} {src}->{dst} mb{self.micro_batch}"
+        return f"{name} {src}->{dst} mb{self.micro_batch}{word}{self.peer}"
 
     @property
     def is_send(self) -> bool:
@@ -199,6 +200,9 @@ class Step:
 
 
 _TRANSFER_KINDS: frozenset[ActionKind] = frozenset(P2P_KINDS)
+#: per transfer kind: its text, the peer's stage offset, the word before the peer (``Transfer.__str__``)
+_TRANSFER_TEXT: dict[ActionKind, tuple[str, int, str]] = {
+    k: (k.value, offset, " to " if is_send else " from ") for k, (offset, is_send) in P2P_KINDS.items()}
 _WHOLE_SEGMENT_KINDS: frozenset[ActionKind] = SEGMENT_KINDS - BUCKET_KINDS
 _STEP_KINDS: frozenset[ActionKind] = frozenset({K.STEP})
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 from hetrain.plan import Plan
 from hetrain.schedule.actions import Action, ActionKind, Compute, Schedule, ScheduleError, Transfer
-from hetrain.schedule.sync import SyncState, add_bsp_sync, build_sync_actions
+from hetrain.schedule.sync import SyncState, add_bsp_sync, buckets_by_device, build_sync_actions, owned_segments
 
 K = ActionKind
 
@@ -72,20 +72,22 @@ def add_p2p(compute: Sequence[Compute], prev_device: str | None, next_device: st
     send right after the compute that produced it.
     """
     out: list[Action] = []
+    append, f_kind = out.append, K.F
+    # positional arguments: a Transfer built per micro-batch and stage boundary, millions on a large plan
     for a in compute:
         j, i = a.stage, a.micro_batch
-        if a.kind is K.F:
+        if a.kind is f_kind:
             if prev_device is not None:
-                out.append(Transfer(K.RECV_F, stage=j, micro_batch=i, peer=prev_device))
-            out.append(a)
+                append(Transfer(K.RECV_F, j, i, prev_device))
+            append(a)
             if next_device is not None:
-                out.append(Transfer(K.SEND_F, stage=j, micro_batch=i, peer=next_device))
+                append(Transfer(K.SEND_F, j, i, next_device))
         else:  # B
             if next_device is not None:
-                out.append(Transfer(K.RECV_B, stage=j, micro_batch=i, peer=next_device))
-            out.append(a)
+                append(Transfer(K.RECV_B, j, i, next_device))
+            append(a)
             if prev_device is not None:
-                out.append(Transfer(K.SEND_B, stage=j, micro_batch=i, peer=prev_device))
+                append(Transfer(K.SEND_B, j, i, prev_device))
     return out
 
 
@@ -108,6 +110,8 @@ def build_schedule(plan: Plan, state: SyncState | None = None, steps: int | None
     generate = GENERATORS[plan.schedule]
     orders: dict[tuple[int, int], list[list[Compute]]] = {}
     out: Schedule = {}
+    buckets = buckets_by_device(plan) if plan.sync == "bsp" else {}
+    owned = owned_segments(plan) if plan.sync != "bsp" else {}
     for vw in plan.virtual_workers:
         m, p, devices = vw.micro_batches, len(vw.stages), vw.devices
         if (m, p) not in orders:
@@ -117,7 +121,7 @@ def build_schedule(plan: Plan, state: SyncState | None = None, steps: int | None
             next_device = devices[j + 1] if j < p - 1 else None
             actions = add_p2p(compute, prev_device, next_device)
             if plan.sync == "bsp":  # bucket all-reduces interleaved with the last backward
-                out[devices[j]] = add_bsp_sync(actions, plan.layout.device_buckets(devices[j]))
+                out[devices[j]] = add_bsp_sync(actions, buckets.get(devices[j], []))
             else:
-                out[devices[j]] = [*actions, *build_sync_actions(plan, devices[j], state, steps)]
+                out[devices[j]] = [*actions, *build_sync_actions(plan, devices[j], state, steps, owned)]
     return out

@@ -9,7 +9,7 @@ docs/sync.md describes each mode.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from hetrain.plan import Plan
@@ -28,7 +28,8 @@ def add_bsp_sync(actions: list[Action], buckets: Sequence[Bucket]) -> list[Actio
     """
     if not buckets:
         return [*actions, Step()]
-    last_b = max((k for k, a in enumerate(actions) if a.kind is K.B), default=len(actions) - 1)
+    # the last backward, looked for from the end (only sends follow it)
+    last_b = next((k for k in range(len(actions) - 1, -1, -1) if actions[k].kind is K.B), len(actions) - 1)
     starts = [BucketSync(K.ALLREDUCE_START, segment=b.segment, bucket=b.index) for b in buckets]
     waits = [BucketSync(K.ALLREDUCE_WAIT, segment=b.segment, bucket=b.index) for b in buckets]
     return [*actions[:last_b + 1], *starts, *actions[last_b + 1:], *waits, Step()]
@@ -43,6 +44,13 @@ def owned_segments(plan: Plan) -> dict[str, list[int]]:
             for dev in seg.owners:
                 out.setdefault(dev, []).append(s)
     return out
+
+
+def buckets_by_device(plan: Plan) -> dict[str, list[Bucket]]:
+    """Per device, the buckets it all-reduces in the order it starts them (``SyncLayout.device_buckets``
+    of every device at once: one pass over the segments instead of one per device)."""
+    segments = plan.layout.segments
+    return {dev: [b for s in reversed(segs) for b in segments[s].buckets] for dev, segs in owned_segments(plan).items()}
 
 
 @dataclass(frozen=True)
@@ -92,13 +100,14 @@ def advance_sync_state(plan: Plan, state: SyncState, steps: int | None = None) -
 
 
 def build_sync_actions(plan: Plan, device: str, state: SyncState | None = None,
-                       steps: int | None = None) -> list[Action]:
+                       steps: int | None = None, owned: Mapping[str, list[int]] | None = None) -> list[Action]:
     """The sync actions of ``device`` that end the iteration of ``state`` under ``plan.sync`` (STEP included).
 
-    ``state`` defaults to ``initial_sync_state(plan)``; ``steps`` (the run's length) places DASO's cool-down.
+    ``state`` defaults to ``initial_sync_state(plan)``; ``steps`` (the run's length) places DASO's cool-down;
+    ``owned`` is ``owned_segments(plan)`` where the caller has it already (``build_schedule``, once per plan).
     """
     state = initial_sync_state(plan) if state is None else state
-    shared = owned_segments(plan).get(device, [])
+    shared = (owned_segments(plan) if owned is None else owned).get(device, [])
     down = sorted(shared, reverse=True)
 
     def each(kind: ActionKind, segs: Sequence[int]) -> list[Action]:

@@ -58,6 +58,7 @@ from hetrain.simulator.ops import (
 from hetrain.sync_layout import Bucket
 
 K = ActionKind
+_new = tuple.__new__  # a NamedTuple record without its Python-level __new__: millions per large plan
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,7 @@ class _Device:
     backward: list[Backward]  # per micro-batch i, starting no bucket
     ops: list[Op] = field(default_factory=list)
     last_backward: int = -1  # index in ops of the latest Backward
+    rides: dict[int, list[tuple[float, int]]] = field(default_factory=dict)  # (``_ride_on_last_backward``)
     wave: int = 0  # parameter-server waves: one per iteration that pulls
     sends: dict[tuple[ActionKind, int, str | None], _SendRoute] = field(default_factory=dict)  # (``_send``)
     recv_peers: dict[str | None, int] = field(default_factory=dict)  # peer name -> device number
@@ -203,6 +205,10 @@ class _Compiler:
         # devices alike (the same stage of equal VWs on the same kind of device) share their costs and compute ops
         self.costs: dict[tuple[object, ...], StageCosts] = {}
         self.computes: dict[tuple[int, int], tuple[list[Forward], list[Backward]]] = {}
+        # (kind, segment, bucket, iteration) -> the one operation of every owner (``_bucket``)
+        self.bucket_ops: dict[tuple[ActionKind, int, int, int], BucketStart | BucketWait] = {}
+        # (id of the stage costs, micro-batch size, bucket's first layer) -> ``_bucket_final_s``
+        self.final_s: dict[tuple[int, int, int], float] = {}
 
     def program(self) -> Program:
         where = {s.device: (v, j) for v, vw in enumerate(self.plan.virtual_workers) for j, s in enumerate(vw.stages)}
@@ -253,23 +259,46 @@ class _Compiler:
     def _device_ops(self, dev: _Device) -> list[Op]:
         """``dev``'s operations over all iterations, each action's appended to ``dev.ops`` in turn.
 
-        Computes and transfers, nearly all of them, are compiled here without ``_compile``'s dispatch."""
+        Computes and transfers, nearly all of them, are compiled here without ``_compile``'s dispatch,
+        their records built with ``tuple.__new__`` (a NamedTuple's own ``__new__`` is a Python call)."""
         ops, forward, backward = dev.ops, dev.forward, dev.backward
+        append, d, sizes, send, p2p = ops.append, dev.d, dev.sizes, self._send, self.p2p_cache
+        routes = dev.sends
+        recv_b = K.RECV_B
+        blocking = self.blocking
         for it, sched in enumerate(self.schedules):
             for a in sched[dev.name]:
-                if isinstance(a, Compute):
+                if a.__class__ is Compute:  # class identity, not isinstance: the actions are final records
                     if a.kind is K.F:
-                        ops.append(forward[a.micro_batch])
+                        append(forward[a.micro_batch])
                     else:
                         dev.last_backward = len(ops)  # where it goes: an ALLREDUCE_START after it rides on it
-                        ops.append(backward[a.micro_batch])
-                elif isinstance(a, Transfer):
-                    ops.append(self._send(a, dev) if a.kind in _SENDS else self._recv(a, dev))
+                        append(backward[a.micro_batch])
+                elif a.__class__ is Transfer:
+                    kind, i = a.kind, a.micro_batch
+                    if kind in _SENDS:
+                        route = routes.get((kind, a.stage, a.peer))
+                        cached = None if route is None else p2p.get((d, route.peer, sizes[i] * route.bytes_per_sample))
+                        if route is None or cached is None:  # the first send of its route and size: _send does it
+                            append(send(a, dev))
+                            continue
+                        append(_new(Send, (i, f"{route.label_head}{i}{route.label_tail}",
+                                           _new(TransferKey, (not route.forward, d, route.peer, i)),
+                                           cached[0], cached[1], route.kind, blocking)))
+                    else:
+                        peer = dev.recv_peers.get(a.peer)
+                        if peer is None:
+                            peer = dev.recv_peers[a.peer] = self.index[a.named_peer()]
+                        append(_new(Recv, (i, a, _new(TransferKey, (kind is recv_b, peer, d, i)))))
                 else:
-                    ops.append(self._compile(a, it, dev))
+                    append(self._compile(a, it, dev))
             if dev.pulled:
                 dev.wave += 1
                 dev.pulled = False
+        for k, rides in dev.rides.items():  # each backward takes the bucket starts that ride on it, in order
+            b_op = ops[k]
+            assert isinstance(b_op, Backward)
+            ops[k] = b_op._replace(bucket_starts=(*b_op.bucket_starts, *rides))
         return ops
 
     def _compile(self, a: Action, it: int, dev: _Device) -> Op:
@@ -337,16 +366,38 @@ class _Compiler:
         return self.cids[key]
 
     def _bucket(self, a: BucketSync, it: int, dev: _Device) -> Op:
-        """``ALLREDUCE_START`` / ``ALLREDUCE_WAIT`` of one gradient bucket among the segment's owners."""
-        bucket = self.segments[a.segment].buckets[a.bucket]
-        cid = self._collective_id((K.ALLREDUCE_START, a.segment, (a.bucket,), it),
-                                  self.segments[a.segment].owners, bucket.param_bytes, bucket.algorithm,
-                                  f"ALLREDUCE seg{a.segment} bucket{a.bucket}")
-        if a.kind is K.ALLREDUCE_START:
-            start = BucketStart(cid, str(a), bucket)
-            _ride_on_last_backward(dev, start)
-            return start
-        return BucketWait(cid, str(a))
+        """``ALLREDUCE_START`` / ``ALLREDUCE_WAIT`` of one gradient bucket among the segment's owners.
+
+        Every owner's operation is the same record (it names no device), made when the first owner
+        reaches it (``bucket_ops``): a segment of many owners and many buckets names it thousands of times."""
+        key = (a.kind, a.segment, a.bucket, it)
+        op = self.bucket_ops.get(key)
+        if op is None:
+            bucket = self.segments[a.segment].buckets[a.bucket]
+            cid = self._collective_id((K.ALLREDUCE_START, a.segment, (a.bucket,), it),
+                                      self.segments[a.segment].owners, bucket.param_bytes, bucket.algorithm,
+                                      f"ALLREDUCE seg{a.segment} bucket{a.bucket}")
+            op = self.bucket_ops[key] = (BucketStart(cid, str(a), bucket) if a.kind is K.ALLREDUCE_START
+                                         else BucketWait(cid, str(a)))
+        if isinstance(op, BucketStart):
+            self._ride_on_last_backward(dev, op)
+        return op
+
+    def _ride_on_last_backward(self, dev: _Device, start: BucketStart) -> None:
+        """An ``ALLREDUCE_START`` rides on the backward before it: its bucket's gradients are final this long
+        after that backward starts (the stage's layers run backwards, last layer first). Noted in
+        ``dev.rides``, put on the backward once the device is compiled (``_device_ops``); the seconds are
+        worked out once per bucket, stage costs and micro-batch size (``final_s``)."""
+        if dev.last_backward < 0:
+            raise ScheduleError(f"{start.label} on {dev.name} follows no backward")
+        b_op = dev.ops[dev.last_backward]
+        assert isinstance(b_op, Backward)
+        i = b_op.micro_batch
+        key = (id(dev.costs), dev.sizes[i], start.bucket.first_layer)
+        offset_s = self.final_s.get(key)
+        if offset_s is None:
+            offset_s = self.final_s[key] = _bucket_final_s(start.bucket, i, dev)
+        dev.rides.setdefault(dev.last_backward, []).append((offset_s, start.collective))
 
     def _segment_collective(self, a: SegmentSync, it: int, dev: _Device) -> Op:
         """A collective over a whole segment: blocking, or a posted average (``AVERAGE_START`` / ``_MERGE``)."""
@@ -385,17 +436,6 @@ class _Compiler:
         back = edge_links(self.cluster, there, here, self.res) if host != name else ()  # the shard's broadcast to it
         dev.pulled = True
         return Pull((s, dev.wave - self.staleness), f"PULL seg{s} {host}->{name}", duration_s, back)
-
-
-def _ride_on_last_backward(dev: _Device, start: BucketStart) -> None:
-    """An ``ALLREDUCE_START`` rides on the backward before it: its bucket's gradients are final this long
-    after that backward starts (the stage's layers run backwards, last layer first)."""
-    if dev.last_backward < 0:
-        raise ScheduleError(f"{start.label} on {dev.name} follows no backward")
-    b_op = dev.ops[dev.last_backward]
-    assert isinstance(b_op, Backward)
-    offset_s = _bucket_final_s(start.bucket, b_op.micro_batch, dev)
-    dev.ops[dev.last_backward] = b_op._replace(bucket_starts=(*b_op.bucket_starts, (offset_s, start.collective)))
 
 
 def _bucket_final_s(bucket: Bucket, i: int, dev: _Device) -> float:

@@ -3,19 +3,22 @@
 ``engine._Engine`` is the reference: one handler per event kind and per operation, each a method
 call. On a 4096-device plan nearly every event is a device running a ``Forward``, a ``Backward``,
 a ``Send`` or a ``Recv``, and the calls, the ``Flow`` returned and the attribute lookups are most
-of the replay's time. ``run_program_fast`` runs the same ``Program`` with those four operations
-written out in one loop over local names, and hands every other operation and event kind to the
-reference's own handlers.
+of the replay's time; on a plan of many layers, its buckets' starts and waits, one per owner and
+bucket, come next. ``run_program_fast`` runs the same ``Program`` with those six operations and
+``BUCKET_READY`` written out in one loop over local names, and hands every other operation and
+event kind to the reference's own handlers.
 
 It is the same replay, event for event: every event is queued in the same order with the same
 sequence number (so ties in time are broken alike), every timeline event, memory step and link
 reservation is made by the same arithmetic in the same order. ``tests/test_simulator_fast.py``
 checks that on random plans, against ``engine.run_program``.
 
-    queue ──pop──► DEVICE_READY d ──► while d's next op:   Forward / Backward  (inline; queue d's end)
-              │                                            Send / Recv         (inline)
-              │                                            anything else       (the reference's handler)
-              └──► PHASE_DONE, BUCKET_READY ──► the reference's handlers
+    queue ──pop──► DEVICE_READY d ──► while d's next op:   Forward / Backward      (inline; queue d's end)
+              │                                            Send / Recv             (inline)
+              │                                            BucketStart / BucketWait (inline)
+              │                                            anything else           (the reference's handler)
+              ├──► BUCKET_READY ──► inline (the last owner starts the all-reduce: the reference's handler)
+              └──► PHASE_DONE ──► the reference's handler
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import cast
 
 from hetrain.simulator.compile import Program
 from hetrain.simulator.engine import Flow, Replayed, _Engine
-from hetrain.simulator.ops import Backward, Forward, Recv, Send
+from hetrain.simulator.ops import Backward, BucketStart, BucketWait, Forward, Recv, Send
 from hetrain.timeline import Event
 
 _new = tuple.__new__  # an Event without NamedTuple's Python-level __new__
@@ -37,7 +40,8 @@ def run_program_fast(program: Program) -> Replayed:
 
 
 class _FastEngine(_Engine):
-    """``_Engine`` whose ``DEVICE_READY`` runs ``Forward``, ``Backward``, ``Send`` and ``Recv`` inline."""
+    """``_Engine`` whose ``DEVICE_READY`` runs ``Forward``, ``Backward``, ``Send``, ``Recv``, ``BucketStart`` and
+    ``BucketWait`` inline, and ``BUCKET_READY`` too."""
 
     def run(self) -> Replayed:  # one loop, on purpose: each call saved is saved per event
         # Wake tuples, built as plain tuples here: (time_s, seq, kind, subject)
@@ -50,16 +54,24 @@ class _FastEngine(_Engine):
         arrivals, receivers, blocking_sent = self.arrivals, self.receivers, self.blocking_sent
         on_op, on_event = self.on_op, self.on_event
         last_backward = self.last_backward
+        collectives, posted_end, owners_ready = self.collectives, self.posted_end, self.bucket_owners_ready
+        posted_waiters, waits_since, sync = self.posted_waiters, self.waits_since, self.sync
         while queue:
             t, _, kind, d = pop(queue)
-            if kind:  # PHASE_DONE or BUCKET_READY (DEVICE_READY is 0)
+            if kind == 2:  # BUCKET_READY of all-reduce d (see _Engine._bucket_ready): one per owner and bucket
+                ready = owners_ready[d] = owners_ready.get(d, 0) + 1
+                if ready == len(collectives[d].owners):
+                    posted_end[d] = -1.0
+                    self._start_collective(t, d)
+                continue
+            if kind:  # PHASE_DONE (DEVICE_READY is 0)
                 on_event[kind](t, d)
                 continue
             ops = all_ops[d]
             k, count = pc[d], len(ops)
             while k < count:
                 op = ops[k]
-                if isinstance(op, Forward):
+                if op.__class__ is Forward:  # class identity, not isinstance: the ops are final records
                     end = t + op.duration_s
                     events[d].append(_new(Event, (t, end, "forward", op.label, op.micro_batch)))
                     busy[d] += end - t
@@ -71,7 +83,7 @@ class _FastEngine(_Engine):
                     push(queue, (end, next(seq), 0, d))
                     k += 1
                     break
-                if isinstance(op, Backward):  # its buckets' gradients become final on the way (BUCKET_READY of each)
+                if op.__class__ is Backward:  # its buckets' gradients become final on the way (BUCKET_READY of each)
                     end = t + op.duration_s
                     events[d].append(_new(Event, (t, end, "backward", op.label, op.micro_batch)))
                     busy[d] += end - t
@@ -88,7 +100,7 @@ class _FastEngine(_Engine):
                     push(queue, (end, next(seq), 0, d))
                     k += 1
                     break
-                if isinstance(op, Send):  # posted on its links (FIFO, engine.occupy); see _Engine._send
+                if op.__class__ is Send:  # posted on its links (FIFO, engine.occupy); see _Engine._send
                     links = op.links
                     start = t
                     for r in links:
@@ -123,8 +135,8 @@ class _FastEngine(_Engine):
                     push(queue, (end, next(seq), 0, d))
                     k += 1
                     break
-                if isinstance(op, Recv):  # see _Engine._recv
-                    sent = blocking_sent.pop(op.key, None)
+                if op.__class__ is Recv:  # see _Engine._recv
+                    sent = blocking_sent.pop(op.key, None) if blocking_sent else None  # none unless blocking
                     if sent is not None:
                         end = (t if t > sent[0] else sent[0]) + sent[1]
                         k += 1
@@ -142,6 +154,21 @@ class _FastEngine(_Engine):
                         events[d].append(_new(Event, (t, at, "recv", str(op.action), op.micro_batch)))
                         push(queue, (at, next(seq), 0, d))
                         break
+                    continue
+                if op.__class__ is BucketStart:  # started by the backward before it
+                    k += 1
+                    continue
+                if op.__class__ is BucketWait:  # see _Engine._bucket_wait
+                    cid = op.collective
+                    if posted_end.get(cid, -1.0) < 0:
+                        posted_waiters.setdefault(cid, []).append(d)
+                        waits_since.setdefault(d, t)
+                        break
+                    since = waits_since.pop(d, t)
+                    if t > since:
+                        events[d].append(Event(since, t, "sync", op.label))
+                        sync[d] += t - since
+                    k += 1
                     continue
                 flow = on_op[op.__class__](t, d, op)
                 if flow is Flow.NEXT:

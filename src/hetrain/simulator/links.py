@@ -44,6 +44,8 @@ class LinkResources:
         self.ids: dict[str, int] = {}
         self.free_at: list[float] = []
         self.events: list[list[Event]] = []
+        # (algorithm, ring order) -> the resources of each phase (``allreduce_phases``): a segment's buckets share them
+        self.phase_links: dict[tuple[str, tuple[int, ...]], tuple[tuple[int, ...], ...]] = {}
 
     def id(self, name: str) -> int:
         """The number of resource ``name``, added (free from t = 0) on first use."""
@@ -98,17 +100,30 @@ def allreduce_phases(cluster: Cluster, owners: Sequence[int], num_bytes: float,
     total, algorithm = estimate_allreduce(num_bytes, shape, algorithm)
     if total <= 0:
         return []
+    links = res.phase_links.get((algorithm, shape.order))
+    if links is None:  # numbered on first use, as each transfer's; later all-reduces of the same ring look them up
+        links = res.phase_links[(algorithm, shape.order)] = _phase_links(cluster, shape.order, res, algorithm)
     if algorithm == "ring":
-        ring = ring_links(cluster, shape.order, res)
+        ring = links[0]
         return [Phase(total / 2, ring, "reduce-scatter"), Phase(total / 2, ring, "all-gather")]
     # hierarchical: 2 * intra + inter (estimate_hierarchical_allreduce_time)
     inter = estimate_ring_allreduce_time(num_bytes, shape.nodes, shape.inter_bandwidth_bytes_per_s,
                                          shape.inter_latency_s)
     intra = (estimate_hierarchical_allreduce_time(num_bytes, shape) - inter) / 2
+    intra_ids, nic_ids = links
+    return [Phase(intra, intra_ids, "intra-node reduce-scatter"), Phase(inter, nic_ids, "inter-node all-reduce"),
+            Phase(intra, intra_ids, "intra-node all-gather")]
+
+
+def _phase_links(cluster: Cluster, order: Sequence[int], res: LinkResources,
+                 algorithm: str) -> tuple[tuple[int, ...], ...]:
+    """The resources of an all-reduce over the ring ``order``: (the ring's) for ``"ring"``; (every node's
+    own ring's, every node's NIC out and in) for ``"hierarchical"``."""
+    if algorithm == "ring":
+        return (ring_links(cluster, order, res),)
     by_node: dict[str, list[int]] = {}
-    for d in shape.order:
+    for d in order:
         by_node.setdefault(cluster.devices[d].node, []).append(d)
     intra_ids = tuple(r for members in by_node.values() for r in ring_links(cluster, members, res))
     nic_ids = tuple(r for node in by_node for r in (res.id(f"{node} NIC out"), res.id(f"{node} NIC in")))
-    return [Phase(intra, intra_ids, "intra-node reduce-scatter"), Phase(inter, nic_ids, "inter-node all-reduce"),
-            Phase(intra, intra_ids, "intra-node all-gather")]
+    return intra_ids, nic_ids

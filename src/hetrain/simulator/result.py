@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 from hetrain.cost import estimate_device_memory
@@ -11,6 +12,8 @@ from hetrain.simulator.compile import Program
 from hetrain.simulator.engine import Replayed
 from hetrain.timeline import Timeline
 from hetrain.units import format_bytes, format_time
+
+_bytes = itemgetter(1)  # of a memory step (time_s, bytes)
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,7 @@ def build_result(program: Program, replayed: Replayed) -> SimResult:
             device=name, vw=v, stage=j, iteration_s=iteration_s, busy_s=busy / iterations,
             sync_s=sync / iterations, bubble_s=max(0.0, iteration_s - (busy + sync) / iterations),
             # the tensors' peak, with the runtime's footprint (cost.estimate_device_memory)
-            peak_memory_bytes=estimate_device_memory(plan.profile, devices[name], max(b for _, b in curves[d])),
+            peak_memory_bytes=estimate_device_memory(plan.profile, devices[name], max(curves[d], key=_bytes)[1]),
             capacity_bytes=devices[name].memory_bytes, max_in_flight=replayed.max_in_flight[d],
         )
     samples_per_s = plan.global_batch / iteration_s if iteration_s > 0 else 0.0
