@@ -39,7 +39,8 @@ the first costs a device up to 18% of its compute speed while all-reducing, the 
 makes a 3.2 MB all-reduce 3.7x slower; a GPU's collective does neither. The planner
 predicted training far worse with the second (iteration errors of -30% and -32% on the
 DP plan, against -8% and +5% with the first: training's all-reduces waited more than
-discovery's ping-pong did), so the default is the first, as before.
+discovery's ping-pong did; at 256, within the host's noise either way), so the default
+is the first, as before.
 """
 
 from __future__ import annotations
