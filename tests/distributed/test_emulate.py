@@ -195,6 +195,26 @@ def test_cgroup_files_v1_and_v2(tmp_path: Path) -> None:
     assert set(cgroups.list_run_dirs([CgroupRoot(1, v1), CgroupRoot(2, v2)])) == {"00beef"}
 
 
+def test_the_comm_cgroup_has_its_weight_and_no_quota(tmp_path: Path) -> None:
+    """comm_weight = 2: isolate_comm's threads use what the devices' quotas leave, in one child of the smallest
+    weight against 1024 for each device's cgroup, instead of each thread weighing 1024 in the run's cgroup."""
+    assert parse_emulation_settings({"comm_weight": 2}).comm_weight == 2
+    assert EmulationSettings().comm_weight is None  # the default: the run's cgroup, as before
+    assert EmulationSettings.from_dict(EmulationSettings(comm_weight=64).to_dict()).comm_weight == 64
+    for bad in (1, 300000, "2", True):
+        with pytest.raises(EmulationError, match="comm_weight must be an integer"):
+            parse_emulation_settings({"comm_weight": bad})
+    v1 = tmp_path / "cpu"
+    v1.mkdir()
+    cgroups.create_device_cgroup(CgroupRoot(1, v1), "00beef", "1-slow-0", 0.2, 0.01)
+    tasks = cgroups.create_comm_cgroup(CgroupRoot(1, v1), "00beef", 2)
+    assert tasks == v1 / "hetrain-emu-00beef" / "comm" / "tasks"
+    assert (tasks.parent / "cpu.shares").read_text() == "2"
+    assert not (tasks.parent / "cpu.cfs_quota_us").exists()  # no quota: unthrottled, only outweighed
+    with pytest.raises(OSError, match="needs cgroup v1"):
+        cgroups.create_comm_cgroup(CgroupRoot(2, _fake_v2(tmp_path)), "00beef", 2)
+
+
 def test_throttling_falls_back_loudly_or_refuses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from hetrain.emulate import emulator
 
@@ -574,6 +594,73 @@ def test_half_cpu_share_takes_about_twice_as_long(tmp_path: Path, run_ids: Calla
     # time in one run as in another, so the wall-time ratio varies more than the CPU-use ratio
     assert 1.2 < wall_half / wall_full < 3.5
     assert_nothing_left(rid)
+
+
+COMM_BURN_JOB = r"""
+import hashlib, json, sys, threading, time
+data = bytes(1 << 20)  # hashlib lets go of the GIL on data this large: the threads run in parallel
+stop = threading.Event()
+def spin():
+    while not stop.is_set():
+        hashlib.sha256(data).digest()
+helpers = [threading.Thread(target=spin, daemon=True) for _ in range(3)]
+for h in helpers:
+    h.start()
+time.sleep(0.3)  # the thread mover (isolate_comm) looks for new threads every 20 ms
+t0, c0 = time.perf_counter(), time.thread_time()
+while time.perf_counter() - t0 < 2.0:
+    hashlib.sha256(data).digest()
+use = (time.thread_time() - c0) / (time.perf_counter() - t0)
+def cpu_cgroup(path):
+    return [line.strip().split(":", 2)[2] for line in open(path) if line.split(":")[1] in ("cpu", "")][0]
+helpers = [cpu_cgroup(f"/proc/self/task/{h.native_id}/cgroup") for h in helpers]
+stop.set()
+sys.stdout.write("REPORT " + json.dumps({"main_use": use, "helpers": helpers}) + "\n")
+sys.stdout.flush()
+"""
+
+
+@pytest.mark.timeout(150)
+def test_busy_communication_threads_leave_the_device_its_quota_with_comm_weight(
+        tmp_path: Path, run_ids: Callable[[], str]) -> None:
+    """A device at share 0.8 computes on its main thread while three other threads of its rank (Gloo's, as
+    isolate_comm sees them) spin on its CPU.
+
+    By default the moved threads each weigh as much as the device's whole cgroup, so the four split the CPU
+    and the main thread gets about a quarter of it; in a ``comm`` cgroup of weight 2 (``comm_weight = 2``)
+    they get what the quota leaves, and the main thread about its quota.
+    """
+    cluster = load_cluster(write(tmp_path / "one.toml", """
+        [[node]]
+        name = "n"
+        devices = [{ type = "cpu", cpu_share = 0.8 }]
+    """))
+    script = write(tmp_path / "comm_burn.py", COMM_BURN_JOB)
+    use: dict[int | None, float] = {}
+    for weight in (None, 2):
+        out, err = io.StringIO(), io.StringIO()
+        rid = run_ids()
+        with EmulatedCluster(cluster, EmulationSettings(comm_weight=weight), run_id=rid) as em:
+            if em.cgroup_root is None or em.cgroup_root.version != 1:
+                pytest.skip("isolate_comm needs cgroup v1 with a cpu controller: "
+                            f"{em.cgroup_root.describe() if em.cgroup_root else ' '.join(em.notes)}")
+            tree = cgroups.run_dir(em.cgroup_root, rid)
+            weights = {g.name: (g / "cpu.shares").read_text().strip() for g in tree.iterdir() if g.is_dir()}
+            assert weights == ({"0-n-0": "1024"} if weight is None else {"0-n-0": "1024", "comm": "2"})
+            status = em.launch(["python", str(script)], timeout_s=60, stdout=out, stderr=err)
+        assert status == 0, err.getvalue()[-3000:]
+        (report,) = [json.loads(line.split("REPORT ", 1)[1]) for line in out.getvalue().splitlines()
+                     if "REPORT " in line]
+        # every helper thread was moved: to the run's cgroup by default, to its comm child with a weight
+        assert {cg.rsplit("/", 1)[1] for cg in report["helpers"]} == {f"hetrain-emu-{rid}" if weight is None
+                                                                      else "comm"}
+        use[weight] = report["main_use"]
+        assert_nothing_left(rid)
+    print(f"the main thread used {use[None]:.0%} of a CPU by default and {use[2]:.0%} with comm_weight 2 "
+          "(quota 80%) beside three busy communication threads")
+    # loose: other work on the host takes from the run's whole tree, but far less than 3/4 of the CPU
+    assert 0.5 < use[2] < 0.9
+    assert use[None] < use[2] - 0.15
 
 
 @pytest.mark.timeout(90)

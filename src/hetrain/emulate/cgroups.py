@@ -9,6 +9,7 @@ every 10 ms; its process (and its threads and children) wait out the rest::
         0-fast-0/  cpu.cfs_period_us 10000       0-fast-0/  cpu.max "10000 10000"
                    cpu.cfs_quota_us  10000       1-slow-0/  cpu.max "4000 10000"
         1-slow-0/  cpu.cfs_quota_us  4000
+        comm/      cpu.shares <comm_weight>, no quota (only where comm_weight is set)
 
 Which one is used is found at run time from ``/proc/self/mounts``: a v1 hierarchy
 with the ``cpu`` controller first, else a cgroup2 mount whose root offers ``cpu``.
@@ -17,11 +18,35 @@ runs unthrottled with a warning (or refuses, with ``throttle = "cgroup"``).
 
 The launcher makes the cgroups; each rank's wrapper (``rankwrap``) writes its own
 pid into ``cgroup.procs`` before it execs the real command.
+
+Where ``isolate_comm`` moves each rank's threads but its main one (Gloo's, which move
+and sum the messages; ``rankwrap.start_comm_mover``), cgroup v1 only:
+
+- by default into the run's cgroup itself, where each thread weighs 1024 (a nice-0
+  task), as much as a whole device's cgroup. Devices are pinned and their fillers keep
+  their quotas in use, so a CPU whose quotas sum to 0.8 is saturated as soon as two
+  ranks' Gloo threads sum an all-reduce, and the scheduler splits it by weight: a device
+  then gets less than its quota exactly while gradients are all-reduced, which its
+  profile (taken without communication) does not show;
+- with ``comm_weight`` set, into the child ``comm/`` with that ``cpu.shares`` and no
+  quota. At 2, the kernel's least, every quota is honoured first and the messages move
+  in what the quotas leave of the CPU (about ``1 - the pinned shares``), waiting for each
+  period's quotas to run out; link discovery runs under the same emulation and meets
+  that wait too.
+
+Measured on ``benchmarks/emulated_speedup.py``'s compute cluster (docs/emulate.md):
+the first costs a device up to 18% of its compute speed while all-reducing, the second
+makes a 3.2 MB all-reduce 3.7x slower; a GPU's collective does neither. The planner
+predicted training far worse with the second (iteration errors of -30% and -32% on the
+DP plan, against -8% and +5% with the first: training's all-reduces waited more than
+discovery's ping-pong did; at 256, within the host's noise either way), so the default
+is the first, as before.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import time
 from dataclasses import dataclass
@@ -30,6 +55,7 @@ from pathlib import Path
 from hetrain.emulate.network import PREFIX, kill_pids, run_id_of
 
 MIN_QUOTA_S = 0.001  # the kernel refuses a CFS quota below 1 ms
+COMM_GROUP = "comm"  # the run's child cgroup for the ranks' communication threads (cgroup v1)
 
 
 @dataclass(frozen=True)
@@ -156,6 +182,27 @@ def create_device_cgroup(root: CgroupRoot, run_id: str, key: str, cpu_share: flo
     else:
         (group / "cpu.max").write_text(f"{quota_us} {period_us}")
     return group / "cgroup.procs"
+
+
+def create_comm_cgroup(root: CgroupRoot, run_id: str, shares: int) -> Path:
+    """Make ``<root>/hetrain-emu-<run>/comm`` (cgroup v1) with ``cpu.shares`` ``shares`` and no quota; returns its
+    ``tasks``.
+
+    The ranks' communication threads go there (``rankwrap.start_comm_mover``, ``comm_weight``
+    set); at 2, the kernel's least, they use what the devices' quotas leave of their CPU, not
+    the quotas themselves (module docstring).
+    Call it after ``create_device_cgroup`` (which makes the run's cgroup).
+
+    Raises:
+        OSError: the cgroup filesystem refused, or ``root`` is cgroup v2 (a thread cannot leave its
+            process's cgroup there; ``errno.EINVAL``).
+    """
+    if root.version != 1:
+        raise OSError(errno.EINVAL, f"a cgroup for threads needs cgroup v1, not {root.describe()}")
+    group = run_dir(root, run_id) / COMM_GROUP
+    group.mkdir(exist_ok=True)
+    (group / "cpu.shares").write_text(str(shares))
+    return group / "tasks"
 
 
 def set_cpu_share(group: Path, version: int, cpu_share: float, period_s: float) -> tuple[int, int]:

@@ -29,7 +29,9 @@ from typing import Any, TextIO
 
 from hetrain.cluster import Cluster, parse_cluster
 from hetrain.emulate.cgroups import (
+    COMM_GROUP,
     CgroupRoot,
+    create_comm_cgroup,
     create_device_cgroup,
     estimate_quota,
     find_cpu_cgroups,
@@ -249,11 +251,13 @@ class EmulatedCluster:
 
     def node_comm_targets(self, k: int) -> list[str]:
         """Where node k's ranks, by local rank, move their threads other than the main one (``isolate_comm``):
-        the run's cgroup ``tasks`` file for a throttled device under cgroup v1, else ``""`` (not moved)."""
+        the ``tasks`` file of the run's cgroup (or of its ``comm`` child where ``comm_weight`` is set:
+        ``create_comm_cgroup``) for a throttled device under cgroup v1, else ``""`` (not moved)."""
         root = self.cgroup_root
         if not (self.settings.isolate_comm and root is not None and root.version == 1):
             return ["" for _ in self.cluster.nodes[k].devices]
-        tasks = str(run_dir(root, self.run_id) / "tasks")
+        group = run_dir(root, self.run_id)
+        tasks = str((group / COMM_GROUP if self.settings.comm_weight is not None else group) / "tasks")
         return [tasks if procs else "" for procs in self.node_cgroups(k)]
 
     def node_cgroups(self, k: int) -> list[str]:
@@ -388,6 +392,8 @@ class EmulatedCluster:
                 procs = create_device_cgroup(root, self.run_id, key, share, self.settings.cpu_period_s)
                 quota_us, period_us = estimate_quota(share, self.settings.cpu_period_s)
                 made.append(DeviceThrottle(d.name, share, procs, quota_us, period_us))
+            if self.settings.isolate_comm and root.version == 1 and self.settings.comm_weight is not None:
+                create_comm_cgroup(root, self.run_id, self.settings.comm_weight)
         except OSError as e:
             why = f"{e.filename}: {e.strerror}" if e.strerror else str(e)
             if root is not None:
@@ -402,7 +408,9 @@ class EmulatedCluster:
         self.cgroup_root = root
         if self.settings.isolate_comm:
             self.notes.append("each rank's threads but its main one (communication) run outside its quota "
-                              "(isolate_comm)" if root.version == 1 else
+                              "(isolate_comm" + (f", in a cgroup of weight {self.settings.comm_weight})"
+                                                 if self.settings.comm_weight is not None else ")")
+                              if root.version == 1 else
                               "isolate_comm is not honoured on cgroup v2 (a process's threads share one cgroup "
                               "there): each device's communication spends its quota")
         by_name = {t.device: t for t in made}

@@ -7,6 +7,7 @@
     cpu_scale = 1.0         # every cpu_share is multiplied by this (0.5: fit 4 devices on 2 cores)
     throttle = "auto"       # "auto": cgroups if possible, else warn; "cgroup": refuse without; "off"
     isolate_comm = true     # only a rank's main thread is throttled; its communication threads are not
+    # comm_weight = 2       # cgroup v1: those threads in one cgroup of this weight (unset: each weighs 1024)
     keep_awake = true       # idle CPUs poll instead of halting while a job runs
     shape = true            # shape NICs and [[link]]s with tc; false: unshaped veths
     shape_intra = false     # also shape each node's loopback at its intra_link rate
@@ -81,6 +82,12 @@ class EmulationSettings:
             slow down while NCCL or a copy engine moves its messages; a throttled rank's whole
             process did, by the CPU its transfers took (its backward ran 15-30% slower than
             profiled while its gradients were all-reduced).
+        comm_weight: where ``isolate_comm`` moves the threads. ``None`` (the default): into the run's
+            cgroup, where each thread weighs 1024, as much as a device's cgroup, so on a CPU its quotas
+            and fillers keep busy they take part of a device's quota while they run. A number (2 to
+            262144): into the run's child cgroup ``comm`` with that ``cpu.shares``; 2, the kernel's
+            least, honours every quota first and moves messages in what the quotas leave
+            (``emulate.cgroups``; docs/emulate.md has the measured trade-off).
         keep_awake: while a job runs, ask the kernel for a CPU wake-up latency of 0 µs (PM QoS,
             ``emulate.keepawake``), so an idle CPU polls instead of halting between a device's
             quota periods. A halted virtual CPU wakes slowly: a device at share 0.2 alone on its
@@ -107,6 +114,7 @@ class EmulationSettings:
     pin_cpus: bool = True
     fill_idle: bool = True
     isolate_comm: bool = True
+    comm_weight: int | None = None
     keep_awake: bool = True
     shape: bool = True
     shape_intra: bool = False
@@ -126,6 +134,9 @@ class EmulationSettings:
         if self.throttle not in THROTTLE_CHOICES:
             raise EmulationError(f"[emulation] throttle must be one of {', '.join(THROTTLE_CHOICES)}, "
                                  f"got {self.throttle!r}")
+        if self.comm_weight is not None and not 2 <= self.comm_weight <= 262144:
+            raise EmulationError(f"[emulation] comm_weight must be an integer in [2, 262144] (cgroup v1 "
+                                 f"cpu.shares), got {self.comm_weight!r}")
         if not 1 <= self.rdzv_port <= 65535:
             raise EmulationError(f"[emulation] rdzv_port must be a port number, got {self.rdzv_port!r}")
         if not 0 <= self.max_restarts <= 100:
@@ -147,6 +158,7 @@ class EmulationSettings:
     def to_dict(self) -> dict[str, Any]:
         return {"cpu_period_s": self.cpu_period_s, "cpu_scale": self.cpu_scale, "throttle": self.throttle,
                 "pin_cpus": self.pin_cpus, "fill_idle": self.fill_idle, "isolate_comm": self.isolate_comm,
+                "comm_weight": self.comm_weight,
                 "keep_awake": self.keep_awake, "shape": self.shape,
                 "shape_intra": self.shape_intra, "rdzv_port": self.rdzv_port, "join_timeout_s": self.join_timeout_s,
                 "max_restarts": self.max_restarts, "last_call_timeout_s": self.last_call_timeout_s,
@@ -165,7 +177,7 @@ class EmulationSettings:
 
 _KEYS = {"cpu_period", "cpu_scale", "throttle", "pin_cpus", "fill_idle", "isolate_comm", "keep_awake", "shape",
          "shape_intra", "rdzv_port", "join_timeout", "max_restarts", "last_call_timeout", "keep_alive_interval",
-         "keep_alive_max_attempt", "event"}
+         "keep_alive_max_attempt", "event", "comm_weight"}
 
 
 def parse_emulation_settings(table: Mapping[str, Any] | None) -> EmulationSettings:
@@ -206,7 +218,7 @@ def parse_emulation_settings(table: Mapping[str, Any] | None) -> EmulationSettin
         if isinstance(port, bool) or not isinstance(port, int):
             raise EmulationError(f"[emulation] rdzv_port must be an integer, got {port!r}")
         out["rdzv_port"] = port
-    for key in ("max_restarts", "keep_alive_max_attempt"):
+    for key in ("max_restarts", "keep_alive_max_attempt", "comm_weight"):
         if key in table:
             count = table[key]
             if isinstance(count, bool) or not isinstance(count, int):
