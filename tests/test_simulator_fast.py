@@ -144,6 +144,47 @@ def test_the_fast_replay_breaks_ties_on_shared_nics_as_the_reference(transfers: 
     assert sum(e.start_s > 0 and e.start_s == prev.end_s for prev, e in itertools.pairwise(nic)) >= 7
 
 
+def contig_plan(vws: int, stages: int, micro_batches: int, schedule: str, odd: str = "") -> Plan:
+    """Identical VWs of ``stages`` stages each on consecutive devices of nodes of 4 (the planner's contiguous
+    formations at scale): each VW's pipeline crosses NICs that the segments' bucket all-reduces, rings over
+    stage j of every VW, use too. ``odd`` breaks the symmetry: ``"type"`` puts a slower device type on the last
+    node, ``"batch"`` gives the last VW one micro-batch more, ``"order"`` reverses the last VW's devices."""
+    num_devices = vws * stages
+    node = [{"name": f"n{k}", "devices": [{"type": "T4" if odd == "type" and k == (num_devices - 1) // 4
+                                           else TYPES[k % 2], "count": 4}],
+             "intra_link": {"bandwidth_bytes_per_s": 1e10, "latency_s": 1e-6},
+             "nic": {"bandwidth_bytes_per_s": 1e9, "latency_s": 1e-5}} for k in range(-(-num_devices // 4))]
+    cluster = parse_cluster({"name": "contig", "node": node})
+    measured = tuple((t, (Measurement(1, 1e-3, 2e-3), Measurement(4, 3e-3, 6e-3))) for t in (*TYPES[:2], "T4"))
+    profile = ModelProfile("block", tuple(LayerProfile(f"b{i}", 4e6, 1e6, 1e7, 1e9, measured)
+                                          for i in range(2 * stages)), 1e3)
+    devices = [f"n{g // 4}:{g % 4}" for g in range(num_devices)]
+    out = []
+    for v in range(vws):
+        mine = devices[v * stages:(v + 1) * stages]
+        if odd == "order" and v == vws - 1:
+            mine.reverse()
+        m = micro_batches + (odd == "batch" and v == vws - 1)
+        out.append(VirtualWorker(tuple(Stage(mine[j], 2 * j, 2 * j + 2) for j in range(stages)), 2 * m, m))
+    return Plan("block", sum(v.mini_batch for v in out), schedule, "bsp", "adam", tuple(out),  # type: ignore[arg-type]
+                Prediction(0, 0, 0, 0, 0), "hybrid", "contig", cluster, profile,
+                sync_options=SyncOptions(bucket_bytes=4e6, first_bucket_bytes=1e6, allreduce="ring"))
+
+
+@pytest.mark.parametrize(("schedule", "odd"), [(s, o) for s in SCHEDULES for o in ("", "type", "batch", "order")])
+def test_the_fast_replay_equals_the_reference_on_identical_and_near_identical_vws(schedule: str, odd: str) -> None:
+    plan = contig_plan(vws=4, stages=8, micro_batches=5, schedule=schedule, odd=odd)
+    fast, reference = simulate(plan), simulate(plan, reference=True)
+    assert_same(fast, reference)
+    # every VW crosses a NIC that bucket all-reduces cross too: pipeline transfers and rings queue on it
+    kinds = [{e.kind for e in row} for name, row in fast.timeline.links.items() if "NIC" in name]
+    assert sum("allreduce" in k and bool(k & {"send_f", "send_b"}) for k in kinds) >= 2 * len(plan.virtual_workers)
+    if not odd:  # identical VWs tie: twin stages end their backwards at the same instants
+        ends = [{e.end_s for e in fast.timeline.devices[vw.stages[0].device] if e.kind == "backward"}
+                for vw in plan.virtual_workers]
+        assert all(e == ends[0] for e in ends)
+
+
 def test_the_fast_replay_stalls_as_the_reference() -> None:
     plan = spread_plan(nodes=4, stages=4, micro_batches=2)
     schedule = build_schedule(plan)
