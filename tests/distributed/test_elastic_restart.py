@@ -31,18 +31,13 @@ from typing import Any
 
 import pytest
 import torch
-from worker_ranks import run_worker_ranks
+from worker_ranks import run_worker_ranks, single_process_mlp
 
 import hetrain
 from hetrain.cluster import parse_cluster
-from hetrain.data.datasets import iter_batches
-from hetrain.data.registry import build_datasets
 from hetrain.elastic import plan_digest
 from hetrain.models.analytic import build_mlp_profile
-from hetrain.models.layers import LayerRange
-from hetrain.models.registry import build_layers, loss_fn
 from hetrain.plan import Plan, load_plan
-from hetrain.runtime.trainer import build_optimizer_fn
 
 TRAIN = [sys.executable, "-m", "hetrain.runtime.command"]
 MLP = build_mlp_profile([64, 256, 256, 10], name="mlp-digits")
@@ -96,17 +91,7 @@ def run_phase(root: Path, name: str, plan_file: Path, checkpoint_dir: Path, worl
 
 def reference(steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
     """One process, the whole model, the same global batches: weights after ``steps`` steps and the losses."""
-    net = LayerRange(build_layers("mlp-digits", seed=0))
-    opt = build_optimizer_fn("sgd", LR)(list(net.parameters()))
-    data = build_datasets("synthetic", "mlp-digits", seed=0, synthetic_samples=256).train
-    losses = []
-    for x, y in iter_batches(data, 16, seed=0, steps=steps):
-        opt.zero_grad()
-        loss = loss_fn("mlp-digits")(net(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return net.state_dict(), losses
+    return single_process_mlp(steps, LR, synthetic_samples=256)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 
 def run_worker_ranks(root: Path, nodes: str, local_ranks: Sequence[int], timeout_s: float = 120) -> None:
     """Run ``root/worker.py root/cases.json`` as ``len(local_ranks)`` Gloo ranks; assert every rank exits 0.
@@ -48,3 +50,26 @@ def kill_groups(procs: Sequence[subprocess.Popen]) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
             p.communicate()
+
+
+def single_process_mlp(steps: int, lr: float, **dataset_options: object) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The reference of the restart tests: mlp-digits in one process, SGD at ``lr``, batches of 16 of the seeded
+    synthetic data (``dataset_options`` for ``build_datasets``), as the distributed job sees them: the weights
+    after ``steps`` steps and every step's loss."""
+    from hetrain.data.datasets import iter_batches
+    from hetrain.data.registry import build_datasets
+    from hetrain.models.layers import LayerRange
+    from hetrain.models.registry import build_layers, loss_fn
+    from hetrain.runtime.trainer import build_optimizer_fn
+
+    net = LayerRange(build_layers("mlp-digits", seed=0))
+    opt = build_optimizer_fn("sgd", lr)(list(net.parameters()))
+    data = build_datasets("synthetic", "mlp-digits", seed=0, **dataset_options).train
+    losses = []
+    for x, y in iter_batches(data, 16, seed=0, steps=steps):
+        opt.zero_grad()
+        loss = loss_fn("mlp-digits")(net(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return dict(net.state_dict()), losses
