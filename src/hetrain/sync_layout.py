@@ -276,9 +276,25 @@ class SyncLayout:
         """The segments ``device`` shares with an owner on its own node (LOCAL_ALLREDUCE)."""
         return [s for s, seg in enumerate(self.segments) if any(device in g for g in seg.local_groups)]
 
+    def owned_segments_by_device(self) -> dict[str, list[int]]:
+        """``owned_segments`` of every device that synchronises any, in one pass over the segments."""
+        out: dict[str, list[int]] = {}
+        for s, seg in enumerate(self.segments):
+            if seg.shared:
+                for dev in seg.owners:
+                    out.setdefault(dev, []).append(s)
+        return out
+
     def device_buckets(self, device: str) -> list[Bucket]:
         """The buckets ``device`` all-reduces, in the order it starts them: decreasing segment, then bucket."""
-        return [b for s in sorted(self.owned_segments(device), reverse=True) for b in self.segments[s].buckets]
+        return self._in_start_order(self.owned_segments(device))
+
+    def buckets_by_device(self) -> dict[str, list[Bucket]]:
+        """``device_buckets`` of every device that synchronises any, in one pass over the segments."""
+        return {dev: self._in_start_order(segs) for dev, segs in self.owned_segments_by_device().items()}
+
+    def _in_start_order(self, segments: Sequence[int]) -> list[Bucket]:
+        return [b for s in sorted(segments, reverse=True) for b in self.segments[s].buckets]
 
     def to_dict(self) -> dict[str, Any]:
         """plan.json's ``"sync"`` section (docs/plan.md)."""

@@ -37,20 +37,13 @@ def add_bsp_sync(actions: list[Action], buckets: Sequence[Bucket]) -> list[Actio
 
 def owned_segments(plan: Plan) -> dict[str, list[int]]:
     """Per device, the segments it synchronises: those it owns with at least one other device
-    (``SyncLayout.owned_segments``). A segment held by one device only has nothing to reduce."""
-    out: dict[str, list[int]] = {}
-    for s, seg in enumerate(plan.layout.segments):
-        if seg.shared:
-            for dev in seg.owners:
-                out.setdefault(dev, []).append(s)
-    return out
+    (``SyncLayout.owned_segments_by_device``). A segment held by one device only has nothing to reduce."""
+    return plan.layout.owned_segments_by_device()
 
 
 def buckets_by_device(plan: Plan) -> dict[str, list[Bucket]]:
-    """Per device, the buckets it all-reduces in the order it starts them (``SyncLayout.device_buckets``
-    of every device at once: one pass over the segments instead of one per device)."""
-    segments = plan.layout.segments
-    return {dev: [b for s in reversed(segs) for b in segments[s].buckets] for dev, segs in owned_segments(plan).items()}
+    """Per device, the buckets it all-reduces in the order it starts them (``SyncLayout.buckets_by_device``)."""
+    return plan.layout.buckets_by_device()
 
 
 @dataclass(frozen=True)
