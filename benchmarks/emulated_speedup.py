@@ -54,7 +54,7 @@ from pathlib import Path
 
 from _emulated import ready_to_emulate
 from _results import write_section
-from hetrain.demo import run_emulated_comparison
+from hetrain.demo import CALIBRATION_STEPS, CALIBRATION_WARMUP, run_emulated_comparison
 from hetrain.planner.baselines import torch_pipelining_micro_batches
 
 
@@ -146,7 +146,8 @@ def main() -> int:
              f"left out; 2-core host, cgroup CPU quotas on each rank's main thread (isolate_comm), each device "
              f"pinned to a CPU and given an idle filler (fill_idle), its CPU kept awake (keep_awake), tc htb (no "
              f"latency emulation). Overhead per action calibrated before planning (hetrain.calibrate, "
-             f"8 steps of an even-split pipeline of micro-batches of 2): {'; '.join(calibrated) or 'none'}. "
+             f"{CALIBRATION_STEPS} steps, {CALIBRATION_WARMUP} of them warm-up, of an even-split pipeline of "
+             f"micro-batches of 2): {'; '.join(calibrated) or 'none'}. "
              f"torch rows: "
              f"hetrain.baselines (DistributedDataParallel; torch.distributed.pipelining), their predicted column is "
              f"hetrain's model of the same partition run by hetrain's runtime. Took {took:.0f} s; host load "
@@ -163,8 +164,8 @@ def run_repeats(args: argparse.Namespace) -> int:
     """The whole flow ``args.repeats`` times per scenario: the spread of what was measured and of the plans."""
     from hetrain.planner.robust import describe_layout
 
-    rows = ["| scenario | run | hetrain's plan | how sure the planner was | predicted samples/s | "
-            "measured samples/s |", "| --- | ---: | --- | --- | ---: | ---: |"]
+    rows = ["| scenario | run | hetrain's plan | overhead per action (+- step to step) | how sure the planner was | "
+            "predicted samples/s | measured samples/s |", "| --- | ---: | --- | --- | --- | ---: | ---: |"]
     summary = ["| scenario | measured samples/s, min - max | spread (max - min) / min | distinct plans | "
                "measured per plan | run 1's plan, trained twice |", "| --- | --- | ---: | ---: | --- | --- |"]
     start, load0 = time.perf_counter(), os.getloadavg()[0]
@@ -187,7 +188,9 @@ def run_repeats(args: argparse.Namespace) -> int:
                     sure += f", fastest in {candidates[0]['fastest_in_draws']} of {figures['draws']} draws"
             measured.append((layout, run.measured_samples_per_s))
             measured_plans.append(run.plan)
-            rows.append(f"| {name} | {k + 1} | {layout} | {sure} | {run.predicted_samples_per_s:.1f} | "
+            cal = result.calibration
+            overhead = "-" if cal is None else f"{1e3 * cal.overhead_s:.2f} ms (+- {1e3 * cal.spread_s:.2f})"
+            rows.append(f"| {name} | {k + 1} | {layout} | {overhead} | {sure} | {run.predicted_samples_per_s:.1f} | "
                         f"{run.measured_samples_per_s:.1f} |")
             print(rows[-1], flush=True)
         # control: run 1's plan trained again after a fresh profile and discovery, no re-planning: how far two
@@ -198,7 +201,7 @@ def run_repeats(args: argparse.Namespace) -> int:
                                         train=("hetrain",), baselines=(), calibrate=False,
                                         plan_builder=lambda cluster, profile, batch, p=first: {"hetrain": p})
         same = again.runs["hetrain"].measured_samples_per_s
-        rows.append(f"| {name} | run 1's plan again | {describe_layout(first)} | (not re-planned) | "
+        rows.append(f"| {name} | run 1's plan again | {describe_layout(first)} | (run 1's) | (not re-planned) | "
                     f"{again.runs['hetrain'].predicted_samples_per_s:.1f} | {same:.1f} |")
         print(rows[-1], flush=True)
         rates = [r for _, r in measured]
@@ -215,8 +218,10 @@ def run_repeats(args: argparse.Namespace) -> int:
     took = time.perf_counter() - start
     notes = (f"gpt-tiny, global batch {args.global_batch}, {args.steps} steps per run, first {args.warmup} left out; "
              f"every run from scratch: each device profiled (3 repeats of blocks of calls, the spread recorded), "
-             f"links discovered, overhead per action calibrated, planned with the spread (planner.robust: the best "
-             f"plans simulated on 8 profiles drawn within it), then hetrain's plan trained; then run 1's plan trained "
+             f"links discovered, overhead per action calibrated with its spread from step to step "
+             f"({CALIBRATION_STEPS} steps, {CALIBRATION_WARMUP} of them warm-up), planned with the spreads "
+             f"(planner.robust: the best plans simulated on 8 profiles drawn within them, the overhead's included), "
+             f"then hetrain's plan trained; then run 1's plan trained "
              f"again. Emulation as in the "
              f"speed-up section (2-core host shared with other work, isolate_comm). Took {took:.0f} s; host load "
              f"average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.")

@@ -12,6 +12,7 @@ from hetrain.calibrate import (
     CalibrationError,
     fit_action_overhead,
     measured_iteration_s,
+    measured_step_times_s,
     run_calibrate_command,
     with_action_overhead,
 )
@@ -134,6 +135,47 @@ def test_the_fit_recovers_the_overhead_behind_a_measurement() -> None:
     assert fit_action_overhead(bare, 0.9 * found.simulated_before_s).overhead_s == 0.0
 
 
+def test_the_steps_quartiles_give_the_overheads_spread() -> None:
+    bare = pipeline_plan(3, 8, 2, uniform_profile(3, 0.01, 0.02, 2))
+
+    def measured(o: float) -> float:
+        return simulate(dataclasses.replace(bare, profile=with_action_overhead(bare.profile, o, [A100]))).iteration_s
+
+    # steps whose overheads are 1, 2, 3 and 4 ms: the simulation is linear in the overhead, so the steps'
+    # quartiles (positions 1.25 and 3.75 of 4) are those of 1.25 and 3.75 ms, 2.5 ms apart
+    steps = [measured(o) for o in (0.004, 0.001, 0.003, 0.002)]
+    found = fit_action_overhead(bare, sum(steps) / len(steps), steps_s=steps)
+    assert found.overhead_s == pytest.approx(0.0025, abs=2e-6)
+    assert found.spread_s == pytest.approx(0.0025 / 1.349, abs=3e-6)
+    assert "+- 1.85 ms from step to step" in found.summary()
+    # fewer than 4 steps tell nothing of the spread; no steps, none either
+    assert fit_action_overhead(bare, steps[0], steps_s=steps[:3]).spread_s == 0.0
+    assert fit_action_overhead(bare, steps[0]).spread_s == 0.0 and "from step to step" not in fit_action_overhead(
+        bare, steps[0]).summary()
+    # steps no slower than the bare prediction imply no overhead: their spread is what the others imply
+    fast = found.simulated_before_s * 0.9
+    assert fit_action_overhead(bare, steps[0], steps_s=[fast, fast, fast, fast]).spread_s == 0.0
+    with pytest.raises(CalibrationError, match="must be a positive number of seconds, got nan"):
+        fit_action_overhead(bare, steps[0], steps_s=[*steps, float("nan")])
+
+
+def test_the_overheads_spread_is_a_profile_field() -> None:
+    p = with_action_overhead(uniform_profile(2, 0.1, 0.2, 1), 0.003, [A100, V100], spread_s=0.001)
+    again = parse_profile(json.loads(json.dumps(p.to_dict())))
+    assert dict(again.action_overhead_spread_s) == {A100: 0.001, V100: 0.001}
+    assert again.action_overhead_spread_of(A100) == 0.001 and again.action_overhead_spread_of("T4") == 0.0
+    # a later calibration with no spread clears the types it calibrates, and keeps the others'
+    cleared = with_action_overhead(again, 0.002, [A100], spread_s=0.0)
+    assert dict(cleared.action_overhead_spread_s) == {V100: 0.001}
+    assert "action_overhead_spread_s" not in uniform_profile(2, 0.1, 0.2, 1).to_dict()
+    data = p.to_dict()
+    data["action_overhead_spread_s"] = {A100: -1}
+    with pytest.raises(ProfileError, match=r"action_overhead_spread_s\['A100-40GB'\] must be a finite number of "
+                                           r"seconds >= 0, got -1"):
+        parse_profile(data)
+    assert merge_profiles([p, uniform_profile(2, 0.1, 0.2, 1)]).action_overhead_spread_of(V100) == 0.001
+
+
 def test_the_fit_refuses_a_measurement_that_is_no_time() -> None:
     bare = pipeline_plan(2, 2, 1, uniform_profile(2, 0.01, 0.02, 1))
     for bad in (float("nan"), 0.0, -1.0, float("inf")):
@@ -151,6 +193,7 @@ def test_measured_iteration_leaves_out_the_warm_up(tmp_path: Path) -> None:
     path = tmp_path / "m.jsonl"
     write_metrics(path, [9.0, 9.0, 1.0, 2.0, 3.0])
     assert measured_iteration_s(path, 2) == pytest.approx(2.0)
+    assert measured_step_times_s(path, 2) == [1.0, 2.0, 3.0]
     with pytest.raises(CalibrationError, match="has 5 step\\(s\\), none after the 5 warm-up step\\(s\\)"):
         measured_iteration_s(path, 5)
     with pytest.raises(CalibrationError, match="warmup must be >= 0 steps, got -1"):
@@ -166,12 +209,18 @@ def test_the_command_writes_the_calibrated_profile(tmp_path: Path, capsys: pytes
     bare = pipeline_plan(2, 4, 2, uniform_profile(2, 0.01, 0.02, 2))
     bare.save(tmp_path / "plan.json")
     measured = simulate(dataclasses.replace(bare, profile=with_action_overhead(bare.profile, 0.004, [A100])))
-    write_metrics(tmp_path / "m.jsonl", [1.0] + [measured.iteration_s] * 4)
+    write_metrics(tmp_path / "m.jsonl", [1.0] + [measured.iteration_s] * 4)  # alike: no spread written
     out = tmp_path / "calibrated.json"
     assert run_calibrate_command(str(tmp_path / "plan.json"), str(tmp_path / "m.jsonl"), 1, str(out)) == 0
     text = capsys.readouterr().out
     assert "with 4 ms per forward and backward" in text and f"wrote {out}" in text
     assert load_profile(out).action_overhead_of(A100) == pytest.approx(0.004, abs=2e-6)
+    assert load_profile(out).action_overhead_spread_s == ()
+    # steps that differ: the profile carries the overhead's spread too
+    write_metrics(tmp_path / "m2.jsonl", [1.0] + [measured.iteration_s * f for f in (0.98, 1.0, 1.02, 1.04)])
+    assert run_calibrate_command(str(tmp_path / "plan.json"), str(tmp_path / "m2.jsonl"), 1, str(out)) == 0
+    assert "from step to step" in capsys.readouterr().out
+    assert load_profile(out).action_overhead_spread_of(A100) > 0
     assert run_calibrate_command(str(tmp_path / "plan.json"), str(tmp_path / "m.jsonl"), 9, None) == 1
     assert "none after the 9 warm-up step(s)" in capsys.readouterr().err
     # the same through the hetrain command

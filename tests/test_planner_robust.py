@@ -270,3 +270,45 @@ def test_with_the_common_shift_profiles_that_differ_within_it_choose_one_plan() 
     assert other["objective"] < mine["objective"] <= other["worst_objective"]  # slower, within its spread
     assert mine["worst_objective"] < other["worst_objective"]  # and the better worst case
     assert [chosen(f, 0.05) for f in factors] == shared  # deterministic
+
+
+def _with_overhead(profile: ModelProfile, overhead_s: float, spread_s: float) -> ModelProfile:
+    from hetrain.calibrate import with_action_overhead
+
+    return with_action_overhead(profile, overhead_s, ["noisy", "steady"], spread_s)
+
+
+def test_the_overhead_is_drawn_once_per_draw_for_every_type_and_leaves_the_other_draws_alone() -> None:
+    profile = _with_overhead(_profile(noisy_spread=0.3), 1e-3, 2e-3)
+    assert has_spread(_with_overhead(_profile(), 1e-3, 2e-3)) and not has_spread(_with_overhead(_profile(), 1e-3, 0))
+    drawn = draw_profiles(profile, 8, seed=3)
+    overheads = [dict(p.action_overhead_s) for p in drawn]
+    assert all(o["noisy"] == o["steady"] for o in overheads)  # the host's work: one draw for every type
+    positive = [o["noisy"] for o in overheads if o["noisy"] > 0]
+    assert len(set(positive)) == len(positive) >= 4 and min(o["noisy"] for o in overheads) >= 0
+    assert len(positive) < 8  # 1 ms with a 2 ms spread: some draws are clipped at 0
+    assert all(p.action_overhead_spread_s == profile.action_overhead_spread_s for p in drawn)
+    # the layer and common draws are the ones drawn without the overhead's spread (their own streams)
+    without = draw_profiles(_with_overhead(_profile(noisy_spread=0.3), 1e-3, 0.0), 8, seed=3)
+    assert [p.layers for p in drawn] == [p.layers for p in without]
+    assert all(dict(p.action_overhead_s) == {"noisy": 1e-3, "steady": 1e-3} for p in without)
+
+
+def test_with_the_overheads_spread_the_plan_of_fewer_larger_micro_batches_wins_a_close_call() -> None:
+    # 1 ms per action: 16 micro-batches of 1 are 1.5% faster than 8 of 2 at the medians; with the overhead
+    # moving by 1 ms from step to step, 16 x 1 (34 actions on the critical path, 18 for 8 x 2) is slower in its
+    # worst draw, and 8 x 2 is within its spread
+    def candidates(profile: ModelProfile) -> list[Plan]:
+        return [_simulated(hetrain.plan(_cluster(), profile, 16, strategy="pp", micro_batch_sizes=(b,),
+                                        robust_draws=0)) for b in (1, 2)]
+
+    many, few = candidates(_with_overhead(_profile(), 1e-3, 1e-3))
+    assert (many.virtual_workers[0].micro_batches, few.virtual_workers[0].micro_batches) == (16, 8)
+    ranked, figures = rank_robust([many, few], _objective, lambda p: simulate(p).iteration_s)
+    assert describe_layout(ranked[0]) == describe_layout(few)
+    chosen, other = figures["candidates"]
+    assert chosen["objective"] > other["objective"] and chosen["worst_objective"] < other["worst_objective"]
+    # no spread of the overhead, nothing drawn: the faster at the medians
+    steady = candidates(_with_overhead(_profile(), 1e-3, 0.0))
+    ranked0, figures0 = rank_robust(steady, _objective, lambda p: simulate(p).iteration_s)
+    assert ranked0[0].virtual_workers[0].micro_batches == 16 and figures0["draws"] == 0

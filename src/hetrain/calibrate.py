@@ -17,7 +17,12 @@ Calibration measures it once per cluster and runtime: train any plan for a few s
     simulate(plan with action_overhead_s = o).iteration_s == measured iteration   (bisection on o)
 
 The simulated iteration grows with ``o`` (every forward and backward takes ``o``
-longer), so the answer is unique. ``o`` is written into the profile for every device
+longer), so the answer is unique. The run's steps are not all alike: the overheads that
+its lower and upper quartile step would imply, ``o(Q1)`` and ``o(Q3)``, give the
+overhead's spread from step to step, ``(o(Q3) - o(Q1)) / 1.349`` (a standard deviation,
+from the interquartile range of a normal). The planner draws the overhead within it
+(``planner.robust``): a plan of many small micro-batches pays it more often than one of
+few large ones, so it is the more exposed to it. ``o`` is written into the profile for every device
 type of the plan's cluster (``ModelProfile.action_overhead_s``); the planner and the
 simulator then charge it to each forward and backward. One figure serves all types:
 the work it stands for is the host's, and one run cannot tell the types apart.
@@ -32,7 +37,9 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -57,24 +64,35 @@ class Calibration:
         measured_s: the measured iteration.
         simulated_before_s: the simulated iteration with the profile's overhead set to 0.
         simulated_after_s: the simulated iteration with ``overhead_s``.
+        spread_s: how far the overhead moves from step to step (a standard deviation, from the
+            overheads the steps' quartiles imply); 0 without steps to tell (fewer than 4).
     """
 
     overhead_s: float
     measured_s: float
     simulated_before_s: float
     simulated_after_s: float
+    spread_s: float = 0.0
 
     def summary(self) -> str:
+        spread = f", +- {format_time(self.spread_s)} from step to step" if self.spread_s > 0 else ""
         return (f"measured iteration {format_time(self.measured_s)}; simulated {format_time(self.simulated_before_s)} "
                 f"without overhead ({100 * (self.simulated_before_s / self.measured_s - 1):+.1f}%), "
                 f"{format_time(self.simulated_after_s)} with {format_time(self.overhead_s)} per forward and backward "
-                f"({100 * (self.simulated_after_s / self.measured_s - 1):+.1f}%)")
+                f"({100 * (self.simulated_after_s / self.measured_s - 1):+.1f}%){spread}")
 
 
-def with_action_overhead(profile: ModelProfile, overhead_s: float, type_names: list[str]) -> ModelProfile:
-    """``profile`` with ``action_overhead_s`` set to ``overhead_s`` for each of ``type_names`` (others kept)."""
+def with_action_overhead(profile: ModelProfile, overhead_s: float, type_names: list[str],
+                         spread_s: float | None = None) -> ModelProfile:
+    """``profile`` with ``action_overhead_s`` set to ``overhead_s`` for each of ``type_names`` (others kept), and
+    its ``action_overhead_spread_s`` to ``spread_s`` where given (0: none known)."""
     kept = tuple((t, s) for t, s in profile.action_overhead_s if t not in type_names)
-    return replace(profile, action_overhead_s=kept + tuple((t, overhead_s) for t in type_names))
+    out = replace(profile, action_overhead_s=kept + tuple((t, overhead_s) for t in type_names))
+    if spread_s is None:
+        return out
+    kept = tuple((t, s) for t, s in profile.action_overhead_spread_s if t not in type_names)
+    return replace(out, action_overhead_spread_s=kept + (tuple((t, spread_s) for t in type_names) if spread_s > 0
+                                                         else ()))
 
 
 def _simulated(plan: Plan, overhead_s: float) -> float:
@@ -84,17 +102,37 @@ def _simulated(plan: Plan, overhead_s: float) -> float:
     return float(simulate(replace(plan, profile=profile)).iteration_s)
 
 
-def fit_action_overhead(plan: Plan, measured_s: float, tolerance_s: float = 1e-6) -> Calibration:
-    """The overhead per action at which ``plan``'s simulated iteration equals ``measured_s`` (bisection).
+#: the fewest timed steps whose quartiles say anything of the overhead's spread
+MIN_STEPS_FOR_SPREAD = 4
+#: interquartile range / standard deviation of a normal distribution
+IQR_PER_SD = 1.349
+
+
+def fit_action_overhead(plan: Plan, measured_s: float, tolerance_s: float = 1e-6,
+                        steps_s: Sequence[float] = ()) -> Calibration:
+    """The overhead per action at which ``plan``'s simulated iteration equals ``measured_s`` (bisection), and,
+    from the timed steps ``steps_s`` (``measured_step_times_s``; at least ``MIN_STEPS_FOR_SPREAD``), its spread.
 
     Raises:
-        CalibrationError: ``measured_s`` is not a positive finite time.
+        CalibrationError: ``measured_s`` (or a step) is not a positive finite time.
     """
-    if not (math.isfinite(measured_s) and measured_s > 0):
-        raise CalibrationError(f"the measured iteration must be a positive number of seconds, got {measured_s!r}")
+    for t in (measured_s, *steps_s):
+        if not (math.isfinite(t) and t > 0):
+            raise CalibrationError(f"the measured iteration must be a positive number of seconds, got {t!r}")
     before = _simulated(plan, 0.0)
-    if before >= measured_s:
-        return Calibration(0.0, measured_s, before, before)
+    spread = 0.0
+    if len(steps_s) >= MIN_STEPS_FOR_SPREAD:
+        q1, _, q3 = statistics.quantiles(steps_s, n=4)
+        spread = (_bisect(plan, q3, before, tolerance_s) - _bisect(plan, q1, before, tolerance_s)) / IQR_PER_SD
+    o = _bisect(plan, measured_s, before, tolerance_s)
+    return Calibration(o, measured_s, before, _simulated(plan, o) if o > 0 else before, spread)
+
+
+def _bisect(plan: Plan, measured_s: float, before_s: float, tolerance_s: float) -> float:
+    """The overhead at which ``plan`` simulates to ``measured_s``; 0 where it is no slower than ``before_s``, the
+    simulation without overhead."""
+    if before_s >= measured_s:
+        return 0.0
     # Each device runs at least two actions, so an overhead of the whole measured iteration is too much.
     lo, hi = 0.0, measured_s
     while hi - lo > tolerance_s:
@@ -103,12 +141,17 @@ def fit_action_overhead(plan: Plan, measured_s: float, tolerance_s: float = 1e-6
             lo = mid
         else:
             hi = mid
-    o = (lo + hi) / 2
-    return Calibration(o, measured_s, before, _simulated(plan, o))
+    return (lo + hi) / 2
 
 
 def measured_iteration_s(metrics_path: str | Path, warmup: int) -> float:
     """Mean ``step_time_s`` of a ``--metrics-out`` file's steps after the first ``warmup``."""
+    timed = measured_step_times_s(metrics_path, warmup)
+    return sum(timed) / len(timed)
+
+
+def measured_step_times_s(metrics_path: str | Path, warmup: int) -> list[float]:
+    """Every ``step_time_s`` of a ``--metrics-out`` file after the first ``warmup``, in order."""
     path = Path(metrics_path)
     if warmup < 0:
         raise CalibrationError(f"warmup must be >= 0 steps, got {warmup}")
@@ -128,22 +171,21 @@ def measured_iteration_s(metrics_path: str | Path, warmup: int) -> float:
     if len(steps) <= warmup:
         raise CalibrationError(f"{path} has {len(steps)} step(s), none after the {warmup} warm-up step(s); "
                                "train more steps or lower --warmup")
-    timed = steps[warmup:]
-    return sum(timed) / len(timed)
+    return steps[warmup:]
 
 
 def run_calibrate_command(plan_path: str, metrics_path: str, warmup: int, output: str | None) -> int:
     """``hetrain calibrate PLAN METRICS [--warmup N] [-o PROFILE]``: print the fit, write the profile; exit status."""
     try:
         plan = load_plan(plan_path)
-        measured = measured_iteration_s(metrics_path, warmup)
-        found = fit_action_overhead(plan, measured)
+        steps = measured_step_times_s(metrics_path, warmup)
+        found = fit_action_overhead(plan, sum(steps) / len(steps), steps_s=steps)
     except (PlanError, ProfileError, CalibrationError, ValueError) as e:
         print(f"hetrain calibrate: error: {e}", file=sys.stderr)
         return 1
     print(found.summary())
     if output:
-        profile = with_action_overhead(plan.profile, found.overhead_s, plan.cluster.type_names)
+        profile = with_action_overhead(plan.profile, found.overhead_s, plan.cluster.type_names, found.spread_s)
         try:
             profile.save(output)
         except OSError as e:

@@ -93,9 +93,10 @@ PROFILE_MIN_TIME_S = 0.1
 # small micro-batches, which without it were predicted up to 35% too fast (benchmarks/RESULTS.md).
 MICRO_BATCH_SIZES = PROFILE_MICRO_BATCHES
 # The calibration run: micro-batches of 2 (16 per pipeline at batch 32: 32 actions per stage and step, so
-# the overhead is most of what the run adds to the profile), 8 steps of which the first 3 warm up.
+# the overhead is most of what the run adds to the profile), 11 steps of which the first 3 warm up: the
+# 8 timed steps give the overhead and, from their quartiles, its spread from step to step.
 CALIBRATION_MICRO_BATCH = 2
-CALIBRATION_STEPS = 8
+CALIBRATION_STEPS = 11
 CALIBRATION_WARMUP = 3
 # Messages from 256 KiB up: a tc token bucket lets the first ~128 KB of a message through at once, so
 # smaller messages would measure the burst, not the NIC rate the gradients and activations meet. Five
@@ -237,7 +238,7 @@ def _calibrate_step(jobs: _Jobs, planning: dict[str, Any], profile: ModelProfile
                     global_batch: int, type_names: list[str]) -> tuple[ModelProfile, Calibration]:
     """Step 2b: train ``calibration_plan`` a few steps; the profile with the overhead per action it shows,
     saved over ``profile_path``, and what was found."""
-    from hetrain.calibrate import fit_action_overhead, measured_iteration_s, with_action_overhead
+    from hetrain.calibrate import fit_action_overhead, measured_step_times_s, with_action_overhead
 
     calib = calibration_plan(planning, profile, global_batch)
     calib_path, calib_metrics = jobs.out / "plan-calibration.json", jobs.out / "metrics-calibration.jsonl"
@@ -246,9 +247,10 @@ def _calibrate_step(jobs: _Jobs, planning: dict[str, Any], profile: ModelProfile
     jobs.run("calibrate", [PYTHON, "-m", "hetrain.runtime.command", "--plan", str(calib_path), "--model", model,
                            "--data", "shakespeare", "--steps", str(CALIBRATION_STEPS), "--metrics-out",
                            str(calib_metrics), "--no-progress"])
-    calibration = fit_action_overhead(calib, measured_iteration_s(calib_metrics, CALIBRATION_WARMUP))
+    steps = measured_step_times_s(calib_metrics, CALIBRATION_WARMUP)
+    calibration = fit_action_overhead(calib, sum(steps) / len(steps), steps_s=steps)
     jobs.log(f"   calibrate: {calibration.summary()}")
-    profile = with_action_overhead(profile, calibration.overhead_s, type_names)
+    profile = with_action_overhead(profile, calibration.overhead_s, type_names, calibration.spread_s)
     profile.save(profile_path)
     return profile, calibration
 

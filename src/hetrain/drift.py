@@ -284,6 +284,8 @@ def slowed_plan(plan: Plan, factors: Mapping[str, float]) -> Plan:
         profile = replace(profile, layers=tuple(layers),
                           action_overhead_s=_per_type(profile.action_overhead_s, dev.type_name, new_type, f),
                           iteration_overhead_s=_per_type(profile.iteration_overhead_s, dev.type_name, new_type, f),
+                          action_overhead_spread_s=_per_type(profile.action_overhead_spread_s, dev.type_name,
+                                                             new_type, f),
                           optimizer_step_s_per_byte=opt, memory_footprint=foot)
         renamed[name] = new_type
     nodes = tuple(Node(n.name, tuple(replace(d, type_name=renamed.get(d.name, d.type_name)) for d in n.devices),

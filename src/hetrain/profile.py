@@ -204,6 +204,12 @@ class ModelProfile:
             the per-layer spreads, each over its own repeats, do not hold
             (``profiler.layers.estimate_common_spread``). A type without a figure: none known. The
             planner draws it once per type and draw (``planner.robust``).
+        action_overhead_spread_s: per device type, how far ``action_overhead_s`` moves from one step
+            to the next, in seconds (a standard deviation): the calibration run's steps each imply their
+            own overhead (``calibrate.fit_action_overhead``, from the steps' quartiles). The runtime's
+            work per action is the host's, and it wanders with the host; a plan of many small
+            micro-batches is exposed to it more than one of few large ones. The planner draws it
+            once per draw, for every type alike (``planner.robust``). A type without a figure: none known.
     """
 
     name: str
@@ -218,6 +224,7 @@ class ModelProfile:
     iteration_overhead_s: tuple[tuple[str, float], ...] = ()
     seq_len: int | None = None
     common_spread: tuple[tuple[str, float], ...] = ()
+    action_overhead_spread_s: tuple[tuple[str, float], ...] = ()
     _cache: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -244,7 +251,8 @@ class ModelProfile:
                     raise ProfileError(f"memory_footprint[{type_name!r}].{name} must be a finite number >= 0, "
                                        f"got {value!r}")
         for key, figures in (("action_overhead_s", self.action_overhead_s),
-                             ("iteration_overhead_s", self.iteration_overhead_s)):
+                             ("iteration_overhead_s", self.iteration_overhead_s),
+                             ("action_overhead_spread_s", self.action_overhead_spread_s)):
             for type_name, seconds in figures:
                 if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (
                         math.isfinite(seconds) and seconds >= 0):
@@ -305,6 +313,14 @@ class ModelProfile:
                 return float(seconds)
         return 0.0
 
+    def action_overhead_spread_of(self, type_name: str) -> float:
+        """Seconds ``action_overhead_of(type_name)`` moves by from step to step (``action_overhead_spread_s``),
+        else 0."""
+        for t, seconds in self.action_overhead_spread_s:
+            if t == type_name:
+                return float(seconds)
+        return 0.0
+
     def iteration_overhead_of(self, type_name: str) -> float:
         """Seconds each iteration costs on ``type_name`` beyond its actions (``iteration_overhead_s``), else 0."""
         for t, seconds in self.iteration_overhead_s:
@@ -346,6 +362,8 @@ class ModelProfile:
             out["seq_len"] = self.seq_len
         if self.common_spread:
             out["common_spread"] = dict(self.common_spread)
+        if self.action_overhead_spread_s:
+            out["action_overhead_spread_s"] = dict(self.action_overhead_spread_s)
         return out
 
     @staticmethod
@@ -444,6 +462,8 @@ def parse_profile(data: Mapping[str, Any]) -> ModelProfile:
         seq_len=None if data.get("seq_len") is None else require_int(
             data, "seq_len", "", ProfileError, least=1, most=MAX_SEQ_LEN, limit_name="MAX_SEQ_LEN"),
         common_spread=_parse_overheads(data.get("common_spread", {}), "common_spread", "fraction"),
+        action_overhead_spread_s=_parse_overheads(data.get("action_overhead_spread_s", {}),
+                                                  "action_overhead_spread_s"),
     )
 
 

@@ -16,7 +16,13 @@ well, one standard normal ``z_type`` per type and draw from a second generator o
 profile without it draws exactly what it drew before). Independent draws of many layers average out
 over a stage (a stage of ``n`` layers moves by about ``s / sqrt(n)``); a common shift does not, and it
 moves every stage of that type the same way: what tells apart a plan that leans on the slow type from
-one that does not. Every candidate plan is scored
+one that does not. The calibrated overhead per action ``o`` with its spread ``s_o``
+(``ModelProfile.action_overhead_spread_s``, ``hetrain calibrate``) becomes ``max(0, o + z_o * s_o)``, one
+``z_o`` per draw for every type alike (it is the host's work, not a device's): what tells apart a plan
+of many small micro-batches, which pays it more often, from one of few large ones. One number per
+draw, so its K values are not left to chance: they are the standard normal's quantiles at
+``(k + 1/2) / K``, in an order shuffled by a third generator of the seed (K = 8 reaches
+``z = +-1.53``, where 8 random draws may all fall below +0.3). Every candidate plan is scored
 on the same K profiles (common random numbers), so the comparison between two plans
 is not blurred by independent noise, and the same inputs give the same plan.
 
@@ -47,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -62,8 +69,9 @@ SEED = 0
 
 
 def has_spread(profile: ModelProfile) -> bool:
-    """Whether any measured time of ``profile`` has a spread above 0, or a device type a common spread."""
-    return any(fraction > 0 for _, fraction in profile.common_spread) or any(
+    """Whether any measured time of ``profile`` has a spread above 0, or a device type a common spread or a spread
+    of its overhead per action."""
+    return any(fraction > 0 for _, fraction in (*profile.common_spread, *profile.action_overhead_spread_s)) or any(
         m.forward_spread_s or m.backward_spread_s for layer in profile.layers for _, ms in layer.measured for m in ms)
 
 
@@ -88,6 +96,13 @@ def _common_factors(profile: ModelProfile, rng: np.random.Generator) -> dict[str
             for t, c in sorted(profile.common_spread) if c > 0}
 
 
+def _overheads(profile: ModelProfile, z: float) -> tuple[tuple[str, float], ...]:
+    """The profile's overheads per action moved by ``z`` of their spreads, ``max(0, o + z * s)``, per type."""
+    types = dict.fromkeys(t for t, _ in (*profile.action_overhead_s, *profile.action_overhead_spread_s))
+    return tuple((t, max(0.0, profile.action_overhead_of(t) + z * profile.action_overhead_spread_of(t)))
+                 for t in types)
+
+
 def draw_profiles(profile: ModelProfile, draws: int, seed: int = SEED) -> list[ModelProfile]:
     """``draws`` profiles whose measured times are drawn within their spread (module docstring).
 
@@ -96,8 +111,11 @@ def draw_profiles(profile: ModelProfile, draws: int, seed: int = SEED) -> list[M
     """
     rng = np.random.default_rng(seed)
     rng_common = np.random.default_rng([seed, 1])  # its own stream: the per-layer draws stay as they were
+    # the overhead's quantiles, shuffled by their own stream: the common factors stay as they were too
+    z_overheads = [statistics.NormalDist().inv_cdf((k + 0.5) / draws)
+                   for k in np.random.default_rng([seed, 2]).permutation(draws)]
     out = []
-    for _ in range(draws):
+    for z_overhead in z_overheads:
         factors = _common_factors(profile, rng_common)
         layers: list[LayerProfile] = []
         for layer in profile.layers:
@@ -109,7 +127,10 @@ def draw_profiles(profile: ModelProfile, draws: int, seed: int = SEED) -> list[M
             layers.append(dataclasses.replace(layer, measured=tuple(measured)))
         rates = tuple((t, tuple((n, r * factors.get(t, 1.0)) for n, r in by_name))
                       for t, by_name in profile.optimizer_step_s_per_byte)
-        out.append(dataclasses.replace(profile, layers=tuple(layers), optimizer_step_s_per_byte=rates))
+        drawn = dataclasses.replace(profile, layers=tuple(layers), optimizer_step_s_per_byte=rates)
+        if profile.action_overhead_spread_s:
+            drawn = dataclasses.replace(drawn, action_overhead_s=_overheads(profile, z_overhead))
+        out.append(drawn)
     return out
 
 

@@ -306,15 +306,18 @@ def merge_profiles(profiles: Sequence[ModelProfile]) -> ModelProfile:
     overheads: dict[str, float] = {}
     per_iteration: dict[str, float] = {}
     common: dict[str, float] = {}
+    overhead_spreads: dict[str, float] = {}
     for p in profiles:
         overheads.update(dict(p.action_overhead_s))
+        overhead_spreads.update(dict(p.action_overhead_spread_s))
         per_iteration.update(dict(p.iteration_overhead_s))
         common.update(dict(p.common_spread))
     return dataclasses.replace(first, layers=tuple(layers), measured_on=tuple(figures.items()),
                                optimizer_step_s_per_byte=tuple((t, tuple(r.items())) for t, r in rates.items()),
                                action_overhead_s=tuple(overheads.items()),
                                iteration_overhead_s=tuple(per_iteration.items()),
-                               common_spread=tuple(common.items()))
+                               common_spread=tuple(common.items()),
+                               action_overhead_spread_s=tuple(overhead_spreads.items()))
 
 
 def estimate_common_spread(total_spread_s: float, part_spreads_s: Sequence[float], total_s: float) -> float:
