@@ -33,10 +33,12 @@ from hetrain.schedule import (
     Compute,
     Schedule,
     ScheduleError,
+    ScheduleTemplates,
     SegmentSync,
     Step,
     Transfer,
 )
+from hetrain.schedule.templates import TO_NEXT
 from hetrain.simulator.links import LinkResources, allreduce_phases, edge_links
 from hetrain.simulator.ops import (
     AverageMerge,
@@ -53,7 +55,6 @@ from hetrain.simulator.ops import (
     Push,
     Recv,
     Send,
-    TransferKey,
 )
 from hetrain.sync_layout import Bucket
 
@@ -112,7 +113,8 @@ class Program:
 
     Attributes:
         plan: the plan replayed.
-        schedule: the first iteration's Actions (to explain a stalled replay).
+        first: the first iteration's Actions, as templates (``schedule`` fills them in, to explain a
+            stalled replay).
         iterations: how many iterations ``ops`` hold.
         names: the devices that have Actions; device number ``d`` is ``names[d]``.
         where: per device number, its (VW, stage).
@@ -123,7 +125,7 @@ class Program:
     """
 
     plan: Plan
-    schedule: Schedule
+    first: ScheduleTemplates
     iterations: int
     names: list[str]
     where: list[tuple[int, int]]
@@ -132,9 +134,17 @@ class Program:
     collectives: list[CollectiveSpec]
     links: LinkResources
 
+    @property
+    def schedule(self) -> Schedule:
+        """The first iteration's Actions, every device's peers filled in."""
+        return self.first.schedule()
 
-def compile_program(plan: Plan, schedules: Sequence[Schedule]) -> Program:
+
+def compile_program(plan: Plan, schedules: Sequence[Schedule | ScheduleTemplates]) -> Program:
     """Compile ``schedules`` (one per iteration, the same devices in each) to a ``Program``.
+
+    Each is a ``Schedule`` or, as ``simulate`` builds them, its templates (``build_schedule_templates``):
+    the operations are the same either way, a template's transfers naming the device's neighbours.
 
     Raises:
         ScheduleError: a device that holds no stage, an ``ALLREDUCE_START`` after no backward,
@@ -157,6 +167,7 @@ class _SendRoute:
     label_head: str  # the label is label_head, the micro-batch, label_tail
     label_tail: str
     kind: str  # the link event's kind
+    key_base: int  # the transfer of micro-batch i is numbered key_base + i (``_Compiler.transfer_key``)
 
 
 @dataclass
@@ -177,19 +188,25 @@ class _Device:
     rides: dict[int, list[tuple[float, int]]] = field(default_factory=dict)  # (``_ride_on_last_backward``)
     wave: int = 0  # parameter-server waves: one per iteration that pulls
     sends: dict[tuple[ActionKind, int, str | None], _SendRoute] = field(default_factory=dict)  # (``_send``)
-    recv_peers: dict[str | None, int] = field(default_factory=dict)  # peer name -> device number
+    # (kind, peer name) -> (the label's text after the action's own, the key of micro-batch 0) (``_recv_route``)
+    recvs: dict[tuple[ActionKind, str | None], tuple[str, int]] = field(default_factory=dict)
     pulled: bool = False  # this iteration has a PULL
 
 
 class _Compiler:
     """Numbers devices, link resources and collectives while it compiles each action."""
 
-    def __init__(self, plan: Plan, schedules: Sequence[Schedule]) -> None:
+    def __init__(self, plan: Plan, schedules: Sequence[Schedule | ScheduleTemplates]) -> None:
         self.plan = plan
-        self.schedules = schedules
+        self.schedules = [s if isinstance(s, ScheduleTemplates) else ScheduleTemplates.of(s) for s in schedules]
         self.cluster = plan.cluster
-        self.names = list(schedules[0])
+        self.names = list(self.schedules[0].roles)
         self.index = {name: k for k, name in enumerate(self.names)}
+        # transfers are numbered (``transfer_key``): micro-batch indices lie below ``span``
+        self.span = 1 + max((a.micro_batch for s in self.schedules for t in s.templates for a in t
+                             if isinstance(a, Transfer)), default=0)
+        # (iteration, template) -> per action, its text where it is a receive (``_recv_heads``)
+        self.heads: dict[tuple[int, int], list[str | None]] = {}
         self.cluster_index = {d.name: d.index for d in self.cluster.devices}
         self.node_of = {dev.name: dev.node for dev in self.cluster.devices}
         self.staleness = plan.sync_options.staleness
@@ -256,40 +273,52 @@ class _Compiler:
             forward=computes[0], backward=computes[1],
         )
 
+    def transfer_key(self, backward: bool, sender: int, receiver: int, micro_batch: int) -> int:
+        """The number naming one point-to-point transfer: the sender's ``Send`` and the receiver's ``Recv``
+        hold it (``ops.Send.key``), one per (direction, sender, receiver, micro-batch), as an int (a key the
+        replay looks up twice per transfer)."""
+        return ((sender * len(self.names) + receiver) * 2 + backward) * self.span + micro_batch
+
     def _device_ops(self, dev: _Device) -> list[Op]:
         """``dev``'s operations over all iterations, each action's appended to ``dev.ops`` in turn.
 
-        Computes and transfers, nearly all of them, are compiled here without ``_compile``'s dispatch,
-        their records built with ``tuple.__new__`` (a NamedTuple's own ``__new__`` is a Python call)."""
+        Its Actions are read from its iteration's template (``ScheduleTemplates``), a transfer naming no peer
+        naming the device's neighbour; computes and transfers, nearly all of them, are compiled here without
+        ``_compile``'s dispatch, their records built with ``tuple.__new__`` (a NamedTuple's own ``__new__``
+        is a Python call)."""
         ops, forward, backward = dev.ops, dev.forward, dev.backward
         append, d, sizes, send, p2p = ops.append, dev.d, dev.sizes, self._send, self.p2p_cache
-        routes = dev.sends
-        recv_b = K.RECV_B
+        routes, recvs = dev.sends, dev.recvs
+        sends, to_next, f_kind = _SENDS, TO_NEXT, K.F
         blocking = self.blocking
-        for it, sched in enumerate(self.schedules):
-            for a in sched[dev.name]:
+        for it, shared in enumerate(self.schedules):
+            role = shared.roles[dev.name]
+            prev_device, next_device = role.prev_device, role.next_device
+            actions = shared.templates[role.template]
+            for a, head in zip(actions, self._recv_heads(it, role.template, actions), strict=True):
                 if a.__class__ is Compute:  # class identity, not isinstance: the actions are final records
-                    if a.kind is K.F:
+                    if a.kind is f_kind:
                         append(forward[a.micro_batch])
                     else:
                         dev.last_backward = len(ops)  # where it goes: an ALLREDUCE_START after it rides on it
                         append(backward[a.micro_batch])
                 elif a.__class__ is Transfer:
-                    kind, i = a.kind, a.micro_batch
-                    if kind in _SENDS:
-                        route = routes.get((kind, a.stage, a.peer))
+                    kind, i, peer = a.kind, a.micro_batch, a.peer
+                    if peer is None:  # a template's: the neighbour the transfer goes to or comes from
+                        peer = next_device if kind in to_next else prev_device
+                    if kind in sends:
+                        route = routes.get((kind, a.stage, peer))
                         cached = None if route is None else p2p.get((d, route.peer, sizes[i] * route.bytes_per_sample))
                         if route is None or cached is None:  # the first send of its route and size: _send does it
-                            append(send(a, dev))
+                            append(send(a if peer is a.peer else Transfer(kind, a.stage, i, peer), dev))
                             continue
-                        append(_new(Send, (i, f"{route.label_head}{i}{route.label_tail}",
-                                           _new(TransferKey, (not route.forward, d, route.peer, i)),
+                        append(_new(Send, (i, f"{route.label_head}{i}{route.label_tail}", route.key_base + i,
                                            cached[0], cached[1], route.kind, blocking)))
                     else:
-                        peer = dev.recv_peers.get(a.peer)
-                        if peer is None:
-                            peer = dev.recv_peers[a.peer] = self.index[a.named_peer()]
-                        append(_new(Recv, (i, a, _new(TransferKey, (kind is recv_b, peer, d, i)))))
+                        got = recvs.get((kind, peer))
+                        if got is None:
+                            got = self._recv_route(a, peer, dev)
+                        append(_new(Recv, (i, f"{head}{got[0]}", got[1] + i)))
                 else:
                     append(self._compile(a, it, dev))
             if dev.pulled:
@@ -301,13 +330,33 @@ class _Compiler:
             ops[k] = b_op._replace(bucket_starts=(*b_op.bucket_starts, *rides))
         return ops
 
+    def _recv_heads(self, it: int, template: int, actions: Sequence[Action]) -> list[str | None]:
+        """Per action of template ``template`` of iteration ``it``, its text if it is a receive (the start of its
+        ``Recv``'s label), else None: worked out once per template, whatever the devices that share it."""
+        heads = self.heads.get((it, template))
+        if heads is None:
+            heads = self.heads[(it, template)] = [
+                str(a) if a.__class__ is Transfer and a.kind not in _SENDS else None for a in actions]
+        return heads
+
+    def _recv_route(self, a: Transfer, peer: str | None, dev: _Device) -> tuple[str, int]:
+        """What ``dev``'s receives of ``a``'s kind from ``peer`` share: the rest of their label after the
+        template action's text (the peer, where the action names none) and the key of micro-batch 0.
+
+        Raises:
+            ScheduleError: the action names no peer and the device has no neighbour on that side.
+        """
+        if peer is None:
+            a.named_peer()  # raises, naming the action
+        assert peer is not None
+        tail = f" from {peer}" if a.peer is None else ""
+        got = dev.recvs[(a.kind, peer)] = (tail, self.transfer_key(a.kind is K.RECV_B, self.index[peer], dev.d, 0))
+        return got
+
     def _compile(self, a: Action, it: int, dev: _Device) -> Op:
-        """The operation of action ``a`` of ``dev`` in iteration ``it``: one method per class of action."""
+        """The operation of sync or step action ``a`` of ``dev`` in iteration ``it``: one method per class of
+        action (computes and transfers are compiled by ``_device_ops`` itself)."""
         match a:
-            case Compute():
-                return self._forward(a, dev) if a.kind is K.F else self._backward(a, dev)
-            case Transfer():
-                return self._send(a, dev) if a.is_send else self._recv(a, dev)
             case BucketSync():
                 return self._bucket(a, it, dev)
             case SegmentSync():
@@ -316,13 +365,7 @@ class _Compiler:
                 return self._segment_collective(a, it, dev)
             case Step():
                 return OptimizerStep(str(a), dev.costs.optimizer_s, dev.costs.step_transient_bytes)
-
-    def _forward(self, a: Compute, dev: _Device) -> Op:
-        return dev.forward[a.micro_batch]
-
-    def _backward(self, a: Compute, dev: _Device) -> Op:
-        dev.last_backward = len(dev.ops)  # where it goes: an ALLREDUCE_START after it rides on it
-        return dev.backward[a.micro_batch]
+        raise ScheduleError(f"{a} on {dev.name}: the simulator compiles no {type(a).__name__} here")
 
     def _send(self, a: Transfer, dev: _Device) -> Op:
         """``SEND_F`` / ``SEND_B``: ``b_i x`` the output bytes per sample of the layer before the boundary.
@@ -335,9 +378,11 @@ class _Compiler:
             to = a.named_peer()
             forward = a.kind is K.SEND_F
             src, dst = a.stages_joined
+            peer = self.index[to]
             route = dev.sends[(a.kind, a.stage, a.peer)] = _SendRoute(
-                to, self.index[to], forward, dev.out_bytes if forward else dev.in_bytes,
-                f"{a.kind.value} {src}->{dst} mb", f" {name}->{to}", "send_f" if forward else "send_b")
+                to, peer, forward, dev.out_bytes if forward else dev.in_bytes,
+                f"{a.kind.value} {src}->{dst} mb", f" {name}->{to}", "send_f" if forward else "send_b",
+                self.transfer_key(not forward, dev.d, peer, 0))
         peer, forward = route.peer, route.forward
         num_bytes = dev.sizes[i] * route.bytes_per_sample
         ckey = (dev.d, peer, num_bytes)
@@ -346,14 +391,8 @@ class _Compiler:
             self.p2p_cache[ckey] = (estimate_p2p_time(num_bytes, self.cluster.link(a_idx, b_idx)),
                                     edge_links(self.cluster, a_idx, b_idx, self.res))
         duration_s, links = self.p2p_cache[ckey]
-        return Send(i, f"{route.label_head}{i}{route.label_tail}", TransferKey(not forward, dev.d, peer, i),
+        return Send(i, f"{route.label_head}{i}{route.label_tail}", route.key_base + i,
                     duration_s, links, route.kind, self.blocking)
-
-    def _recv(self, a: Transfer, dev: _Device) -> Op:
-        peer = dev.recv_peers.get(a.peer)
-        if peer is None:
-            peer = dev.recv_peers[a.peer] = self.index[a.named_peer()]
-        return Recv(a.micro_batch, a, TransferKey(a.kind is K.RECV_B, peer, dev.d, a.micro_batch))
 
     def _collective_id(self, key: tuple[ActionKind, int, tuple[object, ...], int], members: Sequence[str],
                        num_bytes: float, algorithm: str, label: str) -> int:

@@ -124,7 +124,7 @@ class _FastEngine(_Engine):
                         if end > since:
                             recv = all_ops[w][pc[w]]
                             assert isinstance(recv, Recv)
-                            events[w].append(_new(Event, (since, end, "recv", str(recv.action), op.micro_batch)))
+                            events[w].append(_new(Event, (since, end, "recv", recv.label, op.micro_batch)))
                         pc[w] += 1
                         push(queue, (end, next(seq), 0, w))
                     if not op.blocking:
@@ -141,7 +141,7 @@ class _FastEngine(_Engine):
                         end = (t if t > sent[0] else sent[0]) + sent[1]
                         k += 1
                         if end > t:
-                            events[d].append(_new(Event, (t, end, "recv", str(op.action), op.micro_batch)))
+                            events[d].append(_new(Event, (t, end, "recv", op.label, op.micro_batch)))
                             push(queue, (end, next(seq), 0, d))
                             break
                         continue
@@ -151,7 +151,7 @@ class _FastEngine(_Engine):
                         break
                     k += 1
                     if at > t:
-                        events[d].append(_new(Event, (t, at, "recv", str(op.action), op.micro_batch)))
+                        events[d].append(_new(Event, (t, at, "recv", op.label, op.micro_batch)))
                         push(queue, (at, next(seq), 0, d))
                         break
                     continue
