@@ -8,10 +8,14 @@ bucket, come next. ``run_program_fast`` runs the same ``Program`` with those six
 ``BUCKET_READY`` written out in one loop over local names, and hands every other operation and
 event kind to the reference's own handlers.
 
-It is the same replay, event for event: every event is queued in the same order with the same
-sequence number (so ties in time are broken alike), every timeline event, memory step and link
-reservation is made by the same arithmetic in the same order. ``tests/test_simulator_fast.py``
-checks that on random plans, against ``engine.run_program``.
+It is the same replay, event for event: every event is queued in the same order and popped in
+the same order (earliest time first, the first queued first among equal times: the reference's
+heap orders (time, sequence number), this engine's calendar keeps one FIFO per distinct time),
+every timeline event, memory step and link reservation is made by the same arithmetic in the
+same order. ``tests/test_simulator_fast.py`` checks that on random plans, against ``engine.run_program``.
+
+    calendar: times  [0.0, 0.7, 1.3]          (a heap of the distinct times queued)
+              slots  {0.0: [3, 4, ~6], ...}   (per time, its events in the order queued)
 
     queue ──pop──► DEVICE_READY d ──► while d's next op:   Forward / Backward      (inline; queue d's end)
               │                                            Send / Recv             (inline)
@@ -24,10 +28,10 @@ checks that on random plans, against ``engine.run_program``.
 from __future__ import annotations
 
 import heapq
-from typing import cast
+from collections import deque
 
 from hetrain.simulator.compile import Program
-from hetrain.simulator.engine import Flow, Replayed, _Engine
+from hetrain.simulator.engine import _BUCKET_READY, _DEVICE_READY, _PHASE_DONE, EventKind, Flow, Replayed, _Engine
 from hetrain.simulator.ops import Backward, BucketStart, BucketWait, Forward, Recv, Send
 from hetrain.timeline import Event
 
@@ -41,12 +45,29 @@ def run_program_fast(program: Program) -> Replayed:
 
 class _FastEngine(_Engine):
     """``_Engine`` whose ``DEVICE_READY`` runs ``Forward``, ``Backward``, ``Send``, ``Recv``, ``BucketStart`` and
-    ``BucketWait`` inline, and ``BUCKET_READY`` too."""
+    ``BucketWait`` inline, and ``BUCKET_READY`` too; its queue is a calendar (``times``, ``slots``)."""
+
+    def __init__(self, program: Program) -> None:
+        super().__init__(program)
+        n = len(program.names)
+        # The reference's queue as a calendar: the distinct times queued (a heap) and per time its events, in
+        # the order queued (a FIFO), each an int (``_wake``). It pops what the heap of (time, seq) pops: the
+        # earliest time, and at that time the first queued. Identical VWs queue most events at times already
+        # queued (99% of them on 128 VWs), which is then a dict look-up and an append instead of a heap push.
+        self.times: list[float] = [0.0] if n else []
+        self.slots: dict[float, deque[int]] = {0.0: deque(range(n))} if n else {}
+
+    def _wake(self, t: float, kind: EventKind, subject: int) -> None:
+        """Queue an event: a ``DEVICE_READY`` as its device number, a ``PHASE_DONE`` / ``BUCKET_READY`` of
+        collective s as ``~(2 s)`` / ``~(2 s + 1)`` (negative)."""
+        slot = self.slots.get(t)
+        if slot is None:
+            slot = self.slots[t] = deque()
+            heapq.heappush(self.times, t)
+        slot.append(subject if kind is _DEVICE_READY else ~(2 * subject + (kind is _BUCKET_READY)))
 
     def run(self) -> Replayed:  # one loop, on purpose: each call saved is saved per event
-        # Wake tuples, built as plain tuples here: (time_s, seq, kind, subject)
-        queue = cast("list[tuple[float, int, int, int]]", self.queue)
-        pop, push, seq = heapq.heappop, heapq.heappush, self.seq
+        times, slots, push_time, pop_time, fifo = self.times, self.slots, heapq.heappush, heapq.heappop, deque
         all_ops, pc, finish = self.ops, self.pc, self.finish
         events, curves, memory, busy = self.events, self.curves, self.memory, self.busy
         in_flight, max_in_flight = self.in_flight, self.max_in_flight
@@ -56,16 +77,23 @@ class _FastEngine(_Engine):
         last_backward = self.last_backward
         collectives, posted_end, owners_ready = self.collectives, self.posted_end, self.bucket_owners_ready
         posted_waiters, waits_since, sync = self.posted_waiters, self.waits_since, self.sync
-        while queue:
-            t, _, kind, d = pop(queue)
-            if kind == 2:  # BUCKET_READY of all-reduce d (see _Engine._bucket_ready): one per owner and bucket
-                ready = owners_ready[d] = owners_ready.get(d, 0) + 1
-                if ready == len(collectives[d].owners):
-                    posted_end[d] = -1.0
-                    self._start_collective(t, d)
-                continue
-            if kind:  # PHASE_DONE (DEVICE_READY is 0)
-                on_event[kind](t, d)
+        while times:
+            t = times[0]
+            now = slots[t]
+            d = now.popleft()
+            if not now:  # the last event at t: whatever is queued at t from here on is a new slot, after it
+                del slots[t]
+                pop_time(times)
+            if d < 0:
+                c = ~d
+                if c & 1:  # BUCKET_READY of all-reduce c >> 1 (see _Engine._bucket_ready): one per owner and bucket
+                    s = c >> 1
+                    ready = owners_ready[s] = owners_ready.get(s, 0) + 1
+                    if ready == len(collectives[s].owners):
+                        posted_end[s] = -1.0
+                        self._start_collective(t, s)
+                else:  # PHASE_DONE
+                    on_event[_PHASE_DONE](t, c >> 1)
                 continue
             ops = all_ops[d]
             k, count = pc[d], len(ops)
@@ -80,7 +108,11 @@ class _FastEngine(_Engine):
                     n = in_flight[d] = in_flight[d] + 1
                     if n > max_in_flight[d]:
                         max_in_flight[d] = n
-                    push(queue, (end, next(seq), 0, d))
+                    slot = slots.get(end)
+                    if slot is None:
+                        slot = slots[end] = fifo()
+                        push_time(times, end)
+                    slot.append(d)
                     k += 1
                     break
                 if op.__class__ is Backward:  # its buckets' gradients become final on the way (BUCKET_READY of each)
@@ -96,8 +128,17 @@ class _FastEngine(_Engine):
                     if end > last_backward:
                         last_backward = end
                     for offset_s, cid in op.bucket_starts:
-                        push(queue, (t + offset_s, next(seq), 2, cid))
-                    push(queue, (end, next(seq), 0, d))
+                        at_s = t + offset_s
+                        slot = slots.get(at_s)
+                        if slot is None:
+                            slot = slots[at_s] = fifo()
+                            push_time(times, at_s)
+                        slot.append(~(2 * cid + 1))
+                    slot = slots.get(end)
+                    if slot is None:
+                        slot = slots[end] = fifo()
+                        push_time(times, end)
+                    slot.append(d)
                     k += 1
                     break
                 if op.__class__ is Send:  # posted on its links (FIFO, engine.occupy); see _Engine._send
@@ -126,13 +167,21 @@ class _FastEngine(_Engine):
                             assert isinstance(recv, Recv)
                             events[w].append(_new(Event, (since, end, "recv", recv.label, op.micro_batch)))
                         pc[w] += 1
-                        push(queue, (end, next(seq), 0, w))
+                        slot = slots.get(end)
+                        if slot is None:
+                            slot = slots[end] = fifo()
+                            push_time(times, end)
+                        slot.append(w)
                     if not op.blocking:
                         k += 1
                         continue
                     if end > t:
                         events[d].append(_new(Event, (t, end, "send", op.label, op.micro_batch)))
-                    push(queue, (end, next(seq), 0, d))
+                    slot = slots.get(end)
+                    if slot is None:
+                        slot = slots[end] = fifo()
+                        push_time(times, end)
+                    slot.append(d)
                     k += 1
                     break
                 if op.__class__ is Recv:  # see _Engine._recv
@@ -142,7 +191,11 @@ class _FastEngine(_Engine):
                         k += 1
                         if end > t:
                             events[d].append(_new(Event, (t, end, "recv", op.label, op.micro_batch)))
-                            push(queue, (end, next(seq), 0, d))
+                            slot = slots.get(end)
+                            if slot is None:
+                                slot = slots[end] = fifo()
+                                push_time(times, end)
+                            slot.append(d)
                             break
                         continue
                     at = arrivals.pop(op.key, None)
@@ -152,7 +205,11 @@ class _FastEngine(_Engine):
                     k += 1
                     if at > t:
                         events[d].append(_new(Event, (t, at, "recv", op.label, op.micro_batch)))
-                        push(queue, (at, next(seq), 0, d))
+                        slot = slots.get(at)
+                        if slot is None:
+                            slot = slots[at] = fifo()
+                            push_time(times, at)
+                        slot.append(d)
                         break
                     continue
                 if op.__class__ is BucketStart:  # started by the backward before it
