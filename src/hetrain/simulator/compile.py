@@ -193,6 +193,23 @@ class _Device:
     pulled: bool = False  # this iteration has a PULL
 
 
+@dataclass
+class _OpTemplate:
+    """The operations of one schedule template on devices of equal stage costs, before the device's own.
+
+    ``ops`` holds the computes in place and None where each device's own operation goes: the ``special``
+    actions, compiled one at a time in their order, each with the position of the backward before it that
+    no earlier special one had (-1: none), then the other ``sends`` (per (kind, stage, peer named): position
+    and micro-batch) and the ``recvs`` (per (kind, peer named): position, micro-batch, the action's text).
+    """
+
+    ops: list[Op | None]
+    special: list[tuple[int, int]]
+    sends: dict[tuple[ActionKind, int, str | None], list[tuple[int, int]]]
+    recvs: dict[tuple[ActionKind, str | None], list[tuple[int, int, str]]]
+    last_backward: int  # the position of the template's last backward (-1: none)
+
+
 class _Compiler:
     """Numbers devices, link resources and collectives while it compiles each action."""
 
@@ -205,8 +222,8 @@ class _Compiler:
         # transfers are numbered (``transfer_key``): micro-batch indices lie below ``span``
         self.span = 1 + max((a.micro_batch for s in self.schedules for t in s.templates for a in t
                              if isinstance(a, Transfer)), default=0)
-        # (iteration, template) -> per action, its text where it is a receive (``_recv_heads``)
-        self.heads: dict[tuple[int, int], list[str | None]] = {}
+        # (iteration, template, id of the stage costs) -> its operations (``_op_template``)
+        self.op_templates: dict[tuple[int, int, int], _OpTemplate] = {}
         self.cluster_index = {d.name: d.index for d in self.cluster.devices}
         self.node_of = {dev.name: dev.node for dev in self.cluster.devices}
         self.staleness = plan.sync_options.staleness
@@ -280,47 +297,51 @@ class _Compiler:
         return ((sender * len(self.names) + receiver) * 2 + backward) * self.span + micro_batch
 
     def _device_ops(self, dev: _Device) -> list[Op]:
-        """``dev``'s operations over all iterations, each action's appended to ``dev.ops`` in turn.
+        """``dev``'s operations over all iterations: per iteration, its template's operations (``_op_template``)
+        copied, then what is the device's own filled in.
 
-        Its Actions are read from its iteration's template (``ScheduleTemplates``), a transfer naming no peer
-        naming the device's neighbour; computes and transfers, nearly all of them, are compiled here without
-        ``_compile``'s dispatch, their records built with ``tuple.__new__`` (a NamedTuple's own ``__new__``
-        is a Python call)."""
-        ops, forward, backward = dev.ops, dev.forward, dev.backward
-        append, d, sizes, send, p2p = ops.append, dev.d, dev.sizes, self._send, self.p2p_cache
-        routes, recvs = dev.sends, dev.recvs
-        sends, to_next, f_kind = _SENDS, TO_NEXT, K.F
-        blocking = self.blocking
+        First, in the order of its actions, the sync actions and the first send of each route and micro-batch
+        size (``_OpTemplate.special``): they number link resources and collectives on first use, in the same
+        order as compiling every action in turn would; then the other sends and the receives, whose records
+        name the device and its peers but number nothing, built with ``tuple.__new__`` (a NamedTuple's own
+        ``__new__`` is a Python call)."""
+        ops, d, sizes, p2p, blocking = dev.ops, dev.d, dev.sizes, self.p2p_cache, self.blocking
         for it, shared in enumerate(self.schedules):
             role = shared.roles[dev.name]
             prev_device, next_device = role.prev_device, role.next_device
             actions = shared.templates[role.template]
-            for a, head in zip(actions, self._recv_heads(it, role.template, actions), strict=True):
-                if a.__class__ is Compute:  # class identity, not isinstance: the actions are final records
-                    if a.kind is f_kind:
-                        append(forward[a.micro_batch])
-                    else:
-                        dev.last_backward = len(ops)  # where it goes: an ALLREDUCE_START after it rides on it
-                        append(backward[a.micro_batch])
-                elif a.__class__ is Transfer:
-                    kind, i, peer = a.kind, a.micro_batch, a.peer
-                    if peer is None:  # a template's: the neighbour the transfer goes to or comes from
-                        peer = next_device if kind in to_next else prev_device
-                    if kind in sends:
-                        route = routes.get((kind, a.stage, peer))
-                        cached = None if route is None else p2p.get((d, route.peer, sizes[i] * route.bytes_per_sample))
-                        if route is None or cached is None:  # the first send of its route and size: _send does it
-                            append(send(a if peer is a.peer else Transfer(kind, a.stage, i, peer), dev))
-                            continue
-                        append(_new(Send, (i, f"{route.label_head}{i}{route.label_tail}", route.key_base + i,
-                                           cached[0], cached[1], route.kind, blocking)))
-                    else:
-                        got = recvs.get((kind, peer))
-                        if got is None:
-                            got = self._recv_route(a, peer, dev)
-                        append(_new(Recv, (i, f"{head}{got[0]}", got[1] + i)))
+            tmpl = self._op_template(it, role.template, actions, dev)
+            base = len(ops)
+            ops.extend(tmpl.ops)  # type: ignore[arg-type]  # its Nones are all filled in below
+            for pos, last_b in tmpl.special:
+                if last_b >= 0:
+                    dev.last_backward = base + last_b  # an ALLREDUCE_START rides on the backward before it
+                a = actions[pos]
+                if isinstance(a, Transfer):  # the first send of its route and size: _send numbers its links
+                    peer = a.peer if a.peer is not None else (next_device if a.kind in TO_NEXT else prev_device)
+                    full = a if peer is a.peer else Transfer(a.kind, a.stage, a.micro_batch, peer)
+                    ops[base + pos] = self._send(full, dev)
                 else:
-                    append(self._compile(a, it, dev))
+                    ops[base + pos] = self._compile(a, it, dev)
+            for (kind, stage, named), todo in tmpl.sends.items():
+                peer = named if named is not None else (next_device if kind in TO_NEXT else prev_device)
+                route = dev.sends[(kind, stage, peer)]  # made by the route's first send, a special one
+                head, tail, key, bps, link_kind, to = (route.label_head, route.label_tail, route.key_base,
+                                                       route.bytes_per_sample, route.kind, route.peer)
+                for pos, i in todo:
+                    cached = p2p[(d, to, sizes[i] * bps)]
+                    ops[base + pos] = _new(Send, (i, f"{head}{i}{tail}", key + i, cached[0], cached[1], link_kind,
+                                                  blocking))
+            for (kind, named), waits in tmpl.recvs.items():
+                peer = named if named is not None else (next_device if kind in TO_NEXT else prev_device)
+                got = dev.recvs.get((kind, peer))
+                if got is None:
+                    got = self._recv_route(actions[waits[0][0]], peer, dev)  # type: ignore[arg-type]
+                tail, key = got
+                for pos, i, head in waits:
+                    ops[base + pos] = _new(Recv, (i, f"{head}{tail}", key + i))
+            if tmpl.last_backward >= 0:
+                dev.last_backward = base + tmpl.last_backward
             if dev.pulled:
                 dev.wave += 1
                 dev.pulled = False
@@ -330,14 +351,40 @@ class _Compiler:
             ops[k] = b_op._replace(bucket_starts=(*b_op.bucket_starts, *rides))
         return ops
 
-    def _recv_heads(self, it: int, template: int, actions: Sequence[Action]) -> list[str | None]:
-        """Per action of template ``template`` of iteration ``it``, its text if it is a receive (the start of its
-        ``Recv``'s label), else None: worked out once per template, whatever the devices that share it."""
-        heads = self.heads.get((it, template))
-        if heads is None:
-            heads = self.heads[(it, template)] = [
-                str(a) if a.__class__ is Transfer and a.kind not in _SENDS else None for a in actions]
-        return heads
+    def _op_template(self, it: int, template: int, actions: Sequence[Action], dev: _Device) -> _OpTemplate:
+        """The operations of template ``template`` of iteration ``it`` on devices of ``dev``'s stage costs, worked
+        out once for all of them: the computes in place, and where each device's own operations go."""
+        key = (it, template, id(dev.costs))
+        tmpl = self.op_templates.get(key)
+        if tmpl is not None:
+            return tmpl
+        forward, backward, sizes = dev.forward, dev.backward, dev.sizes
+        tmpl = self.op_templates[key] = _OpTemplate([None] * len(actions), [], {}, {}, -1)
+        first_sends: set[tuple[ActionKind, int, str | None, int]] = set()
+        last_b = -1  # the latest backward not yet handed to a special action
+        for pos, a in enumerate(actions):
+            if isinstance(a, Compute):
+                if a.kind is K.F:
+                    tmpl.ops[pos] = forward[a.micro_batch]
+                else:
+                    tmpl.ops[pos] = backward[a.micro_batch]
+                    last_b = tmpl.last_backward = pos
+            elif isinstance(a, Transfer):
+                i = a.micro_batch
+                if a.kind in _SENDS:
+                    route = (a.kind, a.stage, a.peer, sizes[i])
+                    if route in first_sends:
+                        tmpl.sends.setdefault(route[:3], []).append((pos, i))
+                        continue
+                    first_sends.add(route)
+                    tmpl.special.append((pos, last_b))
+                    last_b = -1
+                else:
+                    tmpl.recvs.setdefault((a.kind, a.peer), []).append((pos, i, str(a)))
+            else:
+                tmpl.special.append((pos, last_b))
+                last_b = -1
+        return tmpl
 
     def _recv_route(self, a: Transfer, peer: str | None, dev: _Device) -> tuple[str, int]:
         """What ``dev``'s receives of ``a``'s kind from ``peer`` share: the rest of their label after the
