@@ -162,10 +162,8 @@ class _FastEngine(_Engine):
                             arrivals[op.key] = end
                     else:
                         w, since = receiver
-                        if end > since:
-                            recv = all_ops[w][pc[w]]
-                            assert isinstance(recv, Recv)
-                            events[w].append(_new(Event, (since, end, "recv", recv.label, op.micro_batch)))
+                        if end > since:  # the label of the Recv it waits at (every operation has one)
+                            events[w].append(_new(Event, (since, end, "recv", all_ops[w][pc[w]].label, op.micro_batch)))
                         pc[w] += 1
                         slot = slots.get(end)
                         if slot is None:
