@@ -100,10 +100,11 @@ class _FastEngine(_Engine):
             while k < count:
                 op = ops[k]
                 if op.__class__ is Forward:  # class identity, not isinstance: the ops are final records
-                    end = t + op.duration_s
-                    events[d].append(_new(Event, (t, end, "forward", op.label, op.micro_batch)))
+                    i, label, duration_s, activation_bytes = op
+                    end = t + duration_s
+                    events[d].append(_new(Event, (t, end, "forward", label, i)))
                     busy[d] += end - t
-                    mem = memory[d] = memory[d] + op.activation_bytes
+                    mem = memory[d] = memory[d] + activation_bytes
                     curves[d].append((end, mem))
                     n = in_flight[d] = in_flight[d] + 1
                     if n > max_in_flight[d]:
@@ -142,39 +143,39 @@ class _FastEngine(_Engine):
                     k += 1
                     break
                 if op.__class__ is Send:  # posted on its links (FIFO, engine.occupy); see _Engine._send
-                    links = op.links
+                    i, label, key, duration_s, links, link_kind, blocking = op  # one unpacking, not 12 look-ups
                     start = t
                     for r in links:
                         if free_at[r] > start:
                             start = free_at[r]
-                    end = start + op.duration_s
+                    end = start + duration_s
                     for r in links:
                         free_at[r] = end
                     if links:
-                        carried = _new(Event, (start, end, op.kind, op.label, op.micro_batch))
+                        carried = _new(Event, (start, end, link_kind, label, i))
                         for r in links:
                             link_events[r].append(carried)
-                    receiver = receivers.pop(op.key, None)
+                    receiver = receivers.pop(key, None)
                     if receiver is None:
-                        if op.blocking:
-                            blocking_sent[op.key] = (start, op.duration_s)
+                        if blocking:
+                            blocking_sent[key] = (start, duration_s)
                         else:
-                            arrivals[op.key] = end
+                            arrivals[key] = end
                     else:
                         w, since = receiver
                         if end > since:  # the label of the Recv it waits at (every operation has one)
-                            events[w].append(_new(Event, (since, end, "recv", all_ops[w][pc[w]].label, op.micro_batch)))
+                            events[w].append(_new(Event, (since, end, "recv", all_ops[w][pc[w]].label, i)))
                         pc[w] += 1
                         slot = slots.get(end)
                         if slot is None:
                             slot = slots[end] = fifo()
                             push_time(times, end)
                         slot.append(w)
-                    if not op.blocking:
+                    if not blocking:
                         k += 1
                         continue
                     if end > t:
-                        events[d].append(_new(Event, (t, end, "send", op.label, op.micro_batch)))
+                        events[d].append(_new(Event, (t, end, "send", label, i)))
                     slot = slots.get(end)
                     if slot is None:
                         slot = slots[end] = fifo()
@@ -183,12 +184,13 @@ class _FastEngine(_Engine):
                     k += 1
                     break
                 if op.__class__ is Recv:  # see _Engine._recv
-                    sent = blocking_sent.pop(op.key, None) if blocking_sent else None  # none unless blocking
+                    i, label, key = op
+                    sent = blocking_sent.pop(key, None) if blocking_sent else None  # none unless blocking
                     if sent is not None:
                         end = (t if t > sent[0] else sent[0]) + sent[1]
                         k += 1
                         if end > t:
-                            events[d].append(_new(Event, (t, end, "recv", op.label, op.micro_batch)))
+                            events[d].append(_new(Event, (t, end, "recv", label, i)))
                             slot = slots.get(end)
                             if slot is None:
                                 slot = slots[end] = fifo()
@@ -196,13 +198,13 @@ class _FastEngine(_Engine):
                             slot.append(d)
                             break
                         continue
-                    at = arrivals.pop(op.key, None)
+                    at = arrivals.pop(key, None)
                     if at is None:
-                        receivers[op.key] = (d, t)
+                        receivers[key] = (d, t)
                         break
                     k += 1
                     if at > t:
-                        events[d].append(_new(Event, (t, at, "recv", op.label, op.micro_batch)))
+                        events[d].append(_new(Event, (t, at, "recv", label, i)))
                         slot = slots.get(at)
                         if slot is None:
                             slot = slots[at] = fifo()
