@@ -117,18 +117,19 @@ class _FastEngine(_Engine):
                     k += 1
                     break
                 if op.__class__ is Backward:  # its buckets' gradients become final on the way (BUCKET_READY of each)
-                    end = t + op.duration_s
-                    events[d].append(_new(Event, (t, end, "backward", op.label, op.micro_batch)))
+                    i, label, duration_s, activation_bytes, transient_bytes, bucket_starts = op
+                    end = t + duration_s
+                    events[d].append(_new(Event, (t, end, "backward", label, i)))
                     busy[d] += end - t
                     curve = curves[d]
-                    if op.transient_bytes > 0:
-                        curve.append((t, memory[d] + op.transient_bytes))
-                    mem = memory[d] = memory[d] - op.activation_bytes
+                    if transient_bytes > 0:
+                        curve.append((t, memory[d] + transient_bytes))
+                    mem = memory[d] = memory[d] - activation_bytes
                     curve.append((end, mem))
                     in_flight[d] -= 1
                     if end > last_backward:
                         last_backward = end
-                    for offset_s, cid in op.bucket_starts:
+                    for offset_s, cid in bucket_starts:
                         at_s = t + offset_s
                         slot = slots.get(at_s)
                         if slot is None:
