@@ -2,7 +2,8 @@
 
 ``GENERATORS[plan.schedule]`` gives each stage's forwards and backwards (``gpipe``, ``one_f_one_b``);
 ``add_p2p`` joins consecutive stages with sends and receives; ``build_schedule`` does both for every
-virtual worker and ends each device's iteration with its sync actions (``hetrain.schedule.sync``).
+virtual worker and ends each device's iteration with its sync actions (``hetrain.schedule.sync``);
+``build_schedule_templates`` does it once per distinct device role (``hetrain.schedule.templates``).
 
 Example:
     >>> [str(a) for a in one_f_one_b(m=3, p=2)[0]]
@@ -16,6 +17,7 @@ from collections.abc import Callable, Sequence
 from hetrain.plan import Plan
 from hetrain.schedule.actions import Action, ActionKind, Compute, Schedule, ScheduleError, Transfer
 from hetrain.schedule.sync import SyncState, add_bsp_sync, buckets_by_device, build_sync_actions, owned_segments
+from hetrain.schedule.templates import DeviceRole, ScheduleTemplates
 
 K = ActionKind
 
@@ -71,22 +73,29 @@ def add_p2p(compute: Sequence[Compute], prev_device: str | None, next_device: st
     stage with a predecessor, RECV_B before B of a stage with a successor); a
     send right after the compute that produced it.
     """
+    return _add_p2p(compute, prev_device is not None, next_device is not None, prev_device, next_device)
+
+
+def _add_p2p(compute: Sequence[Compute], has_prev: bool, has_next: bool,
+             prev_device: str | None, next_device: str | None) -> list[Action]:
+    """``add_p2p`` for a stage with a predecessor / successor or not; the transfers name ``prev_device`` /
+    ``next_device`` as their peers (None in a template: ``hetrain.schedule.templates``)."""
     out: list[Action] = []
     append, f_kind = out.append, K.F
     # positional arguments: a Transfer built per micro-batch and stage boundary, millions on a large plan
     for a in compute:
         j, i = a.stage, a.micro_batch
         if a.kind is f_kind:
-            if prev_device is not None:
+            if has_prev:
                 append(Transfer(K.RECV_F, j, i, prev_device))
             append(a)
-            if next_device is not None:
+            if has_next:
                 append(Transfer(K.SEND_F, j, i, next_device))
         else:  # B
-            if next_device is not None:
+            if has_next:
                 append(Transfer(K.RECV_B, j, i, next_device))
             append(a)
-            if prev_device is not None:
+            if has_prev:
                 append(Transfer(K.SEND_B, j, i, prev_device))
     return out
 
@@ -101,6 +110,22 @@ def build_schedule(plan: Plan, state: SyncState | None = None, steps: int | None
     last backward (``add_bsp_sync``), and steps, the same every iteration;
     the other modes differ from one iteration to the next (periodic averages,
     pushes), hence the sync state (``SyncState``, ``advance_sync_state``).
+    Devices that run alike share their Actions' template (``build_schedule_templates``).
+
+    Raises:
+        ScheduleError: a schedule or sync mode with no generator.
+    """
+    return build_schedule_templates(plan, state, steps).schedule()
+
+
+def build_schedule_templates(plan: Plan, state: SyncState | None = None,
+                             steps: int | None = None) -> ScheduleTemplates:
+    """``build_schedule``'s Actions, each distinct template built once (``hetrain.schedule.templates``).
+
+    A device's Actions depend on its VW's micro-batch count m and stage count p, its stage j (whether it
+    has a predecessor and a successor follows from j and p), its neighbours (the transfers' peers, filled
+    in per device) and its sync actions (for ``bsp``, the (segment, bucket) of each bucket it all-reduces,
+    in order; for the other modes, the actions ``build_sync_actions`` gives it): the template's key.
 
     Raises:
         ScheduleError: a schedule or sync mode with no generator.
@@ -109,19 +134,29 @@ def build_schedule(plan: Plan, state: SyncState | None = None, steps: int | None
         raise ScheduleError(f"no generator for schedule {plan.schedule!r}; known: {', '.join(GENERATORS)}")
     generate = GENERATORS[plan.schedule]
     orders: dict[tuple[int, int], list[list[Compute]]] = {}
-    out: Schedule = {}
-    buckets = buckets_by_device(plan) if plan.sync == "bsp" else {}
-    owned = owned_segments(plan) if plan.sync != "bsp" else {}
+    keys: dict[tuple[object, ...], int] = {}
+    templates: list[list[Action]] = []
+    roles: dict[str, DeviceRole] = {}
+    bsp = plan.sync == "bsp"
+    buckets = buckets_by_device(plan) if bsp else {}
+    owned = owned_segments(plan) if not bsp else {}
     for vw in plan.virtual_workers:
         m, p, devices = vw.micro_batches, len(vw.stages), vw.devices
         if (m, p) not in orders:
             orders[(m, p)] = generate(m, p)
         for j, compute in enumerate(orders[(m, p)]):
-            prev_device = devices[j - 1] if j > 0 else None
-            next_device = devices[j + 1] if j < p - 1 else None
-            actions = add_p2p(compute, prev_device, next_device)
-            if plan.sync == "bsp":  # bucket all-reduces interleaved with the last backward
-                out[devices[j]] = add_bsp_sync(actions, buckets.get(devices[j], []))
+            device = devices[j]
+            if bsp:  # bucket all-reduces interleaved with the last backward
+                mine = buckets.get(device, [])
+                sync: list[Action] = []
+                key: tuple[object, ...] = (m, p, j, tuple((b.segment, b.index) for b in mine))
             else:
-                out[devices[j]] = [*actions, *build_sync_actions(plan, devices[j], state, steps, owned)]
-    return out
+                mine, sync = [], build_sync_actions(plan, device, state, steps, owned)
+                key = (m, p, j, tuple(sync))
+            k = keys.get(key)
+            if k is None:
+                k = keys[key] = len(templates)
+                actions = _add_p2p(compute, j > 0, j < p - 1, None, None)
+                templates.append(add_bsp_sync(actions, mine) if bsp else [*actions, *sync])
+            roles[device] = DeviceRole(k, devices[j - 1] if j > 0 else None, devices[j + 1] if j < p - 1 else None)
+    return ScheduleTemplates(templates, roles)

@@ -63,13 +63,15 @@ the optimizer step's transient lasts for the step. Figures come from
 
 The package, one job per module::
 
-    compile.py   Actions -> timed operations (ops.py), link resources (links.py), collectives
+    compile.py   Actions -> timed operations (ops.py), link resources (links.py), collectives; from the
+                 schedule's templates (``ScheduleTemplates``): a template's operations worked out once per
+                 stage costs, each device's own (its transfers, its sync) filled in
     engine.py    the event queue: named event kinds, one handler per event kind and per operation
                  (the reference replay: ``simulate(plan, reference=True)``)
     fast_engine.py  the same replay, event for event, with forward, backward, send and receive
                  inlined in one loop: what ``simulate`` runs (tests/test_simulator_fast.py)
     result.py    SimResult, DeviceStats, the summary table
-    replay.py    simulate(): schedules (build_schedules) -> compile -> engine -> result;
+    replay.py    simulate(): schedule templates (build_schedule_templates_of) -> compile -> engine -> result;
                  with_simulated_prediction() for a hand-built plan
     command.py   ``hetrain simulate``
 

@@ -33,10 +33,12 @@ from hetrain.schedule import (
     Compute,
     Schedule,
     ScheduleError,
+    ScheduleTemplates,
     SegmentSync,
     Step,
     Transfer,
 )
+from hetrain.schedule.templates import TO_NEXT
 from hetrain.simulator.links import LinkResources, allreduce_phases, edge_links
 from hetrain.simulator.ops import (
     AverageMerge,
@@ -53,7 +55,6 @@ from hetrain.simulator.ops import (
     Push,
     Recv,
     Send,
-    TransferKey,
 )
 from hetrain.sync_layout import Bucket
 
@@ -112,7 +113,8 @@ class Program:
 
     Attributes:
         plan: the plan replayed.
-        schedule: the first iteration's Actions (to explain a stalled replay).
+        first: the first iteration's Actions, as templates (``schedule`` fills them in, to explain a
+            stalled replay).
         iterations: how many iterations ``ops`` hold.
         names: the devices that have Actions; device number ``d`` is ``names[d]``.
         where: per device number, its (VW, stage).
@@ -123,7 +125,7 @@ class Program:
     """
 
     plan: Plan
-    schedule: Schedule
+    first: ScheduleTemplates
     iterations: int
     names: list[str]
     where: list[tuple[int, int]]
@@ -132,9 +134,17 @@ class Program:
     collectives: list[CollectiveSpec]
     links: LinkResources
 
+    @property
+    def schedule(self) -> Schedule:
+        """The first iteration's Actions, every device's peers filled in."""
+        return self.first.schedule()
 
-def compile_program(plan: Plan, schedules: Sequence[Schedule]) -> Program:
+
+def compile_program(plan: Plan, schedules: Sequence[Schedule | ScheduleTemplates]) -> Program:
     """Compile ``schedules`` (one per iteration, the same devices in each) to a ``Program``.
+
+    Each is a ``Schedule`` or, as ``simulate`` builds them, its templates (``build_schedule_templates``):
+    the operations are the same either way, a template's transfers naming the device's neighbours.
 
     Raises:
         ScheduleError: a device that holds no stage, an ``ALLREDUCE_START`` after no backward,
@@ -157,6 +167,7 @@ class _SendRoute:
     label_head: str  # the label is label_head, the micro-batch, label_tail
     label_tail: str
     kind: str  # the link event's kind
+    key_base: int  # the transfer of micro-batch i is numbered key_base + i (``_Compiler.transfer_key``)
 
 
 @dataclass
@@ -177,19 +188,42 @@ class _Device:
     rides: dict[int, list[tuple[float, int]]] = field(default_factory=dict)  # (``_ride_on_last_backward``)
     wave: int = 0  # parameter-server waves: one per iteration that pulls
     sends: dict[tuple[ActionKind, int, str | None], _SendRoute] = field(default_factory=dict)  # (``_send``)
-    recv_peers: dict[str | None, int] = field(default_factory=dict)  # peer name -> device number
+    # (kind, peer name) -> (the label's text after the action's own, the key of micro-batch 0) (``_recv_route``)
+    recvs: dict[tuple[ActionKind, str | None], tuple[str, int]] = field(default_factory=dict)
     pulled: bool = False  # this iteration has a PULL
+
+
+@dataclass
+class _OpTemplate:
+    """The operations of one schedule template on devices of equal stage costs, before the device's own.
+
+    ``ops`` holds the computes in place and None where each device's own operation goes: the ``special``
+    actions, compiled one at a time in their order, each with the position of the backward before it that
+    no earlier special one had (-1: none), then the other ``sends`` (per (kind, stage, peer named): position
+    and micro-batch) and the ``recvs`` (per (kind, peer named): position, micro-batch, the action's text).
+    """
+
+    ops: list[Op | None]
+    special: list[tuple[int, int]]
+    sends: dict[tuple[ActionKind, int, str | None], list[tuple[int, int]]]
+    recvs: dict[tuple[ActionKind, str | None], list[tuple[int, int, str]]]
+    last_backward: int  # the position of the template's last backward (-1: none)
 
 
 class _Compiler:
     """Numbers devices, link resources and collectives while it compiles each action."""
 
-    def __init__(self, plan: Plan, schedules: Sequence[Schedule]) -> None:
+    def __init__(self, plan: Plan, schedules: Sequence[Schedule | ScheduleTemplates]) -> None:
         self.plan = plan
-        self.schedules = schedules
+        self.schedules = [s if isinstance(s, ScheduleTemplates) else ScheduleTemplates.of(s) for s in schedules]
         self.cluster = plan.cluster
-        self.names = list(schedules[0])
+        self.names = list(self.schedules[0].roles)
         self.index = {name: k for k, name in enumerate(self.names)}
+        # transfers are numbered (``transfer_key``): micro-batch indices lie below ``span``
+        self.span = 1 + max((a.micro_batch for s in self.schedules for t in s.templates for a in t
+                             if isinstance(a, Transfer)), default=0)
+        # (iteration, template, id of the stage costs) -> its operations (``_op_template``)
+        self.op_templates: dict[tuple[int, int, int], _OpTemplate] = {}
         self.cluster_index = {d.name: d.index for d in self.cluster.devices}
         self.node_of = {dev.name: dev.node for dev in self.cluster.devices}
         self.staleness = plan.sync_options.staleness
@@ -256,42 +290,58 @@ class _Compiler:
             forward=computes[0], backward=computes[1],
         )
 
-    def _device_ops(self, dev: _Device) -> list[Op]:
-        """``dev``'s operations over all iterations, each action's appended to ``dev.ops`` in turn.
+    def transfer_key(self, backward: bool, sender: int, receiver: int, micro_batch: int) -> int:
+        """The number naming one point-to-point transfer: the sender's ``Send`` and the receiver's ``Recv``
+        hold it (``ops.Send.key``), one per (direction, sender, receiver, micro-batch), as an int (a key the
+        replay looks up twice per transfer)."""
+        return ((sender * len(self.names) + receiver) * 2 + backward) * self.span + micro_batch
 
-        Computes and transfers, nearly all of them, are compiled here without ``_compile``'s dispatch,
-        their records built with ``tuple.__new__`` (a NamedTuple's own ``__new__`` is a Python call)."""
-        ops, forward, backward = dev.ops, dev.forward, dev.backward
-        append, d, sizes, send, p2p = ops.append, dev.d, dev.sizes, self._send, self.p2p_cache
-        routes = dev.sends
-        recv_b = K.RECV_B
-        blocking = self.blocking
-        for it, sched in enumerate(self.schedules):
-            for a in sched[dev.name]:
-                if a.__class__ is Compute:  # class identity, not isinstance: the actions are final records
-                    if a.kind is K.F:
-                        append(forward[a.micro_batch])
-                    else:
-                        dev.last_backward = len(ops)  # where it goes: an ALLREDUCE_START after it rides on it
-                        append(backward[a.micro_batch])
-                elif a.__class__ is Transfer:
-                    kind, i = a.kind, a.micro_batch
-                    if kind in _SENDS:
-                        route = routes.get((kind, a.stage, a.peer))
-                        cached = None if route is None else p2p.get((d, route.peer, sizes[i] * route.bytes_per_sample))
-                        if route is None or cached is None:  # the first send of its route and size: _send does it
-                            append(send(a, dev))
-                            continue
-                        append(_new(Send, (i, f"{route.label_head}{i}{route.label_tail}",
-                                           _new(TransferKey, (not route.forward, d, route.peer, i)),
-                                           cached[0], cached[1], route.kind, blocking)))
-                    else:
-                        peer = dev.recv_peers.get(a.peer)
-                        if peer is None:
-                            peer = dev.recv_peers[a.peer] = self.index[a.named_peer()]
-                        append(_new(Recv, (i, a, _new(TransferKey, (kind is recv_b, peer, d, i)))))
+    def _device_ops(self, dev: _Device) -> list[Op]:
+        """``dev``'s operations over all iterations: per iteration, its template's operations (``_op_template``)
+        copied, then what is the device's own filled in.
+
+        First, in the order of its actions, the sync actions and the first send of each route and micro-batch
+        size (``_OpTemplate.special``): they number link resources and collectives on first use, in the same
+        order as compiling every action in turn would; then the other sends and the receives, whose records
+        name the device and its peers but number nothing, built with ``tuple.__new__`` (a NamedTuple's own
+        ``__new__`` is a Python call)."""
+        ops, d, sizes, p2p, blocking = dev.ops, dev.d, dev.sizes, self.p2p_cache, self.blocking
+        for it, shared in enumerate(self.schedules):
+            role = shared.roles[dev.name]
+            prev_device, next_device = role.prev_device, role.next_device
+            actions = shared.templates[role.template]
+            tmpl = self._op_template(it, role.template, actions, dev)
+            base = len(ops)
+            ops.extend(tmpl.ops)  # type: ignore[arg-type]  # its Nones are all filled in below
+            for pos, last_b in tmpl.special:
+                if last_b >= 0:
+                    dev.last_backward = base + last_b  # an ALLREDUCE_START rides on the backward before it
+                a = actions[pos]
+                if isinstance(a, Transfer):  # the first send of its route and size: _send numbers its links
+                    peer = a.peer if a.peer is not None else (next_device if a.kind in TO_NEXT else prev_device)
+                    full = a if peer is a.peer else Transfer(a.kind, a.stage, a.micro_batch, peer)
+                    ops[base + pos] = self._send(full, dev)
                 else:
-                    append(self._compile(a, it, dev))
+                    ops[base + pos] = self._compile(a, it, dev)
+            for (kind, stage, named), todo in tmpl.sends.items():
+                peer = named if named is not None else (next_device if kind in TO_NEXT else prev_device)
+                route = dev.sends[(kind, stage, peer)]  # made by the route's first send, a special one
+                head, tail, key, bps, link_kind, to = (route.label_head, route.label_tail, route.key_base,
+                                                       route.bytes_per_sample, route.kind, route.peer)
+                for pos, i in todo:
+                    cached = p2p[(d, to, sizes[i] * bps)]
+                    ops[base + pos] = _new(Send, (i, f"{head}{i}{tail}", key + i, cached[0], cached[1], link_kind,
+                                                  blocking))
+            for (kind, named), waits in tmpl.recvs.items():
+                peer = named if named is not None else (next_device if kind in TO_NEXT else prev_device)
+                got = dev.recvs.get((kind, peer))
+                if got is None:
+                    got = self._recv_route(actions[waits[0][0]], peer, dev)  # type: ignore[arg-type]
+                tail, key = got
+                for pos, i, head in waits:
+                    ops[base + pos] = _new(Recv, (i, f"{head}{tail}", key + i))
+            if tmpl.last_backward >= 0:
+                dev.last_backward = base + tmpl.last_backward
             if dev.pulled:
                 dev.wave += 1
                 dev.pulled = False
@@ -301,13 +351,59 @@ class _Compiler:
             ops[k] = b_op._replace(bucket_starts=(*b_op.bucket_starts, *rides))
         return ops
 
+    def _op_template(self, it: int, template: int, actions: Sequence[Action], dev: _Device) -> _OpTemplate:
+        """The operations of template ``template`` of iteration ``it`` on devices of ``dev``'s stage costs, worked
+        out once for all of them: the computes in place, and where each device's own operations go."""
+        key = (it, template, id(dev.costs))
+        tmpl = self.op_templates.get(key)
+        if tmpl is not None:
+            return tmpl
+        forward, backward, sizes = dev.forward, dev.backward, dev.sizes
+        tmpl = self.op_templates[key] = _OpTemplate([None] * len(actions), [], {}, {}, -1)
+        first_sends: set[tuple[ActionKind, int, str | None, int]] = set()
+        last_b = -1  # the latest backward not yet handed to a special action
+        for pos, a in enumerate(actions):
+            if isinstance(a, Compute):
+                if a.kind is K.F:
+                    tmpl.ops[pos] = forward[a.micro_batch]
+                else:
+                    tmpl.ops[pos] = backward[a.micro_batch]
+                    last_b = tmpl.last_backward = pos
+            elif isinstance(a, Transfer):
+                i = a.micro_batch
+                if a.kind in _SENDS:
+                    route = (a.kind, a.stage, a.peer, sizes[i])
+                    if route in first_sends:
+                        tmpl.sends.setdefault(route[:3], []).append((pos, i))
+                        continue
+                    first_sends.add(route)
+                    tmpl.special.append((pos, last_b))
+                    last_b = -1
+                else:
+                    tmpl.recvs.setdefault((a.kind, a.peer), []).append((pos, i, str(a)))
+            else:
+                tmpl.special.append((pos, last_b))
+                last_b = -1
+        return tmpl
+
+    def _recv_route(self, a: Transfer, peer: str | None, dev: _Device) -> tuple[str, int]:
+        """What ``dev``'s receives of ``a``'s kind from ``peer`` share: the rest of their label after the
+        template action's text (the peer, where the action names none) and the key of micro-batch 0.
+
+        Raises:
+            ScheduleError: the action names no peer and the device has no neighbour on that side.
+        """
+        if peer is None:
+            a.named_peer()  # raises, naming the action
+        assert peer is not None
+        tail = f" from {peer}" if a.peer is None else ""
+        got = dev.recvs[(a.kind, peer)] = (tail, self.transfer_key(a.kind is K.RECV_B, self.index[peer], dev.d, 0))
+        return got
+
     def _compile(self, a: Action, it: int, dev: _Device) -> Op:
-        """The operation of action ``a`` of ``dev`` in iteration ``it``: one method per class of action."""
+        """The operation of sync or step action ``a`` of ``dev`` in iteration ``it``: one method per class of
+        action (computes and transfers are compiled by ``_device_ops`` itself)."""
         match a:
-            case Compute():
-                return self._forward(a, dev) if a.kind is K.F else self._backward(a, dev)
-            case Transfer():
-                return self._send(a, dev) if a.is_send else self._recv(a, dev)
             case BucketSync():
                 return self._bucket(a, it, dev)
             case SegmentSync():
@@ -316,13 +412,7 @@ class _Compiler:
                 return self._segment_collective(a, it, dev)
             case Step():
                 return OptimizerStep(str(a), dev.costs.optimizer_s, dev.costs.step_transient_bytes)
-
-    def _forward(self, a: Compute, dev: _Device) -> Op:
-        return dev.forward[a.micro_batch]
-
-    def _backward(self, a: Compute, dev: _Device) -> Op:
-        dev.last_backward = len(dev.ops)  # where it goes: an ALLREDUCE_START after it rides on it
-        return dev.backward[a.micro_batch]
+        raise ScheduleError(f"{a} on {dev.name}: the simulator compiles no {type(a).__name__} here")
 
     def _send(self, a: Transfer, dev: _Device) -> Op:
         """``SEND_F`` / ``SEND_B``: ``b_i x`` the output bytes per sample of the layer before the boundary.
@@ -335,9 +425,11 @@ class _Compiler:
             to = a.named_peer()
             forward = a.kind is K.SEND_F
             src, dst = a.stages_joined
+            peer = self.index[to]
             route = dev.sends[(a.kind, a.stage, a.peer)] = _SendRoute(
-                to, self.index[to], forward, dev.out_bytes if forward else dev.in_bytes,
-                f"{a.kind.value} {src}->{dst} mb", f" {name}->{to}", "send_f" if forward else "send_b")
+                to, peer, forward, dev.out_bytes if forward else dev.in_bytes,
+                f"{a.kind.value} {src}->{dst} mb", f" {name}->{to}", "send_f" if forward else "send_b",
+                self.transfer_key(not forward, dev.d, peer, 0))
         peer, forward = route.peer, route.forward
         num_bytes = dev.sizes[i] * route.bytes_per_sample
         ckey = (dev.d, peer, num_bytes)
@@ -346,14 +438,8 @@ class _Compiler:
             self.p2p_cache[ckey] = (estimate_p2p_time(num_bytes, self.cluster.link(a_idx, b_idx)),
                                     edge_links(self.cluster, a_idx, b_idx, self.res))
         duration_s, links = self.p2p_cache[ckey]
-        return Send(i, f"{route.label_head}{i}{route.label_tail}", TransferKey(not forward, dev.d, peer, i),
+        return Send(i, f"{route.label_head}{i}{route.label_tail}", route.key_base + i,
                     duration_s, links, route.kind, self.blocking)
-
-    def _recv(self, a: Transfer, dev: _Device) -> Op:
-        peer = dev.recv_peers.get(a.peer)
-        if peer is None:
-            peer = dev.recv_peers[a.peer] = self.index[a.named_peer()]
-        return Recv(a.micro_batch, a, TransferKey(a.kind is K.RECV_B, peer, dev.d, a.micro_batch))
 
     def _collective_id(self, key: tuple[ActionKind, int, tuple[object, ...], int], members: Sequence[str],
                        num_bytes: float, algorithm: str, label: str) -> int:

@@ -292,7 +292,7 @@ class _Engine:
             if end > since:
                 recv = self.ops[w][self.pc[w]]
                 assert isinstance(recv, Recv)
-                self.events[w].append(_new(Event, (since, end, "recv", str(recv.action), op.micro_batch)))
+                self.events[w].append(_new(Event, (since, end, "recv", recv.label, op.micro_batch)))
             self.pc[w] += 1
             self._wake(end, _DEVICE_READY, w)
         if not op.blocking:
@@ -307,7 +307,7 @@ class _Engine:
         if sent is not None:  # a blocking transfer: the receiver spends its duration on it from here
             end = max(t, sent[0]) + sent[1]
             if end > t:
-                self.events[d].append(_new(Event, (t, end, "recv", str(op.action), op.micro_batch)))
+                self.events[d].append(_new(Event, (t, end, "recv", op.label, op.micro_batch)))
                 self._wake(end, _DEVICE_READY, d)
                 return _LATER
             return _NEXT
@@ -316,7 +316,7 @@ class _Engine:
             self.receivers[op.key] = (d, t)
             return _BLOCKED
         if at > t:
-            self.events[d].append(_new(Event, (t, at, "recv", str(op.action), op.micro_batch)))
+            self.events[d].append(_new(Event, (t, at, "recv", op.label, op.micro_batch)))
             self._wake(at, _DEVICE_READY, d)
             return _LATER
         return _NEXT

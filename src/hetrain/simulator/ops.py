@@ -25,18 +25,13 @@ from __future__ import annotations
 
 from typing import NamedTuple, TypeAlias
 
-from hetrain.schedule import Action
 from hetrain.simulator.links import Phase
 from hetrain.sync_layout import Bucket
 
-
-class TransferKey(NamedTuple):
-    """Names one point-to-point transfer: the sender's and the receiver's operations hold equal keys."""
-
-    backward: bool
-    sender: int
-    receiver: int
-    micro_batch: int
+#: Names one point-to-point transfer: the sender's ``Send`` and the receiver's ``Recv`` hold equal keys, one per
+#: (direction, sender, receiver, micro-batch) (``compile._Compiler.transfer_key``): an int, which the replay
+#: hashes faster than a tuple of the four.
+TransferKey: TypeAlias = int
 
 
 class Forward(NamedTuple):
@@ -67,7 +62,7 @@ class Send(NamedTuple):
 
 class Recv(NamedTuple):
     micro_batch: int
-    action: Action  # its label, str(action), is made only when the device waits
+    label: str  # str() of its action: the timeline's label when the device waits
     key: TransferKey
 
 

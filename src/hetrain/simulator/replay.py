@@ -6,7 +6,15 @@ import gc
 from dataclasses import replace
 
 from hetrain.plan import DeviceMemory, Plan, Prediction
-from hetrain.schedule import Schedule, advance_sync_state, build_schedule, initial_sync_state, validate
+from hetrain.schedule import (
+    Schedule,
+    ScheduleTemplates,
+    advance_sync_state,
+    build_schedule,
+    build_schedule_templates,
+    initial_sync_state,
+    validate,
+)
 from hetrain.simulator.compile import compile_program
 from hetrain.simulator.engine import run_program
 from hetrain.simulator.fast_engine import run_program_fast
@@ -35,6 +43,16 @@ def build_schedules(plan: Plan, n: int) -> list[Schedule]:
     return out
 
 
+def build_schedule_templates_of(plan: Plan, n: int) -> list[ScheduleTemplates]:
+    """``build_schedules(plan, n)`` as templates (``schedule.build_schedule_templates``): what ``simulate``
+    compiles, each distinct device role's Actions built once rather than once per device."""
+    state, out = initial_sync_state(plan), []
+    for _ in range(n):
+        out.append(build_schedule_templates(plan, state, n))
+        state = advance_sync_state(plan, state, n)
+    return out
+
+
 def simulate(plan: Plan, schedule: Schedule | None = None, iterations: int | None = None,
              reference: bool = False) -> SimResult:
     """Replay ``plan``'s iterations and time every action; the result is per iteration (an average over several
@@ -42,7 +60,8 @@ def simulate(plan: Plan, schedule: Schedule | None = None, iterations: int | Non
 
     Args:
         plan: the plan (cluster and profile included).
-        schedule: the Actions of one iteration to replay; by default ``build_schedules(plan, n)``.
+        schedule: the Actions of one iteration to replay; by default ``build_schedules(plan, n)``
+            (built as its templates, ``build_schedule_templates_of``).
             A schedule passed in is validated first and replayed once.
         iterations: how many iterations to replay (default ``simulated_iterations(plan)``).
         reference: replay with the reference engine (``engine.run_program``, one call per operation)
@@ -62,7 +81,8 @@ def simulate(plan: Plan, schedule: Schedule | None = None, iterations: int | Non
     gc.disable()
     try:
         if schedule is None:
-            schedules = build_schedules(plan, simulated_iterations(plan) if iterations is None else iterations)
+            n = simulated_iterations(plan) if iterations is None else iterations
+            schedules: list[Schedule] | list[ScheduleTemplates] = build_schedule_templates_of(plan, n)
         else:
             validate(schedule, plan)
             schedules = [schedule]
