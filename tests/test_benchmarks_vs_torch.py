@@ -56,7 +56,7 @@ def test_ddp_bucket_caps_cut_ddp_at_hetrains_layer_boundaries() -> None:
 
     from hetrain.models.registry import build_layers
 
-    args = argparse.Namespace(model="gpt-tiny", config={}, global_batch=32, micro_batches=8)
+    args = argparse.Namespace(model="gpt-tiny", config={}, global_batch=32, micro_batches=8, bucket_cut="layer")
     cluster = local_cluster(2)
     plan = build_plan("dp", args, 6, cluster)
     buckets = plan.layout.device_buckets("n0:0")
@@ -73,6 +73,10 @@ def test_ddp_bucket_caps_cut_ddp_at_hetrains_layer_boundaries() -> None:
     assignment, _ = dist._compute_bucket_assignment_by_size([params[i] for i in ready], limits)
     ddp = [sorted({layer_of[ready[i]] for i in bucket}) for bucket in assignment]
     assert ddp == [list(range(b.first_layer, b.end_layer)) for b in buckets]
+    # the benchmarks' default plan cuts hetrain's buckets as DDP does (bucket_cut exact): 1 MiB first, inside layer 3
+    exact = build_plan("dp", argparse.Namespace(**{**vars(args), "bucket_cut": "exact"}), 6, cluster)
+    first = exact.segments()[0].buckets[0]
+    assert (first.first_layer, first.end_layer, first.param_bytes) == (3, 6, 2**20)
     # and DDP's default (1 MiB first) cuts inside layer 3: its first bucket ends part-way through it
     default, _ = dist._compute_bucket_assignment_by_size([params[i] for i in ready], [2**20, 25 * 2**20])
     assert sorted({layer_of[ready[i]] for i in default[0]}) == [3, 4, 5]
