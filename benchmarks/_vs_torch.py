@@ -26,6 +26,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -60,7 +61,8 @@ def build_plan(case: str, args: argparse.Namespace, layers: int, cluster: Cluste
     """The plan both runtimes follow on ``cluster``'s devices, in its order (rank k: device k): one pipeline
     over every device with the layers split evenly, or one single-stage VW per device with the batch split
     evenly. Its all-reduces: ``args.allreduce`` where set (``ring``, as DistributedDataParallel; ``auto``:
-    hierarchical across nodes where the sync layout finds it cheaper), else ``auto``."""
+    hierarchical across nodes where the sync layout finds it cheaper), else ``auto``; its buckets:
+    ``sync_options``."""
     devices = [d.name for d in cluster.devices]
     p = len(devices)
     if case == "dp":
@@ -80,7 +82,28 @@ def build_plan(case: str, args: argparse.Namespace, layers: int, cluster: Cluste
                                              zip(layer_names(args.model, **args.config), sizes, strict=True)), 0)
     return Plan(args.model, args.global_batch, "gpipe" if case == "gpipe" else "1f1b", "bsp", "sgd", vws,
                 Prediction(0, 0, 0, 0, 0), strategy, "manual", cluster, profile,
-                sync_options=SyncOptions(allreduce=vars(args).get("allreduce", "auto")))
+                sync_options=sync_options(args))
+
+
+def sync_options(args: argparse.Namespace) -> SyncOptions:
+    """The plan's sync options: ``args.allreduce`` (default ``auto``); ``args.bucket_cut`` (default ``exact``:
+    hetrain's gradient buckets close at their size inside a layer, as DistributedDataParallel's close between
+    two parameters, rather than on the next layer boundary); and, where set, ``args.first_bucket_bytes`` (the
+    size at which the first bucket closes; DistributedDataParallel's 1 MiB by default)."""
+    options = SyncOptions(allreduce=vars(args).get("allreduce", "auto"), bucket_cut=vars(args).get("bucket_cut",
+                                                                                                    "exact"))
+    first = vars(args).get("first_bucket_bytes")
+    return options if first is None else replace(options, first_bucket_bytes=float(first))
+
+
+def ddp_bucket_caps_mb(args: argparse.Namespace, layers: int, cluster: Cluster) -> list[float]:
+    """DistributedDataParallel's bucket sizes (MiB, in the order it fills them: last layers first) that cut its
+    buckets where hetrain's DP plan cuts its own (at the same layer boundaries), for ``--ddp-buckets hetrain``.
+
+    DDP closes a bucket once it holds at least its cap; with each cap the bytes of hetrain's bucket, walking
+    the parameters backwards, it closes on the same layers."""
+    plan = build_plan("dp", args, layers, cluster)
+    return [b.param_bytes / 2**20 for b in plan.layout.device_buckets(cluster.devices[0].name)]
 
 
 def build_hetrain(case: str, args: argparse.Namespace, layers: int, batch: Batch,
@@ -98,12 +121,17 @@ def build_hetrain(case: str, args: argparse.Namespace, layers: int, batch: Batch
     return run
 
 
-def build_torch(case: str, args: argparse.Namespace, batch: Batch) -> Callable[[int], None]:
+def build_torch(case: str, args: argparse.Namespace, layers: int, batch: Batch,
+                cluster: Cluster) -> Callable[[int], None]:
     """``run(k)``: k more steps of torch's pipelining schedule, or of DistributedDataParallel
-    (``hetrain.baselines``, the same runners the emulated speed-up benchmark launches)."""
+    (``hetrain.baselines``, the same runners the emulated speed-up benchmark launches); DDP's buckets its
+    own (``args.ddp_buckets`` ``torch``, the default: 1 MiB first, then 25 MiB, cut between parameters) or
+    hetrain's (``hetrain``: ``ddp_bucket_caps_mb``)."""
     opt_fn = build_optimizer_fn("sgd", LR)
     if case == "dp":
-        step, _ = build_ddp_step(args.model, args.config, args.global_batch, opt_fn, seed=0)
+        ddp_options = ({"bucket_cap_mb_list": ddp_bucket_caps_mb(args, layers, cluster)}
+                       if vars(args).get("ddp_buckets", "torch") == "hetrain" else {})
+        step, _ = build_ddp_step(args.model, args.config, args.global_batch, opt_fn, seed=0, **ddp_options)
     else:
         step, _ = build_pipelining_step(args.model, args.config, args.micro_batches, case, opt_fn, seed=0)
 
@@ -172,7 +200,8 @@ def measure_case(case: str, args: argparse.Namespace, layers: int, batch: Batch,
                  cluster: Cluster) -> tuple[Blocks, ThreadCpu]:
     """Seconds of each block of ``block_steps`` steps, per runtime, the runtimes taking turns (ABBA); and the CPU
     seconds this rank's threads spent in them, per runtime and kind of thread."""
-    runs = {"hetrain": build_hetrain(case, args, layers, batch, cluster), "torch": build_torch(case, args, batch)}
+    runs = {"hetrain": build_hetrain(case, args, layers, batch, cluster),
+            "torch": build_torch(case, args, layers, batch, cluster)}
     for run in runs.values():
         run(args.warmup)
     out: dict[str, list[float]] = {"hetrain": [], "torch": []}

@@ -14,7 +14,8 @@ same processes on the same partition and timed in blocks taking turns (ABBA):
 
     dp      pure data parallelism, the batch split evenly: hetrain's Trainer vs DistributedDataParallel
             (hetrain's all-reduces: a ring as DDP's; ``--allreduce auto``: hierarchical across the nodes
-            where hetrain's sync layout finds that cheaper, as a plan of its own would)
+            where hetrain's sync layout finds that cheaper, as a plan of its own would; its buckets cut at
+            their size inside a layer as DDP's, ``--bucket-cut layer``: on layer boundaries)
     1f1b    one pipeline over the 4 devices, layers split evenly, 1F1B, the same micro-batches:
             hetrain's Trainer vs torch.distributed.pipelining Schedule1F1B
 
@@ -75,7 +76,8 @@ def run_job(name: str, isolate: str, args: argparse.Namespace) -> dict[str, obje
     result = out / "result.json"
     result.unlink(missing_ok=True)
     rank_args = {k: getattr(args, k) for k in ("model", "config", "global_batch", "micro_batches", "blocks",
-                                               "block_steps", "warmup", "cases", "allreduce")}
+                                               "block_steps", "warmup", "cases", "allreduce", "ddp_buckets",
+                                               "first_bucket_bytes", "bucket_cut")}
     config = out / "config.json"
     config.write_text(json.dumps({"args": rank_args, "cluster_toml": text, "result": str(result.resolve())}))
     log_path = out / "job.log"
@@ -134,6 +136,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--job-timeout", type=float, default=900.0, help="seconds one emulated job may run")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2 blocks of 2 steps, 1 warm-up step, "
                                                              "RESULTS.md left alone")
+    parser.add_argument("--ddp-buckets", choices=("torch", "hetrain"), default="torch",
+                        help="dp: DistributedDataParallel's own buckets (1 MiB first, cut between parameters; "
+                             "default) or hetrain's (cut at the same layer boundaries), to see what the cut costs")
+    parser.add_argument("--bucket-cut", choices=("exact", "layer"), default="exact",
+                        help="dp: hetrain's buckets close at their size inside a layer, as DDP's between two "
+                             "parameters (exact, default), or on the next layer boundary (layer)")
+    parser.add_argument("--first-bucket-bytes", type=float, metavar="BYTES",
+                        help="dp: where hetrain's first gradient bucket closes (default DDP's 1 MiB)")
     parser.add_argument("--no-write", action="store_true", help="do not write benchmarks/RESULTS.md")
     parser.add_argument("--out", default="out/bench-emulated-vs-torch", help="where each job's log and result go")
     args = parser.parse_args()
@@ -175,9 +185,13 @@ def main() -> int:
     allreduce = ("ring, as DistributedDataParallel's" if args.allreduce == "ring" else
                  "auto: hierarchical across the nodes where its sync layout finds that cheaper, against "
                  "DistributedDataParallel's one ring")
+    cut = ("inside layers at their size (bucket_cut exact), as DDP cuts between two parameters"
+           if args.bucket_cut == "exact" else "on layer boundaries (bucket_cut layer)")
+    cut += ", DDP given the same cuts" if args.ddp_buckets == "hetrain" else ""
     notes = (f"{args.model}, global batch {args.global_batch}, SGD, fixed batch; the 1f1b pipeline over the 4 devices "
              f"in the cluster's order (fast:0, fast:1, slow:0, slow:1), layers split evenly, {args.micro_batches} "
-             f"micro-batches; dp: {args.global_batch // 4} samples per device; hetrain's all-reduces {allreduce}. "
+             f"micro-batches; dp: {args.global_batch // 4} samples per device; hetrain's all-reduces {allreduce}; "
+             f"hetrain's buckets cut {cut}. "
              f"Both runtimes built in the same 4 "
              f"rank processes of one emulated job per scenario and isolate_comm; per case {args.warmup} warm-up "
              f"steps each, then {args.blocks} timed blocks of {args.block_steps} steps each, taking turns (ABBA); "

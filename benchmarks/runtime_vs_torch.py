@@ -9,7 +9,10 @@ Side by side in one run, on CPU Gloo ranks of this machine (one torch thread eac
 Both data-parallel runtimes all-reduce the gradients in buckets (1 MiB first, then
 25 MiB, last layers first) posted during the backward as the buckets' gradients are
 final: DistributedDataParallel by its reducer, hetrain by its schedule's
-ALLREDUCE_START actions.
+ALLREDUCE_START actions. DDP closes a bucket between two parameters; hetrain's plan
+here closes it at its size inside a layer (sync option ``bucket_cut = "exact"``);
+``--bucket-cut layer`` closes it on the next layer boundary instead (gpt-tiny's first
+bucket: 1.6 MB, three layers), and ``--ddp-buckets hetrain`` gives DDP hetrain's cuts.
 
 Same model (per-layer seeded layers), same stage boundaries, same micro-batches,
 same fixed global batch, SGD step included. For each comparison both runtimes
@@ -92,6 +95,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--cpu-quota", type=float, metavar="CPUS",
                         help="run every thread of every rank (Gloo's included) under one CPU quota of this many "
                              "CPUs, e.g. 1.2 (a cgroup: needs root and the cpu controller)")
+    parser.add_argument("--ddp-buckets", choices=("torch", "hetrain"), default="torch",
+                        help="dp: DistributedDataParallel's own buckets (1 MiB first, cut between parameters; "
+                             "default) or hetrain's (cut at the same layer boundaries), to see what the cut costs")
+    parser.add_argument("--bucket-cut", choices=("exact", "layer"), default="exact",
+                        help="dp: hetrain's buckets close at their size inside a layer, as DDP's between two "
+                             "parameters (exact, default), or on the next layer boundary (layer)")
+    parser.add_argument("--first-bucket-bytes", type=float, metavar="BYTES",
+                        help="dp: where hetrain's first gradient bucket closes (default DDP's 1 MiB)")
     parser.add_argument("--no-write", action="store_true", help="do not write benchmarks/RESULTS.md")
     args = parser.parse_args()
     args.config = {k: json.loads(v) for k, _, v in (item.partition("=") for item in args.config)}
@@ -159,7 +170,11 @@ def main() -> int:
     if not args.no_write:
         command = "python benchmarks/runtime_vs_torch.py " + " ".join(sys.argv[1:])
         config = ", ".join(f"{k}={v}" for k, v in args.config.items()) or "preset"
+        cut = ("inside layers at their size (bucket_cut exact)" if args.bucket_cut == "exact"
+               else "on layer boundaries (bucket_cut layer)")
+        cut += ", DDP given the same cuts" if args.ddp_buckets == "hetrain" else ""
         notes = (f"Model {args.model} ({config}), global batch {args.global_batch}, SGD step included, fixed batch. "
+                 f"hetrain's DP buckets cut {cut}. "
                  f"{args.ranks} Gloo ranks on one host, one torch thread each ({os.cpu_count()} CPUs, "
                  f"{platform.processor() or platform.machine()}), torch {torch.__version__}.{quota_note} Each "
                  f"runtime runs {args.blocks} timed blocks of {args.block_steps} steps (after {args.warmup} warm-up "

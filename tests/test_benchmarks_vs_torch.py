@@ -21,10 +21,13 @@ sys.path.insert(0, str(BENCHMARKS))
 
 from _vs_torch import (  # noqa: E402
     QUOTA_PERIOD_S,
+    build_plan,
     cpu_cgroup_of,
     cpu_ms_per_step,
     cpu_quota_group,
     cpu_quota_problem,
+    ddp_bucket_caps_mb,
+    local_cluster,
     paired_ratio,
     thread_group,
 )
@@ -41,6 +44,43 @@ def run_script(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.Completed
 
 
 # --- pure helpers --------------------------------------------------------------
+
+
+def test_ddp_bucket_caps_cut_ddp_at_hetrains_layer_boundaries() -> None:
+    # --ddp-buckets hetrain: DistributedDataParallel's own bucketing (the function its reducer runs on the
+    # parameters in the order their gradients become ready), given these caps, puts the same layers in
+    # each bucket as hetrain's DP plan does
+    import argparse
+
+    import torch.distributed as dist
+
+    from hetrain.models.registry import build_layers
+
+    args = argparse.Namespace(model="gpt-tiny", config={}, global_batch=32, micro_batches=8, bucket_cut="layer")
+    cluster = local_cluster(2)
+    plan = build_plan("dp", args, 6, cluster)
+    buckets = plan.layout.device_buckets("n0:0")
+    assert [(b.first_layer, b.end_layer) for b in buckets] == [(3, 6), (0, 3)]  # 1.64 MB: past DDP's 1 MiB
+    caps_mb = ddp_bucket_caps_mb(args, 6, cluster)
+    assert caps_mb == [b.param_bytes / 2**20 for b in buckets]
+    layer_of, params = [], []
+    for k, layer in enumerate(build_layers("gpt-tiny", seed=0)):
+        for p in layer.parameters():
+            layer_of.append(k)
+            params.append(p)
+    ready = list(reversed(range(len(params))))  # last layers' gradients first
+    limits = [int(cap * 2**20) for cap in caps_mb]  # as DistributedDataParallel reads bucket_cap_mb_list
+    assignment, _ = dist._compute_bucket_assignment_by_size([params[i] for i in ready], limits)
+    ddp = [sorted({layer_of[ready[i]] for i in bucket}) for bucket in assignment]
+    assert ddp == [list(range(b.first_layer, b.end_layer)) for b in buckets]
+    # the benchmarks' default plan cuts hetrain's buckets as DDP does (bucket_cut exact): 1 MiB first, inside layer 3
+    exact = build_plan("dp", argparse.Namespace(**{**vars(args), "bucket_cut": "exact"}), 6, cluster)
+    first = exact.segments()[0].buckets[0]
+    assert (first.first_layer, first.end_layer, first.param_bytes) == (3, 6, 2**20)
+    # and DDP's default (1 MiB first) cuts inside layer 3: its first bucket ends part-way through it
+    default, _ = dist._compute_bucket_assignment_by_size([params[i] for i in ready], [2**20, 25 * 2**20])
+    assert sorted({layer_of[ready[i]] for i in default[0]}) == [3, 4, 5]
+    assert sorted({layer_of[ready[i]] for i in default[1]}) == [0, 1, 2, 3]
 
 
 def test_paired_ratio_is_torch_over_hetrain_per_pair_with_quartiles() -> None:

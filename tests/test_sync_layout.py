@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -12,7 +13,7 @@ from hetrain.errors import InputError
 from hetrain.models.analytic import build_profile
 from hetrain.plan import DeviceMemory, Plan, PlanError, Prediction, Stage, VirtualWorker, parse_plan
 from hetrain.schedule import ActionKind, build_schedule
-from hetrain.sync_layout import SyncLayoutError, SyncOptions, cut_buckets, group_segments
+from hetrain.sync_layout import SyncLayoutError, SyncOptions, cut_buckets, cut_buckets_exact, group_segments
 
 
 def two_by_two(nic: str = "100Mbit/s") -> Cluster:
@@ -38,6 +39,53 @@ def test_segments_group_layers_by_owner_set() -> None:
 def test_buckets_are_cut_from_the_last_layers_and_never_split_a_layer() -> None:
     assert cut_buckets([1.0] * 6, 0, 6, 1.5, 2.5) == [(4, 6, 2.0), (1, 4, 3.0), (0, 1, 1.0)]
     assert cut_buckets([10.0, 1.0], 0, 2, 1.0, 100.0) == [(1, 2, 1.0), (0, 1, 10.0)]
+
+
+def test_exact_buckets_close_at_their_size_inside_a_layer() -> None:
+    # 1.5 bytes from the end: the last 75% of layer 5's 2 bytes; then 2.5 bytes at a time, the rest last
+    assert cut_buckets_exact([2.0] * 6, 0, 6, 1.5, 2.5) == [
+        (5.25, 6.0, 1.5), (4.0, 5.25, 2.5), (2.75, 4.0, 2.5), (1.5, 2.75, 2.5), (0.25, 1.5, 2.5), (0.0, 0.25, 0.5)]
+    # a bound on a layer boundary stays there; the first layers' rest is the last bucket, whatever its size
+    assert cut_buckets_exact([1.0, 1.0, 2.0], 0, 3, 2.0, 8.0) == [(2.0, 3.0, 2.0), (0.0, 2.0, 2.0)]
+    # layers without parameters go with their neighbours; a segment of none is one empty bucket
+    assert cut_buckets_exact([0.0, 4.0, 0.0], 0, 3, 1.0, 8.0) == [(1.75, 3.0, 1.0), (0.0, 1.75, 3.0)]
+    assert cut_buckets_exact([0.0], 0, 1, 1.0, 8.0) == [(0.0, 1.0, 0.0)]
+
+
+def test_exact_buckets_hold_the_segment_once_and_none_exceeds_its_size() -> None:
+    sizes = [float(x.param_bytes) for x in build_profile("gpt-tiny").layers]
+    for first_bytes, other_bytes in ((2**20, 25 * 2**20), (20_000.0, 60_000.0), (3e5, 1e5)):
+        cuts = cut_buckets_exact(sizes, 1, 6, first_bytes, other_bytes)
+        assert cuts[0][1] == 6.0 and cuts[-1][0] == 1.0
+        assert all(a[0] == b[1] for a, b in itertools.pairwise(cuts))  # each ends where the one before starts
+        assert sum(c[2] for c in cuts) == pytest.approx(sum(sizes[1:6]), rel=1e-12)
+        assert cuts[0][2] == pytest.approx(min(first_bytes, sum(sizes[1:6])))
+        assert all(c[2] <= other_bytes * (1 + 1e-12) for c in cuts[1:])
+        for lo, hi, size in cuts:  # a bucket's bytes are the shares of the layers its bounds give
+            share = sum(sizes[k] * (min(hi, k + 1) - max(lo, k)) for k in range(1, 6) if lo < k + 1 and hi > k)
+            assert size == pytest.approx(share, rel=1e-9)
+
+
+def test_exact_bucket_cut_is_an_option_recorded_in_the_plan() -> None:
+    layer = dp_plan("bsp")
+    assert layer.sync_options.bucket_cut == "layer"
+    assert [(b.first_layer, b.end_layer, b.span) for b in layer.segments()[0].buckets] == [(3, 6, None), (0, 3, None)]
+    plan = dp_plan("bsp", bucket_cut="exact")
+    buckets = plan.segments()[0].buckets
+    assert buckets[0].param_bytes == 2**20  # DistributedDataParallel's first bucket, to the byte
+    lo, hi = buckets[0].span or (0, 0)
+    assert (buckets[0].first_layer, buckets[0].end_layer, hi) == (3, 6, 6.0) and 3 < lo < 4
+    assert (buckets[1].first_layer, buckets[1].end_layer, buckets[1].span) == (0, 4, (0.0, lo))
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert data["sync"]["segments"][0]["buckets"][0]["span"] == [lo, 6.0]
+    assert "span" not in json.loads(json.dumps(layer.to_dict()))["sync"]["segments"][0]["buckets"][0]
+    back = parse_plan(data)
+    assert back.layout == plan.layout and back.sync_options.bucket_cut == "exact"
+    data["sync"]["segments"][0]["buckets"][0]["span"] = [3.5, 6.0]
+    with pytest.raises(PlanError, match=r"sync.segments\[0\].buckets"):
+        parse_plan(data)
+    with pytest.raises(SyncLayoutError, match="bucket_cut must be one of layer, exact, got 'param'"):
+        SyncOptions.from_items(["bucket_cut=param"])
 
 
 def test_each_mode_records_only_what_it_uses() -> None:

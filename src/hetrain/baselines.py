@@ -82,8 +82,10 @@ def _global_batches(data: Any, global_batch: int, seed: int) -> Iterator[tuple[t
 
 
 def build_ddp_step(model: str, config: dict[str, Any], global_batch: int, optimizer: Callable[..., Any],
-                   seed: int) -> tuple[Callable[[Any], torch.Tensor], nn.Module]:
-    """``step(global_batch) -> loss``: one DDP step of this rank on its even share of the batch; and the module."""
+                   seed: int, **ddp_options: Any) -> tuple[Callable[[Any], torch.Tensor], nn.Module]:
+    """``step(global_batch) -> loss``: one DDP step of this rank on its even share of the batch; and the module.
+
+    ``ddp_options`` go to ``DistributedDataParallel`` (e.g. ``bucket_cap_mb_list``: its buckets' sizes)."""
     from torch.nn.parallel import DistributedDataParallel
 
     from hetrain.data.sharding import shard_batch, split_evenly
@@ -93,7 +95,7 @@ def build_ddp_step(model: str, config: dict[str, Any], global_batch: int, optimi
     rank, world = dist.get_rank(), dist.get_world_size()
     sizes = split_evenly(global_batch, world)
     module = LayerRange(build_layers(model, seed=seed, **config))
-    ddp = DistributedDataParallel(module)
+    ddp = DistributedDataParallel(module, **ddp_options)
     opt = optimizer(list(ddp.parameters()))
     lossf = loss_fn(model)
 

@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
@@ -48,6 +49,9 @@ ALLREDUCE_CHOICES: tuple[str, ...] = ("auto", "ring")
 #: ``transfers`` option: a stage-to-stage transfer overlaps compute (hetrain's runtime: ``isend``, ``irecv``
 #: posted ahead), or blocks its sender and its receiver for its duration (DeepSpeed's PipelineEngine)
 TRANSFER_CHOICES: tuple[str, ...] = ("overlap", "blocking")
+#: ``bucket_cut`` option: a bucket ends on a layer boundary (holding at least its size), or exactly at its size,
+#: inside a layer where it falls there (as DistributedDataParallel cuts between parameters)
+BUCKET_CUTS: tuple[str, ...] = ("layer", "exact")
 #: DistributedDataParallel's default bucket size (``bucket_cap_mb=25``)
 BUCKET_BYTES = 25 * 2**20
 #: its first bucket's (``_DEFAULT_FIRST_BUCKET_BYTES``), so the last layers' all-reduce starts early
@@ -92,6 +96,8 @@ _BOUNDS: dict[str, _Bound] = {
     "placement": _Bound(str, choices=PLACEMENTS, help="where a segment's parameter-server shard lives"),
     "bucket_bytes": _Bound(float, 1, 2**40, help="gradient bucket size (bsp)"),
     "first_bucket_bytes": _Bound(float, 1, 2**40, help="the first (last layers') bucket's size (bsp)"),
+    "bucket_cut": _Bound(str, choices=BUCKET_CUTS,
+                         help="layer: buckets end on layer boundaries; exact: at their size, inside a layer (bsp)"),
     "allreduce": _Bound(str, choices=ALLREDUCE_CHOICES, help="auto: ring or hierarchical, the cheaper; ring: always"),
     "transfers": _Bound(str, choices=TRANSFER_CHOICES,
                         help="overlap: a p2p transfer overlaps compute; blocking: it holds sender and receiver"),
@@ -112,6 +118,10 @@ class SyncOptions:
         placement: where a segment's parameter-server shard lives: ``local`` or ``round-robin``.
         bucket_bytes: gradient bucket size of ``bsp`` (DistributedDataParallel's 25 MiB).
         first_bucket_bytes: the first bucket's (DistributedDataParallel's 1 MiB).
+        bucket_cut: ``layer`` (a bucket ends on a layer boundary, so it holds at least its size: the first
+            bucket of gpt-tiny is 1.6 MB, three layers) or ``exact`` (it ends at its size, inside a layer where
+            it falls there, as DistributedDataParallel's ends between two parameters: the first all-reduce
+            starts a part of a layer earlier in the backward; ``cut_buckets_exact``).
         allreduce: ``auto`` (ring or hierarchical, the cheaper, per all-reduce) or ``ring``.
         transfers: how the runtime runs a stage-to-stage transfer: ``overlap`` (it overlaps compute: hetrain's
             runtime, benchmarks/transfer_blocking.py) or ``blocking`` (it holds its sender and its receiver for
@@ -127,6 +137,7 @@ class SyncOptions:
     placement: str = PLACEMENTS[0]
     bucket_bytes: float = float(BUCKET_BYTES)
     first_bucket_bytes: float = float(FIRST_BUCKET_BYTES)
+    bucket_cut: str = BUCKET_CUTS[0]
     allreduce: str = ALLREDUCE_CHOICES[0]
     transfers: str = TRANSFER_CHOICES[0]
 
@@ -207,13 +218,24 @@ def _check(key: str, value: Any, where: str) -> None:
 class Bucket:
     """Layers ``[first_layer, end_layer)`` of a segment whose gradients are all-reduced together (``bsp``).
 
+    Under ``bucket_cut = "exact"`` a bucket may hold only a part of its first or last layer: ``span``
+    gives its bounds in layers, a fraction being the share of that layer's parameter bytes, in the
+    layer's parameter order, that lies before the bound::
+
+        layers      3                 4        5
+        params      [a  b  c  d | e]  [......] [..]      span (3.74, 6.0): e (the last 26% of layer 3's
+        bucket 1    <---------->                         bytes), layers 4 and 5; bucket 1: span (0.0, 3.74)
+        bucket 0                  <--------------->
+
     Attributes:
         segment: index of its segment.
         index: its place among the segment's buckets: 0 holds the segment's last layers.
-        first_layer: the first layer it holds.
-        end_layer: one past its last layer.
+        first_layer: the first layer it holds (a part of, where ``span`` starts inside it).
+        end_layer: one past its last layer (of which it may hold a part).
         param_bytes: bytes of its gradients.
         algorithm: ``"ring"`` or ``"hierarchical"``.
+        span: its bounds in layers where one falls inside a layer (``first_layer <= span[0]``,
+            ``span[1] <= end_layer``); None: the whole layers ``[first_layer, end_layer)``.
     """
 
     segment: int
@@ -222,6 +244,12 @@ class Bucket:
     end_layer: int
     param_bytes: float
     algorithm: str = "ring"
+    span: tuple[float, float] | None = None
+
+    @property
+    def bounds(self) -> tuple[float, float]:
+        """Its bounds in layers: ``span``, else ``(first_layer, end_layer)``."""
+        return self.span if self.span is not None else (float(self.first_layer), float(self.end_layer))
 
 
 @dataclass(frozen=True)
@@ -305,7 +333,8 @@ class SyncLayout:
                                    "algorithm": seg.algorithm}
             if seg.buckets:
                 row["buckets"] = [{"layers": [b.first_layer, b.end_layer], "param_bytes": b.param_bytes,
-                                   "algorithm": b.algorithm} for b in seg.buckets]
+                                   "algorithm": b.algorithm, **({} if b.span is None else {"span": list(b.span)})}
+                                  for b in seg.buckets]
             if seg.ps_host is not None:
                 row["ps_host"] = seg.ps_host
             if seg.local_groups:
@@ -357,6 +386,39 @@ def cut_buckets(param_bytes: Sequence[float], first: int, end: int, first_bucket
         if held >= (first_bucket_bytes if not out else bucket_bytes) or k == first:
             out.append((k, stop, held))
             stop, held = k, 0.0
+    return out
+
+
+def cut_buckets_exact(param_bytes: Sequence[float], first: int, end: int, first_bucket_bytes: float,
+                      bucket_bytes: float) -> list[tuple[float, float, float]]:
+    """(start, end, bytes) of the gradient buckets of layers ``[first, end)`` cut at exactly their size, from the
+    last layers to the first; ``start`` and ``end`` in layers, a fraction being the share of that layer's bytes
+    before the bound (``Bucket.span``).
+
+    Walking the layers backwards, the first bucket closes at ``first_bucket_bytes``, each other at
+    ``bucket_bytes``, wherever in a layer that falls; the last bucket holds what is left. A layer is split
+    between buckets where a bound falls inside it (DistributedDataParallel's cut, to the byte rather than to
+    the parameter), so no bucket is larger than its size.
+
+    Example:
+        >>> cut_buckets_exact([4.0, 4.0, 4.0], 0, 3, 3.0, 8.0)
+        [(2.25, 3.0, 3.0), (0.25, 2.25, 8.0), (0.0, 0.25, 1.0)]
+    """
+    out: list[tuple[float, float, float]] = []
+    stop, held = float(end), 0.0
+    for k in range(end - 1, first - 1, -1):
+        left = float(param_bytes[k])  # bytes of layer k not yet in a bucket: its first ones
+        while left > 0:
+            room = (first_bucket_bytes if not out else bucket_bytes) - held
+            take = min(left, room)
+            left -= take
+            held += take
+            if take >= room and (left > 0 or k > first):
+                at = k + left / float(param_bytes[k])
+                out.append((at, stop, held))
+                stop, held = at, 0.0
+    if held > 0 or not out:
+        out.append((float(first), stop, held))
     return out
 
 
@@ -415,7 +477,11 @@ def build_sync_layout(cluster: Cluster, profile: ModelProfile, stages: Sequence[
                 return estimate_allreduce(size, shape, options.allreduce)[1]
 
             seg = replace(seg, algorithm=algorithm(num_bytes))
-            if mode == "bsp":
+            if mode == "bsp" and options.bucket_cut == "exact":
+                exact = cut_buckets_exact(layer_bytes, first, end, options.first_bucket_bytes, options.bucket_bytes)
+                seg = replace(seg, buckets=tuple(_exact_bucket(s, b, lo, hi, size, algorithm(size))
+                                                 for b, (lo, hi, size) in enumerate(exact)))
+            elif mode == "bsp":
                 cuts = cut_buckets(layer_bytes, first, end, options.first_bucket_bytes, options.bucket_bytes)
                 seg = replace(seg, buckets=tuple(Bucket(s, b, k, l, size, algorithm(size))
                                                  for b, (k, l, size) in enumerate(cuts)))
@@ -430,6 +496,13 @@ def build_sync_layout(cluster: Cluster, profile: ModelProfile, stages: Sequence[
                 seg = replace(seg, local_groups=tuple(tuple(g) for n, g in sorted(by_node.items()) if len(g) > 1))
         segments.append(seg)
     return SyncLayout(mode, options, tuple(segments))
+
+
+def _exact_bucket(s: int, b: int, lo: float, hi: float, size: float, algorithm: str) -> Bucket:
+    """The Bucket of an exact cut: whole layers where both bounds fall on layer boundaries, else with its span."""
+    first, end = math.floor(lo), math.ceil(hi)
+    whole = lo == first and hi == end
+    return Bucket(s, b, first, end, size, algorithm, None if whole else (lo, hi))
 
 
 def check_sync_section(raw: Any, expected: SyncLayout) -> None:

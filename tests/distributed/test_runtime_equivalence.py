@@ -15,6 +15,8 @@ or three buckets overlapped with the last backward; ``adamw`` keeps the default 
     pp4-1f1b      one pipeline of 4 stages, 1F1B, 6 uneven micro-batches (2,2,2,2,1,1)
     pp3-mlp       mlp-digits on 3 stages, 1F1B
     two-vws       VW0 [0,2)+[2,6), mini-batch 6 in 3; VW1 [0,4)+[4,6), mini-batch 4 in 2
+    dp-exact      dp-uneven, its buckets cut at their size inside layers (``bucket_cut`` exact)
+    two-vws-exact two-vws, the same
     recompute     VW0 of 2 stages with recompute sets, VW1 one stage recomputing; n0:3 unused (idles)
     adamw         mlp-digits on two VWs cut differently, AdamW with weight decay
 """
@@ -48,6 +50,7 @@ STEPS = 3
 GPT = {"hidden": 32, "heads": 2, "seq_len": 16}  # gpt-tiny, shrunk: 6 layers still
 # gpt-tiny's buckets: layers [4, 6), [2, 4), [0, 2); mlp-digits': [1, 3), [0, 1)
 SMALL_BUCKETS = {"first_bucket_bytes": 20_000, "bucket_bytes": 60_000}
+EXACT = {**SMALL_BUCKETS, "bucket_cut": "exact"}
 WORLD = 4
 
 WORKER = textwrap.dedent("""
@@ -57,8 +60,20 @@ WORKER = textwrap.dedent("""
     from hetrain.plan import load_plan
     from hetrain.runtime import Trainer, build_optimizer_fn
 
+    from hetrain.runtime.losses import LossSums
+    from hetrain.schedule import ActionKind
+
+    flushes = []  # per flush of the losses: whether the rank was then at an F action
+    real_flush = LossSums.flush
+    def flush(self):
+        doing = trainer.health.doing
+        flushes.append(isinstance(doing, tuple) and getattr(doing[1], "kind", None) is ActionKind.F)
+        return real_flush(self)
+    LossSums.flush = flush
+
     torch.set_num_threads(1)
     for case in json.load(open(sys.argv[1])):
+        flushes.clear()
         model, config = case["model"], case["config"]
         data = build_datasets(case["data"], model, seed=0, synthetic_samples=256, **config).train
         trainer = Trainer(lambda a, b: build_layers(model, a, b, seed=0, **config), load_plan(case["plan"]),
@@ -67,7 +82,7 @@ WORKER = textwrap.dedent("""
                           timeline_out=case.get("timeline"), progress=False)
         history = trainer.fit(data, case["steps"], seed=0)
         torch.save({"weights": trainer.state_dict(), "history": history, "used": trainer.role.used,
-                    "early": trainer.sync.posted_early if trainer.role.used else 0},
+                    "early": trainer.sync.posted_early if trainer.role.used else 0, "flushes": list(flushes)},
                    f"{case['out']}/rank{trainer.rank}.pt")
         trainer.close()
 """)
@@ -98,6 +113,10 @@ CASES: dict[str, dict[str, Any]] = {
     "pp4-1f1b": {"plan": make_plan("gpt-tiny", [(D, [0, 1, 3, 5, 6], 10, 6)], "1f1b")},
     "pp3-mlp": {"plan": make_plan("mlp-digits", [(D[:3], [0, 1, 2, 3], 16, 4)]), "model": "mlp-digits", "lr": 0.2},
     "two-vws": {"plan": make_plan("gpt-tiny", TWO_VWS)},
+    # buckets cut at their size inside layers and parameters (bucket_cut "exact", as DistributedDataParallel)
+    "dp-exact": {"plan": make_plan("gpt-tiny", [([D[0]], [0, 6], 5, 2), ([D[1]], [0, 6], 3, 1),
+                                                ([D[2]], [0, 6], 2, 1), ([D[3]], [0, 6], 2, 2)], options=EXACT)},
+    "two-vws-exact": {"plan": make_plan("gpt-tiny", TWO_VWS, options=EXACT)},
     "recompute": {"plan": make_plan("gpt-tiny", [([D[0], D[1]], [0, 3, 6], 6, 3), ([D[2]], [0, 6], 3, 3)],
                                     recompute={D[0]: (0, 2), D[1]: (3, 4, 5), D[2]: (1, 2, 3)})},
     # AdamW on mlp-digits: in gpt-tiny the key bias has a zero gradient (softmax ignores a shift), made of
@@ -160,6 +179,25 @@ def test_the_plans_all_reduce_in_several_buckets() -> None:
     assert [len(seg.buckets) for seg in CASES["adamw"]["plan"].segments()] == [1, 1, 1]
 
 
+def test_the_exact_plans_cut_buckets_inside_layers_and_parameters() -> None:
+    plan = CASES["dp-exact"]["plan"]
+    buckets = plan.segments()[0].buckets
+    assert len(buckets) >= 3 and buckets[0].param_bytes == SMALL_BUCKETS["first_bucket_bytes"]
+    bounds = [b.bounds[0] for b in buckets[:-1]]
+    assert all(x != int(x) for x in bounds)  # every bound inside a layer
+    # and inside a parameter of the real layers: some parameter has elements on both sides of a bound
+    layers = build_layers("gpt-tiny", seed=0, **GPT)
+    inside = 0
+    for x in bounds:
+        k = int(x)
+        sizes = [p.numel() for p in layers[k].parameters()]
+        at = round((x - k) * sum(sizes))
+        inside += any(end - n < at < end for end, n in zip(itertools.accumulate(sizes), sizes, strict=True))
+    assert inside >= 2
+    for name in ("two-vws-exact",):
+        assert any(b.span is not None for seg in CASES[name]["plan"].segments() for b in seg.buckets)
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_weights_after_three_steps_equal_single_process_training(job: dict[str, Any], name: str) -> None:
     spec = job[name]
@@ -186,6 +224,9 @@ def test_weights_after_three_steps_equal_single_process_training(job: dict[str, 
         if part["used"]:
             starts = sum(a.kind is ActionKind.ALLREDUCE_START for a in schedule[D[r]])
             assert part["early"] == STEPS * starts, (D[r], part["early"], starts)
+    for part in used:  # the losses are summed from the last step's forward on, not after the step: at the end
+        # of fit the sum has run during the backward (one flush at the F, one reading it after the step)
+        assert part["flushes"] == [True, False], part["flushes"]
     for part in used:  # every used rank knows the global loss of every step
         assert [h["step"] for h in part["history"]] == [1, 2, 3]
         assert [h["loss"] for h in part["history"]] == pytest.approx(losses, rel=1e-5)
@@ -196,7 +237,7 @@ def test_weights_after_three_steps_equal_single_process_training(job: dict[str, 
 
 def test_an_unused_rank_idles_and_holds_nothing(job: dict[str, Any]) -> None:
     idle = torch.load(Path(job["recompute"]["out"]) / "rank3.pt")
-    assert idle == {"weights": {}, "history": [], "used": False, "early": 0}
+    assert idle == {"weights": {}, "history": [], "used": False, "early": 0, "flushes": []}
 
 
 def test_the_measured_timeline_lines_up_with_the_simulated_one(job: dict[str, Any]) -> None:

@@ -124,6 +124,9 @@ class Executor:
             the optimizer steps (every ALLREDUCE of the iteration has been waited for by then): tied
             gradients, fp16's unscaling, gradient clipping (``runtime.clip``). It returns False to skip
             the optimizer step (an fp16 overflow). None: nothing.
+        on_losses: called as ``on_losses(loss_sum)`` once the iteration's last F has run (the sum of this
+            rank's scaled micro-batch losses is then complete), so that the losses can be summed over the
+            ranks while the backward and its all-reduces run (``runtime.losses``). None: nothing.
         grad_scale: the loss scale the backward starts from (fp16's ``amp.LossScaler.scale``; 1 otherwise),
             read at the start of each iteration.
         compute_s: the host's seconds of the last iteration's F and B actions (on a GPU: their launch and
@@ -145,6 +148,7 @@ class Executor:
         self.modes = modes
         self.precision = precision
         self.before_step: Callable[[int], bool | None] | None = None
+        self.on_losses: Callable[[torch.Tensor], None] | None = None
         self.grad_scale = 1.0
         self.compute_s = 0.0  # host seconds of the last iteration's F and B actions (drift watch, runtime.drift)
         # BSP: n_i / N, as the seed of each micro-batch's backward: the gradient of loss * n_i / N, without the product
@@ -156,8 +160,10 @@ class Executor:
         # the reported loss is always the global batch's mean: n_i / N
         self.report_scale = [torch.full((), n / role.global_batch, device=device) for n in role.micro_batch_sizes]
         self._record_memory = device.type == "cuda"
-        # per action list: (the list, micro-batches of its RECV_Fs, of its RECV_Bs, buckets armed before each B)
-        self._orders: dict[int, tuple[Sequence[Action], list[int], list[int], dict[int, list[tuple[int, int]]]]] = {}
+        # per action list: (the list, micro-batches of its RECV_Fs, of its RECV_Bs, buckets armed before each B,
+        # how many Fs it has)
+        self._orders: dict[int, tuple[Sequence[Action], list[int], list[int], dict[int, list[tuple[int, int]]],
+                                      int]] = {}
         self._transfers: dict[ActionKind, Callable[[Transfer], None]] = {
             K.SEND_F: self._send_f, K.RECV_F: self._recv_f, K.SEND_B: self._send_b, K.RECV_B: self._recv_b,
         }
@@ -190,8 +196,9 @@ class Executor:
         orders = self._orders.get(id(actions))
         if orders is None or orders[0] is not actions:
             orders = self._orders[id(actions)] = (actions, _received(actions, K.RECV_F), _received(actions, K.RECV_B),
-                                                  _armed_buckets(actions))
-        _, self._recv_f_order, self._recv_b_order, self._arms = orders
+                                                  _armed_buckets(actions),
+                                                  sum(isinstance(a, Compute) and a.kind is K.F for a in actions))
+        _, self._recv_f_order, self._recv_b_order, self._arms, self._forwards_left = orders
         self._posted_f = self._posted_b = 0  # how many of each list are posted
         self._done_f = self._done_b = 0  # how many were received
         self.sync.zero()
@@ -260,6 +267,9 @@ class Executor:
         else:
             self.outputs[i] = out
             self._post_ahead_b()
+        self._forwards_left -= 1
+        if self._forwards_left == 0 and self.on_losses is not None:
+            self.on_losses(self.loss_sum)
 
     def _backward(self, a: Compute) -> None:
         i = a.micro_batch

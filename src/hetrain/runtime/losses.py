@@ -11,6 +11,11 @@ call, read at the next flush::
     add:     ·  ·  ·  · | ·  ·  ·  · |
     flush:            start(1..4)  finish(1..4), start(5..8)  finish(5..8) ...
 
+The trainer adds and flushes a batch's last step as soon as that step's forwards
+are over (``Executor.on_losses``), so the sum runs during its backward and its
+gradient all-reduces; the end of ``fit`` then reads a sum that has landed rather
+than wait for one more collective of its own.
+
 Example:
     >>> sums = LossSums(work_group, len(used_ranks), job.wait)          # doctest: +SKIP
     >>> sums.add({"step": 1, "loss": None}, loss)                       # doctest: +SKIP
@@ -47,7 +52,8 @@ class LossSums:
         self._in_flight: tuple[list[Row], torch.Tensor, Any] | None = None  # (rows, (steps,) buffer, work)
 
     def add(self, row: Row, loss: torch.Tensor) -> None:
-        """A finished step: its metrics row (``row["loss"]`` is filled in when the sum is read) and its loss."""
+        """A step whose loss is known (its forwards are over): its metrics row (``row["loss"]`` is filled in
+        when the sum is read) and its loss."""
         self._waiting.append((row, loss.detach()))
 
     @property

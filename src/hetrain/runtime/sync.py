@@ -27,7 +27,10 @@ bytes each NIC moves between nodes are the same.
 Under ``bsp`` the schedule all-reduces each segment in gradient buckets
 (the plan's ``Segment.buckets``), overlapped with the last backward, as
 DistributedDataParallel does. A segment's flat buffer holds its layers in
-order, so each bucket (a run of layers) is one contiguous slice of it. Every
+order, so each bucket (a run of layers) is one contiguous slice of it; under
+``bucket_cut = "exact"`` a bucket's bound may fall inside a layer (``Bucket.span``),
+and the slice ends at the element it gives, inside a parameter if it falls there
+(that parameter then belongs to both buckets, each waiting for its gradient). Every
 parameter has a post-accumulate-grad hook; ``arm`` (called by the executor
 before the backward that the ALLREDUCE_STARTs follow) tells them which buckets
 to launch: once every parameter of a bucket has its gradient of that backward,
@@ -53,6 +56,8 @@ interleave on one group in an order that differs between ranks.
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 import queue
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -200,6 +205,16 @@ class _Chain:
             done.event.set()
 
 
+def _element_at(x: float, starts: Mapping[int, int]) -> int:
+    """The element of a flat buffer at bound ``x`` (in layers, ``Bucket.bounds``): layer ``floor(x)``'s first
+    element, plus the fraction ``x - floor(x)`` of that layer's elements in the buffer (``starts``: layer ->
+    its first element; the segment's end layer -> the buffer's length)."""
+    k = math.floor(x)
+    if k == x:
+        return starts[k]
+    return starts[k] + round((x - k) * (starts[k + 1] - starts[k]))
+
+
 class GradientSync:
     """Flat gradient buffers of one stage, per segment, and their all-reduce among the segment's owners.
 
@@ -252,17 +267,24 @@ class GradientSync:
             for (dtype, device), ps in by_dtype.items():
                 flat = torch.zeros(sum(p.numel() for _, p in ps), dtype=dtype, device=device)
                 placed, spans, offset = [], [], 0
+                numel = dict.fromkeys(range(seg.first_layer, seg.end_layer), 0)
                 for k, p in ps:  # in layer order: a bucket's layers are one slice of the buffer
                     p.grad = flat[offset:offset + p.numel()].view_as(p)
                     placed.append((p, p.grad))
-                    spans.append((k, offset, offset + p.numel()))
+                    spans.append((offset, offset + p.numel()))
                     offset += p.numel()
+                    numel[k] += p.numel()
+                starts = dict(zip(range(seg.first_layer, seg.end_layer + 1),  # layer -> its first element
+                                  itertools.accumulate(numel.values(), initial=0), strict=True))
                 entries.append((flat, placed))
                 for bucket in seg.buckets:
-                    inside = [n for n, (k, _, _) in enumerate(spans) if bucket.first_layer <= k < bucket.end_layer]
+                    lo, hi = (_element_at(x, starts) for x in bucket.bounds)
+                    # its parameters: every one with an element in [lo, hi) (an empty one: at lo or after); where
+                    # the bucket's bound falls inside a parameter (bucket_cut "exact"), it is in both buckets
+                    inside = [n for n, (a, b) in enumerate(spans) if (a < hi and b > lo) or (a == b and lo <= a < hi)]
                     if inside:
                         key = (s, bucket.index)
-                        self.bucket_views.setdefault(key, []).append(flat[spans[inside[0]][1]:spans[inside[-1]][2]])
+                        self.bucket_views.setdefault(key, []).append(flat[lo:hi])
                         self.bucket_placed.setdefault(key, []).extend(placed[n] for n in inside)
             self.buffers[s] = entries
             for bucket in seg.buckets:

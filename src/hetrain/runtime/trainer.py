@@ -34,6 +34,7 @@ The Trainer keeps ``fit`` and the step loop, and the per-iteration sync state
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -337,6 +338,13 @@ class Trainer:
                 t_prev = time.perf_counter()
             actions, sync_actions = self._actions_for(steps)
             lr = self._set_lr(steps)
+            row: dict[str, Any] = {"step": s + 1, "loss": None}
+            # where the losses are summed right after this step (a batch of log_every, or the last step of fit),
+            # start that sum as soon as the step's forwards are over: it runs during the backward and the
+            # gradient all-reduces instead of after them (the end of fit then waits for nothing more)
+            read: list[list[dict[str, Any]]] = []  # the rows that early flush read, logged after the step
+            early = s + 1 == steps or sums.waiting + 1 >= self.log_every
+            parts.executor.on_losses = functools.partial(_sum_now, sums, row, read) if early else None
             loss = parts.executor.run(actions, s, inputs, targets)
             if self.modes is not None and any(a.kind is ActionKind.PULL for a in actions):
                 self.modes.end_wave()
@@ -350,10 +358,10 @@ class Trainer:
             self.step += 1
             step_time = t_end - t_prev
             t_prev = t_end
-            row: dict[str, Any] = {
-                "step": self.step, "loss": None, "samples_per_s": N / step_time if step_time > 0 else 0.0,
+            row.update({
+                "samples_per_s": N / step_time if step_time > 0 else 0.0,
                 "step_time_s": step_time, "elapsed_s": (elapsed := t_end - t_begin - excluded),
-                "sync_actions": sync_actions, "lr": lr}
+                "sync_actions": sync_actions, "lr": lr})
             if self.clip is not None:
                 row["grad_norm"] = self.clip.norm  # a tensor until the row is logged (no device sync here)
             if self.loss_scaling is not None:
@@ -361,7 +369,10 @@ class Trainer:
                 row["step_skipped"] = self.loss_scaling.skipped_last
             if self.plan.sync == "daso":
                 row["daso_period"] = self.sync_state.period  # the k this step's actions were built with
-            sums.add(row, loss)
+            if read:  # its loss is being summed already (on_losses)
+                self._log_losses(read[0], log, out)
+            else:
+                sums.add(row, loss)
             checkpoint = self._checkpoint_due(steps)
             evaluate = bool(self._eval_every) and (self.step % self._eval_every == 0 or self.step == steps)
             if sums.waiting >= self.log_every or checkpoint or evaluate or self.step == steps:
@@ -587,6 +598,13 @@ class Trainer:
             self.loss_scaling.set_scale()
 
     # === end of the per-iteration sync state ==========================================
+
+
+def _sum_now(sums: LossSums, row: dict[str, Any], read: list[list[dict[str, Any]]], loss_sum: torch.Tensor) -> None:
+    """A step's losses, known once its forwards are over: start summing them over the ranks now, with the
+    steps waiting before it (``LossSums.flush``); the rows of the batch before go into ``read``."""
+    sums.add(row, loss_sum)
+    read.append(sums.flush())
 
 
 __all__ = ["DEFAULT_TIMEOUT_S", "OPTIMIZER_NAMES", "LayersFn", "LrSchedule", "OptimizerFn", "Trainer",
