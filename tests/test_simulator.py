@@ -355,6 +355,24 @@ def test_bucket_allreduces_overlap_the_backward() -> None:
     assert result.devices["a:0"].sync_s == pytest.approx(0.2)
 
 
+def test_a_bucket_cut_inside_a_layer_is_ready_after_its_share_of_that_layers_backward() -> None:
+    # bucket_cut "exact", a first bucket of half a layer and the others of one: buckets (3.5, 4), (2.5, 3.5),
+    # (1.5, 2.5), (0.5, 1.5), (0, 0.5). The first is final half-way through layer 3's backward (0.4 + 0.1),
+    # not at its end (0.6 under the layer cut); each all-reduce of a whole layer's bytes takes two ring
+    # phases of 0.1 s, of half a layer's two of 0.05 s
+    plan, params = bucket_plan()
+    plan = plan.with_sync("bsp", replace(plan.sync_options, bucket_cut="exact",
+                                         first_bucket_bytes=params / 2))
+    assert [b.bounds for b in plan.layout.segments[0].buckets] == [
+        (3.5, 4.0), (2.5, 3.5), (1.5, 2.5), (0.5, 1.5), (0.0, 0.5)]
+    result = simulate(plan)
+    link = [(round(e.start_s, 9), round(e.end_s, 9)) for e in result.timeline.links["a NIC out"]]
+    assert link == [(0.5, 0.55), (0.55, 0.6), (0.7, 0.8), (0.8, 0.9), (0.9, 1.0), (1.0, 1.1), (1.1, 1.2),
+                    (1.2, 1.3), (1.3, 1.35), (1.35, 1.4)]
+    assert spans(result, "a:0", "backward") == [(0.4, 1.2)]
+    assert spans(result, "a:0", "sync") == [(1.2, 1.3), (1.3, 1.4)]  # the last two buckets waited for
+
+
 def test_recomputed_layers_delay_their_buckets() -> None:
     # layers 2 and 3 recomputed: their forwards (0.1 s each) rerun inside the backward, before their gradients
     plan, _ = bucket_plan(recompute=(2, 3))

@@ -31,6 +31,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal, TypeVar
 
+import numpy as np
+import numpy.typing as npt
+
 from hetrain.cluster import Cluster
 from hetrain.cost import allreduce_shape, estimate_allreduce
 from hetrain.errors import InputError
@@ -387,6 +390,21 @@ def cut_buckets(param_bytes: Sequence[float], first: int, end: int, first_bucket
             out.append((k, stop, held))
             stop, held = k, 0.0
     return out
+
+
+def backward_after(g: Sequence[float] | npt.NDArray[np.float64], start: float, end: int) -> float:
+    """Seconds of backward of layers ``[start, end)`` (``g`` per layer): the whole layers after ``start``, and
+    where ``start`` falls inside a layer (``Bucket.span``), the share of that layer's backward its bytes
+    after the bound stand for. What a bucket starting at ``start`` waits for, from the backward of layer
+    ``end - 1`` on.
+
+    Example:
+        >>> backward_after([1.0, 2.0, 4.0], 1, 3), backward_after([1.0, 2.0, 4.0], 1.25, 3)
+        (6.0, 5.5)
+    """
+    k = math.floor(start)
+    whole = float(sum(g[k + 1:end]))
+    return whole + (1.0 - (start - k)) * float(g[k]) if k < end else whole
 
 
 def cut_buckets_exact(param_bytes: Sequence[float], first: int, end: int, first_bucket_bytes: float,

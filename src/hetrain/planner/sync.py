@@ -41,7 +41,15 @@ from hetrain.planner.sharing import (
     estimate_tail,
 )
 from hetrain.profile import ModelProfile
-from hetrain.sync_layout import SYNC_MODES, Layout, SyncOptions, cut_buckets, place_ps_shard
+from hetrain.sync_layout import (
+    SYNC_MODES,
+    Layout,
+    SyncOptions,
+    backward_after,
+    cut_buckets,
+    cut_buckets_exact,
+    place_ps_shard,
+)
 from hetrain.sync_layout import group_segments as build_segments
 
 #: a plan's simulated iteration seconds (the simulator's, handed in by the caller: the planner imports no simulator)
@@ -52,7 +60,8 @@ def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequenc
                        hide_s: Mapping[int, float] | None = None,
                        bucket_bytes: float = SyncOptions.bucket_bytes,
                        traffic: PipelineTraffic | None = None,
-                       first_bucket_bytes: float = SyncOptions.first_bucket_bytes) -> float:
+                       first_bucket_bytes: float = SyncOptions.first_bucket_bytes,
+                       bucket_cut: str = SyncOptions.bucket_cut) -> float:
     """Seconds of BSP gradient all-reduce left after the backward pass: the busiest device's, or the busiest
     shared link's.
 
@@ -68,8 +77,9 @@ def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequenc
     the end of the pipeline its last backward starts (default: ``hide_s``). A device whose pipeline ends
     early starts its buckets early: ``max(sum - lead, last bucket - (lead - hide))``. With ``traffic`` (the
     planner's BSP estimate) a segment is all-reduced bucket by bucket as the plan cuts it
-    (``sync_layout.cut_buckets``), each bucket paying the latency terms, and its first bucket (at least
-    ``first_bucket_bytes``) is ready after its share of the backward.
+    (``sync_layout.cut_buckets``, or ``cut_buckets_exact`` where ``bucket_cut`` is ``"exact"``), each bucket
+    paying the latency terms, and its first bucket (at least ``first_bucket_bytes``, exactly that where
+    cut exactly) is ready after its share of the backward (a layer cut inside counting its bytes' share).
 
     Segments of other devices, and the pipelines' transfers (``traffic``), share the links
     (``planner.sharing``): every segment's all-reduce holds the NICs and intra-node links of its ring for
@@ -96,7 +106,8 @@ def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequenc
         t = estimate_allreduce_time(cluster, owners, num_bytes)
         job = SegmentJob(owners, num_bytes)
         if traffic is not None and t > 0:  # the planner's BSP estimate: bucket by bucket, as the plan cuts them
-            cuts = cut_buckets(layer_bytes, first, end, first_bucket_bytes, bucket_bytes)
+            cut = cut_buckets_exact if bucket_cut == "exact" else cut_buckets
+            cuts = cut(layer_bytes, first, end, first_bucket_bytes, bucket_bytes)
             shape = allreduce_shape(cluster, owners)
             priced = [estimate_allreduce(size, shape) for _, _, size in cuts]
             by_bucket = sum(s for s, _ in priced)
@@ -108,7 +119,9 @@ def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequenc
             # backward seconds (a head of 8 kB and 105 GFLOPs is most of its bucket's time, none of its bytes)
             g = estimate_layer_times(profile, cluster.devices[owners[0]], 1)[1]
             seg_s = float(g[first:end].sum())
-            share = float(g[cuts[0][0]:end].sum()) / seg_s if seg_s > 0 else cuts[0][2] / num_bytes
+            before = (float(g[int(cuts[0][0]):end].sum()) if bucket_cut != "exact"
+                      else backward_after(g, cuts[0][0], end))
+            share = before / seg_s if seg_s > 0 else cuts[0][2] / num_bytes
             job = job._replace(scale=by_bucket / whole, share=share, buckets=len(cuts), algorithm=algorithm)
             t = by_bucket
         last = t if num_bytes <= bucket_bytes else estimate_allreduce_time(cluster, owners, bucket_bytes)
@@ -232,7 +245,7 @@ def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Se
     k, a, stale, placement = options.period, options.aggregate, options.staleness, options.placement
     if mode == "bsp":
         return estimate_sync_time(cluster, profile, layouts, hide_s, options.bucket_bytes, traffic,
-                                  options.first_bucket_bytes)
+                                  options.first_bucket_bytes, options.bucket_cut)
     if mode == "local-sgd":
         return estimate_sync_time(cluster, profile, layouts) / k
     if mode == "daso":

@@ -56,7 +56,7 @@ from hetrain.simulator.ops import (
     Recv,
     Send,
 )
-from hetrain.sync_layout import Bucket
+from hetrain.sync_layout import Bucket, backward_after
 
 K = ActionKind
 _new = tuple.__new__  # a NamedTuple record without its Python-level __new__: millions per large plan
@@ -241,8 +241,8 @@ class _Compiler:
         self.computes: dict[tuple[int, int], tuple[list[Forward], list[Backward]]] = {}
         # (kind, segment, bucket, iteration) -> the one operation of every owner (``_bucket``)
         self.bucket_ops: dict[tuple[ActionKind, int, int, int], BucketStart | BucketWait] = {}
-        # (id of the stage costs, micro-batch size, bucket's first layer) -> ``_bucket_final_s``
-        self.final_s: dict[tuple[int, int, int], float] = {}
+        # (id of the stage costs, micro-batch size, bucket's first bound in layers) -> ``_bucket_final_s``
+        self.final_s: dict[tuple[int, int, float], float] = {}
 
     def program(self) -> Program:
         where = {s.device: (v, j) for v, vw in enumerate(self.plan.virtual_workers) for j, s in enumerate(vw.stages)}
@@ -479,7 +479,7 @@ class _Compiler:
         b_op = dev.ops[dev.last_backward]
         assert isinstance(b_op, Backward)
         i = b_op.micro_batch
-        key = (id(dev.costs), dev.sizes[i], start.bucket.first_layer)
+        key = (id(dev.costs), dev.sizes[i], start.bucket.bounds[0])
         offset_s = self.final_s.get(key)
         if offset_s is None:
             offset_s = self.final_s[key] = _bucket_final_s(start.bucket, i, dev)
@@ -526,10 +526,15 @@ class _Compiler:
 
 def _bucket_final_s(bucket: Bucket, i: int, dev: _Device) -> float:
     """Seconds into micro-batch ``i``'s backward until ``bucket``'s gradients are final: the backward of the
-    stage's layers from its last down to the bucket's first, with the recomputed forwards among them."""
+    stage's layers from its last down to the bucket's first, with the recomputed forwards among them. A bucket
+    that starts inside a layer (``Bucket.span``, ``bucket_cut = "exact"``) waits for the share of that layer's
+    backward its bytes stand for (``sync_layout.backward_after``)."""
     stage = dev.stage
-    if bucket.first_layer <= stage.first_layer:
+    start = bucket.bounds[0]
+    if start <= stage.first_layer:
         return dev.costs.backward_s[i]
     f, g = dev.costs.layer_times[dev.sizes[i]]
     later = [x for x in stage.recompute if x >= bucket.first_layer]
-    return dev.costs.overhead_s + float(g[bucket.first_layer:stage.end_layer].sum() + f[later].sum())
+    if bucket.span is None:
+        return dev.costs.overhead_s + float(g[bucket.first_layer:stage.end_layer].sum() + f[later].sum())
+    return dev.costs.overhead_s + backward_after(g, start, stage.end_layer) + float(f[later].sum())
