@@ -14,6 +14,7 @@
 - ``clip``: gradient clipping by the global norm over the whole model, at STEP (bsp).
 - ``tied``: tied weights' copies on several layers, their gradients summed at STEP.
 - ``idle``: ranks the plan leaves unused: they join checkpoint writes only.
+- ``host_memory``: glibc's malloc kept from returning freed host memory to the kernel between steps.
 - ``trainer``: ``Trainer(...).fit(data, steps)``: any model given as a list of layers.
 - ``command``: ``run_train_command`` (``hetrain train``; ``python -m hetrain.runtime.command``).
 

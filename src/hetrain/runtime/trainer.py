@@ -57,6 +57,7 @@ from hetrain.runtime.drift import DriftMonitor, DriftSwitch, drift_row, leave_to
 from hetrain.runtime.elastic import ReplanPolicy, plan_path
 from hetrain.runtime.evaluate import evaluate_stage
 from hetrain.runtime.executor import LossFn, StageModule
+from hetrain.runtime.host_memory import tune_host_allocator
 from hetrain.runtime.idle import JobEvents
 from hetrain.runtime.job import DEFAULT_TIMEOUT_S, LayersFn, OptimizerFn, build_job, init_distributed
 from hetrain.runtime.loss_scale import LossScaling, check_fp16
@@ -166,6 +167,8 @@ class Trainer:
             raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
         if log_every < 1:
             raise ValueError(f"log_every must be >= 1, got {log_every}")
+        # the host allocator keeps freed pages for the next step instead of faulting them in again (runtime.host_memory)
+        self.host_allocator = tune_host_allocator()
         self.log_every = log_every
         self.plan = plan
         self.timeout_s = timeout_s
