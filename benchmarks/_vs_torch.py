@@ -96,6 +96,19 @@ def sync_options(args: argparse.Namespace) -> SyncOptions:
     return options if first is None else replace(options, first_bucket_bytes=float(first))
 
 
+def add_bucket_arguments(parser: argparse.ArgumentParser) -> None:
+    """The DP cases' bucket options, shared by both benchmarks: ``--ddp-buckets``, ``--bucket-cut``,
+    ``--first-bucket-bytes`` (read by ``sync_options`` and ``build_torch``)."""
+    parser.add_argument("--ddp-buckets", choices=("torch", "hetrain"), default="torch",
+                        help="dp: DistributedDataParallel's own buckets (1 MiB first, cut between parameters; "
+                             "default) or hetrain's (cut at the same layer boundaries), to see what the cut costs")
+    parser.add_argument("--bucket-cut", choices=("exact", "layer"), default="exact",
+                        help="dp: hetrain's buckets close at their size inside a layer, as DDP's between two "
+                             "parameters (exact, default), or on the next layer boundary (layer)")
+    parser.add_argument("--first-bucket-bytes", type=float, metavar="BYTES",
+                        help="dp: where hetrain's first gradient bucket closes (default DDP's 1 MiB)")
+
+
 def ddp_bucket_caps_mb(args: argparse.Namespace, layers: int, cluster: Cluster) -> list[float]:
     """DistributedDataParallel's bucket sizes (MiB, in the order it fills them: last layers first) that cut its
     buckets where hetrain's DP plan cuts its own (at the same layer boundaries), for ``--ddp-buckets hetrain``.

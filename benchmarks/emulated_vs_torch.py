@@ -40,7 +40,7 @@ from pathlib import Path
 
 from _emulated import can_emulate
 from _results import write_section
-from _vs_torch import TORCH_NAMES, cpu_ms_per_step, paired_ratio, run_rank, thread_group
+from _vs_torch import TORCH_NAMES, add_bucket_arguments, cpu_ms_per_step, paired_ratio, run_rank, thread_group
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -136,14 +136,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--job-timeout", type=float, default=900.0, help="seconds one emulated job may run")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2 blocks of 2 steps, 1 warm-up step, "
                                                              "RESULTS.md left alone")
-    parser.add_argument("--ddp-buckets", choices=("torch", "hetrain"), default="torch",
-                        help="dp: DistributedDataParallel's own buckets (1 MiB first, cut between parameters; "
-                             "default) or hetrain's (cut at the same layer boundaries), to see what the cut costs")
-    parser.add_argument("--bucket-cut", choices=("exact", "layer"), default="exact",
-                        help="dp: hetrain's buckets close at their size inside a layer, as DDP's between two "
-                             "parameters (exact, default), or on the next layer boundary (layer)")
-    parser.add_argument("--first-bucket-bytes", type=float, metavar="BYTES",
-                        help="dp: where hetrain's first gradient bucket closes (default DDP's 1 MiB)")
+    add_bucket_arguments(parser)
     parser.add_argument("--no-write", action="store_true", help="do not write benchmarks/RESULTS.md")
     parser.add_argument("--out", default="out/bench-emulated-vs-torch", help="where each job's log and result go")
     args = parser.parse_args()

@@ -54,6 +54,7 @@ from _vs_torch import (
     QUOTA_PERIOD_S,
     TORCH_NAMES,
     QuotaError,
+    add_bucket_arguments,
     cpu_ms_per_step,
     cpu_quota_group,
     cpu_quota_problem,
@@ -95,14 +96,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--cpu-quota", type=float, metavar="CPUS",
                         help="run every thread of every rank (Gloo's included) under one CPU quota of this many "
                              "CPUs, e.g. 1.2 (a cgroup: needs root and the cpu controller)")
-    parser.add_argument("--ddp-buckets", choices=("torch", "hetrain"), default="torch",
-                        help="dp: DistributedDataParallel's own buckets (1 MiB first, cut between parameters; "
-                             "default) or hetrain's (cut at the same layer boundaries), to see what the cut costs")
-    parser.add_argument("--bucket-cut", choices=("exact", "layer"), default="exact",
-                        help="dp: hetrain's buckets close at their size inside a layer, as DDP's between two "
-                             "parameters (exact, default), or on the next layer boundary (layer)")
-    parser.add_argument("--first-bucket-bytes", type=float, metavar="BYTES",
-                        help="dp: where hetrain's first gradient bucket closes (default DDP's 1 MiB)")
+    add_bucket_arguments(parser)
     parser.add_argument("--no-write", action="store_true", help="do not write benchmarks/RESULTS.md")
     args = parser.parse_args()
     args.config = {k: json.loads(v) for k, _, v in (item.partition("=") for item in args.config)}
