@@ -233,10 +233,12 @@ def measure_case(case: str, args: argparse.Namespace, layers: int, batch: Batch,
     return out, cpu
 
 
-def run_rank(args: argparse.Namespace, cluster: Cluster, out_path: str | Path) -> None:
+def run_rank(args: argparse.Namespace, cluster: Cluster, out_path: str | Path, teardown: bool = True) -> None:
     """This rank's part of the comparison (the process group from the environment, as torchrun sets it): every
     case of ``args.cases`` measured; rank 0 writes ``{"blocks": {case: Blocks}, "cpu": [per rank {case:
-    ThreadCpu}], "threads": [per rank (moved, others)]}`` to ``out_path``."""
+    ThreadCpu}], "threads": [per rank (moved, others)]}`` to ``out_path``. With ``teardown`` False the process group
+    is left up for the caller to leave with ``os._exit``: its C++ teardown can abort the interpreter at exit
+    ("terminate called without an active exception"), as ``hetrain.baselines`` notes."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -254,7 +256,10 @@ def run_rank(args: argparse.Namespace, cluster: Cluster, out_path: str | Path) -
         with open(out_path, "w") as f:
             json.dump({"blocks": blocks, "cpu": [r["cpu"] for r in every],  # type: ignore[index]
                        "threads": [r["threads"] for r in every]}, f)  # type: ignore[index]
-    dist.destroy_process_group()
+    if teardown:
+        dist.destroy_process_group()
+    else:  # the caller leaves with os._exit: every rank past this barrier, rank 0's file written
+        dist.barrier()
 
 
 # ---------------------------------------------------------------------------
