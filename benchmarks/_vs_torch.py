@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -259,7 +260,8 @@ def run_rank(args: argparse.Namespace, cluster: Cluster, out_path: str | Path, t
     if teardown:
         dist.destroy_process_group()
     else:  # the caller leaves with os._exit: every rank past this barrier, rank 0's file written
-        dist.barrier()
+        # monitored_barrier times out and names the ranks that did not arrive
+        dist.monitored_barrier(timeout=timedelta(seconds=120), wait_all_ranks=True)
 
 
 # ---------------------------------------------------------------------------

@@ -37,6 +37,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from _emulated import can_emulate
 from _results import write_section
@@ -51,7 +52,7 @@ CASES = ("dp", "1f1b")
 THREADS = ("main", "python", "native")
 
 
-def rank_main(config_path: str) -> int:
+def rank_main(config_path: str) -> NoReturn:
     """One emulated rank (started by the emulator's torchrun): the cases of the job's config, measured."""
     from hetrain.cluster import parse_cluster
 

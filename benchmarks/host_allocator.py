@@ -24,7 +24,8 @@ from _results import write_section
 
 HERE = Path(__file__).resolve().parent
 
-# one process: both runtimes on one rank, ABBA blocks; prints JSON {who: [[cpu_s, minflt], ...]} per block
+# one process: both runtimes on one rank, ABBA blocks; prints JSON {who: [[cpu_s, minor faults, kernel_s] per
+# step, one entry per block]}
 WORKER = """
 import argparse, json, os, resource, sys, time
 sys.path.insert(0, sys.argv[1])

@@ -4,19 +4,21 @@ A CPU tensor's memory comes from ``malloc``. glibc gives an allocation above its
 threshold pages of its own, and returns the free top of its heap to the kernel once it
 exceeds the trim threshold; the next allocation of that size then takes fresh pages, and
 each first touch of a page is a minor page fault (kernel time, on the thread that touches
-it). Both thresholds move with what the process frees, so whether a step re-faults its
-activations depends on the order it allocates and frees in:
+it). Both thresholds move with what the process frees, so whether a step faults its activations in
+again depends on the order it allocates and frees in:
 
     DDP step        zero_grad frees last step's gradients ──► forward reuses them      (no faults)
     hetrain step    gradients added into persistent flat buffers, the fresh ones freed
-                    inside the backward ──► heap top trimmed ──► forward faults again
+                    inside the backward ──► freed heap handed back ──► forward faults again
 
-Measured on gpt-tiny, one rank, 8 samples (RESULTS.md, "Host allocator: page faults per step"):
-hetrain's forward took about 400-700 minor faults and 0.6-1.3 ms of kernel time per step,
-DistributedDataParallel's none; with both thresholds raised, 36 and 0.1 ms, and the step's CPU
-time at or below DDP's. Caching allocators do the same for device memory (CUDA's keeps freed
-blocks); this does it for the host's. The cost: freed host memory stays with the process, up to
-``TRIM_THRESHOLD_BYTES`` above its peak.
+Measured on gpt-tiny, one rank, 8 samples (``benchmarks/host_allocator.py``; RESULTS.md, "Host
+allocator: page faults per step"): with glibc's thresholds hetrain's step took 1177 minor faults and
+1.9 ms of kernel time per step, DistributedDataParallel's 41 and 0.2 ms; with both raised, 13 and
+0.02 ms, and hetrain's step 1.6% cheaper in CPU than DDP's instead of 4% dearer. With several ranks,
+hetrain's first ~20 steps still fault while its heap grows (about 480 faults per step, then 10),
+thresholds raised or not: that is not this module's doing. Caching allocators do the same for device
+memory (CUDA's keeps freed blocks); this does it for the host's. The cost: freed host memory stays with
+the process, up to ``TRIM_THRESHOLD_BYTES`` above its peak.
 
 ``tune_host_allocator`` sets both thresholds through ``mallopt`` once per process; anything other than
 glibc (musl, macOS) is left alone. ``HETRAIN_HOST_MALLOC=default`` in the environment leaves glibc's
