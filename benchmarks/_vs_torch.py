@@ -39,6 +39,7 @@ from hetrain.models.registry import build_layers, layer_names, loss_fn, num_laye
 from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
 from hetrain.profile import LayerProfile, ModelProfile
 from hetrain.runtime import Trainer, build_optimizer_fn
+from hetrain.runtime.p2p import flatten
 from hetrain.sync_layout import SyncOptions
 
 LR = 0.01
@@ -75,31 +76,50 @@ def build_plan(case: str, args: argparse.Namespace, layers: int, cluster: Cluste
         vws = (VirtualWorker(tuple(Stage(d, b[j], b[j + 1]) for j, d in enumerate(devices)), args.global_batch,
                              args.micro_batches),)
         strategy = "pp"
-    # the runtime reads the layer count of the profile, and each layer's parameter bytes, from which
-    # the plan's sync layout cuts the gradient buckets (DistributedDataParallel's sizes: 1 MiB first, then 25 MiB)
-    sizes = [float(sum(p.numel() * p.element_size() for p in layer.parameters()))
-             for layer in build_layers(args.model, seed=0, **args.config)]
-    profile = ModelProfile(args.model, tuple(LayerProfile(name, size, 0, 0, 0) for name, size in
-                                             zip(layer_names(args.model, **args.config), sizes, strict=True)), 0)
+    # the runtime reads the layer count of the profile; each layer's parameter bytes, from which the plan's
+    # sync layout cuts the gradient buckets (DistributedDataParallel's sizes: 1 MiB first, then 25 MiB); and each
+    # layer's output bytes per sample, from which it decides where to post receives ahead (runtime.p2p)
+    built = build_layers(args.model, seed=0, **args.config)
+    sizes = [float(sum(p.numel() * p.element_size() for p in layer.parameters())) for layer in built]
+    outputs = output_bytes_per_sample(args.model, built, args.config)
+    profile = ModelProfile(args.model, tuple(LayerProfile(name, size, out, 0, 0) for name, size, out in
+                                             zip(layer_names(args.model, **args.config), sizes, outputs,
+                                                 strict=True)), 0)
     return Plan(args.model, args.global_batch, "gpipe" if case == "gpipe" else "1f1b", "bsp", "sgd", vws,
                 Prediction(0, 0, 0, 0, 0), strategy, "manual", cluster, profile,
                 sync_options=sync_options(args))
 
 
+def output_bytes_per_sample(model: str, layers: list[torch.nn.Module], config: dict[str, object]) -> list[float]:
+    """Each layer's output bytes for one sample, measured by running one sample through ``layers``."""
+    x: object = sample_batch(model, 1, torch.Generator().manual_seed(0), **config)[0]
+    out = []
+    with torch.no_grad():
+        for layer in layers:
+            x = layer(x)
+            tensors, _ = flatten(x)
+            out.append(float(sum(t.numel() * t.element_size() for t in tensors if t.is_floating_point())))
+    return out
+
+
 def sync_options(args: argparse.Namespace) -> SyncOptions:
     """The plan's sync options: ``args.allreduce`` (default ``auto``); ``args.bucket_cut`` (default ``exact``:
     hetrain's gradient buckets close at their size inside a layer, as DistributedDataParallel's close between
-    two parameters, rather than on the next layer boundary); and, where set, ``args.first_bucket_bytes`` (the
-    size at which the first bucket closes; DistributedDataParallel's 1 MiB by default)."""
-    options = SyncOptions(allreduce=vars(args).get("allreduce", "auto"), bucket_cut=vars(args).get("bucket_cut",
-                                                                                                    "exact"))
+    two parameters, rather than on the next layer boundary); ``args.early_receives`` (default ``always``:
+    whether hetrain's runtime posts receives ahead of their RECVs, ``runtime.p2p``); and, where set,
+    ``args.first_bucket_bytes`` (the size at which the first bucket closes; DistributedDataParallel's 1 MiB by
+    default)."""
+    options = SyncOptions(allreduce=vars(args).get("allreduce", "auto"),
+                          bucket_cut=vars(args).get("bucket_cut", "exact"),
+                          early_receives=vars(args).get("early_receives", "always"))
     first = vars(args).get("first_bucket_bytes")
     return options if first is None else replace(options, first_bucket_bytes=float(first))
 
 
 def add_bucket_arguments(parser: argparse.ArgumentParser) -> None:
-    """The DP cases' bucket options, shared by both benchmarks: ``--ddp-buckets``, ``--bucket-cut``,
-    ``--first-bucket-bytes`` (read by ``sync_options`` and ``build_torch``)."""
+    """The hetrain plan's options, shared by both benchmarks: the DP cases' ``--ddp-buckets``, ``--bucket-cut``,
+    ``--first-bucket-bytes``, and the pipelines' ``--early-receives`` (read by ``sync_options`` and
+    ``build_torch``)."""
     parser.add_argument("--ddp-buckets", choices=("torch", "hetrain"), default="torch",
                         help="dp: DistributedDataParallel's own buckets (1 MiB first, cut between parameters; "
                              "default) or hetrain's (cut at the same layer boundaries), to see what the cut costs")
@@ -108,6 +128,9 @@ def add_bucket_arguments(parser: argparse.ArgumentParser) -> None:
                              "parameters (exact, default), or on the next layer boundary (layer)")
     parser.add_argument("--first-bucket-bytes", type=float, metavar="BYTES",
                         help="dp: where hetrain's first gradient bucket closes (default DDP's 1 MiB)")
+    parser.add_argument("--early-receives", choices=("always", "never"), default="always",
+                        help="pipelines: hetrain posts a stage's receives one ahead of its RECVs (always, the "
+                             "default) or at them (never); sync option early_receives")
 
 
 def ddp_bucket_caps_mb(args: argparse.Namespace, layers: int, cluster: Cluster) -> list[float]:

@@ -80,7 +80,7 @@ def run_job(name: str, isolate: str, args: argparse.Namespace) -> dict[str, obje
     result.unlink(missing_ok=True)
     rank_args = {k: getattr(args, k) for k in ("model", "config", "global_batch", "micro_batches", "blocks",
                                                "block_steps", "warmup", "cases", "allreduce", "ddp_buckets",
-                                               "first_bucket_bytes", "bucket_cut")}
+                                               "first_bucket_bytes", "bucket_cut", "early_receives")}
     config = out / "config.json"
     config.write_text(json.dumps({"args": rank_args, "cluster_toml": text, "result": str(result.resolve())}))
     log_path = out / "job.log"

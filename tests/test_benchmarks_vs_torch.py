@@ -215,3 +215,17 @@ def test_emulated_script_refuses_bad_options(argv: list[str], message: str) -> N
                           capture_output=True, timeout=120)
     assert done.returncode == 2
     assert message in done.stderr
+
+
+def test_the_benchmark_plans_carry_each_layers_measured_output_bytes() -> None:
+    """gpt-tiny's blocks send seq_len x hidden floats per sample; ``--early-receives`` reaches the plan."""
+    import argparse
+
+    from hetrain.runtime.p2p import early_receives
+
+    args = argparse.Namespace(model="gpt-tiny", config={}, global_batch=32, micro_batches=8, allreduce="ring")
+    plan = build_plan("1f1b", args, 6, local_cluster(2))
+    assert [x.output_bytes_per_sample for x in plan.profile.layers[:5]] == [64 * 128 * 4] * 5
+    assert [early_receives(plan, d) for d in ("n0:0", "n0:1")] == [(False, True), (True, False)]
+    at_recv = build_plan("1f1b", argparse.Namespace(**{**vars(args), "early_receives": "never"}), 6, local_cluster(2))
+    assert [early_receives(at_recv, d) for d in ("n0:0", "n0:1")] == [(False, False), (False, False)]

@@ -52,6 +52,9 @@ ALLREDUCE_CHOICES: tuple[str, ...] = ("auto", "ring")
 #: ``transfers`` option: a stage-to-stage transfer overlaps compute (hetrain's runtime: ``isend``, ``irecv``
 #: posted ahead), or blocks its sender and its receiver for its duration (DeepSpeed's PipelineEngine)
 TRANSFER_CHOICES: tuple[str, ...] = ("overlap", "blocking")
+#: ``early_receives`` option: the runtime posts a stage's receives one ahead of the RECV that waits for them,
+#: or at it (``runtime.p2p``)
+EARLY_RECEIVES: tuple[str, ...] = ("always", "never")
 #: ``bucket_cut`` option: a bucket ends on a layer boundary (holding at least its size), or exactly at its size,
 #: inside a layer where it falls there (as DistributedDataParallel cuts between parameters)
 BUCKET_CUTS: tuple[str, ...] = ("layer", "exact")
@@ -104,6 +107,8 @@ _BOUNDS: dict[str, _Bound] = {
     "allreduce": _Bound(str, choices=ALLREDUCE_CHOICES, help="auto: ring or hierarchical, the cheaper; ring: always"),
     "transfers": _Bound(str, choices=TRANSFER_CHOICES,
                         help="overlap: a p2p transfer overlaps compute; blocking: it holds sender and receiver"),
+    "early_receives": _Bound(str, choices=EARLY_RECEIVES,
+                             help="always: a stage's receives posted one ahead of its RECVs; never: at them"),
 }
 SYNC_OPTION_HELP = ", ".join(b.describe(name) for name, b in _BOUNDS.items())
 
@@ -130,6 +135,11 @@ class SyncOptions:
             runtime, benchmarks/transfer_blocking.py) or ``blocking`` (it holds its sender and its receiver for
             its duration: DeepSpeed's PipelineEngine and other synchronous runtimes). A property of the runtime
             that runs the plan, read by the simulator and the planner's closed forms (docs/sync.md).
+        early_receives: whether hetrain's runtime posts a stage's receives one ahead of the RECV that waits
+            for them, so that the transfer lands while the stage computes (``always``, the default), or at the
+            RECV (``never``, torch.distributed.pipelining's way: 4% faster on an unthrottled CPU host whose
+            pipeline moves many 1 kB transfers, much slower where the ranks' CPU is the bottleneck;
+            ``runtime.p2p``). A runtime setting: the simulator and the planner do not read it.
     """
 
     staleness: int = 1
@@ -143,6 +153,7 @@ class SyncOptions:
     bucket_cut: str = BUCKET_CUTS[0]
     allreduce: str = ALLREDUCE_CHOICES[0]
     transfers: str = TRANSFER_CHOICES[0]
+    early_receives: str = EARLY_RECEIVES[0]
 
     def __post_init__(self) -> None:
         for f in fields(self):

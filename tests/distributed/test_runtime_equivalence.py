@@ -19,6 +19,9 @@ or three buckets overlapped with the last backward; ``adamw`` keeps the default 
     two-vws-exact two-vws, the same
     recompute     VW0 of 2 stages with recompute sets, VW1 one stage recomputing; n0:3 unused (idles)
     adamw         mlp-digits on two VWs cut differently, AdamW with weight decay
+
+pp4-1f1b, pp3-mlp and two-vws post their receives at the RECVs (sync option
+``early_receives`` never); the others one ahead of them (the default, ``runtime.p2p``).
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ GPT = {"hidden": 32, "heads": 2, "seq_len": 16}  # gpt-tiny, shrunk: 6 layers st
 # gpt-tiny's buckets: layers [4, 6), [2, 4), [0, 2); mlp-digits': [1, 3), [0, 1)
 SMALL_BUCKETS = {"first_bucket_bytes": 20_000, "bucket_bytes": 60_000}
 EXACT = {**SMALL_BUCKETS, "bucket_cut": "exact"}
+# receives posted at their RECVs, as torch.distributed.pipelining does (the default posts them one ahead)
+AT_RECV = {**SMALL_BUCKETS, "early_receives": "never"}
 WORLD = 4
 
 WORKER = textwrap.dedent("""
@@ -82,7 +87,8 @@ WORKER = textwrap.dedent("""
                           timeline_out=case.get("timeline"), progress=False)
         history = trainer.fit(data, case["steps"], seed=0)
         torch.save({"weights": trainer.state_dict(), "history": history, "used": trainer.role.used,
-                    "early": trainer.sync.posted_early if trainer.role.used else 0, "flushes": list(flushes)},
+                    "early": trainer.sync.posted_early if trainer.role.used else 0, "flushes": list(flushes),
+                    "early_receives": trainer.job.stage.executor.early_posts if trainer.role.used else 0},
                    f"{case['out']}/rank{trainer.rank}.pt")
         trainer.close()
 """)
@@ -110,9 +116,10 @@ CASES: dict[str, dict[str, Any]] = {
     "dp-uneven": {"plan": make_plan("gpt-tiny", [([D[0]], [0, 6], 5, 2), ([D[1]], [0, 6], 3, 1),
                                                  ([D[2]], [0, 6], 2, 1), ([D[3]], [0, 6], 2, 2)])},
     "pp4-gpipe": {"plan": make_plan("gpt-tiny", [(D, [0, 2, 3, 4, 6], 8, 4)], "gpipe"), "timeline": True},
-    "pp4-1f1b": {"plan": make_plan("gpt-tiny", [(D, [0, 1, 3, 5, 6], 10, 6)], "1f1b")},
-    "pp3-mlp": {"plan": make_plan("mlp-digits", [(D[:3], [0, 1, 2, 3], 16, 4)]), "model": "mlp-digits", "lr": 0.2},
-    "two-vws": {"plan": make_plan("gpt-tiny", TWO_VWS)},
+    "pp4-1f1b": {"plan": make_plan("gpt-tiny", [(D, [0, 1, 3, 5, 6], 10, 6)], "1f1b", options=AT_RECV)},
+    "pp3-mlp": {"plan": make_plan("mlp-digits", [(D[:3], [0, 1, 2, 3], 16, 4)], options=AT_RECV),
+                "model": "mlp-digits", "lr": 0.2},
+    "two-vws": {"plan": make_plan("gpt-tiny", TWO_VWS, options=AT_RECV)},
     # buckets cut at their size inside layers and parameters (bucket_cut "exact", as DistributedDataParallel)
     "dp-exact": {"plan": make_plan("gpt-tiny", [([D[0]], [0, 6], 5, 2), ([D[1]], [0, 6], 3, 1),
                                                 ([D[2]], [0, 6], 2, 1), ([D[3]], [0, 6], 2, 2)], options=EXACT)},
@@ -224,6 +231,13 @@ def test_weights_after_three_steps_equal_single_process_training(job: dict[str, 
         if part["used"]:
             starts = sum(a.kind is ActionKind.ALLREDUCE_START for a in schedule[D[r]])
             assert part["early"] == STEPS * starts, (D[r], part["early"], starts)
+    early = plan.sync_options.early_receives == "always"
+    for r, part in enumerate(parts):  # receives posted ahead where the plan says so, and only there: each stage
+        # with a neighbour posts all but its first receive of each direction ahead (the first waits for a header)
+        if part["used"]:
+            receives = sum(a.kind in (ActionKind.RECV_F, ActionKind.RECV_B) for a in schedule[D[r]])
+            assert (part["early_receives"] > 0) == (early and receives > 0), (D[r], part["early_receives"])
+            assert part["early_receives"] <= STEPS * receives
     for part in used:  # the losses are summed from the last step's forward on, not after the step: at the end
         # of fit the sum has run during the backward (one flush at the F, one reading it after the step)
         assert part["flushes"] == [True, False], part["flushes"]
@@ -237,7 +251,7 @@ def test_weights_after_three_steps_equal_single_process_training(job: dict[str, 
 
 def test_an_unused_rank_idles_and_holds_nothing(job: dict[str, Any]) -> None:
     idle = torch.load(Path(job["recompute"]["out"]) / "rank3.pt")
-    assert idle == {"weights": {}, "history": [], "used": False, "early": 0, "flushes": []}
+    assert idle == {"weights": {}, "history": [], "used": False, "early": 0, "flushes": [], "early_receives": 0}
 
 
 def test_the_measured_timeline_lines_up_with_the_simulated_one(job: dict[str, Any]) -> None:

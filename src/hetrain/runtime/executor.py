@@ -118,6 +118,9 @@ class Executor:
         precision: the plan's precision: under bf16 / fp16 an iteration runs under autocast, each
             backward with it off, and the cast weights are dropped after anything that changes the
             weights (``hetrain.amp``).
+        early_receives: whether the receives from the previous stage, and from the next, are posted one
+            ahead of the RECV that waits for them (``runtime.p2p.early_receives``: where the transfer is
+            long enough to hide), or at it.
 
     Attributes:
         before_step: called as ``before_step(step)`` at each STEP, after the sends are waited for and before
@@ -135,7 +138,8 @@ class Executor:
 
     def __init__(self, role: Role, module: StageModule, loss_fn: LossFn, transport: Transport, sync: GradientSync,
                  optimizer: torch.optim.Optimizer, health: Health, recorder: Recorder, device: torch.device,
-                 modes: ModeSync | None = None, precision: str = "fp32") -> None:
+                 modes: ModeSync | None = None, precision: str = "fp32",
+                 early_receives: tuple[bool, bool] = (True, True)) -> None:
         self.role = role
         self.module = module
         self.loss_fn = loss_fn
@@ -147,6 +151,8 @@ class Executor:
         self.device = device
         self.modes = modes
         self.precision = precision
+        self.early_f, self.early_b = early_receives
+        self.early_posts = 0  # receives posted ahead of their RECV, over all iterations (tests read it)
         self.before_step: Callable[[int], bool | None] | None = None
         self.on_losses: Callable[[torch.Tensor], None] | None = None
         self.grad_scale = 1.0
@@ -337,6 +343,8 @@ class Executor:
 
     def _post_ahead_f(self) -> None:
         """Post the next activation receive early (its shapes are known from the first iteration)."""
+        if not self.early_f:
+            return
         n = self._posted_f
         if n <= self._done_f and n < len(self._recv_f_order):
             i = self._recv_f_order[n]
@@ -344,9 +352,12 @@ class Executor:
             if self.transport.can_post_activation(self.role.prev_rank, i):
                 self.transport.post_activation(self.role.prev_rank, i)
                 self._posted_f += 1
+                self.early_posts += 1
 
     def _post_ahead_b(self) -> None:
         """Post the next gradient receive early, once the forward it belongs to has run."""
+        if not self.early_b:
+            return
         n = self._posted_b
         if n <= self._done_b and n < len(self._recv_b_order):
             i = self._recv_b_order[n]
@@ -355,6 +366,7 @@ class Executor:
                 outs, _ = flatten(self.outputs[i])
                 self.transport.post_gradients([outs[k] for k in grad_slots(outs)], self.role.next_rank, i)
                 self._posted_b += 1
+                self.early_posts += 1
 
     # --- sync and step -------------------------------------------------------------
 

@@ -45,7 +45,7 @@ from hetrain.runtime.elastic import ReplanPolicy, replan_world
 from hetrain.runtime.executor import Executor, LossFn, StageModule
 from hetrain.runtime.metrics import Recorder
 from hetrain.runtime.modes import ModeSync, build_mode_groups
-from hetrain.runtime.p2p import Transport
+from hetrain.runtime.p2p import Transport, early_receives
 from hetrain.runtime.roles import Role, RoleError, build_roles, local_device_name, match_hosts, node_from_host
 from hetrain.runtime.sync import GradientSync, SegmentGroups, build_segment_groups
 from hetrain.runtime.tied import Tie, TiedGrads, build_tie_groups
@@ -251,7 +251,7 @@ def build_stage(plan: Plan, role: Role, device: torch.device, groups: Groups, ra
     if plan.sync != "bsp":
         modes = ModeSync(plan, role.device, sync, groups.segments, groups.modes, rank_of, health, timeout_s)
     executor = Executor(role, module, loss_fn, transport, sync, optimizer, health, recorder, device, modes,
-                        plan.precision)
+                        plan.precision, early_receives(plan, role.device))
     tied_grads = TiedGrads(tied, plan, role.device, module, groups.tied, wait) if tied else None
     executor.before_step = tied_grads
     return StageParts(module, optimizer, sync, transport, recorder, modes, executor, tied_grads)
