@@ -91,7 +91,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--blocks", type=int, default=20, help="timed blocks per runtime and case (default 20)")
     parser.add_argument("--block-steps", type=int, default=5, help="steps per timed block (default 5)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per runtime and case (default 3)")
+    parser.add_argument("--warmup", type=int, default=20,
+                        help="untimed steps per runtime and case (default 20: a process's heap grows through its "
+                             "first steps, faulting pages in, and the runtime that warms up first would pay it)")
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES), help="what to compare (default all)")
     parser.add_argument("--cpu-quota", type=float, metavar="CPUS",
                         help="run every thread of every rank (Gloo's included) under one CPU quota of this many "

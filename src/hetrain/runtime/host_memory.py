@@ -14,11 +14,13 @@ again depends on the order it allocates and frees in:
 Measured on gpt-tiny, one rank, 8 samples (``benchmarks/host_allocator.py``; RESULTS.md, "Host
 allocator: page faults per step"): with glibc's thresholds hetrain's step took 1177 minor faults and
 1.9 ms of kernel time per step, DistributedDataParallel's 41 and 0.2 ms; with both raised, 13 and
-0.02 ms, and hetrain's step 1.6% cheaper in CPU than DDP's instead of 4% dearer. With several ranks,
-hetrain's first ~20 steps still fault while its heap grows (about 480 faults per step, then 10),
-thresholds raised or not: that is not this module's doing. Caching allocators do the same for device
-memory (CUDA's keeps freed blocks); this does it for the host's. The cost: freed host memory stays with
-the process, up to ``TRIM_THRESHOLD_BYTES`` above its peak.
+0.02 ms, and hetrain's step 1.6% cheaper in CPU than DDP's instead of 4% dearer. A process's first
+steps fault while its heap grows to its working size, thresholds raised or not (2 ranks of gpt-tiny,
+counted per block of 5 steps: about 12,600 faults in the first block of whichever runtime runs first,
+hetrain's or DDP's, then a few hundred to 2,000 in each of hetrain's next 2-4 blocks, then none); that is
+not this module's doing, and a side-by-side benchmark warms both runtimes up past it. Caching allocators
+do the same for device memory (CUDA's keeps freed blocks); this does it for the host's. The cost: freed host
+memory stays with the process, up to ``TRIM_THRESHOLD_BYTES`` above its peak.
 
 ``tune_host_allocator`` sets both thresholds through ``mallopt`` once per process; anything other than
 glibc (musl, macOS) is left alone. ``HETRAIN_HOST_MALLOC=default`` in the environment leaves glibc's
