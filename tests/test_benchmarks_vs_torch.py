@@ -229,3 +229,31 @@ def test_the_benchmark_plans_carry_each_layers_measured_output_bytes() -> None:
     assert [early_receives(plan, d) for d in ("n0:0", "n0:1")] == [(False, True), (True, False)]
     at_recv = build_plan("1f1b", argparse.Namespace(**{**vars(args), "early_receives": "never"}), 6, local_cluster(2))
     assert [early_receives(at_recv, d) for d in ("n0:0", "n0:1")] == [(False, False), (False, False)]
+
+
+def _launch_bound(*argv: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, str(BENCHMARKS / "launch_bound.py"), *argv, "--no-write"], env=env,
+                          text=True, capture_output=True, timeout=300)
+
+
+def test_launch_bound_script_times_both_runtimes_on_one_cpu_stage() -> None:
+    """A smoke run of the one-device comparison (the GPU case's script) on the CPU: both runtimes train, a table."""
+    done = _launch_bound("--device", "cpu", "--blocks", "2", "--block-steps", "1", "--warmup", "1",
+                         "--repeats", "1", "--micro-batches", "8", "--global-batch", "16")
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| 1 |"))
+    hetrain_rate, torch_rate = (float(x) for x in row.split("|")[2:4])
+    assert hetrain_rate > 0 and torch_rate > 0
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--device", "cpu", "--global-batch", "4", "--micro-batches", "8"], "at least one sample per micro-batch"),
+    pytest.param(["--device", "cuda"], "torch.cuda.is_available() is False here",
+                 marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is here")),
+])
+def test_launch_bound_script_refuses_bad_options(argv: list[str], message: str) -> None:
+    done = _launch_bound(*argv)
+    assert done.returncode == 2
+    assert message in done.stderr

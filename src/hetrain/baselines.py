@@ -111,8 +111,11 @@ def build_ddp_step(model: str, config: dict[str, Any], global_batch: int, optimi
 
 
 def build_pipelining_step(model: str, config: dict[str, Any], micro_batches: int, schedule: str,
-                          optimizer: Callable[..., Any], seed: int) -> tuple[Callable[[Any], torch.Tensor], nn.Module]:
-    """``step(global_batch) -> loss``: one step of this rank's stage of an even-split torch pipeline; the stage."""
+                          optimizer: Callable[..., Any], seed: int, device: torch.device | None = None,
+                          ) -> tuple[Callable[[Any], torch.Tensor], nn.Module]:
+    """``step(global_batch) -> loss``: one step of this rank's stage of an even-split torch pipeline; the stage.
+
+    ``device``: where the stage lives (default the CPU); the batch given to ``step`` must be there too."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from hetrain.models.layers import LayerRange
@@ -120,8 +123,9 @@ def build_pipelining_step(model: str, config: dict[str, Any], micro_batches: int
 
     rank, p = dist.get_rank(), dist.get_world_size()
     b = even_bounds(num_layers(model, **config), p)
-    module = LayerRange(build_layers(model, b[rank], b[rank + 1], seed=seed, **config), b[rank])
-    stage = PipelineStage(module, rank, p, torch.device("cpu"))
+    device = torch.device("cpu") if device is None else device
+    module = LayerRange(build_layers(model, b[rank], b[rank + 1], seed=seed, **config), b[rank]).to(device)
+    stage = PipelineStage(module, rank, p, device)
     schedule_cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
     lossf = loss_fn(model)
     runner = schedule_cls(stage, micro_batches, loss_fn=lossf)  # scales gradients by 1/m: the batch mean
@@ -140,7 +144,7 @@ def build_pipelining_step(model: str, config: dict[str, Any], micro_batches: int
         else:
             runner.step()
         opt.step()
-        return torch.stack(losses).mean().detach() if losses else torch.zeros(())
+        return torch.stack(losses).mean().detach() if losses else torch.zeros((), device=device)
 
     return step, module
 
