@@ -22,6 +22,7 @@ import itertools
 import json
 import os
 import secrets
+import socket
 import statistics
 import threading
 import time
@@ -29,9 +30,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from hetrain.baselines import build_ddp_step, build_pipelining_step, even_bounds
 from hetrain.cluster import Cluster, parse_cluster
@@ -131,6 +134,48 @@ def add_bucket_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--early-receives", choices=("always", "never"), default="always",
                         help="pipelines: hetrain posts a stage's receives one ahead of its RECVs (always, the "
                              "default) or at them (never); sync option early_receives")
+
+
+def add_repeat_arguments(parser: argparse.ArgumentParser, shape: dict[str, Any], what: str, global_batch: int,
+                         micro_batches: int) -> None:
+    """The options of the benchmarks that repeat one comparison in fresh processes (``early_receives.py``,
+    ``launch_bound.py``): the model and its ``shape`` (``--set`` fields, ``what`` names it), the batch, the
+    blocks, the warm-up and the repeats; ``read_repeat_arguments`` checks them."""
+    parser.add_argument("--model", default="gpt-tiny")
+    parser.add_argument("--set", dest="config", action="append", default=[], metavar="KEY=VALUE",
+                        help=f"a model field (default {what}: " + " ".join(f"--set {k}={v}" for k, v in shape.items())
+                             + ")")
+    parser.add_argument("--global-batch", type=int, default=global_batch)
+    parser.add_argument("--micro-batches", type=int, default=micro_batches)
+    parser.add_argument("--blocks", type=int, default=30, help="timed blocks per runtime (default 30)")
+    parser.add_argument("--block-steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps per runtime (default 10)")
+    parser.add_argument("--repeats", type=int, default=3, help="jobs, each in fresh processes (default 3)")
+    parser.add_argument("--no-write", action="store_true", help="do not write benchmarks/RESULTS.md")
+
+
+def read_repeat_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, shape: dict[str, Any]) -> None:
+    """``args.config`` from the ``--set`` fields (``shape`` where none), a ring all-reduce; refuses, through
+    ``parser.error``, a batch smaller than its micro-batches, no repeats or fewer than 2 blocks."""
+    given = {k: json.loads(v) for k, _, v in (item.partition("=") for item in args.config)}
+    args.config = given if given else dict(shape)
+    args.allreduce = "ring"
+    if args.global_batch < args.micro_batches or args.repeats < 1 or args.blocks < 2:
+        parser.error("need a global batch of at least one sample per micro-batch, 1+ repeats and 2+ blocks")
+
+
+def spawn_job(worker: Callable[..., None], args: argparse.Namespace, ranks: int, name: str) -> Any:
+    """Run ``worker(rank, args, port, out_path)`` on ``ranks`` fresh processes; what rank 0 wrote to ``out_path``
+    (JSON), read back and the file removed. ``name`` names the file (next to this module)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f".{name}.json")
+    mp.spawn(worker, args=(args, port, out_path), nprocs=ranks, join=True)
+    with open(out_path) as f:
+        saved = json.load(f)
+    os.remove(out_path)
+    return saved
 
 
 def ddp_bucket_caps_mb(args: argparse.Namespace, layers: int, cluster: Cluster) -> list[float]:

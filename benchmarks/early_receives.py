@@ -29,17 +29,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from _results import write_section
-from _vs_torch import build_hetrain, build_torch, local_cluster, paired_ratio
+from _vs_torch import (
+    add_repeat_arguments,
+    build_hetrain,
+    build_torch,
+    local_cluster,
+    paired_ratio,
+    read_repeat_arguments,
+    spawn_job,
+)
 from hetrain.models.registry import num_layers, sample_batch
 
 #: the overhead-bound default: gpt-tiny shrunk to 16-wide layers of 8 tokens, 10 layers, 32 micro-batches of 2
@@ -79,38 +85,12 @@ def worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> Non
     os._exit(0)  # the process groups' C++ teardown can abort at exit (hetrain.baselines)
 
 
-def one_job(args: argparse.Namespace) -> dict[str, object]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".early_receives.json")
-    mp.spawn(worker, args=(args, port, out_path), nprocs=args.ranks, join=True)
-    with open(out_path) as f:
-        saved: dict[str, object] = json.load(f)
-    os.remove(out_path)
-    return saved
-
-
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="gpt-tiny")
-    parser.add_argument("--set", dest="config", action="append", default=[], metavar="KEY=VALUE",
-                        help="a model field (default the overhead-bound shape: "
-                             + " ".join(f"--set {k}={v}" for k, v in TINY.items()) + ")")
-    parser.add_argument("--global-batch", type=int, default=64)
-    parser.add_argument("--micro-batches", type=int, default=32)
-    parser.add_argument("--blocks", type=int, default=30, help="timed blocks per runtime (default 30)")
-    parser.add_argument("--block-steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=10, help="untimed steps per runtime (default 10)")
-    parser.add_argument("--repeats", type=int, default=3, help="jobs, each in fresh processes (default 3)")
-    parser.add_argument("--no-write", action="store_true", help="do not write benchmarks/RESULTS.md")
+    add_repeat_arguments(parser, TINY, "the overhead-bound shape", global_batch=64, micro_batches=32)
     args = parser.parse_args()
-    given = {k: json.loads(v) for k, _, v in (item.partition("=") for item in args.config)}
-    args.config = given if given else dict(TINY)
+    read_repeat_arguments(parser, args, TINY)
     args.ranks = 2
-    args.allreduce = "ring"
-    if args.global_batch < args.micro_batches or args.repeats < 1 or args.blocks < 2:
-        parser.error("need a global batch of at least one sample per micro-batch, 1+ repeats and 2+ blocks")
     return args
 
 
@@ -122,7 +102,7 @@ def main() -> int:
     rows = ["| repeat | runtime | samples/s (median block) | torch / this (paired blocks: median, quartiles) |",
             "|---|---|---:|---:|"]
     for k in range(args.repeats):
-        saved = one_job(args)
+        saved = spawn_job(worker, args, args.ranks, "early_receives")
         blocks: dict[str, list[float]] = saved["blocks"]  # type: ignore[assignment]
         for name in RUNTIMES:
             q1, q2, q3 = paired_ratio(blocks[name], blocks["torch"])

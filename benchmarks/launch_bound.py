@@ -24,17 +24,23 @@ import argparse
 import itertools
 import json
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from _results import write_section
-from _vs_torch import LR, build_plan, local_cluster, paired_ratio
+from _vs_torch import (
+    LR,
+    add_repeat_arguments,
+    build_plan,
+    local_cluster,
+    paired_ratio,
+    read_repeat_arguments,
+    spawn_job,
+)
 from hetrain.baselines import build_pipelining_step
 from hetrain.models.registry import build_layers, loss_fn, num_layers, sample_batch
 from hetrain.runtime import Trainer, build_optimizer_fn
@@ -90,40 +96,14 @@ def worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> Non
     os._exit(0)  # the process group's C++ teardown can abort at exit (hetrain.baselines)
 
 
-def one_job(args: argparse.Namespace) -> dict[str, list[float]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".launch_bound.json")
-    mp.spawn(worker, args=(args, port, out_path), nprocs=1, join=True)
-    with open(out_path) as f:
-        blocks: dict[str, list[float]] = json.load(f)
-    os.remove(out_path)
-    return blocks
-
-
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--model", default="gpt-tiny")
-    parser.add_argument("--set", dest="config", action="append", default=[], metavar="KEY=VALUE",
-                        help="a model field (default small layers: "
-                             + " ".join(f"--set {k}={v}" for k, v in SMALL.items()) + ")")
-    parser.add_argument("--global-batch", type=int, default=128)
-    parser.add_argument("--micro-batches", type=int, default=64)
-    parser.add_argument("--blocks", type=int, default=30, help="timed blocks per runtime (default 30)")
-    parser.add_argument("--block-steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=10, help="untimed steps per runtime (default 10)")
-    parser.add_argument("--repeats", type=int, default=3, help="processes, one after the other (default 3)")
-    parser.add_argument("--no-write", action="store_true", help="do not write benchmarks/RESULTS.md")
+    add_repeat_arguments(parser, SMALL, "small layers", global_batch=128, micro_batches=64)
     args = parser.parse_args()
-    given = {k: json.loads(v) for k, _, v in (item.partition("=") for item in args.config)}
-    args.config = given if given else dict(SMALL)
-    args.allreduce = "ring"
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch.cuda.is_available() is False here; use --device cpu")
-    if args.global_batch < args.micro_batches or args.repeats < 1 or args.blocks < 2:
-        parser.error("need a global batch of at least one sample per micro-batch, 1+ repeats and 2+ blocks")
+    read_repeat_arguments(parser, args, SMALL)
     return args
 
 
@@ -134,7 +114,7 @@ def main() -> int:
             "|---|---:|---:|---:|"]
     medians = []
     for k in range(args.repeats):
-        blocks = one_job(args)
+        blocks = spawn_job(worker, args, 1, "launch_bound")
         q1, q2, q3 = paired_ratio(blocks["hetrain"], blocks["torch"])
         medians.append(q2)
         rows.append(f"| {k + 1} | {samples / statistics.median(blocks['hetrain']):.1f} | "
