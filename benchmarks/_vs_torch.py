@@ -79,9 +79,10 @@ def build_plan(case: str, args: argparse.Namespace, layers: int, cluster: Cluste
         vws = (VirtualWorker(tuple(Stage(d, b[j], b[j + 1]) for j, d in enumerate(devices)), args.global_batch,
                              args.micro_batches),)
         strategy = "pp"
-    # the runtime reads the layer count of the profile; each layer's parameter bytes, from which the plan's
-    # sync layout cuts the gradient buckets (DistributedDataParallel's sizes: 1 MiB first, then 25 MiB); and each
-    # layer's output bytes per sample, from which it decides where to post receives ahead (runtime.p2p)
+    # the runtime reads the layer count of the profile, and each layer's parameter bytes, from which the plan's
+    # sync layout cuts the gradient buckets (DistributedDataParallel's sizes: 1 MiB first, then 25 MiB); each
+    # layer's output bytes per sample make the plan's transfers what they are, for the simulator and the
+    # closed forms that read them (planner.sync.plan_traffic)
     built = build_layers(args.model, seed=0, **args.config)
     sizes = [float(sum(p.numel() * p.element_size() for p in layer.parameters())) for layer in built]
     outputs = output_bytes_per_sample(args.model, built, args.config)
@@ -278,28 +279,49 @@ def threads_outside_main_cgroup() -> tuple[int, int]:
     return sum(g != main for g in others), len(others)
 
 
-def measure_case(case: str, args: argparse.Namespace, layers: int, batch: Batch,
-                 cluster: Cluster) -> tuple[Blocks, ThreadCpu]:
-    """Seconds of each block of ``block_steps`` steps, per runtime, the runtimes taking turns (ABBA); and the CPU
-    seconds this rank's threads spent in them, per runtime and kind of thread."""
-    runs = {"hetrain": build_hetrain(case, args, layers, batch, cluster),
-            "torch": build_torch(case, args, layers, batch, cluster)}
+def take_turns(runs: dict[str, Callable[[int], None]], args: argparse.Namespace, fence: Callable[[], None],
+               on_start: Callable[[str], None] | None = None, on_end: Callable[[str], None] | None = None) -> Blocks:
+    """Seconds of each block of ``args.block_steps`` steps, per runtime of ``runs`` (``run(k)``: k more steps),
+    after ``args.warmup`` untimed steps each: ``args.blocks`` rounds, the runtimes taking turns in their order
+    and then in reverse (A B, B A, ... : each meets the same background load). ``fence`` opens and closes each
+    block (``dist.barrier``; ``torch.cuda.synchronize`` on one GPU); ``on_start(name)`` and ``on_end(name)``
+    run right after the opening fence and after the block's time is taken (CPU counters, say)."""
     for run in runs.values():
         run(args.warmup)
-    out: dict[str, list[float]] = {"hetrain": [], "torch": []}
-    cpu: dict[str, dict[str, float]] = {"hetrain": {}, "torch": {}}
+    names = tuple(runs)
+    out: Blocks = {name: [] for name in names}
     for block in range(args.blocks):
-        order = ("hetrain", "torch") if block % 2 == 0 else ("torch", "hetrain")
-        for who in order:
-            dist.barrier()
-            before = thread_cpu_s()
+        for name in names if block % 2 == 0 else names[::-1]:
+            fence()
+            if on_start is not None:
+                on_start(name)
             start = time.perf_counter()
-            runs[who](args.block_steps)
-            dist.barrier()
-            out[who].append(time.perf_counter() - start)
-            for kind, seconds in thread_cpu_s().items():
-                cpu[who][kind] = cpu[who].get(kind, 0.0) + seconds - before.get(kind, 0.0)
-    return out, cpu
+            runs[name](args.block_steps)
+            fence()
+            out[name].append(time.perf_counter() - start)
+            if on_end is not None:
+                on_end(name)
+    return out
+
+
+def measure_case(case: str, args: argparse.Namespace, layers: int, batch: Batch,
+                 cluster: Cluster) -> tuple[Blocks, ThreadCpu]:
+    """Seconds of each block of ``block_steps`` steps, per runtime, the runtimes taking turns (ABBA: ``take_turns``);
+    and the CPU seconds this rank's threads spent in them, per runtime and kind of thread."""
+    runs = {"hetrain": build_hetrain(case, args, layers, batch, cluster),
+            "torch": build_torch(case, args, layers, batch, cluster)}
+    cpu: dict[str, dict[str, float]] = {"hetrain": {}, "torch": {}}
+    before: dict[str, float] = {}
+
+    def start(_: str) -> None:
+        before.clear()
+        before.update(thread_cpu_s())
+
+    def end(who: str) -> None:
+        for kind, seconds in thread_cpu_s().items():
+            cpu[who][kind] = cpu[who].get(kind, 0.0) + seconds - before.get(kind, 0.0)
+
+    return take_turns(runs, args, dist.barrier, start, end), cpu
 
 
 def run_rank(args: argparse.Namespace, cluster: Cluster, out_path: str | Path, teardown: bool = True) -> None:

@@ -31,7 +31,8 @@ import json
 import os
 import statistics
 import sys
-import time
+from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,7 @@ from _vs_torch import (
     paired_ratio,
     read_repeat_arguments,
     spawn_job,
+    take_turns,
 )
 from hetrain.models.registry import num_layers, sample_batch
 
@@ -57,31 +59,23 @@ def worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> Non
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.ranks), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), HETRAIN_NODE="n0")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))  # no block waits longer for a peer
     cluster = local_cluster(args.ranks)
     layers = num_layers(args.model, **args.config)
     batch = sample_batch(args.model, args.global_batch, torch.Generator().manual_seed(0), **args.config)
-    runs = {}
+    runs: dict[str, Callable[[int], None]] = {}
     for name in RUNTIMES:
         if name == "torch":
             runs[name] = build_torch("1f1b", args, layers, batch, cluster)
         else:
             options = argparse.Namespace(**{**vars(args), "early_receives": name.split()[1]})
             runs[name] = build_hetrain("1f1b", options, layers, batch, cluster)
-    for run in runs.values():
-        run(args.warmup)
-    blocks: dict[str, list[float]] = {name: [] for name in RUNTIMES}
-    for block in range(args.blocks):
-        for name in RUNTIMES if block % 2 == 0 else RUNTIMES[::-1]:
-            dist.barrier()
-            start = time.perf_counter()
-            runs[name](args.block_steps)
-            dist.barrier()
-            blocks[name].append(time.perf_counter() - start)
+    blocks = take_turns(runs, args, dist.barrier)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"blocks": blocks}, f)
-    dist.barrier()
+    # every rank past this barrier (rank 0's file written) before leaving; it names any rank that does not come
+    dist.monitored_barrier(timeout=timedelta(seconds=120), wait_all_ranks=True)
     os._exit(0)  # the process groups' C++ teardown can abort at exit (hetrain.baselines)
 
 

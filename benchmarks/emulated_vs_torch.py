@@ -136,9 +136,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--blocks", type=int, default=8, help="timed blocks per runtime and case (default 8)")
     parser.add_argument("--block-steps", type=int, default=3, help="steps per timed block (default 3)")
     parser.add_argument("--warmup", type=int, default=20,
-                        help="untimed steps per runtime and case (default 20: hetrain's DP rank takes hundreds of "
-                             "page faults per step in its first steps while its heap grows, DDP's none; see "
-                             "RESULTS.md, 'Host allocator')")
+                        help="untimed steps per runtime and case (default 20: a process's heap grows through its "
+                             "first steps, faulting pages in, and the runtime that warms up first would pay it; "
+                             "runtime.host_memory)")
     parser.add_argument("--job-timeout", type=float, default=900.0, help="seconds one emulated job may run")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2 blocks of 2 steps, 1 warm-up step, "
                                                              "RESULTS.md left alone")

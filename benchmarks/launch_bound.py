@@ -26,7 +26,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -40,6 +39,7 @@ from _vs_torch import (
     paired_ratio,
     read_repeat_arguments,
     spawn_job,
+    take_turns,
 )
 from hetrain.baselines import build_pipelining_step
 from hetrain.models.registry import build_layers, loss_fn, num_layers, sample_batch
@@ -71,17 +71,7 @@ def timed_blocks(args: argparse.Namespace, device: torch.device) -> dict[str, li
 
     runs = {"hetrain": hetrain_run, "torch": torch_run}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for run in runs.values():
-        run(args.warmup)
-    sync()
-    blocks: dict[str, list[float]] = {"hetrain": [], "torch": []}
-    for block in range(args.blocks):
-        for name in ("hetrain", "torch") if block % 2 == 0 else ("torch", "hetrain"):
-            start = time.perf_counter()
-            runs[name](args.block_steps)
-            sync()
-            blocks[name].append(time.perf_counter() - start)
-    return blocks
+    return take_turns(runs, args, sync)
 
 
 def worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> None:

@@ -119,8 +119,7 @@ class Executor:
             backward with it off, and the cast weights are dropped after anything that changes the
             weights (``hetrain.amp``).
         early_receives: whether the receives from the previous stage, and from the next, are posted one
-            ahead of the RECV that waits for them (``runtime.p2p.early_receives``: where the transfer is
-            long enough to hide), or at it.
+            ahead of the RECV that waits for them, or at it (the plan's sync option, ``runtime.p2p.early_receives``).
 
     Attributes:
         before_step: called as ``before_step(step)`` at each STEP, after the sends are waited for and before
