@@ -110,20 +110,22 @@ def sync_options(args: argparse.Namespace) -> SyncOptions:
     """The plan's sync options: ``args.allreduce`` (default ``auto``); ``args.bucket_cut`` (default ``exact``:
     hetrain's gradient buckets close at their size inside a layer, as DistributedDataParallel's close between
     two parameters, rather than on the next layer boundary); ``args.early_receives`` (default ``always``:
-    whether hetrain's runtime posts receives ahead of their RECVs, ``runtime.p2p``); and, where set,
+    whether hetrain's runtime posts receives ahead of their RECVs, ``runtime.p2p``); ``args.reduce_dtype``
+    (default ``fp32``: the dtype its gradients are all-reduced in); and, where set,
     ``args.first_bucket_bytes`` (the size at which the first bucket closes; DistributedDataParallel's 1 MiB by
     default)."""
     options = SyncOptions(allreduce=vars(args).get("allreduce", "auto"),
                           bucket_cut=vars(args).get("bucket_cut", "exact"),
-                          early_receives=vars(args).get("early_receives", "always"))
+                          early_receives=vars(args).get("early_receives", "always"),
+                          reduce_dtype=vars(args).get("reduce_dtype", "fp32"))
     first = vars(args).get("first_bucket_bytes")
     return options if first is None else replace(options, first_bucket_bytes=float(first))
 
 
 def add_bucket_arguments(parser: argparse.ArgumentParser) -> None:
     """The hetrain plan's options, shared by both benchmarks: the DP cases' ``--ddp-buckets``, ``--bucket-cut``,
-    ``--first-bucket-bytes``, and the pipelines' ``--early-receives`` (read by ``sync_options`` and
-    ``build_torch``)."""
+    ``--first-bucket-bytes``, ``--reduce-dtype``, and the pipelines' ``--early-receives`` (read by
+    ``sync_options`` and ``build_torch``)."""
     parser.add_argument("--ddp-buckets", choices=("torch", "hetrain"), default="torch",
                         help="dp: DistributedDataParallel's own buckets (1 MiB first, cut between parameters; "
                              "default) or hetrain's (cut at the same layer boundaries), to see what the cut costs")
@@ -132,6 +134,9 @@ def add_bucket_arguments(parser: argparse.ArgumentParser) -> None:
                              "parameters (exact, default), or on the next layer boundary (layer)")
     parser.add_argument("--first-bucket-bytes", type=float, metavar="BYTES",
                         help="dp: where hetrain's first gradient bucket closes (default DDP's 1 MiB)")
+    parser.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="dp: the dtype gradients are all-reduced in, by both runtimes (hetrain's sync option "
+                             "reduce_dtype; DDP's bf16_compress_hook)")
     parser.add_argument("--early-receives", choices=("always", "never"), default="always",
                         help="pipelines: hetrain posts a stage's receives one ahead of its RECVs (always, the "
                              "default) or at them (never); sync option early_receives")
@@ -209,12 +214,13 @@ def build_torch(case: str, args: argparse.Namespace, layers: int, batch: Batch,
     """``run(k)``: k more steps of torch's pipelining schedule, or of DistributedDataParallel
     (``hetrain.baselines``, the same runners the emulated speed-up benchmark launches); DDP's buckets its
     own (``args.ddp_buckets`` ``torch``, the default: 1 MiB first, then 25 MiB, cut between parameters) or
-    hetrain's (``hetrain``: ``ddp_bucket_caps_mb``)."""
+    hetrain's (``hetrain``: ``ddp_bucket_caps_mb``); its gradients all-reduced in ``args.reduce_dtype``."""
     opt_fn = build_optimizer_fn("sgd", LR)
     if case == "dp":
         ddp_options = ({"bucket_cap_mb_list": ddp_bucket_caps_mb(args, layers, cluster)}
                        if vars(args).get("ddp_buckets", "torch") == "hetrain" else {})
-        step, _ = build_ddp_step(args.model, args.config, args.global_batch, opt_fn, seed=0, **ddp_options)
+        step, _ = build_ddp_step(args.model, args.config, args.global_batch, opt_fn, seed=0,
+                                 reduce_dtype=vars(args).get("reduce_dtype", "fp32"), **ddp_options)
     else:
         step, _ = build_pipelining_step(args.model, args.config, args.micro_batches, case, opt_fn, seed=0)
 
@@ -307,10 +313,16 @@ def take_turns(runs: dict[str, Callable[[int], None]], args: argparse.Namespace,
 def measure_case(case: str, args: argparse.Namespace, layers: int, batch: Batch,
                  cluster: Cluster) -> tuple[Blocks, ThreadCpu]:
     """Seconds of each block of ``block_steps`` steps, per runtime, the runtimes taking turns (ABBA: ``take_turns``);
-    and the CPU seconds this rank's threads spent in them, per runtime and kind of thread."""
+    and the CPU seconds this rank's threads spent in them, per runtime and kind of thread. Runtimes ``hetrain``
+    and ``torch``; with ``args.both_dtypes`` also ``hetrain-fp32`` and ``torch-fp32``, the same with their
+    gradients all-reduced in fp32 whatever ``args.reduce_dtype``."""
     runs = {"hetrain": build_hetrain(case, args, layers, batch, cluster),
             "torch": build_torch(case, args, layers, batch, cluster)}
-    cpu: dict[str, dict[str, float]] = {"hetrain": {}, "torch": {}}
+    if vars(args).get("both_dtypes"):  # and both again with their gradients all-reduced in fp32 (reduce_dtype.py)
+        fp32 = argparse.Namespace(**{**vars(args), "reduce_dtype": "fp32"})
+        runs["hetrain-fp32"] = build_hetrain(case, fp32, layers, batch, cluster)
+        runs["torch-fp32"] = build_torch(case, fp32, layers, batch, cluster)
+    cpu: dict[str, dict[str, float]] = {name: {} for name in runs}
     before: dict[str, float] = {}
 
     def start(_: str) -> None:

@@ -65,8 +65,9 @@ def rank_main(config_path: str) -> NoReturn:
     os._exit(0)  # skip the process group's C++ teardown, which aborted a rank at exit once (and failed its job)
 
 
-def run_job(name: str, isolate: str, args: argparse.Namespace) -> dict[str, object] | None:
-    """One emulated cluster, one job of every case; what rank 0 wrote, or None (the log's path said)."""
+def run_job(name: str, isolate: str, args: argparse.Namespace, worker: str = __file__) -> dict[str, object] | None:
+    """One emulated cluster, one job of every case; what rank 0 wrote, or None (the log's path said). Each rank
+    runs ``worker --rank-worker CONFIG`` (a script whose main hands that to ``rank_main``)."""
     from emulated_speedup import SCENARIOS
     from hetrain.cluster import parse_cluster
     from hetrain.emulate import EmulatedCluster, parse_emulation_settings
@@ -80,7 +81,9 @@ def run_job(name: str, isolate: str, args: argparse.Namespace) -> dict[str, obje
     result.unlink(missing_ok=True)
     rank_args = {k: getattr(args, k) for k in ("model", "config", "global_batch", "micro_batches", "blocks",
                                                "block_steps", "warmup", "cases", "allreduce", "ddp_buckets",
-                                               "first_bucket_bytes", "bucket_cut", "early_receives")}
+                                               "first_bucket_bytes", "bucket_cut", "early_receives",
+                                               "reduce_dtype")}
+    rank_args["both_dtypes"] = getattr(args, "both_dtypes", False)
     config = out / "config.json"
     config.write_text(json.dumps({"args": rank_args, "cluster_toml": text, "result": str(result.resolve())}))
     log_path = out / "job.log"
@@ -88,7 +91,7 @@ def run_job(name: str, isolate: str, args: argparse.Namespace) -> dict[str, obje
     with open(log_path, "w") as log, EmulatedCluster(parse_cluster(nominal), settings,
                                                      log=lambda m: print(m, file=log, flush=True)) as em:
         print(em.describe(), file=log, flush=True)
-        status = em.launch([sys.executable, str(Path(__file__).resolve()), "--rank-worker", str(config.resolve())],
+        status = em.launch([sys.executable, str(Path(worker).resolve()), "--rank-worker", str(config.resolve())],
                            timeout_s=args.job_timeout, stdout=log, stderr=log)
     took = time.perf_counter() - start
     if status != 0 or not result.exists():

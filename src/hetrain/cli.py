@@ -40,7 +40,7 @@ from hetrain.fields import (
 from hetrain.plan import Plan, PlanError
 from hetrain.planner.search import DEFAULT_TIME_BUDGET_S
 from hetrain.profile import ModelProfile, ProfileError, load_profile
-from hetrain.sync_layout import SYNC_OPTION_HELP, SyncOptions
+from hetrain.sync_layout import SYNC_OPTION_HELP, SyncOptions, check_mode_options
 from hetrain.units import format_time
 
 
@@ -117,10 +117,12 @@ def _load_model_profile(model: str | None, profile_path: str | None, precision: 
 
 
 def _planner_options(args: argparse.Namespace) -> dict[str, Any]:
+    sync_options = SyncOptions.from_items(args.sync_options)
+    check_mode_options(args.sync or "bsp", sync_options, f"--sync {args.sync or 'bsp'} with --sync-option")
     opts: dict[str, Any] = {
         "strategy": args.strategy, "schedule": args.schedule, "sync": args.sync or "bsp",
         "optimizer": args.optimizer, "objective": args.objective, "allow_recompute": not args.no_recompute,
-        "sync_options": SyncOptions.from_items(args.sync_options),
+        "sync_options": sync_options,
         "staleness_penalty": args.staleness_penalty,
     }
     if args.robust_draws is not None:
@@ -209,6 +211,8 @@ def _replan_from(args: argparse.Namespace) -> Plan:
                         f"drop --{given[0].replace('_', '-')}")
     old = load_plan(args.from_plan, check_layout=False, upgrade=True)
     options = SyncOptions.from_items(args.sync_options, old.sync_options)
+    mode = "bsp" if args.sync == "auto" else args.sync or old.sync
+    check_mode_options(mode, options, f"--from {args.from_plan} --sync {mode}")
     if args.sync == "auto":
         base = repredict_sync(old, "bsp", options, simulated_iteration_s)
         return choose_sync_mode(base, args.staleness_penalty, float(base.options.get("target_samples", 1e6)),

@@ -443,14 +443,18 @@ def loss_memory_per_sample(profile: ModelProfile) -> tuple[float, float]:
 OPTIMIZER_STEP_TRANSIENT_PER_PARAM = {"sgd": 0, "momentum": 0, "adam": 1}
 
 
-def estimate_optimizer_step_memory(param_bytes: float, bytes_per_element: int, optimizer: str) -> float:
-    """The optimizer step's transient bytes on top of the weights (fp32 words, like the state and
-    ``param_bytes``; ``bytes_per_element``, the precision of compute, does not change them)."""
-    return OPTIMIZER_STEP_TRANSIENT_PER_PARAM[optimizer] * param_bytes
+def estimate_optimizer_step_memory(param_bytes: float, bytes_per_element: int, optimizer: str,
+                                   reduce_copy: float = 0.0) -> float:
+    """The transient bytes on top of the weights at the end of an iteration (fp32 words, like the state and
+    ``param_bytes``; ``bytes_per_element``, the precision of compute, does not change them): the optimizer
+    step's, or the 16-bit copies of the gradients being all-reduced just before it (``reduce_copy`` bytes per
+    gradient byte, ``SyncOptions.reduce_copy``), whichever is larger: the copies are freed before the step."""
+    return max(OPTIMIZER_STEP_TRANSIENT_PER_PARAM[optimizer], reduce_copy) * param_bytes
 
 
 def estimate_stage_memory(profile: ModelProfile, first: int, end: int, recompute: Sequence[int],
-                          b: int, in_flight_count: int, optimizer: str, with_step: bool = True) -> float:
+                          b: int, in_flight_count: int, optimizer: str, with_step: bool = True,
+                          reduce_copy: float = 0.0) -> float:
     """Peak bytes of a stage holding layers ``[first, end)``.
 
     weights (``estimate_weight_memory``) + ``in_flight_count * b *`` activation
@@ -463,7 +467,8 @@ def estimate_stage_memory(profile: ModelProfile, first: int, end: int, recompute
     recompute transient (an upper bound where the two coincide). The optimizer
     step runs once the activations are freed: the peak is the larger of the
     activation peak and weights + ``estimate_optimizer_step_memory``
-    (``with_step=False``: the activation peak alone, for the simulator's track).
+    (``with_step=False``: the activation peak alone, for the simulator's track); ``reduce_copy``: the 16-bit
+    copies of its gradients, in the same transient (``estimate_optimizer_step_memory``).
     """
     layers = profile.layers
     rc = set(recompute)
@@ -486,7 +491,8 @@ def estimate_stage_memory(profile: ModelProfile, first: int, end: int, recompute
     weights = estimate_weight_memory(params, profile.bytes_per_element, optimizer)
     peak = weights + in_flight_count * b * kept + transient
     if with_step:
-        peak = max(peak, weights + estimate_optimizer_step_memory(params, profile.bytes_per_element, optimizer))
+        peak = max(peak, weights + estimate_optimizer_step_memory(params, profile.bytes_per_element, optimizer,
+                                                                  reduce_copy))
     return peak
 
 

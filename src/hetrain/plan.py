@@ -49,6 +49,7 @@ from hetrain.sync_layout import (
     SyncMode,
     SyncOptions,
     build_sync_layout,
+    check_mode_options,
     check_sync_section,
 )
 from hetrain.units import format_bytes, format_time
@@ -492,6 +493,7 @@ def parse_plan(data: Mapping[str, Any], check_layout: bool = True) -> Plan:
     try:
         sync_options = SyncOptions.from_mapping(require_object(sync, "options", "sync", PlanError, {}),
                                                 "sync.options")
+        check_mode_options(str(sync.get("mode", "bsp")), sync_options, "sync.options")
     except SyncLayoutError as e:
         raise PlanError(str(e)) from None
     plan = Plan(

@@ -58,6 +58,10 @@ EARLY_RECEIVES: tuple[str, ...] = ("always", "never")
 #: ``bucket_cut`` option: a bucket ends on a layer boundary (holding at least its size), or exactly at its size,
 #: inside a layer where it falls there (as DistributedDataParallel cuts between parameters)
 BUCKET_CUTS: tuple[str, ...] = ("layer", "exact")
+#: ``reduce_dtype`` option: the dtype bsp's gradient all-reduces travel in; the first is the default
+REDUCE_DTYPES: tuple[str, ...] = ("fp32", "bf16")
+#: bytes on the wire per byte of (fp32) gradient, by ``reduce_dtype``
+REDUCE_WIRE: dict[str, float] = {"fp32": 1.0, "bf16": 0.5}
 #: DistributedDataParallel's default bucket size (``bucket_cap_mb=25``)
 BUCKET_BYTES = 25 * 2**20
 #: its first bucket's (``_DEFAULT_FIRST_BUCKET_BYTES``), so the last layers' all-reduce starts early
@@ -109,6 +113,8 @@ _BOUNDS: dict[str, _Bound] = {
                         help="overlap: a p2p transfer overlaps compute; blocking: it holds sender and receiver"),
     "early_receives": _Bound(str, choices=EARLY_RECEIVES,
                              help="always: a stage's receives posted one ahead of its RECVs; never: at them"),
+    "reduce_dtype": _Bound(str, choices=REDUCE_DTYPES,
+                           help="the dtype gradients are all-reduced in: fp32, or bf16 (half the bytes; bsp)"),
 }
 SYNC_OPTION_HELP = ", ".join(b.describe(name) for name, b in _BOUNDS.items())
 
@@ -140,6 +146,12 @@ class SyncOptions:
             RECV (``never``, torch.distributed.pipelining's way: 4% faster on an unthrottled CPU host whose
             pipeline moves many 1 kB transfers, much slower where the ranks' CPU is the bottleneck;
             ``runtime.p2p``). A runtime setting: the simulator and the planner do not read it.
+        reduce_dtype: the dtype ``bsp``'s gradient all-reduces travel in: ``fp32`` (the default) or ``bf16``
+            (each bucket cast to bfloat16 for its all-reduce and back into the fp32 gradients after it: half
+            the bytes on every link, at bfloat16's 8-bit mantissa in the sum; DistributedDataParallel's
+            ``bf16_compress_hook``, Megatron-LM's default under bf16). The cost model prices the all-reduces
+            at ``REDUCE_WIRE`` bytes per gradient byte and the memory model counts the copies. Other modes
+            average weights or push to parameter servers in fp32 and refuse ``bf16`` (``check_mode_options``).
     """
 
     staleness: int = 1
@@ -154,10 +166,22 @@ class SyncOptions:
     allreduce: str = ALLREDUCE_CHOICES[0]
     transfers: str = TRANSFER_CHOICES[0]
     early_receives: str = EARLY_RECEIVES[0]
+    reduce_dtype: str = REDUCE_DTYPES[0]
 
     def __post_init__(self) -> None:
         for f in fields(self):
             _check(f.name, getattr(self, f.name), "sync options")
+
+    @property
+    def reduce_wire(self) -> float:
+        """Bytes a gradient all-reduce moves per byte of fp32 gradient (``reduce_dtype``)."""
+        return REDUCE_WIRE[self.reduce_dtype]
+
+    @property
+    def reduce_copy(self) -> float:
+        """Bytes of 16-bit gradient copies per byte of the gradients a rank all-reduces, alive from a bucket's
+        post to its wait (0 in fp32: the all-reduce runs in the gradient buffer itself)."""
+        return 0.0 if self.reduce_dtype == REDUCE_DTYPES[0] else self.reduce_wire
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -190,6 +214,24 @@ class SyncOptions:
                 raise SyncLayoutError(f"--sync-option {item!r}: unknown key {key!r}; known: {SYNC_OPTION_HELP}")
             out[key] = _coerce(key, value, f"--sync-option {item!r}")
         return replace(base or SyncOptions(), **out)
+
+
+def modes_for(options: SyncOptions) -> tuple[str, ...]:
+    """The sync modes that can run with ``options``: every mode, or ``bsp`` alone where gradients are
+    all-reduced in 16 bits (``reduce_dtype``), which only ``bsp``'s all-reduces do."""
+    return SYNC_MODES if options.reduce_dtype == REDUCE_DTYPES[0] else ("bsp",)
+
+
+def check_mode_options(mode: str, options: SyncOptions, where: str = "sync options") -> None:
+    """Refuse options that ``mode`` cannot run, naming the option and its value.
+
+    Raises:
+        SyncLayoutError: ``reduce_dtype`` other than fp32 under a mode other than ``bsp``.
+    """
+    if mode in SYNC_MODES and mode not in modes_for(options):
+        raise SyncLayoutError(f"{where}: reduce_dtype={options.reduce_dtype} applies to the bsp mode's gradient "
+                              f"all-reduces; sync mode {mode} exchanges weights and updates in fp32 "
+                              f"(use reduce_dtype=fp32, or sync bsp)")
 
 
 def _coerce(key: str, value: Any, where: str) -> Any:
@@ -492,6 +534,8 @@ def build_sync_layout(cluster: Cluster, profile: ModelProfile, stages: Sequence[
     """
     if mode not in SYNC_MODES:
         raise SyncLayoutError(f"sync mode must be one of {', '.join(SYNC_MODES)}, got {mode!r}")
+    check_mode_options(mode, options)
+    wire = options.reduce_wire
     index = {d.name: d.index for d in cluster.devices}
     node_of = {d.name: d.node for d in cluster.devices}
     layer_bytes = [float(x.param_bytes) for x in profile.layers]
@@ -502,8 +546,8 @@ def build_sync_layout(cluster: Cluster, profile: ModelProfile, stages: Sequence[
         if seg.shared:
             shape = allreduce_shape(cluster, [index[o] for o in owners])
 
-            def algorithm(size: float, shape: Any = shape) -> str:
-                return estimate_allreduce(size, shape, options.allreduce)[1]
+            def algorithm(size: float, shape: Any = shape) -> str:  # priced on the bytes that travel
+                return estimate_allreduce(size * wire, shape, options.allreduce)[1]
 
             seg = replace(seg, algorithm=algorithm(num_bytes))
             if mode == "bsp" and options.bucket_cut == "exact":

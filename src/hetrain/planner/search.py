@@ -72,7 +72,7 @@ from hetrain.planner.stage_cost import StageTableCache
 from hetrain.planner.sync import Scorer, choose_sync_mode, estimate_mode_sync_time
 from hetrain.planner.vw import VWEvaluator, canonical_devices, vw_signature
 from hetrain.profile import ModelProfile
-from hetrain.sync_layout import SYNC_MODES, SyncMode, SyncOptions
+from hetrain.sync_layout import SYNC_MODES, SyncMode, SyncOptions, check_mode_options, modes_for
 from hetrain.units import format_bytes
 
 INF = float("inf")
@@ -162,6 +162,7 @@ class PlannerOptions:
             raise ValueError(f"sync must be auto or one of {SYNC_MODES}, got {self.sync!r}")
         if not isinstance(self.sync_options, SyncOptions):
             raise ValueError(f"sync_options must be a SyncOptions, got {type(self.sync_options).__name__}")
+        check_mode_options(self.sync, self.sync_options)
         if not self.staleness_penalty >= 0:
             raise ValueError(f"staleness_penalty must be >= 0, got {self.staleness_penalty}")
         if self.optimizer not in OPTIMIZERS:
@@ -346,7 +347,7 @@ def _to_plan(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: Planne
         for j, d in enumerate(r.devices):
             k, l = r.cuts[j], r.cuts[j + 1]
             mem = estimate_stage_memory(profile, k, l, r.recompute[j], r.b, in_flight(c.schedule, r.m, p, j),
-                                        opts.optimizer)
+                                        opts.optimizer, reduce_copy=opts.sync_options.reduce_copy * (len(c.parts) > 1))
             stages.append(Stage(d.name, k, l, r.recompute[j], r.forward_s[j], r.backward_s[j], mem))
             memory.append(DeviceMemory(d.name, estimate_device_memory(profile, d, mem), d.memory_bytes))
         vws.append(VirtualWorker(tuple(stages), mini, r.m, r.pipeline_s))
@@ -368,7 +369,7 @@ def _to_plan(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: Planne
                                                            c.extra.get("traffic"))),
                    "iteration_s": c.pipeline_s + c.optimizer_s + s,
                    "samples_per_s": c.global_batch / (c.pipeline_s + c.optimizer_s + s)}
-            for mode in SYNC_MODES}
+            for mode in modes_for(opts.sync_options)}
     if opts.critical_batch:
         options["critical_batch"] = opts.critical_batch
     return Plan(
@@ -501,7 +502,8 @@ def _plan_within(cluster: Cluster, profile: ModelProfile, global_batch: int, opt
     if opts.sync == "auto":  # plan for BSP, then pick the mode by predicted time to accuracy (docs/sync.md)
         base = _plan_within(cluster, profile, global_batch, replace(opts, sync="bsp"), score, budget)
         # every mode of the chosen plan simulated, where they fit; else the closed forms choose
-        by_simulation = score is not None and opts.simulate_top_k != 0 and budget.fits([base] * len(SYNC_MODES))
+        modes = len(modes_for(opts.sync_options))
+        by_simulation = score is not None and opts.simulate_top_k != 0 and budget.fits([base] * modes)
         chosen = choose_sync_mode(base, opts.staleness_penalty, opts.target_samples, opts.critical_batch,
                                   budget.timed(score) if by_simulation and score is not None else None)
         counts = {**base.options[REPORT_KEY], "simulations": budget.simulations}

@@ -61,7 +61,7 @@ class SegmentJob(NamedTuple):
 
     Attributes:
         owners: its owners' device indices.
-        num_bytes: its gradient bytes.
+        num_bytes: the bytes its all-reduce moves: its gradient bytes, times ``SyncOptions.reduce_wire``.
         scale: its seconds over one all-reduce of ``num_bytes`` by ``algorithm`` (bucket by bucket, each bucket
             pays the latency terms: ``sum_b t(b) / t(num_bytes)``; 1 for one all-reduce of the whole segment).
         lead_s: seconds before the pipeline's end it may start (``estimate_shared_sync_time``).

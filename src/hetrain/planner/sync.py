@@ -42,12 +42,12 @@ from hetrain.planner.sharing import (
 )
 from hetrain.profile import ModelProfile
 from hetrain.sync_layout import (
-    SYNC_MODES,
     Layout,
     SyncOptions,
     backward_after,
     cut_buckets,
     cut_buckets_exact,
+    modes_for,
     place_ps_shard,
 )
 from hetrain.sync_layout import group_segments as build_segments
@@ -61,7 +61,7 @@ def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequenc
                        bucket_bytes: float = SyncOptions.bucket_bytes,
                        traffic: PipelineTraffic | None = None,
                        first_bucket_bytes: float = SyncOptions.first_bucket_bytes,
-                       bucket_cut: str = SyncOptions.bucket_cut) -> float:
+                       bucket_cut: str = SyncOptions.bucket_cut, wire: float = 1.0) -> float:
     """Seconds of BSP gradient all-reduce left after the backward pass: the busiest device's, or the busiest
     shared link's.
 
@@ -92,6 +92,9 @@ def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequenc
       (``estimate_tail``).
 
     Where every all-reduce has its links to itself the per-device form is the largest.
+
+    ``wire`` is the bytes each all-reduce moves per byte of gradient (``SyncOptions.reduce_wire``: 0.5 where
+    they travel in bf16); buckets are cut on the gradients' own bytes, as the runtime cuts its fp32 buffer.
     """
     lead_s = traffic.lead_s if traffic is not None else hide_s
     per_device: dict[int, float] = {}
@@ -103,18 +106,18 @@ def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequenc
         if len(owners) < 2:
             continue
         num_bytes = sum(profile.layers[i].param_bytes for i in range(first, end))
-        t = estimate_allreduce_time(cluster, owners, num_bytes)
-        job = SegmentJob(owners, num_bytes)
+        t = estimate_allreduce_time(cluster, owners, num_bytes * wire)
+        job = SegmentJob(owners, num_bytes * wire)
         if traffic is not None and t > 0:  # the planner's BSP estimate: bucket by bucket, as the plan cuts them
             cut = cut_buckets_exact if bucket_cut == "exact" else cut_buckets
             cuts = cut(layer_bytes, first, end, first_bucket_bytes, bucket_bytes)
             shape = allreduce_shape(cluster, owners)
-            priced = [estimate_allreduce(size, shape) for _, _, size in cuts]
+            priced = [estimate_allreduce(size * wire, shape) for _, _, size in cuts]
             by_bucket = sum(s for s, _ in priced)
             # the replay runs each bucket by its own algorithm (sync_layout): the phases are its largest
             # bucket's; 134 hierarchical buckets hold the NICs as no flat ring of the whole segment does
             algorithm = max(zip(cuts, priced, strict=True), key=lambda x: x[0][2])[1][1]
-            whole = estimate_allreduce(num_bytes, shape, algorithm)[0]
+            whole = estimate_allreduce(num_bytes * wire, shape, algorithm)[0]
             # the first bucket is final once the backward of its layers is over: its share of the segment's
             # backward seconds (a head of 8 kB and 105 GFLOPs is most of its bucket's time, none of its bytes)
             g = estimate_layer_times(profile, cluster.devices[owners[0]], 1)[1]
@@ -124,7 +127,7 @@ def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequenc
             share = before / seg_s if seg_s > 0 else cuts[0][2] / num_bytes
             job = job._replace(scale=by_bucket / whole, share=share, buckets=len(cuts), algorithm=algorithm)
             t = by_bucket
-        last = t if num_bytes <= bucket_bytes else estimate_allreduce_time(cluster, owners, bucket_bytes)
+        last = t if num_bytes <= bucket_bytes else estimate_allreduce_time(cluster, owners, bucket_bytes * wire)
         for d in owners:
             per_device[d] = per_device.get(d, 0.0) + t
             by_device.setdefault(d, []).append((len(jobs), t))
@@ -245,7 +248,7 @@ def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Se
     k, a, stale, placement = options.period, options.aggregate, options.staleness, options.placement
     if mode == "bsp":
         return estimate_sync_time(cluster, profile, layouts, hide_s, options.bucket_bytes, traffic,
-                                  options.first_bucket_bytes, options.bucket_cut)
+                                  options.first_bucket_bytes, options.bucket_cut, options.reduce_wire)
     if mode == "local-sgd":
         return estimate_sync_time(cluster, profile, layouts) / k
     if mode == "daso":
@@ -433,7 +436,7 @@ def repredict_sync(plan: Plan, mode: str, options: SyncOptions, score: Scorer | 
     pr = plan.prediction
     compute_s = pr.pipeline_s + pr.optimizer_s
     table = {}
-    for m in SYNC_MODES:  # every mode's closed form, as the planner records them (docs/sync.md)
+    for m in modes_for(options):  # every mode's closed form, as the planner records them (docs/sync.md)
         s = estimate_mode_sync_time(plan.cluster, plan.profile, layouts, m, options, compute_s, hide, traffic)
         table[m] = {"sync_s": s, "iteration_s": compute_s + s,
                     "samples_per_s": plan.global_batch / (compute_s + s) if compute_s + s > 0 else 0.0}

@@ -45,6 +45,11 @@ all-reduce and the broadcast from a background thread as soon as the reduce
 has landed, so that the later phases overlap the rest of the backward (and the
 next buckets) as the simulator has them, not wait for the ALLREDUCE_WAIT.
 
+With the sync option ``reduce_dtype = "bf16"`` a bucket (or segment) is cast to
+bfloat16 when it is posted and every phase all-reduces the copy; ``wait`` (or
+``allreduce``) copies the sum back into the fp32 gradients: half the bytes on
+every link (``wire_bytes`` counts what this rank handed to its all-reduces).
+
 The owners of a process group must issue its collectives in one order. The
 reduces are posted by the main thread in bucket order; the later phases by one
 thread per rank (``_Chain``) that takes the buckets in the order their reduces
@@ -215,6 +220,17 @@ def _element_at(x: float, starts: Mapping[int, int]) -> int:
     return starts[k] + round((x - k) * (starts[k + 1] - starts[k]))
 
 
+#: the dtype gradients are all-reduced in, by sync option ``reduce_dtype`` (None: their own)
+WIRE_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
+
+
+def _from_wire(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each all-reduced wire tensor back into the gradients it was cast from (``GradientSync._to_wire``)."""
+    for grad, wire in pairs:
+        if wire is not grad:
+            grad.copy_(wire)
+
+
 class GradientSync:
     """Flat gradient buffers of one stage, per segment, and their all-reduce among the segment's owners.
 
@@ -247,6 +263,10 @@ class GradientSync:
         self.hierarchical: dict[tuple[str, ...], Hierarchy] = dict(getattr(groups, "hierarchical", {}))
         self.calls = {"ring": 0, "hierarchical": 0}  # all-reduces run (segments or buckets), by algorithm
         self.posted_early = 0  # buckets posted during the backward, before their ALLREDUCE_START
+        # the dtype gradients travel in where it is not theirs (sync option reduce_dtype), and what went out
+        self.wire_dtype: torch.dtype | None = WIRE_DTYPES[plan.sync_options.reduce_dtype]
+        self.wire_bytes = 0  # bytes handed to this rank's gradient all-reduces (each phase's tensors once)
+        self._unpack: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}  # bucket -> copies
         # segment index -> [(flat buffer, [(param, its .grad: a view of the buffer)])], one entry per dtype
         self.buffers: dict[int, list[tuple[torch.Tensor, list[tuple[nn.Parameter, torch.Tensor]]]]] = {}
         # (segment, bucket) -> its slice of each flat buffer, its parameters, whether it goes hierarchically
@@ -331,15 +351,18 @@ class GradientSync:
         for flat, placed in self.buffers.get(s, []):
             self._repoint(placed)
             flats.append(flat)
+        pairs = self._to_wire(flats)
+        sent = [w for _, w in pairs]
         h = self.hierarchical.get(seg.owners) if self.segment_hierarchical[s] else None
         if h is None:
             peers = sorted(self.rank_of[d] for d in seg.owners)
             group = self.groups[seg.owners]
-            self._wait_all([dist.all_reduce(f, op=dist.ReduceOp.SUM, group=group, async_op=True) for f in flats],
+            self._wait_all([dist.all_reduce(f, op=dist.ReduceOp.SUM, group=group, async_op=True) for f in sent],
                            s, what, peers)
             self.calls["ring"] += 1
-            return
-        self._wait_done(self._post_hierarchical(h, flats, s, what), s, what, seg.owners)
+        else:
+            self._wait_done(self._post_hierarchical(h, sent, s, what), s, what, seg.owners)
+        _from_wire(pairs)
 
     def close(self) -> None:
         """Stop the background thread of the hierarchical all-reduces (if one was started)."""
@@ -381,9 +404,10 @@ class GradientSync:
         works = self._posted.pop(key)
         if isinstance(works, _Done):
             self._wait_done(works, s, what, self.segments[s].owners)
-            return
-        self._wait_all(works, s, what, sorted(self.rank_of[d] for d in self.segments[s].owners))
-        self.calls["ring"] += 1
+        else:
+            self._wait_all(works, s, what, sorted(self.rank_of[d] for d in self.segments[s].owners))
+            self.calls["ring"] += 1
+        _from_wire(self._unpack.pop(key, ()))
 
     def landed(self, s: int, b: int, timeout_s: float = 0.0) -> bool:
         """Whether bucket ``b`` of segment ``s``, posted and not yet waited for, has finished all its
@@ -414,8 +438,11 @@ class GradientSync:
     def _post(self, key: tuple[int, int]) -> None:
         """Post the (first phase of the) all-reduce of bucket ``key``, without waiting."""
         s, b = key
-        views = self.bucket_views.get(key, [])
         self._repoint(self.bucket_placed.get(key, ()))
+        pairs = self._to_wire(self.bucket_views.get(key, []))
+        if any(v is not w for v, w in pairs):
+            self._unpack[key] = pairs
+        views = [w for _, w in pairs]
         owners = self.segments[s].owners
         h = self.hierarchical.get(owners) if self.bucket_hierarchical.get(key) else None
         if h is not None:
@@ -429,6 +456,14 @@ class GradientSync:
             raise self.health.peer_error(self._failure(s, f"ALLREDUCE_START seg{s} bucket{b}", e), peers,
                                          e) from None
         self._posted[key] = works
+
+    def _to_wire(self, tensors: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(gradients, what the all-reduce sends) per tensor: a ``wire_dtype`` copy, or the tensor itself
+        where it is in that dtype already or no other is asked for; counts the bytes in ``wire_bytes``."""
+        dtype = self.wire_dtype
+        pairs = [(t, t if dtype is None or t.dtype == dtype else t.to(dtype)) for t in tensors]
+        self.wire_bytes += sum(w.numel() * w.element_size() for _, w in pairs)
+        return pairs
 
     def _post_hierarchical(self, h: Hierarchy, tensors: Sequence[torch.Tensor], s: int, what: object) -> _Done:
         """Post the first phase now; the chain thread runs the rest as soon as it has landed."""

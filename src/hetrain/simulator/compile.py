@@ -97,7 +97,9 @@ def estimate_stage_costs(plan: Plan, vw: VirtualWorker, stage: Stage, device: De
     sizes = vw.micro_batch_sizes
     return StageCosts(
         weights_bytes=weights,
-        step_transient_bytes=estimate_optimizer_step_memory(param_bytes, profile.bytes_per_element, plan.optimizer),
+        step_transient_bytes=max(estimate_optimizer_step_memory(param_bytes, profile.bytes_per_element,
+                                                                plan.optimizer),
+                                 plan.sync_options.reduce_copy * _shared_param_bytes(plan, stage)),
         optimizer_s=estimate_optimizer_time(param_bytes, profile.bytes_per_element, device, plan.optimizer, profile)
         + estimate_iteration_overhead(profile, device),
         overhead_s=overhead,
@@ -105,6 +107,12 @@ def estimate_stage_costs(plan: Plan, vw: VirtualWorker, stage: Stage, device: De
         activation_bytes=[per_size[b][2] for b in sizes], transient_bytes=[per_size[b][3] for b in sizes],
         layer_times=layer_times,
     )
+
+
+def _shared_param_bytes(plan: Plan, stage: Stage) -> float:
+    """Bytes of ``stage``'s gradients that it all-reduces with other owners (its layers in shared segments)."""
+    shared = [(seg.first_layer, seg.end_layer) for seg in plan.segments() if seg.shared and stage.device in seg.owners]
+    return float(sum(plan.profile.layers[i].param_bytes for i in stage.layers if any(a <= i < b for a, b in shared)))
 
 
 @dataclass(frozen=True)
@@ -461,7 +469,8 @@ class _Compiler:
         if op is None:
             bucket = self.segments[a.segment].buckets[a.bucket]
             cid = self._collective_id((K.ALLREDUCE_START, a.segment, (a.bucket,), it),
-                                      self.segments[a.segment].owners, bucket.param_bytes, bucket.algorithm,
+                                      self.segments[a.segment].owners,
+                                      bucket.param_bytes * self.plan.sync_options.reduce_wire, bucket.algorithm,
                                       f"ALLREDUCE seg{a.segment} bucket{a.bucket}")
             op = self.bucket_ops[key] = (BucketStart(cid, str(a), bucket) if a.kind is K.ALLREDUCE_START
                                          else BucketWait(cid, str(a)))
@@ -499,7 +508,9 @@ class _Compiler:
         elif k is K.AVERAGE_MERGE:  # the average this device started last
             started = self.last_start[(dev.d, s)]
         algorithm = seg.algorithm if len(members) == len(seg.owners) else "ring"  # within one node: the ring
-        cid = self._collective_id((kind, s, tuple(members), started), members, seg.param_bytes, algorithm,
+        # bsp's gradients travel in reduce_dtype (other modes refuse bf16: sync_layout.check_mode_options)
+        num_bytes = seg.param_bytes * (self.plan.sync_options.reduce_wire if k is K.ALLREDUCE else 1.0)
+        cid = self._collective_id((kind, s, tuple(members), started), members, num_bytes, algorithm,
                                   f"{k.value if k in COLLECTIVE_KINDS else 'AVERAGE'} seg{s}")
         if k is K.AVERAGE_START:
             return AverageStart(cid, str(a))
