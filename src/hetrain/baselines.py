@@ -175,7 +175,7 @@ def run_baseline(kind: str, model: str, *, data: str | None = None, global_batch
                  micro_batches: int = 4, schedule: str = "1f1b", optimizer: str = "sgd", lr: float | None = None,
                  seed: int = 0, data_seed: int = 0, model_config: dict[str, Any] | None = None,
                  metrics_out: str | Path | None = None, weights_out: str | Path | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> list[dict[str, Any]]:
+                 timeout_s: float = DEFAULT_TIMEOUT_S, reduce_dtype: str = "fp32") -> list[dict[str, Any]]:
     """Train ``model`` with a torch baseline on this rank of an initialised torchrun job; the per-step rows.
 
     Args:
@@ -192,6 +192,7 @@ def run_baseline(kind: str, model: str, *, data: str | None = None, global_batch
         metrics_out: where the last rank writes the rows (JSONL).
         weights_out: a directory where every rank saves its module's ``state_dict`` as ``rank{r}.pt``.
         timeout_s: the process group's timeout (every wait).
+        reduce_dtype: ``fp32`` or ``bf16``: the dtype DDP all-reduces its gradient buckets in (ddp only).
 
     Returns:
         The rows on every rank; ``loss`` is the batch's mean loss (summed over the ranks at the end).
@@ -218,9 +219,11 @@ def run_baseline(kind: str, model: str, *, data: str | None = None, global_batch
     if kind == "pipelining" and (micro_batches < 1 or global_batch % micro_batches):
         raise BaselineError(f"torch pipelining needs equal micro-batches: global batch {global_batch} does not "
                             f"split into {micro_batches}")
+    if reduce_dtype not in ("fp32", "bf16") or (reduce_dtype != "fp32" and kind != "ddp"):
+        raise BaselineError(f"--reduce-dtype {reduce_dtype}: fp32 or bf16, and bf16 for the ddp baseline only")
     opt_fn = build_optimizer_fn(optimizer, lr)
     if kind == "ddp":
-        step, module = build_ddp_step(model, config, global_batch, opt_fn, seed)
+        step, module = build_ddp_step(model, config, global_batch, opt_fn, seed, reduce_dtype=reduce_dtype)
         peers = f"ranks {', '.join(str(r) for r in range(world) if r != rank)} (DDP's all-reduce)"
     else:
         step, module = build_pipelining_step(model, config, micro_batches, schedule, opt_fn, seed)
@@ -250,7 +253,7 @@ def run_baseline(kind: str, model: str, *, data: str | None = None, global_batch
         torch.save(module.state_dict(), Path(weights_out) / f"rank{rank}.pt")
     if metrics_out is not None and rank == world - 1:
         head = {"baseline": kind, "runtime": "torch " + torch.__version__, "model": model, "ranks": world,
-                "global_batch": global_batch, "optimizer": optimizer}
+                "global_batch": global_batch, "optimizer": optimizer, "reduce_dtype": reduce_dtype}
         if kind == "pipelining":
             head.update(micro_batches=micro_batches, schedule=schedule,
                         stage_bounds=even_bounds(num_layers(model, **config), world))
@@ -284,6 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--metrics-out", default=None, help="per-step rows, JSONL (written by the last rank)")
     parser.add_argument("--weights-out", default=None, help="directory for each rank's state_dict")
     parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S, help="longest wait, seconds")
+    parser.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="ddp: all-reduce the gradient buckets in bf16 (as hetrain's sync option reduce_dtype)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     try:
@@ -291,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             micro_batches=args.micro_batches, schedule=args.schedule, optimizer=args.optimizer,
                             lr=args.lr, seed=args.seed, data_seed=args.data_seed,
                             model_config=_model_config(args.model_config), metrics_out=args.metrics_out,
-                            weights_out=args.weights_out, timeout_s=args.timeout_s)
+                            weights_out=args.weights_out, timeout_s=args.timeout_s, reduce_dtype=args.reduce_dtype)
     except (BaselineError, ValueError) as e:
         print(f"hetrain.baselines: error: {e}", file=sys.stderr, flush=True)
         sys.stderr.flush()

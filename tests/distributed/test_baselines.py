@@ -42,14 +42,14 @@ def reference_weights() -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def run_baseline(kind: str, tmp_path: Path, clean_env: dict[str, str], free_port, spawn) -> Path:
-    out = tmp_path / kind
+def run_baseline(kind: str, tmp_path: Path, clean_env: dict[str, str], free_port, spawn, *extra: str) -> Path:
+    out = tmp_path / "-".join((kind, *extra))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", "0",
            "-m", "hetrain.baselines", kind, "--data", "synthetic", "--global-batch", str(BATCH),
            "--steps", str(STEPS), "--micro-batches", "2", "--lr", str(LR), "--timeout-s", "60",
            "--metrics-out", str(out / "metrics.jsonl"), "--weights-out", str(out),
-           *(f"--set={k}={v}" for k, v in GPT.items())]
+           *(f"--set={k}={v}" for k, v in GPT.items()), *extra]
     p = spawn(cmd, clean_env)
     try:
         _, err = p.communicate(timeout=180)
@@ -69,10 +69,15 @@ def check_rows(path: Path, kind: str) -> None:
         assert 0 < r["loss"] < 10
 
 
-def assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+def assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str,
+                 tolerance: float = 1e-5) -> float:
+    """Every tensor of ``got`` within ``tolerance`` of ``want`` (relative); the worst relative error."""
+    worst = 0.0
     for key, value in got.items():
         err = float((value - want[key]).norm() / want[key].norm().clamp_min(1e-12))
-        assert err <= 1e-5, f"{what}: {key} differs from single-process training by {err:.2e} (relative)"
+        assert err <= tolerance, f"{what}: {key} differs from single-process training by {err:.2e} (relative)"
+        worst = max(worst, err)
+    return worst
 
 
 def test_ddp_baseline_trains_like_one_process(tmp_path: Path, clean_env, free_port, spawn) -> None:
@@ -83,6 +88,17 @@ def test_ddp_baseline_trains_like_one_process(tmp_path: Path, clean_env, free_po
         got = torch.load(out / f"rank{r}.pt")
         assert set(got) == set(want)
         assert_close(got, want, f"DDP rank {r}")
+
+
+def test_ddp_baseline_in_bf16_trains_within_bf16s_rounding(tmp_path: Path, clean_env, free_port, spawn) -> None:
+    """``--reduce-dtype bf16``: DDP's buckets all-reduced in bfloat16 (its Gloo-capable hook), as hetrain's sync
+    option reduce_dtype does: within bf16's rounding of one process (2^-9 per rounding; tests/test_reduce_dtype.py),
+    and further than fp32's 1e-5, or nothing was rounded."""
+    out = run_baseline("ddp", tmp_path, clean_env, free_port, spawn, "--reduce-dtype", "bf16")
+    assert json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["reduce_dtype"] == "bf16"
+    want = reference_weights()
+    worst = max(assert_close(torch.load(out / f"rank{r}.pt"), want, f"DDP bf16 rank {r}", 2e-2) for r in range(2))
+    assert worst > 1e-5, f"DDP in bf16 is within fp32's error of one process ({worst:.1e})"
 
 
 def test_pipelining_baseline_trains_like_one_process(tmp_path: Path, clean_env, free_port, spawn) -> None:
