@@ -13,11 +13,13 @@ test_runtime_equivalence.py.
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from hetrain import plan
+from hetrain.cli import main
 from hetrain.cluster import Cluster, parse_cluster
 from hetrain.cost import (
     allreduce_shape,
@@ -29,7 +31,7 @@ from hetrain.cost import (
 )
 from hetrain.errors import InputError
 from hetrain.models.analytic import build_mlp_profile, build_profile
-from hetrain.plan import Plan, PlanError, Prediction, Stage, VirtualWorker, parse_plan
+from hetrain.plan import Plan, PlanError, Prediction, Stage, VirtualWorker, load_plan, parse_plan
 from hetrain.planner.sync import estimate_mode_sync_time
 from hetrain.profile import ModelProfile
 from hetrain.simulator import simulate
@@ -148,3 +150,27 @@ def test_with_sync_to_another_mode_is_refused() -> None:
     with pytest.raises(SyncLayoutError, match="sync mode local-sgd"):
         p.with_sync("local-sgd")
     assert replace(p, sync_options=SyncOptions()).with_sync("local-sgd").sync == "local-sgd"
+
+
+def test_hetrain_plan_says_what_bf16_would_give_and_refuses_it_with_another_mode(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cluster = tmp_path / "c.toml"
+    cluster.write_text('name = "2x2"\n' + "".join(
+        f'[[node]]\nname = "{n}"\ndevices = [{{ type = "A100-40GB", count = 2 }}]\nintra_link = "nvlink3"\n'
+        'nic = "1Gbit/s"\n' for n in ("n0", "n1")))
+    base = ["plan", "--cluster", str(cluster), "--model", "gpt2-small", "--global-batch", "64", "--strategy", "dp",
+            "--time-budget", "5s"]
+    assert main([*base, "-o", str(tmp_path / "fp32.json")]) == 0
+    hint = [line for line in capsys.readouterr().out.splitlines() if "reduce_dtype=bf16" in line]
+    assert len(hint) == 1 and "samples/s on these stages" in hint[0]
+    assert main([*base, "--sync-option", "reduce_dtype=bf16", "-o", str(tmp_path / "bf16.json")]) == 0
+    out = capsys.readouterr().out
+    assert "reduce_dtype=bf16" not in out  # no hint once it is the plan's
+    bf16 = load_plan(tmp_path / "bf16.json")
+    assert bf16.sync_options.reduce_dtype == "bf16"
+    assert bf16.prediction.samples_per_s > load_plan(tmp_path / "fp32.json").prediction.samples_per_s
+    assert main([*base, "--sync", "wsp", "--sync-option", "reduce_dtype=bf16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["hetrain plan: error: --sync wsp with --sync-option: reduce_dtype=bf16 applies to the bsp mode's "
+                   "gradient all-reduces; sync mode wsp exchanges weights and updates in fp32 (use reduce_dtype=fp32, "
+                   "or sync bsp)"]

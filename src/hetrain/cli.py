@@ -194,7 +194,26 @@ def format_sync_modes(result: Plan, staleness_penalty: float) -> str:
                                                          float(result.options.get("target_samples", 1e6)))]
         head = (f"sync modes for this plan's VWs (closed form; staleness penalty {staleness_penalty:g}; "
                 "--sync auto picks by time to accuracy):")
-    return head + "\n" + format_mode_table(rows, result.sync)
+    return head + "\n" + format_mode_table(rows, result.sync) + _bf16_hint(result)
+
+
+def _bf16_hint(result: Plan) -> str:
+    """Where ``result`` all-reduces gradients in fp32 under bsp and that takes time: a line with its closed-form
+    samples/s were they all-reduced in bf16 (sync option ``reduce_dtype``, docs/sync.md), the same stages."""
+    from hetrain.planner.sync import repredict_sync
+
+    if result.sync != "bsp" or result.sync_options.reduce_dtype != "fp32" or result.prediction.sync_s <= 0:
+        return ""
+    table = result.options.get("sync_predictions", {})
+    if "bsp" not in table:
+        return ""
+    now = float(table["bsp"]["samples_per_s"])
+    bf16 = repredict_sync(result, "bsp", replace(result.sync_options, reduce_dtype="bf16"))
+    gain = bf16.prediction.samples_per_s / now if now > 0 else 1.0
+    if gain < 1.01:
+        return ""
+    return (f"\n  gradients all-reduced in bf16 (--sync-option reduce_dtype=bf16): {bf16.prediction.samples_per_s:.1f} "
+            f"samples/s on these stages, {gain:.2f}x (closed form; bf16's rounding of the sums, docs/sync.md)")
 
 
 def _replan_from(args: argparse.Namespace) -> Plan:
