@@ -265,7 +265,7 @@ class GradientSync:
         self.posted_early = 0  # buckets posted during the backward, before their ALLREDUCE_START
         # the dtype gradients travel in where it is not theirs (sync option reduce_dtype), and what went out
         self.wire_dtype: torch.dtype | None = WIRE_DTYPES[plan.sync_options.reduce_dtype]
-        self.wire_bytes = 0  # bytes handed to this rank's gradient all-reduces (each phase's tensors once)
+        self.wire_bytes = 0  # bytes this rank handed to its gradient all-reduces (once per all-reduce, all phases)
         self._unpack: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}  # bucket -> copies
         # segment index -> [(flat buffer, [(param, its .grad: a view of the buffer)])], one entry per dtype
         self.buffers: dict[int, list[tuple[torch.Tensor, list[tuple[nn.Parameter, torch.Tensor]]]]] = {}
