@@ -1,8 +1,11 @@
-"""What the emulated benchmarks share before they start: their step options checked, and root."""
+"""What the emulated benchmarks share: their step options checked and root before they start; their ending."""
 
 from __future__ import annotations
 
 import argparse
+import sys
+
+from _results import write_section
 
 
 def ready_to_emulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> bool:
@@ -26,3 +29,15 @@ def can_emulate() -> bool:
         print(f"skipped: {e}")
         return False
     return True
+
+
+def finish(args: argparse.Namespace, failed: list[str], script: str, title: str, table: str, notes: str) -> int:
+    """Print ``notes`` and what failed; write ``table`` and ``notes`` as RESULTS.md's section ``title`` (the
+    command: ``script`` and this run's arguments) unless ``args.no_write`` or something failed; the exit status."""
+    print(notes)
+    if failed:
+        print(f"failed: {', '.join(failed)} (their logs are under {args.out})")
+    if not args.no_write and not failed:
+        command = f"sudo -E .venv/bin/python benchmarks/{script} " + " ".join(sys.argv[1:])
+        write_section(title, command.strip(), table, notes)
+    return 1 if failed else 0

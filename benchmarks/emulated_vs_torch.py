@@ -39,8 +39,7 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from _emulated import can_emulate
-from _results import write_section
+from _emulated import can_emulate, finish
 from _vs_torch import TORCH_NAMES, add_bucket_arguments, cpu_ms_per_step, paired_ratio, run_rank, thread_group
 
 if sys.version_info >= (3, 11):
@@ -205,13 +204,8 @@ def main() -> int:
              "off: none). The host has 2 cores shared with other work: absolute samples/s move with its load "
              f"(load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end), read the ratio "
              f"within a row; few blocks, so the quartiles are wide. Took {took:.0f} s.")
-    print(notes)
-    if failed:
-        print(f"failed: {', '.join(failed)} (their logs are under {args.out})")
-    if not args.no_write and not failed:
-        command = "sudo -E .venv/bin/python benchmarks/emulated_vs_torch.py " + " ".join(sys.argv[1:])
-        write_section("Runtime vs torch, emulated (isolate_comm on and off)", command.strip(), table, notes)
-    return 1 if failed else 0
+    return finish(args, failed, "emulated_vs_torch.py", "Runtime vs torch, emulated (isolate_comm on and off)",
+                  table, notes)
 
 
 if __name__ == "__main__":

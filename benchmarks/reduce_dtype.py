@@ -27,8 +27,7 @@ import statistics
 import sys
 import time
 
-from _emulated import can_emulate
-from _results import write_section
+from _emulated import can_emulate, finish
 from _vs_torch import paired_ratio
 from emulated_vs_torch import rank_main, run_job
 
@@ -98,13 +97,7 @@ def main() -> int:
              f"first faster), quartiles in brackets. Load average {load0:.1f} at the start, "
              f"{os.getloadavg()[0]:.1f} at the end; took {time.perf_counter() - start:.0f} s.")
     print(table)
-    print(notes)
-    if failed:
-        print(f"failed: {', '.join(failed)} (their logs are under {args.out})")
-    if not args.no_write and not failed:
-        command = "sudo -E .venv/bin/python benchmarks/reduce_dtype.py " + " ".join(sys.argv[1:])
-        write_section("Gradients all-reduced in bf16, emulated", command.strip(), table, notes)
-    return 1 if failed else 0
+    return finish(args, failed, "reduce_dtype.py", "Gradients all-reduced in bf16, emulated", table, notes)
 
 
 if __name__ == "__main__":
