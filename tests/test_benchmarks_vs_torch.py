@@ -257,3 +257,15 @@ def test_launch_bound_script_refuses_bad_options(argv: list[str], message: str) 
     done = _launch_bound(*argv)
     assert done.returncode == 2
     assert message in done.stderr
+
+
+def test_reduce_dtype_rows_read_each_ratio_from_paired_blocks() -> None:
+    """benchmarks/reduce_dtype.py's row: samples/s per runtime (median block) and each ratio (> 1: the first of the
+    pair faster), here hetrain bf16 twice as fast as hetrain fp32, DDP bf16 1.5x DDP fp32, and hetrain bf16 at DDP's."""
+    import reduce_dtype
+
+    blocks = {"hetrain": [1.0, 1.0, 1.0, 1.0], "torch": [1.0, 1.0, 1.0, 1.0], "hetrain-fp32": [2.0, 2.0, 2.0, 2.0],
+              "torch-fp32": [1.5, 1.5, 1.5, 1.5]}
+    row = reduce_dtype.row("network", blocks, 96)
+    assert row == ("| network | 96.0 | 96.0 | 48.0 | 64.0 | 2.00x (2.00-2.00) | 1.50x (1.50-1.50) | "
+                   "1.00x (1.00-1.00) |")
