@@ -34,6 +34,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -460,10 +461,14 @@ def _search(cluster: Cluster, profile: ModelProfile, global_batch: int, opts: Pl
     found: list[Candidate] = []
     refined: set[int] = set()  # positions in screened
 
+    took: list[float] = []  # seconds of each exact search
+
     def refine(k: int) -> None:
         c = screened[k]
+        start = time.perf_counter()
         exact = _evaluate(cluster, profile, c.formation, c.schedule, c.global_batch, opts, evaluators, cache,
                           exact=True)
+        took.append(time.perf_counter() - start)
         found.append(exact if exact is not None and exact.score(opts) <= c.score(opts) else c)
         refined.add(k)
 
@@ -475,13 +480,14 @@ def _search(cluster: Cluster, profile: ModelProfile, global_batch: int, opts: Pl
     # any): a candidate ranked below the top k can still beat them all once searched (pipetorch.toml, gpt2-small,
     # gradients all-reduced in bf16: spread-2 screened at 0.99 s, 0.43 s searched, past the top 3's best 0.63 s).
     # Search the others whose optimistic score (no bubble, no transfer, no sync, no recomputation) beats the best
-    # found, most promising first, within the first EXTRA_SEARCH_SHARE of the time budget.
+    # found, most promising first, each only where the dearest exact search so far still fits in the first
+    # EXTRA_SEARCH_SHARE of the time budget.
     best = min(c.score(opts) for c in found)
     hopeful = sorted((score, k) for k in range(len(screened)) if k not in refined
                      if (score := _optimistic_score(profile, screened[k], opts)) < best)
     for score, k in hopeful:
         if budget is not None and budget.budget_s is not None and \
-                budget.elapsed_s() >= EXTRA_SEARCH_SHARE * budget.budget_s:
+                budget.elapsed_s() + max(took) > EXTRA_SEARCH_SHARE * budget.budget_s:
             break
         if score < min(c.score(opts) for c in found):
             refine(k)
@@ -495,13 +501,14 @@ EXTRA_SEARCH_SHARE = 0.5
 
 def _optimistic_score(profile: ModelProfile, c: Candidate, opts: PlannerOptions) -> float:
     """A score no search of ``c``'s formation, schedule and micro-batches can beat (nearly: layer times are
-    taken to scale alike across device types): each VW's m micro-batches spread over its devices in proportion
-    to their speed, with no bubble, transfer, recomputation or sync, plus the optimizer step."""
+    taken to scale alike across device types), plus the optimizer step: each VW's pipeline ``sum + (m - 1) max``
+    with its slowest stage no faster than a micro-batch spread over its devices in proportion to their speed,
+    and the stages' sum no less than the whole model on its fastest device; no transfer, recomputation or sync."""
     pipeline = 0.0
     for r in c.parts:
-        rate = sum(1.0 / float(sum(estimate_layer_times(profile, d, r.b)[k].sum() for k in (0, 1)))
-                   for d in r.devices)  # whole micro-batches per second, every device busy
-        pipeline = max(pipeline, r.m / rate)
+        whole = [float(sum(estimate_layer_times(profile, d, r.b)[k].sum() for k in (0, 1))) for d in r.devices]
+        spread = 1.0 / sum(1.0 / t for t in whole)  # every device busy on its share of one micro-batch
+        pipeline = max(pipeline, min(whole) + (r.m - 1) * spread)
     optimistic = replace(c, pipeline_s=pipeline, sync_s=0.0)
     return optimistic.score(opts)
 
