@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import hetrain
 from _results import write_section
 from hetrain.cluster import load_cluster
 from hetrain.models.analytic import build_profile
@@ -46,7 +47,7 @@ def main() -> int:
         cluster = load_cluster(ROOT / "examples" / "clusters" / f"{cluster_name}.toml")
         profile = build_profile(model)
         start = time.perf_counter()
-        best = plan(cluster, profile, batch)
+        best = hetrain.plan(cluster, profile, batch)  # as `hetrain plan` does: the simulator re-ranks the best
         elapsed = time.perf_counter() - start
         sim = best.prediction.simulated_iteration_s
         sim_sps = batch / sim if sim else float("nan")
