@@ -263,6 +263,9 @@ def test_weights_after_three_steps_equal_single_process_training(job: dict[str, 
         assert [h["loss"] for h in part["history"]] == pytest.approx(losses, rel=min(tolerance, 1e-3))
     rows = [json.loads(line) for line in Path(spec["metrics"]).read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
+    # the reporting rank's bytes handed to its gradient all-reduces, each step: its shared gradients once
+    assert {r["allreduce_bytes"] for r in rows} <= {p["shared_numel"] * wire for p in parts}
+    assert len({r["allreduce_bytes"] for r in rows}) == 1
     assert all(r["samples_per_s"] > 0 and r["step_time_s"] > 0 for r in rows)
 
 

@@ -348,6 +348,7 @@ class Trainer:
             read: list[list[dict[str, Any]]] = []  # the rows that early flush read, logged after the step
             early = s + 1 == steps or sums.waiting + 1 >= self.log_every
             parts.executor.on_losses = functools.partial(_sum_now, sums, row, read) if early else None
+            wire0 = self.sync.wire_bytes if self.sync is not None else 0
             loss = parts.executor.run(actions, s, inputs, targets)
             if self.modes is not None and any(a.kind is ActionKind.PULL for a in actions):
                 self.modes.end_wave()
@@ -364,7 +365,9 @@ class Trainer:
             row.update({
                 "samples_per_s": N / step_time if step_time > 0 else 0.0,
                 "step_time_s": step_time, "elapsed_s": (elapsed := t_end - t_begin - excluded),
-                "sync_actions": sync_actions, "lr": lr})
+                "sync_actions": sync_actions, "lr": lr,
+                # what this rank handed to its gradient all-reduces, in the plan's reduce_dtype
+                "allreduce_bytes": (self.sync.wire_bytes - wire0) if self.sync is not None else 0})
             if self.clip is not None:
                 row["grad_norm"] = self.clip.norm  # a tensor until the row is logged (no device sync here)
             if self.loss_scaling is not None:
