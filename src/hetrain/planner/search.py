@@ -479,9 +479,9 @@ def _search(cluster: Cluster, profile: ModelProfile, global_batch: int, opts: Pl
     # A screening partition is an upper bound (two device orders, full recomputation wherever memory asks for
     # any): a candidate ranked below the top k can still beat them all once searched (pipetorch.toml, gpt2-small,
     # gradients all-reduced in bf16: spread-2 screened at 0.99 s, 0.43 s searched, past the top 3's best 0.63 s).
-    # Search the others whose optimistic score (no bubble, no transfer, no sync, no recomputation) beats the best
-    # found, most promising first, each only where the dearest exact search so far still fits in the first
-    # EXTRA_SEARCH_SHARE of the time budget.
+    # Search the others whose optimistic score (stages balanced by speed; no transfer, sync or recomputation)
+    # beats the best found, most promising first, each only where the dearest exact search so far still fits in
+    # the first EXTRA_SEARCH_SHARE of the time budget.
     best = min(c.score(opts) for c in found)
     hopeful = sorted((score, k) for k in range(len(screened)) if k not in refined
                      if (score := _optimistic_score(profile, screened[k], opts)) < best)
