@@ -43,7 +43,7 @@ from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
 from hetrain.profile import LayerProfile, ModelProfile
 from hetrain.runtime import Trainer, build_optimizer_fn
 from hetrain.runtime.p2p import flatten
-from hetrain.sync_layout import SyncOptions
+from hetrain.sync_layout import REDUCE_DTYPES, SyncOptions
 
 LR = 0.01
 CASES = ("1f1b", "gpipe", "dp")
@@ -134,9 +134,9 @@ def add_bucket_arguments(parser: argparse.ArgumentParser) -> None:
                              "parameters (exact, default), or on the next layer boundary (layer)")
     parser.add_argument("--first-bucket-bytes", type=float, metavar="BYTES",
                         help="dp: where hetrain's first gradient bucket closes (default DDP's 1 MiB)")
-    parser.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default="fp32",
+    parser.add_argument("--reduce-dtype", choices=REDUCE_DTYPES, default=REDUCE_DTYPES[0],
                         help="dp: the dtype gradients are all-reduced in, by both runtimes (hetrain's sync option "
-                             "reduce_dtype; DDP's bf16_compress_hook)")
+                             "reduce_dtype; DDP's communication hook, hetrain.baselines)")
     parser.add_argument("--early-receives", choices=("always", "never"), default="always",
                         help="pipelines: hetrain posts a stage's receives one ahead of its RECVs (always, the "
                              "default) or at them (never); sync option early_receives")

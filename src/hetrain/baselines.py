@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hetrain.errors import RunError
+from hetrain.sync_layout import REDUCE_DTYPES
 
 BASELINES = ("ddp", "pipelining")
 SCHEDULES = ("gpipe", "1f1b")
@@ -114,10 +115,8 @@ def build_ddp_step(model: str, config: dict[str, Any], global_batch: int, optimi
     sizes = split_evenly(global_batch, world)
     module = LayerRange(build_layers(model, seed=seed, **config))
     ddp = DistributedDataParallel(module, **ddp_options)
-    if reduce_dtype == "bf16":
+    if reduce_dtype == "bf16":  # fp32: DDP's own all-reduce (run_baseline checks the name)
         ddp.register_comm_hook(world, _bf16_allreduce_hook)
-    elif reduce_dtype != "fp32":
-        raise ValueError(f"reduce_dtype must be fp32 or bf16, got {reduce_dtype!r}")
     opt = optimizer(list(ddp.parameters()))
     lossf = loss_fn(model)
 
@@ -219,8 +218,9 @@ def run_baseline(kind: str, model: str, *, data: str | None = None, global_batch
     if kind == "pipelining" and (micro_batches < 1 or global_batch % micro_batches):
         raise BaselineError(f"torch pipelining needs equal micro-batches: global batch {global_batch} does not "
                             f"split into {micro_batches}")
-    if reduce_dtype not in ("fp32", "bf16") or (reduce_dtype != "fp32" and kind != "ddp"):
-        raise BaselineError(f"--reduce-dtype {reduce_dtype}: fp32 or bf16, and bf16 for the ddp baseline only")
+    if reduce_dtype not in REDUCE_DTYPES or (reduce_dtype != REDUCE_DTYPES[0] and kind != "ddp"):
+        raise BaselineError(f"--reduce-dtype {reduce_dtype}: one of {', '.join(REDUCE_DTYPES)}, and other than "
+                            f"{REDUCE_DTYPES[0]} for the ddp baseline only")
     opt_fn = build_optimizer_fn(optimizer, lr)
     if kind == "ddp":
         step, module = build_ddp_step(model, config, global_batch, opt_fn, seed, reduce_dtype=reduce_dtype)
@@ -287,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--metrics-out", default=None, help="per-step rows, JSONL (written by the last rank)")
     parser.add_argument("--weights-out", default=None, help="directory for each rank's state_dict")
     parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S, help="longest wait, seconds")
-    parser.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default="fp32",
+    parser.add_argument("--reduce-dtype", choices=REDUCE_DTYPES, default=REDUCE_DTYPES[0],
                         help="ddp: all-reduce the gradient buckets in bf16 (as hetrain's sync option reduce_dtype)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

@@ -352,6 +352,11 @@ class SyncLayout:
     options: SyncOptions
     segments: tuple[Segment, ...]
 
+    def wire_bytes(self, num_bytes: float) -> float:
+        """Bytes an all-reduce of ``num_bytes`` of gradients moves: ``options.reduce_wire`` of them (half in bf16,
+        which only bsp's gradient all-reduces take: ``check_mode_options``)."""
+        return num_bytes * self.options.reduce_wire
+
     def owned_segments(self, device: str) -> list[int]:
         """The segments ``device`` synchronises: those it holds with at least one other device."""
         return [s for s, seg in enumerate(self.segments) if seg.shared and device in seg.owners]

@@ -483,8 +483,9 @@ def _search(cluster: Cluster, profile: ModelProfile, global_batch: int, opts: Pl
     # beats the best found, most promising first, each only where the dearest exact search so far still fits in
     # the first EXTRA_SEARCH_SHARE of the time budget.
     best = min(c.score(opts) for c in found)
+    whole: dict[tuple[int, int], float] = {}  # (device, micro-batch size) -> the whole model's seconds on it
     hopeful = sorted((score, k) for k in range(len(screened)) if k not in refined
-                     if (score := _optimistic_score(profile, screened[k], opts)) < best)
+                     if (score := _optimistic_score(profile, screened[k], opts, whole)) < best)
     for score, k in hopeful:
         if budget is not None and budget.budget_s is not None and \
                 budget.elapsed_s() + max(took) > EXTRA_SEARCH_SHARE * budget.budget_s:
@@ -499,14 +500,23 @@ def _search(cluster: Cluster, profile: ModelProfile, global_batch: int, opts: Pl
 EXTRA_SEARCH_SHARE = 0.5
 
 
-def _optimistic_score(profile: ModelProfile, c: Candidate, opts: PlannerOptions) -> float:
+def _optimistic_score(profile: ModelProfile, c: Candidate, opts: PlannerOptions,
+                      whole_s: dict[tuple[int, int], float] | None = None) -> float:
     """A score no search of ``c``'s formation, schedule and micro-batches can beat (nearly: layer times are
     taken to scale alike across device types), plus the optimizer step: each VW's pipeline ``sum + (m - 1) max``
     with its slowest stage no faster than a micro-batch spread over its devices in proportion to their speed,
-    and the stages' sum no less than the whole model on its fastest device; no transfer, recomputation or sync."""
+    and the stages' sum no less than the whole model on its fastest device; no transfer, recomputation or sync.
+    ``whole_s``: (device index, micro-batch size) -> a forward and backward of the whole model there, kept
+    across calls (4096 devices recur in every candidate of a search)."""
+    memo = whole_s if whole_s is not None else {}
     pipeline = 0.0
     for r in c.parts:
-        whole = [float(sum(estimate_layer_times(profile, d, r.b)[k].sum() for k in (0, 1))) for d in r.devices]
+        whole = []
+        for d in r.devices:
+            if (d.index, r.b) not in memo:
+                f, g = estimate_layer_times(profile, d, r.b)
+                memo[(d.index, r.b)] = float(f.sum() + g.sum())
+            whole.append(memo[(d.index, r.b)])
         spread = 1.0 / sum(1.0 / t for t in whole)  # every device busy on its share of one micro-batch
         pipeline = max(pipeline, min(whole) + (r.m - 1) * spread)
     optimistic = replace(c, pipeline_s=pipeline, sync_s=0.0)

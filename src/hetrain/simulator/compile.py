@@ -469,8 +469,8 @@ class _Compiler:
         if op is None:
             bucket = self.segments[a.segment].buckets[a.bucket]
             cid = self._collective_id((K.ALLREDUCE_START, a.segment, (a.bucket,), it),
-                                      self.segments[a.segment].owners,
-                                      bucket.param_bytes * self.plan.sync_options.reduce_wire, bucket.algorithm,
+                                      self.segments[a.segment].owners, self.plan.layout.wire_bytes(bucket.param_bytes),
+                                      bucket.algorithm,
                                       f"ALLREDUCE seg{a.segment} bucket{a.bucket}")
             op = self.bucket_ops[key] = (BucketStart(cid, str(a), bucket) if a.kind is K.ALLREDUCE_START
                                          else BucketWait(cid, str(a)))
@@ -508,9 +508,8 @@ class _Compiler:
         elif k is K.AVERAGE_MERGE:  # the average this device started last
             started = self.last_start[(dev.d, s)]
         algorithm = seg.algorithm if len(members) == len(seg.owners) else "ring"  # within one node: the ring
-        # bsp's gradients travel in reduce_dtype (other modes refuse bf16: sync_layout.check_mode_options)
-        num_bytes = seg.param_bytes * (self.plan.sync_options.reduce_wire if k is K.ALLREDUCE else 1.0)
-        cid = self._collective_id((kind, s, tuple(members), started), members, num_bytes, algorithm,
+        cid = self._collective_id((kind, s, tuple(members), started), members,
+                                  self.plan.layout.wire_bytes(seg.param_bytes), algorithm,
                                   f"{k.value if k in COLLECTIVE_KINDS else 'AVERAGE'} seg{s}")
         if k is K.AVERAGE_START:
             return AverageStart(cid, str(a))
