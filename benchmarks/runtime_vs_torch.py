@@ -68,7 +68,8 @@ from hetrain.emulate.cgroups import read_cpu_stat
 def worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.ranks), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), HETRAIN_NODE="n0")
-    run_rank(args, local_cluster(args.ranks), out_path)
+    run_rank(args, local_cluster(args.ranks), out_path, teardown=False)
+    os._exit(0)  # the process group's C++ teardown can abort at exit ("terminate called...", hetrain.baselines)
 
 
 def cpu_table(cpu: list[dict[str, dict[str, dict[str, float]]]], args: argparse.Namespace) -> str:
