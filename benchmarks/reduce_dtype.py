@@ -1,14 +1,15 @@
 """Gradients all-reduced in bf16 against fp32, hetrain's and DistributedDataParallel's, on emulated slow links.
 
 The sync option ``reduce_dtype = "bf16"`` halves the bytes of every gradient all-reduce
-(docs/sync.md, "Gradients in 16 bits"); DistributedDataParallel does the same with its
-``bf16_compress_hook``. On the emulated clusters of ``emulated_speedup.py`` whose NICs are
+(docs/sync.md, "Gradients in 16 bits"); DistributedDataParallel does the same with a
+communication hook (torch's ``bf16_compress_hook`` needs NCCL, so ``hetrain.baselines`` has its own,
+the same arithmetic on Gloo). On the emulated clusters of ``emulated_speedup.py`` whose NICs are
 slow (network, both; 2 nodes x 2 devices, isolate_comm on as on a GPU host), one job
 per cluster builds four data-parallel runtimes in the same four rank processes, on the
 same batch split, and times them in blocks taking turns (ABBA, ``_vs_torch.take_turns``):
 
     hetrain bf16   hetrain's Trainer, gradients all-reduced in bf16 (ring, as DDP's)
-    DDP bf16       DistributedDataParallel with bf16_compress_hook
+    DDP bf16       DistributedDataParallel with that bf16 hook
     hetrain fp32   the same Trainer in fp32
     DDP fp32       DistributedDataParallel
 
