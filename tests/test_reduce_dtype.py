@@ -22,16 +22,20 @@ from hetrain import plan
 from hetrain.cli import main
 from hetrain.cluster import Cluster, parse_cluster
 from hetrain.cost import (
+    MEMORY_MARGIN_FRACTION,
     allreduce_shape,
     estimate_allreduce,
     estimate_device_memory,
     estimate_optimizer_step_memory,
     estimate_stage_memory,
     estimate_weight_memory,
+    runtime_footprint,
+    tensor_budget,
 )
 from hetrain.errors import InputError
 from hetrain.models.analytic import build_mlp_profile, build_profile
 from hetrain.plan import Plan, PlanError, Prediction, Stage, VirtualWorker, load_plan, parse_plan
+from hetrain.planner.search import PlannerError
 from hetrain.planner.sync import estimate_mode_sync_time
 from hetrain.profile import ModelProfile
 from hetrain.simulator import simulate
@@ -126,6 +130,34 @@ def test_the_simulator_spends_half_the_sync_and_counts_the_copies() -> None:
     for name, d in tiny16.devices.items():  # the simulated peak: those tensors, the allocator's share, the context
         assert d.peak_memory_bytes == pytest.approx(estimate_device_memory(mlp, cluster.device(name), with_copies))
         assert tiny32.devices[name].peak_memory_bytes < d.peak_memory_bytes
+
+
+def test_the_planner_leaves_room_for_the_copies_where_replicas_share_a_stage() -> None:
+    # two devices whose tensor budget is SGD's weights and gradients (2x the parameters) + 0.3x: the whole
+    # model fits each in fp32, not with bf16 copies of the gradients (0.5x) once two replicas share it
+    mlp = build_mlp_profile([64, 1024, 1024, 1024, 10], name="mlp")  # 8.7 MB of weights, 4 kB of activations
+
+    def cluster(memory_bytes: float) -> Cluster:
+        return parse_cluster({"name": "small", "node": [{"name": "n0", "intra_link": "pcie3", "nic": "10Gbit/s",
+                                                         "devices": [{"type": "tiny", "tflops": 10, "count": 2,
+                                                                      "memory": f"{int(memory_bytes)}B",
+                                                                      "memory_bandwidth": "100GB/s"}]}]})
+
+    fp = runtime_footprint(mlp, cluster(1e9).devices[0])
+    tensors = estimate_weight_memory(mlp.param_bytes, 4, "sgd") + 0.3 * mlp.param_bytes
+    small = cluster((fp.fixed_bytes + (1 + fp.allocator_fraction) * tensors) / (1 - MEMORY_MARGIN_FRACTION))
+    budget = tensor_budget(mlp, small.devices[0])
+    bf16 = SyncOptions(reduce_dtype="bf16")
+    dp32 = plan(small, mlp, 16, strategy="dp", optimizer="sgd", simulate_top_k=0)
+    assert [len(vw.stages) for vw in dp32.virtual_workers] == [1, 1]
+    assert all(vw.stages[0].predicted_memory_bytes <= budget for vw in dp32.virtual_workers)
+    # before the partitioner counted the copies, this plan was made and refused afterwards (21.8 MB needed)
+    with pytest.raises(PlannerError, match="16-bit copies of its gradients at the step"):
+        plan(small, mlp, 16, strategy="dp", optimizer="sgd", simulate_top_k=0, sync_options=bf16)
+    chosen = plan(small, mlp, 16, optimizer="sgd", simulate_top_k=0, sync_options=bf16)
+    for vw in chosen.virtual_workers:  # a plan that fits: a pipeline (one VW, no copies) or shorter stages
+        for stage in vw.stages:
+            assert stage.predicted_memory_bytes <= budget
 
 
 def test_the_planner_predicts_more_throughput_and_records_only_bsp() -> None:

@@ -239,17 +239,26 @@ def _split_batch(times: Sequence[Any], global_batch: int) -> list[int] | None:
     return alloc
 
 
+def _reduce_copy(opts: PlannerOptions, vws: int) -> float:
+    """The bf16 gradient copies per gradient byte each stage of a formation of ``vws`` VWs holds at the end
+    of its iteration (``SyncOptions.reduce_copy``): none with one VW, whose gradients no other replica shares."""
+    return opts.sync_options.reduce_copy if vws > 1 else 0.0
+
+
 def _evaluate(cluster: Cluster, profile: ModelProfile, formation: Formation, schedule: str, global_batch: int,
               opts: PlannerOptions, evaluators: dict[tuple[object, ...], VWEvaluator], cache: StageTableCache,
               exact: bool = True) -> Candidate | None:
     groups = formation.vws
-    sigs = [(vw_signature(cluster, g), schedule) for g in groups]
+    # a VW's stages hold bf16 copies of their gradients where other VWs share them (reduce_dtype bf16): one
+    # evaluator per VW shape for formations of one VW, another for those of many
+    copies = _reduce_copy(opts, len(groups))
+    sigs = [(vw_signature(cluster, g), schedule, copies) for g in groups]
     for sig, g in zip(sigs, groups, strict=True):
         if sig not in evaluators:
             evaluators[sig] = VWEvaluator(
                 cluster, profile, canonical_devices(cluster, g), schedule, opts.optimizer, opts.allow_recompute,
                 opts.order_budget, opts.max_caps, opts.micro_batch_sizes, cache, opts.exhaustive_orders,
-                opts.sync_options.transfers == "blocking")
+                opts.sync_options.transfers == "blocking", reduce_copy=copies)
     if global_batch < len(groups):
         return None
     # Guess each VW's share by peak compute, to size the coarse partitions' micro-batch count.
@@ -331,7 +340,8 @@ def reversed_orders(cluster: Cluster, profile: ModelProfile, c: Candidate, opts:
                      for a, b in itertools.pairwise(idx)))
         if key not in done:
             done[key] = partition(cluster, profile, devices, r.b, r.m, c.schedule, opts.optimizer,
-                                  opts.allow_recompute, opts.max_caps)
+                                  opts.allow_recompute, opts.max_caps,
+                                  reduce_copy=_reduce_copy(opts, len(c.parts)))
         flipped = done[key]
         if flipped is None:
             return None
@@ -350,7 +360,7 @@ def _to_plan(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: Planne
         for j, d in enumerate(r.devices):
             k, l = r.cuts[j], r.cuts[j + 1]
             mem = estimate_stage_memory(profile, k, l, r.recompute[j], r.b, in_flight(c.schedule, r.m, p, j),
-                                        opts.optimizer, reduce_copy=opts.sync_options.reduce_copy * (len(c.parts) > 1))
+                                        opts.optimizer, reduce_copy=_reduce_copy(opts, len(c.parts)))
             stages.append(Stage(d.name, k, l, r.recompute[j], r.forward_s[j], r.backward_s[j], mem))
             memory.append(DeviceMemory(d.name, estimate_device_memory(profile, d, mem), d.memory_bytes))
         vws.append(VirtualWorker(tuple(stages), mini, r.m, r.pipeline_s))
@@ -405,8 +415,20 @@ def _explain_no_fit(cluster: Cluster, profile: ModelProfile, opts: PlannerOption
         f"({min(profile.num_layers, len(mems))} devices, at most one stage per layer). Its largest layer "
         f"{biggest_layer.name!r} alone needs {format_bytes(layer_need)}; the largest device has "
         f"{format_bytes(mems[0])} for tensors (its memory less the runtime's footprint and a "
-        f"{MEMORY_MARGIN_FRACTION:.0%} margin). Add devices, use a smaller model, or --optimizer sgd."
+        f"{MEMORY_MARGIN_FRACTION:.0%} margin).{_copies_hint(profile, opts)} Add devices, use a smaller model"
+        f"{'' if opts.optimizer == 'sgd' else ', or --optimizer sgd'}."
     )
+
+
+def _copies_hint(profile: ModelProfile, opts: PlannerOptions) -> str:
+    """Where bf16 gradient copies raise what a replicated stage needs at its step: a sentence saying so."""
+    copies = opts.sync_options.reduce_copy
+    step = estimate_optimizer_step_memory(profile.param_bytes, profile.bytes_per_element, opts.optimizer)
+    if copies * profile.param_bytes <= step:
+        return ""
+    return (f" With reduce_dtype {opts.sync_options.reduce_dtype}, a stage that other VWs share also holds "
+            f"16-bit copies of its gradients at the step ({format_bytes(copies * profile.param_bytes)} for the "
+            f"whole model); reduce_dtype fp32 needs none.")
 
 
 def search(cluster: Cluster, profile: ModelProfile, global_batch: int, opts: PlannerOptions) -> list[Candidate]:

@@ -137,8 +137,12 @@ def _range_max(values: np.ndarray) -> np.ndarray:
     return out
 
 
-def build_model_arrays(profile: ModelProfile, optimizer: str) -> ModelArrays:
-    key = ("model_arrays", optimizer)
+def build_model_arrays(profile: ModelProfile, optimizer: str, reduce_copy: float = 0.0) -> ModelArrays:
+    """The model's per-layer figures as arrays and range tables, cached on the profile. ``reduce_copy``: the
+    16-bit gradient copies per gradient byte a stage holds at the end of the iteration where its gradients are
+    all-reduced in bf16 (``SyncOptions.reduce_copy``; 0 in fp32, or where no other replica shares them): they
+    count in ``step_table`` with the optimizer step's transient (``cost.estimate_optimizer_step_memory``)."""
+    key = ("model_arrays", optimizer, reduce_copy)
     cached = profile._cache.get(key)
     if cached is not None:
         return cached  # type: ignore[no-any-return]
@@ -165,7 +169,8 @@ def build_model_arrays(profile: ModelProfile, optimizer: str) -> ModelArrays:
         kept_full_table=saved_table - _range_table(_prefix(np.where(useful, saved - inputs, 0.0))),
         transient_table=_range_max(np.where(useful, saved, 0.0)),
         loss_table=loss_table,
-        step_table=(weight_factor + estimate_optimizer_step_memory(1.0, profile.bytes_per_element, optimizer))
+        step_table=(weight_factor + estimate_optimizer_step_memory(1.0, profile.bytes_per_element, optimizer,
+                                                                   reduce_copy))
         * _range_table(_prefix(param)),
         upper=np.triu(np.ones((L + 1, L + 1), dtype=bool), k=1),
         useful=useful,
@@ -368,17 +373,20 @@ class KindTables:
         return out
 
 
-def device_key(dev: Device, b: int, optimizer: str, allow_recompute: bool) -> tuple[object, ...]:
+def device_key(dev: Device, b: int, optimizer: str, allow_recompute: bool,
+               reduce_copy: float = 0.0) -> tuple[object, ...]:
     """What a device's stage tables depend on, besides its in-flight count."""
     return (dev.type_name, dev.peak_fp32_flops, dev.peak_fp16_flops, dev.memory_bytes,
-            dev.memory_bandwidth_bytes_per_s, b, optimizer, allow_recompute)
+            dev.memory_bandwidth_bytes_per_s, b, optimizer, allow_recompute, reduce_copy)
 
 
 def build_kind_tables(profile: ModelProfile, devices: Sequence[Device], b: int, optimizer: str,
-                      allow_recompute: bool, cache: StageTableCache | None) -> tuple[KindTables, list[int]]:
-    """Stacked tables of the distinct device kinds of ``devices``, and each position's kind."""
-    arrays = build_model_arrays(profile, optimizer)
-    keys = [device_key(d, b, optimizer, allow_recompute) for d in devices]
+                      allow_recompute: bool, cache: StageTableCache | None,
+                      reduce_copy: float = 0.0) -> tuple[KindTables, list[int]]:
+    """Stacked tables of the distinct device kinds of ``devices``, and each position's kind (``reduce_copy``:
+    ``build_model_arrays``)."""
+    arrays = build_model_arrays(profile, optimizer, reduce_copy)
+    keys = [device_key(d, b, optimizer, allow_recompute, reduce_copy) for d in devices]
     index: dict[tuple[object, ...], int] = {}
     firsts: list[Device] = []
     for key, d in zip(keys, devices, strict=True):
@@ -390,7 +398,7 @@ def build_kind_tables(profile: ModelProfile, devices: Sequence[Device], b: int, 
     def one(d: Device) -> DeviceTables:
         if cache is None:
             return _build_device(profile, arrays, d, b, allow_recompute)
-        return cache.device_tables(device_key(d, b, optimizer, allow_recompute),
+        return cache.device_tables(device_key(d, b, optimizer, allow_recompute, reduce_copy),
                                    functools.partial(_build_device, profile, arrays, d, b, allow_recompute))
 
     def stack() -> KindTables:
@@ -464,14 +472,15 @@ def _add_recompute(costs: StageCosts, todo: np.ndarray) -> None:
 
 def build_stage_costs(profile: ModelProfile, devices: Sequence[Device], b: int, m: int, schedule: str,
                       optimizer: str, allow_recompute: bool = True,
-                      cache: StageTableCache | None = None) -> list[StageCosts]:
-    """Stage tables for each position ``j`` of a VW over ``devices`` (in that order)."""
-    arrays = build_model_arrays(profile, optimizer)
+                      cache: StageTableCache | None = None, reduce_copy: float = 0.0) -> list[StageCosts]:
+    """Stage tables for each position ``j`` of a VW over ``devices`` (in that order; ``reduce_copy``:
+    ``build_model_arrays``)."""
+    arrays = build_model_arrays(profile, optimizer, reduce_copy)
     p = len(devices)
     out = []
     for j, dev in enumerate(devices):
         n = in_flight(schedule, m, p, j)
-        figures = device_key(dev, b, optimizer, allow_recompute)
+        figures = device_key(dev, b, optimizer, allow_recompute, reduce_copy)
         key = (*figures, n)
         costs = cache.get(key) if cache is not None else None
         if costs is None:

@@ -185,6 +185,7 @@ class VWEvaluator:
     cache: StageTableCache = field(default_factory=StageTableCache)
     exhaustive_orders: int = 120
     blocking: bool = False  # the runtime's transfers hold sender and receiver (sync option ``transfers``)
+    reduce_copy: float = 0.0  # bf16 gradient copies per gradient byte at the step (partition; 0: none shared)
     _orders: list[tuple[int, ...]] | None = None
     _cache: dict[tuple[int, int, bool], PartitionResult | None] = field(default_factory=dict)
     _coarse: dict[int, PartitionResult | None] = field(default_factory=dict)
@@ -210,7 +211,7 @@ class VWEvaluator:
     def _partition_uncached(self, order: tuple[int, ...], b: int, m: int, fast: bool) -> PartitionResult | None:
         return partition(self.cluster, self.profile, [self.devices[q] for q in order], b, m, self.schedule,
                          self.optimizer, self.allow_recompute, 1 if fast else self.max_caps, self.cache,
-                         full_recompute=fast, blocking=self.blocking)
+                         full_recompute=fast, blocking=self.blocking, reduce_copy=self.reduce_copy)
 
     def best(self, b: int, m: int, fast: bool = False) -> PartitionResult | None:
         """Best partition over candidate orders at micro-batch ``b`` and ``m`` micro-batches.
