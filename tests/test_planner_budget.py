@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 import hetrain
 from hetrain.cli import main, parse_time_budget
+from hetrain.cost import estimate_stage_memory, tensor_budget
 from hetrain.errors import InputError
 from hetrain.plan import Plan, load_plan
 from hetrain.planner import PlannerOptions, plan, search
@@ -217,3 +219,29 @@ def test_a_candidate_past_the_top_three_that_may_still_win_is_searched() -> None
     assert cut_short.formation != "spread-2" and cut_short.prediction.samples_per_s < fp32.prediction.samples_per_s
     assert full.formation == "spread-2" and full.prediction.samples_per_s >= fp32.prediction.samples_per_s
     assert _report(full).searched > 3 and _report(cut_short).searched == 1
+
+
+def test_schedule_auto_replays_the_best_under_gpipe_and_keeps_it_only_where_it_fits_and_is_faster() -> None:
+    counted, calls = _counting(hetrain.simulated_iteration_s)
+    cluster, medium = hetrain.load_cluster(ROOT / "examples" / "clusters" / "cloud-mixed.toml"), \
+        hetrain.build_profile("gpt2-medium")
+    # one pipeline over the 20 devices, 32 micro-batches: 1F1B's round trips cost it, GPipe's activations fit
+    p = plan(cluster, medium, 32, strategy="pp", score=counted, time_budget_s=None)
+    assert p.schedule == "gpipe"
+    assert any(c.schedule == "1f1b" for c in calls) and any(c.schedule == "gpipe" for c in calls)
+    as_1f1b = replace(p, schedule="1f1b")
+    assert p.prediction.simulated_iteration_s < 0.95 * hetrain.simulated_iteration_s(as_1f1b)
+    vw = p.virtual_workers[0]
+    for j, stage in enumerate(vw.stages):  # every stage holds all m micro-batches, within its device's budget
+        device = cluster.device(stage.device)
+        assert stage.predicted_memory_bytes == pytest.approx(estimate_stage_memory(
+            medium, stage.first_layer, stage.end_layer, stage.recompute, vw.micro_batch_size, vw.micro_batches,
+            "adam"))
+        assert stage.predicted_memory_bytes <= tensor_budget(medium, device)
+        assert vw.micro_batches > len(vw.stages) - j  # more than 1F1B would hold there
+    assert plan(cluster, medium, 32, strategy="pp", schedule="1f1b").schedule == "1f1b"  # asked for: kept
+    # gpt2-small at 64 on pipetorch.toml: under GPipe a stage would hold more than its GPU has, never replayed so
+    small_cluster, small = _instance()
+    calls.clear()
+    assert plan(small_cluster, small, 64, score=counted, time_budget_s=None).schedule == "1f1b"
+    assert {c.schedule for c in calls} == {"1f1b"}

@@ -19,7 +19,8 @@ Within a time budget (``PlannerOptions.time_budget_s``, ``hetrain plan --time-bu
     screen every formation (fast partitions) ─► search the best refine_top_k exactly, then the others
         whose optimistic score beats the best found, within EXTRA_SEARCH_SHARE of the budget
         ─► simulate the best candidates, one at a time, while the next one's estimated cost
-           (the dearest simulation so far per unit of plan size) fits in what is left
+           (the dearest simulation so far per unit of plan size) fits in what is left: the best, its
+           pipelines reversed, each of the two under GPipe where it fits memory (schedule auto), the rest
         ─► the robust draws and the sync-mode choice, where their simulations fit too
 
 Screening always runs, and the exact search of at least the best screened candidate (no plan
@@ -122,8 +123,9 @@ class PlannerOptions:
         exhaustive_orders: try every device order of a VW when it has at most this many.
         exhaustive_devices: clusters this small also try every set partition.
         refine_top_k: search this many best screened candidates exactly.
-        simulate_top_k: re-rank at most this many best candidates (and the best one's reversed pipelines) by the
-            scoring function, where one is given (0: off); None: as many as ``time_budget_s`` allows, at least
+        simulate_top_k: re-rank at most this many best candidates (and the best one's reversed pipelines, and
+            under schedule ``auto`` the two under GPipe where it fits memory) by the scoring function, where one
+            is given (0: off); None: as many as ``time_budget_s`` allows, at least
             SIMULATE_AT_LEAST where it allows, at most SIMULATE_AT_MOST, and none past the first that the closed
             form says cannot win (PLAUSIBLE_FRACTION).
         time_budget_s: seconds the planning may take: screening and the exact search always run, then
@@ -617,9 +619,13 @@ def _simulate_best(cluster: Cluster, profile: ModelProfile, found: list[Candidat
         return [], "time budget"
     head: list[Candidate] = found[:cap]
     flipped = reversed_orders(cluster, profile, head[0], opts)
-    candidates = [*head, flipped] if flipped is not None else head
-    order = [0, len(head)] if flipped is not None else [0]
-    order += list(range(1, len(head)))
+    # the best and its reverse, then each of them under GPipe where every stage still fits (schedule auto), then
+    # the rest: the closed forms price GPipe as 1F1B, a simulation does not (_as_gpipe)
+    variants = [c for c in (flipped,) if c is not None]
+    if opts.schedule == "auto":
+        variants += [g for c in (head[0], *variants) if (g := _as_gpipe(profile, c, opts)) is not None]
+    candidates = [*head, *variants]
+    order = [0, *range(len(head), len(candidates)), *range(1, len(head))]
     timed = budget.timed(score)
     done: dict[int, Plan] = {}
     best = INF  # the best simulated objective
@@ -641,6 +647,30 @@ def _simulate_best(cluster: Cluster, profile: ModelProfile, found: list[Candidat
         best = min(best, _objective(opts, c.global_batch, t))
         ratio = min(ratio, t / c.iteration_s)
     return [done[q] for q in sorted(done)], stopped_by
+
+
+def _as_gpipe(profile: ModelProfile, c: Candidate, opts: PlannerOptions) -> Candidate | None:
+    """``c`` (a 1F1B candidate) run under GPipe on the same partitions, recompute sets and micro-batches, where
+    every stage still fits its device's tensor budget holding all m micro-batches' activations; else None.
+
+    The closed forms give both schedules the same time (``sum + (m - 1) max``), so the search keeps 1F1B, which
+    holds fewer activations. A simulation tells them apart: 1F1B's steady state alternates one forward and one
+    backward, so a stage waits for the gradient of a micro-batch it sent out one round trip earlier, and every
+    transfer time and every difference between stages' speeds lands on that round trip; GPipe's forwards and
+    backwards each flow one way, with slack. On ``examples/clusters/pipetorch.toml`` (gpt2-small, batch 64) the
+    chosen spread-2 plan simulates to 450.7 ms under 1F1B, 424.7 ms under GPipe.
+    """
+    if c.schedule != "1f1b" or any(r.m == 1 for r in c.parts):  # one micro-batch: the two are the same
+        return None
+    copies = _reduce_copy(opts, len(c.parts))
+    for r in c.parts:
+        p = len(r.devices)
+        for j, d in enumerate(r.devices):
+            need = estimate_stage_memory(profile, r.cuts[j], r.cuts[j + 1], r.recompute[j], r.b,
+                                         in_flight("gpipe", r.m, p, j), opts.optimizer, reduce_copy=copies)
+            if need > tensor_budget(profile, d):
+                return None
+    return replace(c, schedule="gpipe")
 
 
 def _objective(opts: PlannerOptions, global_batch: int, iteration_s: float) -> float:
