@@ -28,6 +28,7 @@ from hetrain.cost import (
     in_flight,
     interpolate_measurements,
     loss_memory_per_sample,
+    most_in_flight,
 )
 from hetrain.profile import DeviceFigures, LayerProfile, Measurement, ModelProfile
 
@@ -60,6 +61,10 @@ def test_in_flight_per_schedule() -> None:
     assert [in_flight("1f1b", 8, 4, j) for j in range(4)] == [4, 3, 2, 1]
     assert [in_flight("1f1b", 2, 4, j) for j in range(4)] == [2, 2, 2, 1]
     assert [in_flight("gpipe", 8, 4, j) for j in range(4)] == [8] * 4
+    # one more on every stage but the last, never more than m
+    assert [in_flight("1f1b-eager", 8, 4, j) for j in range(4)] == [5, 4, 3, 1]
+    assert [in_flight("1f1b-eager", 3, 4, j) for j in range(4)] == [3, 3, 3, 1]
+    assert [most_in_flight(s, 4) for s in ("1f1b", "1f1b-eager", "gpipe")] == [4, 5, None]
 
 
 def test_weight_memory_per_optimizer() -> None:

@@ -13,6 +13,7 @@ from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
 from hetrain.profile import LayerProfile, Measurement, ModelProfile
 from hetrain.schedule import (
     ERROR_MARK,
+    GENERATORS,
     Action,
     ActionKind,
     BucketSync,
@@ -28,6 +29,7 @@ from hetrain.schedule import (
     gpipe,
     initial_sync_state,
     one_f_one_b,
+    one_f_one_b_eager,
     parse_action,
     parse_schedule,
     schedule_to_dict,
@@ -143,6 +145,15 @@ def test_one_f_one_b_compute_order() -> None:
     ]
     # fewer micro-batches than the warm-up needs: all forwards, then all backwards
     assert texts(one_f_one_b(2, 4)[0]) == ["0F0", "0F1", "0B0", "0B1"]
+
+
+def test_one_f_one_b_eager_warms_up_one_more_on_every_stage_but_the_last() -> None:
+    assert [texts(s) for s in one_f_one_b_eager(4, 3)] == [
+        ["0F0", "0F1", "0F2", "0F3", "0B0", "0B1", "0B2", "0B3"],
+        ["1F0", "1F1", "1F2", "1B0", "1F3", "1B1", "1B2", "1B3"],
+        ["2F0", "2B0", "2F1", "2B1", "2F2", "2B2", "2F3", "2B3"],
+    ]
+    assert GENERATORS["1f1b-eager"] is one_f_one_b_eager
 
 
 def test_gpipe_schedule_p2_m3() -> None:

@@ -138,7 +138,8 @@ def test_the_iteration_overhead_is_paid_once_per_iteration() -> None:
 def test_one_f_one_b_keeps_at_most_p_minus_j_micro_batches_in_flight(p: int, m: int) -> None:
     profile = ModelProfile("uniform", tuple(layer(f"l{j}", {A100: (0.1, 0.2)}, 1) for j in range(p)), 1e3)
     devices = [f"n0:{j}" for j in range(p)]
-    for schedule, bound in (("1f1b", lambda j: min(m, p - j)), ("gpipe", lambda j: m)):
+    for schedule, bound in (("1f1b", lambda j: min(m, p - j)), ("gpipe", lambda j: m),
+                            ("1f1b-eager", lambda j: min(m, p - j + 1) if j < p - 1 else 1)):
         result = simulate(make_plan(one_node(p), profile, [(devices, list(range(p + 1)), m, m)], schedule))
         for j, dev in enumerate(devices):
             assert result.devices[dev].max_in_flight == bound(j), (schedule, j)

@@ -37,7 +37,7 @@ from hetrain.fields import (
     MAX_STEPS,
     check_output_path,
 )
-from hetrain.plan import Plan, PlanError
+from hetrain.plan import SCHEDULES, Plan, PlanError
 from hetrain.planner.search import DEFAULT_TIME_BUDGET_S
 from hetrain.profile import ModelProfile, ProfileError, load_profile
 from hetrain.sync_layout import SYNC_OPTION_HELP, SyncOptions, check_mode_options
@@ -395,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch", type=int_between(1, MAX_GLOBAL_BATCH, "MAX_GLOBAL_BATCH"),
                    help="samples per iteration")
     p.add_argument("--strategy", choices=["auto", "dp", "pp"], default="auto")
-    p.add_argument("--schedule", choices=["auto", "gpipe", "1f1b"], default="auto")
+    p.add_argument("--schedule", choices=["auto", *SCHEDULES], default="auto")
     p.add_argument("--sync", choices=["bsp", "wsp", "hybrid-ps", "daso", "local-sgd", "auto"], default=None,
                    help="sync mode (docs/sync.md; default bsp, or the --from plan's); auto: the soonest predicted "
                    "time to accuracy")

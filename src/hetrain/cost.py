@@ -367,11 +367,20 @@ def in_flight(schedule: str, m: int, p: int, j: int) -> int:
     """Micro-batches whose activations stage ``j`` of ``p`` holds at once.
 
     GPipe: all m (all forwards before any backward). 1F1B: ``min(m, p - j)``
-    (PipeDream-Flush, Narayanan et al. 2021).
+    (PipeDream-Flush, Narayanan et al. 2021). ``1f1b-eager``: one more on every stage but the last
+    (``hetrain.schedule.generate.one_f_one_b_eager``).
     """
     if schedule == "gpipe":
         return m
-    return min(m, p - j)
+    return min(m, p - j + (schedule == "1f1b-eager" and j < p - 1))
+
+
+def most_in_flight(schedule: str, p: int) -> int | None:
+    """The most micro-batches any stage of ``p`` holds under ``schedule``, whatever m (None: GPipe, m):
+    a stage's memory is the same for every m at or above it (``in_flight``)."""
+    if schedule == "gpipe":
+        return None
+    return p + (schedule == "1f1b-eager" and p > 1)
 
 
 OPTIMIZER_STATE_PER_PARAM = {"sgd": 0, "momentum": 1, "adam": 2}

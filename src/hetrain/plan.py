@@ -54,9 +54,9 @@ from hetrain.sync_layout import (
 )
 from hetrain.units import format_bytes, format_time
 
-Schedule = Literal["gpipe", "1f1b"]
+Schedule = Literal["gpipe", "1f1b", "1f1b-eager"]
 Optimizer = Literal["sgd", "momentum", "adam"]
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "1f1b-eager")
 OPTIMIZERS: tuple[str, ...] = OPTIMIZER_NAMES  # profile.OPTIMIZER_NAMES: one vocabulary
 #: 2: the ``"sync"`` section holds the mode, its typed options and the sync layout (was the mode's name)
 FORMAT_VERSION = 2
@@ -178,7 +178,7 @@ class Plan:
     Attributes:
         model: the profile's model name.
         global_batch: samples per iteration over all VWs.
-        schedule: ``"gpipe"`` or ``"1f1b"``.
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"1f1b-eager"`` (``hetrain.schedule.generate``).
         sync: the sync mode among VWs.
         sync_options: the mode's parameters (staleness, period, bucket sizes, all-reduce algorithm...).
         layout: every sync decision (segments, buckets and their algorithms, parameter-server hosts), made

@@ -13,6 +13,7 @@ or three buckets overlapped with the last backward; ``adamw`` keeps the default 
     dp-uneven     4 VWs of one stage, mini-batches 5, 3, 2, 2 (VW0 in 2 micro-batches)
     pp4-gpipe     one pipeline of 4 stages, GPipe, 4 micro-batches
     pp4-1f1b      one pipeline of 4 stages, 1F1B, 6 uneven micro-batches (2,2,2,2,1,1)
+    pp4-eager     the same under 1F1B-eager (one more warm-up forward on every stage but the last)
     pp3-mlp       mlp-digits on 3 stages, 1F1B
     two-vws       VW0 [0,2)+[2,6), mini-batch 6 in 3; VW1 [0,4)+[4,6), mini-batch 4 in 2
     dp-exact      dp-uneven, its buckets cut at their size inside layers (``bucket_cut`` exact)
@@ -123,6 +124,7 @@ CASES: dict[str, dict[str, Any]] = {
                                                  ([D[2]], [0, 6], 2, 1), ([D[3]], [0, 6], 2, 2)])},
     "pp4-gpipe": {"plan": make_plan("gpt-tiny", [(D, [0, 2, 3, 4, 6], 8, 4)], "gpipe"), "timeline": True},
     "pp4-1f1b": {"plan": make_plan("gpt-tiny", [(D, [0, 1, 3, 5, 6], 10, 6)], "1f1b", options=AT_RECV)},
+    "pp4-eager": {"plan": make_plan("gpt-tiny", [(D, [0, 1, 3, 5, 6], 10, 6)], "1f1b-eager")},
     "pp3-mlp": {"plan": make_plan("mlp-digits", [(D[:3], [0, 1, 2, 3], 16, 4)], options=AT_RECV),
                 "model": "mlp-digits", "lr": 0.2},
     "two-vws": {"plan": make_plan("gpt-tiny", TWO_VWS, options=AT_RECV)},

@@ -38,7 +38,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from hetrain.cluster import Cluster
 from hetrain.cost import (
@@ -137,7 +137,7 @@ class PlannerOptions:
     """
 
     strategy: Literal["auto", "dp", "pp", "hybrid"] = "auto"
-    schedule: Literal["auto", "gpipe", "1f1b"] = "auto"
+    schedule: Literal["auto", "gpipe", "1f1b", "1f1b-eager"] = "auto"
     sync: SyncMode | Literal["auto"] = "bsp"
     sync_options: SyncOptions = field(default_factory=SyncOptions)
     staleness_penalty: float = 0.0
@@ -162,7 +162,7 @@ class PlannerOptions:
         if self.strategy not in ("auto", "dp", "pp", "hybrid"):
             raise ValueError(f"strategy must be auto, dp, pp or hybrid, got {self.strategy!r}")
         if self.schedule not in ("auto", *SCHEDULES):
-            raise ValueError(f"schedule must be auto, gpipe or 1f1b, got {self.schedule!r}")
+            raise ValueError(f"schedule must be auto or one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.sync not in SYNC_MODES and self.sync != "auto":
             raise ValueError(f"sync must be auto or one of {SYNC_MODES}, got {self.sync!r}")
         if not isinstance(self.sync_options, SyncOptions):
@@ -374,7 +374,7 @@ def _to_plan(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: Planne
         iteration_s=c.iteration_s, samples_per_s=c.samples_per_s, pipeline_s=c.pipeline_s, sync_s=c.sync_s,
         optimizer_s=c.optimizer_s, memory=tuple(memory), time_to_accuracy_s=tta,
     )
-    schedule: Schedule = "gpipe" if c.schedule == "gpipe" else "1f1b"
+    schedule = cast(Schedule, c.schedule)
     options: dict[str, Any] = {"objective": opts.objective, "strategy": opts.strategy}
     layouts = c.extra.get("layouts")
     if layouts is not None:  # every mode's prediction for this plan's VWs, so a user can compare (docs/sync.md)
@@ -619,11 +619,12 @@ def _simulate_best(cluster: Cluster, profile: ModelProfile, found: list[Candidat
         return [], "time budget"
     head: list[Candidate] = found[:cap]
     flipped = reversed_orders(cluster, profile, head[0], opts)
-    # the best and its reverse, then each of them under GPipe where every stage still fits (schedule auto), then
-    # the rest: the closed forms price GPipe as 1F1B, a simulation does not (_as_gpipe)
-    variants = [c for c in (flipped,) if c is not None]
-    if opts.schedule == "auto":
-        variants += [g for c in (head[0], *variants) if (g := _as_gpipe(profile, c, opts)) is not None]
+    # the best and its reverse, then each of them under 1F1B-eager and GPipe where every stage still fits
+    # (schedule auto), then the rest: the closed forms price all three alike, a simulation does not (_as_schedule)
+    variants = [c for c in (head[0], flipped) if c is not None]
+    variants = variants[1:] + ([v for schedule in AUTO_VARIANTS for c in variants
+                                if (v := _as_schedule(profile, c, opts, schedule)) is not None]
+                               if opts.schedule == "auto" else [])
     candidates = [*head, *variants]
     order = [0, *range(len(head), len(candidates)), *range(1, len(head))]
     timed = budget.timed(score)
@@ -649,28 +650,37 @@ def _simulate_best(cluster: Cluster, profile: ModelProfile, found: list[Candidat
     return [done[q] for q in sorted(done)], stopped_by
 
 
-def _as_gpipe(profile: ModelProfile, c: Candidate, opts: PlannerOptions) -> Candidate | None:
-    """``c`` (a 1F1B candidate) run under GPipe on the same partitions, recompute sets and micro-batches, where
-    every stage still fits its device's tensor budget holding all m micro-batches' activations; else None.
+#: the schedules ``--schedule auto`` also replays its best candidates under, in this order (a tie keeps the first
+#: simulated: 1F1B, then these, each holding more activations than the one before)
+AUTO_VARIANTS = ("1f1b-eager", "gpipe")
 
-    The closed forms give both schedules the same time (``sum + (m - 1) max``), so the search keeps 1F1B, which
-    holds fewer activations. A simulation tells them apart: 1F1B's steady state alternates one forward and one
-    backward, so a stage waits for the gradient of a micro-batch it sent out one round trip earlier, and every
-    transfer time and every difference between stages' speeds lands on that round trip; GPipe's forwards and
-    backwards each flow one way, with slack. On ``examples/clusters/pipetorch.toml`` (gpt2-small, batch 64) the
-    chosen spread-2 plan simulates to 450.7 ms under 1F1B, 424.7 ms under GPipe.
+
+def _as_schedule(profile: ModelProfile, c: Candidate, opts: PlannerOptions, schedule: str) -> Candidate | None:
+    """``c`` (a 1F1B candidate) under ``schedule`` on the same partitions, recompute sets and micro-batches,
+    where it holds more activations somewhere and every stage still fits its device's tensor budget; else None.
+
+    The closed forms give 1F1B, 1F1B-eager and GPipe the same time (``sum + (m - 1) max``), so the search keeps
+    1F1B, which holds the fewest activations. A simulation tells them apart: 1F1B's steady state alternates one
+    forward and one backward, so a stage waits for the gradient of a micro-batch it sent out one round trip
+    earlier, and every transfer and every difference between stages' speeds lands on that round trip;
+    1F1B-eager holds one micro-batch more for slack, GPipe's forwards and backwards each flow one way. On
+    ``examples/clusters/pipetorch.toml`` (gpt2-small, batch 16) the chosen spread-2 plan simulates to 148.9 ms
+    under 1F1B, 140.0 under 1F1B-eager and 143.4 under GPipe.
     """
-    if c.schedule != "1f1b" or any(r.m == 1 for r in c.parts):  # one micro-batch: the two are the same
+    if c.schedule != "1f1b":
         return None
     copies = _reduce_copy(opts, len(c.parts))
+    more = False
     for r in c.parts:
         p = len(r.devices)
         for j, d in enumerate(r.devices):
-            need = estimate_stage_memory(profile, r.cuts[j], r.cuts[j + 1], r.recompute[j], r.b,
-                                         in_flight("gpipe", r.m, p, j), opts.optimizer, reduce_copy=copies)
+            n = in_flight(schedule, r.m, p, j)
+            more = more or n > in_flight(c.schedule, r.m, p, j)
+            need = estimate_stage_memory(profile, r.cuts[j], r.cuts[j + 1], r.recompute[j], r.b, n,
+                                         opts.optimizer, reduce_copy=copies)
             if need > tensor_budget(profile, d):
                 return None
-    return replace(c, schedule="gpipe")
+    return replace(c, schedule=schedule) if more else None
 
 
 def _objective(opts: PlannerOptions, global_batch: int, iteration_s: float) -> float:

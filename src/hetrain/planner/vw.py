@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from hetrain.cluster import Cluster, Device
+from hetrain.cost import most_in_flight
 from hetrain.planner.partition import PartitionResult, partition
 from hetrain.planner.stage_cost import StageTableCache
 from hetrain.profile import ModelProfile
@@ -201,7 +202,8 @@ class VWEvaluator:
     def _partition(self, order: tuple[int, ...], b: int, m: int, fast: bool) -> PartitionResult | None:
         # A screening partition depends on m only through the stage tables, and under
         # 1F1B those are the same for every m >= p (stage j holds min(m, p - j)): share it.
-        shared_m = min(m, len(self.devices)) if fast and self.schedule == "1f1b" else m
+        most = most_in_flight(self.schedule, len(self.devices))
+        shared_m = min(m, most) if fast and most is not None else m
         key = (order, b, shared_m, fast)
         if key not in self._parts:
             self._parts[key] = self._partition_uncached(order, b, m, fast)
@@ -234,10 +236,11 @@ class VWEvaluator:
         """Partition used to estimate time against mini-batch before the batch split.
 
         For 1F1B it is computed at ``m >= p`` (the most activation memory a stage
-        ever holds), so it stays memory-feasible for any m.
+        ever holds: ``cost.most_in_flight``), so it stays memory-feasible for any m.
         """
         if b not in self._coarse:
-            m = max(m_ref, len(self.devices)) if self.schedule == "1f1b" else m_ref
+            most = most_in_flight(self.schedule, len(self.devices))
+            m = max(m_ref, most) if most is not None else m_ref
             self._coarse[b] = self.best(b, m, fast=True)
         return self._coarse[b]
 

@@ -66,7 +66,7 @@ The package, one job a module, each importing only the ones above it::
     actions.py    ActionKind, the Action classes, their text (parse_action), Schedule
     sync.py       SyncState and the sync actions that end an iteration, by mode
     templates.py  ScheduleTemplates: each distinct list of Actions once, peers filled in per device
-    generate.py   gpipe, one_f_one_b, add_p2p, build_schedule, build_schedule_templates
+    generate.py   gpipe, one_f_one_b, one_f_one_b_eager, add_p2p, build_schedule, build_schedule_templates
     roles.py      where each device sits in the plan (the validator's view)
     grid.py       format_grid, and the ScheduleError that shows it
     interpret.py  the validator's abstract execution: waits and deadlocks
@@ -93,7 +93,15 @@ from hetrain.schedule.actions import (
     parse_schedule,
     schedule_to_dict,
 )
-from hetrain.schedule.generate import GENERATORS, add_p2p, build_schedule, build_schedule_templates, gpipe, one_f_one_b
+from hetrain.schedule.generate import (
+    GENERATORS,
+    add_p2p,
+    build_schedule,
+    build_schedule_templates,
+    gpipe,
+    one_f_one_b,
+    one_f_one_b_eager,
+)
 from hetrain.schedule.grid import ERROR_MARK, format_grid
 from hetrain.schedule.sync import (
     SyncState,
@@ -114,5 +122,6 @@ __all__ = [
     "ScheduleTemplates", "SegmentSync", "Step", "SyncState", "Transfer", "add_bsp_sync", "add_p2p",
     "advance_sync_state", "build_schedule", "build_schedule_templates", "build_sync_actions", "fill_peers",
     "format_grid", "gpipe", "initial_sync_state", "is_daso_blocking", "is_global_sync",
-    "one_f_one_b", "owned_segments", "parse_action", "parse_schedule", "schedule_to_dict", "validate",
+    "one_f_one_b", "one_f_one_b_eager", "owned_segments", "parse_action", "parse_schedule", "schedule_to_dict",
+    "validate",
 ]

@@ -1,6 +1,7 @@
 """Generators: the compute order of each stage, then the sends, receives and sync actions added.
 
-``GENERATORS[plan.schedule]`` gives each stage's forwards and backwards (``gpipe``, ``one_f_one_b``);
+``GENERATORS[plan.schedule]`` gives each stage's forwards and backwards (``gpipe``, ``one_f_one_b``,
+``one_f_one_b_eager``);
 ``add_p2p`` joins consecutive stages with sends and receives; ``build_schedule`` does both for every
 virtual worker and ends each device's iteration with its sync actions (``hetrain.schedule.sync``);
 ``build_schedule_templates`` does it once per distinct device role (``hetrain.schedule.templates``).
@@ -51,19 +52,38 @@ def one_f_one_b(m: int, p: int) -> list[list[Compute]]:
         stage 0: 0F0 0F1 0B0 0F2 0B1 0B2
         stage 1: 1F0 1B0 1F1 1B1 1F2 1B2
     """
-    out = []
-    for j in range(p):
-        warmup = min(p - j - 1, m)
-        order = [_f(j, i) for i in range(warmup)]
-        for k in range(m - warmup):
-            order += [_f(j, warmup + k), _b(j, k)]
-        order += [_b(j, i) for i in range(m - warmup, m)]
-        out.append(order)
-    return out
+    return [_warm_then_alternate(j, m, min(p - j - 1, m)) for j in range(p)]
+
+
+def one_f_one_b_eager(m: int, p: int) -> list[list[Compute]]:
+    """1F1B with one more warm-up forward on every stage but the last, so each of them holds at most
+    ``p - j + 1`` micro-batches' activations (the last one still 1)::
+
+        stage 0: 0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3
+        stage 1: 1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3
+
+    In 1F1B's steady state stage j runs the forward of a micro-batch, then the backward of the one it sent
+    on ``p - j - 1`` forwards earlier, whose gradient comes back through every later stage: the stages run
+    in lockstep, and each transfer on the way out and back, and any stage slower than the rest, holds up
+    every stage before it. One micro-batch more in flight gives each stage a forward's worth of slack to
+    absorb them: the next stage's input is sent before this stage waits for a gradient. The simulator tells
+    where that pays (``planner.search``, which replays the best plans under it under ``--schedule auto``).
+    """
+    return [_warm_then_alternate(j, m, min(p - j - (j == p - 1), m)) for j in range(p)]
+
+
+def _warm_then_alternate(j: int, m: int, warmup: int) -> list[Compute]:
+    """Stage j's ``warmup`` forwards, then one forward and one backward in turn, then the backwards left."""
+    order = [_f(j, i) for i in range(warmup)]
+    for k in range(m - warmup):
+        order += [_f(j, warmup + k), _b(j, k)]
+    order += [_b(j, i) for i in range(m - warmup, m)]
+    return order
 
 
 #: ``Plan.schedule`` -> generator of the compute order per stage
-GENERATORS: dict[str, Callable[[int, int], list[list[Compute]]]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+GENERATORS: dict[str, Callable[[int, int], list[list[Compute]]]] = {
+    "gpipe": gpipe, "1f1b": one_f_one_b, "1f1b-eager": one_f_one_b_eager}
 
 
 def add_p2p(compute: Sequence[Compute], prev_device: str | None, next_device: str | None) -> list[Action]:
