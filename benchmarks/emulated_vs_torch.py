@@ -18,6 +18,8 @@ same processes on the same partition and timed in blocks taking turns (ABBA):
             their size inside a layer as DDP's, ``--bucket-cut layer``: on layer boundaries)
     1f1b    one pipeline over the 4 devices, layers split evenly, 1F1B, the same micro-batches:
             hetrain's Trainer vs torch.distributed.pipelining Schedule1F1B
+    1f1b-eager  the same pipeline, hetrain under 1F1B-eager (one more micro-batch in flight on every stage
+            but the last) vs Schedule1F1B (not in the default cases)
 
 Reported per scenario x isolate_comm x case: samples/s of each (median block), hetrain / torch (median
 over adjacent pairs of blocks, quartiles), CPU ms per step by thread (main, Python threads, native)
@@ -47,7 +49,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-CASES = ("dp", "1f1b")
+CASES = ("dp", "1f1b", "1f1b-eager")
 THREADS = ("main", "python", "native")
 
 
@@ -128,7 +130,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
     parser.add_argument("--isolate-comm", nargs="+", choices=("on", "off"), default=["on", "off"],
                         help="emulate with isolate_comm on, off or both (default both)")
-    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES), help="what to compare (default all)")
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES[:2]),
+                        help="what to compare (default dp and 1f1b)")
     parser.add_argument("--allreduce", choices=("ring", "auto"), default="ring",
                         help="hetrain's all-reduces: ring, as DistributedDataParallel's (default), or auto: "
                              "hierarchical across the nodes where its sync layout finds that cheaper")

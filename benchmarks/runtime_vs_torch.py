@@ -145,7 +145,9 @@ def main() -> int:
 
     what = {"1f1b": f"pipeline of {args.ranks} stages, 1F1B, {args.micro_batches} micro-batches",
             "gpipe": f"pipeline of {args.ranks} stages, GPipe, {args.micro_batches} micro-batches",
-            "dp": f"data parallel, {args.ranks} replicas"}
+            "dp": f"data parallel, {args.ranks} replicas",
+            "1f1b-eager": f"pipeline of {args.ranks} stages, hetrain 1F1B-eager vs torch 1F1B, "
+                          f"{args.micro_batches} micro-batches"}
     rows = ["| comparison | hetrain samples/s | torch samples/s | torch runtime | hetrain / torch (paired blocks: "
             "median, quartiles) |", "|---|---:|---:|---|---:|"]
     samples = args.global_batch * args.block_steps

@@ -21,6 +21,8 @@ sys.path.insert(0, str(BENCHMARKS))
 
 from _vs_torch import (  # noqa: E402
     QUOTA_PERIOD_S,
+    TORCH_NAMES,
+    TORCH_SCHEDULES,
     build_plan,
     cpu_cgroup_of,
     cpu_ms_per_step,
@@ -229,6 +231,12 @@ def test_the_benchmark_plans_carry_each_layers_measured_output_bytes() -> None:
     assert [early_receives(plan, d) for d in ("n0:0", "n0:1")] == [(False, True), (True, False)]
     at_recv = build_plan("1f1b", argparse.Namespace(**{**vars(args), "early_receives": "never"}), 6, local_cluster(2))
     assert [early_receives(at_recv, d) for d in ("n0:0", "n0:1")] == [(False, False), (False, False)]
+    # hetrain's 1F1B-eager on the same partition, against torch's Schedule1F1B
+    eager = build_plan("1f1b-eager", args, 6, local_cluster(2))
+    assert (eager.schedule, plan.schedule) == ("1f1b-eager", "1f1b")
+    assert [(s.first_layer, s.end_layer) for s in eager.virtual_workers[0].stages] == \
+        [(s.first_layer, s.end_layer) for s in plan.virtual_workers[0].stages]
+    assert (TORCH_SCHEDULES["1f1b-eager"], TORCH_NAMES["1f1b-eager"]) == ("1f1b", "Schedule1F1B")
 
 
 def _launch_bound(*argv: str) -> subprocess.CompletedProcess[str]:

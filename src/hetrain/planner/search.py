@@ -20,7 +20,8 @@ Within a time budget (``PlannerOptions.time_budget_s``, ``hetrain plan --time-bu
         whose optimistic score beats the best found, within EXTRA_SEARCH_SHARE of the budget
         ─► simulate the best candidates, one at a time, while the next one's estimated cost
            (the dearest simulation so far per unit of plan size) fits in what is left: the best, its
-           pipelines reversed, each of the two under GPipe where it fits memory (schedule auto), the rest
+           pipelines reversed, each of the two under 1F1B-eager and GPipe where they fit memory (schedule
+           auto), the rest
         ─► the robust draws and the sync-mode choice, where their simulations fit too
 
 Screening always runs, and the exact search of at least the best screened candidate (no plan
@@ -124,8 +125,8 @@ class PlannerOptions:
         exhaustive_devices: clusters this small also try every set partition.
         refine_top_k: search this many best screened candidates exactly.
         simulate_top_k: re-rank at most this many best candidates (and the best one's reversed pipelines, and
-            under schedule ``auto`` the two under GPipe where it fits memory) by the scoring function, where one
-            is given (0: off); None: as many as ``time_budget_s`` allows, at least
+            under schedule ``auto`` the two under 1F1B-eager and GPipe where they fit memory) by the scoring
+            function, where one is given (0: off); None: as many as ``time_budget_s`` allows, at least
             SIMULATE_AT_LEAST where it allows, at most SIMULATE_AT_MOST, and none past the first that the closed
             form says cannot win (PLAUSIBLE_FRACTION).
         time_budget_s: seconds the planning may take: screening and the exact search always run, then
