@@ -42,20 +42,33 @@ once more (after a fresh profile and link discovery, not re-planned): how far tw
 plan are apart on this host.
 
     sudo -E .venv/bin/python benchmarks/emulated_speedup.py --repeats 3 [--scenarios compute]
+
+With ``--schedule-ab N`` it asks whether the schedules the planner replays besides 1F1B (1F1B-eager and
+GPipe, docs/planner.md section 5) pay when trained: per scenario, N times, one profile -> discover ->
+calibrate, then two plans from it, the planner's (``--schedule auto``) and the planner's restricted to 1F1B,
+both trained in the same emulated session one after the other, the first one first in odd repeats and
+second in even ones; per repeat the two plans, their measured samples/s and the ratio; per scenario the
+median ratio and its range.
+
+    sudo -E .venv/bin/python benchmarks/emulated_speedup.py --schedule-ab 3 [--scenarios network]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from _emulated import ready_to_emulate
 from _results import write_section
-from hetrain.demo import CALIBRATION_STEPS, CALIBRATION_WARMUP, run_emulated_comparison
+from hetrain.demo import CALIBRATION_STEPS, CALIBRATION_WARMUP, MICRO_BATCH_SIZES, run_emulated_comparison
+from hetrain.plan import Plan
 from hetrain.planner.baselines import torch_pipelining_micro_batches
+from hetrain.profile import ModelProfile
 
 
 def cluster_text(name: str, fast_share: float, slow_share: float, fast_nic: str, slow_nic: str) -> str:
@@ -103,6 +116,9 @@ def main() -> int:
     parser.add_argument("--out", default="out/bench-emulated")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run the whole flow this many times per scenario, hetrain's plan only (>= 2)")
+    parser.add_argument("--schedule-ab", type=int, default=0, metavar="N",
+                        help="train the planner's plan and the planner's 1F1B-only plan side by side, N times per "
+                             "scenario")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.warmup, args.no_write = 4, 1, True
@@ -110,8 +126,12 @@ def main() -> int:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if not ready_to_emulate(parser, args):
         return 0
+    if args.schedule_ab < 0:
+        parser.error(f"--schedule-ab must be >= 1, got {args.schedule_ab}")
     if args.repeats > 1:
         return run_repeats(args)
+    if args.schedule_ab:
+        return run_schedule_ab(args)
     rows = ["| scenario | run | runtime | shape | predicted samples/s | measured samples/s | iteration error | "
             "speed-up over torch DDP |", "| --- | --- | --- | --- | ---: | ---: | ---: | ---: |"]
     start, load0 = time.perf_counter(), os.getloadavg()[0]
@@ -157,6 +177,59 @@ def main() -> int:
         command = "sudo -E .venv/bin/python benchmarks/emulated_speedup.py " + " ".join(sys.argv[1:])
         write_section("Emulated speed-up (hetrain plan vs torch DDP vs torch pipelining)", command.strip(), table,
                       notes)
+    return 0
+
+
+def schedule_ab_plans(cluster: dict[str, Any], profile: ModelProfile, global_batch: int) -> dict[str, Plan]:
+    """The planner's plan as the demo makes it (``demo.build_plans``: schedule auto), and the same planning
+    restricted to 1F1B."""
+    from hetrain import plan
+    from hetrain.cluster import parse_cluster
+
+    parsed = parse_cluster(cluster)
+    sizes = tuple(b for b in MICRO_BATCH_SIZES if b <= global_batch) or (1,)
+    return {name: plan(parsed, profile, global_batch, simulate_top_k=5, micro_batch_sizes=sizes, schedule=schedule)
+            for name, schedule in (("hetrain", "auto"), ("hetrain-1f1b", "1f1b"))}
+
+
+def run_schedule_ab(args: argparse.Namespace) -> int:
+    """Per scenario, ``args.schedule_ab`` times: the planner's plan and its 1F1B-only plan from one profile,
+    trained one after the other in one emulated session, in alternating order."""
+    from hetrain.planner.robust import describe_layout
+
+    rows = ["| scenario | repeat | hetrain's plan (schedule auto) | samples/s | the 1F1B-only plan | samples/s | "
+            "auto / 1F1B-only |", "| --- | ---: | --- | ---: | --- | ---: | ---: |"]
+    summary = ["| scenario | schedules chosen | auto / 1F1B-only, median (lowest-highest) |", "| --- | --- | ---: |"]
+    start, load0 = time.perf_counter(), os.getloadavg()[0]
+    for name in args.scenarios:
+        ratios, chosen = [], []
+        for k in range(args.schedule_ab):
+            order = ("hetrain", "hetrain-1f1b") if k % 2 == 0 else ("hetrain-1f1b", "hetrain")
+            result = run_emulated_comparison(SCENARIOS[name], Path(args.out) / f"{name}-ab{k}", "gpt-tiny",
+                                             args.global_batch, args.steps, args.warmup, log=lambda s: None,
+                                             train=order, baselines=(), plan_builder=schedule_ab_plans)
+            auto, only = result.runs["hetrain"], result.runs["hetrain-1f1b"]
+            ratio = auto.measured_samples_per_s / only.measured_samples_per_s
+            ratios.append(ratio)
+            chosen.append(auto.plan.schedule)
+            rows.append(f"| {name} | {k + 1} | {auto.plan.schedule}: {describe_layout(auto.plan)} | "
+                        f"{auto.measured_samples_per_s:.1f} | {describe_layout(only.plan)} | "
+                        f"{only.measured_samples_per_s:.1f} | {ratio:.3f} |")
+            print(rows[-1], flush=True)
+        summary.append(f"| {name} | {', '.join(chosen)} | {statistics.median(ratios):.3f} "
+                       f"({min(ratios):.3f}-{max(ratios):.3f}) |")
+    table = "\n".join(rows) + "\n\n" + "\n".join(summary)
+    took = time.perf_counter() - start
+    notes = (f"gpt-tiny, global batch {args.global_batch}, {args.steps} steps per run, first {args.warmup} left out; "
+             f"per repeat one profile, link discovery and calibration, then both plans planned from them (the "
+             f"demo's options: simulate_top_k 5) and trained one after the other in the same emulated session, "
+             f"the schedule-auto plan first in odd repeats. Emulation as in the speed-up section. Took {took:.0f} s; "
+             f"host load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.")
+    print(table)
+    print(notes)
+    if not args.no_write:
+        command = "sudo -E .venv/bin/python benchmarks/emulated_speedup.py " + " ".join(sys.argv[1:])
+        write_section("Emulated: schedule auto against 1F1B only (issue 19)", command.strip(), table, notes)
     return 0
 
 

@@ -48,7 +48,9 @@ def _stage(base: Plan, device_name: str, first: int, end: int, b: int) -> Stage:
 
 def even_split_plan(base: Plan, predict: Predict, device_order: Sequence[str] | None = None) -> Plan:
     """One VW over all devices (cluster order), layers split as evenly as possible, earlier stages
-    taking the extra layers; micro-batching and schedule from ``base`` (a ``strategy="pp"`` plan).
+    taking the extra layers; micro-batching and schedule from ``base`` (a ``strategy="pp"`` plan), the
+    schedule one that torch.distributed.pipelining has (1F1B for ``base``'s 1F1B-eager): the pipeline a user
+    would write by hand, and the one the torch baseline runs.
 
     With more devices than layers, the first ``n`` devices hold one layer each and the rest are unused.
     """
@@ -65,6 +67,7 @@ def even_split_plan(base: Plan, predict: Predict, device_order: Sequence[str] | 
         first = end
     vw = VirtualWorker(tuple(stages), base.global_batch, min(m, base.global_batch))
     draft = replace(base, virtual_workers=(vw,), strategy="pp", formation="even-split",
+                    schedule="gpipe" if base.schedule == "gpipe" else "1f1b",
                     prediction=replace(base.prediction, memory=()))
     return predict(draft)
 
