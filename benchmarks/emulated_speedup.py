@@ -63,8 +63,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _emulated import ready_to_emulate
-from _results import write_section
+from _emulated import finish, ready_to_emulate
 from hetrain.demo import CALIBRATION_STEPS, CALIBRATION_WARMUP, MICRO_BATCH_SIZES, run_emulated_comparison
 from hetrain.plan import Plan
 from hetrain.planner.baselines import torch_pipelining_micro_batches
@@ -100,6 +99,7 @@ SCENARIOS = {
 }
 
 
+SCRIPT = Path(__file__).name
 TRAIN = ("hetrain", "dp", "even-split")
 BASELINES = ("ddp", "pipelining")
 
@@ -172,12 +172,7 @@ def main() -> int:
              f"hetrain.baselines (DistributedDataParallel; torch.distributed.pipelining), their predicted column is "
              f"hetrain's model of the same partition run by hetrain's runtime. Took {took:.0f} s; host load "
              f"average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.")
-    print(notes)
-    if not args.no_write:
-        command = "sudo -E .venv/bin/python benchmarks/emulated_speedup.py " + " ".join(sys.argv[1:])
-        write_section("Emulated speed-up (hetrain plan vs torch DDP vs torch pipelining)", command.strip(), table,
-                      notes)
-    return 0
+    return finish(args, [], SCRIPT, "Emulated speed-up (hetrain plan vs torch DDP vs torch pipelining)", table, notes)
 
 
 def schedule_ab_plans(cluster: dict[str, Any], profile: ModelProfile, global_batch: int) -> dict[str, Plan]:
@@ -226,11 +221,7 @@ def run_schedule_ab(args: argparse.Namespace) -> int:
              f"the schedule-auto plan first in odd repeats. Emulation as in the speed-up section. Took {took:.0f} s; "
              f"host load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.")
     print(table)
-    print(notes)
-    if not args.no_write:
-        command = "sudo -E .venv/bin/python benchmarks/emulated_speedup.py " + " ".join(sys.argv[1:])
-        write_section("Emulated: schedule auto against 1F1B only (issue 19)", command.strip(), table, notes)
-    return 0
+    return finish(args, [], SCRIPT, "Emulated: schedule auto against 1F1B only (issue 19)", table, notes)
 
 
 def run_repeats(args: argparse.Namespace) -> int:
@@ -299,11 +290,7 @@ def run_repeats(args: argparse.Namespace) -> int:
              f"speed-up section (2-core host shared with other work, isolate_comm). Took {took:.0f} s; host load "
              f"average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.")
     print(table)
-    print(notes)
-    if not args.no_write:
-        command = "sudo -E .venv/bin/python benchmarks/emulated_speedup.py " + " ".join(sys.argv[1:])
-        write_section("Emulated repeatability (profile, plan, train, repeated)", command.strip(), table, notes)
-    return 0
+    return finish(args, [], SCRIPT, "Emulated repeatability (profile, plan, train, repeated)", table, notes)
 
 
 if __name__ == "__main__":
