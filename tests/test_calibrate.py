@@ -85,7 +85,7 @@ def test_merge_keeps_each_types_overhead_later_wins() -> None:
 # --- the simulator and the planner charge it per action --------------------------------
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "1f1b-eager"])
 @pytest.mark.parametrize(("p", "m"), [(4, 6), (1, 5), (3, 1)])
 def test_every_forward_and_backward_pays_the_overhead(schedule: str, p: int, m: int) -> None:
     t_f, t_b, o = 0.3, 0.7, 0.05

@@ -189,7 +189,7 @@ def hetero_plan(schedule: str = "1f1b") -> Plan:
     ], schedule)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "1f1b-eager"])
 def test_multi_vw_schedule_is_valid_and_syncs_every_shared_segment(schedule: str) -> None:
     plan = hetero_plan(schedule)
     built = build_schedule(plan)
