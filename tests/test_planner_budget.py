@@ -107,10 +107,16 @@ def test_simulate_top_k_given_is_an_upper_bound() -> None:
     counted, calls = _counting(hetrain.simulated_iteration_s)
     p = plan(cluster, profile, 64, score=counted, simulate_top_k=2, time_budget_s=None)
     report = _report(p)
-    assert report.simulated == len(calls) <= 3  # the best 2, and the best one's reverse where it has one
+    # the best 2, and the best one's reverse where it has one; each of those two also under 1F1B-eager and
+    # GPipe where they fit (schedule auto; here 1F1B-eager only: GPipe holds more than these GPUs have)
+    assert report.simulated == len(calls) == 5
+    assert sum(c.schedule == "1f1b" for c in calls) == 3 and sum(c.schedule == "1f1b-eager" for c in calls) == 2
     assert report.stopped_by == "simulate_top_k"
     every = plan(cluster, profile, 64, score=hetrain.simulated_iteration_s, simulate_top_k=50, time_budget_s=None)
-    assert _report(every).stopped_by == "all candidates" and _report(every).simulated == 8  # 7 and the reverse
+    assert _report(every).stopped_by == "all candidates" and _report(every).simulated == 10  # 7, the reverse, 2
+    only = plan(cluster, profile, 64, score=hetrain.simulated_iteration_s, simulate_top_k=50, time_budget_s=None,
+                schedule="1f1b")
+    assert _report(only).simulated == 8  # 7 and the reverse
 
 
 def test_a_budget_that_runs_out_stops_before_the_next_simulation_and_overruns_by_at_most_one() -> None:
