@@ -258,3 +258,23 @@ def _assert_fits(p: Plan, cluster: hetrain.Cluster, profile: hetrain.ModelProfil
             assert stage.predicted_memory_bytes == pytest.approx(estimate_stage_memory(
                 profile, stage.first_layer, stage.end_layer, stage.recompute, vw.micro_batch_size, kept, "adam"))
             assert stage.predicted_memory_bytes <= tensor_budget(profile, cluster.device(stage.device))
+
+
+def test_hetrain_plan_takes_the_eager_schedule_and_a_simulation_of_its_file_holds_one_more(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--cluster", str(CLUSTER), "--model", "gpt2-small", "--global-batch", "16",
+                 "--strategy", "pp", "--schedule", "1f1b-eager", "-o", str(out)]) == 0
+    assert "schedule 1f1b-eager" in capsys.readouterr().out
+    saved = load_plan(out)
+    assert saved.schedule == "1f1b-eager"
+    p = len(saved.virtual_workers[0].stages)
+    held = [d.max_in_flight for d in (hetrain.simulate(saved).devices[s.device]
+                                      for s in saved.virtual_workers[0].stages)]
+    assert held == [in_flight("1f1b-eager", saved.virtual_workers[0].micro_batches, p, j) for j in range(p)]
+    with pytest.raises(SystemExit) as stopped:
+        main(["plan", "--cluster", str(CLUSTER), "--model", "gpt2-small", "--global-batch", "16",
+              "--schedule", "1f1b-lazy"])
+    assert stopped.value.code == 2
+    assert "invalid choice: '1f1b-lazy' (choose from 'auto', 'gpipe', '1f1b', '1f1b-eager')" in \
+        capsys.readouterr().err
