@@ -40,6 +40,7 @@ from hetrain.baselines import build_ddp_step, build_pipelining_step, even_bounds
 from hetrain.cluster import Cluster, parse_cluster
 from hetrain.models.registry import build_layers, layer_names, loss_fn, num_layers, sample_batch
 from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
+from hetrain.planner.baselines import torch_schedule
 from hetrain.profile import LayerProfile, ModelProfile
 from hetrain.runtime import Trainer, build_optimizer_fn
 from hetrain.runtime.p2p import flatten
@@ -52,7 +53,7 @@ CASES = ("1f1b", "gpipe", "dp", "1f1b-eager")
 TORCH_NAMES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "dp": "DistributedDataParallel",
                "1f1b-eager": "Schedule1F1B"}
 #: the torch.distributed.pipelining schedule of each pipeline case (``hetrain.baselines``' names)
-TORCH_SCHEDULES = {"1f1b": "1f1b", "gpipe": "gpipe", "1f1b-eager": "1f1b"}
+TORCH_SCHEDULES = {case: torch_schedule(case) for case in CASES if case != "dp"}
 #: the CFS period of ``cpu_quota_group`` (the hand-made throttled runs of RESULTS.md used 100 ms too)
 QUOTA_PERIOD_S = 0.100
 

@@ -377,10 +377,8 @@ def in_flight(schedule: str, m: int, p: int, j: int) -> int:
 
 def most_in_flight(schedule: str, p: int) -> int | None:
     """The most micro-batches any stage of ``p`` holds under ``schedule``, whatever m (None: GPipe, m):
-    a stage's memory is the same for every m at or above it (``in_flight``)."""
-    if schedule == "gpipe":
-        return None
-    return p + (schedule == "1f1b-eager" and p > 1)
+    a stage's memory is the same for every m at or above it (``in_flight``, whose first stage holds the most)."""
+    return None if schedule == "gpipe" else in_flight(schedule, p + 1, p, 0)
 
 
 OPTIMIZER_STATE_PER_PARAM = {"sgd": 0, "momentum": 1, "adam": 2}

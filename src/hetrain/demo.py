@@ -307,12 +307,12 @@ def _train_with_hetrain(jobs: _Jobs, r: PlanRun, model: str, steps: int) -> None
 
 def _train_with_torch(jobs: _Jobs, r: PlanRun, model: str, global_batch: int, steps: int, optimizer: str) -> None:
     """Step 5 for one torch baseline (``hetrain.baselines``, run ``torch-<kind>``); its metrics read back."""
-    from hetrain.planner.baselines import torch_pipelining_micro_batches
+    from hetrain.planner.baselines import torch_pipelining_micro_batches, torch_schedule
 
     kind = r.name.removeprefix("torch-")
     extra = ([] if kind == "ddp" else
              ["--micro-batches", str(torch_pipelining_micro_batches(r.plan)),
-              "--schedule", r.plan.schedule if r.plan.schedule in ("gpipe", "1f1b") else "1f1b"])
+              "--schedule", torch_schedule(r.plan.schedule)])
     start = time.perf_counter()
     jobs.run(f"train {r.name}", [PYTHON, "-m", "hetrain.baselines", kind, "--model", model, "--data", "shakespeare",
                                  "--global-batch", str(global_batch), "--steps", str(steps), "--optimizer",

@@ -11,8 +11,9 @@ predicted figures come from ``predict``, which the caller hands in (the simulato
                       (what torch's DistributedDataParallel does), one flat all-reduce ring
 
 Both start from a plan the planner made (``strategy="pp"`` or ``"dp"``) and take its cluster,
-profile, options, micro-batching and schedule. ``torch_pipelining_micro_batches`` says how many
-micro-batches torch.distributed.pipelining runs for an even-split plan.
+profile, options, micro-batching and schedule (the even split a schedule torch has: ``torch_schedule``).
+``torch_pipelining_micro_batches`` and ``torch_schedule`` say how many micro-batches and which schedule
+torch.distributed.pipelining runs for an even-split plan.
 
 Pure Python, no torch.
 
@@ -30,7 +31,7 @@ from dataclasses import replace
 
 from hetrain.cost import estimate_action_overhead, estimate_layer_times
 from hetrain.data.sharding import split_evenly
-from hetrain.plan import Plan, Stage, VirtualWorker
+from hetrain.plan import Plan, Schedule, Stage, VirtualWorker
 
 #: a plan with its predicted figures filled in (``simulator.with_simulated_prediction``)
 Predict = Callable[[Plan], Plan]
@@ -67,7 +68,7 @@ def even_split_plan(base: Plan, predict: Predict, device_order: Sequence[str] | 
         first = end
     vw = VirtualWorker(tuple(stages), base.global_batch, min(m, base.global_batch))
     draft = replace(base, virtual_workers=(vw,), strategy="pp", formation="even-split",
-                    schedule="gpipe" if base.schedule == "gpipe" else "1f1b",
+                    schedule=torch_schedule(base.schedule),
                     prediction=replace(base.prediction, memory=()))
     return predict(draft)
 
@@ -85,6 +86,12 @@ def even_dp_plan(base: Plan, predict: Predict) -> Plan:
                     prediction=replace(base.prediction, memory=()),
                     sync_options=replace(base.sync_options, allreduce="ring"))  # DDP's flat ring, never hierarchical
     return predict(draft)
+
+
+def torch_schedule(schedule: str) -> Schedule:
+    """The torch.distributed.pipelining schedule closest to hetrain's ``schedule``: the same order, or 1F1B
+    for 1F1B-eager (torch has no schedule with more warm-up forwards). ``hetrain.baselines``' names."""
+    return "gpipe" if schedule == "gpipe" else "1f1b"
 
 
 def torch_pipelining_micro_batches(plan: Plan) -> int:

@@ -622,11 +622,10 @@ def _simulate_best(cluster: Cluster, profile: ModelProfile, found: list[Candidat
     flipped = reversed_orders(cluster, profile, head[0], opts)
     # the best and its reverse, then each of them under 1F1B-eager and GPipe where every stage still fits
     # (schedule auto), then the rest: the closed forms price all three alike, a simulation does not (_as_schedule)
-    variants = [c for c in (head[0], flipped) if c is not None]
-    variants = variants[1:] + ([v for schedule in AUTO_VARIANTS for c in variants
-                                if (v := _as_schedule(profile, c, opts, schedule)) is not None]
-                               if opts.schedule == "auto" else [])
-    candidates = [*head, *variants]
+    bases = [c for c in (head[0], flipped) if c is not None]
+    replays = [v for schedule in AUTO_VARIANTS for c in bases
+               if (v := _as_schedule(profile, c, opts, schedule)) is not None] if opts.schedule == "auto" else []
+    candidates = [*head, *bases[1:], *replays]
     order = [0, *range(len(head), len(candidates)), *range(1, len(head))]
     timed = budget.timed(score)
     done: dict[int, Plan] = {}
