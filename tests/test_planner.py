@@ -289,6 +289,25 @@ def test_batch_split_follows_speed_in_pure_dp() -> None:
     assert max(times) / min(times) < 1.2
 
 
+@pytest.mark.parametrize(("global_batch", "size"), [(32, 64), (32, 3), (32, 5), (32, 6), (8, 16)])
+def test_fixed_micro_batch_splits_equal_devices_evenly(global_batch: int, size: int) -> None:
+    """A micro-batch size the mini-batches do not divide, or one beyond them, still splits the batch evenly
+    between two equal devices: each sample is priced, not each micro-batch at the size asked for (which
+    had made 31 + 1 as fast as 16 + 16 under --micro-batch 64, and 17 + 15 under 3)."""
+    cluster = parse_cluster({"node": [{"name": "n0", "devices": [{"type": "T4", "count": 2}], "nic": "10Gbit/s"}]})
+    p = plan(cluster, build_profile("gpt-tiny"), global_batch, strategy="dp", micro_batch_sizes=(size,),
+             simulate_top_k=0)
+    assert [vw.mini_batch for vw in p.virtual_workers] == [global_batch // 2] * 2
+    assert all(vw.micro_batch_size <= min(size, global_batch // 2) for vw in p.virtual_workers)
+
+
+def test_vw_time_grows_with_every_sample_at_a_fixed_micro_batch_size() -> None:
+    cluster = parse_cluster({"node": [{"name": "n0", "devices": [{"type": "T4", "count": 2}], "nic": "10Gbit/s"}]})
+    ev = VWEvaluator(cluster, build_profile("gpt-tiny"), [cluster.devices[0]], "1f1b", "adam", True, 1e6, 4, (3,))
+    times = [ev.estimate_time(b, 4) for b in range(1, 40)]
+    assert all(a < b for a, b in itertools.pairwise(times))
+
+
 def test_time_to_accuracy_prefers_smaller_global_batch_past_critical() -> None:
     cluster = _cloud()
     profile = build_profile("gpt2-small")

@@ -245,17 +245,53 @@ class VWEvaluator:
         return self._coarse[b]
 
     def estimate_time(self, mini_batch: int, m_ref: int) -> float:
-        """Closed-form pipeline seconds for ``mini_batch`` from the coarse partitions."""
+        """Closed-form pipeline seconds for ``mini_batch`` from the coarse partitions.
+
+        The mini-batch is cut as the runtime cuts it (``_b_m``: m = ceil(B / b) micro-batches sized
+        evenly, ``B mod m`` of them one sample larger), and each micro-batch is priced at its own size:
+        warm-up and cool-down at the larger size, then every micro-batch through the bottleneck. So the
+        time grows with every sample, not only where m does, and the batch split (``search._split_batch``,
+        which gives each sample to the VW that finishes soonest with it) sees 16 + 16 as faster than
+        17 + 15 where both cut into micro-batches of at most 3, and a size beyond the mini-batch as the
+        mini-batch itself.
+        """
         best = INF
         for b in micro_batch_candidates(mini_batch, self.micro_batch_sizes):
-            r = self.coarse(b, m_ref)
-            if r is None:
+            size, m = self._b_m(mini_batch, b)
+            large = mini_batch - m * (size - 1)  # micro-batches of ``size``; the other m - large hold size - 1
+            r = self._priced(size, m_ref)
+            small = self._priced(size - 1, m_ref) if large < m else r
+            if r is None or small is None:
                 continue
-            m = -(-mini_batch // b)
-            if self.schedule == "gpipe" and m > r.m:
-                continue  # GPipe holds all m micro-batches: not checked beyond r.m
-            best = min(best, r.sum_s + (m - 1) * r.max_s)
+            sum_s, max_s, held = r
+            if self.schedule == "gpipe" and m > held:
+                continue  # GPipe holds all m micro-batches: not checked beyond the coarse partition's m
+            best = min(best, sum_s - max_s + large * max_s + (m - large) * small[1])
         return best
+
+    def _priced(self, size: int, m_ref: int) -> tuple[float, float, int] | None:
+        """(sum_s, max_s, m) of a coarse partition at micro-batch ``size``: its own at a power of two or a size
+        the user fixed, else interpolated linearly between the powers of two around it, or extrapolated along
+        the line through the two below it where the one above does not fit (one coarse partition per power of
+        two, not one per size the batch split walks through; ``refine`` partitions the sizes it keeps exactly,
+        memory included); None where none fits."""
+        lo = 1 << (size.bit_length() - 1)
+        if size == lo or size in (self.micro_batch_sizes or ()):
+            r = self.coarse(size, m_ref)
+            return None if r is None else (r.sum_s, r.max_s, r.m)
+        below = self.coarse(lo, m_ref)
+        if below is None:
+            return None
+        base = self.coarse(2 * lo, m_ref)
+        if base is not None:
+            w = (size - lo) / lo  # between lo and 2 lo
+        else:
+            base = self.coarse(lo // 2, m_ref) if lo >= 2 else None
+            if base is None:
+                return None
+            w = -(size - lo) / (lo // 2)  # beyond lo, along the line from lo / 2
+        return ((1 - w) * below.sum_s + w * base.sum_s, (1 - w) * below.max_s + w * base.max_s,
+                min(below.m, base.m))
 
     def refine(self, mini_batch: int, fast: bool = False, shortlist: int = 3) -> PartitionResult | None:
         """Best (b, m, partition) for ``mini_batch``: m = ceil(B / b), sized evenly.
