@@ -93,7 +93,7 @@ def test_presets_layer_counts() -> None:
 
 @pytest.mark.parametrize(("name", "profile_options"), [
     ("gpt-tiny", {}),
-    ("gpt2-small", {"precision": "fp32", "tie_embeddings": False}),
+    ("gpt2-small", {"precision": "fp32"}),
     ("vgg19", {}),
     ("resnet50", {}),
     ("resnet152", {}),

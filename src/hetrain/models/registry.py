@@ -36,8 +36,8 @@ weight for weight.
 The last five match ``hetrain.models.analytic``'s models of the same names layer
 by layer (names, parameters); their BatchNorm (ResNets) makes outputs depend on
 how a batch is cut into micro-batches, so exact-equality tests use the others.
-The GPT-2 presets have an untied LM head (``analytic``'s GPT-2 profiles tie it
-by default; ``tie_embeddings=False`` gives the matching profile) and no dropout.
+The GPT-2 presets have an untied LM head, as ``analytic``'s GPT-2 profiles of the
+same names, and no dropout.
 """
 
 from __future__ import annotations
