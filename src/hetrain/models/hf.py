@@ -190,12 +190,113 @@ def load_hf_dir(spec: str) -> HfDir:
     _require(spec, "safetensors")
     from transformers import AutoConfig
 
+    raw = _read_object(config_file)  # None: not a JSON object, which AutoConfig names below
+    if raw is not None:
+        check_counts(spec, config_file, raw)  # before AutoConfig, whose own checks do not show the value
     try:
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # transformers' own errors: named in one line with the file
         raise SpecError(f"--model {spec}: {config_file} cannot be read as a transformers config: "
                         f"{type(e).__name__}: {_first_line(e)}") from e
+    if raw is not None:
+        check_keys(spec, config_file, raw, config)
     return HfDir(spec, path, config, _weight_files(spec, path))
+
+
+def _read_object(file: Path) -> dict[str, Any] | None:
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
+#: config fields (by their transformers-wide names) that must be whole numbers >= 1 where a file gives them
+POSITIVE_FIELDS = {
+    "num_hidden_layers": "the number of blocks",
+    "num_attention_heads": "the number of attention heads",
+    "hidden_size": "the width of the hidden states",
+    "vocab_size": "the vocabulary size",
+}
+
+#: other model families' names for a field: one family's key in another's config.json is a slip that
+#: transformers ignores (a Llama config's ``n_layer`` leaves its default of 32 blocks)
+SYNONYMS = {
+    "num_hidden_layers": ("n_layer", "n_layers", "num_layers"),
+    "num_attention_heads": ("n_head", "n_heads", "num_heads"),
+    "hidden_size": ("n_embd", "n_embed", "d_model"),
+}
+
+
+def _attribute_map(raw: dict[str, Any]) -> dict[str, str]:
+    """The config class's names for transformers-wide fields (GPT-2: ``num_hidden_layers -> n_layer``)."""
+    from transformers import CONFIG_MAPPING
+
+    model_type = raw.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        return {}
+    return dict(getattr(CONFIG_MAPPING[model_type], "attribute_map", None) or {})
+
+
+def check_counts(spec: str, config_file: Path, raw: dict[str, Any]) -> None:
+    """Every field of ``POSITIVE_FIELDS`` that ``raw`` (config.json) gives, under any name its config class
+    gives it (GPT-2's ``n_layer`` for ``num_hidden_layers``), is an integer >= 1: transformers builds a
+    model with no blocks from ``"n_layer": -2``.
+
+    Raises:
+        SpecError: naming the file, the key and its value.
+    """
+    wide = {own: w for w, own in _attribute_map(raw).items()}  # the class's name -> the transformers-wide name
+    for key, value in raw.items():
+        what = POSITIVE_FIELDS.get(wide.get(key, key))
+        if what is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise SpecError(f"--model {spec}: {config_file}: {key} is {json.dumps(value)}; it must be a whole "
+                            f"number >= 1 ({what})")
+
+
+def check_keys(spec: str, config_file: Path, raw: dict[str, Any], config: Any) -> None:
+    """Refuse a key of ``raw`` (config.json) that is a slip for a field of ``config``'s class.
+
+    transformers keeps a key its config class does not know as an extra attribute that changes
+    nothing: a misspelt ``n_layers`` builds GPT-2's default of 12 blocks. Such a key is refused
+    when it is a close spelling of a field of the class, or another family's name for one
+    (``SYNONYMS``), and the file does not set that field. Any other unknown key is accepted, as
+    transformers accepts it: a config.json from the Hub carries bookkeeping (``architectures``,
+    ``_name_or_path``, ``transformers_version``, ``torch_dtype``) and keys of older transformers
+    versions (GPT-2's ``n_ctx``, ``task_specific_params``).
+
+    Raises:
+        SpecError: naming the file, the key, its value and the field it meant.
+    """
+    try:
+        default = type(config)()  # the class's fields at their defaults
+    except Exception:  # a class that needs arguments to build: no defaults to tell a slip by
+        return
+    aliases: dict[str, str] = dict(getattr(config, "attribute_map", None) or {})  # wide name -> the class's name
+    wide = {own: w for w, own in aliases.items()}
+    fields = {k for k in vars(default) if not k.startswith("_")}
+    given = set(raw) | {wide.get(k, k) for k in raw} | {aliases.get(k, k) for k in raw}
+    for key in raw:
+        kept_inert = key in vars(config) and key not in vars(default) and not hasattr(type(config), key)
+        if not kept_inert:  # a field, an alias, a property, or a key transformers consumed (rope_theta)
+            continue
+        meant = _meant_field(key, fields | set(aliases), aliases)
+        if meant is not None and meant not in given and aliases.get(meant, meant) not in given:
+            raise SpecError(f"--model {spec}: {config_file}: unknown key {key!r} ({json.dumps(raw[key])}); did you "
+                            f"mean {meant!r}? {type(config).__name__} has no {key!r}: transformers would ignore it "
+                            f"and build {meant} = {json.dumps(getattr(default, meant, None))}")
+
+
+def _meant_field(key: str, known: set[str], aliases: dict[str, str]) -> str | None:
+    """The field of the config class that ``key`` is a slip for: another family's name for it, or a close spelling."""
+    import difflib
+
+    for wide, others in SYNONYMS.items():
+        own = aliases.get(wide, wide)  # as the class spells it: n_layer (GPT-2), num_hidden_layers (Llama)
+        if key in (wide, *others) and key != own and own in known:
+            return own
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8)
+    return close[0] if close else None
 
 
 def _require(spec: str, package: str) -> None:

@@ -6,6 +6,10 @@ One syntax for every command that takes a model or a data set of the user's own
     my_package.models:build         imported as a module (on sys.path, or the current directory)
     examples/own_model/model.py:build   loaded from the file (a path: it has a "/" or ends in ".py")
 
+A file is imported as ``python path/to/file.py`` runs it: its directory first on ``sys.path``,
+so it can import the modules beside it (``from helpers import build``). Every command loads
+a spec here, and so does every rank of ``hetrain train`` under torchrun.
+
 A reference model's name never holds a ``:``, so ``is_user_spec`` tells the two
 apart without importing anything. This module imports no torch (``hetrain plan``
 uses ``is_user_spec``); loading a spec imports the user's code, which may.
@@ -19,11 +23,12 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -70,11 +75,30 @@ def _load_file(path_text: str, spec: str) -> ModuleType:
     module = importlib.util.module_from_spec(found)
     sys.modules[name] = module
     try:
-        found.loader.exec_module(module)
+        with _beside(resolved.parent):
+            found.loader.exec_module(module)
     except Exception as e:  # the user's code: any error is theirs, named in one line
         del sys.modules[name]
         raise SpecError(f"{spec}: importing {path_text} raised {type(e).__name__}: {e}") from e
     return module
+
+
+@contextlib.contextmanager
+def _beside(directory: Path) -> Iterator[None]:
+    """The file's directory first on ``sys.path`` while it is imported, as ``python file.py`` puts it.
+
+    So ``from helpers import ...`` finds ``helpers.py`` next to the model file. Afterwards the
+    directory stays on the path, but last: an import inside ``build()`` still finds its
+    neighbours, and a neighbour can no longer shadow a package hetrain imports later.
+    """
+    entry = str(directory)
+    sys.path.insert(0, entry)
+    try:
+        yield
+    finally:
+        sys.path.remove(entry)  # the first occurrence: the one inserted above
+        if entry not in sys.path:
+            sys.path.append(entry)
 
 
 def _import_module(name: str, spec: str) -> ModuleType:

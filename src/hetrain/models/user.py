@@ -256,26 +256,28 @@ def check_model_on_batch(source: ModelSource, inputs: Any, targets: Any, data_na
                 x = layer(x)
             except Exception as e:  # the user's code and shapes: any error is theirs, named in one line
                 raise SpecError(f"model {source.name} on data {data_name}: layer {k} ({source.layer_names[k]}) "
-                                f"fails on input {_shapes(x)}: {type(e).__name__}: {_first_line(e)}") from e
+                                f"fails on input {describe_shapes(x)}: {describe_error(e)}") from e
         try:
             loss = source.loss_fn(x, targets)
         except Exception as e:  # the user's code and shapes: any error is theirs, named in one line
-            raise SpecError(f"model {source.name} on data {data_name}: the loss fails on output {_shapes(x)} and "
-                            f"target {_shapes(targets)}: {type(e).__name__}: {_first_line(e)}") from e
+            raise SpecError(f"model {source.name} on data {data_name}: the loss fails on output {describe_shapes(x)} "
+                            f"and target {describe_shapes(targets)}: {describe_error(e)}") from e
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise SpecError(f"model {source.name}: its loss_fn returned {_shapes(loss)}, not one number (the mean loss "
-                        "of the micro-batch)")
+        raise SpecError(f"model {source.name}: its loss_fn returned {describe_shapes(loss)}, not one number (the "
+                        "mean loss of the micro-batch)")
 
 
-def _shapes(x: Any) -> str:
+def describe_shapes(x: Any) -> str:
+    """A layer's input or output in a few words: ``(2, 16) float32``, a tuple of them, or its type's name."""
     if isinstance(x, torch.Tensor):
         return f"{tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}"
     if isinstance(x, tuple | list):
-        return "(" + ", ".join(_shapes(t) for t in x) + ")"
+        return "(" + ", ".join(describe_shapes(t) for t in x) + ")"
     return type(x).__name__
 
 
-def _first_line(e: BaseException) -> str:
+def describe_error(e: BaseException) -> str:
+    """An error raised by a user's code, in one line: ``KeyError: 'x'``, its type and its message's first line."""
     text = str(e).strip()
-    return text.splitlines()[0] if text else ""
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 

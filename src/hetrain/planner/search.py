@@ -54,6 +54,7 @@ from hetrain.cost import (
     estimate_weight_memory,
     in_flight,
     loss_memory_per_sample,
+    runtime_footprint,
     tensor_budget,
 )
 from hetrain.errors import InputError
@@ -405,7 +406,9 @@ def _explain_no_fit(cluster: Cluster, profile: ModelProfile, opts: PlannerOption
     step = estimate_optimizer_step_memory(profile.param_bytes, profile.bytes_per_element, opts.optimizer)
     need = weights + max(acts + sum(loss_memory_per_sample(profile)), step)
     mems = sorted((tensor_budget(profile, d) for d in cluster.devices), reverse=True)  # footprint, margin out
-    offer = sum(mems[: profile.num_layers])
+    if mems[0] <= 0:  # not even the runtime fits: a negative "offer" would say nothing
+        return _explain_no_room(cluster, profile, need)
+    offer = sum(max(0.0, m) for m in mems[: profile.num_layers])  # a device with no room offers nothing
     biggest_layer = max(profile.layers, key=lambda x: x.param_bytes)
     big, bpe = biggest_layer.param_bytes, profile.bytes_per_element
     layer_need = estimate_weight_memory(big, bpe, opts.optimizer) + estimate_optimizer_step_memory(big, bpe,
@@ -420,6 +423,22 @@ def _explain_no_fit(cluster: Cluster, profile: ModelProfile, opts: PlannerOption
         f"{format_bytes(mems[0])} for tensors (its memory less the runtime's footprint and a "
         f"{MEMORY_MARGIN_FRACTION:.0%} margin).{_copies_hint(profile, opts)} Add devices, use a smaller model"
         f"{'' if opts.optimizer == 'sgd' else ', or --optimizer sgd'}."
+    )
+
+
+def _explain_no_room(cluster: Cluster, profile: ModelProfile, need: float) -> str:
+    """Every device's memory is less than its runtime's reserve (CUDA context, communication buffers) and
+    the margin: say so, with the figures, instead of a negative capacity."""
+    device = max(cluster.devices, key=lambda d: tensor_budget(profile, d))
+    reserved = runtime_footprint(profile, device).fixed_bytes
+    same = all(d.memory_bytes == device.memory_bytes for d in cluster.devices)
+    whose = "each device's" if same else f"the largest device's ({device.name})"
+    return (
+        f"{profile.name} fits no arrangement of cluster {cluster.name!r}: it needs at least {format_bytes(need)}, "
+        f"and no device has memory left for it: {whose} {format_bytes(device.memory_bytes)} is less than the "
+        f"{format_bytes(reserved)} reserved for the CUDA context and runtime (plus a "
+        f"{MEMORY_MARGIN_FRACTION:.0%} margin kept free). Check the devices' memory in the cluster file "
+        f"(e.g. memory = \"16GB\")."
     )
 
 

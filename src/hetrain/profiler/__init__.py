@@ -19,8 +19,8 @@ from typing import Any
 
 _EXPORTS = {
     "profile_layers": "layers", "measure_layers": "layers", "LayerReport": "layers",
-    "LayersMeasurement": "layers", "match_device_type": "layers", "measure_device_figures": "layers",
-    "run_profile_command": "layers",
+    "LayersMeasurement": "layers", "LayerError": "layers", "match_device_type": "layers",
+    "measure_device_figures": "layers", "run_profile_command": "layers",
     "fit_error": "fit", "FitError": "fit", "fit_link": "fit", "fit_linear": "fit", "merge_profiles": "fit",
     "predict_layer_time": "fit", "scale_to": "fit",
     "merge_node_profiles": "merge", "node_profile_path": "merge",

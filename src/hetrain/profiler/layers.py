@@ -50,7 +50,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from hetrain import amp
 from hetrain.amp import check_precision
 from hetrain.catalog import RuntimeFootprint, lookup_device_type
-from hetrain.models.user import ModelSource, check_model_on_batch
+from hetrain.errors import InputError
+from hetrain.models.user import ModelSource, check_model_on_batch, describe_error, describe_shapes
 from hetrain.profile import (
     OPTIMIZER_ALIASES,
     OPTIMIZER_NAMES,
@@ -663,6 +664,29 @@ def measure_optimizer_step(layers: Sequence[nn.Module], device: str | torch.devi
     return rates
 
 
+class LayerError(InputError):
+    """A layer that fails when run at one of the micro-batch sizes to measure (its own error chained).
+
+    Attributes:
+        layer / name: the layer's index and label.
+        micro_batch: the size it failed at; ``micro_batches``: every size asked for, ascending.
+    """
+
+    def __init__(self, layer: int, name: str, micro_batch: int, micro_batches: Sequence[int], inputs: Any,
+                 error: BaseException) -> None:
+        super().__init__(f"layer {layer} ({name}) fails at micro-batch {micro_batch} on input "
+                         f"{describe_shapes(inputs)}: {describe_error(error)}")
+        self.layer, self.name, self.micro_batch = layer, name, micro_batch
+        self.micro_batches = tuple(micro_batches)
+
+    def sizes_to_try(self) -> list[int]:
+        """Micro-batch sizes worth measuring instead: those that ran (every layer ran at every smaller
+        size), else the larger ones asked for, else twice and four times the one that failed."""
+        ran = [b for b in self.micro_batches if b < self.micro_batch]
+        larger = [b for b in self.micro_batches if b > self.micro_batch]
+        return ran or larger or [2 * self.micro_batch, 4 * self.micro_batch]
+
+
 def _check_arguments(layers: Sequence[nn.Module], micro_batches: Sequence[int], repeats: int, warmup: int,
                      precision: str) -> list[int]:
     if not layers:
@@ -696,6 +720,10 @@ def measure_layers(layers: Sequence[nn.Module], sample_input: SampleInput,
     lasting at least that long instead of medians of single calls. Use it in a process
     held to a CPU quota (an emulated device): give it several quota periods (0.1 s for
     a 10 ms period), else calls shorter than the quota measure the unthrottled speed.
+
+    Raises:
+        LayerError: a layer fails at one of the sizes (a BatchNorm at 1 sample, out of memory), naming
+            the layer, the size, its input and the error its code raised (chained).
     """
     sizes = _check_arguments(layers, micro_batches, repeats, warmup, precision)
     dev = torch.device(device)
@@ -736,16 +764,19 @@ def measure_layers(layers: Sequence[nn.Module], sample_input: SampleInput,
                 input_bytes = _nbytes(x) / b
             for i, layer in enumerate(layers):
                 args = as_args(x)
-                with amp.autocast(dev, precision):  # its cache: one 16-bit copy per weight, as an iteration
-                    timed, out = _time_layer(layer, args, i > 0, repeats, warmup, dev, min_time_s)
-                    times[i].append((b, timed.forward_s, timed.backward_s))
-                    spreads[i].append((timed.forward_spread_s, timed.backward_spread_s))
-                    if b == b_max:
-                        leaves = _map(args, functools.partial(_leaf, requires_grad=i > 0))
-                        saved, flops, y = _measure_saved(layer, leaves)
-                        sent = sum(amp.to_wire(t, precision).element_size() * t.numel() for t in _tensors(y))
-                        static[i] = (saved, flops, sent, _peak_memory(layer, args, i > 0, dev))
-                        del y
+                try:
+                    with amp.autocast(dev, precision):  # its cache: one 16-bit copy per weight, as an iteration
+                        timed, out = _time_layer(layer, args, i > 0, repeats, warmup, dev, min_time_s)
+                        times[i].append((b, timed.forward_s, timed.backward_s))
+                        spreads[i].append((timed.forward_spread_s, timed.backward_spread_s))
+                        if b == b_max:
+                            leaves = _map(args, functools.partial(_leaf, requires_grad=i > 0))
+                            saved, flops, y = _measure_saved(layer, leaves)
+                            sent = sum(amp.to_wire(t, precision).element_size() * t.numel() for t in _tensors(y))
+                            static[i] = (saved, flops, sent, _peak_memory(layer, args, i > 0, dev))
+                            del y
+                except Exception as e:  # the model's code at this size (BatchNorm at 1, out of memory): one line
+                    raise LayerError(i, names[i], b, sizes, args[0] if len(args) == 1 else args, e) from e
                 x = out
     finally:
         for m, mode in zip(layers, modes, strict=True):
@@ -856,6 +887,11 @@ def run_profile_command(model: str | ModelSource, micro_batches: Sequence[int], 
                                   source.layer_names, unpack_tuples=False)
         profile = replace(measured.to_profile(source.name), seq_len=measured_at)
         profile.save(output)
+    except LayerError as e:
+        sizes = ",".join(map(str, e.sizes_to_try()))
+        print(f"hetrain profile: error: model {source.name}: {e}; measure it at other sizes, e.g. "
+              f"--micro-batch {sizes}", file=sys.stderr)
+        return 1
     except (ValueError, RuntimeError, OSError) as e:
         print(f"hetrain profile: error: {e}", file=sys.stderr)
         return 1

@@ -1,0 +1,56 @@
+"""A model file that imports a module beside it trains under torchrun: every rank loads it as ``hetrain profile``
+does (``hetrain.models.spec``), with the file's directory on the path, from a current directory elsewhere.
+
+    pkgdir/helpers_beside.py      build() and dataset()
+    pkgdir/main_model.py          from helpers_beside import build, dataset
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+from cli_jobs import TWO_CPUS, hetrain, step_rows, train_standalone
+
+pytest.importorskip("torch")
+
+HELPERS = textwrap.dedent("""
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    def build():
+        return nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+
+    def dataset():
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(64, 16, generator=g)
+        y = torch.randint(0, 4, (64,), generator=g)
+        return TensorDataset(x, y), TensorDataset(x[:16], y[:16])
+""")
+MAIN = "from helpers_beside import build, dataset\n"
+
+
+@pytest.mark.timeout(300)
+def test_a_model_importing_its_neighbour_profiles_plans_and_trains_on_two_ranks(tmp_path: Path, spawn,
+                                                                                clean_env) -> None:
+    pkgdir = tmp_path / "pkgdir"
+    pkgdir.mkdir()
+    (pkgdir / "helpers_beside.py").write_text(HELPERS)
+    (pkgdir / "main_model.py").write_text(MAIN)
+    (tmp_path / "two-cpus.toml").write_text(TWO_CPUS)
+    model, data = "pkgdir/main_model.py:build", "pkgdir/main_model.py:dataset"  # relative to tmp_path
+    hetrain(["profile", "--model", model, "--data", data, "-o", "p.json", "--micro-batch", "4,8", "--repeats", "1"],
+            tmp_path)
+    assert len(json.loads((tmp_path / "p.json").read_text())["layers"]) == 3
+    hetrain(["plan", "--cluster", "two-cpus.toml", "--profile", "p.json", "--global-batch", "16", "--strategy", "pp",
+             "-o", "plan.json"], tmp_path)
+
+    metrics = tmp_path / "metrics.jsonl"  # the ranks run from this test's directory, not tmp_path
+    stdout = train_standalone(spawn, {**clean_env, "HETRAIN_NODE": "n0"}, [
+        "--plan", str(tmp_path / "plan.json"), "--model", str(tmp_path / model), "--data", str(tmp_path / data),
+        "--steps", "2", "--log-every", "1", "--metrics-out", str(metrics), "--timeout-s", "60", "--no-progress"])
+    assert "hetrain train:" in stdout, stdout
+    assert len(step_rows(metrics)) == 2
