@@ -230,3 +230,98 @@ def test_the_command_writes_the_calibrated_profile(tmp_path: Path, capsys: pytes
     assert "with 4 ms per forward and backward" in capsys.readouterr().out
     assert main(["calibrate", str(tmp_path / "missing.json"), str(tmp_path / "m.jsonl")]) == 1
     assert "hetrain calibrate:" in capsys.readouterr().err
+
+
+# --- metrics are of the plan they calibrate -----------------------------------------------------------------
+
+def data_parallel_plan(b: int, profile: ModelProfile) -> Plan:
+    """Two VWs of one stage each (one per device), ``b`` samples each: the same global batch as
+    ``pipeline_plan(2, m, 2 * b // m, ...)``."""
+    vws = tuple(VirtualWorker((Stage(f"n0:{v}", 0, profile.num_layers),), b, 1) for v in range(2))
+    return Plan(profile.name, 2 * b, "1f1b", "bsp", "sgd", vws, Prediction(0, 0, 0, 0, 0), "dp", "manual",
+                one_node(2), profile, {})
+
+
+def write_run_metrics(path: Path, plan: Plan, step_times: list[float], fingerprint: str | None = None) -> None:
+    """Step rows of a run of ``plan`` as the runtime writes them (``runtime.metrics.MetricsLog``, the trainer's
+    fields): samples/s of the global batch, and the sync actions that ended the reporting device's step."""
+    pytest.importorskip("torch")
+    from hetrain.runtime.metrics import MetricsLog
+    from hetrain.schedule import build_sync_actions
+
+    log = MetricsLog(path, None, False, len(step_times), 0, plan_fingerprint=fingerprint)
+    actions = [str(a) for a in build_sync_actions(plan, plan.devices_used[-1])]
+    for k, t in enumerate(step_times):
+        log.log({"step": k + 1, "loss": 4.0, "samples_per_s": plan.global_batch / t, "step_time_s": t,
+                 "elapsed_s": t * (k + 1), "sync_actions": actions, "lr": 1e-3, "allreduce_bytes": 0})
+    log.close()
+
+
+def test_metrics_of_another_plan_are_refused_naming_both_files(tmp_path: Path, capsys) -> None:
+    """Rows without a fingerprint (older runs) are told apart by what they record: here a pipeline's steps end
+    with STEP alone, a data-parallel plan's with its all-reduces."""
+    from hetrain.cli import main
+
+    profile = uniform_profile(2, 0.01, 0.02, 2)
+    pipeline, data_parallel = pipeline_plan(2, 4, 2, profile), data_parallel_plan(4, profile)
+    assert pipeline.global_batch == data_parallel.global_batch == 8
+    pipeline.save(tmp_path / "pp.json")
+    data_parallel.save(tmp_path / "dp.json")
+    write_run_metrics(tmp_path / "pp.jsonl", pipeline, [0.1, 0.05, 0.05, 0.05, 0.05])
+    assert main(["calibrate", str(tmp_path / "dp.json"), str(tmp_path / "pp.jsonl")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert f"{tmp_path / 'pp.jsonl'}:1 was recorded training another plan than {tmp_path / 'dp.json'}" in err
+    assert "['STEP']" in err
+    assert main(["calibrate", str(tmp_path / "pp.json"), str(tmp_path / "pp.jsonl")]) == 0  # its own plan
+    # a run of another global batch
+    bigger = pipeline_plan(2, 4, 4, profile)
+    write_run_metrics(tmp_path / "big.jsonl", bigger, [0.1, 0.05, 0.05, 0.05, 0.05])
+    assert main(["calibrate", str(tmp_path / "pp.json"), str(tmp_path / "big.jsonl")]) == 1
+    assert "its steps are of 16 samples, the plan's global batch is 8" in capsys.readouterr().err
+
+
+def test_the_plan_fingerprint_tells_apart_what_the_rows_cannot(tmp_path: Path, capsys) -> None:
+    """Two pipelines of the same batch and sync actions, 4 or 8 micro-batches: the runtime's fingerprint tells."""
+    from hetrain.plan import PLAN_FINGERPRINT_KEY, plan_fingerprint
+
+    profile = uniform_profile(2, 0.01, 0.02, 1)
+    four, eight = pipeline_plan(2, 4, 2, profile), pipeline_plan(2, 8, 1, profile)
+    four.save(tmp_path / "four.json")
+    eight.save(tmp_path / "eight.json")
+    write_run_metrics(tmp_path / "eight.jsonl", eight, [0.1, 0.05, 0.05, 0.05, 0.05], plan_fingerprint(eight))
+    rows = [json.loads(line) for line in (tmp_path / "eight.jsonl").read_text().splitlines()]
+    assert {r[PLAN_FINGERPRINT_KEY] for r in rows} == {plan_fingerprint(eight)}
+    assert run_calibrate_command(str(tmp_path / "four.json"), str(tmp_path / "eight.jsonl"), 1, None) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(tmp_path / "four.json") in err and str(tmp_path / "eight.jsonl") in err
+    assert f"plan fingerprint '{plan_fingerprint(eight)}'" in err
+    assert run_calibrate_command(str(tmp_path / "eight.json"), str(tmp_path / "eight.jsonl"), 1, None) == 0
+    # what runs makes the fingerprint; the predictions do not
+    again = dataclasses.replace(eight, prediction=Prediction(1.0, 8.0, 1.0, 0.0, 0.0))
+    assert plan_fingerprint(again) == plan_fingerprint(eight) != plan_fingerprint(four)
+    assert plan_fingerprint(eight.with_sync("wsp")) != plan_fingerprint(eight)
+
+
+@pytest.mark.parametrize("mode", ["bsp", "wsp", "hybrid-ps", "daso", "local-sgd"])
+def test_every_step_of_every_mode_is_recognised_as_its_plans(mode: str) -> None:
+    """The sync actions each device ends each step with, as the trainer builds them (DASO's period halved as it
+    adapts), are all the plan's: a long run of its own plan is never refused."""
+    from hetrain.calibrate import check_metrics_of_plan
+    from hetrain.schedule import advance_sync_state, build_sync_actions, initial_sync_state
+    from hetrain.sync_layout import SyncOptions
+
+    profile = uniform_profile(2, 0.01, 0.02, 2)
+    plan = data_parallel_plan(4, profile).with_sync(mode, SyncOptions(period=4, aggregate=3, warmup=2, cooldown=3))
+    steps = 40
+    rows: list[tuple[int, dict]] = []
+    state = initial_sync_state(plan)
+    for step in range(steps):
+        state = dataclasses.replace(state, period=4 if step < 15 else 2 if step < 25 else 1)  # DasoRate halving
+        for device in plan.devices_used:
+            actions = [str(a) for a in build_sync_actions(plan, device, state, steps)]
+            rows.append((len(rows) + 1, {"samples_per_s": 8 / 0.05, "step_time_s": 0.05, "sync_actions": actions}))
+        state = advance_sync_state(plan, state, steps)
+    check_metrics_of_plan(plan, "plan.json", "metrics.jsonl", rows)
+    if mode == "daso":  # warm-up, starts, merges, cool-down: every kind of step was there
+        assert len({tuple(r["sync_actions"]) for _, r in rows}) >= 4

@@ -144,3 +144,38 @@ def test_a_format_1_plan_is_refused_with_the_way_to_upgrade_it(tmp_path: Path, c
     capsys.readouterr()
     plan = load_plan(upgraded)
     assert plan.sync == "wsp" and plan.sync_options.staleness == 2 and "staleness" not in plan.options
+
+
+# --- --model and --time-model: what hetrain plan and profile say when they cannot use what they are given -----
+
+def test_plan_says_a_trained_model_needs_a_profile_and_how(capsys) -> None:
+    assert main(["plan", "--cluster", str(CLUSTER), "--model", "mlp-digits", "--global-batch", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--model 'mlp-digits'" in err and "unknown" not in err
+    assert "`hetrain profile --model mlp-digits -o p.json`, then `hetrain plan --profile p.json`" in err
+    assert main(["plan", "--cluster", str(CLUSTER), "--model", "own.py", "--global-batch", "8"]) == 2
+    assert "`hetrain profile --model own.py:FUNCTION -o p.json`" in capsys.readouterr().err
+    assert main(["plan", "--cluster", str(CLUSTER), "--model", "gpt9", "--global-batch", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "--model 'gpt9': unknown model (did you mean 'gpt2-xl', 'gpt-tiny'?); hetrain plan knows gpt-tiny" in err
+
+
+def test_profile_suggests_a_function_for_a_python_file(tmp_path: Path, capsys) -> None:
+    own = tmp_path / "own.py"
+    own.write_text("def build():\n    raise SystemExit('not called')\n")
+    assert main(["profile", "--model", str(own), "-o", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--model {own}:FUNCTION" in err and "unknown model" not in err
+
+
+def test_a_profile_given_as_time_model_is_named_as_one(tmp_path: Path, capsys) -> None:
+    from hetrain.models.analytic import build_profile
+
+    profile = tmp_path / "prof.json"
+    build_profile("gpt-tiny").save(profile)
+    assert main(["plan", "--cluster", str(CLUSTER), "--model", "gpt-tiny", "--global-batch", "8",
+                 "--time-model", str(profile)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--time-model {profile}: a profile, not a time model" in err
+    assert "field 'format'" not in err

@@ -6,6 +6,7 @@ import itertools
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -84,3 +85,72 @@ def test_simulated_peak_memory_agrees_with_closed_form(name: str) -> None:
     for m in p.prediction.memory:
         assert sim.devices[m.device].peak_memory_bytes == pytest.approx(m.peak_bytes, rel=1e-9)
         assert m.peak_bytes <= m.capacity_bytes
+
+
+# --- unknown keys: a hand edit with a slip is refused, not silently dropped -----------------------------
+
+def _edited(data: dict, path: str, value: object) -> dict:
+    """``data`` with ``value`` set at the dotted ``path`` (list indices as numbers)."""
+    *parents, last = path.split(".")
+    at: Any = data
+    for part in parents:
+        at = at[int(part)] if isinstance(at, list) else at[part]
+    at[last] = value
+    return data
+
+
+@pytest.mark.parametrize(("path", "value", "needles"), [
+    ("virtual_workers.0.stages.0.recomput", [1],
+     ("virtual_workers[0].stages[0]: unknown key 'recomput' (= [1]); did you mean 'recompute'?",)),
+    ("virtual_workers.0.micro_batch", 2,
+     ("virtual_workers[0]: unknown key 'micro_batch' (= 2); did you mean 'micro_batches'?",)),
+    ("shedule", "gpipe", ("the top level: unknown key 'shedule' (= 'gpipe'); did you mean 'schedule'?",)),
+    ("prediction.iteration", 1.0, ("prediction: unknown key 'iteration'", "did you mean 'iteration_s'?")),
+    ("prediction.memory.0.peak", 1.0, ("prediction.memory[0]: unknown key 'peak'", "did you mean 'peak_bytes'?")),
+    ("sync.mod", "wsp", ("sync: unknown key 'mod' (= 'wsp'); did you mean 'mode'?",)),
+    ("sync.segments.0.ps_host", "a:0", ("sync.segments[0]: unknown key 'ps_host'",)),
+    ("virtual_workers.0.stages.0.colour", "red", ("virtual_workers[0].stages[0]: unknown key 'colour'", "a stage has")),
+])
+def test_an_unknown_key_is_refused_naming_file_place_and_key(tmp_path: Path, small_plan, path: str, value: object,
+                                                            needles: tuple[str, ...]) -> None:
+    file = tmp_path / "plan.json"
+    file.write_text(json.dumps(_edited(small_plan.to_dict(), path, value)))
+    with pytest.raises(PlanError) as caught:
+        load_plan(file)
+    message = str(caught.value)
+    assert message.startswith(f"{file}: ") and "\n" not in message
+    for needle in needles:
+        assert needle in message
+
+
+def test_the_simulate_command_refuses_an_unknown_key_in_one_line(tmp_path: Path, small_plan, capsys) -> None:
+    from hetrain.cli import main
+
+    file = tmp_path / "plan.json"
+    file.write_text(json.dumps(_edited(small_plan.to_dict(), "virtual_workers.0.stages.0.recomput", [1])))
+    assert main(["simulate", str(file)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(file) in err and "'recomput'" in err and "'recompute'" in err
+
+
+@pytest.mark.parametrize("mode", ["bsp", "wsp", "hybrid-ps", "daso", "local-sgd"])
+def test_every_key_the_writer_emits_loads_back(tmp_path: Path, small_plan, mode: str) -> None:
+    """Each mode writes different segment keys (buckets, ps_host, local_groups); recompute and memory figures
+    are written too: all of it loads."""
+    stage = small_plan.virtual_workers[0].stages[0]
+    vw = replace(small_plan.virtual_workers[0], stages=(replace(stage, recompute=(stage.first_layer,)),
+                                                       *small_plan.virtual_workers[0].stages[1:]))
+    edited = replace(small_plan, virtual_workers=(vw, *small_plan.virtual_workers[1:]),
+                     prediction=replace(small_plan.prediction, simulated_iteration_s=1.0, time_to_accuracy_s=2.0))
+    one = edited.with_sync(mode)
+    one.save(tmp_path / "plan.json")
+    assert load_plan(tmp_path / "plan.json").to_dict() == one.to_dict()
+
+
+def test_a_format_1_plan_still_upgrades_with_every_key_it_wrote(small_plan) -> None:
+    from hetrain.plan import upgrade_plan_data
+
+    data = small_plan.to_dict()
+    data.update(format_version=1, sync=small_plan.sync, options={**data["options"], "staleness": 2})
+    again = parse_plan(upgrade_plan_data(data), check_layout=False)
+    assert again.virtual_workers == small_plan.virtual_workers and again.sync_options.staleness == 2

@@ -112,3 +112,40 @@ def test_compare_peak_memory_prefers_the_measured_peak() -> None:
     assert row.measured_bytes == 4e9 and row.relative_error == pytest.approx(-0.25)
     text = str(compare(predicted, measured))
     assert "peak memory" in text and "3000.0MB" in text and "4000.0MB" in text and "-25.0%" in text
+
+
+# --- hetrain compare: the files it is given are timelines, predicted first ------------------------------
+
+def test_compare_names_a_plan_or_profile_given_as_a_timeline(tmp_path: Path, capsys) -> None:
+    from hetrain.cli import main
+
+    examples = Path(__file__).resolve().parents[1] / "examples" / "clusters"
+    plan_file, profile_file, predicted = tmp_path / "plan.json", tmp_path / "profile.json", tmp_path / "pred.json"
+    assert main(["plan", "--cluster", str(examples / "pipetorch.toml"), "--model", "gpt-tiny", "--global-batch", "8",
+                 "--time-budget", "1s", "-o", str(plan_file)]) == 0
+    profile_data = json.loads(plan_file.read_text())["profile"]
+    profile_file.write_text(json.dumps(profile_data))
+    small_timeline().save(predicted)
+    capsys.readouterr()
+    for other, kind in ((plan_file, "a plan"), (profile_file, "a profile")):
+        assert main(["compare", str(predicted), str(other)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{other} is {kind}, not a timeline" in err
+        assert "format_version" not in err and "hetrain simulate PLAN --timeline FILE" in err
+    with pytest.raises(TimelineError, match=r"plan\.json is a plan, not a timeline"):
+        load_timeline(plan_file)
+
+
+def test_compare_refuses_the_measured_timeline_first(tmp_path: Path, capsys) -> None:
+    from hetrain.cli import main
+
+    predicted, measured = tmp_path / "predicted.json", tmp_path / "measured.json"
+    small_timeline().save(predicted)
+    small_timeline(1.2, "measured").save(measured)
+    assert main(["compare", str(measured), str(predicted)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert f"{measured} is a measured timeline and {predicted} a simulated one" in err
+    assert f"hetrain compare {predicted} {measured}" in err
+    assert main(["compare", str(predicted), str(measured)]) == 0  # the right order runs
+    assert "-16.7%" in capsys.readouterr().out  # predicted 1.0 s against measured 1.2 s

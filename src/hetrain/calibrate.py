@@ -39,13 +39,14 @@ import json
 import math
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, TypeGuard
 
 from hetrain.errors import InputError
-from hetrain.fields import check_number, read_text
-from hetrain.plan import Plan, PlanError, load_plan
+from hetrain.fields import check_number, read_text, show
+from hetrain.plan import PLAN_FINGERPRINT_KEY, Plan, PlanError, load_plan, plan_fingerprint
 from hetrain.profile import ModelProfile, ProfileError
 from hetrain.units import format_time
 
@@ -150,13 +151,11 @@ def measured_iteration_s(metrics_path: str | Path, warmup: int) -> float:
     return sum(timed) / len(timed)
 
 
-def measured_step_times_s(metrics_path: str | Path, warmup: int) -> list[float]:
-    """Every ``step_time_s`` of a ``--metrics-out`` file after the first ``warmup``, in order."""
+def read_step_rows(metrics_path: str | Path) -> list[tuple[int, dict[str, Any]]]:
+    """The step rows of a ``--metrics-out`` file (those with ``step_time_s``), each with its line number."""
     path = Path(metrics_path)
-    if warmup < 0:
-        raise CalibrationError(f"warmup must be >= 0 steps, got {warmup}")
     lines = read_text(path, CalibrationError, "metrics file").splitlines()
-    steps = []
+    rows = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -167,18 +166,92 @@ def measured_step_times_s(metrics_path: str | Path, warmup: int) -> list[float]:
         except RecursionError:
             raise CalibrationError(f"{path}:{n}: nested too deeply to be a metrics line") from None
         if isinstance(row, dict) and "step_time_s" in row:
-            steps.append(check_number(row["step_time_s"], f"{path}:{n}: step_time_s", CalibrationError, least=0))
+            rows.append((n, row))
+    return rows
+
+
+def measured_step_times_s(metrics_path: str | Path, warmup: int,
+                          rows: Sequence[tuple[int, Mapping[str, Any]]] | None = None) -> list[float]:
+    """Every ``step_time_s`` of a ``--metrics-out`` file after the first ``warmup``, in order (of ``rows``, its
+    ``read_step_rows``, where the caller has them)."""
+    path = Path(metrics_path)
+    if warmup < 0:
+        raise CalibrationError(f"warmup must be >= 0 steps, got {warmup}")
+    steps = [check_number(row["step_time_s"], f"{path}:{n}: step_time_s", CalibrationError, least=0)
+             for n, row in (read_step_rows(path) if rows is None else rows)]
     if len(steps) <= warmup:
         raise CalibrationError(f"{path} has {len(steps)} step(s), none after the {warmup} warm-up step(s); "
                                "train more steps or lower --warmup")
     return steps[warmup:]
 
 
+def check_metrics_of_plan(plan: Plan, plan_path: str | Path, metrics_path: str | Path,
+                          rows: Sequence[tuple[int, Mapping[str, Any]]]) -> None:
+    """Refuse metrics recorded training another plan than ``plan``: one line naming both files.
+
+    A row that records ``plan_fingerprint`` (``runtime.metrics``) must carry ``plan``'s. A row of an older
+    run, without it, is checked against what every step row records: its samples per step
+    (``samples_per_s * step_time_s``, the global batch) and the sync actions that ended the step on the
+    reporting device (those of one of the plan's devices).
+
+    Raises:
+        CalibrationError: naming the metrics line, both files and what differs.
+    """
+    fingerprint = plan_fingerprint(plan)
+    first, endings = _sync_endings(plan)
+    other = f"was recorded training another plan than {plan_path}"
+    for n, row in rows:
+        at = f"{metrics_path}:{n}"
+        if PLAN_FINGERPRINT_KEY in row:
+            if row[PLAN_FINGERPRINT_KEY] != fingerprint:
+                raise CalibrationError(f"{at} {other} (plan fingerprint {show(row[PLAN_FINGERPRINT_KEY])}, "
+                                       f"{plan_path}'s is {fingerprint!r}); calibrate with the plan that was trained")
+            continue
+        rate, step_s = row.get("samples_per_s"), row.get("step_time_s")
+        if _is_number(rate) and _is_number(step_s) and rate > 0 and step_s > 0:
+            samples = rate * step_s  # the runtime writes samples_per_s = global batch / step_time_s
+            if abs(samples - plan.global_batch) > 1e-6 * plan.global_batch:
+                raise CalibrationError(f"{at} {other}: its steps are of {samples:.6g} samples, the plan's global "
+                                       f"batch is {plan.global_batch}; calibrate with the plan that was trained")
+        actions = row.get("sync_actions")
+        if isinstance(actions, list) and tuple(map(str, actions)) not in endings:  # (older runs: no field)
+            raise CalibrationError(f"{at} {other}: its steps end with sync actions {show(actions)}, which no "
+                                   f"device of the plan's ends a step with under {plan.sync} (one ends with "
+                                   f"{show(list(first))}); calibrate with the plan that was trained")
+
+
+def _is_number(x: Any) -> TypeGuard[float]:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _sync_endings(plan: Plan) -> tuple[tuple[str, ...], set[tuple[str, ...]]]:
+    """The sync actions that end a step of ``plan``, as the metrics write them: the first device's of the first
+    step, and every device's of every kind of step of the mode (bsp: the same each step; the others over the
+    mode's cycle: periods, DASO's warm-up, pending merges and cool-down, whatever period DASO adapts to)."""
+    from hetrain.schedule import SyncState, build_sync_actions
+
+    owned = plan.layout.owned_segments_by_device()
+    devices = plan.devices_used
+    opts = plan.sync_options
+    states: list[tuple[SyncState | None, int | None]] = [(None, None)]
+    if plan.sync != "bsp":
+        every = opts.aggregate if plan.sync == "hybrid-ps" else opts.period
+        after = every * ((opts.warmup + every) // every) - 1  # the first global sync at or after DASO's warm-up
+        iterations = {0, 1, max(0, opts.warmup - 1), opts.warmup, opts.warmup + 1, every - 1, after, after + 1}
+        states += [(SyncState(i, opts.period, pending), steps) for i in sorted(iterations)
+                   for pending in (False, True) for steps in (None, i + 1)]  # i + 1: the step is in the cool-down
+    endings = [tuple(str(a) for a in build_sync_actions(plan, d, state, steps, owned))
+               for state, steps in states for d in devices]
+    return endings[0], set(endings)
+
+
 def run_calibrate_command(plan_path: str, metrics_path: str, warmup: int, output: str | None) -> int:
     """``hetrain calibrate PLAN METRICS [--warmup N] [-o PROFILE]``: print the fit, write the profile; exit status."""
     try:
         plan = load_plan(plan_path)
-        steps = measured_step_times_s(metrics_path, warmup)
+        rows = read_step_rows(metrics_path)
+        check_metrics_of_plan(plan, plan_path, metrics_path, rows)
+        steps = measured_step_times_s(metrics_path, warmup, rows)
         found = fit_action_overhead(plan, sum(steps) / len(steps), steps_s=steps)
     except (PlanError, ProfileError, CalibrationError, ValueError) as e:
         print(f"hetrain calibrate: error: {e}", file=sys.stderr)

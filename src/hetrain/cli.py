@@ -24,7 +24,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hetrain.arguments import int_between, number_at_least
 from hetrain.cluster import Cluster, load_cluster
@@ -42,6 +42,9 @@ from hetrain.planner.search import DEFAULT_TIME_BUDGET_S
 from hetrain.profile import ModelProfile, ProfileError, load_profile
 from hetrain.sync_layout import SYNC_OPTION_HELP, SyncOptions, check_mode_options
 from hetrain.units import format_time
+
+if TYPE_CHECKING:  # numpy, imported where --time-model is given
+    from hetrain.time_model import LayerTimeModel
 
 
 def _ints(text: str) -> list[int]:
@@ -112,8 +115,58 @@ def _load_model_profile(model: str | None, profile_path: str | None, precision: 
 
     try:
         return build_profile(model) if precision is None else build_profile(model, precision=precision)
-    except KeyError as e:
-        raise ProfileError(str(e.args[0])) from None
+    except KeyError:
+        raise ProfileError(_unknown_plan_model(model)) from None
+
+
+def _unknown_plan_model(model: str) -> str:
+    """Why ``hetrain plan --model MODEL`` has no profile for ``model``: a model hetrain trains but plans only from
+    a measured profile (``hetrain profile``), a ``FILE.py`` without its function, or an unknown name."""
+    import difflib
+
+    from hetrain.models.analytic import MODEL_NAMES
+
+    def measure(name: str) -> str:
+        return f"measure it first: `hetrain profile --model {name} -o p.json`, then `hetrain plan --profile p.json`"
+
+    if model.endswith(".py"):
+        return (f"--model {model!r}: your own model is FILE.py:FUNCTION (the function that returns it); "
+                f"{measure(model + ':FUNCTION')}")
+    try:  # the models hetrain trains (torch modules); only on this error, as planning imports no torch
+        from hetrain.models.registry import model_names
+
+        trained = [n for n in model_names() if n not in MODEL_NAMES]
+    except ImportError:
+        trained = []
+    if model in trained:
+        return f"--model {model!r}: hetrain trains it but has no analytic profile of it to plan with; {measure(model)}"
+    near = difflib.get_close_matches(model.strip().lower(), [*MODEL_NAMES, *trained], n=3, cutoff=0.5)
+    hint = f" (did you mean {', '.join(map(repr, near))}?)" if near else ""
+    return (f"--model {model!r}: unknown model{hint}; hetrain plan knows {', '.join(MODEL_NAMES)} (`hetrain models`)"
+            + (f"; {', '.join(trained)} and your own models plan from a measured profile "
+               "(`hetrain profile --model NAME -o p.json`, then `hetrain plan --profile p.json`)" if trained else ""))
+
+
+def _load_time_model(path: str) -> LayerTimeModel:
+    """``--time-model FILE``; a profile or a plan given in its place is named as what it is."""
+    from hetrain.fields import load_json_object
+    from hetrain.time_model import FORMAT, TimeModelError, load_time_model
+
+    try:
+        return load_time_model(path)
+    except TimeModelError:
+        try:
+            data = load_json_object(path, TimeModelError, "time model")
+        except TimeModelError:
+            data = {}
+        if data.get("format") != FORMAT and "virtual_workers" in data:
+            raise TimeModelError(f"--time-model {path}: a plan, not a time model (hetrain fit-time-model writes "
+                                 "one)") from None
+        if data.get("format") != FORMAT and "layers" in data:
+            raise TimeModelError(f"--time-model {path}: a profile, not a time model; give a profile as --profile, "
+                                 f"or fit a time model on profiles: `hetrain fit-time-model --profiles {path} ... "
+                                 "-o time_model.json`") from None
+        raise
 
 
 def _planner_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -260,9 +313,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         profile = _load_model_profile(args.model, args.profile, args.precision)
         learned: tuple[str, ...] = ()
         if args.time_model:  # layer times of the unmeasured device types from the learned model (docs/profile.md)
-            from hetrain.time_model import apply_time_model, load_time_model
+            from hetrain.time_model import apply_time_model
 
-            profile, learned = apply_time_model(profile, cluster.devices, load_time_model(args.time_model))
+            profile, learned = apply_time_model(profile, cluster.devices, _load_time_model(args.time_model))
         options = _planner_options(args)
         start_s = time.perf_counter()
         result = plan(cluster, profile, args.global_batch, **options)
@@ -310,11 +363,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from hetrain.timeline import compare, load_timeline, save_side_by_side
+    from hetrain.timeline import compare, load_comparison, save_side_by_side
 
     if args.gantt:
         check_output_path(args.gantt, "--gantt")
-    predicted, measured = load_timeline(args.predicted), load_timeline(args.measured)
+    predicted, measured = load_comparison(args.predicted, args.measured)
     print(compare(predicted, measured))
     if args.gantt:
         save_side_by_side(predicted, measured, args.gantt)
@@ -343,9 +396,13 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     check_output_path(args.output, "-o")
+    from hetrain.models.spec import is_user_spec
     from hetrain.models.user import resolve_model
     from hetrain.profiler.layers import profile_inputs, run_profile_command
 
+    if args.model.endswith(".py") and not is_user_spec(args.model):
+        raise InputError(f"--model {args.model}: a Python file needs the function that returns the model: "
+                         f"--model {args.model}:FUNCTION (docs/own-model.md)")
     source = resolve_model(args.model)  # a model or data that cannot be used is bad input (status 2), named first
     inputs = profile_inputs(source, args.data, seq_len=args.seq_len)
     return run_profile_command(source, args.micro_batch, args.output, device=args.device,

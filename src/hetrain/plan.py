@@ -15,6 +15,8 @@ Example:
 
 from __future__ import annotations
 
+import difflib
+import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -64,6 +66,43 @@ FORMAT_VERSION = 2
 
 class PlanError(InputError):
     """A plan that is inconsistent with itself, its cluster or its profile."""
+
+
+# The keys of each object of plan.json: what ``to_dict`` writes (every format_version wrote these), and
+# all that ``parse_plan`` reads. A key not here is refused rather than ignored, so that a hand edit with a
+# slip (``"recomput"``) is not silently dropped. ``options`` is the planner's free-form record: not checked.
+PLAN_KEYS = frozenset({"format_version", "model", "global_batch", "schedule", "sync", "optimizer", "strategy",
+                       "formation", "options", "prediction", "virtual_workers", "cluster", "profile"})
+VIRTUAL_WORKER_KEYS = frozenset({"mini_batch", "micro_batches", "predicted_pipeline_s", "stages"})
+STAGE_KEYS = frozenset({"device", "layers", "recompute", "predicted_forward_s", "predicted_backward_s",
+                        "predicted_memory_bytes"})
+PREDICTION_KEYS = frozenset({"iteration_s", "samples_per_s", "pipeline_s", "sync_s", "optimizer_s",
+                             "simulated_iteration_s", "time_to_accuracy_s", "memory"})
+DEVICE_MEMORY_KEYS = frozenset({"device", "peak_bytes", "capacity_bytes"})
+SYNC_SECTION_KEYS = frozenset({"mode", "options", "segments"})
+
+
+def check_known_keys(data: Mapping[str, Any], known: frozenset[str] | set[str], where: str, what: str) -> None:
+    """Refuse a key of ``data`` (the object at field path ``where``) that is not in ``known``: one line naming
+    the place, the key, its value and the nearest known key.
+
+    Example:
+        >>> check_known_keys({"recomput": [1]}, STAGE_KEYS, "virtual_workers[0].stages[1]", "a stage")
+        Traceback (most recent call last):
+        ...
+        hetrain.plan.PlanError: virtual_workers[0].stages[1]: unknown key 'recomput' (= [1]); did you mean ...
+    """
+    extra = [k for k in data if k not in known]
+    if not extra:
+        return
+    key = extra[0]
+    near = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6) or \
+        [k for k in sorted(known) if k.startswith(str(key))][:1]  # "peak" -> "peak_bytes"
+    hint = f"; did you mean {near[0]!r}?" if near else ""
+    also = f"; also unknown: {', '.join(map(repr, extra[1:4]))}{', ...' if len(extra) > 4 else ''}" \
+        if len(extra) > 1 else ""
+    raise PlanError(f"{where or 'the top level'}: unknown key {key!r} (= {show(data[key])}){hint}{also} "
+                    f"({what} has {', '.join(sorted(known))})")
 
 
 @dataclass(frozen=True)
@@ -329,6 +368,34 @@ class Plan:
         return "\n".join(lines)
 
 
+#: the field of each ``--metrics-out`` row that names the plan trained (``plan_fingerprint``)
+PLAN_FINGERPRINT_KEY = "plan_fingerprint"
+
+
+def plan_fingerprint(plan: Plan) -> str:
+    """A short hash of what a run of ``plan`` executes: model, precision, batches, stages (devices, layers,
+    recompute sets), schedule, sync mode and options, optimizer.
+
+    Predictions, the profile's times and the planner's ``options`` are left out, so a plan re-predicted
+    (``hetrain plan --from``) or re-planned with a calibrated profile into the same stages keeps it; any
+    change to what runs changes it. The runtime stamps it on every metrics row (``runtime.metrics``) and
+    ``hetrain calibrate`` refuses metrics of another plan. (``elastic.plan_digest`` hashes the whole plan.)
+
+    Example:
+        >>> plan_fingerprint(load_plan("plan.json"))          # doctest: +SKIP
+        '3f9c0a51be27d410'
+    """
+    what = {
+        "model": plan.model, "precision": plan.precision, "global_batch": plan.global_batch,
+        "schedule": plan.schedule, "sync": plan.sync, "sync_options": plan.sync_options.to_dict(),
+        "optimizer": plan.optimizer,
+        "virtual_workers": [[vw.mini_batch, vw.micro_batches,
+                             [[s.device, s.first_layer, s.end_layer, list(s.recompute)] for s in vw.stages]]
+                            for vw in plan.virtual_workers],
+    }
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def validate_plan(plan: Plan) -> None:
     """Check a plan against itself, its cluster and its profile.
 
@@ -396,6 +463,7 @@ def _check_memory(plan: Plan) -> None:
 def _stage_from(raw: Any, where: str) -> Stage:
     """One stage of plan.json; ``where`` is its field path (``virtual_workers[1].stages[0]``)."""
     raw = require_mapping(raw, where, PlanError)
+    check_known_keys(raw, STAGE_KEYS, where, "a stage")
     layers = require_list(raw, "layers", where, PlanError)
     if len(layers) != 2:
         raise PlanError(f"{path_of(where, 'layers')}: expected [first, end], got {show(layers)}")
@@ -414,6 +482,7 @@ def _stage_from(raw: Any, where: str) -> Stage:
 def _virtual_worker_from(raw: Any, where: str) -> VirtualWorker:
     """One virtual worker of plan.json; ``where`` is its field path (``virtual_workers[1]``)."""
     raw = require_mapping(raw, where, PlanError)
+    check_known_keys(raw, VIRTUAL_WORKER_KEYS, where, "a virtual worker")
     stages = require_list(raw, "stages", where, PlanError, least=1, most=MAX_DEVICES, what="stages")
     return VirtualWorker(
         tuple(_stage_from(s, f"{where}.stages[{j}]") for j, s in enumerate(stages)),
@@ -429,10 +498,12 @@ def _prediction_from(raw: Any) -> Prediction:
     """The ``prediction`` object of plan.json (every figure optional, each a number where given)."""
     where = "prediction"
     raw = require_mapping(raw, where, PlanError)
+    check_known_keys(raw, PREDICTION_KEYS, where, "the prediction")
     memory = []
     for k, m in enumerate(require_list(raw, "memory", where, PlanError, default=[], most=MAX_DEVICES)):
         at = f"{where}.memory[{k}]"
         m = require_mapping(m, at, PlanError)
+        check_known_keys(m, DEVICE_MEMORY_KEYS, at, "a memory entry")
         memory.append(DeviceMemory(require_str(m, "device", at, PlanError),
                                    require_number(m, "peak_bytes", at, PlanError, least=0),
                                    require_number(m, "capacity_bytes", at, PlanError, least=0)))
@@ -478,7 +549,9 @@ def parse_plan(data: Mapping[str, Any], check_layout: bool = True) -> Plan:
                         "upgrade it with `hetrain plan --from PLAN -o NEW`, which re-predicts it")
     if version != FORMAT_VERSION:
         raise PlanError(f"format_version: {version} is not supported (this hetrain reads {FORMAT_VERSION})")
+    check_known_keys(data, PLAN_KEYS, "", "a plan")
     sync = require_object(data, "sync", "", PlanError)
+    check_known_keys(sync, SYNC_SECTION_KEYS, "sync", "the sync section")
     try:
         cluster = parse_cluster(require_object(data, "cluster", "", PlanError))
     except ClusterError as e:
@@ -517,6 +590,9 @@ def parse_plan(data: Mapping[str, Any], check_layout: bool = True) -> Plan:
             check_sync_section(sync, plan.layout)
         except SyncLayoutError as e:
             raise PlanError(str(e)) from None
+        # a segment row's keys are those the layout writes for it (which differ by mode: ps_host, buckets...)
+        for k, (row, want) in enumerate(zip(sync["segments"], plan.layout.to_dict()["segments"], strict=True)):
+            check_known_keys(row, frozenset(want), f"sync.segments[{k}]", "this plan's segment")
     return plan
 
 

@@ -216,8 +216,23 @@ class Timeline:
         plt.close(fig)
 
 
+#: how to write a timeline, for the messages that refuse another file
+HOW_TO_WRITE = "write one with `hetrain simulate PLAN --timeline FILE` or `hetrain train ... --timeline-out FILE`"
+
+
+def _other_kind(data: Mapping[str, Any]) -> str | None:
+    """What another hetrain file that is not a timeline is (``"a plan"``, ``"a profile"``), or None."""
+    if "virtual_workers" in data and "cluster" in data:
+        return "a plan"
+    if "layers" in data and "devices" not in data:
+        return "a profile"
+    return None
+
+
 def parse_timeline(data: Mapping[str, Any]) -> Timeline:
     """Build a Timeline from its JSON dict."""
+    if isinstance(data, Mapping) and (kind := _other_kind(data)) is not None:
+        raise TimelineError(f"got {kind}, not a timeline ({HOW_TO_WRITE})")
     version = data.get("format_version", FORMAT_VERSION)
     if version != FORMAT_VERSION:
         raise TimelineError(f"timeline format_version {version} is not supported (this hetrain reads {FORMAT_VERSION})")
@@ -249,10 +264,28 @@ def load_timeline(path: str | Path) -> Timeline:
     """Read a timeline JSON file."""
     p = Path(path)
     data = load_json_object(p, TimelineError, "timeline")
+    if (kind := _other_kind(data)) is not None:
+        raise TimelineError(f"{p} is {kind}, not a timeline ({HOW_TO_WRITE})")
     try:
         return parse_timeline(data)
     except TimelineError as e:
         raise TimelineError(f"{p}: {e}") from None
+
+
+def load_comparison(predicted_path: str | Path, measured_path: str | Path) -> tuple[Timeline, Timeline]:
+    """The two timelines ``hetrain compare`` lays side by side, predicted first.
+
+    Each timeline records its ``source``; a measured one given first and a simulated one second (the
+    arguments swapped) would report every error inverted, so it is refused naming both files.
+
+    Raises:
+        TimelineError: a file that is not a timeline, or the two in the wrong order.
+    """
+    predicted, measured = load_timeline(predicted_path), load_timeline(measured_path)
+    if predicted.source == "measured" and measured.source == "simulated":
+        raise TimelineError(f"{predicted_path} is a measured timeline and {measured_path} a simulated one: the "
+                            f"predicted one comes first (hetrain compare {measured_path} {predicted_path})")
+    return predicted, measured
 
 
 # ---------------------------------------------------------------------------

@@ -15,7 +15,9 @@ A metrics line per step::
 
     {"step": 3, "loss": 4.21, "samples_per_s": 812.5, "step_time_s": 0.0394, "elapsed_s": 0.21, "lr": 0.001}
 
-(with ``"grad_norm"``, the global gradient norm before clipping, when the run clips),
+(with ``"grad_norm"``, the global gradient norm before clipping, when the run clips; and
+``"plan_fingerprint"``, ``hetrain.plan.plan_fingerprint`` of the plan trained, when the log is given it, so
+that ``hetrain calibrate`` can refuse metrics of another plan),
 
 and, with a validation set (``Trainer.fit(..., eval_every=N)``), a line per evaluation::
 
@@ -35,6 +37,7 @@ from typing import Any
 import torch
 
 from hetrain.cluster import Cluster
+from hetrain.plan import PLAN_FINGERPRINT_KEY
 from hetrain.timeline import Event, Timeline
 
 
@@ -133,10 +136,13 @@ class MetricsLog:
         progress: draw a progress bar: True, False, or None for "when stdout is a terminal".
         total_steps: the step count the run goes to.
         start_step: the step it starts from (after a resume).
+        plan_fingerprint: ``plan_fingerprint(plan)`` of the plan trained, written into every JSONL row
+            (``PLAN_FINGERPRINT_KEY``); None writes none.
     """
 
     def __init__(self, path: str | Path | None, tensorboard_dir: str | Path | None, progress: bool | None,
-                 total_steps: int, start_step: int) -> None:
+                 total_steps: int, start_step: int, plan_fingerprint: str | None = None) -> None:
+        self.plan_fingerprint = plan_fingerprint
         self.file = None
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -160,7 +166,10 @@ class MetricsLog:
     def log(self, record: Mapping[str, Any]) -> None:
         """Write one step's record (``step``, ``loss``, ``samples_per_s``, ``step_time_s``...)."""
         if self.file is not None:
-            self.file.write(json.dumps(dict(record)) + "\n")
+            row = dict(record)
+            if self.plan_fingerprint is not None:
+                row[PLAN_FINGERPRINT_KEY] = self.plan_fingerprint
+            self.file.write(json.dumps(row) + "\n")
         if self.writer is not None:
             section = "val" if "val_loss" in record else "train"
             for key, value in record.items():

@@ -49,7 +49,7 @@ from torch import nn
 from hetrain.amp import LossScaler, check_precision
 from hetrain.distributed.device import choose_device
 from hetrain.drift import DriftOptions
-from hetrain.plan import Plan
+from hetrain.plan import Plan, plan_fingerprint
 from hetrain.profile import OPTIMIZER_NAMES, canonical_optimizer
 from hetrain.runtime.batches import MicroBatches, global_batches
 from hetrain.runtime.clip import GradClip, check_clip
@@ -66,7 +66,7 @@ from hetrain.runtime.lr_schedule import LrSchedule
 from hetrain.runtime.metrics import MetricsLog, merge_timeline
 from hetrain.runtime.modes import DasoRate, ModeSync
 from hetrain.runtime.roles import Role
-from hetrain.runtime.stage_state import checkpoint_meta, latest_step, restore_stage, save_stage
+from hetrain.runtime.stage_state import checkpoint_meta, latest_step, restore_stage, resume_together, save_stage
 from hetrain.runtime.sync import GradientSync
 from hetrain.runtime.tied import Tie, chain_hooks, check_tied
 from hetrain.schedule import (
@@ -277,7 +277,8 @@ class Trainer:
                 raise
             return []
         start_step = self.step
-        log = (MetricsLog(self.metrics_out, self.tensorboard_dir, self.progress, steps, start_step)
+        log = (MetricsLog(self.metrics_out, self.tensorboard_dir, self.progress, steps, start_step,
+                          plan_fingerprint=plan_fingerprint(self.plan))
                if self.is_reporting else None)
         out: list[dict[str, Any]] = []
         try:
@@ -523,9 +524,14 @@ class Trainer:
             self._drift.checkpoint_s = time.perf_counter() - t0
 
     def _restore(self) -> None:
-        """Resume from the newest complete checkpoint, if any: the stage, its optimizer, the sync mode's state."""
-        if self.checkpoint_dir is None:
-            return
+        """Resume from the newest complete checkpoint, if any: the stage, its optimizer, the sync mode's state;
+        with every other rank (``resume_together``: a rank that cannot is named by the others)."""
+        if self.checkpoint_dir is not None:
+            resume_together(self.job, self._restore_own)
+
+    def _restore_own(self) -> None:
+        """This rank's share of ``_restore``."""
+        assert self.checkpoint_dir is not None
         if self.module is None or self.optimizer is None:  # unused rank: only the step
             step = latest_step(self.checkpoint_dir)
             self.step = self.step if step is None else step
