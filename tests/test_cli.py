@@ -179,3 +179,26 @@ def test_a_profile_given_as_time_model_is_named_as_one(tmp_path: Path, capsys) -
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"--time-model {profile}: a profile, not a time model" in err
     assert "field 'format'" not in err
+
+
+CPUS = ROOT / "examples" / "clusters" / "small-hetero.toml"  # CPU devices only
+
+
+def test_a_cpu_cluster_gets_a_plan_it_can_train(tmp_path: Path, capsys) -> None:
+    """gpt2-small's own precision is fp16, which no CPU trains (``amp.check_precision``): on a cluster of
+    CPUs the plan is bf16, said in one line; fp16 asked for is refused naming the file and the devices."""
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--cluster", str(CPUS), "--model", "gpt2-small", "--global-batch", "8", "-o", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "gpt2-small plans in bf16" in err and "are CPUs" in err
+    assert load_plan(out).precision == "bf16"
+    assert main(["plan", "--cluster", str(CPUS), "--model", "gpt2-small", "--global-batch", "8",
+                 "--precision", "fp16"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(CPUS) in err and "--precision fp16" in err and "CPUs" in err
+    # fp32 asked for stays fp32; a model whose own precision is fp32 plans without a word
+    assert main(["plan", "--cluster", str(CPUS), "--model", "gpt2-small", "--global-batch", "8",
+                 "--precision", "fp32", "-o", str(out)]) == 0
+    assert load_plan(out).precision == "fp32" and "bf16" not in capsys.readouterr().err
+    assert main(["plan", "--cluster", str(CPUS), "--model", "gpt-tiny", "--global-batch", "8", "-o", str(out)]) == 0
+    assert load_plan(out).precision == "fp32" and capsys.readouterr().err == ""

@@ -95,6 +95,35 @@ def parse_time_budget(text: str) -> float | None:
 _positive = number_at_least(0.0, inclusive=False)
 
 
+def _cpu_precision(args: argparse.Namespace, cluster: Cluster) -> str | None:
+    """The precision to plan in where the cluster has CPU devices, which have no fp16 kernels (``amp``):
+    a reference model whose own precision is fp16 plans in bf16 there, saying so; fp16 asked for, or
+    measured, is refused naming the devices. ``args.precision`` elsewhere."""
+    cpus = [d.name for d in cluster.devices if d.type_name == "cpu"]
+    if not cpus:
+        return args.precision  # type: ignore[no-any-return]
+    where = f"{args.cluster}: device(s) {', '.join(cpus[:3])}{' ...' if len(cpus) > 3 else ''} are CPUs"
+    measured = load_profile(args.profile).precision if args.profile and args.precision is None else None
+    if "fp16" in (args.precision, measured):
+        given = "--precision fp16" if args.precision else f"{args.profile} was measured in fp16"
+        raise PlanError(f"{given}, but {where}, which train in bf16 or fp32 (no fast fp16 kernels, and loss "
+                        "scaling is only worth it on a GPU); use --precision bf16 or fp32")
+    from hetrain.models.spec import is_user_spec
+
+    if args.precision is None and args.model and not args.profile and not is_user_spec(args.model):
+        from hetrain.models.analytic import build_profile
+
+        try:
+            own = build_profile(args.model).precision
+        except (KeyError, ValueError):
+            return None  # the name is refused, with its message, where the profile is built
+        if own == "fp16":
+            print(f"hetrain plan: {args.model} plans in bf16, not its usual fp16: {where} "
+                  "(--precision fp32 for full precision)", file=sys.stderr)
+            return "bf16"
+    return args.precision  # type: ignore[no-any-return]
+
+
 def _load_model_profile(model: str | None, profile_path: str | None, precision: str | None = None) -> ModelProfile:
     """The profile to plan with, in ``precision`` (None: the profile's own, or the reference model's default)."""
     if profile_path:
@@ -310,7 +339,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             if getattr(args, name) is None:
                 raise PlanError(f"hetrain plan needs --{name.replace('_', '-')} (or --from PLAN to re-predict a plan)")
         cluster = load_cluster(args.cluster)
-        profile = _load_model_profile(args.model, args.profile, args.precision)
+        profile = _load_model_profile(args.model, args.profile, _cpu_precision(args, cluster))
         learned: tuple[str, ...] = ()
         if args.time_model:  # layer times of the unmeasured device types from the learned model (docs/profile.md)
             from hetrain.time_model import apply_time_model
