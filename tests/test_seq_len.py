@@ -170,6 +170,48 @@ def test_an_hf_models_token_data_is_checked_against_its_vocabulary(tmp_path: Pat
         build_model_datasets(resolve_model(hf_dir(tmp_path)), f"tokens:{tmp_path / 't.bin'}", seq_len=8)
 
 
+def test_an_hf_models_bad_token_id_points_to_vocab_size_in_its_config_json(tmp_path: Path, monkeypatch) -> None:
+    """``--set`` is refused for an hf:DIR model, so the errors name its config.json's ``vocab_size`` instead:
+    at open, in a batch read later, and for a tokenizer larger than the vocabulary."""
+    import hetrain.data.tokens as tokens
+
+    model = resolve_model(hf_dir(tmp_path))
+    config = tmp_path / "gpt2" / "config.json"
+    hint = f'use a larger vocab ("vocab_size": N in {config}, N > {VOCAB}) or tokens of the model\'s tokenizer'
+    ids = np.arange(1000) % VOCAB
+    ids[0] = VOCAB
+    ids.astype("<u2").tofile(tmp_path / "first.bin")
+    with pytest.raises(tokens.TokenDataError) as err:
+        build_model_datasets(model, f"tokens:{tmp_path / 'first.bin'}", seq_len=8)
+    assert hint in str(err.value) and "--set" not in str(err.value), err.value
+
+    monkeypatch.setattr(tokens, "CHECKED_AT_OPEN", 100)  # as if the file were far bigger than the part checked
+    ids = np.arange(1000) % VOCAB
+    ids[400] = VOCAB
+    ids.astype("<u2").tofile(tmp_path / "inside.bin")
+    _, (train, _) = build_model_datasets(model, f"tokens:{tmp_path / 'inside.bin'}", seq_len=8)
+    with pytest.raises(tokens.TokenDataError) as err:
+        train.take(torch.tensor([50]))  # window [400, 409)
+    assert hint in str(err.value) and "--set" not in str(err.value), err.value
+
+    tokenizers = pytest.importorskip("tokenizers")
+    words = {"[UNK]": 0, **{f"w{i}": i for i in range(1, VOCAB + 20)}}  # 119 tokens, the vocabulary has 100
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="[UNK]"))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "t.txt").write_text("w1 w2 " * 100)
+    with pytest.raises(tokens.TokenDataError) as err:
+        build_model_datasets(model, f"text:{tmp_path / 't.txt'}", seq_len=8, tokenizer=str(tmp_path / "tokenizer.json"))
+    assert f'more than the model\'s vocabulary of {VOCAB} ("vocab_size": {VOCAB + 20} in {config})' in str(err.value)
+
+
+def test_a_reference_gpts_bad_token_id_points_to_set_vocab(tmp_path: Path) -> None:
+    (np.arange(400) % 97).astype("<u2").tofile(tmp_path / "t.bin")  # id 96: one past gpt-tiny's vocabulary
+    from hetrain.data.tokens import TokenDataError
+
+    with pytest.raises(TokenDataError, match=r"use a larger vocab \(--set vocab=N, N > 96\)"):
+        build_model_datasets(resolve_model("gpt-tiny"), f"tokens:{tmp_path / 't.bin'}")
+
+
 def test_a_user_data_set_gives_the_length_and_must_match_seq_len(tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "tokens16.py").write_text(TOKENS16)

@@ -9,6 +9,10 @@ One torchrun job of 3 Gloo ranks, ``--max-restarts 1``::
 
 The fault (and the switch of plan) is injected by a wrapper script; the runtime
 knows nothing of it. SGD with momentum, so the optimizer state must survive too.
+
+And what a resume refuses or skips, in a world of one Gloo process: a checkpoint of
+other model settings (one line naming the tensor and both shapes), and one already at
+or past ``--steps`` (a notice that nothing is trained).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch
 from hetrain.cluster import parse_cluster
 from hetrain.data.datasets import iter_batches
 from hetrain.data.registry import build_datasets
-from hetrain.models.analytic import build_profile
+from hetrain.models.analytic import build_mlp_profile, build_profile
 from hetrain.models.layers import LayerRange
 from hetrain.models.registry import build_layers, loss_fn
 from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
@@ -117,3 +121,57 @@ def test_a_job_restarted_by_torchrun_resumes_under_another_plan(tmp_path: Path, 
         rows[row["step"]] = row
     assert sorted(rows) == list(range(1, STEPS + 1))
     assert [rows[s]["loss"] for s in sorted(rows)] == pytest.approx(losses, rel=1e-5)
+
+
+# --- resuming what cannot, or need not, be resumed ------------------------------------------------------------
+
+RESUME_STEPS = 2
+
+
+def train_one_rank(spawn, clean_env, plan: Path, ckpt: Path, *args: str) -> tuple[int, str, str]:
+    """``hetrain train`` of mlp-digits on synthetic data, a world of one Gloo process; (status, stdout, stderr)."""
+    p = spawn([sys.executable, "-m", "hetrain.runtime.command", "--plan", str(plan), "--model", "mlp-digits",
+               "--data", "synthetic", "--checkpoint-dir", str(ckpt), "--timeout-s", "30", "--no-progress", *args],
+              clean_env)
+    stdout, stderr = p.communicate(timeout=120)
+    return p.returncode, stdout, stderr
+
+
+@pytest.fixture
+def trained(tmp_path: Path, spawn, clean_env) -> tuple[Path, Path]:
+    """A one-stage mlp-digits plan and a checkpoint directory whose newest checkpoint is of step RESUME_STEPS."""
+    cluster = parse_cluster({"name": "cpu", "node": [{"name": "n0", "devices": [{"type": "cpu", "count": 1}],
+                                                      "intra_link": "loopback", "nic": "1Gbit/s"}]})
+    plan = Plan("mlp-digits", 8, "1f1b", "bsp", "momentum", (VirtualWorker((Stage("n0:0", 0, 3),), 8, 2),),
+                Prediction(0, 0, 0, 0, 0), "pp", "manual", cluster, build_mlp_profile([64, 256, 256, 10],
+                                                                                    name="mlp-digits"))
+    plan.save(tmp_path / "plan.json")
+    status, _, stderr = train_one_rank(spawn, clean_env, tmp_path / "plan.json", tmp_path / "ckpt",
+                                       "--steps", str(RESUME_STEPS))
+    assert status == 0, stderr[-3000:]
+    return tmp_path / "plan.json", tmp_path / "ckpt"
+
+
+def test_resuming_with_other_model_settings_is_one_line_naming_the_tensor_and_both_shapes(trained, spawn,
+                                                                                         clean_env) -> None:
+    plan, ckpt = trained
+    status, _, stderr = train_one_rank(spawn, clean_env, plan, ckpt, "--steps", "4", "--set", "hidden=[128, 128]")
+    assert status == 1, stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert (f"hetrain train: error: checkpoint step {RESUME_STEPS} ({ckpt / 'step-00000002'}) holds "
+            "'layers.0.1.weight' of shape [256, 64], but n0:0's stage has shape [128, 64]") in errors[0], errors[0]
+
+
+def test_resuming_at_or_past_the_steps_asked_for_says_nothing_is_trained(trained, spawn, clean_env,
+                                                                          tmp_path: Path) -> None:
+    plan, ckpt = trained
+    metrics = tmp_path / "metrics.jsonl"
+    for steps in (RESUME_STEPS - 1, RESUME_STEPS):
+        status, stdout, stderr = train_one_rank(spawn, clean_env, plan, ckpt, "--steps", str(steps),
+                                                "--metrics-out", str(metrics))
+        assert status == 0, stderr[-3000:]
+        assert (f"hetrain train: nothing to train: checkpoint step {RESUME_STEPS} in {ckpt} is already at or past "
+                f"--steps {steps}") in stdout, stdout
+        assert "validation loss" not in stdout and not metrics.exists()  # nothing run, nothing logged
+    assert latest_checkpoint(ckpt) == (RESUME_STEPS, ckpt / "step-00000002")

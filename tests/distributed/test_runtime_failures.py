@@ -15,8 +15,11 @@ from pathlib import Path
 
 from hetrain.cluster import parse_cluster
 from hetrain.models.analytic import build_mlp_profile
+from hetrain.models.registry import build_layers
 from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
+from hetrain.runtime.checkpoint import save_checkpoint
 from hetrain.runtime.command import run_train_command
+from hetrain.runtime.executor import StageModule
 
 TRAIN = [sys.executable, "-m", "hetrain.runtime.command"]
 
@@ -107,6 +110,27 @@ def test_ranks_on_a_node_the_plan_does_not_know_are_told_what_the_plan_expects(t
         assert "rank 0 reports device box:0, which is not in the plan's cluster" in stderr
         assert "no rank drives n0:1 (stage 1 of VW0, layers [1, 3))" in stderr
         assert "nodes n0 (n0:0, n0:1)" in stderr and "rank 0 -> box:0, rank 1 -> box:1" in stderr
+
+
+def test_a_rank_that_cannot_resume_is_named_by_the_other_in_one_line(tmp_path, spawn, clean_env, free_port):
+    """Stage 1 ([1, 3)) is of other widths than the checkpoint, stage 0 ([0, 1)) is not: rank 0 resumes, and
+    stops naming rank 1 rather than failing on a closed connection once training starts."""
+    pipeline_plan(2).save(tmp_path / "plan.json")
+    full = StageModule(build_layers("mlp-digits", seed=0))
+    save_checkpoint(tmp_path / "ckpt", 4, {n: t.detach() for n, t in full.state_dict().items()}, {}, {"step": 4})
+    args = ["--plan", str(tmp_path / "plan.json"), "--model", "mlp-digits", "--set", "hidden=[256, 128]",
+            "--data", "synthetic", "--steps", "6", "--checkpoint-dir", str(tmp_path / "ckpt"), "--timeout-s", "20",
+            "--no-progress"]
+    ranks = start_ranks(spawn, clean_env, free_port(), 2, args)
+    stderr = [p.communicate(timeout=60)[1] for p in ranks]
+    assert [p.returncode for p in ranks] == [1, 1], stderr
+    for err in stderr:
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err[-3000:]
+    step_dir = tmp_path / "ckpt" / "step-00000004"
+    assert (f"hetrain train: error: checkpoint step 4 ({step_dir}) holds 'layers.1.0.weight' of shape [256, 256], "
+            "but n0:1's stage has shape [128, 256]") in stderr[1], stderr[1]
+    assert (f"hetrain train: error: rank 0 (n0:0) stops: rank 1 (n0:1) could not resume: checkpoint step 4 "
+            f"({step_dir}) holds 'layers.1.0.weight'") in stderr[0], stderr[0]
 
 
 def test_a_model_that_does_not_fit_the_plan_is_refused(tmp_path, capsys):

@@ -139,3 +139,32 @@ def test_a_checkpoint_without_this_stages_layers_is_refused(tmp_path) -> None:
     other = StageModule(layers(2, 4), first=2)
     with pytest.raises(CheckpointError, match=r"layers\.2"):
         restore_stage(tmp_path, other, torch.optim.SGD(other.parameters(), lr=0.1), "n0:1")
+
+
+def test_a_checkpoint_of_other_shapes_is_refused_naming_the_tensor_and_both_shapes(tmp_path) -> None:
+    plan = make_plan([(["n0:0"], [0, 4], 4, 2)])
+    module = StageModule(layers(0, 4))
+    save_stage(tmp_path, 3, module, torch.optim.SGD(module.parameters(), lr=0.1), plan, "n0:0", {},
+               checkpoint_meta(plan, 3, None), timeout_s=10)
+    wider = StageModule([nn.Linear(3, 7), nn.Linear(7, 5), *layers(2, 4)])  # layers 0 and 1 of other widths
+    with pytest.raises(CheckpointError) as err:
+        restore_stage(tmp_path, wider, torch.optim.SGD(wider.parameters(), lr=0.1), "n0:0")
+    message = str(err.value)
+    assert "\n" not in message
+    assert f"checkpoint step 3 ({tmp_path / 'step-00000003'}) holds 'layers.0.weight' of shape [5, 3]" in message
+    assert "n0:0's stage has shape [7, 3] (and 2 more tensor(s) of other shapes)" in message, message
+
+
+def test_optimizer_state_of_another_shape_is_refused_before_anything_is_loaded(tmp_path) -> None:
+    plan = make_plan([(["n0:0"], [0, 4], 4, 2)])
+    module = StageModule(layers(0, 4))
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    weight = dict(module.named_parameters())["layers.2.weight"]  # (5, 5)
+    optimizer.state[weight] = {"momentum_buffer": torch.zeros(5, 4)}  # a state that is not its parameter's shape
+    save_stage(tmp_path, 1, module, optimizer, plan, "n0:0", {}, checkpoint_meta(plan, 1, None), timeout_s=10)
+    fresh = StageModule(layers(0, 4))
+    before = [p.detach().clone() for p in fresh.parameters()]
+    with pytest.raises(CheckpointError, match=r"holds the optimizer state 'momentum_buffer' of 'layers\.2\.weight' "
+                                              r"of shape \[5, 4\], but n0:0's stage has shape \[5, 5\]"):
+        restore_stage(tmp_path, fresh, torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9), "n0:0")
+    assert all(torch.equal(p, q) for p, q in zip(before, fresh.parameters(), strict=True))

@@ -43,6 +43,9 @@ TOKEN_DTYPE = np.dtype("<u2")  # uint16, little-endian: nanoGPT's token files
 BYTE_VOCAB = 256  # text read as bytes
 VAL_FRACTION = 0.1  # the last tenth of the tokens is held out
 CHECKED_AT_OPEN = 1_000_000  # tokens checked against the vocabulary at each end of a token file when it is opened
+#: how a reference GPT's vocabulary is set, for errors (``{n}``: the size); an ``hf:DIR`` model's is its
+#: config.json's ``vocab_size`` (``hetrain.data.user``)
+VOCAB_SETTING = "--set vocab={n}"
 
 
 class TokenDataError(InputError):
@@ -54,14 +57,16 @@ def is_token_spec(data: str | None) -> bool:
     return data is not None and data.startswith((TOKEN_PREFIX, TEXT_PREFIX))
 
 
-def _check_ids(ids: np.ndarray, vocab: int | None, name: str, where: str) -> None:
-    """Refuse an id >= ``vocab`` in ``ids`` (``where`` says which part of ``name`` they are)."""
+def _check_ids(ids: np.ndarray, vocab: int | None, name: str, where: str, vocab_setting: str = VOCAB_SETTING) -> None:
+    """Refuse an id >= ``vocab`` in ``ids`` (``where`` says which part of ``name`` they are; ``vocab_setting``
+    how the model's vocabulary is set, ``{n}`` its size)."""
     if vocab is None or not len(ids):
         return
     top = int(ids.max())
     if top >= vocab:
         raise TokenDataError(f"{name}: token id {top} {where} is >= the model's vocabulary of {vocab}; use a "
-                             "larger vocab (--set vocab=N) or tokens of the model's tokenizer")
+                             f"larger vocab ({vocab_setting.format(n='N')}, N > {top}) or tokens of the "
+                             "model's tokenizer")
 
 
 class TokenDataset:
@@ -72,9 +77,11 @@ class TokenDataset:
         seq_len: T, tokens per sample.
         name: the file, for errors.
         vocab: the model's vocabulary; each batch's ids are checked against it (None: not checked).
+        vocab_setting: how the model's vocabulary is set, for errors (``VOCAB_SETTING``).
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, name: str, vocab: int | None = None) -> None:
+    def __init__(self, tokens: np.ndarray, seq_len: int, name: str, vocab: int | None = None,
+                 vocab_setting: str = VOCAB_SETTING) -> None:
         if seq_len < 1 or len(tokens) < seq_len + 1:
             raise TokenDataError(f"{name}: {len(tokens)} tokens are shorter than one window of seq_len {seq_len} "
                                  f"+ 1 = {seq_len + 1} tokens")
@@ -82,6 +89,7 @@ class TokenDataset:
         self.seq_len = seq_len
         self.name = name
         self.vocab = vocab
+        self.vocab_setting = vocab_setting
         self._offsets = np.arange(seq_len + 1)  # (T + 1,)
 
     def __len__(self) -> int:
@@ -96,7 +104,7 @@ class TokenDataset:
         if len(k) and not (int(k.min()) >= 0 and int(k.max()) < len(self)):
             raise IndexError(f"window indices must be in [0, {len(self)}), got {int(k.min())}..{int(k.max())}")
         windows = np.asarray(self.tokens[k[:, None] * self.seq_len + self._offsets], dtype=np.int64)  # (B, T + 1)
-        _check_ids(windows, self.vocab, self.name, f"in windows {k[:4].tolist()}...")
+        _check_ids(windows, self.vocab, self.name, f"in windows {k[:4].tolist()}...", self.vocab_setting)
         ids = torch.from_numpy(windows)
         return ids[:, :-1], ids[:, 1:]  # (B, T), (B, T)
 
@@ -115,7 +123,7 @@ def _existing_file(path: str, flag: str) -> Path:
     return p
 
 
-def open_token_file(path: str, vocab: int | None = None) -> np.ndarray:
+def open_token_file(path: str, vocab: int | None = None, vocab_setting: str = VOCAB_SETTING) -> np.ndarray:
     """The uint16 token ids of ``path``, memory-mapped; both ends checked against ``vocab``.
 
     Raises:
@@ -129,12 +137,13 @@ def open_token_file(path: str, vocab: int | None = None) -> np.ndarray:
     if size == 0:
         raise TokenDataError(f"{path}: is empty; a token file holds uint16 token ids")
     tokens = np.memmap(p, dtype=TOKEN_DTYPE, mode="r")
-    _check_ids(np.asarray(tokens[:CHECKED_AT_OPEN]), vocab, path, "in its first tokens")
-    _check_ids(np.asarray(tokens[-CHECKED_AT_OPEN:]), vocab, path, "in its last tokens")
+    _check_ids(np.asarray(tokens[:CHECKED_AT_OPEN]), vocab, path, "in its first tokens", vocab_setting)
+    _check_ids(np.asarray(tokens[-CHECKED_AT_OPEN:]), vocab, path, "in its last tokens", vocab_setting)
     return tokens
 
 
-def read_text_tokens(path: str, tokenizer: str | None = None, vocab: int | None = None) -> np.ndarray:
+def read_text_tokens(path: str, tokenizer: str | None = None, vocab: int | None = None,
+                     vocab_setting: str = VOCAB_SETTING) -> np.ndarray:
     """The tokens of text file ``path``: its bytes, or the ids of ``tokenizer`` (a tokenizer.json); all checked.
 
     Raises:
@@ -145,19 +154,19 @@ def read_text_tokens(path: str, tokenizer: str | None = None, vocab: int | None 
     if tokenizer is None:
         ids = np.frombuffer(p.read_bytes(), dtype=np.uint8)
         if vocab is not None and vocab < BYTE_VOCAB:
-            _check_ids(ids, vocab, path, "(a byte of the text; bytes are tokens 0..255)")
+            _check_ids(ids, vocab, path, "(a byte of the text; bytes are tokens 0..255)", vocab_setting)
         return ids
-    tok = _load_tokenizer(tokenizer, vocab)
+    tok = _load_tokenizer(tokenizer, vocab, vocab_setting)
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise TokenDataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); --tokenizer reads text") from e
     ids = np.asarray(tok.encode(text).ids, dtype=np.int64)
-    _check_ids(ids, vocab, path, "(from the tokenizer)")
+    _check_ids(ids, vocab, path, "(from the tokenizer)", vocab_setting)
     return ids
 
 
-def _load_tokenizer(path: str, vocab: int | None) -> Any:
+def _load_tokenizer(path: str, vocab: int | None, vocab_setting: str = VOCAB_SETTING) -> Any:
     """The tokenizer.json at ``path``, refused if it has more tokens than ``vocab``."""
     try:
         from tokenizers import Tokenizer
@@ -172,41 +181,43 @@ def _load_tokenizer(path: str, vocab: int | None) -> Any:
     size = tok.get_vocab_size()
     if vocab is not None and size > vocab:
         raise TokenDataError(f"--tokenizer {path}: {size} tokens, more than the model's vocabulary of {vocab} "
-                             f"(--set vocab={size})")
+                             f"({vocab_setting.format(n=size)})")
     return tok
 
 
-def _tokens_of(spec: str, tokenizer: str | None, vocab: int | None) -> np.ndarray:
+def _tokens_of(spec: str, tokenizer: str | None, vocab: int | None, vocab_setting: str) -> np.ndarray:
     if spec.startswith(TOKEN_PREFIX):
         if tokenizer is not None:
             raise TokenDataError(f"--tokenizer {tokenizer} is for --data text:FILE; {spec} is already tokens")
-        return open_token_file(spec[len(TOKEN_PREFIX):], vocab)
+        return open_token_file(spec[len(TOKEN_PREFIX):], vocab, vocab_setting)
     if spec.startswith(TEXT_PREFIX):
-        return read_text_tokens(spec[len(TEXT_PREFIX):], tokenizer, vocab)
+        return read_text_tokens(spec[len(TEXT_PREFIX):], tokenizer, vocab, vocab_setting)
     raise TokenDataError(f"--val-data {spec}: give {TOKEN_PREFIX}FILE.bin or {TEXT_PREFIX}FILE")
 
 
 def load_token_datasets(spec: str, seq_len: int, vocab: int | None = None, val_spec: str | None = None,
-                        tokenizer: str | None = None) -> DatasetSplit:
+                        tokenizer: str | None = None, vocab_setting: str = VOCAB_SETTING) -> DatasetSplit:
     """Training and validation ``TokenDataset`` of ``tokens:FILE`` or ``text:FILE`` (module docstring).
 
     Without ``val_spec`` the last ``VAL_FRACTION`` of the tokens is the validation set (None when
-    it is shorter than one window); with it, that file (same kind of spec) is.
+    it is shorter than one window); with it, that file (same kind of spec) is. ``vocab_setting`` is how the
+    model's vocabulary is set, for the errors (``VOCAB_SETTING``, ``{n}`` the size).
 
     Raises:
         TokenDataError: a file that cannot be read as tokens, is shorter than one window, or holds
             an id >= ``vocab`` (see the module docstring for how much is checked when).
     """
-    tokens = _tokens_of(spec, tokenizer, vocab)
+    tokens = _tokens_of(spec, tokenizer, vocab, vocab_setting)
     name = spec.split(":", 1)[1]
     if val_spec is not None:
-        val_tokens = _tokens_of(val_spec, tokenizer, vocab)
-        return DatasetSplit(TokenDataset(tokens, seq_len, name, vocab),
-                            TokenDataset(val_tokens, seq_len, val_spec.split(":", 1)[1], vocab))
-    return _split(tokens, seq_len, name, vocab)
+        val_tokens = _tokens_of(val_spec, tokenizer, vocab, vocab_setting)
+        return DatasetSplit(TokenDataset(tokens, seq_len, name, vocab, vocab_setting),
+                            TokenDataset(val_tokens, seq_len, val_spec.split(":", 1)[1], vocab, vocab_setting))
+    return _split(tokens, seq_len, name, vocab, vocab_setting)
 
 
-def load_corpus_token_datasets(seq_len: int, tokenizer: str, vocab: int | None = None) -> DatasetSplit:
+def load_corpus_token_datasets(seq_len: int, tokenizer: str, vocab: int | None = None,
+                               vocab_setting: str = VOCAB_SETTING) -> DatasetSplit:
     """The Shakespeare text shipped with hetrain (``hetrain.data.text``) tokenized by ``tokenizer`` (a
     tokenizer.json), split and cut as ``load_token_datasets`` does: the built-in data of an ``hf:DIR`` model.
 
@@ -215,17 +226,17 @@ def load_corpus_token_datasets(seq_len: int, tokenizer: str, vocab: int | None =
     """
     from hetrain.data.text import CORPUS_FILE, load_text_corpus
 
-    ids = np.asarray(_load_tokenizer(tokenizer, vocab).encode(load_text_corpus()).ids, dtype=np.int64)
-    _check_ids(ids, vocab, CORPUS_FILE, f"(from {tokenizer})")
-    return _split(ids, seq_len, CORPUS_FILE, vocab)
+    ids = np.asarray(_load_tokenizer(tokenizer, vocab, vocab_setting).encode(load_text_corpus()).ids, dtype=np.int64)
+    _check_ids(ids, vocab, CORPUS_FILE, f"(from {tokenizer})", vocab_setting)
+    return _split(ids, seq_len, CORPUS_FILE, vocab, vocab_setting)
 
 
-def _split(tokens: np.ndarray, seq_len: int, name: str, vocab: int | None) -> DatasetSplit:
+def _split(tokens: np.ndarray, seq_len: int, name: str, vocab: int | None, vocab_setting: str) -> DatasetSplit:
     """The training set (the first ``1 - VAL_FRACTION`` of ``tokens``) and the validation set (the rest)."""
     cut = len(tokens) - int(len(tokens) * VAL_FRACTION)
     if cut < seq_len + 1:
         raise TokenDataError(f"{name}: {len(tokens)} tokens are shorter than one window of seq_len {seq_len} + 1 "
                              f"= {seq_len + 1} tokens (after holding out the last {VAL_FRACTION:.0%} for validation)")
     val = tokens[cut:]
-    return DatasetSplit(TokenDataset(tokens[:cut], seq_len, name, vocab),
-                        TokenDataset(val, seq_len, name, vocab) if len(val) > seq_len else None)
+    return DatasetSplit(TokenDataset(tokens[:cut], seq_len, name, vocab, vocab_setting),
+                        TokenDataset(val, seq_len, name, vocab, vocab_setting) if len(val) > seq_len else None)

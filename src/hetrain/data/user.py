@@ -25,7 +25,7 @@ from torch.utils.data import Dataset, default_collate
 
 from hetrain.data.datasets import Batch, DatasetSplit
 from hetrain.data.seq_len import choose_seq_len, refuse_seq_len
-from hetrain.data.tokens import load_corpus_token_datasets
+from hetrain.data.tokens import VOCAB_SETTING, load_corpus_token_datasets
 from hetrain.models.hf import HF_PREFIX
 from hetrain.models.spec import SpecError, call_spec, is_user_spec, load_function
 from hetrain.models.user import ModelSource, check_model_on_batch
@@ -109,6 +109,14 @@ def _token_shape(model: ModelSource, seq_len: int | None) -> tuple[int, int | No
     return choose_seq_len(model, seq_len), model.tokens.vocab if model.tokens is not None else None
 
 
+def _vocab_setting(model: ModelSource) -> str:
+    """How ``model``'s vocabulary is set, for the token data's errors (``hetrain.data.tokens.VOCAB_SETTING``):
+    ``vocab_size`` in an ``hf:DIR`` model's config.json (``--set`` is refused for it), else ``--set vocab``."""
+    if model.name.startswith(HF_PREFIX):
+        return f'"vocab_size": {{n}} in {Path(model.name[len(HF_PREFIX):]) / "config.json"}'
+    return VOCAB_SETTING
+
+
 def _hf_default_data(model: ModelSource, seq_len: int | None) -> tuple[str, DatasetSplit]:
     """An ``hf:DIR`` model's built-in data: the shipped Shakespeare text tokenized by ``DIR/tokenizer.json``."""
     tokenizer = Path(model.name[len(HF_PREFIX):]) / "tokenizer.json"
@@ -116,7 +124,8 @@ def _hf_default_data(model: ModelSource, seq_len: int | None) -> tuple[str, Data
         raise SpecError(f"model {model.name}: no --data, and no {tokenizer} to tokenize the built-in Shakespeare "
                         "text with; give --data tokens:FILE.bin or text:FILE")
     t, vocab = _token_shape(model, seq_len)
-    return f"shakespeare (tokenized by {tokenizer})", load_corpus_token_datasets(t, str(tokenizer), vocab)
+    return f"shakespeare (tokenized by {tokenizer})", load_corpus_token_datasets(t, str(tokenizer), vocab,
+                                                                                 _vocab_setting(model))
 
 
 def build_model_datasets(model: ModelSource, data: str | None, seed: int = 0, *, seq_len: int | None = None,
@@ -143,7 +152,7 @@ def build_model_datasets(model: ModelSource, data: str | None, seed: int = 0, *,
     if is_token_spec(data):
         assert data is not None
         t, vocab = _token_shape(model, seq_len)
-        split = load_token_datasets(data, t, vocab, val_data, tokenizer)
+        split = load_token_datasets(data, t, vocab, val_data, tokenizer, _vocab_setting(model))
         if model.preset is None:
             x, y = split.train.take(torch.arange(min(2, len(split.train))))  # (2, T) each
             check_model_on_batch(model, x, y, data)

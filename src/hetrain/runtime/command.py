@@ -38,7 +38,7 @@ from hetrain.models.user import ModelSource, resolve_model
 from hetrain.plan import Plan, PlanError, load_plan
 from hetrain.profile import PRECISIONS
 from hetrain.runtime.clip import check_clip
-from hetrain.runtime.config_file import parse_with_config
+from hetrain.runtime.config_file import named_value, parse_with_config
 from hetrain.runtime.drift import SWITCH_EXIT_STATUS, DriftSwitch
 from hetrain.runtime.elastic import REPLAN_MODES
 from hetrain.runtime.loss_scale import check_fp16
@@ -190,9 +190,15 @@ def run_train_command(plan_path: str | Path | Plan, model: str | ModelSource,
                   f"rank(s), {len(plan.virtual_workers)} VW(s), {plan.schedule}, global batch {plan.global_batch}, "
                   f"{opt_name} {_describe(schedule, clip_grad_norm)}{resumed}", flush=True)
         start = trainer.step
-        history = trainer.fit(train_set, steps, seed=data_seed, val_data=val_set, eval_every=eval_every,
-                              eval_batches=eval_batches)
-        _print_outcome(trainer, start, history)
+        if start and start >= steps:  # every rank resumed at the same step, so every rank stops here
+            if trainer.is_reporting:
+                print(f"hetrain train: nothing to train: checkpoint step {start} in {checkpoint_dir} is already at "
+                      f"or past --steps {steps} (the step count to reach); give --steps above {start} to train on",
+                      flush=True)
+        else:
+            history = trainer.fit(train_set, steps, seed=data_seed, val_data=val_set, eval_every=eval_every,
+                                  eval_batches=eval_batches)
+            _print_outcome(trainer, start, history)
     except DriftSwitch as e:
         print(f"hetrain train: {e}", flush=True)
         if trainer is not None:
@@ -308,6 +314,21 @@ def check_plan_precision(plan: Plan, precision: str | None, plan_path: str) -> N
     check_precision(plan.precision, choose_device(int(os.environ.get("LOCAL_RANK", "0")))[1].type, plan_path)
 
 
+def _check_options_with_plan(args: argparse.Namespace, plan: Plan) -> None:
+    """Refuse clipping the plan's sync mode cannot do, and a ``--min-lr`` above the learning rate; each error
+    names the option as given: its flag, or the config file and key (``config_file.named_value``)."""
+    try:
+        check_clip(plan, args.clip_grad_norm)
+    except InputError as e:
+        raise InputError(f"{named_value(args, 'clip_grad_norm', '--clip-grad-norm')}: {e}") from None
+    lr = default_lr(plan.optimizer) if args.lr is None else args.lr
+    if args.min_lr > lr:
+        peak = f"{plan.optimizer}'s default {lr:g}" if args.lr is None else named_value(args, "lr", "--lr")
+        raise InputError(f"{named_value(args, 'min_lr', '--min-lr')}: the minimum learning rate, where the decay "
+                         f"ends, must be at most the learning rate ({peak})")
+    LrSchedule(lr, args.lr_schedule, args.warmup_steps, args.min_lr)
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     """Run the ``train`` command from parsed ``add_train_arguments`` options.
 
@@ -319,9 +340,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         _check_output_paths(args)
         plan = load_plan(args.plan)
         check_plan_precision(plan, args.precision, args.plan)
-        check_clip(plan, args.clip_grad_norm)
-        LrSchedule(default_lr(plan.optimizer) if args.lr is None else args.lr, args.lr_schedule, args.warmup_steps,
-                   args.min_lr)
+        _check_options_with_plan(args, plan)
         model = resolve_model(args.model, **config)  # a model or data set that cannot be used: refused here
         data = build_train_datasets(plan, model, args.data, args.data_seed, seq_len=args.seq_len,
                                     val_data=args.val_data, tokenizer=args.tokenizer)

@@ -19,14 +19,27 @@ Example:
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
 
+from hetrain.distributed.barrier import Barrier, BarrierError
+from hetrain.distributed.health import beat_counter
+from hetrain.distributed.work import PeerError
 from hetrain.plan import Plan
-from hetrain.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from hetrain.runtime.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    step_dir_name,
+)
+
+if TYPE_CHECKING:
+    from hetrain.runtime.job import Job
 
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.")
 
@@ -92,20 +105,84 @@ def restore_stage(directory: Path, module: nn.Module, optimizer: torch.optim.Opt
         The checkpoint's step and metadata; None when there is no checkpoint.
 
     Raises:
-        ValueError: the checkpoint lacks a tensor of this stage.
+        CheckpointError: the checkpoint lacks a tensor of this stage, or holds one (or its optimizer state)
+            of another shape than the stage's (a model of other settings): names the checkpoint, the
+            tensor and both shapes.
     """
     step = latest_step(directory)
     if step is None:
         return None
-    names = list(module.state_dict())
+    own = module.state_dict()
+    names = list(own)
     tensors, saved_optimizer_state, meta = load_checkpoint(directory, names, step)
     missing = [n for n in names if n not in tensors]
     if missing:
-        raise ValueError(f"checkpoint step {step} in {directory} lacks {len(missing)} tensor(s) of "
-                         f"{device}'s stage, e.g. {missing[:3]}")
+        raise CheckpointError(f"checkpoint step {step} in {directory} lacks {len(missing)} tensor(s) of "
+                              f"{device}'s stage, e.g. {missing[:3]}")
+    params = dict(module.named_parameters())
+    shapes = [(repr(n), tensors[n].shape, own[n].shape) for n in names]
+    shapes += [(f"the optimizer state {k!r} of {n!r}", v.shape, params[n].shape)
+               for n, state in saved_optimizer_state.items() if n in params
+               for k, v in state.items() if _per_element(k, v)]
+    _check_shapes(f"checkpoint step {step} ({directory / step_dir_name(step)})", device, shapes)
     module.load_state_dict({n: tensors[n] for n in names})
-    for name, p in module.named_parameters():
+    for name, p in params.items():
         if name in saved_optimizer_state:
             optimizer.state[p] = {k: (v.to(p.device) if isinstance(v, torch.Tensor) and k != "step" else v)
                                   for k, v in saved_optimizer_state[name].items()}
     return Restored(step, meta)
+
+
+def resume_together(job: Job, restore: Callable[[], None]) -> None:
+    """Run ``restore`` (this rank's share of a resume), then wait until every rank of the job has run its own.
+
+    A rank that cannot resume (a checkpoint of other shapes) posts its error and leaves; the others
+    stop here naming it, instead of meeting a closed connection once training starts::
+
+        rank 0:  restore_stage -> CheckpointError   post it, leave with it
+        rank 1:  restore_stage -> ok                barrier "resumed": rank 0 failed -> PeerError naming rank 0
+
+    Raises:
+        Exception: what ``restore`` raised, on its own rank (posted to the others first).
+        PeerError: on the other ranks, naming the rank that failed and the first line of its error, or a
+            rank that fell silent.
+    """
+    health = job.health
+    try:
+        restore()
+    except Exception as e:
+        health.post_error(str(e))
+        health.linger(min(job.timeout_s, 3 * health.period_s + 2))  # the store's host: let the others read it
+        raise
+    if health.store is None:  # a world without a job store: nothing to wait for
+        return
+    barrier = Barrier(health.store, job.rank, job.world, job.timeout_s, beats=beat_counter(health.store),
+                      name=health.name)
+    try:
+        barrier.sync("resumed", "the resume from the checkpoint")
+    except BarrierError as e:
+        if e.failed:
+            r = min(e.failed)
+            raise PeerError(f"{health.name(job.rank)} stops: {health.name(r)} could not resume: "
+                            f"{(e.failed[r].strip().splitlines() or [''])[0]}") from None
+        raise health.peer_error("waiting for every rank to resume from the checkpoint", e.late + e.silent,
+                                e) from None
+
+
+def _per_element(key: str, value: Any) -> bool:
+    """Whether an optimizer state entry holds one number per element of its parameter (AdamW's ``exp_avg``,
+    SGD's ``momentum_buffer``), so has the parameter's shape; ``step`` and other scalars do not."""
+    return isinstance(value, torch.Tensor) and key != "step" and value.dim() > 0
+
+
+def _check_shapes(where: str, device: str, shapes: list[tuple[str, torch.Size, torch.Size]]) -> None:
+    """Refuse a ``(what, shape in the checkpoint, shape in the stage)`` whose shapes differ (a checkpoint of a
+    model of other settings), in one line naming the checkpoint (``where``), the first such tensor, both shapes."""
+    wrong = [(what, held, need) for what, held, need in shapes if held != need]
+    if wrong:
+        what, held, need = wrong[0]
+        more = f" (and {len(wrong) - 1} more tensor(s) of other shapes)" if len(wrong) > 1 else ""
+        raise CheckpointError(f"{where} holds {what} of shape {list(held)}, but {device}'s stage has shape "
+                              f"{list(need)}{more}: the checkpoint is of a model of other settings (--set, "
+                              "config.json); resume with the settings it was saved with, or use another "
+                              "--checkpoint-dir")
