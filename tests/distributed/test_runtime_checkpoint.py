@@ -152,15 +152,18 @@ def trained(tmp_path: Path, spawn, clean_env) -> tuple[Path, Path]:
     return tmp_path / "plan.json", tmp_path / "ckpt"
 
 
-def test_resuming_with_other_model_settings_is_one_line_naming_the_tensor_and_both_shapes(trained, spawn,
-                                                                                         clean_env) -> None:
+def test_resuming_with_other_model_settings_is_one_line_naming_the_layer_and_both_sizes(trained, spawn,
+                                                                                       clean_env) -> None:
+    """A model of other settings than the plan's is refused before its checkpoint is read (the plan's memory
+    and time are another model's); a checkpoint of other shapes under a plan that fits the model is refused
+    by ``restore_stage`` (tests/distributed/test_runtime_trainer_parts.py)."""
     plan, ckpt = trained
     status, _, stderr = train_one_rank(spawn, clean_env, plan, ckpt, "--steps", "4", "--set", "hidden=[128, 128]")
     assert status == 1, stderr[-3000:]
     errors = [line for line in stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
-    assert (f"hetrain train: error: checkpoint step {RESUME_STEPS} ({ckpt / 'step-00000002'}) holds "
-            "'layers.0.1.weight' of shape [256, 64], but n0:0's stage has shape [128, 64]") in errors[0], errors[0]
+    assert ("was made for another model: layer 0 (fc0) of its profile (mlp-digits) has 66,560 bytes of "
+            "parameters, model mlp-digits's has 33,280") in errors[0], errors[0]
 
 
 def test_resuming_at_or_past_the_steps_asked_for_says_nothing_is_trained(trained, spawn, clean_env,

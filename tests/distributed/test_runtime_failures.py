@@ -113,24 +113,43 @@ def test_ranks_on_a_node_the_plan_does_not_know_are_told_what_the_plan_expects(t
 
 
 def test_a_rank_that_cannot_resume_is_named_by_the_other_in_one_line(tmp_path, spawn, clean_env, free_port):
-    """Stage 1 ([1, 3)) is of other widths than the checkpoint, stage 0 ([0, 1)) is not: rank 0 resumes, and
-    stops naming rank 1 rather than failing on a closed connection once training starts."""
+    """The checkpoint is of a model whose stage 1 ([1, 3)) has other widths than the plan's and the model's,
+    stage 0 ([0, 1)) not: rank 0 resumes, and stops naming rank 1 rather than failing on a closed connection
+    once training starts."""
     pipeline_plan(2).save(tmp_path / "plan.json")
-    full = StageModule(build_layers("mlp-digits", seed=0))
-    save_checkpoint(tmp_path / "ckpt", 4, {n: t.detach() for n, t in full.state_dict().items()}, {}, {"step": 4})
-    args = ["--plan", str(tmp_path / "plan.json"), "--model", "mlp-digits", "--set", "hidden=[256, 128]",
-            "--data", "synthetic", "--steps", "6", "--checkpoint-dir", str(tmp_path / "ckpt"), "--timeout-s", "20",
-            "--no-progress"]
+    other = StageModule(build_layers("mlp-digits", seed=0, hidden=[256, 128]))
+    save_checkpoint(tmp_path / "ckpt", 4, {n: t.detach() for n, t in other.state_dict().items()}, {}, {"step": 4})
+    args = ["--plan", str(tmp_path / "plan.json"), "--model", "mlp-digits", "--data", "synthetic", "--steps", "6",
+            "--checkpoint-dir", str(tmp_path / "ckpt"), "--timeout-s", "20", "--no-progress"]
     ranks = start_ranks(spawn, clean_env, free_port(), 2, args)
     stderr = [p.communicate(timeout=60)[1] for p in ranks]
     assert [p.returncode for p in ranks] == [1, 1], stderr
     for err in stderr:
         assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err[-3000:]
     step_dir = tmp_path / "ckpt" / "step-00000004"
-    assert (f"hetrain train: error: checkpoint step 4 ({step_dir}) holds 'layers.1.0.weight' of shape [256, 256], "
-            "but n0:1's stage has shape [128, 256]") in stderr[1], stderr[1]
+    assert (f"hetrain train: error: checkpoint step 4 ({step_dir}) holds 'layers.1.0.weight' of shape [128, 256], "
+            "but n0:1's stage has shape [256, 256]") in stderr[1], stderr[1]
     assert (f"hetrain train: error: rank 0 (n0:0) stops: rank 1 (n0:1) could not resume: checkpoint step 4 "
             f"({step_dir}) holds 'layers.1.0.weight'") in stderr[0], stderr[0]
+
+
+def test_a_rank_whose_layers_are_not_the_plans_is_named_by_the_other(tmp_path, spawn, clean_env, free_port):
+    """Stage 1's layers are of other widths than the plan's profile counted (``--set``), stage 0's are not:
+    rank 1 refuses them in one line, and rank 0, whose layers are right, names it at once rather than at its
+    timeout."""
+    pipeline_plan(2).save(tmp_path / "plan.json")
+    args = ["--plan", str(tmp_path / "plan.json"), "--model", "mlp-digits", "--set", "hidden=[256, 128]",
+            "--data", "synthetic", "--steps", "2", "--timeout-s", "30", "--no-progress"]
+    start = time.monotonic()
+    ranks = start_ranks(spawn, clean_env, free_port(), 2, args)
+    stderr = [p.communicate(timeout=90)[1] for p in ranks]
+    assert [p.returncode for p in ranks] == [1, 1], stderr
+    assert time.monotonic() - start < 25, stderr  # not rank 0's 30 s timeout
+    for err in stderr:
+        assert "Traceback" not in err, err[-3000:]
+    assert ("hetrain train: error: the plan was made for another model: layer 1 (fc1) of its profile (mlp-digits) "
+            "has 263,168 bytes of parameters, model mlp-digits's has 131,584") in stderr[1], stderr[1]
+    assert "rank 1 (n0:1)" in stderr[0] and "made for another model" in stderr[0], stderr[0]
 
 
 def test_a_model_that_does_not_fit_the_plan_is_refused(tmp_path, capsys):

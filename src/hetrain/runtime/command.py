@@ -101,6 +101,26 @@ def build_train_datasets(plan: Plan, model: ModelSource, data: str | None, data_
     return split
 
 
+def check_layers_of_plan(plan_path: str | Path | Plan, plan: Plan, model: str, first: int,
+                         layers: Sequence[nn.Module]) -> None:
+    """Refuse layers whose parameters are not what the plan's profile counted (a model of other settings:
+    ``--set hidden=256`` on a plan of 128, another ``hf:DIR``): the plan's memory and time are those of
+    another model. Parameter bytes per layer, as the profiler and the analytic profiles count them.
+
+    Raises:
+        PlanError: naming the plan, the first such layer and both sizes.
+    """
+    for k, layer in enumerate(layers, start=first):
+        have = sum(p.numel() * p.element_size() for p in layer.parameters())
+        want = plan.profile.layers[k].param_bytes
+        if abs(have - want) > 1e-3 * max(want, 1.0):
+            where = plan_path if isinstance(plan_path, (str, Path)) else "the plan"
+            raise PlanError(f"{where} was made for another model: layer {k} ({plan.profile.layers[k].name}) of "
+                            f"its profile ({plan.profile.name}) has {int(want):,} bytes of parameters, model "
+                            f"{model}'s has {int(have):,}; profile and plan this model (hetrain profile, "
+                            "hetrain plan) and train with that plan")
+
+
 def run_train_command(plan_path: str | Path | Plan, model: str | ModelSource,
                       data: str | tuple[str, DatasetSplit] | None = None, steps: int = 100,
                       checkpoint_dir: str | Path | None = None, timeline_out: str | Path | None = None,
@@ -175,7 +195,9 @@ def run_train_command(plan_path: str | Path | Plan, model: str | ModelSource,
                               warmup_steps, min_lr)
 
         def layers_fn(first: int, end: int) -> list[nn.Module]:
-            return source.build_layers(first, end, seed=seed)
+            built = source.build_layers(first, end, seed=seed)
+            check_layers_of_plan(plan_path, plan, source.name, first, built)
+            return built
 
         trainer = Trainer(layers_fn, plan, build_optimizer_fn(opt_name, lr, weight_decay=weight_decay),
                           source.loss_fn, timeout_s=timeout_s, checkpoint_dir=checkpoint_dir,

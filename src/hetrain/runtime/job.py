@@ -291,9 +291,14 @@ def build_job(plan: Plan, layers_fn: LayersFn, optimizer_fn: OptimizerFn, loss_f
     def wait(work: Any, what: str) -> None:  # Job.wait, before the Job exists
         health.wait(work, what, used_ranks, timeout_s)
 
-    stage = (build_stage(plan, role, device, groups, rank_of, health, layers_fn, optimizer_fn, loss_fn, timeout_s,
-                         tied, wait)
-             if role.used else None)  # 7
+    try:  # the user's layers are built here: a rank that cannot posts why, for the others to name it
+        stage = (build_stage(plan, role, device, groups, rank_of, health, layers_fn, optimizer_fn, loss_fn,
+                             timeout_s, tied, wait)
+                 if role.used else None)  # 7
+    except Exception as e:
+        health.post_error(str(e))
+        health.linger(min(timeout_s, 3 * health.period_s + 2))  # the store's host: let the others read it
+        raise
     return Job(plan, rank, world, device, reported, role, rank_of, actions, health, used_ranks, groups, stage,
                timeout_s, replanned)
 

@@ -39,7 +39,7 @@ from hetrain.runtime.checkpoint import (
 )
 
 if TYPE_CHECKING:
-    from hetrain.runtime.job import Job
+    from hetrain.distributed.health import Health
 
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.")
 
@@ -133,8 +133,12 @@ def restore_stage(directory: Path, module: nn.Module, optimizer: torch.optim.Opt
     return Restored(step, meta)
 
 
-def resume_together(job: Job, restore: Callable[[], None]) -> None:
+def resume_together(health: Health, rank: int, world: int, timeout_s: float, restore: Callable[[], None],
+                    resuming: bool = True) -> None:
     """Run ``restore`` (this rank's share of a resume), then wait until every rank of the job has run its own.
+
+    ``resuming`` False: no checkpoint to resume from, only the start to pass together, so that a rank whose
+    stage could not be built (``runtime.job.build_job`` posts why) is named by the others before training.
 
     A rank that cannot resume (a checkpoint of other shapes) posts its error and leaves; the others
     stop here naming it, instead of meeting a closed connection once training starts::
@@ -147,25 +151,26 @@ def resume_together(job: Job, restore: Callable[[], None]) -> None:
         PeerError: on the other ranks, naming the rank that failed and the first line of its error, or a
             rank that fell silent.
     """
-    health = job.health
     try:
         restore()
     except Exception as e:
         health.post_error(str(e))
-        health.linger(min(job.timeout_s, 3 * health.period_s + 2))  # the store's host: let the others read it
+        health.linger(min(timeout_s, 3 * health.period_s + 2))  # the store's host: let the others read it
         raise
     if health.store is None:  # a world without a job store: nothing to wait for
         return
-    barrier = Barrier(health.store, job.rank, job.world, job.timeout_s, beats=beat_counter(health.store),
+    barrier = Barrier(health.store, rank, world, timeout_s, beats=beat_counter(health.store),
                       name=health.name)
     try:
-        barrier.sync("resumed", "the resume from the checkpoint")
+        barrier.sync("resumed", "the resume from the checkpoint" if resuming else "the start of training")
     except BarrierError as e:
         if e.failed:
             r = min(e.failed)
-            raise PeerError(f"{health.name(job.rank)} stops: {health.name(r)} could not resume: "
+            raise PeerError(f"{health.name(rank)} stops: {health.name(r)} could not "
+                            f"{'resume' if resuming else 'start'}: "
                             f"{(e.failed[r].strip().splitlines() or [''])[0]}") from None
-        raise health.peer_error("waiting for every rank to resume from the checkpoint", e.late + e.silent,
+        raise health.peer_error(f"waiting for every rank to {'resume from the checkpoint' if resuming else 'start'}",
+                                e.late + e.silent,
                                 e) from None
 
 

@@ -525,9 +525,11 @@ class Trainer:
 
     def _restore(self) -> None:
         """Resume from the newest complete checkpoint, if any: the stage, its optimizer, the sync mode's state;
-        with every other rank (``resume_together``: a rank that cannot is named by the others)."""
-        if self.checkpoint_dir is not None:
-            resume_together(self.job, self._restore_own)
+        with every other rank (``resume_together``: a rank that cannot, or that could not build its stage, is
+        named by the others). Without a checkpoint directory the ranks only pass the start together."""
+        resuming = self.checkpoint_dir is not None
+        resume_together(self.health, self.rank, self.world, self.timeout_s,
+                        self._restore_own if resuming else lambda: None, resuming)
 
     def _restore_own(self) -> None:
         """This rank's share of ``_restore``."""
