@@ -168,3 +168,21 @@ def test_optimizer_state_of_another_shape_is_refused_before_anything_is_loaded(t
                                               r"of shape \[5, 4\], but n0:0's stage has shape \[5, 5\]"):
         restore_stage(tmp_path, fresh, torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9), "n0:0")
     assert all(torch.equal(p, q) for p, q in zip(before, fresh.parameters(), strict=True))
+
+
+def test_a_checkpoint_of_another_optimizer_is_refused_naming_both(tmp_path) -> None:
+    """SGD's momentum under a plan of AdamW had failed at the first step on a missing 'exp_avg'."""
+    plan = make_plan([(["n0:0"], [0, 4], 4, 2)])
+    module = StageModule(layers(0, 4))
+    save_stage(tmp_path, 2, module, torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9), plan, "n0:0", {},
+               {**checkpoint_meta(plan, 2, None), "optimizer": "momentum"}, timeout_s=10)
+    fresh = StageModule(layers(0, 4))
+    with pytest.raises(CheckpointError) as err:
+        restore_stage(tmp_path, fresh, torch.optim.AdamW(fresh.parameters()), "n0:0", "adam")
+    message = str(err.value)
+    assert "\n" not in message and f"checkpoint step 2 in {tmp_path}" in message
+    assert "trained with optimizer momentum, but the plan's is adam" in message, message
+    # the same optimizer resumes
+    assert restore_stage(tmp_path, fresh, torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9), "n0:0",
+                         "momentum") is not None
+    assert checkpoint_meta(plan, 2, None)["optimizer"] == plan.optimizer

@@ -75,7 +75,7 @@ def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict
 def checkpoint_meta(plan: Plan, step: int, loss: float | None) -> dict[str, Any]:
     """The metadata a checkpoint of ``step`` carries (the same on every rank)."""
     return {"step": step, "loss": loss, "model": plan.model, "global_batch": plan.global_batch,
-            "samples_seen": step * plan.global_batch, "devices": plan.devices_used}
+            "samples_seen": step * plan.global_batch, "devices": plan.devices_used, "optimizer": plan.optimizer}
 
 
 def save_stage(directory: Path, step: int, module: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
@@ -98,16 +98,20 @@ def latest_step(directory: Path) -> int | None:
 
 
 def restore_stage(directory: Path, module: nn.Module, optimizer: torch.optim.Optimizer,
-                  device: str) -> Restored | None:
+                  device: str, optimizer_name: str | None = None) -> Restored | None:
     """Load this stage and its optimizer state from the newest complete checkpoint, if any.
 
     Returns:
         The checkpoint's step and metadata; None when there is no checkpoint.
 
+    Args:
+        optimizer_name: the plan's optimizer (``Plan.optimizer``); a checkpoint that records another
+            (``checkpoint_meta``) is refused, its state being of another kind (SGD's momentum, AdamW's moments).
+
     Raises:
         CheckpointError: the checkpoint lacks a tensor of this stage, or holds one (or its optimizer state)
             of another shape than the stage's (a model of other settings): names the checkpoint, the
-            tensor and both shapes.
+            tensor and both shapes; or it was written under another optimizer.
     """
     step = latest_step(directory)
     if step is None:
@@ -115,6 +119,11 @@ def restore_stage(directory: Path, module: nn.Module, optimizer: torch.optim.Opt
     own = module.state_dict()
     names = list(own)
     tensors, saved_optimizer_state, meta = load_checkpoint(directory, names, step)
+    saved_by = meta.get("optimizer")
+    if optimizer_name is not None and saved_by is not None and saved_by != optimizer_name:
+        raise CheckpointError(f"checkpoint step {step} in {directory} was trained with optimizer {saved_by}, but "
+                              f"the plan's is {optimizer_name}: its state is of another kind; train with a plan "
+                              f"of {saved_by} (hetrain plan --optimizer {saved_by}), or use another --checkpoint-dir")
     missing = [n for n in names if n not in tensors]
     if missing:
         raise CheckpointError(f"checkpoint step {step} in {directory} lacks {len(missing)} tensor(s) of "

@@ -538,7 +538,8 @@ class Trainer:
             step = latest_step(self.checkpoint_dir)
             self.step = self.step if step is None else step
             return
-        restored = restore_stage(self.checkpoint_dir, self.module, self.optimizer, self.role.device)
+        restored = restore_stage(self.checkpoint_dir, self.module, self.optimizer, self.role.device,
+                                 self.plan.optimizer)
         if restored is None:
             return
         self.step = int(restored.meta.get("step", restored.step))
