@@ -246,7 +246,7 @@ def test_sample_batch_shapes_dtypes_and_determinism(name: str) -> None:
 
 
 def test_errors_name_the_problem() -> None:
-    with pytest.raises(ValueError, match="unknown model 'gpt5'; known models: gpt-tiny"):
+    with pytest.raises(ValueError, match=r"unknown model 'gpt5'.*; known models: gpt-tiny"):
         num_layers("gpt5")
     with pytest.raises(ValueError, match="has no setting width; its settings: heads, hidden"):
         num_layers("gpt-tiny", width=3)
@@ -258,3 +258,10 @@ def test_errors_name_the_problem() -> None:
         num_layers("vgg-digits", convs=[4, "M", 4, "M", 4, "M", 4, "M"])
     with pytest.raises(ValueError, match="reduction must be 'mean' or 'sum'"):
         loss_fn("gpt-tiny", reduction="none")  # type: ignore[arg-type]
+
+
+def test_a_python_file_without_its_function_is_told_the_spec() -> None:
+    from hetrain.models.user import resolve_model
+
+    with pytest.raises(ValueError, match=r"'net\.py': your own model is FILE\.py:FUNCTION.*net\.py:build"):
+        resolve_model("net.py")

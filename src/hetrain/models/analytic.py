@@ -529,8 +529,8 @@ def build_profile(name: str, **overrides: Any) -> ModelProfile:
     key = name.strip().lower()
     if key not in _PRESETS:
         near = difflib.get_close_matches(key, MODEL_NAMES, n=3, cutoff=0.5)
-        hint = f"; did you mean {', '.join(repr(n) for n in near)}?" if near else ""
-        raise UnknownModelError(f"unknown model {name!r}{hint} Known models: {', '.join(MODEL_NAMES)}")
+        hint = f" (did you mean {', '.join(repr(n) for n in near)}?)" if near else ""
+        raise UnknownModelError(f"unknown model {name!r}{hint}; known models: {', '.join(MODEL_NAMES)}")
     builder, args = _PRESETS[key]
     accepted = list(inspect.signature(builder).parameters)
     unknown = sorted(set(overrides) - set(accepted))

@@ -141,7 +141,15 @@ def get_spec(name: str, **config: Any) -> ModelSpec:
         ValueError: unknown name, unknown field, or a shape the model cannot take.
     """
     if name not in PRESETS:
-        raise ValueError(f"unknown model {name!r}; known models: {', '.join(PRESETS)}")
+        import difflib
+
+        if name.endswith(".py"):
+            raise ValueError(f"unknown model {name!r}: your own model is FILE.py:FUNCTION, the function in the "
+                             f"file that returns it (e.g. {name}:build; docs/own-model.md)")
+        near = difflib.get_close_matches(name.strip().lower(), list(PRESETS), n=3, cutoff=0.5)
+        hint = f" (did you mean {', '.join(map(repr, near))}?)" if near else ""
+        raise ValueError(f"unknown model {name!r}{hint}; known models: {', '.join(PRESETS)}, or your own as "
+                         "FILE.py:FUNCTION or MODULE:FUNCTION")
     preset = PRESETS[name]
     fields = {f.name for f in dataclasses.fields(preset)}
     unknown = sorted(set(config) - fields)
