@@ -347,6 +347,13 @@ PROFILE_CASES: list[tuple[str, Callable[[Json], Json] | str, tuple[str, ...]]] =
     ("iteration_overhead-list", setting("iteration_overhead_s", [1]), ("p.json", "iteration_overhead_s", "[1]")),
     ("optimizer_rates-number", setting("optimizer_step_s_per_byte", {"cpu": 3}),
      ("p.json", "optimizer_step_s_per_byte['cpu']", "3")),
+    # a hand edit's typo, which the reader had dropped without a word
+    ("unknown-top-level-key", setting("compute_eficiency", 0.3),
+     ("p.json", "unknown key 'compute_eficiency'", "0.3", "did you mean 'compute_efficiency'")),
+    ("unknown-layer-key", setting("layers.1.param_byte", 5), ("p.json", "layers[1]", "'param_byte'", "'param_bytes'")),
+    ("unknown-measurement-key", setting("layers.0.measured", {"cpu": [{"micro_batch": 1, "forward_s": 0.1,
+                                                                        "backward_s": 0.2, "fwd_spread_s": 0.0}]}),
+     ("p.json", "layers[0].measured['cpu'][0]", "'fwd_spread_s'")),
 ]
 
 

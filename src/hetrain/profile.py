@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 from collections.abc import Mapping
@@ -378,6 +379,28 @@ class ModelProfile:
         tmp.replace(p)
 
 
+PROFILE_KEYS = frozenset({
+    "format_version", "name", "precision", "compute_efficiency", "input_bytes_per_sample", "layers", "measured_on",
+    "optimizer_step_s_per_byte", "action_overhead_s", "iteration_overhead_s", "memory_footprint", "seq_len",
+    "common_spread", "action_overhead_spread_s"})
+LAYER_KEYS = frozenset({"name", "param_bytes", "output_bytes_per_sample", "saved_bytes_per_sample",
+                        "forward_flops_per_sample", "measured"})
+MEASUREMENT_KEYS = frozenset({"micro_batch", "forward_s", "backward_s", "source", "forward_spread_s",
+                              "backward_spread_s"})
+
+
+def _known_keys(raw: Mapping[str, Any], known: frozenset[str], where: str) -> None:
+    """Refuse a key the profile's reader does not take (a typo in a hand edit would be dropped without a word):
+    one line naming the place, the key, its value and the nearest known key."""
+    extra = [k for k in raw if k not in known]
+    if extra:
+        key = extra[0]
+        near = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise ProfileError(f"{where or 'the top level'}: unknown key {key!r} (= {show(raw[key])}){hint} "
+                           f"(it takes {', '.join(sorted(known))})")
+
+
 def _number(raw: Mapping[str, Any], key: str, where: str, default: float | None = None) -> float:
     """``raw[key]`` as a finite number >= 0 (``default`` where absent, if given)."""
     if key not in raw and default is not None:
@@ -388,6 +411,7 @@ def _number(raw: Mapping[str, Any], key: str, where: str, default: float | None 
 def _measurement_from(raw: Any, where: str) -> Measurement:
     """One entry of a layer's ``measured[type]`` list."""
     raw = require_mapping(raw, where, ProfileError)
+    _known_keys(raw, MEASUREMENT_KEYS, where)
     return Measurement(
         require_int(raw, "micro_batch", where, ProfileError, least=1, most=MAX_MICRO_BATCH,
                     limit_name="MAX_MICRO_BATCH"),
@@ -403,6 +427,7 @@ def _layer_from(raw: Any, i: int) -> LayerProfile:
     """Entry ``i`` of the profile's ``layers``."""
     where = f"layers[{i}]"
     raw = require_mapping(raw, where, ProfileError)
+    _known_keys(raw, LAYER_KEYS, where)
     measured: list[tuple[str, tuple[Measurement, ...]]] = []
     for type_name, ms in require_object(raw, "measured", where, ProfileError, {}).items():
         at = f"{where}.measured[{type_name!r}]"
@@ -424,6 +449,7 @@ def parse_profile(data: Mapping[str, Any]) -> ModelProfile:
     """Build a ModelProfile from its JSON dict; ProfileError names the field path (``layers[3].param_bytes``)
     and the value."""
     data = require_mapping(data, "profile", ProfileError)
+    _known_keys(data, PROFILE_KEYS, "")
     version = require_int(data, "format_version", "", ProfileError, FORMAT_VERSION)
     if version not in (1, FORMAT_VERSION):
         raise ProfileError(f"profile format_version {version} is not supported (this hetrain reads 1 and "
