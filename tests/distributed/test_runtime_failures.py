@@ -170,3 +170,52 @@ def test_a_rank_that_never_starts_is_reported_within_the_timeout(tmp_path, spawn
     assert "rank 0 could not join the job within 2 s" in stderr, stderr[-3000:]
     assert "1/2 clients joined" in stderr or "did not all report" in stderr, stderr[-3000:]
     assert time.monotonic() - start < 30
+
+
+def test_a_bad_label_deep_in_the_data_is_one_line_naming_the_step_and_the_loss(tmp_path, spawn, clean_env,
+                                                                                 free_port):
+    """A target out of range, far enough into the data that the first batches pass: the last stage's loss
+    raises mid-training. Both ranks end in one line, the failing one naming the step and the loss function,
+    the other naming it as its peer's report; no traceback."""
+    pipeline_plan(2).save(tmp_path / "plan.json")
+    (tmp_path / "bad_data.py").write_text(
+        "import torch\n"
+        "from torch.utils.data import TensorDataset\n"
+        "def dataset():\n"
+        "    g = torch.Generator().manual_seed(0)\n"
+        "    x = torch.randn(256, 64, generator=g)\n"
+        "    y = torch.randint(0, 10, (256,), generator=g)\n"
+        "    y[200] = 999  # no such class: cross-entropy raises on it\n"
+        "    return TensorDataset(x, y)\n")
+    args = ["--plan", str(tmp_path / "plan.json"), "--model", "mlp-digits", "--data",
+            f"{tmp_path / 'bad_data.py'}:dataset", "--steps", "40", "--timeout-s", "20", "--no-progress",
+            "--data-seed", "0"]
+    ranks = start_ranks(spawn, clean_env, free_port(), 2, args)
+    stderr = [p.communicate(timeout=90)[1] for p in ranks]
+    assert [p.returncode for p in ranks] == [1, 1], stderr
+    for err in stderr:
+        assert "Traceback" not in err, err[-3000:]
+    failing = [line for line in stderr[1].splitlines() if line.startswith("hetrain train: error:")]
+    assert len(failing) == 1, stderr[1]
+    assert "on rank 1 (n0:1): the loss function raised IndexError: Target 999 is out of bounds" in failing[0]
+    assert failing[0].startswith("hetrain train: error: step ") and "step 0 " not in failing[0], failing[0]
+    assert "rank 1 (n0:1)" in stderr[0] and "Target 999 is out of bounds" in stderr[0], stderr[0]
+
+
+def test_a_layer_that_raises_is_named_by_its_index() -> None:
+    import pytest
+    import torch
+    from torch import nn
+
+    from hetrain.runtime.executor import LayerFailure
+
+    class Boom(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("out of cheese\nsecond line")
+
+    for recompute in ((), (4,)):  # run plainly, and inside a checkpointed run
+        stage = StageModule([nn.Linear(3, 3), Boom()], first=3, recompute=recompute)
+        with pytest.raises(LayerFailure) as err:
+            stage(torch.randn(2, 3, requires_grad=True))
+        assert err.value.layer == 4 and isinstance(err.value.cause, RuntimeError)
+        assert str(err.value) == "layer 4 raised RuntimeError: out of cheese"

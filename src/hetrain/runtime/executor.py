@@ -34,7 +34,8 @@ from torch.utils.checkpoint import checkpoint
 
 from hetrain import amp
 from hetrain.distributed.health import Health
-from hetrain.models.layers import LayerRange, run_layers
+from hetrain.errors import RunError
+from hetrain.models.layers import LayerRange
 from hetrain.runtime.metrics import Recorder
 from hetrain.runtime.modes import ModeSync
 from hetrain.runtime.p2p import Transport, flatten, grad_slots
@@ -60,6 +61,41 @@ class _At:
         return f"{self.action} (step {self.step})"
 
 
+class LayerFailure(RunError):
+    """A layer of the user's model (or the loss function, ``layer`` None) raised while a stage ran it.
+
+    Attributes:
+        layer: the global index of the layer, or None for the loss function.
+        cause: what it raised.
+    """
+
+    def __init__(self, layer: int | None, cause: BaseException) -> None:
+        first = (str(cause).strip().splitlines() or [""])[0]
+        where = "the loss function" if layer is None else f"layer {layer}"
+        super().__init__(f"{where} raised {type(cause).__name__}: {first}")
+        self.layer = layer
+        self.cause = cause
+
+
+# torch.utils.checkpoint stops a recomputation early by raising this through the layers: not a failure
+_CONTROL_FLOW: tuple[type[BaseException], ...] = tuple(
+    t for t in (getattr(torch.utils.checkpoint, "_StopRecomputationError", None),) if isinstance(t, type))
+
+
+def _run_indexed(layers: Sequence[tuple[int, nn.Module]], x: Any) -> Any:
+    """``run_layers`` over ``(global index, layer)`` pairs, a failure named by its layer (``LayerFailure``)."""
+    for k, layer in layers:
+        try:
+            x = layer(x)
+        except LayerFailure:
+            raise
+        except Exception as e:  # the user's code: named by its layer, in one line
+            if isinstance(e, _CONTROL_FLOW):
+                raise
+            raise LayerFailure(k, e) from e
+    return x
+
+
 class StageModule(LayerRange):
     """A stage's layers with global names (``layers.{k}.…``); runs of recompute-set layers are checkpointed.
 
@@ -77,20 +113,21 @@ class StageModule(LayerRange):
         outside = sorted(k for k in self.recompute if not self.first <= k < self.end)
         if outside:
             raise ValueError(f"recompute layers {outside} are outside the stage's layers [{self.first}, {self.end})")
-        self._runs: list[tuple[bool, list[nn.Module]]] = []
+        self._runs: list[tuple[bool, list[tuple[int, nn.Module]]]] = []
         for k in range(self.first, self.end):
             rc = k in self.recompute
             if self._runs and self._runs[-1][0] == rc:
-                self._runs[-1][1].append(self[k])
+                self._runs[-1][1].append((k, self[k]))
             else:
-                self._runs.append((rc, [self[k]]))
+                self._runs.append((rc, [(k, self[k])]))
 
     def forward(self, x: Any) -> Any:
+        """Run the stage's layers; a layer that raises is named (``LayerFailure``)."""
         for rc, layers in self._runs:
             if rc and torch.is_grad_enabled():
-                x = checkpoint(run_layers, layers, x, use_reentrant=False)
+                x = checkpoint(_run_indexed, layers, x, use_reentrant=False)
             else:
-                x = run_layers(layers, x)
+                x = _run_indexed(layers, x)
         return x
 
 
@@ -266,7 +303,10 @@ class Executor:
         out = self.module(x)
         if self.role.is_last:
             assert self.targets_mb is not None
-            loss = self.loss_fn(out, _to(self.targets_mb[i], self.device))
+            try:
+                loss = self.loss_fn(out, _to(self.targets_mb[i], self.device))
+            except Exception as e:  # the user's code
+                raise LayerFailure(None, e) from e
             self.losses[i] = loss
             self.loss_sum.addcmul_(loss.detach(), self.report_scale[i])
         else:

@@ -49,6 +49,7 @@ from torch import nn
 from hetrain.amp import LossScaler, check_precision
 from hetrain.distributed.device import choose_device
 from hetrain.drift import DriftOptions
+from hetrain.errors import HetrainError, RunError
 from hetrain.plan import Plan, plan_fingerprint
 from hetrain.profile import OPTIMIZER_NAMES, canonical_optimizer
 from hetrain.runtime.batches import MicroBatches, global_batches
@@ -56,7 +57,7 @@ from hetrain.runtime.clip import GradClip, check_clip
 from hetrain.runtime.drift import DriftMonitor, DriftSwitch, drift_row, leave_together
 from hetrain.runtime.elastic import ReplanPolicy, plan_path
 from hetrain.runtime.evaluate import evaluate_stage
-from hetrain.runtime.executor import LossFn, StageModule
+from hetrain.runtime.executor import LayerFailure, LossFn, StageModule
 from hetrain.runtime.host_memory import tune_host_allocator
 from hetrain.runtime.idle import JobEvents
 from hetrain.runtime.job import DEFAULT_TIMEOUT_S, LayersFn, OptimizerFn, build_job, init_distributed
@@ -286,15 +287,40 @@ class Trainer:
         except DriftSwitch as e:  # every rank leaves alike, on purpose: nothing to tell the others
             leave_together(self.health, e.step, self.timeout_s)
             raise
-        except Exception as e:
+        except HetrainError as e:
+            if isinstance(e, LayerFailure):  # the user's model or loss: one line naming the step and the layer
+                failure = RunError(self._describe_failure(e))
+                self.health.post_error(str(failure))
+                self.health.linger(min(self.timeout_s, 3 * self.health.period_s + 2))
+                raise failure from e.cause
             self.health.post_error(str(e))
             self.health.linger(min(self.timeout_s, 3 * self.health.period_s + 2))
             raise
+        except Exception as e:  # the user's data or code outside the layers: one line naming the step
+            failure = RunError(self._describe_failure(e))
+            self.health.post_error(str(failure))
+            self.health.linger(min(self.timeout_s, 3 * self.health.period_s + 2))
+            raise failure from e
         finally:
             if log is not None:
                 log.close()
         self._events.post({"kind": "done"})
         return out
+
+    def _describe_failure(self, e: BaseException) -> str:
+        """What failed during step ``self.step`` (counted from 0, as the peers name it) on this rank, in one
+        line: the layer of the model (by its profile's name) or the loss function that raised, and the first
+        line of what it raised."""
+        here = f"step {self.step} on {self.health.name(self.rank)}"
+        if isinstance(e, LayerFailure):
+            cause = e.cause
+            first = (str(cause).strip().splitlines() or [""])[0]
+            if e.layer is None:
+                return f"{here}: the loss function raised {type(cause).__name__}: {first}"
+            name = self.plan.profile.layers[e.layer].name
+            return f"{here}: layer {e.layer} ({name}) raised {type(cause).__name__}: {first}"
+        first = (str(e).strip().splitlines() or [""])[0]
+        return f"{here}: {type(e).__name__}: {first}"
 
     @property
     def sync_stats(self) -> dict[str, int]:
