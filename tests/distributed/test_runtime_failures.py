@@ -219,3 +219,44 @@ def test_a_layer_that_raises_is_named_by_its_index() -> None:
             stage(torch.randn(2, 3, requires_grad=True))
         assert err.value.layer == 4 and isinstance(err.value.cause, RuntimeError)
         assert str(err.value) == "layer 4 raised RuntimeError: out of cheese"
+
+
+def test_a_stage_output_that_cannot_cross_to_the_next_stage_is_named(tmp_path, spawn, clean_env, free_port):
+    """Layer 0 of the user's model returns a tuple holding None, which a single process runs (the check on
+    two samples passes) but which cannot go to the next stage of the plan's pipeline: the layer, the element
+    and the way out are named in one line at the first forward; the other rank names the rank that failed."""
+    pipeline_plan(2).save(tmp_path / "plan.json")
+    (tmp_path / "net.py").write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "from torch.utils.data import TensorDataset\n"
+        "class First(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.fc = nn.Linear(64, 256)\n"
+        "    def forward(self, x):\n"
+        "        return (torch.relu(self.fc(x)), None)\n"
+        "class Second(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.fc = nn.Linear(256, 256)\n"
+        "    def forward(self, pair):\n"
+        "        return torch.relu(self.fc(pair[0]))\n"
+        "def build():\n"
+        "    return [First(), Second(), nn.Linear(256, 10)]\n"
+        "def dataset():\n"
+        "    g = torch.Generator().manual_seed(0)\n"
+        "    return TensorDataset(torch.randn(64, 64, generator=g), torch.randint(0, 10, (64,), generator=g))\n")
+    spec = str(tmp_path / "net.py")
+    args = ["--plan", str(tmp_path / "plan.json"), "--model", f"{spec}:build", "--data", f"{spec}:dataset",
+            "--steps", "2", "--timeout-s", "20", "--no-progress"]
+    ranks = start_ranks(spawn, clean_env, free_port(), 2, args)
+    stderr = [p.communicate(timeout=60)[1] for p in ranks]
+    assert [p.returncode for p in ranks] == [1, 1], stderr
+    expected = ("layer 0 (fc0) raised TypeError: its output goes to the next stage, which takes a tensor or a tuple "
+                "of tensors, but it is a tuple holding NoneType at index 1")
+    for err in stderr:
+        assert "Traceback" not in err, err[-3000:]
+    assert expected in stderr[0], stderr[0]
+    # rank 1 names rank 0, with its report where it could still read it (rank 0 hosts the job's store)
+    assert "rank 0 (n0:0)" in stderr[1], stderr[1]

@@ -310,6 +310,10 @@ class Executor:
             self.losses[i] = loss
             self.loss_sum.addcmul_(loss.detach(), self.report_scale[i])
         else:
+            try:
+                flatten(out)  # it crosses to the next stage: only tensors do
+            except TypeError as e:
+                raise LayerFailure(self.module.end - 1, e) from None
             self.outputs[i] = out
             self._post_ahead_b()
         self._forwards_left -= 1

@@ -245,6 +245,7 @@ def build_stage(plan: Plan, role: Role, device: torch.device, groups: Groups, ra
     optimizer = optimizer_fn(list(module.parameters()))
     by_index = {k: module[k] for k in stage.layers}
     sync = GradientSync(plan, by_index, groups.segments, rank_of, health, timeout_s)
+    sync.broadcast_weights()  # replicas start equal, whatever the user's build function drew
     transport = Transport(health, groups.forward, groups.backward, device, timeout_s, plan.precision)
     recorder = Recorder(role.device, device if device.type == "cuda" else None)
     modes = None

@@ -84,7 +84,17 @@ def flatten(value: Any) -> tuple[list[torch.Tensor], bool]:
         return [value], False
     if isinstance(value, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in value):
         return list(value), True
-    raise TypeError(f"a stage must output a tensor or a tuple of tensors, got {type(value).__name__}")
+    raise TypeError(f"its output goes to the next stage, which takes a tensor or a tuple of tensors, "
+                    f"but it is {_kind(value)}; return a tuple of tensors from it, or plan with no cut after it")
+
+
+def _kind(value: Any) -> str:
+    """What a stage output is, where it is not a tensor or a tuple of tensors: ``a dict``, ``a tuple holding
+    NoneType at index 1``."""
+    if isinstance(value, (tuple, list)):
+        bad = next(k for k, t in enumerate(value) if not isinstance(t, torch.Tensor))
+        return f"a {type(value).__name__} holding {type(value[bad]).__name__} at index {bad}"
+    return f"a {type(value).__name__}"
 
 
 def spec_of(tensors: Sequence[torch.Tensor], is_tuple: bool) -> Spec:

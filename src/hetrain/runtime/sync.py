@@ -319,6 +319,21 @@ class GradientSync:
         self._posted: dict[tuple[int, int], list[Any] | _Done] = {}  # bucket -> its works, or its chain's end
         self._chain: _Chain | None = None  # started with the first hierarchical all-reduce
 
+    def broadcast_weights(self) -> None:
+        """Give every owner of a shared segment its lowest-ranked owner's weights, as DistributedDataParallel
+        does at its start: replicas then start equal even where a user's build function is not deterministic
+        under the layer's seed (a draw from an unseeded generator). Collective over each segment's owners, in
+        segment order; waits at most ``timeout_s``, naming the peers."""
+        for s, entries in self.buffers.items():
+            seg = self.segments[s]
+            if not seg.shared:
+                continue
+            peers = sorted(self.rank_of[d] for d in seg.owners)
+            group = self.groups[seg.owners]
+            works = [dist.broadcast(p.data, src=peers[0], group=group, async_op=True)
+                     for _, placed in entries for p, _ in placed]
+            self._wait_all(works, s, f"the start's broadcast of segment {s}'s weights", peers)
+
     def zero(self) -> None:
         """Zero every gradient of the stage (in place: ``.grad`` stay views of the buffers)."""
         for entries in self.buffers.values():
