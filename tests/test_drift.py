@@ -127,7 +127,7 @@ def test_options_out_of_range_are_named() -> None:
     with pytest.raises(DriftError, match="cooldown_steps must be >= 0, got -1"):
         DriftOptions(cooldown_steps=-1)
     assert parse_force("40:n0:1=3,n1:0=2.5") == (40, (("n0:1", 3.0), ("n1:0", 2.5)))
-    with pytest.raises(DriftError, match=r"--force-drift 'n0:1=3': expected STEP:DEVICE=FACTOR"):
+    with pytest.raises(DriftError, match=r"--force-drift n0:1=3: expected STEP:DEVICE=FACTOR"):
         parse_force("n0:1=3")
 
 
@@ -236,7 +236,7 @@ def test_hetrain_train_refuses_a_drill_it_cannot_run_and_a_drill_it_cannot_read(
     assert ("--force-drift 3:n0:1=2: a drift switch needs --replan auto (got world) and a --checkpoint-dir "
             "(got none)") in capsys.readouterr().err
     assert main([*base, "--force-drift", "n0:1", "--checkpoint-dir", str(tmp_path / "ckpt")]) == 2
-    assert "--force-drift 'n0:1': expected STEP:DEVICE=FACTOR" in capsys.readouterr().err
+    assert "--force-drift n0:1: expected STEP:DEVICE=FACTOR" in capsys.readouterr().err
     with pytest.raises(SystemExit) as stopped:  # argparse's own refusal
         main([*base, "--drift-threshold", "0", "--checkpoint-dir", str(tmp_path / "ckpt")])
     assert stopped.value.code == 2

@@ -88,7 +88,9 @@ def test_compare_predicted_and_measured() -> None:
     assert {r.kind for r in table.rows if r.device == "n0:0"} == {"forward", "recv", "backward", "optimizer",
                                                                   "iteration"}
     text = str(table)
-    assert text.splitlines()[0].split() == ["device", "kind", "n", "pred", "n", "meas", "predicted", "measured",
+    assert text.splitlines()[0] == ("per iteration: predicted totals / 1 simulated iteration, measured totals / "
+                                    "1 recorded step")
+    assert text.splitlines()[1].split() == ["device", "kind", "n", "pred", "n", "meas", "predicted", "measured",
                                             "error"]
     assert "-9.1%" in text
     # a kind the runtime did not record has no measured time to compare with

@@ -1,7 +1,7 @@
 """The ``hetrain`` command.
 
     hetrain plan --cluster C.toml --model gpt2-medium --global-batch 512 [-o plan.json] [--json]
-    hetrain simulate plan.json [--trace out.json] [--gantt out.png] [--json]
+    hetrain simulate plan.json [--trace out.json] [--gantt out.png] [--timeline out.json] [--json]
     torchrun ... -m hetrain train --plan plan.json --model NAME [--steps N] [--checkpoint-dir D]
     hetrain compare predicted.json measured.json [--gantt both.png]
     hetrain calibrate plan.json metrics.jsonl [--warmup N] [-o profile.json]
@@ -387,7 +387,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)  # a bad plan file is an input error (exit status 2), named before any simulation
     code = run_simulate_command(args.plan, args.trace, args.gantt, args.json)
     if code == 0 and args.timeline:
-        simulate(plan).timeline.save(args.timeline)
+        timeline = simulate(plan).timeline
+        timeline.save(args.timeline)
+        if not args.json:  # under --json stdout is the metrics alone, as for --trace and --gantt
+            n = timeline.iterations
+            cycle = f" ({n} simulated iterations; hetrain compare divides by them)" if n > 1 else ""
+            print(f"timeline: {args.timeline}{cycle}")
     return code
 
 
@@ -549,7 +554,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("train", help="under torchrun: train a model with a plan (torchrun ... -m hetrain train --plan P)",
                    add_help=False)
 
-    c = sub.add_parser("compare", help="predicted vs measured timeline: error per device and action kind")
+    c = sub.add_parser("compare", help="predicted vs measured timeline: error per device and action kind, per "
+                       "iteration (each side's totals divided by the iterations it holds)")
     c.add_argument("predicted", help="the predicted timeline JSON (hetrain simulate PLAN --timeline FILE)")
     c.add_argument("measured", help="the runtime's measured timeline JSON (hetrain train --timeline-out)")
     c.add_argument("--gantt", help="write both timelines as one PNG, predicted above measured")

@@ -100,7 +100,8 @@ class DriftOptions:
         if self.force is not None:
             step, factors = self.force
             if step < 1 or not factors or any(not (math.isfinite(f) and f > 0) for _, f in factors):
-                raise DriftError(f"forced drift must be at a step >= 1 with factors > 0, got {self.force}")
+                raise DriftError(f"forced drift must be at a step >= 1 with factors > 0, got step {step}, "
+                                 f"{format_factors(factors) or 'no devices'}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"threshold": self.threshold, "window_steps": self.window_steps,
@@ -415,25 +416,65 @@ def _shape(plan: Plan) -> list[Any]:
                                        for vw in plan.virtual_workers]]
 
 
-def parse_force(text: str) -> tuple[int, tuple[tuple[str, float], ...]]:
-    """``"40:n0:1=3"`` (or ``"40:n0:1=3,n1:0=2"``) -> ``(40, (("n0:1", 3.0),))``: ``--force-drift``'s value.
+def format_factors(factors: Sequence[tuple[str, float]]) -> str:
+    """``(("n0:1", 3.0), ("n1:0", 2.5))`` -> ``"n0:1=3,n1:0=2.5"``: ``--force-drift``'s spelling."""
+    return ",".join(f"{d}={f:g}" for d, f in factors)
+
+
+def parse_force(text: str, name: str | None = None) -> tuple[int, tuple[tuple[str, float], ...]]:
+    """``"40:n0:1=3"`` (or ``"40:n0:1=3,n1:0=2"``) -> ``(40, (("n0:1", 3.0),))``: ``--force-drift``'s value,
+    checked: a step >= 1, each device once, each factor a finite number > 0.
+
+    Args:
+        text: the value.
+        name: how errors name it (``config_file.named_value``: ``--force-drift 40:n0:1=3`` or
+            ``train.toml: force_drift = "40:n0:1=3"``); default ``--force-drift TEXT``.
 
     Raises:
-        DriftError: naming the text.
+        DriftError: one line naming the value and what is wrong with it.
+
+    Example:
+        >>> parse_force("40:n0:1=3,n1:0=2.5")
+        (40, (('n0:1', 3.0), ('n1:0', 2.5)))
     """
+    name = name or f"--force-drift {text}"
     head, sep, rest = text.partition(":")
     try:
         step = int(head)
         pairs = []
         for part in rest.split(","):
             dev, eq, value = part.rpartition("=")
-            if not sep or not eq or not dev:
+            if not sep or not eq or not dev.strip():
                 raise ValueError(part)
             pairs.append((dev.strip(), float(value)))
     except ValueError:
-        raise DriftError(f"--force-drift {text!r}: expected STEP:DEVICE=FACTOR[,DEVICE=FACTOR...], "
-                         "e.g. 40:n0:1=3") from None
+        raise DriftError(f"{name}: expected STEP:DEVICE=FACTOR[,DEVICE=FACTOR...], e.g. 40:n0:1=3") from None
+    if step < 1:
+        raise DriftError(f"{name}: the step must be >= 1 (the drill acts after a step is done), got {step}")
+    bad = [(d, f) for d, f in pairs if not (math.isfinite(f) and f > 0)]
+    if bad:
+        raise DriftError(f"{name}: a factor must be a number > 0 (how many times slower: 3, or 0.5 for twice "
+                         f"as fast), got {bad[0][0]}={bad[0][1]:g}")
+    devices = [d for d, _ in pairs]
+    twice = sorted({d for d in devices if devices.count(d) > 1})
+    if twice:
+        raise DriftError(f"{name}: device {twice[0]} is given twice; give each device once")
     return step, tuple(sorted(pairs))
+
+
+def check_force_devices(force: tuple[int, tuple[tuple[str, float], ...]], cluster: Cluster, name: str,
+                        plan_path: str) -> None:
+    """Refuse a drill on a device that is not in ``cluster`` (the cluster plan.json embeds).
+
+    Raises:
+        DriftError: naming the value, the device, the plan file and the devices there are.
+    """
+    known = [d.name for d in cluster.devices]
+    missing = [d for d, _ in force[1] if d not in known]
+    if missing:
+        listed = ", ".join(known[:8]) + (f" ... ({len(known)} in all)" if len(known) > 8 else "")
+        raise DriftError(f"{name}: {missing[0]} is not a device of {plan_path}'s cluster {cluster.name!r} "
+                         f"(its devices: {listed})")
 
 
 def window_median(values: Sequence[float]) -> float:

@@ -25,6 +25,11 @@ JSON form (``Timeline.to_dict``)::
      "links":   {"n0:0->n0:1": [[0.012, 0.013, "send_f", "SEND_F 0->1 mb0 n0:0->n0:1", 0], ...]},
      "memory":  {"n0:0": [[0.0, 1.2e9], [0.012, 1.5e9], ...]}}
 
+A timeline may hold several iterations: ``meta["iterations"]`` (default 1). ``simulate`` replays
+one for ``bsp`` and a cycle of them for the relaxed modes (``simulated_iterations``: 12 or more);
+the runtime records one step. ``compare`` divides each side by its own count, so it lays one
+iteration beside one step whatever the mode.
+
 Example:
     >>> result = simulate(plan)                                 # doctest: +SKIP
     >>> result.timeline.to_chrome_trace("trace.json")           # doctest: +SKIP
@@ -88,6 +93,11 @@ class Timeline:
     memory: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     source: str = "simulated"
     meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def iterations(self) -> int:
+        """How many iterations the timeline holds (``meta["iterations"]``; 1 where it does not say)."""
+        return int(self.meta.get("iterations", 1))
 
     @property
     def span_s(self) -> float:
@@ -251,6 +261,10 @@ def parse_timeline(data: Mapping[str, Any]) -> Timeline:
             hint = (": this looks like the metrics of `hetrain simulate --json`; write the predicted timeline "
                     "with `hetrain simulate PLAN --timeline FILE`" if "iteration_s" in data else "")
             raise TimelineError(f"timeline {key!r} must map names to lists, got a {type(data[key]).__name__}{hint}")
+    iterations = data.get("meta", {}).get("iterations", 1)
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+        raise TimelineError(f"timeline meta 'iterations' must be a whole number >= 1 (the iterations it holds), "
+                            f"got {json.dumps(iterations, default=str)}")
     return Timeline(
         devices={str(d): events(evs, f"device {d}") for d, evs in data.get("devices", {}).items()},
         links={str(d): events(evs, f"link {d}") for d, evs in data.get("links", {}).items()},
@@ -294,18 +308,22 @@ def load_comparison(predicted_path: str | Path, measured_path: str | Path) -> tu
 
 
 class KindError(NamedTuple):
-    """Predicted and measured time of one device in one kind of event."""
+    """Predicted and measured time of one device in one kind of event, per iteration.
+
+    Counts and seconds are each timeline's totals divided by its iterations (``Timeline.iterations``),
+    so a count may be fractional: DASO's 16 sync events over 12 simulated iterations are 1.33.
+    """
 
     device: str
     kind: str
-    predicted_count: int
-    measured_count: int
+    predicted_count: float
+    measured_count: float
     predicted_s: float
     measured_s: float
 
     @property
     def relative_error(self) -> float:
-        """``(predicted - measured) / measured`` of the total time; nan when nothing was measured."""
+        """``(predicted - measured) / measured`` of the time per iteration; nan when nothing was measured."""
         if self.measured_s == 0:
             return 0.0 if self.predicted_s == 0 else math.nan
         return (self.predicted_s - self.measured_s) / self.measured_s
@@ -324,28 +342,58 @@ class MemoryPeak(NamedTuple):
         return (self.predicted_bytes - self.measured_bytes) / self.measured_bytes if self.measured_bytes else math.nan
 
 
+#: why the two sides' counts of ``sync`` events differ (``Comparison.__str__`` prints it where they do)
+SYNC_COUNT_NOTE = ("n sync: the simulator counts only the waits that hold a device (a post costs it no time), "
+                   "the runtime each post and each wait: compare the times, not the counts")
+
+
+def _count(n: float) -> str:
+    """A count per iteration: ``4``, ``1.33``."""
+    return f"{n:g}" if float(n).is_integer() else f"{n:.2f}"
+
+
+def _per(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
 @dataclass(frozen=True)
 class Comparison:
-    """Per device and event kind: predicted vs measured total time, and peak memory where measured.
+    """Per device and event kind: predicted vs measured time per iteration, and peak memory where measured.
 
-    ``str()`` prints the tables.
+    ``str()`` prints the tables, under a line that says what each side was divided by.
+
+    Attributes:
+        rows: per device and kind; counts and seconds per iteration.
+        memory: peak memory per device, where both sides have it.
+        predicted_iterations: the iterations the predicted timeline holds (``simulated_iterations``).
+        measured_iterations: the iterations (steps) the measured timeline holds.
     """
 
     rows: tuple[KindError, ...]
     memory: tuple[MemoryPeak, ...] = ()
+    predicted_iterations: int = 1
+    measured_iterations: int = 1
 
     def worst(self) -> KindError | None:
         """The row with the largest absolute relative error."""
         finite = [r for r in self.rows if not math.isnan(r.relative_error)]
         return max(finite, key=lambda r: abs(r.relative_error), default=None)
 
+    def header(self) -> str:
+        """``per iteration: predicted totals / 12 simulated iterations, measured totals / 1 recorded step``."""
+        return (f"per iteration: predicted totals / {_per(self.predicted_iterations, 'simulated iteration')}, "
+                f"measured totals / {_per(self.measured_iterations, 'recorded step')}")
+
     def __str__(self) -> str:
-        lines = [f"{'device':<14} {'kind':<10} {'n pred':>6} {'n meas':>6} {'predicted':>12} "
+        lines = [self.header(),
+                 f"{'device':<14} {'kind':<10} {'n pred':>6} {'n meas':>6} {'predicted':>12} "
                  f"{'measured':>12} {'error':>8}"]
         for r in self.rows:
             err = "n/a" if math.isnan(r.relative_error) else f"{100 * r.relative_error:+.1f}%"
-            lines.append(f"{r.device:<14} {r.kind:<10} {r.predicted_count:>6} {r.measured_count:>6} "
+            lines.append(f"{r.device:<14} {r.kind:<10} {_count(r.predicted_count):>6} {_count(r.measured_count):>6} "
                          f"{r.predicted_s:>12.6f} {r.measured_s:>12.6f} {err:>8}")
+        if any(r.kind == "sync" and r.predicted_count != r.measured_count for r in self.rows):
+            lines.append(SYNC_COUNT_NOTE)
         if self.memory:
             lines.append(f"\n{'device':<14} {'peak memory':<10} {'':>6} {'':>6} {'predicted':>12} "
                          f"{'measured':>12} {'error':>8}")
@@ -356,10 +404,18 @@ class Comparison:
         return "\n".join(lines)
 
 
-def compare(predicted: Timeline, measured: Timeline) -> Comparison:
-    """Per device and per event kind, the predicted and measured total seconds and their error.
+def _per_iteration(count: int, iterations: int) -> float:
+    """``count`` events over ``iterations``: an int where it divides evenly (``4``), else a fraction (``1.33``)."""
+    return count // iterations if count % iterations == 0 else count / iterations
 
-    Each device also gets a row of kind ``iteration``: the end of its last event.
+
+def compare(predicted: Timeline, measured: Timeline) -> Comparison:
+    """Per device and per event kind, the predicted and measured seconds per iteration and their error.
+
+    Each side's event counts and total seconds are divided by the iterations it holds
+    (``Timeline.iterations``): a relaxed sync mode's simulated timeline holds a cycle of 12 or more,
+    a measured one the one recorded step. Each device also gets a row of kind ``iteration``: the end
+    of its last event, divided likewise (its mean pace).
     Peak memory is compared where both timelines have it: the predicted memory
     track's maximum against the measured peak (``meta["peak_memory_bytes"]``,
     which the runtime reads on a GPU), else the measured track's maximum.
@@ -368,6 +424,7 @@ def compare(predicted: Timeline, measured: Timeline) -> Comparison:
         >>> print(compare(simulated, load_timeline("measured.json")))   # doctest: +SKIP
     """
     rows, memory = [], []
+    n_pred, n_meas = predicted.iterations, measured.iterations
     peaks = measured.meta.get("peak_memory_bytes", {})
     for dev in [d for d in predicted.devices if d in measured.devices]:
         pe, me = predicted.devices[dev], measured.devices[dev]
@@ -375,15 +432,15 @@ def compare(predicted: Timeline, measured: Timeline) -> Comparison:
         for kind in kinds:
             p = [e for e in pe if e.kind == kind]
             m = [e for e in me if e.kind == kind]
-            rows.append(KindError(dev, kind, len(p), len(m), sum(e.duration_s for e in p),
-                                  sum(e.duration_s for e in m)))
-        rows.append(KindError(dev, "iteration", 1, 1, max((e.end_s for e in pe), default=0.0),
-                              max((e.end_s for e in me), default=0.0)))
+            rows.append(KindError(dev, kind, _per_iteration(len(p), n_pred), _per_iteration(len(m), n_meas),
+                                  sum(e.duration_s for e in p) / n_pred, sum(e.duration_s for e in m) / n_meas))
+        rows.append(KindError(dev, "iteration", 1, 1, max((e.end_s for e in pe), default=0.0) / n_pred,
+                              max((e.end_s for e in me), default=0.0) / n_meas))
         measured_peak = peaks.get(dev, max((b for _, b in measured.memory.get(dev, [])), default=None))
         predicted_peak = max((b for _, b in predicted.memory.get(dev, [])), default=None)
         if measured_peak is not None and predicted_peak is not None:
             memory.append(MemoryPeak(dev, float(predicted_peak), float(measured_peak)))
-    return Comparison(tuple(rows), tuple(memory))
+    return Comparison(tuple(rows), tuple(memory), n_pred, n_meas)
 
 
 def save_side_by_side(predicted: Timeline, measured: Timeline, path: str | Path) -> None:

@@ -30,7 +30,7 @@ from hetrain.data.datasets import DatasetSplit
 from hetrain.data.seq_len import check_sample_length, refuse_seq_len, train_seq_len
 from hetrain.data.user import build_model_datasets, check_batch_fits
 from hetrain.distributed.device import choose_device
-from hetrain.drift import DriftOptions, parse_force
+from hetrain.drift import DriftOptions, check_force_devices, parse_force
 from hetrain.errors import InputError, RunError
 from hetrain.fields import MAX_SEQ_LEN, MAX_STEPS
 from hetrain.models.spec import is_user_spec
@@ -351,6 +351,22 @@ def _check_options_with_plan(args: argparse.Namespace, plan: Plan) -> None:
     LrSchedule(lr, args.lr_schedule, args.warmup_steps, args.min_lr)
 
 
+def _check_force_drift(args: argparse.Namespace, plan: Plan) -> tuple[int, tuple[tuple[str, float], ...]] | None:
+    """``--force-drift``'s value parsed and checked against plan.json's own cluster, and what a drill needs
+    (``--replan auto``, a ``--checkpoint-dir``): before any process group, re-plan or file. Errors name the
+    value as given (``config_file.named_value``) and only the conditions that fail."""
+    if not args.force_drift:
+        return None
+    named = named_value(args, "force_drift", "--force-drift")
+    force = parse_force(args.force_drift, named)
+    check_force_devices(force, plan.cluster, named, args.plan)
+    missing = ([] if args.replan == "auto" else [f"--replan auto (got {args.replan})"]) + \
+              ([] if args.checkpoint_dir else ["a --checkpoint-dir (got none)"])
+    if missing:
+        raise InputError(f"{named}: a drift switch needs {' and '.join(missing)}")
+    return force
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     """Run the ``train`` command from parsed ``add_train_arguments`` options.
 
@@ -363,17 +379,14 @@ def run_from_args(args: argparse.Namespace) -> int:
         plan = load_plan(args.plan)
         check_plan_precision(plan, args.precision, args.plan)
         _check_options_with_plan(args, plan)
+        force = _check_force_drift(args, plan)
         model = resolve_model(args.model, **config)  # a model or data set that cannot be used: refused here
         data = build_train_datasets(plan, model, args.data, args.data_seed, seq_len=args.seq_len,
                                     val_data=args.val_data, tokenizer=args.tokenizer)
         check_batch_fits(data[0], data[1], plan.global_batch, args.eval_batches if args.eval_every else 0)
         drift = None
-        if args.force_drift and not (args.replan == "auto" and args.checkpoint_dir):
-            raise InputError(f"--force-drift {args.force_drift}: a drift switch needs --replan auto (got "
-                             f"{args.replan}) and a --checkpoint-dir (got {args.checkpoint_dir or 'none'})")
         if args.replan == "auto" and args.checkpoint_dir:
-            drift = DriftOptions(args.drift_threshold, args.drift_window, args.replan_cooldown,
-                                 force=parse_force(args.force_drift) if args.force_drift else None)
+            drift = DriftOptions(args.drift_threshold, args.drift_window, args.replan_cooldown, force=force)
     except (InputError, ValueError) as e:
         print(f"hetrain train: error: {e}", file=sys.stderr)
         return 2

@@ -92,7 +92,17 @@ def find_checkpoint(directory: str | os.PathLike[str], step: int | None = None) 
     try:
         return load_manifest(directory, step)
     except CheckpointError as e:
-        raise ExportError(f"--checkpoint {directory}: {e}") from None
+        raise ExportError(f"--checkpoint {directory}: {_step_dir_hint(Path(directory)) or e}") from None
+
+
+def _step_dir_hint(path: Path) -> str | None:
+    """Where ``path`` is one step's directory of a checkpoint (``ckpt/step-00000010``) rather than the
+    checkpoint directory: that, and the command line that exports it; else None."""
+    head, _, digits = path.name.partition("-")
+    if head != "step" or not digits.isdigit() or path.name != step_dir_name(int(digits)):
+        return None
+    return (f"this is the directory of step {int(digits)} of the checkpoint in {path.parent}; --checkpoint takes "
+            f"the checkpoint directory and --step picks the step: --checkpoint {path.parent} --step {int(digits)}")
 
 
 def _where(manifest: dict[str, Any], directory: str | os.PathLike[str]) -> str:
