@@ -201,7 +201,8 @@ def test_an_hf_models_bad_token_id_points_to_vocab_size_in_its_config_json(tmp_p
     (tmp_path / "t.txt").write_text("w1 w2 " * 100)
     with pytest.raises(tokens.TokenDataError) as err:
         build_model_datasets(model, f"text:{tmp_path / 't.txt'}", seq_len=8, tokenizer=str(tmp_path / "tokenizer.json"))
-    assert f'more than the model\'s vocabulary of {VOCAB} ("vocab_size": {VOCAB + 20} in {config})' in str(err.value)
+    assert (f'more than the model\'s vocabulary of {VOCAB}; use a larger vocab ("vocab_size": N in {config}, '
+            f'N >= {VOCAB + 20})') in str(err.value), err.value
 
 
 def test_a_reference_gpts_bad_token_id_points_to_set_vocab(tmp_path: Path) -> None:

@@ -180,8 +180,9 @@ def _load_tokenizer(path: str, vocab: int | None, vocab_setting: str = VOCAB_SET
         raise TokenDataError(f"--tokenizer {path}: not a tokenizer.json ({type(e).__name__}: {e})") from e
     size = tok.get_vocab_size()
     if vocab is not None and size > vocab:
-        raise TokenDataError(f"--tokenizer {path}: {size} tokens, more than the model's vocabulary of {vocab} "
-                             f"({vocab_setting.format(n=size)})")
+        raise TokenDataError(f"--tokenizer {path}: {size} tokens, more than the model's vocabulary of {vocab}; "
+                             f"use a larger vocab ({vocab_setting.format(n='N')}, N >= {size}) or the model's "
+                             "own tokenizer")
     return tok
 
 

@@ -12,8 +12,9 @@ tensors (``safe_open``, reading just those keys)::
     layer n+1    ln_f + lm_head                   norm + lm_head
 
 Layer 0 takes token ids ``(B, T)``; every block takes and returns hidden states
-``(B, T, C)`` and computes the causal mask (``create_causal_mask``, as the model does with no
-padding mask) and, for a rotary model, the position embeddings for positions ``0..T-1``;
+``(B, T, C)`` and computes its causal mask as the model does for that block with no padding mask
+(``create_causal_mask``, or ``create_sliding_window_causal_mask`` for a sliding-window block:
+``block_attention``) and, for a rotary model, the position embeddings for positions ``0..T-1``;
 the last layer returns logits ``(B, T, V)``. The loss is next-token cross-entropy over every
 position, as for hetrain's gpt models (targets are the inputs shifted by one, made by the data).
 
@@ -80,22 +81,51 @@ class Embed(nn.Module):
         return out
 
 
-class Block(nn.Module):
-    """One decoder block, ``(B, T, C)`` -> ``(B, T, C)``, with the causal mask (and rotary cos/sin) it needs."""
+#: the attentions a block may run (a ``layer_types`` entry), each masked as transformers masks it
+FULL, SLIDING = "full_attention", "sliding_attention"
 
-    def __init__(self, block: nn.Module, config: Any, rotary: nn.Module | None = None) -> None:
+
+def block_attention(config: Any, n: int) -> list[str]:
+    """Each of the ``n`` blocks' attention, ``FULL`` or ``SLIDING``, as the transformers model picks its mask.
+
+    A config with ``layer_types`` names each block's (Qwen2 makes blocks ``max_window_layers`` and on
+    sliding when ``use_sliding_window``; an entry hetrain does not know is returned as it is, for
+    ``check_attention`` to refuse). A config without one makes every block sliding when its class has a
+    ``sliding_window`` field and the field is set (Mistral, Mixtral, Phi-3, Starcoder2: ``create_causal_mask if
+    config.sliding_window is None else create_sliding_window_causal_mask``); a ``sliding_window`` key that the
+    class has no field for (a Llama config.json) changes nothing, in transformers as here.
+    """
+    types = getattr(config, "layer_types", None)
+    if isinstance(types, list | tuple):
+        return [str(t) for t in types[:n]]
+    windowed = hasattr(type(config), "sliding_window") and getattr(config, "sliding_window", None) is not None
+    return [SLIDING if windowed else FULL] * n
+
+
+class Block(nn.Module):
+    """One decoder block, ``(B, T, C)`` -> ``(B, T, C)``, with the causal mask (and rotary cos/sin) it needs.
+
+    ``attention``: ``FULL`` (position i sees j <= i) or ``SLIDING`` (i sees j with 0 <= i - j < the config's
+    ``sliding_window``: transformers' ``sliding_window_causal_mask_function``).
+    """
+
+    def __init__(self, block: nn.Module, config: Any, rotary: nn.Module | None = None, attention: str = FULL
+                 ) -> None:
         super().__init__()
         self.block = block
         self.rotary = rotary  # shared by the blocks of a stage; no parameters, a non-persistent buffer
         self._config = config
+        self._attention = attention
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         positions = _positions(h)  # (1, T)
-        # None under sdpa without padding (the kernel's is_causal), else a (B, 1, T, T) mask: as the model does
-        mask = create_causal_mask(config=self._config, inputs_embeds=h, attention_mask=None, cache=None,
-                                  position_ids=positions)
+        # None under sdpa where the mask is plain causal (the kernel's is_causal: a sliding window of at least
+        # T), else a (B, 1, T, T) mask: as the model does
+        make_mask = create_sliding_window_causal_mask if self._attention == SLIDING else create_causal_mask
+        mask = make_mask(config=self._config, inputs_embeds=h, attention_mask=None, cache=None,
+                         position_ids=positions)
         extra: dict[str, Any] = {}
         if self.rotary is not None:
             extra["position_embeddings"] = self.rotary(h, position_ids=positions)  # (cos, sin), each (1, T, D)
@@ -132,8 +162,12 @@ def cut_causal_lm(model: nn.Module, config: Any, name: str) -> list[nn.Module]:
     if lm_head is not None and inner is not None and all(hasattr(inner, a) for a in ("embed_tokens", "layers",
                                                                                       "norm")):
         rotary = getattr(inner, "rotary_emb", None)  # Llama-style
-        return [Embed(inner.embed_tokens), *(Block(b, config, rotary) for b in inner.layers),
-                Head(inner.norm, lm_head)]
+        kinds = block_attention(config, len(inner.layers))  # load_hf_dir refused any other kind (check_attention)
+        if any(k not in (FULL, SLIDING) for k in kinds):
+            raise SpecError(f"{name}: layer_types {kinds}: hetrain's blocks run only {FULL!r} and {SLIDING!r} "
+                            "attention")
+        blocks = (Block(b, config, rotary, kind) for b, kind in zip(inner.layers, kinds, strict=True))
+        return [Embed(inner.embed_tokens), *blocks, Head(inner.norm, lm_head)]
     raise SpecError(f"{name}: {type(model).__name__} is neither GPT-2-like (transformer.wte/wpe/h/ln_f, lm_head) "
                     "nor Llama-like (model.embed_tokens/layers/norm, lm_head); hetrain cannot cut it into layers")
 
@@ -200,6 +234,7 @@ def load_hf_dir(spec: str) -> HfDir:
                         f"{type(e).__name__}: {_first_line(e)}") from e
     if raw is not None:
         check_keys(spec, config_file, raw, config)
+    check_attention(spec, config_file, config)
     return HfDir(spec, path, config, _weight_files(spec, path))
 
 
@@ -285,6 +320,19 @@ def check_keys(spec: str, config_file: Path, raw: dict[str, Any], config: Any) -
             raise SpecError(f"--model {spec}: {config_file}: unknown key {key!r} ({json.dumps(raw[key])}); did you "
                             f"mean {meant!r}? {type(config).__name__} has no {key!r}: transformers would ignore it "
                             f"and build {meant} = {json.dumps(getattr(default, meant, None))}")
+
+
+def check_attention(spec: str, config_file: Path, config: Any) -> None:
+    """Every block's attention (``block_attention``) is one hetrain's ``Block`` masks as transformers does.
+
+    Raises:
+        SpecError: naming the file, the block's ``layer_types`` entry and its value.
+    """
+    n = getattr(config, "num_hidden_layers", None)
+    for i, kind in enumerate(block_attention(config, n if isinstance(n, int) else 0)):
+        if kind not in (FULL, SLIDING):
+            raise SpecError(f"--model {spec}: {config_file}: layer_types[{i}] is {json.dumps(kind)}; hetrain's "
+                            f"blocks run only {json.dumps(FULL)} and {json.dumps(SLIDING)} attention")
 
 
 def _meant_field(key: str, known: set[str], aliases: dict[str, str]) -> str | None:

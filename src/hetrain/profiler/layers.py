@@ -670,14 +670,18 @@ class LayerError(InputError):
     Attributes:
         layer / name: the layer's index and label.
         micro_batch: the size it failed at; ``micro_batches``: every size asked for, ascending.
+        sample: ``(index in the micro-batch, its error)`` of a sample that fails alone while an earlier
+            or later one runs alone (``find_failing_sample``): the data is at fault, not the size. None
+            where the size is (every sample runs alone, or none does: a BatchNorm at 1).
     """
 
     def __init__(self, layer: int, name: str, micro_batch: int, micro_batches: Sequence[int], inputs: Any,
-                 error: BaseException) -> None:
+                 error: BaseException, sample: tuple[int, BaseException] | None = None) -> None:
         super().__init__(f"layer {layer} ({name}) fails at micro-batch {micro_batch} on input "
                          f"{describe_shapes(inputs)}: {describe_error(error)}")
         self.layer, self.name, self.micro_batch = layer, name, micro_batch
         self.micro_batches = tuple(micro_batches)
+        self.error, self.sample = error, sample
 
     def sizes_to_try(self) -> list[int]:
         """Micro-batch sizes worth measuring instead: those that ran (every layer ran at every smaller
@@ -685,6 +689,35 @@ class LayerError(InputError):
         ran = [b for b in self.micro_batches if b < self.micro_batch]
         larger = [b for b in self.micro_batches if b > self.micro_batch]
         return ran or larger or [2 * self.micro_batch, 4 * self.micro_batch]
+
+
+def _sample_of(t: torch.Tensor, k: int, b: int) -> torch.Tensor:
+    """Sample ``k`` of a batch tensor of ``b`` samples, ``(1, ...)``; a tensor not of the batch, whole."""
+    return t[k:k + 1] if t.dim() > 0 and t.shape[0] == b else t
+
+
+def find_failing_sample(layer: nn.Module, x: Any, b: int, as_args: Callable[[Any], tuple[Any, ...]],
+                        dev: torch.device, precision: Precision) -> tuple[int, BaseException] | None:
+    """The first sample of ``x`` (a micro-batch of ``b`` that ``layer`` failed on) that fails alone, with its
+    error, provided another sample runs alone; None otherwise (the size, not a sample, is at fault).
+
+    Each sample runs forward only, without gradients, and the search stops as soon as it has both a
+    failing and a running sample: the cost of a few forwards at micro-batch 1, on the error path only.
+    Tensors whose leading dimension is not ``b`` (a mask shared by the batch) are passed whole.
+    """
+    failed: tuple[int, BaseException] | None = None
+    ran = False
+    for k in range(b):
+        row = _map(x, functools.partial(_sample_of, k=k, b=b))  # (1, ...): sample k
+        try:
+            with torch.no_grad(), amp.autocast(dev, precision):
+                layer(*as_args(row))
+            ran = True
+        except Exception as e:  # the model's own code on one sample
+            failed = failed or (k, e)
+        if failed is not None and ran:
+            return failed
+    return None
 
 
 def _check_arguments(layers: Sequence[nn.Module], micro_batches: Sequence[int], repeats: int, warmup: int,
@@ -775,8 +808,10 @@ def measure_layers(layers: Sequence[nn.Module], sample_input: SampleInput,
                             sent = sum(amp.to_wire(t, precision).element_size() * t.numel() for t in _tensors(y))
                             static[i] = (saved, flops, sent, _peak_memory(layer, args, i > 0, dev))
                             del y
-                except Exception as e:  # the model's code at this size (BatchNorm at 1, out of memory): one line
-                    raise LayerError(i, names[i], b, sizes, args[0] if len(args) == 1 else args, e) from e
+                except Exception as e:  # the model's code at this size (BatchNorm at 1, out of memory) or on
+                    # one sample of the data (a token id beyond the vocabulary): one line, naming the sample
+                    sample = find_failing_sample(layer, x, b, as_args, dev, precision)
+                    raise LayerError(i, names[i], b, sizes, args[0] if len(args) == 1 else args, e, sample) from e
                 x = out
     finally:
         for m, mode in zip(layers, modes, strict=True):
@@ -854,6 +889,20 @@ def profile_layers(layers: Sequence[nn.Module], sample_input: SampleInput,
     return m.to_profile(model_name)
 
 
+def _layer_error_hint(e: LayerError, data: str | None) -> str:
+    """What to do about a layer that failed: fix the sample that fails alone, or measure other sizes.
+
+    Sample ``k`` of a micro-batch is sample ``k`` of the data (``profile_inputs`` takes the first ones).
+    """
+    if e.sample is None:
+        return f"measure it at other sizes, e.g. --micro-batch {','.join(map(str, e.sizes_to_try()))}"
+    k, error = e.sample
+    where = f"the data set (--data {data})" if data is not None else "the profiling input"
+    own = "" if describe_error(error) == describe_error(e.error) else f" ({describe_error(error)})"
+    return (f"sample {k} of {where} fails alone{own} and other samples run: fix or drop that sample "
+            "(any micro-batch size that holds it fails)")
+
+
 def run_profile_command(model: str | ModelSource, micro_batches: Sequence[int], output: str, device: str = "cpu",
                         repeats: int = 5, warmup: int = 2, precision: Precision = "fp32", seed: int = 0,
                         data: str | None = None, inputs: Callable[[int], Any] | None = None,
@@ -888,9 +937,7 @@ def run_profile_command(model: str | ModelSource, micro_batches: Sequence[int], 
         profile = replace(measured.to_profile(source.name), seq_len=measured_at)
         profile.save(output)
     except LayerError as e:
-        sizes = ",".join(map(str, e.sizes_to_try()))
-        print(f"hetrain profile: error: model {source.name}: {e}; measure it at other sizes, e.g. "
-              f"--micro-batch {sizes}", file=sys.stderr)
+        print(f"hetrain profile: error: model {source.name}: {e}; {_layer_error_hint(e, data)}", file=sys.stderr)
         return 1
     except (ValueError, RuntimeError, OSError) as e:
         print(f"hetrain profile: error: {e}", file=sys.stderr)
