@@ -1,6 +1,6 @@
 """``param_bytes`` counts the parameters as the model holds them (docs/profile.md): 4 bytes each in fp32, whatever
-the precision of compute (the fp32 master weights of mixed precision); 2 for a model built in bf16, your own or an
-``hf:DIR`` whose config.json names ``"torch_dtype": "bfloat16"``."""
+the precision of compute (the fp32 master weights of mixed precision); 2 for a model of your own built in bf16. An
+``hf:DIR`` is built in fp32 whatever its config.json names (a Hub config's ``"torch_dtype": "bfloat16"``)."""
 
 from __future__ import annotations
 
@@ -37,10 +37,9 @@ def test_param_bytes_are_the_parameters_as_the_model_holds_them(dtype: Any, prec
 
 
 @pytest.mark.parametrize(("extra", "per_param"), [({}, 4), ({"torch_dtype": "float32"}, 4),
-                                                  ({"torch_dtype": "bfloat16"}, 2)])
-def test_an_hf_model_is_counted_in_the_dtype_its_config_json_names(tmp_path: Path, extra: dict[str, str],
-                                                                   per_param: int,
-                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+                                                  ({"torch_dtype": "bfloat16"}, 4), ({"dtype": "bfloat16"}, 4)])
+def test_an_hf_model_is_built_with_fp32_master_weights_whatever_its_config_json_names(
+        tmp_path: Path, extra: dict[str, str], per_param: int, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("transformers")
     pytest.importorskip("safetensors")
     d = tmp_path / "model"

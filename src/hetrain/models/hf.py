@@ -390,7 +390,10 @@ def _build_whole(hf: HfDir, seed: int) -> tuple[list[nn.Module], dict[int, list[
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
-            model = AutoModelForCausalLM.from_config(hf.config)  # type: ignore[no-untyped-call]
+            # fp32 weights whatever dtype the config names (a Hub config's "bfloat16" is the dtype it was
+            # published in): training keeps fp32 master weights and computes in the plan's precision, as
+            # Megatron-LM, DeepSpeed and torchtitan do (docs/own-model.md, "Parameter dtype")
+            model = AutoModelForCausalLM.from_config(hf.config, dtype=torch.float32)  # type: ignore[no-untyped-call]
         except Exception as e:  # transformers' own errors: named in one line with the file
             raise SpecError(f"--model {hf.spec}: transformers cannot build a causal LM from {hf.path / 'config.json'}"
                             f": {type(e).__name__}: {_first_line(e)}") from e
