@@ -14,7 +14,7 @@ pytest.importorskip("safetensors")
 
 from hetrain.errors import InputError  # noqa: E402
 from hetrain.models.hf import lm_loss  # noqa: E402
-from hetrain.models.layers import LayerRange  # noqa: E402
+from hetrain.models.layers import LayerRange, run_layers  # noqa: E402
 from hetrain.models.spec import SpecError  # noqa: E402
 from hetrain.models.user import resolve_model  # noqa: E402
 from hetrain.runtime.tied import TiedGrads, chain_hooks, check_tied, is_local, tie_ranks  # noqa: E402
@@ -55,13 +55,6 @@ def write_dir(tmp_path: Path, config: Any, weights_seed: int | None = None) -> t
     return f"hf:{tmp_path}", model
 
 
-def chain(layers: list[Any], ids: Any) -> Any:
-    x = ids
-    for layer in layers:
-        x = layer(x)
-    return x
-
-
 @pytest.mark.parametrize("kind", list(CONFIGS))
 def test_cut_layers_give_the_models_logits(kind: str, tmp_path: Path) -> None:
     config = CONFIGS[kind]()
@@ -71,13 +64,13 @@ def test_cut_layers_give_the_models_logits(kind: str, tmp_path: Path) -> None:
     torch.manual_seed(7)
     model = transformers.AutoModelForCausalLM.from_config(config)
     ids = torch.randint(0, VOCAB, (3, 11))  # (B, T)
-    got = chain(source.build_layers(seed=7), ids)
+    got = run_layers(source.build_layers(seed=7), ids)
     want = model(ids).logits  # (B, T, V)
     assert got.shape == (3, 11, VOCAB)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # a stage's layers are those of the whole model: the same chain, built in two parts
     parts = source.build_layers(0, 2, seed=7) + source.build_layers(2, 4, seed=7)
-    torch.testing.assert_close(chain(parts, ids), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(run_layers(parts, ids), want, rtol=1e-5, atol=1e-5)
     # the loss: next-token cross-entropy over every position
     targets = torch.randint(0, VOCAB, (3, 11))
     torch.testing.assert_close(lm_loss(got, targets),
@@ -105,7 +98,7 @@ def test_weights_are_loaded_into_a_ranks_layers(tmp_path: Path) -> None:
     torch.testing.assert_close(head.lm_head.weight, hf_state["transformer.wte.weight"], rtol=0, atol=0)
     torch.testing.assert_close(head.norm.weight, hf_state["transformer.ln_f.weight"], rtol=0, atol=0)
     ids = torch.randint(0, VOCAB, (2, 9))
-    torch.testing.assert_close(chain(source.build_layers(seed=5), ids), saved(ids).logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(run_layers(source.build_layers(seed=5), ids), saved(ids).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_weights_saved_from_the_base_model_are_found_without_its_prefix(tmp_path: Path) -> None:
@@ -117,7 +110,7 @@ def test_weights_saved_from_the_base_model_are_found_without_its_prefix(tmp_path
             if k.startswith("transformer.") and ".attn.bias" not in k}
     save_file(base, str(tmp_path / "model.safetensors"))
     ids = torch.randint(0, VOCAB, (2, 9))
-    torch.testing.assert_close(chain(resolve_model(spec).build_layers(seed=0), ids), saved(ids).logits,
+    torch.testing.assert_close(run_layers(resolve_model(spec).build_layers(seed=0), ids), saved(ids).logits,
                                rtol=1e-5, atol=1e-5)
 
 

@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from hetrain.cli import main  # noqa: E402
+from hetrain.models.layers import run_layers  # noqa: E402
 from hetrain.models.spec import SpecError  # noqa: E402
 from hetrain.models.user import resolve_model  # noqa: E402
 
@@ -48,13 +49,6 @@ def model_dir(tmp_path: Path, config: dict[str, Any]) -> Path:
     return d
 
 
-def chain(layers: list[Any], ids: Any) -> Any:
-    x = ids
-    for layer in layers:
-        x = layer(x)
-    return x
-
-
 @pytest.mark.parametrize("kind", list(CONFIGS))
 def test_cut_layers_give_the_models_logits_beyond_the_window(kind: str, tmp_path: Path) -> None:
     d = model_dir(tmp_path, CONFIGS[kind])
@@ -65,7 +59,7 @@ def test_cut_layers_give_the_models_logits_beyond_the_window(kind: str, tmp_path
     for length in (WINDOW, T):  # at the window both masks are causal; beyond it only the sliding one is right
         ids = torch.randint(0, VOCAB, (2, length))  # (B, T)
         with torch.no_grad():
-            got, want = chain(layers, ids), model(ids).logits  # (B, T, V) each
+            got, want = run_layers(layers, ids), model(ids).logits  # (B, T, V) each
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (kind, length, (got - want).abs().max().item())
 
 

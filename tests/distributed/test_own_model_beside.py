@@ -1,14 +1,13 @@
 """A model file that imports a module beside it trains under torchrun: every rank loads it as ``hetrain profile``
 does (``hetrain.models.spec``), with the file's directory on the path, from a current directory elsewhere.
 
-    pkgdir/helpers_beside.py      build() and dataset()
-    pkgdir/main_model.py          from helpers_beside import build, dataset
+    pkgdir/helpers_beside.py      build(), dataset() and loss_fn(): examples/own_model/model.py
+    pkgdir/main_model.py          from helpers_beside import build, dataset, loss_fn
 """
 
 from __future__ import annotations
 
 import json
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -16,21 +15,9 @@ from cli_jobs import TWO_CPUS, hetrain, step_rows, train_standalone
 
 pytest.importorskip("torch")
 
-HELPERS = textwrap.dedent("""
-    import torch
-    from torch import nn
-    from torch.utils.data import TensorDataset
-
-    def build():
-        return nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
-
-    def dataset():
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(64, 16, generator=g)
-        y = torch.randint(0, 4, (64,), generator=g)
-        return TensorDataset(x, y), TensorDataset(x[:16], y[:16])
-""")
-MAIN = "from helpers_beside import build, dataset\n"
+# the example's own model file (examples/own_model/model.py), copied beside the file that imports it
+HELPERS = (Path(__file__).resolve().parents[2] / "examples" / "own_model" / "model.py").read_text()
+MAIN = "from helpers_beside import build, dataset, loss_fn\n"
 
 
 @pytest.mark.timeout(300)
@@ -44,7 +31,7 @@ def test_a_model_importing_its_neighbour_profiles_plans_and_trains_on_two_ranks(
     model, data = "pkgdir/main_model.py:build", "pkgdir/main_model.py:dataset"  # relative to tmp_path
     hetrain(["profile", "--model", model, "--data", data, "-o", "p.json", "--micro-batch", "4,8", "--repeats", "1"],
             tmp_path)
-    assert len(json.loads((tmp_path / "p.json").read_text())["layers"]) == 3
+    assert len(json.loads((tmp_path / "p.json").read_text())["layers"]) == 5  # the example's 5 layers
     hetrain(["plan", "--cluster", "two-cpus.toml", "--profile", "p.json", "--global-batch", "16", "--strategy", "pp",
              "-o", "plan.json"], tmp_path)
 
