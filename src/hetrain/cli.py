@@ -224,37 +224,54 @@ def _planner_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def compare_strategies(cluster: Cluster, profile: ModelProfile, global_batch: int, best: Plan,
                        options: dict[str, Any]) -> list[dict[str, Any]]:
-    """The plan against pure data parallelism and pure pipeline on the same cluster."""
+    """The plan against pure data parallelism and pure pipeline on the same cluster: each row's closed form
+    and, where the plan was simulated, its simulated iteration (each family's best plan simulated too)."""
     from hetrain import plan
     from hetrain.planner import PlannerError
 
-    rows: list[dict[str, Any]] = [{"strategy": f"hetrain ({best.strategy}, {best.formation})",
-                                   "samples_per_s": best.prediction.samples_per_s,
-                                   "iteration_s": best.prediction.iteration_s, "note": ""}]
+    def row(label: str, p: Plan, note: str) -> dict[str, Any]:
+        sim = p.prediction.simulated_iteration_s
+        return {"strategy": label, "samples_per_s": p.prediction.samples_per_s,
+                "iteration_s": p.prediction.iteration_s,
+                "simulated_samples_per_s": p.global_batch / sim if sim else None, "simulated_iteration_s": sim,
+                "note": note}
+
+    rows = [row(f"hetrain ({best.strategy}, {best.formation})", best, "")]
+    simulate = 1 if best.prediction.simulated_iteration_s else 0  # as the plan was: simulated, or not
     for family, label in (("dp", "pure data parallelism"), ("pp", "pure pipeline")):
         try:
-            other = plan(cluster, profile, global_batch, **{**options, "strategy": family, "simulate_top_k": 0,
+            other = plan(cluster, profile, global_batch, **{**options, "strategy": family, "simulate_top_k": simulate,
                                                             "global_batch_choices": ()})
-            rows.append({"strategy": label, "samples_per_s": other.prediction.samples_per_s,
-                         "iteration_s": other.prediction.iteration_s,
-                         "note": f"{len(other.virtual_workers)} VW(s)"
-                         + (f", {len(other.unused_devices)} devices unused" if other.unused_devices else "")})
+            rows.append(row(label, other, f"{len(other.virtual_workers)} VW(s)"
+                            + (f", {len(other.unused_devices)} devices unused" if other.unused_devices else "")))
         except PlannerError as e:
             rows.append({"strategy": label, "samples_per_s": None, "iteration_s": None,
+                         "simulated_samples_per_s": None, "simulated_iteration_s": None,
                          "note": f"infeasible: {str(e).split(':')[0]}"})
     return rows
 
 
+def comparison_basis(rows: list[dict[str, Any]]) -> str:
+    """``simulated`` where every feasible row was simulated (the planner's own ranking), else ``closed form``."""
+    feasible = [r for r in rows if r["samples_per_s"] is not None]
+    return "simulated" if all(r.get("simulated_samples_per_s") for r in feasible) else "closed form"
+
+
 def format_comparison(rows: list[dict[str, Any]]) -> str:
-    base = rows[0]["samples_per_s"]
+    """The comparison table, by the simulated figures where every feasible row has them (a closed form that
+    misses a pipeline's transfers or a relaxed mode's waits would misstate the ratios), else the closed forms."""
+    simulated = comparison_basis(rows) == "simulated"
+    sps_key, it_key = ("simulated_samples_per_s", "simulated_iteration_s") if simulated else \
+        ("samples_per_s", "iteration_s")
+    base = rows[0][sps_key]
     lines = [f"  {'strategy':<44} {'samples/s':>10} {'iteration':>10} {'plan is':>9}  note"]
     for r in rows:
-        sps = r["samples_per_s"]
+        sps = r[sps_key]
         if sps is None:
             lines.append(f"  {r['strategy']:<44} {'-':>10} {'-':>10} {'-':>9}  {r['note']}")
             continue
         ratio = f"{base / sps:.2f}x" if r is not rows[0] else ""
-        lines.append(f"  {r['strategy']:<44} {sps:>10.1f} {format_time(r['iteration_s']):>10} {ratio:>9}  {r['note']}")
+        lines.append(f"  {r['strategy']:<44} {sps:>10.1f} {format_time(r[it_key]):>10} {ratio:>9}  {r['note']}")
     return "\n".join(lines)
 
 
@@ -368,7 +385,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if sure := format_confidence(result):
         print(sure)
     print()
-    print("predicted against the pure families on the same cluster:")
+    print(f"predicted against the pure families on the same cluster ({comparison_basis(rows)}):")
     print(format_comparison(rows))
     print()
     print(format_sync_modes(result, args.staleness_penalty))
