@@ -383,3 +383,16 @@ def test_partition_with_blocking_transfers_matches_brute_force(seed: int) -> Non
 
 def evaluator_of(cluster, profile) -> VWEvaluator:
     return VWEvaluator(cluster, profile, list(cluster.devices), "1f1b", "adam", True, 1e9, 10**6, None)
+
+
+def test_a_gpipe_plan_that_does_not_fit_says_why_and_what_holds_less() -> None:
+    """GPipe holds every micro-batch of a stage's share at once: at a batch where 1F1B fits, the refusal
+    names the schedule and the ones that hold less (the one-sample bound it also gives would fit)."""
+    cluster = _cloud()
+    profile = build_profile("gpt2-medium")
+    assert plan(cluster, profile, 512, strategy="pp", schedule="1f1b", simulate_top_k=0) is not None
+    with pytest.raises(PlannerError) as err:
+        plan(cluster, profile, 512, strategy="pp", schedule="gpipe", simulate_top_k=0)
+    message = str(err.value)
+    assert "Under --schedule gpipe each stage holds the activations of all its VW's micro-batches" in message
+    assert "try --schedule 1f1b (or auto)" in message and "\n" not in message

@@ -421,9 +421,19 @@ def _explain_no_fit(cluster: Cluster, profile: ModelProfile, opts: PlannerOption
         f"({min(profile.num_layers, len(mems))} devices, at most one stage per layer). Its largest layer "
         f"{biggest_layer.name!r} alone needs {format_bytes(layer_need)}; the largest device has "
         f"{format_bytes(mems[0])} for tensors (its memory less the runtime's footprint and a "
-        f"{MEMORY_MARGIN_FRACTION:.0%} margin).{_copies_hint(profile, opts)} Add devices, use a smaller model"
-        f"{'' if opts.optimizer == 'sgd' else ', or --optimizer sgd'}."
+        f"{MEMORY_MARGIN_FRACTION:.0%} margin).{_copies_hint(profile, opts)}{_gpipe_hint(opts)} Add devices, use a "
+        f"smaller model{'' if opts.optimizer == 'sgd' else ', or --optimizer sgd'}."
     )
+
+
+def _gpipe_hint(opts: PlannerOptions) -> str:
+    """Under GPipe a stage holds every micro-batch of its VW's mini-batch at once, which the one-sample bound
+    above does not show: a sentence saying so, with the schedules that hold fewer."""
+    if opts.schedule != "gpipe":
+        return ""
+    return (" Under --schedule gpipe each stage holds the activations of all its VW's micro-batches at once "
+            "(its whole share of the global batch, whatever the micro-batch size); 1F1B holds at most one per "
+            "later stage, plus one: try --schedule 1f1b (or auto), or a smaller --global-batch.")
 
 
 def _explain_no_room(cluster: Cluster, profile: ModelProfile, need: float) -> str:
