@@ -396,3 +396,32 @@ def test_a_gpipe_plan_that_does_not_fit_says_why_and_what_holds_less() -> None:
     message = str(err.value)
     assert "Under --schedule gpipe each stage holds the activations of all its VW's micro-batches" in message
     assert "try --schedule 1f1b (or auto)" in message and "\n" not in message
+
+
+def test_a_node_behind_a_slow_nic_is_left_out_where_that_is_faster() -> None:
+    """Two RTX 3090s behind a 1 Gbit/s NIC beside 8 A100s on 100 Gbit/s: every plan that uses them sends a
+    pipeline's activations or an all-reduce through that NIC. The planner also plans without the node of the
+    slowest NIC and keeps that plan, the RTXs unused, where it is faster by 10% or more; asked to use every
+    device, it does."""
+    import hetrain
+    from hetrain.planner.search import cluster_without, leave_out_candidates
+
+    cluster = parse_cluster({"name": "mixed", "node": [
+        {"name": "a", "devices": [{"type": "A100-40GB", "count": 4}], "intra_link": "nvlink3", "nic": "100Gbit/s"},
+        {"name": "b", "devices": [{"type": "A100-40GB", "count": 4}], "intra_link": "nvlink3", "nic": "100Gbit/s"},
+        {"name": "rtx", "devices": [{"type": "RTX3090", "count": 2}], "intra_link": "pcie4", "nic": "1Gbit/s"}]})
+    profile = build_profile("gpt2-medium")
+    assert leave_out_candidates(cluster, profile) == [frozenset({"rtx"})]  # slowest NIC and least compute
+    part = cluster_without(cluster, frozenset({"rtx"}))
+    assert [d.name for d in part.devices] == [d.name for d in cluster.devices[:8]]
+    assert [d.index for d in part.devices] == list(range(8))
+
+    every = hetrain.plan(cluster, profile, 256, leave_out=False)
+    best = hetrain.plan(cluster, profile, 256)
+    assert every.unused_devices == [] and best.unused_devices == ["rtx:0", "rtx:1"]
+    assert best.options["left_out"] == ["rtx"] and best.cluster is cluster
+    assert best.prediction.simulated_iteration_s < 0.9 * every.prediction.simulated_iteration_s
+    # the same cluster's nodes alike in NIC and compute: nothing to leave out
+    alike = parse_cluster({"name": "alike", "node": [
+        {"name": n, "devices": [{"type": "A100-40GB", "count": 4}], "nic": "100Gbit/s"} for n in ("a", "b")]})
+    assert leave_out_candidates(alike, profile) == []

@@ -1,4 +1,7 @@
-"""The planner within a time budget: parsing --time-budget, the clock's estimates, and the report's counts."""
+"""The planner within a time budget: parsing --time-budget, the clock's estimates, and the report's counts.
+
+The counts are one search's: the plans here pin ``leave_out`` off (the planning without a node, which shares
+the budget, is tested in test_planner.py)."""
 
 from __future__ import annotations
 
@@ -87,13 +90,14 @@ def test_the_clock_lets_the_first_simulation_start_then_estimates_by_plan_size()
 def test_a_tiny_budget_simulates_nothing_and_a_large_one_simulates_the_best_few() -> None:
     cluster, profile = _instance()
     counted, calls = _counting(hetrain.simulated_iteration_s)
-    tiny = plan(cluster, profile, 64, score=counted, time_budget_s=0.0)
+    tiny = plan(cluster, profile, 64, leave_out=False, score=counted, time_budget_s=0.0)
     assert calls == [] and tiny.prediction.simulated_iteration_s is None
     assert _report(tiny) == PlannerReport(7, 1, 0, 0, "time budget", 0.0)  # the best screened searched exactly
-    closed = plan(cluster, profile, 64, simulate_top_k=0, refine_top_k=1, time_budget_s=0.0)  # nothing past it
+    closed = plan(cluster, profile, 64, leave_out=False, simulate_top_k=0, refine_top_k=1,
+                  time_budget_s=0.0)  # nothing past it
     assert tiny.to_dict() == {**closed.to_dict(), "options": tiny.to_dict()["options"]}  # the closed forms' best
 
-    large = plan(cluster, profile, 64, score=counted, time_budget_s=None)
+    large = plan(cluster, profile, 64, leave_out=False, score=counted, time_budget_s=None)
     report = _report(large)
     assert report.simulated >= SIMULATE_AT_LEAST + 1 and report.simulations == len(calls) == report.simulated
     assert report.stopped_by in ("closed form", "all candidates") and large.prediction.simulated_iteration_s
@@ -105,17 +109,18 @@ def test_a_tiny_budget_simulates_nothing_and_a_large_one_simulates_the_best_few(
 def test_simulate_top_k_given_is_an_upper_bound() -> None:
     cluster, profile = _instance()
     counted, calls = _counting(hetrain.simulated_iteration_s)
-    p = plan(cluster, profile, 64, score=counted, simulate_top_k=2, time_budget_s=None)
+    p = plan(cluster, profile, 64, leave_out=False, score=counted, simulate_top_k=2, time_budget_s=None)
     report = _report(p)
     # the best 2, and the best one's reverse where it has one; each of those two also under 1F1B-eager and
     # GPipe where they fit (schedule auto; here 1F1B-eager only: GPipe holds more than these GPUs have)
     assert report.simulated == len(calls) == 5
     assert sum(c.schedule == "1f1b" for c in calls) == 3 and sum(c.schedule == "1f1b-eager" for c in calls) == 2
     assert report.stopped_by == "simulate_top_k"
-    every = plan(cluster, profile, 64, score=hetrain.simulated_iteration_s, simulate_top_k=50, time_budget_s=None)
+    every = plan(cluster, profile, 64, leave_out=False, score=hetrain.simulated_iteration_s, simulate_top_k=50,
+                 time_budget_s=None)
     assert _report(every).stopped_by == "all candidates" and _report(every).simulated == 10  # 7, the reverse, 2
-    only = plan(cluster, profile, 64, score=hetrain.simulated_iteration_s, simulate_top_k=50, time_budget_s=None,
-                schedule="1f1b")
+    only = plan(cluster, profile, 64, leave_out=False, score=hetrain.simulated_iteration_s, simulate_top_k=50,
+                time_budget_s=None, schedule="1f1b")
     assert _report(only).simulated == 8  # 7 and the reverse
 
 
@@ -129,7 +134,7 @@ def test_a_budget_that_runs_out_stops_before_the_next_simulation_and_overruns_by
     def slow_score(p: Plan) -> float:
         time.sleep(per_size_s * simulation_size(p))
         return hetrain.simulated_iteration_s(p)
-    unlimited = plan(cluster, profile, 64, score=slow_score, simulate_top_k=50, time_budget_s=None)
+    unlimited = plan(cluster, profile, 64, leave_out=False, score=slow_score, simulate_top_k=50, time_budget_s=None)
     start = time.perf_counter()
     search(cluster, profile, 64, PlannerOptions())
     search_s = time.perf_counter() - start
@@ -140,7 +145,7 @@ def test_a_budget_that_runs_out_stops_before_the_next_simulation_and_overruns_by
         one_simulation_s = max(one_simulation_s, time.perf_counter() - start)
     budget_s = 2 * search_s + 0.3  # the search (twice, for a busy machine), then about 0.3 s of simulations
     start = time.perf_counter()
-    cut = plan(cluster, profile, 64, score=slow_score, simulate_top_k=50, time_budget_s=budget_s)
+    cut = plan(cluster, profile, 64, leave_out=False, score=slow_score, simulate_top_k=50, time_budget_s=budget_s)
     took_s = time.perf_counter() - start
     report = _report(cut)
     assert report.stopped_by == "time budget"
@@ -152,12 +157,12 @@ def test_a_budget_that_runs_out_stops_before_the_next_simulation_and_overruns_by
 def test_sync_auto_counts_the_simulations_of_every_mode_where_they_fit() -> None:
     cluster, profile = _instance()
     counted, calls = _counting(hetrain.simulated_iteration_s)
-    p = plan(cluster, profile, 64, score=counted, sync="auto", time_budget_s=None)
+    p = plan(cluster, profile, 64, leave_out=False, score=counted, sync="auto", time_budget_s=None)
     report = _report(p)
     assert report.simulations == len(calls) == report.simulated + 5  # and the 5 sync modes of the chosen plan
     assert p.options["sync_choice"]["modes"][0]["simulated"]
     calls.clear()
-    p = plan(cluster, profile, 64, score=counted, sync="auto", time_budget_s=0.0)
+    p = plan(cluster, profile, 64, leave_out=False, score=counted, sync="auto", time_budget_s=0.0)
     assert calls == [] and _report(p).simulations == 0
     assert not p.options["sync_choice"]["modes"][0]["simulated"]  # the closed forms chose the mode
 
@@ -183,7 +188,9 @@ def test_hetrain_plan_prints_and_records_what_the_planner_did(tmp_path: Path, ca
     assert main(["plan", "--cluster", str(CLUSTER), "--model", "gpt2-small", "--global-batch", "64",
                  "--time-budget", "1m", "-o", str(out)]) == 0
     text = capsys.readouterr().out
-    line = next(x for x in text.splitlines() if x.startswith("planner: screened 7, searched "))
+    # every planning's candidates: the whole cluster's 7, and those planned without a node (leave_out)
+    line = next(x for x in text.splitlines() if x.startswith("planner: screened "))
+    assert int(line.split("screened ")[1].split(",")[0]) >= 7, line
     assert int(line.split("searched ")[1].split(",")[0]) >= 3 and ", simulated " in line
     assert "(time budget 60 s;" in line
     saved = load_plan(out)
@@ -219,9 +226,9 @@ def test_a_candidate_past_the_top_three_that_may_still_win_is_searched() -> None
     found, screened, searched = _search(cluster, profile, 64, opts)
     assert screened == 7 and searched > 3
     assert all(_optimistic_score(profile, c, opts) <= c.score(opts) for c in found)  # optimistic indeed
-    cut_short = plan(cluster, profile, 64, sync_options=bf16, simulate_top_k=0, time_budget_s=0.0)
-    full = plan(cluster, profile, 64, sync_options=bf16, simulate_top_k=0)
-    fp32 = plan(cluster, profile, 64, simulate_top_k=0)
+    cut_short = plan(cluster, profile, 64, leave_out=False, sync_options=bf16, simulate_top_k=0, time_budget_s=0.0)
+    full = plan(cluster, profile, 64, leave_out=False, sync_options=bf16, simulate_top_k=0)
+    fp32 = plan(cluster, profile, 64, leave_out=False, simulate_top_k=0)
     assert cut_short.formation != "spread-2" and cut_short.prediction.samples_per_s < fp32.prediction.samples_per_s
     assert full.formation == "spread-2" and full.prediction.samples_per_s >= fp32.prediction.samples_per_s
     assert _report(full).searched > 3 and _report(cut_short).searched == 1
@@ -242,7 +249,7 @@ def test_schedule_auto_replays_the_best_under_more_activations_where_they_fit_an
     # replayed; one micro-batch more on every stage but the last fits, and is faster
     small_cluster, small = _instance()
     calls.clear()
-    eager = plan(small_cluster, small, 64, score=counted, time_budget_s=None)
+    eager = plan(small_cluster, small, 64, leave_out=False, score=counted, time_budget_s=None)
     assert eager.schedule == "1f1b-eager"
     assert {c.schedule for c in calls} == {"1f1b", "1f1b-eager"}
     assert eager.prediction.simulated_iteration_s < hetrain.simulated_iteration_s(replace(eager, schedule="1f1b"))

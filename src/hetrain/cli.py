@@ -205,7 +205,7 @@ def _planner_options(args: argparse.Namespace) -> dict[str, Any]:
         "strategy": args.strategy, "schedule": args.schedule, "sync": args.sync or "bsp",
         "optimizer": args.optimizer, "objective": args.objective, "allow_recompute": not args.no_recompute,
         "sync_options": sync_options,
-        "staleness_penalty": args.staleness_penalty,
+        "staleness_penalty": args.staleness_penalty, "leave_out": not args.use_every_device,
     }
     if args.robust_draws is not None:
         opts["robust_draws"] = args.robust_draws
@@ -503,6 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch", type=int_between(1, MAX_GLOBAL_BATCH, "MAX_GLOBAL_BATCH"),
                    help="samples per iteration")
     p.add_argument("--strategy", choices=["auto", "dp", "pp"], default="auto")
+    p.add_argument("--use-every-device", action="store_true",
+                   help="never leave a node out (by default auto also plans without the node of the slowest NIC "
+                        "and the node of least compute, and keeps that plan where it is 10%% faster)")
     p.add_argument("--schedule", choices=["auto", *SCHEDULES], default="auto")
     p.add_argument("--sync", choices=["bsp", "wsp", "hybrid-ps", "daso", "local-sgd", "auto"], default=None,
                    help="sync mode (docs/sync.md; default bsp, or the --from plan's); auto: the soonest predicted "

@@ -159,6 +159,7 @@ class PlannerOptions:
     time_budget_s: float | None = DEFAULT_TIME_BUDGET_S
     robust_draws: int = DRAWS
     robust_seed: int = SEED
+    leave_out: bool = True  # also plan without the slowest NIC's or the weakest node, keep it if 10% faster
 
     def __post_init__(self) -> None:
         if self.strategy not in ("auto", "dp", "pp", "hybrid"):
@@ -606,7 +607,69 @@ def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: Pl
     opts = options if options is not None else PlannerOptions(**kwargs)
     if options is not None and kwargs:
         opts = replace(options, **kwargs)
-    return _plan_within(cluster, profile, global_batch, opts, score, TimeBudget(opts.time_budget_s))
+    budget = TimeBudget(opts.time_budget_s)
+    best = _plan_within(cluster, profile, global_batch, opts, score, budget)
+    if not opts.leave_out or opts.strategy != "auto" or opts.objective != "throughput":
+        return best  # a family asked for is planned on every device; time to accuracy may change the batch
+    reports = [PlannerReport.from_dict(best.options[REPORT_KEY])]
+    for drop in leave_out_candidates(cluster, profile):
+        if budget.budget_s is not None and budget.left_s() <= 0:
+            break  # the budget is the whole planning's: what is left of it, or nothing
+        try:
+            alt = _plan_within(cluster_without(cluster, drop), profile, global_batch, opts, score, budget)
+        except PlannerError:
+            continue
+        reports.append(PlannerReport.from_dict(alt.options[REPORT_KEY]))
+        if _iteration_s(alt) < (1 - LEAVE_OUT_GAIN) * _iteration_s(best):
+            best = replace(alt, cluster=cluster, options={**alt.options, "left_out": sorted(drop)})
+    # every planning's candidates together, the whole cluster's and those without nodes; the budget's calls
+    total = replace(reports[0], simulations=budget.simulations,
+                    **{k: sum(getattr(r, k) for r in reports) for k in ("screened", "searched", "simulated")})
+    return replace(best, options={**best.options, REPORT_KEY: total.to_dict()})
+
+
+# a plan that leaves nodes out must be this much faster than the best on every device: a device left idle is
+# one the user has paid for, and a gain inside the cost model's error is no reason to leave it
+LEAVE_OUT_GAIN = 0.10
+
+
+def _iteration_s(p: Plan) -> float:
+    return p.prediction.simulated_iteration_s or p.prediction.iteration_s
+
+
+def leave_out_candidates(cluster: Cluster, profile: ModelProfile) -> list[frozenset[str]]:
+    """Sets of nodes worth planning without (at most two, so planning takes at most twice as long again): the
+    node(s) of the slowest NIC where NICs differ (one slow network link can hold every pipeline that crosses
+    it, and every all-reduce), and the node of least compute where nodes differ in it. Never every node."""
+    nodes = cluster.nodes
+    if len(nodes) < 2:
+        return []
+    out: list[frozenset[str]] = []
+    nic = {n.name: n.nic.bandwidth_bytes_per_s for n in nodes}
+    if min(nic.values()) < max(nic.values()):
+        out.append(frozenset(name for name, b in nic.items() if b == min(nic.values())))
+    compute = {n.name: sum(d.peak_flops(profile.precision) for d in n.devices) for n in nodes}
+    if min(compute.values()) < max(compute.values()):
+        weakest = frozenset({min(compute, key=lambda name: compute[name])})
+        if weakest not in out:
+            out.append(weakest)
+    return [drop for drop in out if len(drop) < len(nodes)]
+
+
+def cluster_without(cluster: Cluster, drop: frozenset[str]) -> Cluster:
+    """``cluster`` without the nodes named in ``drop``: the rest keep their names, devices, links and overrides
+    (device indices renumbered), so a plan on it names the same devices as on the whole cluster."""
+    nodes, index = [], 0
+    for node in cluster.nodes:
+        if node.name in drop:
+            continue
+        devices = []
+        for d in node.devices:
+            devices.append(replace(d, index=index))
+            index += 1
+        nodes.append(replace(node, devices=tuple(devices)))
+    links = tuple(nl for nl in cluster.node_links if not set(nl.nodes) & drop)
+    return Cluster(cluster.name, tuple(nodes), links)
 
 
 def _plan_within(cluster: Cluster, profile: ModelProfile, global_batch: int, opts: PlannerOptions,
