@@ -219,3 +219,23 @@ def test_the_comparison_ranks_the_families_as_the_planner_does_by_simulation(cap
     for r in rows:
         if r["simulated_samples_per_s"]:
             assert f"{r['simulated_samples_per_s']:.1f}" in table, (r, table)
+
+
+def test_the_sync_table_counts_the_large_batch_factor_as_the_plan_does(tmp_path: Path, capsys) -> None:
+    """Under time to accuracy the mode table's time is the plan's own: samples to target times the factor
+    1 + B / B_crit (the table had left the factor out, 2x off at B = B_crit)."""
+    out = tmp_path / "tta.json"
+    assert main(["plan", "--cluster", str(CLUSTER), "--model", "gpt2-small", "--global-batch", "64",
+                 "--objective", "time-to-accuracy", "--critical-batch", "64", "-o", str(out)]) == 0
+    chosen = next(line for line in capsys.readouterr().out.splitlines() if line.endswith("<- chosen"))
+    tta = load_plan(out).prediction.time_to_accuracy_s
+    assert tta is not None and f"{tta:.1f}s" in chosen, (tta, chosen)
+
+
+def test_from_a_plan_with_sync_auto_takes_an_option_of_a_mode_auto_considers(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--cluster", str(CLUSTER), "--model", "gpt2-small", "--global-batch", "64",
+                 "-o", str(out)]) == 0
+    assert main(["plan", "--from", str(out), "--sync", "auto", "--sync-option", "staleness=3"]) == 0
+    assert main(["plan", "--from", str(out), "--sync", "bsp", "--sync-option", "staleness=3"]) == 2
+    assert "staleness=3" in capsys.readouterr().err

@@ -5,6 +5,10 @@ is a fraction of that (``ModelProfile.compute_efficiency``). ``peak_fp16_flops``
 is the dense fp16/bf16 tensor-core rate with fp32 accumulation where the vendor
 quotes both; for a device without fast half precision it equals the fp32 rate,
 since frameworks then run half-precision matmuls no faster than fp32.
+``peak_bf16_flops`` is set where bf16 runs slower than fp16: Volta (V100, TITAN V) and
+Turing (T4, RTX 20xx, TITAN RTX) tensor cores take fp16 and not bf16 ([V100WP], [TU]:
+bf16 tensor ops arrive with Ampere, [GA100WP]); there bf16 matmuls run on the CUDA cores,
+so their bf16 rate is the fp32 rate. Elsewhere it is the fp16 rate (None).
 
 Sources (vendor datasheets and whitepapers):
   [V100]   NVIDIA Tesla V100 datasheet (SXM2), 2018.
@@ -25,6 +29,9 @@ Sources (vendor datasheets and whitepapers):
   [GA102]  NVIDIA Ampere GA102 GPU architecture whitepaper, 2020 (RTX 3090).
   [AD102]  NVIDIA Ada GPU architecture whitepaper, 2022 (RTX 4090).
   [TITANV] NVIDIA TITAN V product page, 2017; Volta whitepaper.
+  [V100WP] NVIDIA Tesla V100 GPU architecture whitepaper, 2017: Volta tensor cores take fp16 inputs only.
+  [GA100WP] NVIDIA A100 Tensor Core GPU architecture whitepaper, 2020: "new BF16 ... Tensor Core
+           operations" of the third-generation tensor core, which Volta and Turing lack.
   [P4000]  NVIDIA Quadro P4000 datasheet, 2017 (Pascal GP104: no tensor cores).
   [CPU]    nominal figures for one CPU process in emulation: about one AVX2 core
            (2 FMA units x 8 fp32 lanes x 2 FLOP x ~3 GHz ~ 96 GFLOP/s peak) and a
@@ -53,6 +60,7 @@ Links:
 from __future__ import annotations
 
 import difflib
+import json
 from dataclasses import dataclass
 
 GB = 1e9
@@ -67,10 +75,13 @@ class DeviceType:
     Attributes:
         name: catalog name, e.g. ``"A100-40GB"``.
         peak_fp32_flops: dense fp32 rate, FLOP/s.
-        peak_fp16_flops: dense fp16/bf16 rate (tensor cores where present), FLOP/s.
+        peak_fp16_flops: dense fp16 rate (tensor cores where present), FLOP/s; bf16's too unless
+            ``peak_bf16_flops`` says otherwise.
         memory_bytes: device memory, bytes.
         memory_bandwidth_bytes_per_s: device memory bandwidth, bytes/s.
         source: the key of the source in this module's docstring.
+        peak_bf16_flops: dense bf16 rate, FLOP/s, where it is not the fp16 rate (a device whose
+            tensor cores take no bf16); None: the fp16 rate.
     """
 
     name: str
@@ -79,10 +90,25 @@ class DeviceType:
     memory_bytes: float
     memory_bandwidth_bytes_per_s: float
     source: str
+    peak_bf16_flops: float | None = None
 
     def peak_flops(self, precision: str) -> float:
-        """The peak rate for ``precision`` (``"fp32"`` or ``"fp16"``/``"bf16"``)."""
-        return self.peak_fp32_flops if precision == "fp32" else self.peak_fp16_flops
+        """The peak rate for ``precision`` (``"fp32"``, ``"fp16"`` or ``"bf16"``)."""
+        return peak_flops_for(precision, self.peak_fp32_flops, self.peak_fp16_flops, self.peak_bf16_flops)
+
+
+def peak_flops_for(precision: str, fp32_flops: float, fp16_flops: float, bf16_flops: float | None) -> float:
+    """The rate of ``precision`` among a device's peak rates (FLOP/s); bf16 falls back to fp16's.
+
+    Example:
+        >>> peak_flops_for("bf16", 15.7e12, 125e12, 15.7e12) / 1e12
+        15.7
+    """
+    if precision == "fp32":
+        return fp32_flops
+    if precision == "bf16" and bf16_flops is not None:
+        return bf16_flops
+    return fp16_flops
 
 
 @dataclass(frozen=True)
@@ -133,31 +159,32 @@ class LinkPreset:
 
 
 def _d(name: str, fp32_tflops: float, fp16_tflops: float, memory: float, bw_gb_s: float,
-       source: str) -> DeviceType:
+       source: str, bf16_tflops: float | None = None) -> DeviceType:
     return DeviceType(name, fp32_tflops * TFLOPS, fp16_tflops * TFLOPS, memory,
-                      bw_gb_s * GB, source)
+                      bw_gb_s * GB, source, None if bf16_tflops is None else bf16_tflops * TFLOPS)
 
 
 DEVICE_TYPES: dict[str, DeviceType] = {
     d.name: d
     for d in [
-        _d("V100-16GB", 15.7, 125.0, 16 * GiB, 900, "V100"),
-        _d("V100-32GB", 15.7, 125.0, 32 * GiB, 900, "V100"),
+        # Volta and Turing: no bf16 tensor cores, bf16 at the fp32 rate ([V100WP], [TU], [GA100WP])
+        _d("V100-16GB", 15.7, 125.0, 16 * GiB, 900, "V100", bf16_tflops=15.7),
+        _d("V100-32GB", 15.7, 125.0, 32 * GiB, 900, "V100", bf16_tflops=15.7),
         _d("A100-40GB", 19.5, 312.0, 40 * GiB, 1555, "A100"),
         _d("A100-80GB", 19.5, 312.0, 80 * GiB, 2039, "A100"),
         _d("H100", 67.0, 989.0, 80 * GiB, 3350, "H100"),
         _d("H200", 67.0, 989.0, 141 * GB, 4800, "H200"),
         _d("GH200", 67.0, 989.0, 96 * GB, 4000, "GH200"),
         _d("L4", 30.3, 121.0, 24 * GiB, 300, "L4"),
-        _d("T4", 8.1, 65.0, 16 * GiB, 320, "T4"),
+        _d("T4", 8.1, 65.0, 16 * GiB, 320, "T4", bf16_tflops=8.1),
         _d("A10", 31.2, 125.0, 24 * GiB, 600, "A10"),
-        _d("RTX2060", 6.45, 25.8, 6 * GiB, 336, "TU"),
-        _d("RTX2080", 10.1, 40.3, 8 * GiB, 448, "TU"),
-        _d("RTX2080Ti", 13.4, 53.8, 11 * GiB, 616, "TU"),
+        _d("RTX2060", 6.45, 25.8, 6 * GiB, 336, "TU", bf16_tflops=6.45),
+        _d("RTX2080", 10.1, 40.3, 8 * GiB, 448, "TU", bf16_tflops=10.1),
+        _d("RTX2080Ti", 13.4, 53.8, 11 * GiB, 616, "TU", bf16_tflops=13.4),
         _d("RTX3090", 35.6, 71.0, 24 * GiB, 936, "GA102"),
         _d("RTX4090", 82.6, 165.2, 24 * GiB, 1008, "AD102"),
-        _d("TITAN-V", 14.9, 110.0, 12 * GiB, 653, "TITANV"),
-        _d("TITAN-RTX", 16.3, 130.0, 24 * GiB, 672, "TITANRTX"),
+        _d("TITAN-V", 14.9, 110.0, 12 * GiB, 653, "TITANV", bf16_tflops=14.9),
+        _d("TITAN-RTX", 16.3, 130.0, 24 * GiB, 672, "TITANRTX", bf16_tflops=16.3),
         _d("P4000", 5.3, 5.3, 8 * GiB, 243, "P4000"),
         _d("cpu", 0.096, 0.096, 16 * GiB, 20, "CPU"),
     ]
@@ -225,7 +252,7 @@ def lookup_device_type(name: str) -> DeviceType:
     raise KeyError(
         f"unknown device type {name!r}{_suggest(name, known + list(DEVICE_ALIASES))} "
         f"Known types: {', '.join(known)}. Or describe it inline: "
-        f"{{ type = {name!r}, tflops = 10.0, memory = \"16GB\", memory_bandwidth = \"500GB/s\" }}"
+        f"{{ type = {json.dumps(name)}, tflops = 10.0, memory = \"16GB\", memory_bandwidth = \"500GB/s\" }}"
     )
 
 

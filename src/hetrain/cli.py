@@ -277,6 +277,7 @@ def format_comparison(rows: list[dict[str, Any]]) -> str:
 
 def format_sync_modes(result: Plan, staleness_penalty: float) -> str:
     """Every sync mode's predicted samples/s, staleness and time to accuracy for the plan's VWs (docs/sync.md)."""
+    from hetrain.cost import estimate_samples_to_accuracy_factor
     from hetrain.planner.sync import estimate_mode_table, format_mode_table
 
     choice = result.options.get("sync_choice")
@@ -288,9 +289,12 @@ def format_sync_modes(result: Plan, staleness_penalty: float) -> str:
     else:
         table = result.options.get("sync_predictions", {})
         samples = {mode: float(v["samples_per_s"]) for mode, v in table.items()}
+        critical = result.options.get("critical_batch")  # the large-batch factor the plan's own prediction has
+        factor = estimate_samples_to_accuracy_factor(result.global_batch, float(critical)) if critical else 1.0
         rows = [r.to_dict() for r in estimate_mode_table(samples, result.sync_options, len(result.virtual_workers),
                                                          staleness_penalty,
-                                                         float(result.options.get("target_samples", 1e6)))]
+                                                         float(result.options.get("target_samples", 1e6)),
+                                                         batch_factor=factor)]
         head = (f"sync modes for this plan's VWs (closed form; staleness penalty {staleness_penalty:g}; "
                 "--sync auto picks by time to accuracy):")
     return head + "\n" + format_mode_table(rows, result.sync) + _bf16_hint(result)
@@ -329,7 +333,7 @@ def _replan_from(args: argparse.Namespace) -> Plan:
                         f"drop --{given[0].replace('_', '-')}")
     old = load_plan(args.from_plan, check_layout=False, upgrade=True)
     options = SyncOptions.from_items(args.sync_options, old.sync_options)
-    mode = "bsp" if args.sync == "auto" else args.sync or old.sync
+    mode = args.sync or old.sync  # under auto, an option of any mode auto considers is the user's to give
     check_mode_options(mode, options, f"--from {args.from_plan} --sync {mode}")
     if args.sync == "auto":
         base = repredict_sync(old, "bsp", options, simulated_iteration_s)

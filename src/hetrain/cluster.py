@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from hetrain.catalog import (
     DEFAULT_INTRA_NODE_LATENCY_S,
     lookup_device_type,
     lookup_link_preset,
+    peak_flops_for,
 )
 from hetrain.errors import InputError
 from hetrain.fields import MAX_DEVICES, MAX_NODES, load_toml_object, show
@@ -103,6 +105,8 @@ class Device:
         memory_bytes: memory, bytes.
         memory_bandwidth_bytes_per_s: memory bandwidth, bytes/s.
         cpu_share: for emulation only: the CPU fraction its process gets (None: unthrottled).
+        peak_bf16_flops: dense bf16 rate, FLOP/s, where it is not the fp16 rate (Volta and Turing
+            have no bf16 tensor cores: ``catalog.DeviceType.peak_bf16_flops``); None: the fp16 rate.
     """
 
     name: str
@@ -114,9 +118,11 @@ class Device:
     memory_bytes: float
     memory_bandwidth_bytes_per_s: float
     cpu_share: float | None = None
+    peak_bf16_flops: float | None = None
 
     def peak_flops(self, precision: str) -> float:
-        return self.peak_fp32_flops if precision == "fp32" else self.peak_fp16_flops
+        """The peak rate for ``precision`` (``"fp32"``, ``"fp16"`` or ``"bf16"``), FLOP/s."""
+        return peak_flops_for(precision, self.peak_fp32_flops, self.peak_fp16_flops, self.peak_bf16_flops)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -126,6 +132,8 @@ class Device:
             "memory_bytes": self.memory_bytes,
             "memory_bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s,
         }
+        if self.peak_bf16_flops is not None:
+            out["peak_bf16_flops"] = self.peak_bf16_flops
         if self.cpu_share is not None:
             out["cpu_share"] = self.cpu_share
         return out
@@ -312,6 +320,8 @@ def _quantity(spec: Mapping[str, Any], human_key: str, si_key: str, parse: Any, 
             out = parse(spec[human_key], f"{where}: {human_key}")
         except UnitError as e:
             raise ClusterError(str(e)) from None
+        if not math.isfinite(out):  # "1e400GB" parses to inf: a plan with it predicts inf margins
+            raise ClusterError(f"{where}: {human_key} must be a finite quantity, got {show(spec[human_key])}")
     elif required:
         raise ClusterError(f"{where}: missing {human_key!r}")
     else:
@@ -342,6 +352,8 @@ def _parse_link(spec: Any, where: str, default_latency_s: float) -> Link:
                 raise ClusterError(f"{where}: {preset_error.args[0]}; or give a bandwidth such as '10Gbit/s'") from None
             if not bw > 0:
                 raise ClusterError(f"{where}: bandwidth must be positive, got {spec!r}") from None
+            if not math.isfinite(bw):
+                raise ClusterError(f"{where}: bandwidth must be finite, got {spec!r}") from None
             return Link(bw, default_latency_s)
     if isinstance(spec, Mapping):
         known = {"bandwidth", "latency", "bandwidth_bytes_per_s", "latency_s", "preset", "collective_latency",
@@ -368,9 +380,27 @@ def _parse_link(spec: Any, where: str, default_latency_s: float) -> Link:
 
 
 _DEVICE_KEYS = {
-    "type", "count", "tflops", "tflops_fp16", "memory", "memory_bandwidth", "cpu_share",
-    "peak_fp32_flops", "peak_fp16_flops", "memory_bytes", "memory_bandwidth_bytes_per_s",
+    "type", "count", "tflops", "tflops_fp16", "tflops_bf16", "memory", "memory_bandwidth", "cpu_share",
+    "peak_fp32_flops", "peak_fp16_flops", "peak_bf16_flops", "memory_bytes", "memory_bandwidth_bytes_per_s",
 }
+
+
+#: placeholder figures for the fields a custom device's table lacks, in ``_custom_example``
+_EXAMPLE_FIGURES = {"tflops": 10.0, "memory": "16GB", "memory_bandwidth": "500GB/s"}
+
+
+def _custom_example(spec: Mapping[str, Any], missing: list[str]) -> str:
+    """The user's device table as TOML, with placeholder figures for the ``missing`` fields.
+
+    Example:
+        >>> _custom_example({"type": "Foo", "tflops": 10, "memory": "8GB"}, ["memory_bandwidth"])
+        '{ type = "Foo", tflops = 10, memory = "8GB", memory_bandwidth = "500GB/s" }'
+    """
+    def toml(value: Any) -> str:
+        return json.dumps(value) if isinstance(value, (str, bool)) else show(value)
+
+    pairs = [*spec.items(), *((key, _EXAMPLE_FIGURES[key]) for key in missing)]
+    return "{ " + ", ".join(f"{key} = {toml(value)}" for key, value in pairs) + " }"
 
 
 def _parse_device_spec(spec: Any, where: str) -> tuple[dict[str, Any], int]:
@@ -398,17 +428,24 @@ def _parse_device_spec(spec: Any, where: str) -> tuple[dict[str, Any], int]:
         figures.update(
             type_name=base.name, peak_fp32_flops=base.peak_fp32_flops,
             peak_fp16_flops=base.peak_fp16_flops, memory_bytes=base.memory_bytes,
-            memory_bandwidth_bytes_per_s=base.memory_bandwidth_bytes_per_s,
+            memory_bandwidth_bytes_per_s=base.memory_bandwidth_bytes_per_s, peak_bf16_flops=base.peak_bf16_flops,
         )
     except KeyError as e:
         unknown_type_error = e.args[0]
         needed = ({"tflops", "peak_fp32_flops"}, {"memory", "memory_bytes"},
                   {"memory_bandwidth", "memory_bandwidth_bytes_per_s"})
-        if not all(spec.keys() & alternatives for alternatives in needed):
+        missing = [min(alternatives, key=len) for alternatives in needed if not spec.keys() & alternatives]
+        if len(missing) == len(needed):  # no figures at all: most likely a misspelt catalog name
             raise ClusterError(
                 f"{where}: {unknown_type_error} (a custom device needs tflops, memory and memory_bandwidth)"
             ) from None
-    for human, si, scale in (("tflops", "peak_fp32_flops", 1e12), ("tflops_fp16", "peak_fp16_flops", 1e12)):
+        if missing:  # a custom device, short of some figures: name them, in the user's own table
+            raise ClusterError(
+                f"{where}: custom device type {type_name!r} (not in the catalog) is missing "
+                f"{' and '.join(missing)}; for example {_custom_example(spec, missing)}"
+            ) from None
+    for human, si, scale in (("tflops", "peak_fp32_flops", 1e12), ("tflops_fp16", "peak_fp16_flops", 1e12),
+                             ("tflops_bf16", "peak_bf16_flops", 1e12)):
         value = spec.get(si, spec.get(human))
         if value is None:
             continue

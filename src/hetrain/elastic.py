@@ -215,7 +215,7 @@ def _catalog_device(dev: PresentDevice, index: int) -> Device:
                           "the catalog (hetrain.catalog): set HETRAIN_DEVICE_TYPE on its rank to a catalog type, or "
                           "plan anew with a cluster file that describes it") from None
     return Device(dev.name, dev.node, index, t.name, t.peak_fp32_flops, t.peak_fp16_flops, t.memory_bytes,
-                  t.memory_bandwidth_bytes_per_s)
+                  t.memory_bandwidth_bytes_per_s, peak_bf16_flops=t.peak_bf16_flops)
 
 
 def build_world_cluster(saved: Cluster, present: Sequence[PresentDevice]) -> tuple[Cluster, WorldChange]:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, TypeVar
 
 import numpy as np
@@ -89,6 +89,7 @@ class _Bound:
     most: float = 0
     choices: tuple[str, ...] = ()
     help: str = ""
+    modes: tuple[str, ...] = ()  # the sync modes that read it; () for every mode
 
     def describe(self, name: str) -> str:
         if self.choices:
@@ -98,22 +99,26 @@ class _Bound:
 
 
 _BOUNDS: dict[str, _Bound] = {
-    "staleness": _Bound(int, 0, 1000, help="waves a VW may run ahead of the slowest (wsp, hybrid-ps)"),
-    "period": _Bound(int, 1, 100_000, help="iterations between global averages (local-sgd, daso's first k)"),
-    "aggregate": _Bound(int, 1, 100_000, help="iterations aggregated into one push (hybrid-ps)"),
-    "warmup": _Bound(int, 0, 10**9, help="first iterations of daso that average globally, blocking"),
-    "cooldown": _Bound(int, 0, 10**9, help="last iterations of daso that do the same"),
-    "placement": _Bound(str, choices=PLACEMENTS, help="where a segment's parameter-server shard lives"),
-    "bucket_bytes": _Bound(float, 1, 2**40, help="gradient bucket size (bsp)"),
-    "first_bucket_bytes": _Bound(float, 1, 2**40, help="the first (last layers') bucket's size (bsp)"),
-    "bucket_cut": _Bound(str, choices=BUCKET_CUTS,
+    "staleness": _Bound(int, 0, 1000, help="waves a VW may run ahead of the slowest (wsp, hybrid-ps)",
+                        modes=("wsp", "hybrid-ps")),
+    "period": _Bound(int, 1, 100_000, help="iterations between global averages (local-sgd, daso's first k)",
+                     modes=("local-sgd", "daso")),
+    "aggregate": _Bound(int, 1, 100_000, help="iterations aggregated into one push (hybrid-ps)", modes=("hybrid-ps",)),
+    "warmup": _Bound(int, 0, 10**9, help="first iterations of daso that average globally, blocking", modes=("daso",)),
+    "cooldown": _Bound(int, 0, 10**9, help="last iterations of daso that do the same", modes=("daso",)),
+    "placement": _Bound(str, choices=PLACEMENTS, help="where a segment's parameter-server shard lives",
+                        modes=("wsp", "hybrid-ps")),
+    "bucket_bytes": _Bound(float, 1, 2**40, help="gradient bucket size (bsp)", modes=("bsp",)),
+    "first_bucket_bytes": _Bound(float, 1, 2**40, help="the first (last layers') bucket's size (bsp)",
+                                 modes=("bsp",)),
+    "bucket_cut": _Bound(str, choices=BUCKET_CUTS, modes=("bsp",),
                          help="layer: buckets end on layer boundaries; exact: at their size, inside a layer (bsp)"),
     "allreduce": _Bound(str, choices=ALLREDUCE_CHOICES, help="auto: ring or hierarchical, the cheaper; ring: always"),
     "transfers": _Bound(str, choices=TRANSFER_CHOICES,
                         help="overlap: a p2p transfer overlaps compute; blocking: it holds sender and receiver"),
     "early_receives": _Bound(str, choices=EARLY_RECEIVES,
                              help="always: a stage's receives posted one ahead of its RECVs; never: at them"),
-    "reduce_dtype": _Bound(str, choices=REDUCE_DTYPES,
+    "reduce_dtype": _Bound(str, choices=REDUCE_DTYPES, modes=("bsp",),
                            help="the dtype gradients are all-reduced in: fp32, or bf16 (half the bytes; bsp)"),
 }
 SYNC_OPTION_HELP = ", ".join(b.describe(name) for name, b in _BOUNDS.items())
@@ -167,10 +172,18 @@ class SyncOptions:
     transfers: str = TRANSFER_CHOICES[0]
     early_receives: str = EARLY_RECEIVES[0]
     reduce_dtype: str = REDUCE_DTYPES[0]
+    #: the options a user set (``from_items``, ``--sync-option``), which ``check_mode_options`` refuses where
+    #: the mode does not read them; not an option: not compared, not written (``to_dict``)
+    given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            _check(f.name, getattr(self, f.name), "sync options")
+        for name in self.option_names():
+            _check(name, getattr(self, name), "sync options")
+
+    @staticmethod
+    def option_names() -> tuple[str, ...]:
+        """The options' names, in declaration order (``given`` is not one)."""
+        return tuple(f.name for f in fields(SyncOptions) if f.name != "given")
 
     @property
     def reduce_wire(self) -> float:
@@ -184,7 +197,7 @@ class SyncOptions:
         return 0.0 if self.reduce_dtype == REDUCE_DTYPES[0] else self.reduce_wire
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {name: getattr(self, name) for name in self.option_names()}
 
     @staticmethod
     def from_mapping(data: Mapping[str, Any], where: str = "sync options") -> SyncOptions:
@@ -213,7 +226,8 @@ class SyncOptions:
             if key not in _BOUNDS:
                 raise SyncLayoutError(f"--sync-option {item!r}: unknown key {key!r}; known: {SYNC_OPTION_HELP}")
             out[key] = _coerce(key, value, f"--sync-option {item!r}")
-        return replace(base or SyncOptions(), **out)
+        base = base or SyncOptions()
+        return replace(base, **out, given=base.given | out.keys())
 
 
 def modes_for(options: SyncOptions) -> tuple[str, ...]:
@@ -222,12 +236,33 @@ def modes_for(options: SyncOptions) -> tuple[str, ...]:
     return SYNC_MODES if options.reduce_dtype == REDUCE_DTYPES[0] else ("bsp",)
 
 
-def check_mode_options(mode: str, options: SyncOptions, where: str = "sync options") -> None:
-    """Refuse options that ``mode`` cannot run, naming the option and its value.
+_INTERNAL = "sync options"  # check_mode_options's ``where`` when the planner checks, not the user's input
+
+
+def check_mode_options(mode: str, options: SyncOptions, where: str = _INTERNAL) -> None:
+    """Refuse options that ``mode`` cannot run, naming the option and its value; where ``where`` names the
+    user's input (``--sync bsp with --sync-option``), also an option the user set (``options.given``) that
+    ``mode`` does not read. Under ``auto`` an option counts if a mode it considers (``modes_for``) reads it.
+    Without ``where`` (the planner's own checks, which try every mode with the user's options) only the first.
 
     Raises:
-        SyncLayoutError: ``reduce_dtype`` other than fp32 under a mode other than ``bsp``.
+        SyncLayoutError: ``reduce_dtype`` other than fp32 under a mode other than ``bsp``; a given option
+            that no mode in question reads (``staleness`` under ``bsp``).
     """
+    _check_runnable(mode, options, where)
+    if where == _INTERNAL:
+        return
+    modes = modes_for(options) if mode == "auto" else (mode,)
+    for name in options.option_names():
+        readers = _BOUNDS[name].modes
+        if name in options.given and readers and not set(readers) & set(modes):
+            raise SyncLayoutError(f"{where}: {name}={getattr(options, name)} is an option of sync mode "
+                                  f"{' and '.join(readers)}; sync mode {' / '.join(modes)} does not use it "
+                                  f"(drop it, or sync {readers[0]})")
+
+
+def _check_runnable(mode: str, options: SyncOptions, where: str = "sync options") -> None:
+    """Refuse options that ``mode`` cannot run: ``reduce_dtype`` bf16 under a mode other than ``bsp``."""
     if mode in SYNC_MODES and mode not in modes_for(options):
         raise SyncLayoutError(f"{where}: reduce_dtype={options.reduce_dtype} applies to the bsp mode's gradient "
                               f"all-reduces; sync mode {mode} exchanges weights and updates in fp32 "
@@ -539,7 +574,7 @@ def build_sync_layout(cluster: Cluster, profile: ModelProfile, stages: Sequence[
     """
     if mode not in SYNC_MODES:
         raise SyncLayoutError(f"sync mode must be one of {', '.join(SYNC_MODES)}, got {mode!r}")
-    check_mode_options(mode, options)
+    _check_runnable(mode, options)  # not the options a user gave: the planner lays out every mode with them
     wire = options.reduce_wire
     index = {d.name: d.index for d in cluster.devices}
     node_of = {d.name: d.node for d in cluster.devices}

@@ -453,7 +453,8 @@ def _catalog_device(type_name: str) -> Device:
         raise ProfileError(f"cannot scale to {e.args[0]}") from None
     return Device(name=f"scaled:{t.name}", node="scaled", index=0, type_name=t.name,
                   peak_fp32_flops=t.peak_fp32_flops, peak_fp16_flops=t.peak_fp16_flops,
-                  memory_bytes=t.memory_bytes, memory_bandwidth_bytes_per_s=t.memory_bandwidth_bytes_per_s)
+                  memory_bytes=t.memory_bytes, memory_bandwidth_bytes_per_s=t.memory_bandwidth_bytes_per_s,
+                  peak_bf16_flops=t.peak_bf16_flops)
 
 
 def scale_to(profile: ModelProfile, device_types: Sequence[str]) -> ModelProfile:
