@@ -63,6 +63,12 @@ def build_range(build_layer: Callable[[int], nn.Module], first: int, end: int, s
     return [build_seeded(functools.partial(build_layer, k), seed, k) for k in range(first, end)]
 
 
+def param_bytes(layer: nn.Module) -> int:
+    """A layer's parameters as it holds them, in bytes (``numel * element_size``): what a profile's
+    ``param_bytes`` counts (docs/profile.md), and what ``hetrain train`` checks a model's layers against."""
+    return sum(p.numel() * p.element_size() for p in layer.parameters())
+
+
 def run_layers(layers: Sequence[nn.Module], x: Any) -> Any:
     """Run ``x`` through ``layers`` in order: each output is the next layer's one argument."""
     for layer in layers:

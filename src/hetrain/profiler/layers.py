@@ -51,6 +51,7 @@ from hetrain import amp
 from hetrain.amp import check_precision
 from hetrain.catalog import RuntimeFootprint, lookup_device_type
 from hetrain.errors import InputError
+from hetrain.models.layers import param_bytes as layer_param_bytes
 from hetrain.models.user import ModelSource, check_model_on_batch, describe_error, describe_shapes
 from hetrain.profile import (
     OPTIMIZER_ALIASES,
@@ -820,7 +821,7 @@ def measure_layers(layers: Sequence[nn.Module], sample_input: SampleInput,
     reports = tuple(
         LayerReport(
             name=names[i],
-            param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
+            param_bytes=layer_param_bytes(layer),
             output_bytes_per_sample=static[i][2] / b_max,
             saved_bytes_per_sample=static[i][0] / b_max,
             forward_flops_per_sample=static[i][1] / b_max,

@@ -33,6 +33,7 @@ from hetrain.distributed.device import choose_device
 from hetrain.drift import DriftOptions, check_force_devices, parse_force
 from hetrain.errors import InputError, RunError
 from hetrain.fields import MAX_SEQ_LEN, MAX_STEPS
+from hetrain.models.layers import param_bytes
 from hetrain.models.spec import is_user_spec
 from hetrain.models.user import ModelSource, resolve_model
 from hetrain.plan import Plan, PlanError, load_plan
@@ -111,7 +112,7 @@ def check_layers_of_plan(plan_path: str | Path | Plan, plan: Plan, model: str, f
         PlanError: naming the plan, the first such layer and both sizes.
     """
     for k, layer in enumerate(layers, start=first):
-        have = sum(p.numel() * p.element_size() for p in layer.parameters())
+        have = param_bytes(layer)
         want = plan.profile.layers[k].param_bytes
         if abs(have - want) > 1e-3 * max(want, 1.0):
             where = plan_path if isinstance(plan_path, (str, Path)) else "the plan"

@@ -36,6 +36,7 @@ from hetrain import amp
 from hetrain.distributed.health import Health
 from hetrain.errors import RunError
 from hetrain.models.layers import LayerRange
+from hetrain.models.user import describe_error
 from hetrain.runtime.metrics import Recorder
 from hetrain.runtime.modes import ModeSync
 from hetrain.runtime.p2p import Transport, flatten, grad_slots
@@ -70,11 +71,16 @@ class LayerFailure(RunError):
     """
 
     def __init__(self, layer: int | None, cause: BaseException) -> None:
-        first = (str(cause).strip().splitlines() or [""])[0]
-        where = "the loss function" if layer is None else f"layer {layer}"
-        super().__init__(f"{where} raised {type(cause).__name__}: {first}")
         self.layer = layer
         self.cause = cause
+        super().__init__(self.where())
+
+    def where(self, name: str | None = None) -> str:
+        """``layer 4 (block3) raised KeyError: 'x'``: the layer (with its ``name`` where given), or the loss
+        function, and the first line of what it raised (``models.user.describe_error``)."""
+        if self.layer is None:
+            return f"the loss function raised {describe_error(self.cause)}"
+        return f"layer {self.layer}{f' ({name})' if name else ''} raised {describe_error(self.cause)}"
 
 
 # torch.utils.checkpoint stops a recomputation early by raising this through the layers: not a failure

@@ -50,6 +50,7 @@ from hetrain.amp import LossScaler, check_precision
 from hetrain.distributed.device import choose_device
 from hetrain.drift import DriftOptions
 from hetrain.errors import HetrainError, RunError
+from hetrain.models.user import describe_error
 from hetrain.plan import Plan, plan_fingerprint
 from hetrain.profile import OPTIMIZER_NAMES, canonical_optimizer
 from hetrain.runtime.batches import MicroBatches, global_batches
@@ -287,20 +288,15 @@ class Trainer:
         except DriftSwitch as e:  # every rank leaves alike, on purpose: nothing to tell the others
             leave_together(self.health, e.step, self.timeout_s)
             raise
-        except HetrainError as e:
-            if isinstance(e, LayerFailure):  # the user's model or loss: one line naming the step and the layer
-                failure = RunError(self._describe_failure(e))
-                self.health.post_error(str(failure))
-                self.health.linger(min(self.timeout_s, 3 * self.health.period_s + 2))
-                raise failure from e.cause
-            self.health.post_error(str(e))
-            self.health.linger(min(self.timeout_s, 3 * self.health.period_s + 2))
-            raise
-        except Exception as e:  # the user's data or code outside the layers: one line naming the step
-            failure = RunError(self._describe_failure(e))
+        except Exception as e:
+            # the user's model, loss or data: one line naming the step and the layer; hetrain's own errors as they are
+            failure = e if isinstance(e, HetrainError) and not isinstance(e, LayerFailure) else \
+                RunError(self._describe_failure(e))
             self.health.post_error(str(failure))
             self.health.linger(min(self.timeout_s, 3 * self.health.period_s + 2))
-            raise failure from e
+            if failure is e:
+                raise
+            raise failure from e.cause if isinstance(e, LayerFailure) else e
         finally:
             if log is not None:
                 log.close()
@@ -313,14 +309,8 @@ class Trainer:
         line of what it raised."""
         here = f"step {self.step} on {self.health.name(self.rank)}"
         if isinstance(e, LayerFailure):
-            cause = e.cause
-            first = (str(cause).strip().splitlines() or [""])[0]
-            if e.layer is None:
-                return f"{here}: the loss function raised {type(cause).__name__}: {first}"
-            name = self.plan.profile.layers[e.layer].name
-            return f"{here}: layer {e.layer} ({name}) raised {type(cause).__name__}: {first}"
-        first = (str(e).strip().splitlines() or [""])[0]
-        return f"{here}: {type(e).__name__}: {first}"
+            return f"{here}: {e.where(None if e.layer is None else self.plan.profile.layers[e.layer].name)}"
+        return f"{here}: {describe_error(e)}"
 
     @property
     def sync_stats(self) -> dict[str, int]:
