@@ -221,13 +221,13 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path: Path, capsys: pytest
     gpt2 = model_dir(tmp_path / "gpt2", gpt2_config())
     args = ["--checkpoint", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "out"), "--model"]
     err = one_line_error(capsys, [*args, wider])
-    assert "has layers.0.tokens.weight of shape (100, 32), but" in err and "(100, 64)" in err, err
+    assert "has layers.0.model.embed_tokens.weight of shape (100, 32), but" in err and "(100, 64)" in err, err
     err = one_line_error(capsys, [*args, deeper])
-    assert "has no tensor layers.3.block." in err and "it is not a checkpoint of this model" in err, err
+    assert "has no tensor layers.3.model.layers.2." in err and "it is not a checkpoint of this model" in err, err
     err = one_line_error(capsys, [*args, gpt2])
-    assert "has no tensor layers.0.positions.weight (transformer.wpe.weight" in err, err
+    assert "has no tensor layers.0.transformer.wte.weight (transformer.wte.weight" in err, err
     err = one_line_error(capsys, [*args, model_dir(tmp_path / "one", llama_config(num_hidden_layers=1))])
-    assert "has no tensor layers.2.norm.weight (model.norm.weight of" in err, err  # its head is a block there
+    assert "has no tensor layers.2.model.norm.weight (model.norm.weight of" in err, err  # its head is a block there
     state = LayerRange(resolve_model(small).build_layers()).state_dict()
     save_checkpoint(tmp_path / "more", 3, {**state, "layers.4.extra.weight": torch.ones(2)}, {}, {"model": small})
     with pytest.raises(ExportError, match=r"step 3 in .*more holds layers.4.extra.weight \(1 such\), which hf:"):
@@ -241,10 +241,10 @@ def test_tied_copies_that_differ_are_named_and_the_first_is_written(tmp_path: Pa
     state = stage.state_dict()
     state["layers.3.lm_head.weight"] = state["layers.3.lm_head.weight"] + 0.5
     save_checkpoint(tmp_path / "ckpt", 1, state, {}, {"model": spec})
-    with pytest.warns(RuntimeWarning, match=r"the tied copies layers.0.tokens.weight and layers.3.lm_head.weight "
+    with pytest.warns(RuntimeWarning, match=r"the tied copies layers.0.transformer.wte.weight and layers.3.lm_head.weight "
                                             r"differ \(largest difference 0.5\)"):
         export_hf(tmp_path / "ckpt", tmp_path / "out")
     from safetensors.torch import load_file
 
     written = load_file(str(tmp_path / "out" / "model.safetensors"))["transformer.wte.weight"]
-    torch.testing.assert_close(written, state["layers.0.tokens.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(written, state["layers.0.transformer.wte.weight"], rtol=0, atol=0)

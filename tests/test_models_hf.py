@@ -79,13 +79,13 @@ def test_cut_layers_give_the_models_logits(kind: str, tmp_path: Path) -> None:
 
 def test_tied_weights_become_equal_copies_named_as_ties(tmp_path: Path) -> None:
     gpt2 = resolve_model(write_dir(tmp_path / "g", gpt2_config())[0])
-    assert gpt2.tied == (((0, "tokens.weight"), (3, "lm_head.weight")),)
+    assert gpt2.tied == (((0, "transformer.wte.weight"), (3, "lm_head.weight")),)
     layers = gpt2.build_layers(seed=1)
-    first, last = layers[0].get_parameter("tokens.weight"), layers[3].get_parameter("lm_head.weight")
+    first, last = layers[0].get_parameter("transformer.wte.weight"), layers[3].get_parameter("lm_head.weight")
     assert first is not last and torch.equal(first, last)
     assert resolve_model(write_dir(tmp_path / "l", llama_config())[0]).tied == ()  # Llama's default: untied
     assert resolve_model(write_dir(tmp_path / "t", llama_config(tie_word_embeddings=True))[0]).tied == (
-        ((0, "tokens.weight"), (3, "lm_head.weight")),)
+        ((0, "model.embed_tokens.weight"), (3, "lm_head.weight")),)
 
 
 def test_weights_are_loaded_into_a_ranks_layers(tmp_path: Path) -> None:
@@ -93,10 +93,12 @@ def test_weights_are_loaded_into_a_ranks_layers(tmp_path: Path) -> None:
     source = resolve_model(spec)
     block, head = source.build_layers(2, 4, seed=0)  # another seed: the file's weights win
     hf_state = saved.state_dict()
-    for name, tensor in block.block.named_parameters():  # layer 2 is HF's block 1
-        torch.testing.assert_close(tensor, hf_state[f"transformer.h.1.{name}"], rtol=0, atol=0)
+    names = [name for name, _ in block.named_parameters()]
+    assert names and all(name.startswith("transformer.h.1.") for name in names)  # layer 2 is HF's block 1
+    for name, tensor in block.named_parameters():  # the model's own names
+        torch.testing.assert_close(tensor, hf_state[name], rtol=0, atol=0)
     torch.testing.assert_close(head.lm_head.weight, hf_state["transformer.wte.weight"], rtol=0, atol=0)
-    torch.testing.assert_close(head.norm.weight, hf_state["transformer.ln_f.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(head.transformer.ln_f.weight, hf_state["transformer.ln_f.weight"], rtol=0, atol=0)
     ids = torch.randint(0, VOCAB, (2, 9))
     torch.testing.assert_close(run_layers(source.build_layers(seed=5), ids), saved(ids).logits, rtol=1e-5, atol=1e-5)
 
@@ -190,16 +192,16 @@ def test_tied_grads_on_one_rank_sum_the_copies_as_the_tied_models_gradient(tmp_p
     assert hook is not None
     hook(0)
     want = model.transformer.wte.weight.grad
-    torch.testing.assert_close(net[0].tokens.weight.grad, want)
+    torch.testing.assert_close(net[0].transformer.wte.weight.grad, want)
     torch.testing.assert_close(net[3].lm_head.weight.grad, want)
 
 
 def test_a_tie_across_devices_needs_bsp() -> None:
-    tie = ((0, "tokens.weight"), (3, "lm_head.weight"))
+    tie = ((0, "model.embed_tokens.weight"), (3, "lm_head.weight"))
     across = (Segment(0, 2, ("n0:0",)), Segment(2, 4, ("n0:1",)))
     plan = SimpleNamespace(sync="wsp", segments=lambda: across)
     assert not is_local(plan, tie)  # type: ignore[arg-type]
-    with pytest.raises(InputError, match=r"layer 0 \(tokens\.weight\) and layer 3 \(lm_head\.weight\).*'wsp'"):
+    with pytest.raises(InputError, match=r"layer 0 \(model\.embed_tokens\.weight\) and layer 3 \(lm_head\.weight\).*'wsp'"):
         check_tied(plan, [tie])  # type: ignore[arg-type]
     check_tied(SimpleNamespace(sync="bsp", segments=lambda: across), [tie])  # type: ignore[arg-type]
     assert tie_ranks(SimpleNamespace(sync="bsp", segments=lambda: across),  # type: ignore[arg-type]

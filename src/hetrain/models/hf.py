@@ -31,7 +31,7 @@ Example:
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetrain.models.spec import SpecError
+from hetrain.models.trace import TracedCut, bind, check_cut, repeated_blocks, trace_cut
 
 HF_PREFIX = "hf:"
 Tie = tuple[tuple[int, str], ...]
@@ -60,116 +61,62 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 # --- the layers --------------------------------------------------------------------------
 
 
-def _positions(x: torch.Tensor) -> torch.Tensor:
-    return torch.arange(x.shape[1], device=x.device).unsqueeze(0)  # (1, T)
+def hf_forward(model: nn.Module, ids: torch.Tensor) -> Any:
+    """The model's own forward as training runs it: logits ``(B, T, V)``, and for an MoE model whose config
+    asks for it (``output_router_logits``) also the router's load-balancing loss, ``(logits, aux_loss)``."""
+    if _router_aux(model.config) is not None:
+        out = model(input_ids=ids, use_cache=False, output_router_logits=True)
+        return out.logits, out.aux_loss
+    return model(input_ids=ids, use_cache=False).logits
 
 
-class Embed(nn.Module):
-    """Token ids ``(B, T)`` -> hidden states ``(B, T, C)``: token (+ learned position) embeddings (+ dropout)."""
-
-    def __init__(self, tokens: nn.Module, positions: nn.Module | None = None, drop: nn.Module | None = None) -> None:
-        super().__init__()
-        self.tokens = tokens
-        self.positions = positions
-        self.drop = drop if drop is not None else nn.Identity()
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.tokens(ids)  # (B, T, C)
-        if self.positions is not None:
-            h = h + self.positions(_positions(ids))  # (1, T, C) broadcast over B
-        out: torch.Tensor = self.drop(h)
-        return out
+def _router_aux(config: Any) -> float | None:
+    """The coefficient of the router's auxiliary loss where the config asks for it, else None."""
+    if not getattr(config, "output_router_logits", False):
+        return None
+    coef = getattr(config, "router_aux_loss_coef", None)
+    return float(coef) if isinstance(coef, int | float) else None
 
 
-#: the attentions a block may run (a ``layer_types`` entry), each masked as transformers masks it
-FULL, SLIDING = "full_attention", "sliding_attention"
+def moe_loss(coef: float) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+    """``lm_loss`` plus ``coef`` times the router's load-balancing loss, as transformers adds it."""
+
+    def loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
+        logits, aux = output
+        return lm_loss(logits, targets) + coef * aux
+
+    return loss
 
 
-def block_attention(config: Any, n: int) -> list[str]:
-    """Each of the ``n`` blocks' attention, ``FULL`` or ``SLIDING``, as the transformers model picks its mask.
-
-    A config with ``layer_types`` names each block's (Qwen2 makes blocks ``max_window_layers`` and on
-    sliding when ``use_sliding_window``; an entry hetrain does not know is returned as it is, for
-    ``check_attention`` to refuse). A config without one makes every block sliding when its class has a
-    ``sliding_window`` field and the field is set (Mistral, Mixtral, Phi-3, Starcoder2: ``create_causal_mask if
-    config.sliding_window is None else create_sliding_window_causal_mask``); a ``sliding_window`` key that the
-    class has no field for (a Llama config.json) changes nothing, in transformers as here.
-    """
-    types = getattr(config, "layer_types", None)
-    if isinstance(types, list | tuple):
-        return [str(t) for t in types[:n]]
-    windowed = hasattr(type(config), "sliding_window") and getattr(config, "sliding_window", None) is not None
-    return [SLIDING if windowed else FULL] * n
+def example_ids(config: Any, batch: int = 2, length: int = 8) -> torch.Tensor:
+    """Token ids ``(batch, length)`` to trace and check with: seeded, below the vocabulary."""
+    vocab = int(config.vocab_size)
+    generator = torch.Generator().manual_seed(1234)
+    return torch.randint(0, vocab, (batch, length), generator=generator)
 
 
-class Block(nn.Module):
-    """One decoder block, ``(B, T, C)`` -> ``(B, T, C)``, with the causal mask (and rotary cos/sin) it needs.
-
-    ``attention``: ``FULL`` (position i sees j <= i) or ``SLIDING`` (i sees j with 0 <= i - j < the config's
-    ``sliding_window``: transformers' ``sliding_window_causal_mask_function``).
-    """
-
-    def __init__(self, block: nn.Module, config: Any, rotary: nn.Module | None = None, attention: str = FULL
-                 ) -> None:
-        super().__init__()
-        self.block = block
-        self.rotary = rotary  # shared by the blocks of a stage; no parameters, a non-persistent buffer
-        self._config = config
-        self._attention = attention
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-        positions = _positions(h)  # (1, T)
-        # None under sdpa where the mask is plain causal (the kernel's is_causal: a sliding window of at least
-        # T), else a (B, 1, T, T) mask: as the model does
-        make_mask = create_sliding_window_causal_mask if self._attention == SLIDING else create_causal_mask
-        mask = make_mask(config=self._config, inputs_embeds=h, attention_mask=None, cache=None,
-                         position_ids=positions)
-        extra: dict[str, Any] = {}
-        if self.rotary is not None:
-            extra["position_embeddings"] = self.rotary(h, position_ids=positions)  # (cos, sin), each (1, T, D)
-        out = self.block(h, attention_mask=mask, position_ids=positions, **extra)
-        result: torch.Tensor = out[0] if isinstance(out, tuple) else out
-        return result
-
-
-class Head(nn.Module):
-    """Hidden states ``(B, T, C)`` -> logits ``(B, T, V)``: the final norm and the LM head."""
-
-    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
-        super().__init__()
-        self.norm = norm
-        self.lm_head = lm_head
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.lm_head(self.norm(h))
-        return out
-
-
-def cut_causal_lm(model: nn.Module, config: Any, name: str) -> list[nn.Module]:
-    """The layers of a GPT-2 or Llama-style causal LM, in forward order (parameters still shared where tied).
+def cut_causal_lm(model: nn.Module, config: Any, name: str, split_points: Sequence[str] | None = None
+                  ) -> TracedCut:
+    """The model's forward traced and cut at its decoder blocks (or ``split_points``): embed, blocks, head.
 
     Raises:
-        SpecError: an architecture whose layout is neither.
+        SpecError: a forward that cannot be traced, or split points that are not its modules.
     """
-    lm_head = getattr(model, "lm_head", None)
-    inner = getattr(model, "transformer", None)
-    if lm_head is not None and inner is not None and all(hasattr(inner, a) for a in ("wte", "wpe", "h", "ln_f")):
-        embed = Embed(inner.wte, inner.wpe, getattr(inner, "drop", None))  # GPT-2
-        return [embed, *(Block(b, config) for b in inner.h), Head(inner.ln_f, lm_head)]
-    inner = getattr(model, "model", None)
-    if lm_head is not None and inner is not None and all(hasattr(inner, a) for a in ("embed_tokens", "layers",
-                                                                                      "norm")):
-        rotary = getattr(inner, "rotary_emb", None)  # Llama-style
-        kinds = block_attention(config, len(inner.layers))  # load_hf_dir refused any other kind (check_attention)
-        if any(k not in (FULL, SLIDING) for k in kinds):
-            raise SpecError(f"{name}: layer_types {kinds}: hetrain's blocks run only {FULL!r} and {SLIDING!r} "
-                            "attention")
-        blocks = (Block(b, config, rotary, kind) for b, kind in zip(inner.layers, kinds, strict=True))
-        return [Embed(inner.embed_tokens), *blocks, Head(inner.norm, lm_head)]
-    raise SpecError(f"{name}: {type(model).__name__} is neither GPT-2-like (transformer.wte/wpe/h/ln_f, lm_head) "
-                    "nor Llama-like (model.embed_tokens/layers/norm, lm_head); hetrain cannot cut it into layers")
+    points = list(split_points) if split_points else repeated_blocks(model)
+    if not points:
+        raise SpecError(f"{name}: {type(model).__name__} has no repeated blocks to cut at; give --split-points")
+    length = min(8, _positions_bound(config))
+    return trace_cut(model, (example_ids(config, 2, length),), points, what=name, call=hf_forward,
+                     tail=not split_points)
+
+
+def _positions_bound(config: Any) -> int:
+    fields = config.to_dict()
+    for name in POSITION_FIELDS:
+        value = fields.get(name)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 8
 
 
 def untie(layers: list[nn.Module], hf_names: dict[int, list[str]]) -> tuple[Tie, ...]:
@@ -234,7 +181,6 @@ def load_hf_dir(spec: str) -> HfDir:
                         f"{type(e).__name__}: {_first_line(e)}") from e
     if raw is not None:
         check_keys(spec, config_file, raw, config)
-    check_attention(spec, config_file, config)
     return HfDir(spec, path, config, _weight_files(spec, path))
 
 
@@ -322,19 +268,6 @@ def check_keys(spec: str, config_file: Path, raw: dict[str, Any], config: Any) -
                             f"and build {meant} = {json.dumps(getattr(default, meant, None))}")
 
 
-def check_attention(spec: str, config_file: Path, config: Any) -> None:
-    """Every block's attention (``block_attention``) is one hetrain's ``Block`` masks as transformers does.
-
-    Raises:
-        SpecError: naming the file, the block's ``layer_types`` entry and its value.
-    """
-    n = getattr(config, "num_hidden_layers", None)
-    for i, kind in enumerate(block_attention(config, n if isinstance(n, int) else 0)):
-        if kind not in (FULL, SLIDING):
-            raise SpecError(f"--model {spec}: {config_file}: layer_types[{i}] is {json.dumps(kind)}; hetrain's "
-                            f"blocks run only {json.dumps(FULL)} and {json.dumps(SLIDING)} attention")
-
-
 def _meant_field(key: str, known: set[str], aliases: dict[str, str]) -> str | None:
     """The field of the config class that ``key`` is a slip for: another family's name for it, or a close spelling."""
     import difflib
@@ -383,8 +316,8 @@ def _weight_files(spec: str, path: Path) -> dict[str, Path]:
     return files
 
 
-def _build_whole(hf: HfDir, seed: int) -> tuple[list[nn.Module], dict[int, list[str]], tuple[Tie, ...]]:
-    """The whole model under ``seed``, cut and untied; ``hf_names``: parameter id -> its names in the model."""
+def build_model(hf: HfDir, seed: int) -> nn.Module:
+    """The whole transformers model under ``seed``, its weights in fp32."""
     from transformers import AutoModelForCausalLM
 
     with torch.random.fork_rng(devices=[]):
@@ -393,17 +326,30 @@ def _build_whole(hf: HfDir, seed: int) -> tuple[list[nn.Module], dict[int, list[
             # fp32 weights whatever dtype the config names (a Hub config's "bfloat16" is the dtype it was
             # published in): training keeps fp32 master weights and computes in the plan's precision, as
             # Megatron-LM, DeepSpeed and torchtitan do (docs/own-model.md, "Parameter dtype")
-            model = AutoModelForCausalLM.from_config(hf.config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+            model: nn.Module = AutoModelForCausalLM.from_config(hf.config, dtype=torch.float32)  # type: ignore[no-untyped-call]
         except Exception as e:  # transformers' own errors: named in one line with the file
             raise SpecError(f"--model {hf.spec}: transformers cannot build a causal LM from {hf.path / 'config.json'}"
                             f": {type(e).__name__}: {_first_line(e)}") from e
+    return model
+
+
+def _names_of(model: nn.Module) -> dict[int, list[str]]:
+    """Parameter id -> its names in the model (and, under the base model's prefix, as a base model's file names
+    them: the hub's gpt2 saves ``h.0...`` for ``transformer.h.0...``)."""
     hf_names: dict[int, list[str]] = {}
     base = f"{getattr(model, 'base_model_prefix', '')}."  # "transformer." (GPT-2), "model." (Llama)
     for name, p in model.named_parameters(remove_duplicate=False):
         hf_names.setdefault(id(p), []).append(name)
-    for names in hf_names.values():  # a file saved from the base model (the hub's gpt2: "h.0...") names it so
+    for names in hf_names.values():
         names.extend(n.removeprefix(base) for n in list(names) if base != "." and n.startswith(base))
-    layers = cut_causal_lm(model, hf.config, hf.spec)
+    return hf_names
+
+
+def _bound(templates: list[nn.Module], model: nn.Module) -> tuple[list[nn.Module], dict[int, list[str]],
+                                                                   tuple[Tie, ...]]:
+    """The traced layers over ``model``'s own parameters, untied; ``hf_names``: parameter id -> its names."""
+    hf_names = _names_of(model)
+    layers: list[nn.Module] = [bind(t, model) for t in templates]
     ties = untie(layers, hf_names)
     return layers, hf_names, ties
 
@@ -464,6 +410,7 @@ class HfModel:
         build: ``build(first, end, seed)``: layers ``[first, end)``, the file's weights in them if any.
         vocab: the config's ``vocab_size``.
         max_positions: ``(field, value)``: the config field that bounds the tokens per sample and its value.
+        loss_fn: next-token cross-entropy, plus the router's auxiliary loss where the config asks for it.
     """
 
     num_layers: int
@@ -472,6 +419,7 @@ class HfModel:
     build: Callable[[int, int, int], list[nn.Module]]
     vocab: int
     max_positions: tuple[str, int]
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] = lm_loss
 
 
 #: config.json fields that bound the positions of a sample, the first present wins (GPT-2's, then the others')
@@ -493,28 +441,39 @@ def max_positions(hf: HfDir) -> tuple[str, int]:
                     "hetrain needs the longest sample the model takes")
 
 
-def resolve_hf(spec: str) -> HfModel:
-    """``hf:DIR``, built, cut and checked against its weights once here (``ModelSource`` wraps it).
+def resolve_hf(spec: str, split_points: Sequence[str] | None = None) -> HfModel:
+    """``hf:DIR``, built, traced, cut and checked against its own forward and its weights once here.
+
+    The cut is checked where it is made: the chained layers run one sample next to the model's own
+    forward, in fp32 (``check_cut``), and a difference is refused naming the first layer that differs.
 
     Raises:
-        SpecError: a missing or unreadable file, an architecture hetrain cannot cut, or weights
+        SpecError: a missing or unreadable file, a forward hetrain cannot trace or cut exactly, or weights
             that do not match the config (each in one line, naming the file).
     """
     hf = load_hf_dir(spec)
-    layers, hf_names, ties = _build_whole(hf, 0)
+    model = build_model(hf, 0)
+    cut = cut_causal_lm(model, hf.config, spec, split_points)
+    length = min(7, _positions_bound(hf.config))  # another shape than the trace's: a specialised size shows
+    check_cut(cut, model, (example_ids(hf.config, 3, length),), hf_forward, f"--model {spec}")
+    templates = cut.layers
+    layers, hf_names, ties = _bound(templates, model)
     if hf.files:
         check_weights(hf, layers, hf_names)
     n = len(layers)
-    names = ("embed", *(f"block{k}" for k in range(1, n - 1)), "head")
+    names = ("embed", *(f"block{k}" for k in range(1, n - 1)), "head") if not split_points else cut.names
+    del model, layers, cut
 
     def build(first: int, end: int, seed: int) -> list[nn.Module]:
-        built, ids, _ = _build_whole(hf, seed)
+        built, ids, _ = _bound(templates, build_model(hf, seed))
         kept = dict(enumerate(built[first:end], start=first))
         if hf.files:
             load_weights(hf, kept, ids)
         return list(kept.values())
 
-    return HfModel(n, names, ties, build, int(hf.config.vocab_size), max_positions(hf))
+    coef = _router_aux(hf.config)
+    loss = lm_loss if coef is None else moe_loss(coef)
+    return HfModel(n, names, ties, build, int(hf.config.vocab_size), max_positions(hf), loss)
 
 
 def _first_line(e: BaseException) -> str:

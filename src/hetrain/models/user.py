@@ -223,14 +223,14 @@ def resolve_model(text: str, **config: Any) -> ModelSource:
     if not is_user_spec(text):
         return _resolve_preset(text, config)
     if text.startswith("hf:"):  # a local Hugging Face model directory (hetrain.models.hf)
-        from hetrain.models.hf import lm_loss, resolve_hf
+        from hetrain.models.hf import resolve_hf
 
         if config:
             raise SpecError(f"--set {', '.join(sorted(config))}: settings apply to reference models only; "
                             f"{text} is built from its config.json")
         hf = resolve_hf(text)
         field_name, most = hf.max_positions
-        return ModelSource(text, hf.num_layers, hf.layer_names, lm_loss, tied=hf.tied,
+        return ModelSource(text, hf.num_layers, hf.layer_names, hf.loss_fn, tied=hf.tied,
                            tokens=TokenLimits(hf.vocab, most, field_name), _build=hf.build)
     if config:
         raise SpecError(f"--set {', '.join(sorted(config))}: settings apply to reference models only; "

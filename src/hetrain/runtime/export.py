@@ -156,30 +156,22 @@ class HfLayout:
 def build_hf_layout(spec: str) -> HfLayout:
     """The names of ``hf:DIR``'s layers in a checkpoint and in the transformers model, matched by tensor.
 
-    The model is built on the ``meta`` device: shapes and names only, no weights in memory.
+    The model is built and traced as training cut it (``models.hf.cut_causal_lm``); each layer holds the
+    model's own tensors, so the names match by tensor.
 
     Raises:
         SpecError: the directory, its config or its layout cannot be used (``models.hf``).
         ExportError: a tensor of the model that no layer holds.
     """
-    from transformers import AutoModelForCausalLM
-
-    from hetrain.models.hf import cut_causal_lm, load_hf_dir
+    from hetrain.models.hf import build_model, cut_causal_lm, load_hf_dir
     from hetrain.models.layers import LayerRange
-    from hetrain.models.spec import SpecError
 
     hf = load_hf_dir(spec)
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(hf.config)  # type: ignore[no-untyped-call]
-    except Exception as e:  # transformers' own errors: named in one line with the file
-        text = str(e).strip()
-        raise SpecError(f"--model {spec}: transformers cannot build a causal LM from {hf.path / 'config.json'}: "
-                        f"{type(e).__name__}: {text.splitlines()[0] if text else ''}") from e
+    model = build_model(hf, 0)
     names_of: dict[int, list[str]] = {}  # tensor id -> its names in the model's state_dict, in order
     for name, t in model.state_dict(keep_vars=True).items():
         names_of.setdefault(id(t), []).append(name)
-    stage = LayerRange(cut_causal_lm(model, hf.config, spec))  # tied: one tensor in two layers, as in the model
+    stage = LayerRange(cut_causal_lm(model, hf.config, spec).layers)  # tied: one tensor in two layers, as in the model
     hf_name: dict[str, str] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for name, t in stage.state_dict(keep_vars=True).items():
