@@ -241,8 +241,8 @@ def test_tied_copies_that_differ_are_named_and_the_first_is_written(tmp_path: Pa
     state = stage.state_dict()
     state["layers.3.lm_head.weight"] = state["layers.3.lm_head.weight"] + 0.5
     save_checkpoint(tmp_path / "ckpt", 1, state, {}, {"model": spec})
-    with pytest.warns(RuntimeWarning, match=r"the tied copies layers.0.transformer.wte.weight and layers.3.lm_head.weight "
-                                            r"differ \(largest difference 0.5\)"):
+    with pytest.warns(RuntimeWarning, match=r"the tied copies layers.0.transformer.wte.weight and "
+                                            r"layers.3.lm_head.weight differ \(largest difference 0.5\)"):
         export_hf(tmp_path / "ckpt", tmp_path / "out")
     from safetensors.torch import load_file
 

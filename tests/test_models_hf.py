@@ -201,7 +201,8 @@ def test_a_tie_across_devices_needs_bsp() -> None:
     across = (Segment(0, 2, ("n0:0",)), Segment(2, 4, ("n0:1",)))
     plan = SimpleNamespace(sync="wsp", segments=lambda: across)
     assert not is_local(plan, tie)  # type: ignore[arg-type]
-    with pytest.raises(InputError, match=r"layer 0 \(model\.embed_tokens\.weight\) and layer 3 \(lm_head\.weight\).*'wsp'"):
+    with pytest.raises(InputError, match=r"layer 0 \(model\.embed_tokens\.weight\) and layer 3 "
+                                         r"\(lm_head\.weight\).*'wsp'"):
         check_tied(plan, [tie])  # type: ignore[arg-type]
     check_tied(SimpleNamespace(sync="bsp", segments=lambda: across), [tie])  # type: ignore[arg-type]
     assert tie_ranks(SimpleNamespace(sync="bsp", segments=lambda: across),  # type: ignore[arg-type]
