@@ -6,6 +6,7 @@ import dataclasses
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,10 +15,10 @@ from torch import nn  # noqa: E402
 
 from hetrain.data.user import build_model_datasets, load_user_datasets  # noqa: E402
 from hetrain.errors import InputError  # noqa: E402
-from hetrain.models.layers import LayerRange  # noqa: E402
+from hetrain.models.layers import LayerRange, run_layers  # noqa: E402
 from hetrain.models.registry import build_layers  # noqa: E402
 from hetrain.models.spec import SpecError, is_user_spec, split_spec  # noqa: E402
-from hetrain.models.user import check_model_on_batch, cut_layers, resolve_model  # noqa: E402
+from hetrain.models.user import check_model_on_batch, resolve_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "own_model" / "model.py"
@@ -163,20 +164,85 @@ def test_a_function_that_changes_its_model_is_refused_at_build(user_module: Path
         source.build_layers(seed=0)
 
 
-def test_cut_layers_names_the_module_and_the_way_out() -> None:
-    class Residual(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.body = nn.Linear(2, 2)
+SKIP_MODEL = """
+import torch
+from torch import nn
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + self.body(x)
 
+class Skip(nn.Sequential):
+    \"\"\"A Sequential whose forward is its own: the first child's output skips the second and joins the third's.\"\"\"
+
+    def forward(self, x):
+        h = self[0](x)                  # (B, 8)
+        return self[2](self[1](h) + h) * 0.5
+
+
+def build():
+    return Skip(nn.Linear(4, 8), nn.Sequential(nn.Tanh(), nn.Linear(8, 8)), nn.Linear(8, 3))
+
+
+def example_input():
+    return torch.randn(2, 4)
+
+"""
+
+
+def test_a_sequential_with_a_skip_is_traced_and_trains_exactly_as_its_own_forward(tmp_path: Path) -> None:
+    """Cut into its children, the skip would be dropped (up to 0.83 away from its forward): traced, the first
+    child's output travels through the second layer to the third."""
+    file = tmp_path / "skip.py"
+    file.write_text(SKIP_MODEL)
+    source = resolve_model(f"{file}:build")
+    assert source.num_layers == 3
+    layers = source.build_layers(seed=4)
+    module = _load(file)
+    torch.manual_seed(4)
+    own = module.build()
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    torch.testing.assert_close(run_layers(layers, x), own(x), rtol=0, atol=0)
+    # the same SGD steps on both: every weight stays equal to the model's own
+    params = [p for layer in layers for p in layer.parameters()]
+    opt, ref_opt = torch.optim.SGD(params, lr=0.1), torch.optim.SGD(own.parameters(), lr=0.1)
+    for _ in range(3):
+        for o, out in ((opt, run_layers(layers, x)), (ref_opt, own(x))):
+            o.zero_grad()
+            source.loss_fn(out, y).backward()
+            o.step()
+    got = {name: p for layer in layers for name, p in layer.named_parameters()}
+    assert sorted(got) == sorted(name for name, _ in own.named_parameters())  # the model's own names
+    for name, p in own.named_parameters():
+        torch.testing.assert_close(got[name], p, rtol=0, atol=0)
+
+
+def test_a_module_to_trace_needs_an_example_input(tmp_path: Path) -> None:
+    file = tmp_path / "skip.py"
+    file.write_text(SKIP_MODEL.replace("def example_input", "def other_input"))
     with pytest.raises(SpecError) as e:
-        cut_layers(Residual(), "m.py:f")
-    assert str(e.value) == ("model function m.py:f returned Residual, a module whose forward hetrain cannot follow "
-                            "(children body); return an nn.Sequential or a list of layers (nn.Module) in forward "
-                            "order, e.g. list(Residual(...).children()) if its forward just chains them")
+        resolve_model(f"{file}:build")
+    assert str(e.value) == (f"{file}:build: its model is a module whose own forward hetrain traces to cut it; "
+                            f"define example_input() in {file}, returning one micro-batch of its input (a tensor, as "
+                            "torch.distributed.pipelining asks for mb_args)")
+
+
+def test_a_forward_that_branches_on_its_data_is_refused_naming_the_construct(tmp_path: Path) -> None:
+    file = tmp_path / "branch.py"
+    file.write_text(SKIP_MODEL.replace("return self[2](self[1](h) + h) * 0.5",
+                                       "return self[2](h) if h.sum() > 0 else self[2](self[1](h))"))
+    with pytest.raises(SpecError) as e:
+        resolve_model(f"{file}:build")
+    text = str(e.value)
+    assert "\n" not in text and "its forward cannot be traced (data-dependent control flow" in text, text
+    assert "pass its layers as a list" in text, text
+
+
+def _load(file: Path) -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("skip_model", file)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_user_data_sets_are_batched_by_index(user_module: Path) -> None:

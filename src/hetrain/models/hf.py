@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetrain.models.spec import SpecError
-from hetrain.models.trace import TracedCut, bind, check_cut, repeated_blocks, trace_cut
+from hetrain.models.trace import TracedCut, bind, check_cut, repeated_blocks, trace_cut, untie
 
 HF_PREFIX = "hf:"
 Tie = tuple[tuple[int, str], ...]
@@ -117,26 +117,6 @@ def _positions_bound(config: Any) -> int:
         if isinstance(value, int) and value > 0:
             return value
     return 8
-
-
-def untie(layers: list[nn.Module], hf_names: dict[int, list[str]]) -> tuple[Tie, ...]:
-    """Give each layer its own copy of a parameter it shares with an earlier layer; return the ties.
-
-    ``hf_names`` (id of a parameter -> its names in the whole model) gets the copies' ids too.
-    """
-    first_seen: dict[int, tuple[int, str]] = {}
-    ties: dict[int, list[tuple[int, str]]] = {}
-    for k, layer in enumerate(layers):
-        for name, p in list(layer.named_parameters(remove_duplicate=False)):
-            owner = first_seen.setdefault(id(p), (k, name))
-            if owner[0] == k:
-                continue
-            copy = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
-            path, _, leaf = name.rpartition(".")
-            setattr(layer.get_submodule(path), leaf, copy)
-            hf_names[id(copy)] = hf_names[id(p)]
-            ties.setdefault(id(p), [owner]).append((k, name))
-    return tuple(tuple(group) for group in ties.values())
 
 
 # --- the directory -------------------------------------------------------------------------

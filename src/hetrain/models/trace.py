@@ -44,6 +44,8 @@ from torch import fx, nn
 
 from hetrain.models.spec import SpecError
 
+Tie = tuple[tuple[int, str], ...]
+
 #: the prefix the wrapper adds to every module path (``Wrapped``): stripped from the layers' names
 _ROOT = "m"
 
@@ -497,6 +499,27 @@ def _first_differing(cut: TracedCut, example: tuple[Any, ...], rtol: float) -> s
             "Python state, or control flow on the data); pass its layers as a list instead")
 
 
+def untie(layers: list[nn.Module], hf_names: dict[int, list[str]]) -> tuple[Tie, ...]:
+    """Give each layer its own copy of a parameter it shares with an earlier layer; return the ties.
+
+    ``hf_names`` (id of a parameter -> its names in the whole model) gets the copies' ids too.
+    """
+    first_seen: dict[int, tuple[int, str]] = {}
+    ties: dict[int, list[tuple[int, str]]] = {}
+    for k, layer in enumerate(layers):
+        for name, p in list(layer.named_parameters(remove_duplicate=False)):
+            owner = first_seen.setdefault(id(p), (k, name))
+            if owner[0] == k:
+                continue
+            copy = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+            path, _, leaf = name.rpartition(".")
+            setattr(layer.get_submodule(path), leaf, copy)
+            if id(p) in hf_names:
+                hf_names[id(copy)] = hf_names[id(p)]
+            ties.setdefault(id(p), [owner]).append((k, name))
+    return tuple(tuple(group) for group in ties.values())
+
+
 def _fetch(gm: nn.Module, target: str) -> Any:
     obj: Any = gm
     for part in target.split("."):
@@ -504,4 +527,4 @@ def _fetch(gm: nn.Module, target: str) -> Any:
     return obj
 
 
-__all__ = ["ModeOp", "TracedCut", "Wrapped", "bind", "check_cut", "repeated_blocks", "run_chain", "trace_cut"]
+__all__ = ["ModeOp", "TracedCut", "Wrapped", "bind", "check_cut", "repeated_blocks", "run_chain", "trace_cut", "untie"]

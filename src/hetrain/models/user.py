@@ -111,15 +111,19 @@ class ModelSource:
         return self._build(first, end, seed)
 
 
-def cut_layers(model: Any, spec: str) -> list[nn.Module]:
-    """The layers of what a model function returned, in forward order; refuses what cannot be cut.
+def cut_layers(model: Any, spec: str) -> list[nn.Module] | None:
+    """The layers of what a model function returned, in forward order, where its structure says them exactly;
+    None for a module whose own ``forward`` must be traced to be cut (``trace_user_model``).
+
+    An ``nn.Sequential`` (whose forward is ``nn.Sequential``'s own: it chains its children), an
+    ``nn.ModuleList``, a list of modules, or a module without children is cut here.
 
     Raises:
-        SpecError: not a module or a list of modules, an empty list, a module with children that is
-            not an ``nn.Sequential`` or ``nn.ModuleList``, or a layer (or parameter) in two places.
+        SpecError: not a module or a list of modules, an empty list, or a layer (or parameter) in two places.
     """
     what = f"model function {spec} returned"
-    if isinstance(model, nn.Sequential | nn.ModuleList):
+    if (isinstance(model, nn.Sequential) and type(model).forward is nn.Sequential.forward) \
+            or isinstance(model, nn.ModuleList):
         layers = list(model)
     elif isinstance(model, list | tuple):
         layers = list(model)
@@ -128,12 +132,8 @@ def cut_layers(model: Any, spec: str) -> list[nn.Module]:
                 raise SpecError(f"{what} a {type(model).__name__} whose item {k} is a {type(layer).__name__}, "
                                 f"not an nn.Module; {_HOW}")
     elif isinstance(model, nn.Module):
-        children = [name for name, _ in model.named_children()]
-        if children:
-            shown = ", ".join(children[:4]) + (", ..." if len(children) > 4 else "")
-            raise SpecError(f"{what} {type(model).__name__}, a module whose forward hetrain cannot follow "
-                            f"(children {shown}); {_HOW}, e.g. list({type(model).__name__}(...).children()) "
-                            f"if its forward just chains them")
+        if any(True for _ in model.children()):
+            return None  # its forward may do anything with its children (a skip, a scale): traced
         layers = [model]
     else:
         raise SpecError(f"{what} a {type(model).__name__}, not a model; {_HOW}")
@@ -141,6 +141,17 @@ def cut_layers(model: Any, spec: str) -> list[nn.Module]:
         raise SpecError(f"{what} an empty {type(model).__name__}; {_HOW}")
     _check_unshared(layers, what)
     return layers
+
+
+def user_split_points(model: nn.Module) -> tuple[list[str], bool]:
+    """Where a user's module is cut by default: before each of its repeated blocks and after the last (``tail``),
+    or, with none, before each of its children but the first."""
+    from hetrain.models.trace import repeated_blocks
+
+    blocks = repeated_blocks(model)
+    if blocks:
+        return blocks, True
+    return [name for name, _ in model.named_children()][1:], False
 
 
 def _check_unshared(layers: list[nn.Module], what: str) -> None:
@@ -163,10 +174,26 @@ def _layer_names(layers: list[nn.Module]) -> tuple[str, ...]:
     return tuple(f"{type(m).__name__.lower()}{k}" for k, m in enumerate(layers))
 
 
-def _build_seeded(fn: Callable[[], Any], spec: str, seed: int) -> list[nn.Module]:
+def _call_seeded(fn: Callable[[], Any], spec: str, seed: int) -> Any:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return cut_layers(call_spec(spec, fn, "model function"), spec)
+        return call_spec(spec, fn, "model function")
+
+
+def _example_input(module: Any, spec: str) -> tuple[Any, ...]:
+    """One micro-batch of the model's inputs, from ``example_input()`` beside the model function."""
+    make = getattr(module, "example_input", None)
+    where = spec.rpartition(":")[0]
+    if make is None or not callable(make):
+        raise SpecError(f"{spec}: its model is a module whose own forward hetrain traces to cut it; define "
+                        f"example_input() in {where}, returning one micro-batch of its input (a tensor, as "
+                        "torch.distributed.pipelining asks for mb_args)")
+    x = call_spec(spec, make, "example_input of")
+    inputs = x if isinstance(x, tuple) else (x,)
+    if len(inputs) != 1 or not isinstance(inputs[0], torch.Tensor):
+        raise SpecError(f"{spec}: example_input() in {where} returned {describe_shapes(x)}; it must return one "
+                        "tensor, the input of the model's forward")
+    return inputs
 
 
 def _user_loss(module: Any, spec: str) -> LossFn:
@@ -182,17 +209,44 @@ def _user_loss(module: Any, spec: str) -> LossFn:
 
 def _resolve_user(spec: str) -> ModelSource:
     fn, module = load_function(spec)
-    layers = _build_seeded(fn, spec, 0)
+    model = _call_seeded(fn, spec, 0)
+    layers = cut_layers(model, spec)
+    if layers is None:
+        return _resolve_traced(spec, fn, module, model)
     n = len(layers)
 
     def build(first: int, end: int, seed: int) -> list[nn.Module]:
-        built = _build_seeded(fn, spec, seed)
-        if len(built) != n:
-            raise SpecError(f"model function {spec} returned {n} layers, then {len(built)}: it must return the "
-                            "same model every call")
+        built = cut_layers(_call_seeded(fn, spec, seed), spec)
+        if built is None or len(built) != n:
+            raise SpecError(f"model function {spec} returned {n} layers, then {len(built or [])}: it must return "
+                            "the same model every call")
         return built[first:end]
 
     return ModelSource(spec, n, _layer_names(layers), _user_loss(module, spec), _build=build)
+
+
+def _resolve_traced(spec: str, fn: Callable[[], Any], module: Any, model: nn.Module) -> ModelSource:
+    """A user's module cut by tracing its own forward (``hetrain.models.trace``), checked against that forward."""
+    from hetrain.models.trace import bind, check_cut, trace_cut, untie
+
+    example = _example_input(module, spec)
+    points, tail = user_split_points(model)
+    cut = trace_cut(model, example, points, what=f"model function {spec}", tail=tail)
+    check_cut(cut, model, example, lambda m, *a: m(*a), f"model function {spec}")
+    templates = cut.layers
+    ties = untie([bind(t, model) for t in templates], {})
+    names = tuple(f"{type(model).__name__.lower()}{k}" for k in range(len(templates)))
+
+    def build(first: int, end: int, seed: int) -> list[nn.Module]:
+        built = _call_seeded(fn, spec, seed)
+        if type(built) is not type(model):
+            raise SpecError(f"model function {spec} returned {type(model).__name__}, then {type(built).__name__}: "
+                            "it must return the same model every call")
+        layers: list[nn.Module] = [bind(t, built) for t in templates]
+        untie(layers, {})
+        return layers[first:end]
+
+    return ModelSource(spec, len(templates), names, _user_loss(module, spec), tied=ties, _build=build)
 
 
 def _resolve_preset(name: str, config: dict[str, Any]) -> ModelSource:

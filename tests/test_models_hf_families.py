@@ -1,0 +1,77 @@
+"""Every transformers family hetrain is checked on is cut exactly: built from its config.json, traced, and its
+chained layers give the model's own logits, its own loss (with the router's auxiliary loss for MoE models) and
+its own gradients.
+
+The cut is refused where it is not exact (``check_cut``, run by ``resolve_model``); these tests check the
+equality again from outside, against a transformers model built under the same seed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hf_families import FAMILIES, VOCAB
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from hetrain.models.layers import run_layers  # noqa: E402
+from hetrain.models.user import resolve_model  # noqa: E402
+
+
+def family_dir(tmp_path: Path, family: str) -> Path:
+    d = tmp_path / family
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(FAMILIES[family]))
+    return d
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_family_runs_its_own_forward_loss_and_gradients(family: str, tmp_path: Path) -> None:
+    d = family_dir(tmp_path, family)
+    source = resolve_model(f"hf:{d}")  # traced, and checked against the model's forward
+    assert source.num_layers == 4 and source.layer_names == ("embed", "block1", "block2", "head")
+    config = transformers.AutoConfig.from_pretrained(d)
+    torch.manual_seed(5)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    layers = [m.eval() for m in source.build_layers(seed=5)]
+    window = torch.randint(1, VOCAB, (3, 11), generator=torch.Generator().manual_seed(2))  # (B, T + 1)
+    x, y = window[:, :-1].contiguous(), window[:, 1:].contiguous()  # targets: the inputs shifted by one
+    out = run_layers(layers, x)
+    # transformers' loss on the same window: its labels shifted as the data shifted them
+    want = model(input_ids=x, labels=x, shift_labels=y)
+    logits = out[0] if isinstance(out, tuple) else out
+    torch.testing.assert_close(logits, want.logits, rtol=1e-5, atol=1e-5)
+    loss = source.loss_fn(out, y)
+    torch.testing.assert_close(loss, want.loss, rtol=1e-5, atol=1e-6)
+    loss.backward()
+    want.loss.backward()
+    tied = {name for tie in source.tied for _, name in tie}  # a tied copy holds one part of the model's gradient
+    compared = 0
+    for layer in layers:
+        for name, p in layer.named_parameters():
+            if name in tied:
+                continue
+            ref = model.get_parameter(name).grad
+            assert ref is not None and p.grad is not None, name
+            torch.testing.assert_close(p.grad, ref, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+            compared += 1
+    assert compared >= len(list(model.parameters())) - 2 * len(source.tied)
+
+
+def test_the_moe_loss_is_transformers_loss_with_router_logits(tmp_path: Path) -> None:
+    """Mixtral asks for its router's load-balancing loss (output_router_logits): the loss hetrain trains on is
+    transformers' cross-entropy plus router_aux_loss_coef times that loss, not the cross-entropy alone."""
+    d = family_dir(tmp_path, "mixtral")
+    source = resolve_model(f"hf:{d}")
+    layers = [m.eval() for m in source.build_layers(seed=1)]
+    x = torch.randint(0, VOCAB, (2, 9))
+    logits, aux = run_layers(layers, x)
+    config = transformers.AutoConfig.from_pretrained(d)
+    assert float(aux) > 0 and config.router_aux_loss_coef == 0.02
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), x.reshape(-1))
+    torch.testing.assert_close(source.loss_fn((logits, aux), x), ce + 0.02 * aux)
