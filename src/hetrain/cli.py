@@ -554,7 +554,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--model", required=True, help="a reference model, or MODULE:FUNCTION / path/to/file.py:FUNCTION "
                     "returning your own (docs/own-model.md)")
     pr.add_argument("--data", default=None, help="MODULE:FUNCTION returning a torch Dataset of (input, target), "
-                    "or tokens:FILE.bin / text:FILE: the input to profile on (needed for your own model)")
+                    "tokens:FILE.bin / text:FILE, or jsonl:FILE / parquet:FILE / dataset:DIR: the input to profile "
+                    "on (needed for your own model)")
     pr.add_argument("--seq-len", type=int_between(1, MAX_SEQ_LEN, "MAX_SEQ_LEN"), default=None, metavar="T",
                     help="tokens per sample of a token model or token data (default: a gpt model's seq_len; an "
                     "hf:DIR model needs it); recorded in the profile, hetrain train runs at it")

@@ -57,7 +57,7 @@ def is_token_spec(data: str | None) -> bool:
     return data is not None and data.startswith((TOKEN_PREFIX, TEXT_PREFIX))
 
 
-def _check_ids(ids: np.ndarray, vocab: int | None, name: str, where: str, vocab_setting: str = VOCAB_SETTING) -> None:
+def check_ids(ids: np.ndarray, vocab: int | None, name: str, where: str, vocab_setting: str = VOCAB_SETTING) -> None:
     """Refuse an id >= ``vocab`` in ``ids`` (``where`` says which part of ``name`` they are; ``vocab_setting``
     how the model's vocabulary is set, ``{n}`` its size)."""
     if vocab is None or not len(ids):
@@ -104,7 +104,7 @@ class TokenDataset:
         if len(k) and not (int(k.min()) >= 0 and int(k.max()) < len(self)):
             raise IndexError(f"window indices must be in [0, {len(self)}), got {int(k.min())}..{int(k.max())}")
         windows = np.asarray(self.tokens[k[:, None] * self.seq_len + self._offsets], dtype=np.int64)  # (B, T + 1)
-        _check_ids(windows, self.vocab, self.name, f"in windows {k[:4].tolist()}...", self.vocab_setting)
+        check_ids(windows, self.vocab, self.name, f"in windows {k[:4].tolist()}...", self.vocab_setting)
         ids = torch.from_numpy(windows)
         return ids[:, :-1], ids[:, 1:]  # (B, T), (B, T)
 
@@ -137,8 +137,8 @@ def open_token_file(path: str, vocab: int | None = None, vocab_setting: str = VO
     if size == 0:
         raise TokenDataError(f"{path}: is empty; a token file holds uint16 token ids")
     tokens = np.memmap(p, dtype=TOKEN_DTYPE, mode="r")
-    _check_ids(np.asarray(tokens[:CHECKED_AT_OPEN]), vocab, path, "in its first tokens", vocab_setting)
-    _check_ids(np.asarray(tokens[-CHECKED_AT_OPEN:]), vocab, path, "in its last tokens", vocab_setting)
+    check_ids(np.asarray(tokens[:CHECKED_AT_OPEN]), vocab, path, "in its first tokens", vocab_setting)
+    check_ids(np.asarray(tokens[-CHECKED_AT_OPEN:]), vocab, path, "in its last tokens", vocab_setting)
     return tokens
 
 
@@ -154,19 +154,19 @@ def read_text_tokens(path: str, tokenizer: str | None = None, vocab: int | None 
     if tokenizer is None:
         ids = np.frombuffer(p.read_bytes(), dtype=np.uint8)
         if vocab is not None and vocab < BYTE_VOCAB:
-            _check_ids(ids, vocab, path, "(a byte of the text; bytes are tokens 0..255)", vocab_setting)
+            check_ids(ids, vocab, path, "(a byte of the text; bytes are tokens 0..255)", vocab_setting)
         return ids
-    tok = _load_tokenizer(tokenizer, vocab, vocab_setting)
+    tok = load_tokenizer(tokenizer, vocab, vocab_setting)
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise TokenDataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); --tokenizer reads text") from e
     ids = np.asarray(tok.encode(text).ids, dtype=np.int64)
-    _check_ids(ids, vocab, path, "(from the tokenizer)", vocab_setting)
+    check_ids(ids, vocab, path, "(from the tokenizer)", vocab_setting)
     return ids
 
 
-def _load_tokenizer(path: str, vocab: int | None, vocab_setting: str = VOCAB_SETTING) -> Any:
+def load_tokenizer(path: str, vocab: int | None, vocab_setting: str = VOCAB_SETTING) -> Any:
     """The tokenizer.json at ``path``, refused if it has more tokens than ``vocab``."""
     try:
         from tokenizers import Tokenizer
@@ -214,7 +214,7 @@ def load_token_datasets(spec: str, seq_len: int, vocab: int | None = None, val_s
         val_tokens = _tokens_of(val_spec, tokenizer, vocab, vocab_setting)
         return DatasetSplit(TokenDataset(tokens, seq_len, name, vocab, vocab_setting),
                             TokenDataset(val_tokens, seq_len, val_spec.split(":", 1)[1], vocab, vocab_setting))
-    return _split(tokens, seq_len, name, vocab, vocab_setting)
+    return split_tokens(tokens, seq_len, name, vocab, vocab_setting)
 
 
 def load_corpus_token_datasets(seq_len: int, tokenizer: str, vocab: int | None = None,
@@ -227,12 +227,12 @@ def load_corpus_token_datasets(seq_len: int, tokenizer: str, vocab: int | None =
     """
     from hetrain.data.text import CORPUS_FILE, load_text_corpus
 
-    ids = np.asarray(_load_tokenizer(tokenizer, vocab, vocab_setting).encode(load_text_corpus()).ids, dtype=np.int64)
-    _check_ids(ids, vocab, CORPUS_FILE, f"(from {tokenizer})", vocab_setting)
-    return _split(ids, seq_len, CORPUS_FILE, vocab, vocab_setting)
+    ids = np.asarray(load_tokenizer(tokenizer, vocab, vocab_setting).encode(load_text_corpus()).ids, dtype=np.int64)
+    check_ids(ids, vocab, CORPUS_FILE, f"(from {tokenizer})", vocab_setting)
+    return split_tokens(ids, seq_len, CORPUS_FILE, vocab, vocab_setting)
 
 
-def _split(tokens: np.ndarray, seq_len: int, name: str, vocab: int | None, vocab_setting: str) -> DatasetSplit:
+def split_tokens(tokens: np.ndarray, seq_len: int, name: str, vocab: int | None, vocab_setting: str) -> DatasetSplit:
     """The training set (the first ``1 - VAL_FRACTION`` of ``tokens``) and the validation set (the rest)."""
     cut = len(tokens) - int(len(tokens) * VAL_FRACTION)
     if cut < seq_len + 1:

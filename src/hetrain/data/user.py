@@ -25,12 +25,14 @@ from torch.utils.data import Dataset, default_collate
 
 from hetrain.data.datasets import Batch, DatasetSplit
 from hetrain.data.seq_len import choose_seq_len, refuse_seq_len
-from hetrain.data.tokens import VOCAB_SETTING, load_corpus_token_datasets
+from hetrain.data.tables import is_table_spec
+from hetrain.data.tokens import TEXT_PREFIX, VOCAB_SETTING, load_corpus_token_datasets
 from hetrain.models.hf import HF_PREFIX
 from hetrain.models.spec import SpecError, call_spec, is_user_spec, load_function
 from hetrain.models.user import ModelSource, check_model_on_batch
 
-_HOW = "return a map-style torch.utils.data.Dataset of (input, target) pairs, or a (train, validation) pair of them"
+_HOW = ("return a map-style torch.utils.data.Dataset of (input, target) pairs or of dicts with input_ids (and "
+        "attention_mask, labels), or a (train, validation) pair of them")
 
 
 class MapDataset:
@@ -51,15 +53,60 @@ class MapDataset:
     def take(self, indices: torch.Tensor) -> Batch:
         samples = [self.dataset[int(i)] for i in indices]
         try:
-            inputs, targets = default_collate(samples)  # (B, ...) each
+            batch = default_collate(samples)  # (B, ...) each
         except (TypeError, RuntimeError, ValueError) as e:
             raise SpecError(f"data {self.name}: samples {[int(i) for i in indices[:4]]}... cannot be stacked into a "
                             f"batch ({type(e).__name__}: {e}); every sample must be an (input, target) pair of the "
                             "same shapes") from e
+        if isinstance(batch, dict):
+            return lm_pair(batch, self.name)
+        inputs, targets = batch
         return inputs, targets
 
     def __repr__(self) -> str:
         return f"MapDataset({self.name}, {len(self)} samples)"
+
+
+#: the keys of a sample as transformers takes it (a tokenised Hugging Face data set's rows)
+DICT_KEYS = ("input_ids", "attention_mask", "labels")
+IGNORE = -100  # a label transformers' loss ignores (and torch's cross-entropy, by default)
+
+
+def lm_pair(batch: dict[str, Any], name: str) -> Batch:
+    """A batch of dicts, as transformers takes it, as hetrain's ``(inputs, targets)``: the same loss.
+
+    transformers' labels are aligned with ``input_ids`` (default: ``input_ids``) and the model shifts them;
+    hetrain's targets are the next tokens. So ``targets[:, t] = labels[:, t + 1]``, the last position ignored
+    (-100), and a padded position (``attention_mask`` 0) is never a target::
+
+        input_ids       a  b  c  PAD          inputs   a  b  c    PAD
+        attention_mask  1  1  1  0      ->    targets  b  c  -100 -100
+        labels          a  b  c  -100
+
+    Raises:
+        SpecError: a key transformers would give the model that hetrain does not pass (``token_type_ids``),
+            left padding (the model would attend to the pads), or shapes that differ.
+    """
+    extra = sorted(set(batch) - set(DICT_KEYS))
+    if extra or "input_ids" not in batch:
+        what = f"has key {extra[0]!r}" if extra else "has no 'input_ids'"
+        raise SpecError(f"data {name}: a sample {what}; hetrain passes the model input_ids only, and takes "
+                        f"{', '.join(DICT_KEYS)} (attention_mask and labels optional)")
+    ids = torch.as_tensor(batch["input_ids"])  # (B, T)
+    labels = torch.as_tensor(batch.get("labels", ids)).clone()  # (B, T)
+    mask = batch.get("attention_mask")
+    if labels.shape != ids.shape or (mask is not None and torch.as_tensor(mask).shape != ids.shape):
+        raise SpecError(f"data {name}: input_ids {tuple(ids.shape)}, labels {tuple(labels.shape)} and attention_mask "
+                        "must have one shape")
+    if mask is not None:
+        mask = torch.as_tensor(mask)
+        if bool((mask[:, 1:] > mask[:, :-1]).any()):
+            raise SpecError(f"data {name}: attention_mask pads on the left; hetrain runs the model without the mask, "
+                            "so the tokens would attend to the pads: pad on the right (tokenizer padding_side='right')")
+        labels = labels.masked_fill(mask == 0, IGNORE)
+    targets = torch.full_like(labels, IGNORE)
+    targets[:, :-1] = labels[:, 1:]
+    return ids, targets
 
 
 def _check_dataset(ds: Any, spec: str, what: str) -> MapDataset:
@@ -76,6 +123,8 @@ def _check_dataset(ds: Any, spec: str, what: str) -> MapDataset:
         first = ds[0]
     except Exception as e:  # the user's code: any error is theirs, named in one line
         raise SpecError(f"data {spec}: reading {what}sample 0 raised {type(e).__name__}: {e}") from e
+    if isinstance(first, dict) and "input_ids" in first:  # a tokenised Hugging Face data set's rows
+        return MapDataset(ds, spec)
     if not isinstance(first, tuple | list) or len(first) != 2:
         raise SpecError(f"data {spec}: {what}sample 0 is a {type(first).__name__}"
                         f"{f' of {len(first)} items' if isinstance(first, tuple | list) else ''}, "
@@ -117,6 +166,64 @@ def _vocab_setting(model: ModelSource) -> str:
     return VOCAB_SETTING
 
 
+def _table_datasets(model: ModelSource, data: str, seq_len: int | None, tokenizer: str | None
+                    ) -> tuple[str, DatasetSplit]:
+    """``jsonl:`` / ``parquet:`` / ``dataset:`` data (``hetrain.data.tables``): text tokenised by the model's
+    tokenizer and cut into windows, or rows of input_ids as transformers takes them."""
+    from hetrain.data.tables import TableRows, load_tables, table_kind, table_tokens
+    from hetrain.data.tokens import TokenDataset, check_ids, load_tokenizer, split_tokens
+
+    t, vocab = _token_shape(model, seq_len)
+    train, val = load_tables(data)
+    name = data
+    if table_kind(train, data) == "text":
+        tokenizer = tokenizer or _model_tokenizer(model)
+        if tokenizer is None:
+            raise SpecError(f"--data {data}: its text needs the model's tokenizer; give --tokenizer FILE.json (an "
+                            f"{HF_PREFIX}DIR model uses DIR/tokenizer.json)")
+        tok = load_tokenizer(tokenizer, vocab, _vocab_setting(model))
+        ids = table_tokens(train, data, tok)
+        check_ids(ids, vocab, data, f"(from {tokenizer})", _vocab_setting(model))
+        if val is None:
+            split = split_tokens(ids, t, data, vocab, _vocab_setting(model))
+        else:
+            val_ids = table_tokens(val, data, tok)
+            check_ids(val_ids, vocab, data, f"(from {tokenizer})", _vocab_setting(model))
+            split = DatasetSplit(TokenDataset(ids, t, data, vocab, _vocab_setting(model)),
+                                 TokenDataset(val_ids, t, data, vocab, _vocab_setting(model)))
+        name = f"{data} (tokenized by {tokenizer})"
+    else:
+        if tokenizer is not None:
+            raise SpecError(f"--tokenizer {tokenizer} is for text; --data {data} holds input_ids already")
+        split = DatasetSplit(MapDataset(TableRows(train), data), MapDataset(TableRows(val), data) if val else None)
+    x, y = split.train.take(torch.arange(min(2, len(split.train))))  # (2, T) each
+    if model.preset is None:
+        check_model_on_batch(model, x, y, data)
+    return name, split
+
+
+def _model_tokenizer(model: ModelSource) -> str | None:
+    """An ``hf:DIR`` model's ``DIR/tokenizer.json``, where there is one."""
+    if not model.name.startswith(HF_PREFIX):
+        return None
+    file = Path(model.name[len(HF_PREFIX):]) / "tokenizer.json"
+    return str(file) if file.is_file() else None
+
+
+def refuse_identity(x: Any, y: Any, data: str) -> None:
+    """Refuse token pairs whose targets are their inputs: a language model would learn to copy its input.
+
+    Raises:
+        SpecError: naming the convention: hetrain's targets are the next tokens, transformers' labels are shifted
+            by the model.
+    """
+    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape and torch.equal(x, y):
+        raise SpecError(f"data {data}: the targets equal the inputs (the model would learn to copy its input); "
+                        "hetrain's targets are the next tokens (the inputs shifted by one), while transformers' labels "
+                        "equal input_ids and the model shifts them: return (window[:-1], window[1:]), or dicts with "
+                        "input_ids and labels")
+
+
 def _hf_default_data(model: ModelSource, seq_len: int | None) -> tuple[str, DatasetSplit]:
     """An ``hf:DIR`` model's built-in data: the shipped Shakespeare text tokenized by ``DIR/tokenizer.json``."""
     tokenizer = Path(model.name[len(HF_PREFIX):]) / "tokenizer.json"
@@ -152,18 +259,27 @@ def build_model_datasets(model: ModelSource, data: str | None, seed: int = 0, *,
     if is_token_spec(data):
         assert data is not None
         t, vocab = _token_shape(model, seq_len)
+        if tokenizer is None and data.startswith(TEXT_PREFIX):
+            tokenizer = _model_tokenizer(model)  # a model directory's own tokenizer.json, where it has one
         split = load_token_datasets(data, t, vocab, val_data, tokenizer, _vocab_setting(model))
         if model.preset is None:
             x, y = split.train.take(torch.arange(min(2, len(split.train))))  # (2, T) each
             check_model_on_batch(model, x, y, data)
+        if data.startswith(TEXT_PREFIX):  # the start-up line names what tokenised it
+            return f"{data} (tokenized by {tokenizer})" if tokenizer else f"{data} (bytes)", split
         return data, split
+    if is_table_spec(data) and val_data is None:
+        assert data is not None
+        return _table_datasets(model, data, seq_len, tokenizer)
     if val_data is not None or tokenizer is not None:
         flag = "--val-data" if val_data is not None else "--tokenizer"
         raise SpecError(f"{flag} is for --data tokens:FILE.bin or text:FILE, not --data {data}")
     if data is not None and is_user_spec(data):
         split = load_user_datasets(data)
+        x, y = split.train.take(torch.arange(min(2, len(split.train))))  # (2, ...) each
+        if model.tokens is not None:
+            refuse_identity(x, y, data)
         if model.preset is None:  # shapes hetrain cannot know: tried on two samples, so a mismatch is named here
-            x, y = split.train.take(torch.arange(min(2, len(split.train))))  # (2, ...) each
             check_model_on_batch(model, x, y, data)
         return data, split
     if data is None and model.preset is None and model.tokens is not None:  # an hf:DIR model

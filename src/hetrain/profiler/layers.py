@@ -243,12 +243,13 @@ def profile_inputs(source: ModelSource, data: str | None, seed: int = 0,
             or a ``seq_len`` that the model or data cannot take.
     """
     from hetrain.data.seq_len import check_sample_length, random_token_inputs, refuse_seq_len
+    from hetrain.data.tables import is_table_spec
     from hetrain.data.tokens import is_token_spec
     from hetrain.models.registry import sample_batch
     from hetrain.models.spec import SpecError, is_user_spec
 
     refuse_seq_len(source, data, seq_len)
-    if is_token_spec(data):  # windows of seq_len (a user's model: refused without it)
+    if is_token_spec(data) or is_table_spec(data):  # windows of seq_len, or rows (a user's model: refused without)
         from hetrain.data.user import build_model_datasets
 
         tokens = build_model_datasets(source, data, seed, seq_len=seq_len)[1].train

@@ -247,12 +247,15 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="reference model name (hetrain.models.registry), or "
                         "MODULE:FUNCTION / path/to/file.py:FUNCTION returning your own (docs/own-model.md)")
     parser.add_argument("--data", default=None, help="data set: shakespeare, digits, synthetic (default: fits model), "
-                        "tokens:FILE.bin (uint16 token ids), text:FILE (bytes, or --tokenizer), "
-                        "or MODULE:FUNCTION returning a torch Dataset of (input, target) (needed for your own model)")
+                        "tokens:FILE.bin (uint16 token ids), text:FILE (an hf:DIR model's tokenizer.json, --tokenizer, "
+                        "or bytes), jsonl:FILE / parquet:FILE / dataset:DIR (a text or input_ids column), "
+                        "or MODULE:FUNCTION returning a torch Dataset of (input, target) or of dicts with input_ids "
+                        "(needed for your own model)")
     parser.add_argument("--val-data", default=None, metavar="tokens:FILE|text:FILE",
                         help="validation tokens for --data tokens:/text: (default: its last 10%%)")
     parser.add_argument("--tokenizer", default=None, metavar="tokenizer.json",
-                        help="tokenize --data text:FILE with this tokenizers file (default: bytes, vocab 256)")
+                        help="tokenize --data text:FILE (or a text column) with this tokenizers file (default: an "
+                        "hf:DIR model's tokenizer.json, else bytes, vocab 256)")
     parser.add_argument("--seq-len", type=int_between(1, MAX_SEQ_LEN, "MAX_SEQ_LEN"), default=None, metavar="T",
                         help="tokens per sample of token data (default: the length the plan's profile was measured "
                              "at, which it must equal; else the reference GPT's seq_len; needed for your own model)")
