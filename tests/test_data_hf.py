@@ -103,7 +103,7 @@ def test_text_is_tokenised_by_the_model_directorys_tokenizer_and_named(tmp_path:
     x, y = split.train.take(torch.tensor([0]))
     assert x.tolist() == [[1, 2, 3, 1]] and y.tolist() == [[2, 3, 1, 2]]  # word ids, not bytes
     (d / "tokenizer.json").unlink()  # without one, bytes: which this model's vocabulary of 64 cannot take
-    with pytest.raises(InputError, match="a byte of the text; bytes are tokens 0..255"):
+    with pytest.raises(InputError, match=r"a byte of the text; bytes are tokens 0\.\.255"):
         build_model_datasets(resolve_model(f"hf:{d}"), f"text:{tmp_path / 't.txt'}", seq_len=4)
 
 
