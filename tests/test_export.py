@@ -120,6 +120,36 @@ def test_tokenizer_and_generation_config_are_copied(tmp_path: Path, capsys: pyte
     assert transformers.GenerationConfig.from_pretrained(tmp_path / "out").max_new_tokens == 5
 
 
+def test_the_tokenizer_trained_with_is_exported_and_files_are_readable_as_the_umask_allows(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``train --tokenizer FILE`` keeps FILE beside the checkpoints (``save_tokenizer``); export writes it with the
+    model. safetensors writes 0600: another user, or a serving container, could not read model.safetensors."""
+    import os
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from hetrain.runtime.export import save_tokenizer
+
+    spec = model_dir(tmp_path / "src", llama_config())  # a directory without a tokenizer
+    words = Tokenizer(models.WordLevel({"<unk>": 0, "hello": 1, "world": 2}, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.save(str(tmp_path / "own.json"))
+    write_checkpoint(tmp_path / "ckpt", spec, 3)
+    save_tokenizer(tmp_path / "ckpt", tmp_path / "own.json")
+    old = os.umask(0o022)
+    try:
+        assert run(["--checkpoint", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "out")], capsys)[0] == 0
+        assert run(["--checkpoint", str(tmp_path / "ckpt"), "--to-safetensors", str(tmp_path / "w.safetensors")],
+                   capsys)[0] == 0
+    finally:
+        os.umask(old)
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (tmp_path / "own.json").read_bytes()
+    for path in (tmp_path / "out" / "model.safetensors", tmp_path / "out" / "config.json",
+                 tmp_path / "out" / "tokenizer.json", tmp_path / "w.safetensors"):
+        assert oct(path.stat().st_mode & 0o777) == oct(0o644), path
+    assert oct((tmp_path / "out").stat().st_mode & 0o777) == oct(0o755)
+
+
 def test_newest_checkpoint_by_default_and_step_picks_another(tmp_path: Path) -> None:
     spec = model_dir(tmp_path / "src", llama_config())
     early = write_checkpoint(tmp_path / "ckpt", spec, 5, seed=1)

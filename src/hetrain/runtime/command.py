@@ -388,6 +388,10 @@ def run_from_args(args: argparse.Namespace) -> int:
         data = build_train_datasets(plan, model, args.data, args.data_seed, seq_len=args.seq_len,
                                     val_data=args.val_data, tokenizer=args.tokenizer)
         check_batch_fits(data[0], data[1], plan.global_batch, args.eval_batches if args.eval_every else 0)
+        if args.tokenizer and args.checkpoint_dir:  # exported with the model (export --to-hf)
+            from hetrain.runtime.export import save_tokenizer
+
+            save_tokenizer(args.checkpoint_dir, args.tokenizer)
         drift = None
         if args.replan == "auto" and args.checkpoint_dir:
             drift = DriftOptions(args.drift_threshold, args.drift_window, args.replan_cooldown, force=force)

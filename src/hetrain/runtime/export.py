@@ -54,6 +54,7 @@ SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json
               "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "chat_template.jinja",
               "chat_template.json")
 WEIGHTS = "model.safetensors"
+TRAINED_TOKENIZER = "tokenizer.json"  # beside the checkpoints: the --tokenizer the model was trained with
 _PS_PREFIX = "ps."  # a parameter server's copy of the global weights (runtime.modes): the layers' own are saved too
 
 
@@ -246,10 +247,37 @@ def _check_out_dir(out: Path, force: bool) -> None:
         raise ExportError(f"--to-hf {out}: {parent} is not a directory")
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def as_umask_allows(path: Path) -> None:
+    """Give ``path`` the mode a new file (or directory) gets under the umask: safetensors writes its files 0600,
+    which another user, or a serving container, cannot read."""
+    os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~_umask())
+
+
+def save_tokenizer(checkpoint_dir: str | os.PathLike[str], tokenizer: str | os.PathLike[str]) -> Path:
+    """Keep the ``--tokenizer`` a model was trained with beside its checkpoints, as ``tokenizer.json``, so that
+    ``export --to-hf`` writes it with the model. Atomic: written aside, then renamed over."""
+    directory = Path(checkpoint_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / TRAINED_TOKENIZER
+    tmp = directory / f".{TRAINED_TOKENIZER}.{uuid.uuid4().hex[:12]}.tmp"
+    shutil.copyfile(tokenizer, tmp)
+    fsync_path(tmp)
+    os.replace(tmp, final)
+    fsync_path(directory)
+    return final
+
+
 def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> int:
     from safetensors.torch import save_file
 
     save_file(tensors, str(path), metadata=metadata)
+    as_umask_allows(path)
     fsync_path(path)
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
@@ -317,10 +345,14 @@ def export_hf(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], *
     tmp.mkdir()
     try:
         weight_bytes = _save_safetensors(weights, tmp / WEIGHTS, {"format": "pt"})  # "pt": what transformers reads
+        trained = Path(checkpoint) / TRAINED_TOKENIZER  # the --tokenizer it was trained with, where one was given
         for name in ("config.json", *SIDE_FILES):
-            if (layout.source / name).is_file():
-                shutil.copyfile(layout.source / name, tmp / name)
+            origin = trained if name == TRAINED_TOKENIZER and trained.is_file() else layout.source / name
+            if origin.is_file():
+                shutil.copyfile(origin, tmp / name)
+                as_umask_allows(tmp / name)
                 fsync_path(tmp / name)
+        as_umask_allows(tmp)
         fsync_path(tmp)
         _place_dir(tmp, out)
     except BaseException:
