@@ -75,3 +75,30 @@ def test_the_moe_loss_is_transformers_loss_with_router_logits(tmp_path: Path) ->
     assert float(aux) > 0 and config.router_aux_loss_coef == 0.02
     ce = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), x.reshape(-1))
     torch.testing.assert_close(source.loss_fn((logits, aux), x), ce + 0.02 * aux)
+
+
+def test_split_points_cut_where_the_user_says_and_the_profile_records_them(tmp_path: Path) -> None:
+    from hetrain.cli import main
+    from hetrain.models.spec import SpecError
+    from hetrain.profile import load_profile
+
+    d = family_dir(tmp_path, "granite")
+    points = ("model.layers.1", "model.norm")
+    source = resolve_model(f"hf:{d}", split_points=points)
+    assert source.num_layers == 3 and source.layer_names == ("embed", *points) and source.split_points == points
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(d)).eval()
+    layers = [m.eval() for m in source.build_layers(seed=0)]
+    assert [n.split(".")[:3] for n, _ in layers[1].named_parameters()][0] == ["model", "layers", "1"]
+    x = torch.randint(0, VOCAB, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(run_layers(layers, x), model(x).logits, rtol=1e-5, atol=1e-5)
+    out = tmp_path / "p.json"
+    assert main(["profile", "--model", f"hf:{d}", "--split-points", ",".join(points), "--seq-len", "8",
+                 "--micro-batch", "1", "--repeats", "1", "-o", str(out)]) == 0
+    profile = load_profile(out)
+    assert profile.split_points == points and len(profile.layers) == 3
+    with pytest.raises(SpecError, match=r"split point 'model.layer.1' is not a module of GraniteForCausalLM"):
+        resolve_model(f"hf:{d}", split_points=("model.layer.1",))
+    with pytest.raises(SpecError, match=r"runs model.layers.1 after model.layers.0, which the split points list after it"):
+        resolve_model(f"hf:{d}", split_points=("model.layers.1", "model.layers.0"))

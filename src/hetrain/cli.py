@@ -68,6 +68,14 @@ _BUDGET_UNITS_S = {"": 1.0, "s": 1.0, "m": 60.0, "min": 60.0}
 MAX_TIME_BUDGET_S = 86400.0
 
 
+def _names(text: str) -> tuple[str, ...]:
+    """``"model.layers.0,model.layers.4"`` -> its module names."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r} names no module; give NAME,... (e.g. model.layers.4)")
+    return names
+
+
 def parse_time_budget(text: str) -> float | None:
     """``--time-budget``: ``"10s"``, ``"10"``, ``"1.5s"``, ``"2m"`` in seconds; ``"none"``: no limit (None).
 
@@ -458,7 +466,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if args.model.endswith(".py") and not is_user_spec(args.model):
         raise InputError(f"--model {args.model}: a Python file needs the function that returns the model: "
                          f"--model {args.model}:FUNCTION (docs/own-model.md)")
-    source = resolve_model(args.model)  # a model or data that cannot be used is bad input (status 2), named first
+    source = resolve_model(args.model, split_points=args.split_points)  # a model or data that cannot be used is
+    # bad input (status 2), named first
     inputs = profile_inputs(source, args.data, seq_len=args.seq_len)
     return run_profile_command(source, args.micro_batch, args.output, device=args.device,
                                repeats=args.repeats, precision=args.precision, data=args.data, inputs=inputs)
@@ -556,6 +565,10 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--data", default=None, help="MODULE:FUNCTION returning a torch Dataset of (input, target), "
                     "tokens:FILE.bin / text:FILE, or jsonl:FILE / parquet:FILE / dataset:DIR: the input to profile "
                     "on (needed for your own model)")
+    pr.add_argument("--split-points", type=_names, default=(), metavar="NAME,...",
+                    help="cut a traced model (hf:DIR, or your own module) where these modules begin, in forward "
+                    "order (default: before each repeated block, and after the last); recorded in the profile, "
+                    "hetrain train cuts alike (docs/own-model.md)")
     pr.add_argument("--seq-len", type=int_between(1, MAX_SEQ_LEN, "MAX_SEQ_LEN"), default=None, metavar="T",
                     help="tokens per sample of a token model or token data (default: a gpt model's seq_len; an "
                     "hf:DIR model needs it); recorded in the profile, hetrain train runs at it")

@@ -199,6 +199,8 @@ class ModelProfile:
         seq_len: tokens per sample the layers were measured at, for a token model (activation bytes
             and times scale with it); None where unknown (not a token model, or a profile that
             does not say). ``hetrain train`` runs at it.
+        split_points: the module names a traced model was cut at (``hetrain profile --split-points``);
+            empty for the default cut. ``hetrain train`` cuts the model at them again.
         common_spread: per device type, how far every measured time of that type moves together from
             one profiling to the next, as a fraction of the time (a relative standard deviation): a
             shift common to all the type's layers (its clock, the host's load, a quota's phase), which
@@ -226,6 +228,7 @@ class ModelProfile:
     seq_len: int | None = None
     common_spread: tuple[tuple[str, float], ...] = ()
     action_overhead_spread_s: tuple[tuple[str, float], ...] = ()
+    split_points: tuple[str, ...] = ()
     _cache: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -361,6 +364,8 @@ class ModelProfile:
                                        for t, fixed, fraction in self.memory_footprint}
         if self.seq_len is not None:
             out["seq_len"] = self.seq_len
+        if self.split_points:
+            out["split_points"] = list(self.split_points)
         if self.common_spread:
             out["common_spread"] = dict(self.common_spread)
         if self.action_overhead_spread_s:
@@ -382,7 +387,7 @@ class ModelProfile:
 PROFILE_KEYS = frozenset({
     "format_version", "name", "precision", "compute_efficiency", "input_bytes_per_sample", "layers", "measured_on",
     "optimizer_step_s_per_byte", "action_overhead_s", "iteration_overhead_s", "memory_footprint", "seq_len",
-    "common_spread", "action_overhead_spread_s"})
+    "common_spread", "action_overhead_spread_s", "split_points"})
 LAYER_KEYS = frozenset({"name", "param_bytes", "output_bytes_per_sample", "saved_bytes_per_sample",
                         "forward_flops_per_sample", "measured"})
 MEASUREMENT_KEYS = frozenset({"micro_batch", "forward_s", "backward_s", "source", "forward_spread_s",
@@ -490,7 +495,14 @@ def parse_profile(data: Mapping[str, Any]) -> ModelProfile:
         common_spread=_parse_overheads(data.get("common_spread", {}), "common_spread", "fraction"),
         action_overhead_spread_s=_parse_overheads(data.get("action_overhead_spread_s", {}),
                                                   "action_overhead_spread_s"),
+        split_points=_parse_split_points(data.get("split_points", [])),
     )
+
+
+def _parse_split_points(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ProfileError(f"split_points must be a list of module names, got {value!r}")
+    return tuple(value)
 
 
 def _parse_overheads(raw: Any, key: str = "action_overhead_s", what: str = "seconds") -> tuple[tuple[str, float], ...]:

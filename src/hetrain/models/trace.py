@@ -168,9 +168,9 @@ def _assign(gm: fx.GraphModule, split_points: Sequence[str], tail: bool, what: s
         j = next((k for k in range(n) if _inside(paths, split_points[k])), None)
         if j is not None:
             if j + 1 < current:
-                raise SpecError(f"{what}: its forward runs {split_points[j]} again after {split_points[current - 1]} "
-                                f"(a module called twice, or out of order): the layers cannot be cut there; give "
-                                "--split-points in the order the forward runs them")
+                raise SpecError(f"{what}: its forward runs {split_points[j]} after {split_points[current - 1]}, which "
+                                "the split points list after it (split points out of forward order, or a module "
+                                "called twice): give --split-points in the order the forward runs them")
             current = j + 1
             last_seen = j
         elif tail and last_seen == n - 1 and current == n:

@@ -38,7 +38,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +89,8 @@ class ModelSource:
             optimizer step (``hetrain.runtime.tied``). Only ``hf:DIR`` models have ties.
         tokens: for a token model (a reference gpt model, an ``hf:DIR`` model), its vocabulary and
             longest sample; None for any other (``hetrain.data.seq_len``).
+        split_points: the module names a traced model was cut at where they were given (``--split-points``),
+            recorded in the profile so that ``hetrain train`` cuts it alike; empty for the default cut.
     """
 
     name: str
@@ -99,6 +101,7 @@ class ModelSource:
     config: dict[str, Any] = field(default_factory=dict)
     tied: tuple[tuple[tuple[int, str], ...], ...] = ()
     tokens: TokenLimits | None = None
+    split_points: tuple[str, ...] = ()
     _build: BuildFn | None = field(default=None, repr=False, compare=False)
 
     def build_layers(self, first: int = 0, end: int | None = None, seed: int = 0) -> list[nn.Module]:
@@ -207,12 +210,15 @@ def _user_loss(module: Any, spec: str) -> LossFn:
     return fn
 
 
-def _resolve_user(spec: str) -> ModelSource:
+def _resolve_user(spec: str, split_points: Sequence[str] = ()) -> ModelSource:
     fn, module = load_function(spec)
     model = _call_seeded(fn, spec, 0)
     layers = cut_layers(model, spec)
     if layers is None:
-        return _resolve_traced(spec, fn, module, model)
+        return _resolve_traced(spec, fn, module, model, split_points)
+    if split_points:
+        raise SpecError(f"--split-points: model function {spec} returns its layers (a list or an nn.Sequential), "
+                        "cut as given; split points are for a module whose forward is traced")
     n = len(layers)
 
     def build(first: int, end: int, seed: int) -> list[nn.Module]:
@@ -225,12 +231,13 @@ def _resolve_user(spec: str) -> ModelSource:
     return ModelSource(spec, n, _layer_names(layers), _user_loss(module, spec), _build=build)
 
 
-def _resolve_traced(spec: str, fn: Callable[[], Any], module: Any, model: nn.Module) -> ModelSource:
+def _resolve_traced(spec: str, fn: Callable[[], Any], module: Any, model: nn.Module,
+                    split_points: Sequence[str] = ()) -> ModelSource:
     """A user's module cut by tracing its own forward (``hetrain.models.trace``), checked against that forward."""
     from hetrain.models.trace import bind, check_cut, trace_cut, untie
 
     example = _example_input(module, spec)
-    points, tail = user_split_points(model)
+    points, tail = (list(split_points), False) if split_points else user_split_points(model)
     cut = trace_cut(model, example, points, what=f"model function {spec}", tail=tail)
     check_cut(cut, model, example, lambda m, *a: m(*a), f"model function {spec}")
     templates = cut.layers
@@ -246,7 +253,8 @@ def _resolve_traced(spec: str, fn: Callable[[], Any], module: Any, model: nn.Mod
         untie(layers, {})
         return layers[first:end]
 
-    return ModelSource(spec, len(templates), names, _user_loss(module, spec), tied=ties, _build=build)
+    return ModelSource(spec, len(templates), names, _user_loss(module, spec), tied=ties,
+                       split_points=tuple(split_points), _build=build)
 
 
 def _resolve_preset(name: str, config: dict[str, Any]) -> ModelSource:
@@ -264,7 +272,7 @@ def _resolve_preset(name: str, config: dict[str, Any]) -> ModelSource:
                        preset=name, config=dict(config), tokens=tokens, _build=build)
 
 
-def resolve_model(text: str, **config: Any) -> ModelSource:
+def resolve_model(text: str, split_points: Sequence[str] = (), **config: Any) -> ModelSource:
     """The model ``--model`` names: a reference model (``config``: its overrides) or ``MODULE:FUNCTION``.
 
     A user's function is loaded and called once here, so a model that cannot be used is refused
@@ -275,6 +283,8 @@ def resolve_model(text: str, **config: Any) -> ModelSource:
         ValueError: an unknown reference model or setting.
     """
     if not is_user_spec(text):
+        if split_points:
+            raise SpecError(f"--split-points: {text} is a reference model, cut into its own layers")
         return _resolve_preset(text, config)
     if text.startswith("hf:"):  # a local Hugging Face model directory (hetrain.models.hf)
         from hetrain.models.hf import resolve_hf
@@ -282,14 +292,15 @@ def resolve_model(text: str, **config: Any) -> ModelSource:
         if config:
             raise SpecError(f"--set {', '.join(sorted(config))}: settings apply to reference models only; "
                             f"{text} is built from its config.json")
-        hf = resolve_hf(text)
+        hf = resolve_hf(text, split_points or None)
         field_name, most = hf.max_positions
         return ModelSource(text, hf.num_layers, hf.layer_names, hf.loss_fn, tied=hf.tied,
-                           tokens=TokenLimits(hf.vocab, most, field_name), _build=hf.build)
+                           tokens=TokenLimits(hf.vocab, most, field_name), split_points=tuple(split_points),
+                           _build=hf.build)
     if config:
         raise SpecError(f"--set {', '.join(sorted(config))}: settings apply to reference models only; "
                         f"{text} is built by its own function")
-    return _resolve_user(text)
+    return _resolve_user(text, split_points)
 
 
 def check_model_on_batch(source: ModelSource, inputs: Any, targets: Any, data_name: str) -> None:

@@ -936,7 +936,7 @@ def run_profile_command(model: str | ModelSource, micro_batches: Sequence[int], 
         layers = source.build_layers(seed=seed)
         measured = measure_layers(layers, sample, micro_batches, dev, repeats, warmup, precision,
                                   source.layer_names, unpack_tuples=False)
-        profile = replace(measured.to_profile(source.name), seq_len=measured_at)
+        profile = replace(measured.to_profile(source.name), seq_len=measured_at, split_points=source.split_points)
         profile.save(output)
     except LayerError as e:
         print(f"hetrain profile: error: model {source.name}: {e}; {_layer_error_hint(e, data)}", file=sys.stderr)

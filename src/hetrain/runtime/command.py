@@ -180,7 +180,8 @@ def run_train_command(plan_path: str | Path | Plan, model: str | ModelSource,
     config = dict(model_config or {})
     try:
         plan = plan_path if isinstance(plan_path, Plan) else load_plan(plan_path)
-        source = resolve_model(model, **config) if isinstance(model, str) else model
+        source = (resolve_model(model, split_points=plan.profile.split_points, **config) if isinstance(model, str)
+                  else model)
         n = source.num_layers
         if n != plan.profile.num_layers:
             raise PlanError(f"model {source.name!r} has {n} layers but the plan ({plan.model}) has "
@@ -384,7 +385,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         check_plan_precision(plan, args.precision, args.plan)
         _check_options_with_plan(args, plan)
         force = _check_force_drift(args, plan)
-        model = resolve_model(args.model, **config)  # a model or data set that cannot be used: refused here
+        # a model or data set that cannot be used: refused here; a traced model cut where its profile was
+        model = resolve_model(args.model, split_points=plan.profile.split_points, **config)
         data = build_train_datasets(plan, model, args.data, args.data_seed, seq_len=args.seq_len,
                                     val_data=args.val_data, tokenizer=args.tokenizer)
         check_batch_fits(data[0], data[1], plan.global_batch, args.eval_batches if args.eval_every else 0)

@@ -38,7 +38,7 @@ import os
 import shutil
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -154,7 +154,7 @@ class HfLayout:
     shapes: dict[str, tuple[int, ...]]
 
 
-def build_hf_layout(spec: str) -> HfLayout:
+def build_hf_layout(spec: str, split_points: Sequence[str] = ()) -> HfLayout:
     """The names of ``hf:DIR``'s layers in a checkpoint and in the transformers model, matched by tensor.
 
     The model is built and traced as training cut it (``models.hf.cut_causal_lm``); each layer holds the
@@ -172,7 +172,7 @@ def build_hf_layout(spec: str) -> HfLayout:
     names_of: dict[int, list[str]] = {}  # tensor id -> its names in the model's state_dict, in order
     for name, t in model.state_dict(keep_vars=True).items():
         names_of.setdefault(id(t), []).append(name)
-    stage = LayerRange(cut_causal_lm(model, hf.config, spec).layers)  # tied: one tensor in two layers, as in the model
+    stage = LayerRange(cut_causal_lm(model, hf.config, spec, split_points or None).layers)  # tied: one tensor in two layers, as in the model
     hf_name: dict[str, str] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for name, t in stage.state_dict(keep_vars=True).items():
@@ -334,7 +334,7 @@ def export_hf(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], *
     if source != "--model" and not Path(spec.removeprefix("hf:")).is_dir():
         raise ExportError(f"{where} was trained from {spec} ({source}), and {spec.removeprefix('hf:')} is not a "
                           "directory here; give --model hf:DIR naming the model's directory")
-    layout = build_hf_layout(spec)
+    layout = build_hf_layout(spec, manifest.get("meta", {}).get("split_points", ()))
     _check_matches(manifest, checkpoint, spec, layout)
     step_done = int(manifest["step"])
     tensors, _, _ = load_checkpoint(checkpoint, list(layout.hf_name), step_done)

@@ -74,8 +74,11 @@ def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict
 
 def checkpoint_meta(plan: Plan, step: int, loss: float | None) -> dict[str, Any]:
     """The metadata a checkpoint of ``step`` carries (the same on every rank)."""
-    return {"step": step, "loss": loss, "model": plan.model, "global_batch": plan.global_batch,
+    meta = {"step": step, "loss": loss, "model": plan.model, "global_batch": plan.global_batch,
             "samples_seen": step * plan.global_batch, "devices": plan.devices_used, "optimizer": plan.optimizer}
+    if plan.profile.split_points:  # a traced model's cut, so that export --to-hf names its layers alike
+        meta["split_points"] = list(plan.profile.split_points)
+    return meta
 
 
 def save_stage(directory: Path, step: int, module: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
