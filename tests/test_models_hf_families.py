@@ -89,7 +89,7 @@ def test_split_points_cut_where_the_user_says_and_the_profile_records_them(tmp_p
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(d)).eval()
     layers = [m.eval() for m in source.build_layers(seed=0)]
-    assert [n.split(".")[:3] for n, _ in layers[1].named_parameters()][0] == ["model", "layers", "1"]
+    assert all(n.startswith(("model.layers.1.", "model.layers.2.")) for n, _ in layers[1].named_parameters())
     x = torch.randint(0, VOCAB, (2, 7))
     with torch.no_grad():
         torch.testing.assert_close(run_layers(layers, x), model(x).logits, rtol=1e-5, atol=1e-5)
@@ -100,5 +100,5 @@ def test_split_points_cut_where_the_user_says_and_the_profile_records_them(tmp_p
     assert profile.split_points == points and len(profile.layers) == 3
     with pytest.raises(SpecError, match=r"split point 'model.layer.1' is not a module of GraniteForCausalLM"):
         resolve_model(f"hf:{d}", split_points=("model.layer.1",))
-    with pytest.raises(SpecError, match=r"runs model.layers.1 after model.layers.0, which the split points list after it"):
+    with pytest.raises(SpecError, match=r"runs model.layers.1 after model.layers.0, which the split points list"):
         resolve_model(f"hf:{d}", split_points=("model.layers.1", "model.layers.0"))

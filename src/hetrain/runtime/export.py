@@ -172,7 +172,8 @@ def build_hf_layout(spec: str, split_points: Sequence[str] = ()) -> HfLayout:
     names_of: dict[int, list[str]] = {}  # tensor id -> its names in the model's state_dict, in order
     for name, t in model.state_dict(keep_vars=True).items():
         names_of.setdefault(id(t), []).append(name)
-    stage = LayerRange(cut_causal_lm(model, hf.config, spec, split_points or None).layers)  # tied: one tensor in two layers, as in the model
+    # tied: one tensor in two layers, as in the model
+    stage = LayerRange(cut_causal_lm(model, hf.config, spec, split_points or None).layers)
     hf_name: dict[str, str] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for name, t in stage.state_dict(keep_vars=True).items():
