@@ -1,22 +1,19 @@
-"""A local Hugging Face causal LM (``--model hf:DIR``), cut into hetrain's layers.
+"""A local Hugging Face causal LM (``--model hf:DIR``), cut into hetrain's layers by tracing its own forward.
 
 ``DIR`` is a transformers model directory: ``config.json``, and optionally the weights
 (``model.safetensors``, or shards listed in ``model.safetensors.index.json``). Nothing is
 downloaded. The model is built from its config with ``AutoModelForCausalLM.from_config`` on
-every rank under the same seed, then cut; a rank with weights loads only its own layers'
-tensors (``safe_open``, reading just those keys)::
+every rank under the same seed; its forward (``hf_forward``: logits, and the router's auxiliary
+loss where the config asks for it) is traced and cut at its decoder blocks (``hetrain.models.trace``),
+so every layer runs exactly what the model's forward runs between two blocks::
 
-                 GPT-2 (GPT2LMHeadModel)          Llama-style (LlamaForCausalLM, Mistral, Qwen2, ...)
-    layer 0      wte + wpe + drop                 embed_tokens
-    layer 1..n   h[i]                             layers[i], with model.rotary_emb's cos/sin
-    layer n+1    ln_f + lm_head                   norm + lm_head
+    layer 0       embed     everything before the first block: embeddings, their scale, rotary tables, masks
+    layer 1..n    block k   decoder block k-1
+    layer n+1     head      everything after the last block: final norm, lm_head, a logit scale or soft-cap
 
-Layer 0 takes token ids ``(B, T)``; every block takes and returns hidden states
-``(B, T, C)`` and computes its causal mask as the model does for that block with no padding mask
-(``create_causal_mask``, or ``create_sliding_window_causal_mask`` for a sliding-window block:
-``block_attention``) and, for a rotary model, the position embeddings for positions ``0..T-1``;
-the last layer returns logits ``(B, T, V)``. The loss is next-token cross-entropy over every
-position, as for hetrain's gpt models (targets are the inputs shifted by one, made by the data).
+The chained layers are checked against the model's own forward where the model is built
+(``resolve_hf``). A rank with weights loads only its own layers' tensors (``safe_open``, reading
+just those keys). Layers name their tensors as the model does (``model.layers.0.mlp.up_proj.weight``).
 
 Tied weights (GPT-2's ``lm_head`` is ``wte``): every layer gets its own copy, equal at the
 start; ``ModelSource.tied`` lists each tie as ``((layer, name), ...)`` and the runtime sums
@@ -25,7 +22,7 @@ the copies' gradients before each optimizer step (``hetrain.runtime.tied``), so 
 Example:
     >>> source = resolve_hf("hf:my-gpt2")                   # doctest: +SKIP
     >>> source.num_layers, source.layer_names[:2], source.tied    # doctest: +SKIP
-    (4, ('embed', 'block1'), (((0, 'wte.weight'), (3, 'lm_head.weight')),))
+    (4, ('embed', 'block1'), (((0, 'transformer.wte.weight'), (3, 'lm_head.weight')),))
 """
 
 from __future__ import annotations
