@@ -359,6 +359,16 @@ def _build_layer(gm: fx.GraphModule, members: list[fx.Node], inputs: Sequence[fx
                             "points")
         return env[a]
 
+    where: list[fx.Node] = []
+
+    def device() -> fx.Node:
+        """The device of the layer's first input, read once: what a factory op creates its tensor on."""
+        if not where:
+            first_input = next(iter(env.values()))
+            with graph.inserting_after(first_input):
+                where.append(graph.call_function(getattr, (first_input, "device")))
+        return where[0]
+
     modes: dict[str, nn.Module] = {}
     member_set = set(members)
     for n in members:
@@ -373,6 +383,8 @@ def _build_layer(gm: fx.GraphModule, members: list[fx.Node], inputs: Sequence[fx
             env[n] = new
         elif n not in env:
             env[n] = graph.node_copy(n, lookup)
+            if isinstance(env[n].kwargs.get("device"), torch.device):  # a factory op (arange, ones): where the
+                env[n].kwargs = {**env[n].kwargs, "device": device()}   # layer runs, not where it was traced
     if isinstance(outputs, tuple) and len(outputs) == 1:
         outputs = outputs[0]
     graph.output(fx.map_arg(outputs, lookup))
