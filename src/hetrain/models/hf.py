@@ -80,7 +80,8 @@ def moe_loss(coef: float) -> Callable[[Any, torch.Tensor], torch.Tensor]:
 
     def loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
         logits, aux = output
-        return lm_loss(logits, targets) + coef * aux
+        total: torch.Tensor = lm_loss(logits, targets) + coef * aux
+        return total
 
     return loss
 

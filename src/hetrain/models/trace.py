@@ -282,10 +282,10 @@ def _split(gm: fx.GraphModule, part: dict[fx.Node, int], split_points: Sequence[
         inputs = placeholders if k == 0 else crossing[k - 1]
         outputs = output.args[0] if k == count - 1 else tuple(crossing[k])
         layers.append(_build_layer(gm, members, inputs, outputs, k == 0, what, names))
-    names = tuple(_name(k, split_points, tail) for k in range(count))
+    labels = tuple(_name(k, split_points, tail) for k in range(count))
     shown = tuple(tuple((n.name, tuple(int(s) if isinstance(s, int) else -1 for s in _shape(n)), _dtype(n))
                         for n in live) for live in crossing)
-    return TracedCut(layers, names, shown, gm)
+    return TracedCut(layers, labels, shown, gm)
 
 
 def _shape(n: fx.Node) -> tuple[Any, ...]:
