@@ -48,3 +48,16 @@ FAMILIES: dict[str, dict[str, Any]] = {
 #: the families whose forward does more than their named parts, or whose loss has a second term: trained from
 #: the CLI in the default suite (the rest with HETRAIN_ALL_FAMILIES=1)
 CLI_FAMILIES = ("gemma2", "granite", "mixtral")
+
+#: encoders trained as masked LMs: their own loss at the masked positions, their labels not shifted
+ENCODERS: dict[str, dict[str, Any]] = {
+    "bert": {"model_type": "bert", "architectures": ["BertForMaskedLM"], "vocab_size": VOCAB, "hidden_size": 32,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
+             "max_position_embeddings": 64, "pad_token_id": 0},
+    "roberta": {"model_type": "roberta", "architectures": ["RobertaForMaskedLM"], "vocab_size": VOCAB,
+                "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
+                "max_position_embeddings": 72, "pad_token_id": 1},
+    "distilbert": {"model_type": "distilbert", "architectures": ["DistilBertForMaskedLM"], "vocab_size": VOCAB,
+                   "dim": 32, "n_layers": 2, "n_heads": 4, "hidden_dim": 64, "max_position_embeddings": 64,
+                   "pad_token_id": 0},
+}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_families import FAMILIES, VOCAB
+from hf_families import ENCODERS, FAMILIES, VOCAB
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -26,7 +26,7 @@ from hetrain.models.user import resolve_model  # noqa: E402
 def family_dir(tmp_path: Path, family: str) -> Path:
     d = tmp_path / family
     d.mkdir()
-    (d / "config.json").write_text(json.dumps(FAMILIES[family]))
+    (d / "config.json").write_text(json.dumps(FAMILIES.get(family) or ENCODERS[family]))
     return d
 
 
@@ -102,3 +102,37 @@ def test_split_points_cut_where_the_user_says_and_the_profile_records_them(tmp_p
         resolve_model(f"hf:{d}", split_points=("model.layer.1",))
     with pytest.raises(SpecError, match=r"runs model.layers.1 after model.layers.0, which the split points list"):
         resolve_model(f"hf:{d}", split_points=("model.layers.1", "model.layers.0"))
+
+
+@pytest.mark.parametrize("family", list(ENCODERS))
+def test_an_encoder_trains_as_a_masked_lm_with_transformers_loss(family: str, tmp_path: Path) -> None:
+    """BERT-style encoders are cut like decoders and train on their own objective: the cross-entropy at the masked
+    positions, labels as transformers' DataCollatorForLanguageModeling makes them (not shifted)."""
+    from hetrain.data.user import build_model_datasets
+    from hetrain.errors import InputError
+
+    d = family_dir(tmp_path, family)
+    source = resolve_model(f"hf:{d}")
+    assert source.masked_lm and source.num_layers == 4
+    config = transformers.AutoConfig.from_pretrained(d)
+    torch.manual_seed(5)
+    model = transformers.AutoModelForMaskedLM.from_config(config, dtype=torch.float32).eval()
+    layers = [m.eval() for m in source.build_layers(seed=5)]
+    ids = torch.randint(5, VOCAB, (4, 12), generator=torch.Generator().manual_seed(3))  # (B, T)
+    masked = torch.rand(4, 12, generator=torch.Generator().manual_seed(4)) < 0.3
+    inputs, labels = ids.masked_fill(masked, 4), ids.masked_fill(~masked, -100)
+    (tmp_path / "mlm.py").write_text(
+        "import torch\n"
+        f"INPUTS, LABELS = torch.tensor({inputs.tolist()}), torch.tensor({labels.tolist()})\n"
+        "def rows():\n"
+        "    return [{'input_ids': i, 'labels': l} for i, l in zip(INPUTS, LABELS)]\n")
+    _, split = build_model_datasets(source, f"{tmp_path / 'mlm.py'}:rows", seq_len=12)
+    x, y = split.train.take(torch.arange(4))
+    assert torch.equal(x, inputs) and torch.equal(y, labels)  # not shifted
+    out = run_layers(layers, x)
+    want = model(input_ids=inputs, labels=labels)
+    torch.testing.assert_close(out, want.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(source.loss_fn(out, y), want.loss, rtol=1e-5, atol=1e-6)
+    (tmp_path / "t.txt").write_text("some text " * 50)
+    with pytest.raises(InputError, match=r"is a masked LM: it trains on samples of masked input_ids and their labels"):
+        build_model_datasets(source, f"text:{tmp_path / 't.txt'}", seq_len=12)

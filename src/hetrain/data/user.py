@@ -43,9 +43,10 @@ class MapDataset:
         name: how errors name it (the spec).
     """
 
-    def __init__(self, dataset: Any, name: str) -> None:
+    def __init__(self, dataset: Any, name: str, shift: bool = True) -> None:
         self.dataset = dataset
         self.name = name
+        self.shift = shift  # dict samples: a causal LM's labels shifted to the next token (lm_pair); not a masked LM's
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -59,7 +60,7 @@ class MapDataset:
                             f"batch ({type(e).__name__}: {e}); every sample must be an (input, target) pair of the "
                             "same shapes") from e
         if isinstance(batch, dict):
-            return lm_pair(batch, self.name)
+            return lm_pair(batch, self.name, self.shift)
         inputs, targets = batch
         return inputs, targets
 
@@ -72,7 +73,7 @@ DICT_KEYS = ("input_ids", "attention_mask", "labels")
 IGNORE = -100  # a label transformers' loss ignores (and torch's cross-entropy, by default)
 
 
-def lm_pair(batch: dict[str, Any], name: str) -> Batch:
+def lm_pair(batch: dict[str, Any], name: str, shift: bool = True) -> Batch:
     """A batch of dicts, as transformers takes it, as hetrain's ``(inputs, targets)``: the same loss.
 
     transformers' labels are aligned with ``input_ids`` (default: ``input_ids``) and the model shifts them;
@@ -82,6 +83,9 @@ def lm_pair(batch: dict[str, Any], name: str) -> Batch:
         input_ids       a  b  c  PAD          inputs   a  b  c    PAD
         attention_mask  1  1  1  0      ->    targets  b  c  -100 -100
         labels          a  b  c  -100
+
+    A masked LM's labels are its targets as they are (``shift`` False): the original token at each masked
+    position, -100 elsewhere, as transformers' ``DataCollatorForLanguageModeling`` makes them.
 
     Raises:
         SpecError: a key transformers would give the model that hetrain does not pass (``token_type_ids``),
@@ -104,6 +108,8 @@ def lm_pair(batch: dict[str, Any], name: str) -> Batch:
             raise SpecError(f"data {name}: attention_mask pads on the left; hetrain runs the model without the mask, "
                             "so the tokens would attend to the pads: pad on the right (tokenizer padding_side='right')")
         labels = labels.masked_fill(mask == 0, IGNORE)
+    if not shift:
+        return ids, labels
     targets = torch.full_like(labels, IGNORE)
     targets[:, :-1] = labels[:, 1:]
     return ids, targets
@@ -195,11 +201,23 @@ def _table_datasets(model: ModelSource, data: str, seq_len: int | None, tokenize
     else:
         if tokenizer is not None:
             raise SpecError(f"--tokenizer {tokenizer} is for text; --data {data} holds input_ids already")
-        split = DatasetSplit(MapDataset(TableRows(train), data), MapDataset(TableRows(val), data) if val else None)
+        shift = not model.masked_lm
+        split = DatasetSplit(MapDataset(TableRows(train), data, shift),
+                             MapDataset(TableRows(val), data, shift) if val else None)
     x, y = split.train.take(torch.arange(min(2, len(split.train))))  # (2, T) each
     if model.preset is None:
         check_model_on_batch(model, x, y, data)
     return name, split
+
+
+def _is_text_table(data: str | None) -> bool:
+    """Whether ``data`` is a table of text (a ``text`` column and no ``input_ids``)."""
+    if not is_table_spec(data):
+        return False
+    from hetrain.data.tables import load_tables, table_kind
+
+    assert data is not None
+    return table_kind(load_tables(data)[0], data) == "text"
 
 
 def _model_tokenizer(model: ModelSource) -> str | None:
@@ -256,6 +274,12 @@ def build_model_datasets(model: ModelSource, data: str | None, seed: int = 0, *,
     """
     from hetrain.data.tokens import is_token_spec, load_token_datasets
 
+    if model.masked_lm and not (data is not None and is_user_spec(data) and not is_token_spec(data)
+                                and not _is_text_table(data)):
+        raise SpecError(f"model {model.name} is a masked LM: it trains on samples of masked input_ids and their "
+                        f"labels (transformers' DataCollatorForLanguageModeling), not on token windows; give --data "
+                        f"dataset:DIR, jsonl:FILE or parquet:FILE with input_ids and labels columns, or MODULE:FUNCTION"
+                        + (f" (not {data})" if data else ""))
     if is_token_spec(data):
         assert data is not None
         t, vocab = _token_shape(model, seq_len)
@@ -276,6 +300,9 @@ def build_model_datasets(model: ModelSource, data: str | None, seed: int = 0, *,
         raise SpecError(f"{flag} is for --data tokens:FILE.bin or text:FILE, not --data {data}")
     if data is not None and is_user_spec(data):
         split = load_user_datasets(data)
+        for part in split:
+            if isinstance(part, MapDataset):
+                part.shift = not model.masked_lm  # a masked LM's labels are its targets as they are
         x, y = split.train.take(torch.arange(min(2, len(split.train))))  # (2, ...) each
         if model.tokens is not None:
             refuse_identity(x, y, data)

@@ -61,10 +61,24 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def hf_forward(model: nn.Module, ids: torch.Tensor) -> Any:
     """The model's own forward as training runs it: logits ``(B, T, V)``, and for an MoE model whose config
     asks for it (``output_router_logits``) also the router's load-balancing loss, ``(logits, aux_loss)``."""
+    if is_masked_lm(model.config):  # an encoder: no cache to turn off
+        return model(input_ids=ids).logits
     if _router_aux(model.config) is not None:
         out = model(input_ids=ids, use_cache=False, output_router_logits=True)
         return out.logits, out.aux_loss
     return model(input_ids=ids, use_cache=False).logits
+
+
+def is_masked_lm(config: Any) -> bool:
+    """Whether the config is an encoder's, trained as a masked LM (BERT, RoBERTa, DistilBERT): its class has a
+    masked-LM model and either no causal-LM one or ``is_decoder`` off (BERT's causal ``BertLMHeadModel`` needs it
+    on). Its loss is the cross-entropy at the masked positions, its targets the labels as they are, not shifted."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING
+
+    kind = type(config)
+    if kind not in MODEL_FOR_MASKED_LM_MAPPING:
+        return False
+    return kind not in MODEL_FOR_CAUSAL_LM_MAPPING or not getattr(config, "is_decoder", False)
 
 
 def _router_aux(config: Any) -> float | None:
@@ -295,18 +309,21 @@ def _weight_files(spec: str, path: Path) -> dict[str, Path]:
 
 
 def build_model(hf: HfDir, seed: int) -> nn.Module:
-    """The whole transformers model under ``seed``, its weights in fp32."""
-    from transformers import AutoModelForCausalLM
+    """The whole transformers model under ``seed``, its weights in fp32: a causal LM, or an encoder's masked LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
+    masked = is_masked_lm(hf.config)
+    auto = AutoModelForMaskedLM if masked else AutoModelForCausalLM
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
             # fp32 weights whatever dtype the config names (a Hub config's "bfloat16" is the dtype it was
             # published in): training keeps fp32 master weights and computes in the plan's precision, as
             # Megatron-LM, DeepSpeed and torchtitan do (docs/own-model.md, "Parameter dtype")
-            model: nn.Module = AutoModelForCausalLM.from_config(hf.config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+            model: nn.Module = auto.from_config(hf.config, dtype=torch.float32)  # type: ignore[no-untyped-call]
         except Exception as e:  # transformers' own errors: named in one line with the file
-            raise SpecError(f"--model {hf.spec}: transformers cannot build a causal LM from {hf.path / 'config.json'}"
+            what = "a masked LM" if masked else "a causal LM"
+            raise SpecError(f"--model {hf.spec}: transformers cannot build {what} from {hf.path / 'config.json'}"
                             f": {type(e).__name__}: {_first_line(e)}") from e
     return model
 
@@ -388,7 +405,9 @@ class HfModel:
         build: ``build(first, end, seed)``: layers ``[first, end)``, the file's weights in them if any.
         vocab: the config's ``vocab_size``.
         max_positions: ``(field, value)``: the config field that bounds the tokens per sample and its value.
-        loss_fn: next-token cross-entropy, plus the router's auxiliary loss where the config asks for it.
+        loss_fn: next-token cross-entropy, plus the router's auxiliary loss where the config asks for it; for a
+            masked LM, the cross-entropy at the labelled positions.
+        masked_lm: an encoder trained as a masked LM (``is_masked_lm``): its targets are not shifted.
     """
 
     num_layers: int
@@ -398,6 +417,7 @@ class HfModel:
     vocab: int
     max_positions: tuple[str, int]
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] = lm_loss
+    masked_lm: bool = False
 
 
 #: config.json fields that bound the positions of a sample, the first present wins (GPT-2's, then the others')
@@ -451,7 +471,8 @@ def resolve_hf(spec: str, split_points: Sequence[str] | None = None) -> HfModel:
 
     coef = _router_aux(hf.config)
     loss = lm_loss if coef is None else moe_loss(coef)
-    return HfModel(n, names, ties, build, int(hf.config.vocab_size), max_positions(hf), loss)
+    return HfModel(n, names, ties, build, int(hf.config.vocab_size), max_positions(hf), loss,
+                   is_masked_lm(hf.config))
 
 
 def _first_line(e: BaseException) -> str:

@@ -91,6 +91,8 @@ class ModelSource:
             longest sample; None for any other (``hetrain.data.seq_len``).
         split_points: the module names a traced model was cut at where they were given (``--split-points``),
             recorded in the profile so that ``hetrain train`` cuts it alike; empty for the default cut.
+        masked_lm: an ``hf:DIR`` encoder trained as a masked LM: its data's labels are its targets as they are
+            (not shifted), and token windows, which have no masked positions, are refused for it.
     """
 
     name: str
@@ -102,6 +104,7 @@ class ModelSource:
     tied: tuple[tuple[tuple[int, str], ...], ...] = ()
     tokens: TokenLimits | None = None
     split_points: tuple[str, ...] = ()
+    masked_lm: bool = False
     _build: BuildFn | None = field(default=None, repr=False, compare=False)
 
     def build_layers(self, first: int = 0, end: int | None = None, seed: int = 0) -> list[nn.Module]:
@@ -296,7 +299,7 @@ def resolve_model(text: str, split_points: Sequence[str] = (), **config: Any) ->
         field_name, most = hf.max_positions
         return ModelSource(text, hf.num_layers, hf.layer_names, hf.loss_fn, tied=hf.tied,
                            tokens=TokenLimits(hf.vocab, most, field_name), split_points=tuple(split_points),
-                           _build=hf.build)
+                           masked_lm=hf.masked_lm, _build=hf.build)
     if config:
         raise SpecError(f"--set {', '.join(sorted(config))}: settings apply to reference models only; "
                         f"{text} is built by its own function")
