@@ -257,7 +257,7 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path: Path, capsys: pytest
     err = one_line_error(capsys, [*args, gpt2])
     assert "has no tensor layers.0.transformer.wte.weight (transformer.wte.weight" in err, err
     err = one_line_error(capsys, [*args, model_dir(tmp_path / "one", llama_config(num_hidden_layers=1))])
-    assert "has no tensor layers.2.model.norm.weight (model.norm.weight of" in err, err  # its head is a block there
+    assert "has no tensor layers.2.lm_head.weight (lm_head.weight of" in err, err  # its head is a block there
     state = LayerRange(resolve_model(small).build_layers()).state_dict()
     save_checkpoint(tmp_path / "more", 3, {**state, "layers.4.extra.weight": torch.ones(2)}, {}, {"model": small})
     with pytest.raises(ExportError, match=r"step 3 in .*more holds layers.4.extra.weight \(1 such\), which hf:"):

@@ -12,6 +12,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 from cli_jobs import TWO_CPUS, hetrain, step_rows, train_standalone
 
@@ -22,14 +23,6 @@ pytest.importorskip("safetensors")
 import hf_families  # noqa: E402
 
 TOKEN, T, SEED = 7, 12, 3
-REPEATED = f"""
-import torch
-from torch.utils.data import TensorDataset
-
-def dataset():
-    seq = torch.full((16, {T} + 1), {TOKEN})       # (N, T + 1): one repeated token
-    return TensorDataset(seq[:, :-1], seq[:, 1:])  # inputs, targets shifted by one
-"""
 
 FAMILIES = list(hf_families.FAMILIES) if os.environ.get("HETRAIN_ALL_FAMILIES") else list(hf_families.CLI_FAMILIES)
 
@@ -41,11 +34,11 @@ def test_a_family_trains_on_two_stages_from_the_cli_with_transformers_first_loss
     d = tmp_path / family
     d.mkdir()
     (d / "config.json").write_text(json.dumps(hf_families.FAMILIES[family]))
-    (tmp_path / "tokens.py").write_text(REPEATED)
+    np.full(16 * T + 1, TOKEN, dtype="<u2").tofile(tmp_path / "repeated.bin")  # a file of one repeated token
     (tmp_path / "two-cpus.toml").write_text(TWO_CPUS)
-    model, data = f"hf:{d}", f"{tmp_path / 'tokens.py'}:dataset"
-    hetrain(["profile", "--model", model, "--data", data, "-o", "p.json", "--micro-batch", "2", "--repeats", "1"],
-            tmp_path)
+    model, data = f"hf:{d}", f"tokens:{tmp_path / 'repeated.bin'}"
+    hetrain(["profile", "--model", model, "--data", data, "--seq-len", str(T), "-o", "p.json", "--micro-batch", "2",
+             "--repeats", "1"], tmp_path)
     hetrain(["plan", "--cluster", "two-cpus.toml", "--profile", "p.json", "--global-batch", "4", "--strategy", "pp",
              "-o", "plan.json"], tmp_path)
     metrics = tmp_path / "metrics.jsonl"

@@ -126,11 +126,11 @@ class TracedCut:
 
 def repeated_blocks(model: nn.Module) -> list[str]:
     """The module paths of the model's repeated blocks: the children of its largest ``nn.ModuleList``
-    (or ``nn.Sequential``) of at least two modules of one class, by parameter count (a transformers
+    (or ``nn.Sequential``) of modules of one class, by parameter count (a transformers
     model's decoder layers)."""
     best: tuple[int, list[str]] = (0, [])
     for path, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList | nn.Sequential) or len(module) < 2:
+        if not isinstance(module, nn.ModuleList | nn.Sequential) or len(module) < 1:
             continue
         kinds = {type(child) for child in module}
         if len(kinds) != 1:
