@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import write_section  # noqa: E402
+from _results import write_section
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = {"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
@@ -47,13 +47,15 @@ def dataset():
 """
 
 
-def _env(src: Path) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(src), "HETRAIN_DEVICE": "cpu", "HETRAIN_NODE": "n0", "OMP_NUM_THREADS": "1"}
+def _env(src: Path, cache: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(src), "HETRAIN_DEVICE": "cpu", "HETRAIN_NODE": "n0", "OMP_NUM_THREADS": "1",
+            "HETRAIN_CACHE_DIR": cache}
 
 
-def _run(args: list[str], src: Path, cwd: Path) -> float:
+def _run(args: list[str], src: Path, cwd: Path, cache: str = "off") -> float:
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, *args], cwd=cwd, env=_env(src), capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, *args], cwd=cwd, env=_env(src, cache), capture_output=True, text=True,
+                          timeout=600)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(args[:4])}... with {src} failed:\n{done.stderr[-3000:]}")
     return time.perf_counter() - start
@@ -74,7 +76,8 @@ def main() -> None:
             (tmp / "llama" / "config.json").write_text(json.dumps(LLAMA))
             (tmp / "tokens.py").write_text(DATA)
             (tmp / "cluster.toml").write_text(CLUSTER)
-            trees = {"before": base / "src", "after": ROOT / "src"}
+            trees = {"before": base / "src", "after": ROOT / "src", "after, no cut cache": ROOT / "src"}
+            cache = str(tmp / "cuts")  # the traced cut kept by the first run (hetrain.models.trace.save_cut)
             model, data = f"hf:{tmp / 'llama'}", f"{tmp / 'tokens.py'}:dataset"
             _run(["-m", "hetrain", "profile", "--model", model, "--data", data, "-o", "p.json", "--micro-batch", "2",
                   "--repeats", "1"], trees["before"], tmp)
@@ -83,24 +86,26 @@ def main() -> None:
             train = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "hetrain", "train",
                      "--plan", "plan.json", "--model", model, "--data", data, "--steps", "1", "--no-progress",
                      "--timeout-s", "120"]
-            times: dict[str, list[float]] = {"before": [], "after": []}
-            _run(train, trees["after"], tmp)  # warm the file caches of both trees once
+            times: dict[str, list[float]] = {name: [] for name in trees}
+            _run(train, trees["after"], tmp, cache)  # warm the file caches of both trees once; the cut is kept
             _run(train, trees["before"], tmp)
             for _ in range(args.repeats):
-                for name in ("before", "after"):
-                    times[name].append(_run(train, trees[name], tmp))
+                for name in trees:
+                    times[name].append(_run(train, trees[name], tmp, cache if name == "after" else "off"))
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
     med = {k: statistics.median(v) for k, v in times.items()}
-    ratios = sorted(a / b for a, b in zip(times["after"], times["before"], strict=True))
-    rows = ["| code | median s | min s | max s |", "|---|---:|---:|---:|"]
-    for name in ("before", "after"):
+    rows = ["| code | median s | min s | max s | vs before, median (pairs) |", "|---|---:|---:|---:|---|"]
+    for name, runs in times.items():
+        ratios = sorted(a / b for a, b in zip(runs, times["before"], strict=True))
         rows.append(f"| {name} ({args.base if name == 'before' else 'this tree'}) | {med[name]:.2f} | "
-                    f"{min(times[name]):.2f} | {max(times[name]):.2f} |")
+                    f"{min(runs):.2f} | {max(runs):.2f} | {med[name] / med['before']:.3f} "
+                    f"({ratios[0]:.3f} .. {ratios[-1]:.3f}) |")
     table = "\n".join(rows)
-    notes = (f"after / before, median of {args.repeats} alternating pairs: {med['after'] / med['before']:.3f} "
-             f"(pairs: {ratios[0]:.3f} .. {ratios[-1]:.3f}). Each run: torchrun, 2 Gloo ranks, a 4-block Llama "
-             "(hidden 64) from config.json on 2 pipeline stages, one step of 8 samples of 32 tokens, launch to exit.")
+    notes = (f"{args.repeats} alternating rounds. Each run: torchrun, 2 Gloo ranks, a 4-block Llama (hidden 64) from "
+             "config.json on 2 pipeline stages, one step of 8 samples of 32 tokens, launch to exit. 'after' finds "
+             "the cut that the first run traced and kept (as hetrain profile keeps it for hetrain train); 'no cut "
+             "cache' traces on every rank of every run (HETRAIN_CACHE_DIR=off).")
     print(table)
     print(notes)
     if not args.no_write:

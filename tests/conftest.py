@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import tempfile
 
 import numpy as np
 import pytest
@@ -17,6 +18,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The suite runs every rank on the CPU with Gloo, also on a machine with GPUs (where
 # NCCL would need a GPU per rank); tests/gpu/ asks for CUDA where it checks the GPU path.
 os.environ.setdefault("HETRAIN_DEVICE", "cpu")
+# Traced cuts (hetrain.models.trace.save_cut) are kept for the session in a folder of its own, not in the
+# user's cache; processes the tests start find them there too.
+os.environ.setdefault("HETRAIN_CACHE_DIR", tempfile.mkdtemp(prefix="hetrain-cuts-"))
 
 
 @pytest.fixture(autouse=True)

@@ -30,10 +30,19 @@ def family_dir(tmp_path: Path, family: str) -> Path:
     return d
 
 
+def _no_export(*args: object, **kwargs: object) -> None:
+    raise AssertionError("traced again: the kept cut was not used")
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_a_family_runs_its_own_forward_loss_and_gradients(family: str, tmp_path: Path) -> None:
+def test_a_family_runs_its_own_forward_loss_and_gradients(family: str, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checked on the cut read back from the cache (``save_cut`` / ``load_cut``): what every later run uses."""
     d = family_dir(tmp_path, family)
-    source = resolve_model(f"hf:{d}")  # traced, and checked against the model's forward
+    resolve_model(f"hf:{d}")  # traced, checked against the model's forward, and kept
+    with monkeypatch.context() as m:  # the second time, the kept cut: no trace
+        m.setattr(torch.export, "export", _no_export)
+        source = resolve_model(f"hf:{d}")
     assert source.num_layers == 4 and source.layer_names == ("embed", "block1", "block2", "head")
     config = transformers.AutoConfig.from_pretrained(d)
     torch.manual_seed(5)
@@ -136,3 +145,25 @@ def test_an_encoder_trains_as_a_masked_lm_with_transformers_loss(family: str, tm
     (tmp_path / "t.txt").write_text("some text " * 50)
     with pytest.raises(InputError, match=r"is a masked LM: it trains on samples of masked input_ids and their labels"):
         build_model_datasets(source, f"text:{tmp_path / 't.txt'}", seq_len=12)
+
+
+def test_a_damaged_kept_cut_is_traced_again_and_replaced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HETRAIN_CACHE_DIR", str(tmp_path / "cuts"))
+    d = family_dir(tmp_path, "llama")
+    resolve_model(f"hf:{d}")
+    (kept,) = (tmp_path / "cuts").glob("*.pt")
+    kept.write_bytes(kept.read_bytes()[:100])  # cut short
+    traced = []
+    real = torch.export.export
+    monkeypatch.setattr(torch.export, "export", lambda *a, **k: traced.append(1) or real(*a, **k))
+    source = resolve_model(f"hf:{d}")
+    assert traced == [1] and kept.stat().st_size > 100  # traced again, written over
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(d)).eval()
+    x = torch.randint(0, VOCAB, (2, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(run_layers([m.eval() for m in source.build_layers(seed=0)], x), model(x).logits)
+    monkeypatch.setenv("HETRAIN_CACHE_DIR", "off")
+    traced.clear()
+    resolve_model(f"hf:{d}")
+    assert traced == [1]  # no cache: traced every time

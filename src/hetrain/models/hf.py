@@ -38,7 +38,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetrain.models.spec import SpecError
-from hetrain.models.trace import TracedCut, bind, check_cut, repeated_blocks, trace_cut, untie
+from hetrain.models.trace import (
+    TracedCut,
+    bind,
+    check_cut,
+    cut_key,
+    load_cut,
+    repeated_blocks,
+    save_cut,
+    trace_cut,
+    untie,
+)
 
 HF_PREFIX = "hf:"
 Tie = tuple[tuple[int, str], ...]
@@ -114,12 +124,21 @@ def cut_causal_lm(model: nn.Module, config: Any, name: str, split_points: Sequen
     Raises:
         SpecError: a forward that cannot be traced, or split points that are not its modules.
     """
+    import transformers
+
     points = list(split_points) if split_points else repeated_blocks(model)
     if not points:
         raise SpecError(f"{name}: {type(model).__name__} has no repeated blocks to cut at; give --split-points")
     length = min(8, _positions_bound(config))
-    return trace_cut(model, (example_ids(config, 2, length),), points, what=name, call=hf_forward,
-                     tail=not split_points)
+    # the graph is decided by transformers' code for this class and config: traced once, kept (trace.save_cut)
+    key = cut_key("hf", type(model).__qualname__, config.to_json_string(use_diff=False), transformers.__version__,
+                  ",".join(points), str(not split_points), str(length))
+    cut = load_cut(key, model)
+    if cut is None:
+        cut = trace_cut(model, (example_ids(config, 2, length),), points, what=name, call=hf_forward,
+                        tail=not split_points)
+        save_cut(key, cut, model)
+    return cut
 
 
 def _positions_bound(config: Any) -> int:
