@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch.fx.graph_module import _format_import_block
-from torch.package import sys_importer
+from torch.package.importer import sys_importer
 
 from hetrain.models.spec import SpecError
 
