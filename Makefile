@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # torch is pinned exactly: this version's CPU build is what CI and the tests use.
 TORCH := torch==2.13.0
 
-.PHONY: demo test lint typecheck unit bench clean
+.PHONY: demo test test-fast lint typecheck unit fast bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,12 @@ unit: $(VENV)/.installed
 	$(PY) -m pytest -q
 
 test: lint typecheck unit
+
+# The fast tier: no process group, no emulated cluster, no test marked slow.
+fast: $(VENV)/.installed
+	$(PY) -m pytest -q -m "not slow" --ignore=tests/distributed
+
+test-fast: lint typecheck fast
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/planner_scale.py

@@ -22,6 +22,8 @@ pytest.importorskip("safetensors")
 from hetrain.models.layers import run_layers  # noqa: E402
 from hetrain.models.user import resolve_model  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 
 def family_dir(tmp_path: Path, family: str) -> Path:
     d = tmp_path / family
