@@ -37,18 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hetrain.models.kept_cuts import cut_key, load_cut, save_cut
 from hetrain.models.spec import SpecError
-from hetrain.models.trace import (
-    TracedCut,
-    bind,
-    check_cut,
-    cut_key,
-    load_cut,
-    repeated_blocks,
-    save_cut,
-    trace_cut,
-    untie,
-)
+from hetrain.models.trace import TracedCut, bind, check_cut, repeated_blocks, trace_cut, untie
 
 HF_PREFIX = "hf:"
 Tie = tuple[tuple[int, str], ...]

@@ -26,28 +26,24 @@ Ops whose behaviour depends on ``module.training`` are fixed at trace time in an
 graph runs them through ``ModeOp``, which reads the layer's own ``training`` flag, so ``.eval()``
 turns dropout off as it does in the model.
 
+A factory op (``arange``, ``ones``) creates its tensor on the device of the layer's input, not on the
+device the model was traced on. ``hetrain.models.kept_cuts`` keeps a cut between runs.
+
 Example:
-    >>> cut = trace_cut(model, (ids,), default_split_points(model))   # doctest: +SKIP
-    >>> [len(v) for v in cut.crossing]                                   # doctest: +SKIP
+    >>> cut = trace_cut(model, (ids,), repeated_blocks(model), what="net")   # doctest: +SKIP
+    >>> [len(v) for v in cut.crossing]                                         # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import hashlib
 import operator
-import os
-import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.fx.graph_module import _format_import_block
-from torch.package.importer import sys_importer
 
 from hetrain.models.spec import SpecError
 
@@ -361,7 +357,7 @@ def _build_layer(gm: fx.GraphModule, members: list[fx.Node], inputs: Sequence[fx
 
     def attr(n: fx.Node) -> fx.Node:
         target = str(n.target)
-        value = _fetch(gm, target)
+        value = fetch(gm, target)
         name = _own_name(target[len(_ROOT) + 1:] if target.startswith(_ROOT + ".") else target,
                          names.get(id(value), []), [p for u in n.users if u in member_set for p in _module_paths(u)])
         attrs[name] = value
@@ -410,7 +406,7 @@ def _build_layer(gm: fx.GraphModule, members: list[fx.Node], inputs: Sequence[fx
     member_set = set(members)
     for n in members:
         if n.op == "call_module":
-            attrs[str(n.target)] = _fetch(gm, str(n.target))
+            attrs[str(n.target)] = fetch(gm, str(n.target))
         mode = _mode_op(n) if n.op == "call_function" else None
         if mode is not None:
             name = f"mode_{len(modes)}"
@@ -451,9 +447,9 @@ def bind(layer: nn.Module, model: nn.Module) -> fx.GraphModule:
             continue
         target = str(node.target)
         try:
-            attrs[target] = _fetch(model, target)
+            attrs[target] = fetch(model, target)
         except AttributeError:
-            attrs[target] = copy.deepcopy(_fetch(layer, target))
+            attrs[target] = copy.deepcopy(fetch(layer, target))
     graph = fx.Graph()
     graph.output(graph.graph_copy(layer.graph, {}))
     bound = fx.GraphModule(attrs, graph, class_name="TracedLayer")
@@ -569,133 +565,12 @@ def untie(layers: list[nn.Module], hf_names: dict[int, list[str]]) -> tuple[Tie,
     return tuple(tuple(group) for group in ties.values())
 
 
-# --- the cut, kept between runs ---------------------------------------------------------------------
-
-#: bump when what ``save_cut`` writes changes meaning
-CUT_FORMAT = 1
-
-
-def cache_directory() -> Path | None:
-    """Where traced cuts are kept: ``HETRAIN_CACHE_DIR`` (``off`` or empty: nowhere), else
-    ``$XDG_CACHE_HOME/hetrain/cuts`` (``~/.cache/hetrain/cuts``)."""
-    setting = os.environ.get("HETRAIN_CACHE_DIR")
-    if setting is not None:
-        return None if setting in ("", "off") else Path(setting)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "hetrain" / "cuts"
-
-
-def cut_key(*parts: str) -> str:
-    """A cut's name in the cache: a digest of what decides the graph (the model's class and config, the library
-    versions, the split points) and of this module's format."""
-    text = "\0".join((str(CUT_FORMAT), torch.__version__, *parts))
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
-
-
-def save_cut(key: str, cut: TracedCut, model: nn.Module) -> None:
-    """Keep ``cut``'s graphs for ``load_cut``: each layer as its generated Python code and its attributes, the
-    model's own tensors left out (``meta`` in their place: bound again on load). Written aside and renamed, so a
-    reader never sees half a file; a cache that cannot be written is skipped (it only saves time)."""
-    directory = cache_directory()
-    if directory is None:
-        return
-    layers = []
-    for layer in cut.layers:
-        assert isinstance(layer, fx.GraphModule)
-        code = layer.recompile()
-        source = _format_import_block(code.globals, sys_importer) + "\n" + code.src
-        attrs: dict[str, Any] = {}
-        for node in layer.graph.nodes:
-            if node.op in ("get_attr", "call_module"):
-                value = _fetch(layer, str(node.target))
-                if isinstance(value, torch.Tensor) and _has(model, str(node.target)):
-                    value = torch.empty_like(value, device="meta")  # the model's own: bound again on load
-                attrs[str(node.target)] = value
-        layers.append({"source": source, "attrs": attrs})
-    record = {"format": CUT_FORMAT, "layers": layers, "names": cut.names, "crossing": cut.crossing}
-    tmp = directory / f".{key}.{os.getpid()}.tmp"
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        torch.save(record, tmp)
-        os.replace(tmp, directory / f"{key}.pt")
-    except (OSError, RuntimeError, TypeError, AttributeError, pickle.PicklingError):
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-
-
-def load_cut(key: str, model: nn.Module) -> TracedCut | None:
-    """The cut ``save_cut`` kept under ``key``, over ``model``'s own tensors; None where there is none, or one that
-    cannot be read (it is traced again and written over). Whichever it is, ``check_cut`` checks it before use."""
-    directory = cache_directory()
-    if directory is None or not (directory / f"{key}.pt").is_file():
-        return None
-    try:
-        record = torch.load(directory / f"{key}.pt", weights_only=False)  # the user's own cache: graphs as code
-        if not isinstance(record, dict) or record.get("format") != CUT_FORMAT:
-            return None
-        layers: list[nn.Module] = [bind(_rebuild(r["source"], r["attrs"]), model) for r in record["layers"]]
-        return TracedCut(layers, tuple(record["names"]), tuple(record["crossing"]), None)
-    except Exception:  # a damaged or foreign file: traced again
-        return None
-
-
-class _EveryTensor(fx.Tracer):
-    """Traces a layer's generated code back into its graph: every tensor attribute a proxy (so nothing is computed
-    while tracing), a ``ModeOp`` a call of its own."""
-
-    proxy_buffer_attributes = True
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return isinstance(m, ModeOp) or super().is_leaf_module(m, module_qualified_name)
-
-
-def _rebuild(source: str, attrs: dict[str, Any]) -> fx.GraphModule:
-    """A layer from its code and attributes, as ``save_cut`` kept it."""
-    namespace: dict[str, Any] = {}
-    exec(compile(source, "<hetrain cut>", "exec"), namespace)  # code fx generated, from the user's own cache
-    cls = type("TracedLayer", (nn.Module,), {"forward": namespace["forward"]})
-    root = cls()
-    for target, value in attrs.items():
-        path, _, leaf = target.rpartition(".")
-        owner = root
-        for part in path.split(".") if path else []:
-            if not hasattr(owner, part):
-                owner.add_module(part, nn.Module())
-            owner = getattr(owner, part)
-        if isinstance(value, nn.Parameter | nn.Module):
-            setattr(owner, leaf, value)
-        else:
-            owner.register_buffer(leaf, value)
-    return fx.GraphModule(root, _EveryTensor().trace(root), class_name="TracedLayer")
-
-
-def _has(model: nn.Module, name: str) -> bool:
-    try:
-        _fetch(model, name)
-    except AttributeError:
-        return False
-    return True
-
-
-def _fetch(gm: nn.Module, target: str) -> Any:
+def fetch(gm: nn.Module, target: str) -> Any:
     obj: Any = gm
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
 
 
-__all__ = [
-    "ModeOp",
-    "TracedCut",
-    "Wrapped",
-    "bind",
-    "cache_directory",
-    "check_cut",
-    "cut_key",
-    "load_cut",
-    "repeated_blocks",
-    "run_chain",
-    "save_cut",
-    "trace_cut",
-    "untie",
-]
+__all__ = ["ModeOp", "TracedCut", "Wrapped", "bind", "check_cut", "fetch", "repeated_blocks", "run_chain", "trace_cut",
+           "untie"]
