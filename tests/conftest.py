@@ -8,7 +8,9 @@ Ranks run on the CPU (``HETRAIN_DEVICE=cpu``) unless a test asks for CUDA.
 from __future__ import annotations
 
 import os
+import atexit
 import random
+import shutil
 import tempfile
 
 import numpy as np
@@ -20,7 +22,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HETRAIN_DEVICE", "cpu")
 # Traced cuts (hetrain.models.trace.save_cut) are kept for the session in a folder of its own, not in the
 # user's cache; processes the tests start find them there too.
-os.environ.setdefault("HETRAIN_CACHE_DIR", tempfile.mkdtemp(prefix="hetrain-cuts-"))
+if "HETRAIN_CACHE_DIR" not in os.environ:
+    os.environ["HETRAIN_CACHE_DIR"] = tempfile.mkdtemp(prefix="hetrain-cuts-")
+    atexit.register(shutil.rmtree, os.environ["HETRAIN_CACHE_DIR"], True)  # removed with the session
 
 
 @pytest.fixture(autouse=True)
