@@ -7,8 +7,8 @@ Ranks run on the CPU (``HETRAIN_DEVICE=cpu``) unless a test asks for CUDA.
 
 from __future__ import annotations
 
-import os
 import atexit
+import os
 import random
 import shutil
 import tempfile
