@@ -75,7 +75,7 @@ def test_text_bytes_are_the_tokens(tmp_path: Path) -> None:
     model = resolve_model("gpt-tiny", vocab=256, seq_len=8)
     name, (train, val) = build_model_datasets(model, f"text:{tmp_path / 't.txt'}")
     raw = list("héllo, wörld\n".encode() * 10)
-    assert name == f"text:{tmp_path / 't.txt'}" and len(train.tokens) + len(val.tokens) == len(raw)
+    assert name == f"text:{tmp_path / 't.txt'} (bytes)" and len(train.tokens) + len(val.tokens) == len(raw)
     x, y = train.take(torch.tensor([2]))
     assert x[0].tolist() == raw[16:24] and y[0].tolist() == raw[17:25]
 
