@@ -4,18 +4,16 @@
 
 - a reference model's name (``hetrain.models.registry``: ``gpt-tiny``, ``mlp-digits``, ...), with
   ``--set`` overrides as keyword arguments;
-- ``hf:DIR``, a local Hugging Face causal LM directory (``hetrain.models.hf``);
+- ``hf:DIR``, a local Hugging Face causal LM (or masked-LM encoder) directory (``hetrain.models.hf``);
 - ``MODULE:FUNCTION`` or ``path/to/file.py:FUNCTION`` (``hetrain.models.spec``): a function of no
   arguments that returns the model as
 
-  - an ``nn.Sequential`` (its children are the layers),
+  - an ``nn.Sequential`` whose forward is ``nn.Sequential``'s (its children are the layers),
   - an ``nn.ModuleList``, or a list or tuple of ``nn.Module`` (the layers, in forward order),
-  - a module without children (one layer).
-
-  Any other module with children is refused: its ``forward`` may do anything with them (a
-  residual sum, a loop, a reshape), so cutting it between children would change the model.
-  Return its layers in forward order instead, each an ``nn.Module`` whose output is the next
-  one's input.
+  - a module without children (one layer),
+  - any other module with children: its ``forward`` may do anything with them (a residual sum,
+    a scale, a reshape), so it is traced and cut by its graph (``hetrain.models.trace``), with
+    ``example_input()`` from the same file giving one micro-batch; refused without it.
 
 Layer ``k``'s output is passed, as one argument and unchanged, to layer ``k + 1``
 (``hetrain.models.layers``). The loss is the function module's ``loss_fn(output, target)``
