@@ -347,6 +347,8 @@ PROFILE_CASES: list[tuple[str, Callable[[Json], Json] | str, tuple[str, ...]]] =
     ("iteration_overhead-list", setting("iteration_overhead_s", [1]), ("p.json", "iteration_overhead_s", "[1]")),
     ("optimizer_rates-number", setting("optimizer_step_s_per_byte", {"cpu": 3}),
      ("p.json", "optimizer_step_s_per_byte['cpu']", "3")),
+    ("split_points-string", setting("split_points", "model.layers.1"), ("p.json", "split_points", "'model.layers.1'")),
+    ("split_points-empty-name", setting("split_points", ["model.layers.1", ""]), ("p.json", "split_points", "''")),
     # a hand edit's typo, which the reader had dropped without a word
     ("unknown-top-level-key", setting("compute_eficiency", 0.3),
      ("p.json", "unknown key 'compute_eficiency'", "0.3", "did you mean 'compute_efficiency'")),
