@@ -183,6 +183,7 @@ def _table_datasets(model: ModelSource, data: str, seq_len: int | None, tokenize
     train, val = load_tables(data)
     name = data
     if table_kind(train, data) == "text":
+        _refuse_windows(model, data)
         tokenizer = tokenizer or _model_tokenizer(model)
         if tokenizer is None:
             raise SpecError(f"--data {data}: its text needs the model's tokenizer; give --tokenizer FILE.json (an "
@@ -210,14 +211,17 @@ def _table_datasets(model: ModelSource, data: str, seq_len: int | None, tokenize
     return name, split
 
 
-def _is_text_table(data: str | None) -> bool:
-    """Whether ``data`` is a table of text (a ``text`` column and no ``input_ids``)."""
-    if not is_table_spec(data):
-        return False
-    from hetrain.data.tables import load_tables, table_kind
+def _refuse_windows(model: ModelSource, data: str | None) -> None:
+    """A masked LM trains on masked samples and their labels; token windows have no masked positions.
 
-    assert data is not None
-    return table_kind(load_tables(data)[0], data) == "text"
+    Raises:
+        SpecError: ``model`` is a masked LM, naming the data it was given.
+    """
+    if model.masked_lm:
+        raise SpecError(f"model {model.name} is a masked LM: it trains on samples of masked input_ids and their "
+                        f"labels (transformers' DataCollatorForLanguageModeling), not on token windows; give --data "
+                        f"dataset:DIR, jsonl:FILE or parquet:FILE with input_ids and labels columns, or MODULE:FUNCTION"
+                        + (f" (not {data})" if data else ""))
 
 
 def _model_tokenizer(model: ModelSource) -> str | None:
@@ -274,12 +278,8 @@ def build_model_datasets(model: ModelSource, data: str | None, seed: int = 0, *,
     """
     from hetrain.data.tokens import is_token_spec, load_token_datasets
 
-    if model.masked_lm and not (data is not None and is_user_spec(data) and not is_token_spec(data)
-                                and not _is_text_table(data)):
-        raise SpecError(f"model {model.name} is a masked LM: it trains on samples of masked input_ids and their "
-                        f"labels (transformers' DataCollatorForLanguageModeling), not on token windows; give --data "
-                        f"dataset:DIR, jsonl:FILE or parquet:FILE with input_ids and labels columns, or MODULE:FUNCTION"
-                        + (f" (not {data})" if data else ""))
+    if data is None or is_token_spec(data):  # windows: the given tokens, or the shipped text
+        _refuse_windows(model, data)
     if is_token_spec(data):
         assert data is not None
         t, vocab = _token_shape(model, seq_len)

@@ -133,12 +133,9 @@ def cut_causal_lm(model: nn.Module, config: Any, name: str, split_points: Sequen
 
 
 def _positions_bound(config: Any) -> int:
-    fields = config.to_dict()
-    for name in POSITION_FIELDS:
-        value = fields.get(name)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 8
+    """The most tokens a sample may hold, or 8 where the config does not say (the trace's length is at most 8)."""
+    found = position_field(config)
+    return 8 if found is None else found[1]
 
 
 # --- the directory -------------------------------------------------------------------------
@@ -434,17 +431,25 @@ class HfModel:
 POSITION_FIELDS = ("n_positions", "max_position_embeddings")
 
 
+def position_field(config: Any) -> tuple[str, int] | None:
+    """``(field, value)`` of the first of ``POSITION_FIELDS`` the config sets to a whole number >= 1, or None."""
+    fields = config.to_dict()
+    for name in POSITION_FIELDS:
+        value = fields.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return name, value
+    return None
+
+
 def max_positions(hf: HfDir) -> tuple[str, int]:
     """``(field, value)`` of the config field that bounds the tokens per sample (``POSITION_FIELDS``).
 
     Raises:
         SpecError: the config gives none of them.
     """
-    fields = hf.config.to_dict()
-    for name in POSITION_FIELDS:
-        value = fields.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return name, value
+    found = position_field(hf.config)
+    if found is not None:
+        return found
     raise SpecError(f"--model {hf.spec}: {hf.path / 'config.json'} gives none of {', '.join(POSITION_FIELDS)}; "
                     "hetrain needs the longest sample the model takes")
 
