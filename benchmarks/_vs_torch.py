@@ -43,7 +43,7 @@ from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
 from hetrain.planner.baselines import torch_schedule
 from hetrain.profile import LayerProfile, ModelProfile
 from hetrain.runtime import Trainer, build_optimizer_fn
-from hetrain.runtime.p2p import flatten
+from hetrain.runtime.step.p2p import flatten
 from hetrain.sync_layout import REDUCE_DTYPES, SyncOptions
 
 LR = 0.01
@@ -116,7 +116,7 @@ def sync_options(args: argparse.Namespace) -> SyncOptions:
     """The plan's sync options: ``args.allreduce`` (default ``auto``); ``args.bucket_cut`` (default ``exact``:
     hetrain's gradient buckets close at their size inside a layer, as DistributedDataParallel's close between
     two parameters, rather than on the next layer boundary); ``args.early_receives`` (default ``always``:
-    whether hetrain's runtime posts receives ahead of their RECVs, ``runtime.p2p``); ``args.reduce_dtype``
+    whether hetrain's runtime posts receives ahead of their RECVs, ``runtime.step.p2p``); ``args.reduce_dtype``
     (default ``fp32``: the dtype its gradients are all-reduced in); and, where set,
     ``args.first_bucket_bytes`` (the size at which the first bucket closes; DistributedDataParallel's 1 MiB by
     default)."""

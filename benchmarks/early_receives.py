@@ -2,7 +2,7 @@
 
 hetrain's runtime posts the receive of a micro-batch's activation (and of its
 gradient) one ahead of the RECV that waits for it, so that the transfer lands
-while the stage computes (sync option ``early_receives``, ``runtime.p2p``). On an
+while the stage computes (sync option ``early_receives``, ``runtime.step.p2p``). On an
 unthrottled CPU host each receive posted early keeps Gloo's progress thread
 busier; where the transfers are short and many (small layers, many micro-batches:
 a pipeline bound by per-micro-batch overhead rather than by its kernels, the CPU's

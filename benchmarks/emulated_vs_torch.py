@@ -143,7 +143,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=20,
                         help="untimed steps per runtime and case (default 20: a process's heap grows through its "
                              "first steps, faulting pages in, and the runtime that warms up first would pay it; "
-                             "runtime.host_memory)")
+                             "runtime.lifecycle.host_memory)")
     parser.add_argument("--job-timeout", type=float, default=900.0, help="seconds one emulated job may run")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2 blocks of 2 steps, 1 warm-up step, "
                                                              "RESULTS.md left alone")

@@ -2,7 +2,7 @@
 
 One Gloo rank (world size 1), gpt-tiny, 8 samples per step, SGD. In each of two fresh processes, one with
 ``HETRAIN_HOST_MALLOC=default`` (glibc's own mmap and trim thresholds) and one without (the Trainer raises them:
-``hetrain.runtime.host_memory``), both runtimes are built, warmed up, then timed in alternating (ABBA) blocks;
+``hetrain.runtime.lifecycle.host_memory``), both runtimes are built, warmed up, then timed in alternating (ABBA) blocks;
 each block reads the main thread's CPU time and minor page faults (``getrusage(RUSAGE_THREAD)``). The
 CPU per step is the median over blocks, the page faults and kernel time the mean (they come in bursts, and
 the kernel time in clock ticks); the ratio is the median over pairs of blocks of DDP's CPU / hetrain's.

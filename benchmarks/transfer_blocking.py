@@ -1,6 +1,6 @@
 """Does a send of hetrain's runtime block its sender's compute? (CPU, Gloo, 2 ranks)
 
-hetrain's runtime (``runtime/p2p.py``) posts a receive ahead (``irecv``) and sends with
+hetrain's runtime (``runtime/step/p2p.py``) posts a receive ahead (``irecv``) and sends with
 ``isend``, waiting for its sends only before the optimizer step. Whether the transfer then
 overlaps the sender's next compute, or is on its critical path as with a blocking send, is
 a property of the transport; the cost model needs to know which (``Plan.transfers``).

@@ -223,7 +223,7 @@ def test_the_benchmark_plans_carry_each_layers_measured_output_bytes() -> None:
     """gpt-tiny's blocks send seq_len x hidden floats per sample; ``--early-receives`` reaches the plan."""
     import argparse
 
-    from hetrain.runtime.p2p import early_receives
+    from hetrain.runtime.step.p2p import early_receives
 
     args = argparse.Namespace(model="gpt-tiny", config={}, global_batch=32, micro_batches=8, allreduce="ring")
     plan = build_plan("1f1b", args, 6, local_cluster(2))

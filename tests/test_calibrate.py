@@ -243,10 +243,10 @@ def data_parallel_plan(b: int, profile: ModelProfile) -> Plan:
 
 
 def write_run_metrics(path: Path, plan: Plan, step_times: list[float], fingerprint: str | None = None) -> None:
-    """Step rows of a run of ``plan`` as the runtime writes them (``runtime.metrics.MetricsLog``, the trainer's
+    """Step rows of a run of ``plan`` as the runtime writes them (``runtime.report.metrics.MetricsLog``, the trainer's
     fields): samples/s of the global batch, and the sync actions that ended the reporting device's step."""
     pytest.importorskip("torch")
-    from hetrain.runtime.metrics import MetricsLog
+    from hetrain.runtime.report.metrics import MetricsLog
     from hetrain.schedule import build_sync_actions
 
     log = MetricsLog(path, None, False, len(step_times), 0, plan_fingerprint=fingerprint)

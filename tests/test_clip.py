@@ -19,7 +19,7 @@ from hetrain.planner import plan as build_plan
 
 pytest.importorskip("torch")
 
-from hetrain.runtime.clip import check_clip
+from hetrain.runtime.step.clip import check_clip
 from hetrain.runtime.trainer import Trainer
 
 CLUSTER = Path(__file__).resolve().parents[1] / "examples" / "clusters" / "small-hetero.toml"

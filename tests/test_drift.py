@@ -1,5 +1,5 @@
 """Re-plan on drift (hetrain.drift): the detector's window, threshold and cooldown, the slowed plan, the decision,
-and which plan a restart takes (runtime.elastic.adopt_drift_plan)."""
+and which plan a restart takes (runtime.lifecycle.restart.adopt_drift_plan)."""
 
 from __future__ import annotations
 
@@ -197,7 +197,7 @@ def write_plan(plan: Plan, ckpt: Path, step: int) -> None:
     """``plan`` beside a real (one-process) checkpoint of ``step``."""
     import torch
 
-    from hetrain.runtime.checkpoint import save_checkpoint
+    from hetrain.runtime.state.checkpoint import save_checkpoint
 
     save_checkpoint(ckpt, step, {"layers.0.weight": torch.zeros(1)}, {}, {"step": step})
     (ckpt / "plans").mkdir(parents=True, exist_ok=True)
@@ -206,7 +206,7 @@ def write_plan(plan: Plan, ckpt: Path, step: int) -> None:
 
 def test_a_restart_takes_the_newest_drift_plan_of_its_plan_while_the_world_is_its_world(plan: Plan,
                                                                                        tmp_path: Path) -> None:
-    from hetrain.runtime.elastic import adopt_drift_plan
+    from hetrain.runtime.lifecycle.restart import adopt_drift_plan
 
     decision = decide_drift(plan, Drift(4, {"n0:1": 4.0}, {}, forced=True), 4, 100, 0.004, SwitchCost(0, 0, 0))
     assert decision.replanned is not None

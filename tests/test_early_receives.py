@@ -1,4 +1,4 @@
-"""Which receives the runtime posts ahead of its RECVs (runtime.p2p.early_receives): pure, no ranks."""
+"""Which receives the runtime posts ahead of its RECVs (runtime.step.p2p.early_receives): pure, no ranks."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hetrain.cluster import parse_cluster
 from hetrain.plan import Plan, Prediction, Stage, VirtualWorker, load_plan
 from hetrain.profile import LayerProfile, ModelProfile
-from hetrain.runtime.p2p import early_receives
+from hetrain.runtime.step.p2p import early_receives
 from hetrain.sync_layout import SyncLayoutError, SyncOptions
 
 CLUSTER = parse_cluster({"name": "two", "node": [

@@ -18,8 +18,8 @@ safetensors = pytest.importorskip("safetensors")
 from hetrain.cli import main  # noqa: E402
 from hetrain.models.layers import LayerRange  # noqa: E402
 from hetrain.models.user import resolve_model  # noqa: E402
-from hetrain.runtime.checkpoint import save_checkpoint  # noqa: E402
-from hetrain.runtime.export import ExportError, export_hf  # noqa: E402
+from hetrain.runtime.state.checkpoint import save_checkpoint  # noqa: E402
+from hetrain.runtime.state.export import ExportError, export_hf  # noqa: E402
 
 VOCAB = 100
 
@@ -50,7 +50,7 @@ def write_checkpoint(ckpt: Path, model: str, step: int, *, meta_model: str | Non
     source = resolve_model(model)
     stage = LayerRange(source.build_layers(seed=seed))
     state = {n: t + shift * torch.randn_like(t) for n, t in stage.state_dict().items()}
-    for tie in source.tied:  # as runtime.tied keeps them: equal
+    for tie in source.tied:  # as runtime.step.tied keeps them: equal
         (k0, n0), *rest = tie
         for k, n in rest:
             state[f"layers.{k}.{n}"] = state[f"layers.{k0}.{n0}"].clone()
@@ -128,7 +128,7 @@ def test_the_tokenizer_trained_with_is_exported_and_files_are_readable_as_the_um
 
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from hetrain.runtime.export import save_tokenizer
+    from hetrain.runtime.state.export import save_tokenizer
 
     spec = model_dir(tmp_path / "src", llama_config())  # a directory without a tokenizer
     words = Tokenizer(models.WordLevel({"<unk>": 0, "hello": 1, "world": 2}, unk_token="<unk>"))

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
 from hetrain.cli import main  # noqa: E402
-from hetrain.runtime.checkpoint import save_checkpoint  # noqa: E402
+from hetrain.runtime.state.checkpoint import save_checkpoint  # noqa: E402
 
 
 def test_a_step_directory_points_to_its_parent_and_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

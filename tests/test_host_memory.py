@@ -1,4 +1,4 @@
-"""runtime.host_memory: glibc's thresholds raised, so a step's freed host memory is reused, not faulted in again.
+"""lifecycle.host_memory: glibc's thresholds raised, so a step's freed host memory is reused, not faulted in again.
 
 Each case runs in a fresh interpreter: ``mallopt`` changes the whole process, and the page-fault
 counts must not depend on what other tests allocated before.
@@ -20,7 +20,7 @@ GLIBC = hasattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), "gnu_
 # 8 activations of 4 MiB, touched then freed, as a forward's are: minor faults per step after 3 warm-up steps
 STEPS = textwrap.dedent("""
     import resource, sys, torch
-    from hetrain.runtime.host_memory import tune_host_allocator
+    from hetrain.runtime.lifecycle.host_memory import tune_host_allocator
     if sys.argv[1] == "tuned":
         print(tune_host_allocator())
         print(tune_host_allocator())

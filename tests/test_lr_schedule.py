@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from hetrain.errors import InputError
-from hetrain.runtime.lr_schedule import LR_SCHEDULES, LrSchedule, lr_at
+from hetrain.runtime.step.lr_schedule import LR_SCHEDULES, LrSchedule, lr_at
 
 
 def test_the_schedules_are_named() -> None:
@@ -95,6 +95,6 @@ def test_step_numbers_start_at_one() -> None:
 
 
 def test_importing_it_imports_no_torch() -> None:
-    code = "import sys, hetrain.runtime.lr_schedule; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, hetrain.runtime.step.lr_schedule; assert 'torch' not in sys.modules, 'torch imported'"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

@@ -17,7 +17,7 @@ from hetrain.models.hf import lm_loss  # noqa: E402
 from hetrain.models.layers import LayerRange, run_layers  # noqa: E402
 from hetrain.models.spec import SpecError  # noqa: E402
 from hetrain.models.user import resolve_model  # noqa: E402
-from hetrain.runtime.tied import TiedGrads, chain_hooks, check_tied, is_local, tie_ranks  # noqa: E402
+from hetrain.runtime.step.tied import TiedGrads, chain_hooks, check_tied, is_local, tie_ranks  # noqa: E402
 from hetrain.sync_layout import Segment  # noqa: E402
 
 VOCAB = 100

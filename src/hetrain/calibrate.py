@@ -189,7 +189,7 @@ def check_metrics_of_plan(plan: Plan, plan_path: str | Path, metrics_path: str |
                           rows: Sequence[tuple[int, Mapping[str, Any]]]) -> None:
     """Refuse metrics recorded training another plan than ``plan``: one line naming both files.
 
-    A row that records ``plan_fingerprint`` (``runtime.metrics``) must carry ``plan``'s. A row of an older
+    A row that records ``plan_fingerprint`` (``runtime.report.metrics``) must carry ``plan``'s. A row of an older
     run, without it, is checked against what every step row records: its samples per step
     (``samples_per_s * step_time_s``, the global batch) and the sync actions that ended the step on the
     reporting device (those of one of the plan's devices).

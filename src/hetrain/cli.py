@@ -481,7 +481,7 @@ def cmd_fit_time_model(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from hetrain.runtime.export import export_hf, export_safetensors
+    from hetrain.runtime.state.export import export_hf, export_safetensors
     from hetrain.units import format_bytes
 
     if args.to_hf is not None:

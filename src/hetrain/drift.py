@@ -1,6 +1,6 @@
 """Re-plan on drift: a device that stays slower (or faster) than its plan predicted, and whether to switch.
 
-The runtime (``runtime.drift``) times each device's forward and backward actions every step
+The runtime (``runtime.lifecycle.drift_watch``) times each device's forward and backward actions every step
 and shares the figures; every rank then feeds the same figures to the same ``DriftDetector``
 and, when it fires, makes the same ``decide_drift`` call, so every rank reaches the same
 decision and the same plan by itself::

@@ -1,7 +1,7 @@
 """Re-plan on a changed world: the cluster of the devices present, the plan's own planner options, a new plan.
 
 When a job restarts (``torchrun --nnodes MIN:MAX --max-restarts N``) with devices other
-than its plan's, the runtime (``runtime.elastic``) hands this module the devices present
+than its plan's, the runtime (``runtime.lifecycle.restart``) hands this module the devices present
 and gets back a plan for them, made the way the old one was::
 
     plan.json (cluster, profile, options)      devices present: n0:0 cpu, n0:1 cpu, n2:0 cpu

@@ -378,7 +378,7 @@ def plan_fingerprint(plan: Plan) -> str:
 
     Predictions, the profile's times and the planner's ``options`` are left out, so a plan re-predicted
     (``hetrain plan --from``) or re-planned with a calibrated profile into the same stages keeps it; any
-    change to what runs changes it. The runtime stamps it on every metrics row (``runtime.metrics``) and
+    change to what runs changes it. The runtime stamps it on every metrics row (``runtime.report.metrics``) and
     ``hetrain calibrate`` refuses metrics of another plan. (``elastic.plan_digest`` hashes the whole plan.)
 
     Example:

@@ -53,7 +53,7 @@ ALLREDUCE_CHOICES: tuple[str, ...] = ("auto", "ring")
 #: posted ahead), or blocks its sender and its receiver for its duration (DeepSpeed's PipelineEngine)
 TRANSFER_CHOICES: tuple[str, ...] = ("overlap", "blocking")
 #: ``early_receives`` option: the runtime posts a stage's receives one ahead of the RECV that waits for them,
-#: or at it (``runtime.p2p``)
+#: or at it (``runtime.step.p2p``)
 EARLY_RECEIVES: tuple[str, ...] = ("always", "never")
 #: ``bucket_cut`` option: a bucket ends on a layer boundary (holding at least its size), or exactly at its size,
 #: inside a layer where it falls there (as DistributedDataParallel cuts between parameters)
@@ -150,7 +150,7 @@ class SyncOptions:
             for them, so that the transfer lands while the stage computes (``always``, the default), or at the
             RECV (``never``, torch.distributed.pipelining's way: 4% faster on an unthrottled CPU host whose
             pipeline moves many 1 kB transfers, much slower where the ranks' CPU is the bottleneck;
-            ``runtime.p2p``). A runtime setting: the simulator and the planner do not read it.
+            ``runtime.step.p2p``). A runtime setting: the simulator and the planner do not read it.
         reduce_dtype: the dtype ``bsp``'s gradient all-reduces travel in: ``fp32`` (the default) or ``bf16``
             (each bucket cast to bfloat16 for its all-reduce and back into the fp32 gradients after it: half
             the bytes on every link, at bfloat16's 8-bit mantissa in the sum; DistributedDataParallel's

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-import hetrain.runtime.checkpoint as ckpt
-from hetrain.runtime.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+import hetrain.runtime.state.checkpoint as ckpt
+from hetrain.runtime.state.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 
 N_LAYERS = 8
 

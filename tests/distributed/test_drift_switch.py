@@ -1,4 +1,4 @@
-"""A drift switch, end to end through ``hetrain train`` on 3 Gloo ranks (runtime.drift, runtime.elastic).
+"""A drift switch, end to end through ``hetrain train`` on 3 Gloo ranks (runtime.lifecycle: drift_watch, restart).
 
     attempt 1   the planner's plan for n0:0..n0:2 (mlp-digits as a pipeline), --force-drift 3:n0:1=5:
                 at step 3 every rank re-plans with n0:1 five times slower, the ranks agree on the plan's
@@ -27,8 +27,8 @@ from hetrain.cluster import parse_cluster
 from hetrain.elastic import plan_digest
 from hetrain.models.analytic import build_mlp_profile
 from hetrain.plan import Plan, load_plan
-from hetrain.runtime.checkpoint import load_checkpoint, load_manifest
-from hetrain.runtime.drift import SWITCH_EXIT_STATUS
+from hetrain.runtime.lifecycle.drift_watch import SWITCH_EXIT_STATUS
+from hetrain.runtime.state.checkpoint import load_checkpoint, load_manifest
 
 TRAIN = [sys.executable, "-m", "hetrain.runtime.command"]
 MLP = build_mlp_profile([64, 256, 256, 10], name="mlp-digits")

@@ -1,4 +1,4 @@
-"""A job restarted on fewer devices re-plans and goes on, as if nothing had changed (runtime.elastic).
+"""A job restarted on fewer devices re-plans and goes on, as if nothing had changed (runtime.lifecycle.restart).
 
     phase 1   3 Gloo ranks, the planner's plan for n0:0..n0:2 (mlp-digits as a pipeline), steps 0 -> 3,
               checkpoint at step 3

@@ -25,7 +25,7 @@ pytest.importorskip("safetensors")
 from hetrain.cli import main  # noqa: E402
 from hetrain.models.layers import LayerRange  # noqa: E402
 from hetrain.models.user import resolve_model  # noqa: E402
-from hetrain.runtime.checkpoint import load_checkpoint, load_manifest  # noqa: E402
+from hetrain.runtime.state.checkpoint import load_checkpoint, load_manifest  # noqa: E402
 
 TOKENS = counting_tokens(128)  # the next token is learnable
 STEPS, SEED = 6, 3

@@ -28,7 +28,7 @@ from hetrain.data.user import load_user_datasets  # noqa: E402
 from hetrain.models.hf import cut_causal_lm, lm_loss, untie  # noqa: E402
 from hetrain.models.layers import LayerRange  # noqa: E402
 from hetrain.plan import load_plan  # noqa: E402
-from hetrain.runtime.checkpoint import load_checkpoint  # noqa: E402
+from hetrain.runtime.state.checkpoint import load_checkpoint  # noqa: E402
 from hetrain.runtime.trainer import build_optimizer_fn  # noqa: E402
 
 TOKENS = counting_tokens(256)  # the next token is learnable

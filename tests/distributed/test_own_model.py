@@ -24,7 +24,7 @@ from hetrain.data.user import load_user_datasets  # noqa: E402
 from hetrain.models.layers import LayerRange  # noqa: E402
 from hetrain.models.user import resolve_model  # noqa: E402
 from hetrain.plan import load_plan  # noqa: E402
-from hetrain.runtime.checkpoint import load_checkpoint  # noqa: E402
+from hetrain.runtime.state.checkpoint import load_checkpoint  # noqa: E402
 from hetrain.runtime.trainer import build_optimizer_fn  # noqa: E402
 
 MODEL = f"{ROOT}/examples/own_model/model.py:build"

@@ -32,7 +32,7 @@ from hetrain.models.analytic import build_mlp_profile, build_profile
 from hetrain.models.layers import LayerRange
 from hetrain.models.registry import build_layers, loss_fn
 from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
-from hetrain.runtime.checkpoint import latest_checkpoint, load_checkpoint, load_manifest
+from hetrain.runtime.state.checkpoint import latest_checkpoint, load_checkpoint, load_manifest
 from hetrain.runtime.trainer import build_optimizer_fn
 
 GPT = {"hidden": 32, "heads": 2, "seq_len": 16}

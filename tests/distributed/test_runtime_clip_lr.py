@@ -31,7 +31,7 @@ from hetrain.data.datasets import iter_batches
 from hetrain.data.registry import build_datasets
 from hetrain.models.layers import LayerRange
 from hetrain.models.registry import build_layers, loss_fn
-from hetrain.runtime.lr_schedule import LrSchedule, lr_at
+from hetrain.runtime.step.lr_schedule import LrSchedule, lr_at
 from hetrain.runtime.trainer import build_optimizer_fn
 
 STEPS = 5
@@ -44,7 +44,7 @@ WORKER = textwrap.dedent("""
     from hetrain.models.registry import build_layers, loss_fn
     from hetrain.plan import load_plan
     from hetrain.runtime import Trainer, build_optimizer_fn
-    from hetrain.runtime.lr_schedule import LrSchedule
+    from hetrain.runtime.step.lr_schedule import LrSchedule
 
     torch.set_num_threads(1)
     for case in json.load(open(sys.argv[1])):

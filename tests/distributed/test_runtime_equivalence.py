@@ -24,7 +24,7 @@ or three buckets overlapped with the last backward; ``adamw`` keeps the default 
     adamw         mlp-digits on two VWs cut differently, AdamW with weight decay
 
 pp4-1f1b, pp3-mlp and two-vws post their receives at the RECVs (sync option
-``early_receives`` never); the others one ahead of them (the default, ``runtime.p2p``).
+``early_receives`` never); the others one ahead of them (the default, ``runtime.step.p2p``).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ WORKER = textwrap.dedent("""
     from hetrain.plan import load_plan
     from hetrain.runtime import Trainer, build_optimizer_fn
 
-    from hetrain.runtime.losses import LossSums
+    from hetrain.runtime.step.losses import LossSums
     from hetrain.schedule import ActionKind
 
     flushes = []  # per flush of the losses: whether the rank was then at an F action

@@ -17,9 +17,9 @@ from hetrain.cluster import parse_cluster
 from hetrain.models.analytic import build_mlp_profile
 from hetrain.models.registry import build_layers
 from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
-from hetrain.runtime.checkpoint import save_checkpoint
 from hetrain.runtime.command import run_train_command
-from hetrain.runtime.executor import StageModule
+from hetrain.runtime.state.checkpoint import save_checkpoint
+from hetrain.runtime.step.executor import StageModule
 
 TRAIN = [sys.executable, "-m", "hetrain.runtime.command"]
 
@@ -207,7 +207,7 @@ def test_a_layer_that_raises_is_named_by_its_index() -> None:
     import torch
     from torch import nn
 
-    from hetrain.runtime.executor import LayerFailure
+    from hetrain.runtime.step.executor import LayerFailure
 
     class Boom(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ within 2%, where fp32 training of the same plan is 1e-5 away (``test_runtime_cli
 The run is checked to be bf16 at all: its losses are further from fp32 training than
 rounding of fp32 would make them, and its stages sent bfloat16 activations.
 
-fp16's overflow verdict (``runtime.loss_scale.LossScaling``) is one all-reduce: an
+fp16's overflow verdict (``runtime.step.loss_scale.LossScaling``) is one all-reduce: an
 inf on one rank skips the step on every rank and halves the scale everywhere.
 """
 
@@ -44,7 +44,7 @@ WORKER = textwrap.dedent("""
     from hetrain.models.registry import build_layers, loss_fn
     from hetrain.plan import load_plan
     from hetrain.runtime import Trainer, build_optimizer_fn
-    from hetrain.runtime.loss_scale import LossScaling
+    from hetrain.runtime.step.loss_scale import LossScaling
 
     torch.set_num_threads(1)
     case = json.load(open(sys.argv[1]))

@@ -9,12 +9,12 @@ from torch import nn
 from hetrain.cluster import parse_cluster
 from hetrain.models.analytic import build_mlp_profile
 from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
-from hetrain.runtime.batches import MicroBatches
-from hetrain.runtime.checkpoint import CheckpointError
-from hetrain.runtime.executor import StageModule
-from hetrain.runtime.losses import LossSums
-from hetrain.runtime.roles import build_roles
-from hetrain.runtime.stage_state import checkpoint_meta, owned_names, restore_stage, save_stage
+from hetrain.runtime.lifecycle.roles import build_roles
+from hetrain.runtime.state.checkpoint import CheckpointError
+from hetrain.runtime.state.stage_state import checkpoint_meta, owned_names, restore_stage, save_stage
+from hetrain.runtime.step.batches import MicroBatches
+from hetrain.runtime.step.executor import StageModule
+from hetrain.runtime.step.losses import LossSums
 
 DEVICES = ["n0:0", "n0:1", "n0:2", "n0:3"]
 

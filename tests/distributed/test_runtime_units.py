@@ -12,10 +12,10 @@ from hetrain.models.analytic import build_profile
 from hetrain.models.layers import LayerRange
 from hetrain.models.registry import build_layers, loss_fn, sample_batch
 from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
-from hetrain.runtime.executor import StageModule
-from hetrain.runtime.metrics import MetricsLog, merge_timeline
-from hetrain.runtime.p2p import decode_header, encode_header, grad_slots, spec_of
-from hetrain.runtime.roles import RoleError, assign_ranks, build_roles, local_node_name, match_hosts
+from hetrain.runtime.lifecycle.roles import RoleError, assign_ranks, build_roles, local_node_name, match_hosts
+from hetrain.runtime.report.metrics import MetricsLog, merge_timeline
+from hetrain.runtime.step.executor import StageModule
+from hetrain.runtime.step.p2p import decode_header, encode_header, grad_slots, spec_of
 from hetrain.simulator import simulate
 from hetrain.timeline import compare
 

@@ -10,7 +10,7 @@ attempt has a store of its own, see ``attempt``)::
     hetrain/attempt_0/pg/...                  the default process group (attempt_store)
     hetrain/attempt_0/train/0/beat/2          a heartbeat (distributed.health)
     hetrain/attempt_0/train/0/error/2         the error rank 2 posted; errors: how many did
-    hetrain/attempt_0/checkpoint/3/...        a checkpoint's barrier (runtime.checkpoint)
+    hetrain/attempt_0/checkpoint/3/...        a checkpoint's barrier (runtime.state.checkpoint)
     hetrain/attempt_1/...                     the restarted job: never reads attempt_0's keys
 
 A ``JobStore`` has the c10d store's methods (``set``, ``get``, ``add``, ``check``);

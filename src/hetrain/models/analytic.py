@@ -485,7 +485,7 @@ def build_mlp_profile(sizes: Sequence[int] = DEFAULT_MLP_SIZES, precision: Preci
 
 # untied, as the GPT-2 models hetrain trains (``hetrain.models.registry``): the head holds its own V x h
 # matrix, so plans count the memory the run takes (a tied head holds a copy too in hetrain's runtime,
-# which sums the copies' gradients, ``hetrain.runtime.tied``, as Megatron-LM does on its last stage);
+# which sums the copies' gradients, ``hetrain.runtime.step.tied``, as Megatron-LM does on its last stage);
 # ``build_profile("gpt2-small", tie_embeddings=True)`` counts the published sizes (124M, 355M, ...)
 _GPT2 = {"seq_len": 1024, "vocab": 50257, "precision": "fp16", "tie_embeddings": False}
 

@@ -17,7 +17,7 @@ just those keys). Layers name their tensors as the model does (``model.layers.0.
 
 Tied weights (GPT-2's ``lm_head`` is ``wte``): every layer gets its own copy, equal at the
 start; ``ModelSource.tied`` lists each tie as ``((layer, name), ...)`` and the runtime sums
-the copies' gradients before each optimizer step (``hetrain.runtime.tied``), so they stay equal.
+the copies' gradients before each optimizer step (``hetrain.runtime.step.tied``), so they stay equal.
 
 Example:
     >>> source = resolve_hf("hf:my-gpt2")                   # doctest: +SKIP

@@ -20,7 +20,7 @@ Why not pipelining's splitter as it is: ``pipeline()`` exports with static shape
 size per trace, where a heterogeneous plan runs several), lets a stage read any earlier stage's
 output (hetrain's stages form a chain: every value passes through each stage in between, and the
 cost model counts its bytes there), and moves a parameter used in two stages to one of them (hetrain
-keeps a copy in each and sums their gradients: ``hetrain.runtime.tied``).
+keeps a copy in each and sums their gradients: ``hetrain.runtime.step.tied``).
 
 Ops whose behaviour depends on ``module.training`` are fixed at trace time in an exported graph; the
 graph runs them through ``ModeOp``, which reads the layer's own ``training`` flag, so ``.eval()``

@@ -84,7 +84,7 @@ class ModelSource:
         config: the reference model's overrides (``--set``); empty for a user's model.
         tied: parameters that are one in the model, each layer holding its own copy: each tie is
             ``((layer, name in the layer), ...)``; their gradients are summed before every
-            optimizer step (``hetrain.runtime.tied``). Only ``hf:DIR`` models have ties.
+            optimizer step (``hetrain.runtime.step.tied``). Only ``hf:DIR`` models have ties.
         tokens: for a token model (a reference gpt model, an ``hf:DIR`` model), its vocabulary and
             longest sample; None for any other (``hetrain.data.seq_len``).
         split_points: the module names a traced model was cut at where they were given (``--split-points``),

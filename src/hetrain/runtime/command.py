@@ -8,7 +8,7 @@ command line or in a TOML file, ``--config train.toml`` (``runtime.config_file``
 Restarted by ``torchrun --max-restarts N``, a job resumes from the newest complete
 checkpoint in ``--checkpoint-dir`` by itself, under the plan it is given then; when the
 world it restarts on is not that plan's (a node left or joined, ``torchrun --nnodes MIN:MAX``),
-``--replan auto`` re-plans it first (``runtime.elastic``, docs/elastic.md).
+``--replan auto`` re-plans it first (``runtime.lifecycle.restart``, docs/elastic.md).
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ from hetrain.models.spec import is_user_spec
 from hetrain.models.user import ModelSource, resolve_model
 from hetrain.plan import Plan, PlanError, load_plan
 from hetrain.profile import PRECISIONS
-from hetrain.runtime.clip import check_clip
 from hetrain.runtime.config_file import named_value, parse_with_config
-from hetrain.runtime.drift import SWITCH_EXIT_STATUS, DriftSwitch
-from hetrain.runtime.elastic import REPLAN_MODES
-from hetrain.runtime.loss_scale import check_fp16
-from hetrain.runtime.lr_schedule import LR_SCHEDULES, LrSchedule
+from hetrain.runtime.lifecycle.drift_watch import SWITCH_EXIT_STATUS, DriftSwitch
+from hetrain.runtime.lifecycle.restart import REPLAN_MODES
+from hetrain.runtime.step.clip import check_clip
+from hetrain.runtime.step.loss_scale import check_fp16
+from hetrain.runtime.step.lr_schedule import LR_SCHEDULES, LrSchedule
 from hetrain.runtime.trainer import DEFAULT_TIMEOUT_S, Trainer, build_optimizer_fn, default_lr
 
 
@@ -167,8 +167,8 @@ def run_train_command(plan_path: str | Path | Plan, model: str | ModelSource,
         warmup_steps: linear warm-up from 0 to ``lr`` over this many steps.
         min_lr: the learning rate the decay ends at.
         clip_grad_norm: clip gradients to this global norm over the whole model (``bsp`` plans only).
-        replan: ``auto``: re-plan a world that is not the plan's (``runtime.elastic``) and watch for drift
-            (``runtime.drift``); ``world``: the changed world only; ``off``: refuse a changed world.
+        replan: ``auto``: re-plan a world that is not the plan's (``runtime.lifecycle.restart``) and watch for drift
+            (``runtime.lifecycle.drift_watch``); ``world``: the changed world only; ``off``: refuse a changed world.
         drift: the drift watch's options (``replan="auto"`` with a ``checkpoint_dir`` only); None: no watch.
 
     Returns:
@@ -391,7 +391,7 @@ def run_from_args(args: argparse.Namespace) -> int:
                                     val_data=args.val_data, tokenizer=args.tokenizer)
         check_batch_fits(data[0], data[1], plan.global_batch, args.eval_batches if args.eval_every else 0)
         if args.tokenizer and args.checkpoint_dir:  # exported with the model (export --to-hf)
-            from hetrain.runtime.export import save_tokenizer
+            from hetrain.runtime.state.export import save_tokenizer
 
             save_tokenizer(args.checkpoint_dir, args.tokenizer)
         drift = None

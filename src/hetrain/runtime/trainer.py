@@ -53,24 +53,24 @@ from hetrain.errors import HetrainError, RunError
 from hetrain.models.user import describe_error
 from hetrain.plan import Plan, plan_fingerprint
 from hetrain.profile import OPTIMIZER_NAMES, canonical_optimizer
-from hetrain.runtime.batches import MicroBatches, global_batches
-from hetrain.runtime.clip import GradClip, check_clip
-from hetrain.runtime.drift import DriftMonitor, DriftSwitch, drift_row, leave_together
-from hetrain.runtime.elastic import ReplanPolicy, plan_path
-from hetrain.runtime.evaluate import evaluate_stage
-from hetrain.runtime.executor import LayerFailure, LossFn, StageModule
-from hetrain.runtime.host_memory import tune_host_allocator
-from hetrain.runtime.idle import JobEvents
-from hetrain.runtime.job import DEFAULT_TIMEOUT_S, LayersFn, OptimizerFn, build_job, init_distributed
-from hetrain.runtime.loss_scale import LossScaling, check_fp16
-from hetrain.runtime.losses import LossSums
-from hetrain.runtime.lr_schedule import LrSchedule
-from hetrain.runtime.metrics import MetricsLog, merge_timeline
-from hetrain.runtime.modes import DasoRate, ModeSync
-from hetrain.runtime.roles import Role
-from hetrain.runtime.stage_state import checkpoint_meta, latest_step, restore_stage, resume_together, save_stage
-from hetrain.runtime.sync import GradientSync
-from hetrain.runtime.tied import Tie, chain_hooks, check_tied
+from hetrain.runtime.lifecycle.drift_watch import DriftMonitor, DriftSwitch, drift_row, leave_together
+from hetrain.runtime.lifecycle.host_memory import tune_host_allocator
+from hetrain.runtime.lifecycle.idle import JobEvents
+from hetrain.runtime.lifecycle.job import DEFAULT_TIMEOUT_S, LayersFn, OptimizerFn, build_job, init_distributed
+from hetrain.runtime.lifecycle.restart import ReplanPolicy, plan_path
+from hetrain.runtime.lifecycle.roles import Role
+from hetrain.runtime.report.metrics import MetricsLog, merge_timeline
+from hetrain.runtime.state.stage_state import checkpoint_meta, latest_step, restore_stage, resume_together, save_stage
+from hetrain.runtime.step.batches import MicroBatches, global_batches
+from hetrain.runtime.step.clip import GradClip, check_clip
+from hetrain.runtime.step.evaluate import evaluate_stage
+from hetrain.runtime.step.executor import LayerFailure, LossFn, StageModule
+from hetrain.runtime.step.loss_scale import LossScaling, check_fp16
+from hetrain.runtime.step.losses import LossSums
+from hetrain.runtime.step.lr_schedule import LrSchedule
+from hetrain.runtime.step.tied import Tie, chain_hooks, check_tied
+from hetrain.runtime.sync.allreduce import GradientSync
+from hetrain.runtime.sync.modes import DasoRate, ModeSync
 from hetrain.schedule import (
     Action,
     ActionKind,
@@ -127,20 +127,20 @@ class Trainer:
         record_timeline: record the last step's Timeline even without ``timeline_out`` (``self.timeline``).
         log_every: the losses of this many steps are summed over the ranks in one all-reduce, which
             runs while training goes on; metrics lines and the progress bar follow in batches.
-        lr_schedule: the learning rate of each step (``runtime.lr_schedule``), set on every parameter
+        lr_schedule: the learning rate of each step (``runtime.step.lr_schedule``), set on every parameter
             group before the step; None: the optimizer's own rate throughout. Each metrics row has
             ``lr``, the rate its step ran at.
         clip_grad_norm: clip the gradients to this global norm over the whole model before each
-            optimizer step (``runtime.clip``; ``bsp`` plans only); each metrics row then has
+            optimizer step (``runtime.step.clip``; ``bsp`` plans only); each metrics row then has
             ``grad_norm``, the norm before clipping. None: no clipping.
         tied: weights the model ties across layers (``ModelSource.tied``), each layer holding a
-            copy: their gradients are summed before each step, before clipping (``runtime.tied``).
+            copy: their gradients are summed before each step, before clipping (``runtime.step.tied``).
         replan: ``auto``: a world whose devices are not the plan's (a torchrun restart after a node left or
             joined) is re-planned, when the plan records how it was made, and training resumes from the
-            newest checkpoint under the new plan (``runtime.elastic``; ``self.plan`` is then the new plan);
+            newest checkpoint under the new plan (``runtime.lifecycle.restart``; ``self.plan`` is then the new plan);
             ``world``: the same, without the drift watch; ``off``: such a world is refused.
         drift: under ``replan="auto"`` with a ``checkpoint_dir``, watch each device's compute time and
-            switch to a re-made plan when a device drifts and switching pays (``runtime.drift``,
+            switch to a re-made plan when a device drifts and switching pays (``runtime.lifecycle.drift_watch``,
             docs/elastic.md): ``fit`` then checkpoints and raises ``DriftSwitch`` on every rank, and a
             new Trainer on the same checkpoint directory takes the new plan. None: no watch.
 
@@ -169,7 +169,7 @@ class Trainer:
             raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
         if log_every < 1:
             raise ValueError(f"log_every must be >= 1, got {log_every}")
-        # the host allocator keeps freed pages for the next step instead of faulting them in again (runtime.host_memory)
+        # the host allocator keeps freed pages for the next step (lifecycle.host_memory)
         self.host_allocator = tune_host_allocator()
         self.log_every = log_every
         self.plan = plan
@@ -189,9 +189,9 @@ class Trainer:
         self._eval_set: list[Any] = []  # fixed validation batches (fit's val_data)
         self._eval_every = 0
 
-        self.job = build_job(plan, layers_fn, optimizer_fn, loss_fn, timeout_s, tied,  # collective: see runtime.job
+        self.job = build_job(plan, layers_fn, optimizer_fn, loss_fn, timeout_s, tied,  # collective: lifecycle.job
                              ReplanPolicy(replan, self.checkpoint_dir))
-        plan = self.plan = self.job.plan  # re-made when the world changed (runtime.elastic)
+        plan = self.plan = self.job.plan  # re-made when the world changed (runtime.lifecycle.restart)
         job = self.job
         self.rank, self.world, self.device, self.reported = job.rank, job.world, job.device, job.reported
         self.role: Role = job.role
@@ -220,7 +220,7 @@ class Trainer:
         self._events = JobEvents(job, self.checkpoint_dir)
         self._micro_batches = MicroBatches(self.role, plan.global_batch)
         self._restore()
-        self._drift: DriftMonitor | None = None  # the drift watch (runtime.drift), on used ranks
+        self._drift: DriftMonitor | None = None  # the drift watch (runtime.lifecycle.drift_watch), on used ranks
         if drift is not None and replan == "auto" and self.checkpoint_dir is not None and parts is not None:
             device_of = {r: d for d, r in self.rank_of.items()}
             self._drift = DriftMonitor(plan, self.role.device, [device_of[r] for r in self.used_ranks],
@@ -252,7 +252,7 @@ class Trainer:
             eval_every: evaluate before the first step, every ``eval_every`` steps and after the
                 last (0: never). VW 0 runs ``eval_batches`` fixed batches of ``plan.global_batch``
                 samples (``data.datasets.eval_batches``) forward through its pipeline
-                (``runtime.evaluate``); the reporting rank logs ``{"step", "val_loss", "elapsed_s",
+                (``runtime.step.evaluate``); the reporting rank logs ``{"step", "val_loss", "elapsed_s",
                 "eval_s", "val_samples"}`` (also in ``val_history``). Evaluation time is left out of
                 every ``elapsed_s``; the wait for all ranks to finish the step before it is not.
             eval_batches: batches per evaluation.
@@ -274,7 +274,7 @@ class Trainer:
         if not self.role.used:
             try:
                 self.step = self._events.idle(self.step)
-            except DriftSwitch as e:  # the used ranks switch plans (runtime.drift)
+            except DriftSwitch as e:  # the used ranks switch plans (runtime.lifecycle.drift_watch)
                 leave_together(self.health, e.step, self.timeout_s)
                 raise
             return []
@@ -418,7 +418,7 @@ class Trainer:
     def _watch_drift(self, compute_s: float, step_s: float, steps: int, log: MetricsLog | None,
                      out: list[dict[str, Any]], sums: LossSums, saved: bool) -> None:
         """Record this step's compute time; every ``share_every`` steps share the figures and, on a sustained
-        drift, decide (the same on every rank) and log it; switch when that pays (``runtime.drift``)."""
+        drift, decide (the same on every rank) and log it; switch when that pays (``runtime.lifecycle.drift_watch``)."""
         mon = self._drift
         assert mon is not None
         mon.after_step(self.step, compute_s, step_s)
@@ -479,7 +479,7 @@ class Trainer:
         return lr
 
     def _evaluate(self, log: MetricsLog | None, elapsed_s: float) -> float:
-        """Validation loss of VW 0's weights now (``runtime.evaluate``); returns the seconds it took."""
+        """Validation loss of VW 0's weights now (``runtime.step.evaluate``); returns the seconds it took."""
         t0 = time.perf_counter()
         mine = evaluate_stage(self.role, self.module, self._loss_fn, self._eval_set, self.work_group, self.health,
                               self.device, self.timeout_s, self.plan.precision)
@@ -518,7 +518,7 @@ class Trainer:
             Path(self.timeline_out).parent.mkdir(parents=True, exist_ok=True)
             self.timeline.save(self.timeline_out)
 
-    # --- checkpoints (runtime.stage_state) ---------------------------------------------
+    # --- checkpoints (runtime.state.stage_state) ---------------------------------------------
 
     def _checkpoint_due(self, steps: int) -> bool:
         if self.checkpoint_dir is None:
@@ -529,14 +529,14 @@ class Trainer:
         """Write this rank's share of the checkpoint of ``self.step``; unused ranks are told to join."""
         assert self.module is not None and self.optimizer is not None and self.checkpoint_dir is not None
         meta = checkpoint_meta(self.plan, self.step, loss)
-        mode_tensors = ({} if self.modes is None else  # parameter-server shards; DASO's k (runtime.modes)
+        mode_tensors = ({} if self.modes is None else  # parameter-server shards; DASO's k (runtime.sync.modes)
                         self.modes.checkpoint_state(self.module, f"the checkpoint of step {self.step}"))
         self._save_sync_state(meta)
         t0 = time.perf_counter()
         self._events.post({"kind": "checkpoint", "step": self.step, "meta": meta})
         save_stage(self.checkpoint_dir, self.step, self.module, self.optimizer, self.plan, self.role.device,
                    mode_tensors, meta, self.timeout_s)
-        if self._drift is not None:  # the switch's cost counts it (runtime.drift)
+        if self._drift is not None:  # the switch's cost counts it (runtime.lifecycle.drift_watch)
             self._drift.checkpoint_s = time.perf_counter() - t0
 
     def _restore(self) -> None:
@@ -559,7 +559,7 @@ class Trainer:
         if restored is None:
             return
         self.step = int(restored.meta.get("step", restored.step))
-        if self.modes is not None:  # the parameter-server shards' global weights, DASO's k (runtime.modes)
+        if self.modes is not None:  # the parameter-server shards' global weights, DASO's k (runtime.sync.modes)
             self.modes.restore_state(self.module, self.checkpoint_dir, restored.step)
         self._load_sync_state(restored.meta)
 

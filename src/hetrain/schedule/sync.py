@@ -56,7 +56,7 @@ class SyncState:
     Attributes:
         iteration: the 0-based index of the coming iteration.
         period: k of ``local-sgd`` and ``daso``: iterations between global averages. DASO adapts
-            it when the loss plateaus (``runtime.modes.DasoRate``): the trainer sets it with
+            it when the loss plateaus (``runtime.sync.modes.DasoRate``): the trainer sets it with
             ``dataclasses.replace``; the simulator keeps the plan's.
         merge_pending: a non-blocking DASO average was started by the previous iteration and is
             merged in this one.

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from hetrain.data.sharding import batch_length, shard_batch, split_batch
-from hetrain.runtime.roles import Role
+from hetrain.runtime.lifecycle.roles import Role
 
 
 def global_batches(data: Any, global_batch: int, seed: int, start_step: int) -> Iterator[Any]:

@@ -3,7 +3,7 @@
     hetrain export --checkpoint ckpt --to-hf trained/                 # a model trained from --model hf:DIR
     hetrain export --checkpoint ckpt --to-safetensors weights.safetensors    # any model, hetrain's names
 
-A checkpoint (``runtime.checkpoint``) names every tensor by global layer index,
+A checkpoint (``runtime.state.checkpoint``) names every tensor by global layer index,
 ``layers.{k}.<name in the layer>``, as the stages of any plan wrote it. For a
 model trained from ``--model hf:DIR`` (``models.hf``), the names go back to the
 transformers model's own through the same cut that made the layers: the model is
@@ -19,7 +19,7 @@ cut into layers, and each layer's tensor is matched to the model's by identity::
 and its ``generation_config.json`` and tokenizer files where ``DIR`` has them, so
 ``AutoModelForCausalLM.from_pretrained(OUT)`` loads it with no missing or
 unexpected keys. The tied copies (each layer holds its own, equal after every
-step: ``runtime.tied``) are written once, the first layer's.
+step: ``runtime.step.tied``) are written once, the first layer's.
 
 Which directory ``DIR`` is: ``--model hf:DIR`` if given, else the model of
 ``--plan PLAN``, else the ``model`` the checkpoint's meta records (the plan's
@@ -47,7 +47,7 @@ import torch
 
 from hetrain.errors import InputError
 from hetrain.fields import check_output_path
-from hetrain.runtime.checkpoint import CheckpointError, fsync_path, load_checkpoint, load_manifest, step_dir_name
+from hetrain.runtime.state.checkpoint import CheckpointError, fsync_path, load_checkpoint, load_manifest, step_dir_name
 
 #: files of a transformers model directory, besides config.json and the weights, copied when present
 SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -55,7 +55,7 @@ SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json
               "chat_template.json")
 WEIGHTS = "model.safetensors"
 TRAINED_TOKENIZER = "tokenizer.json"  # beside the checkpoints: the --tokenizer the model was trained with
-_PS_PREFIX = "ps."  # a parameter server's copy of the global weights (runtime.modes): the layers' own are saved too
+_PS_PREFIX = "ps."  # a parameter server's copy of the global weights (sync.modes): the layers' own are saved too
 
 
 class ExportError(InputError):
@@ -216,7 +216,7 @@ def _hf_tensors(tensors: Mapping[str, torch.Tensor], layout: HfLayout, where: st
     first: dict[str, str] = {}
     for name in sorted(layout.hf_name, key=_layer_order):
         target = layout.hf_name[name]
-        if target in out:  # another layer's copy of a tied tensor: equal after every step (runtime.tied)
+        if target in out:  # another layer's copy of a tied tensor: equal after every step (runtime.step.tied)
             if not torch.equal(out[target], tensors[name]):
                 diff = (out[target].float() - tensors[name].float()).abs().max().item()
                 warnings.warn(f"{where}: the tied copies {first[target]} and {name} differ (largest difference "

@@ -34,8 +34,8 @@ import torch.distributed as dist
 
 from hetrain.errors import InputError
 from hetrain.plan import Plan
-from hetrain.runtime.losses import WaitFn
-from hetrain.runtime.sync import GradientSync
+from hetrain.runtime.step.losses import WaitFn
+from hetrain.runtime.sync.allreduce import GradientSync
 
 
 def check_clip(plan: Plan, max_norm: float | None) -> None:
@@ -66,7 +66,7 @@ class GradClip:
         wait: ``wait(work, what)`` with the job's timeout (``Job.wait``).
         on: the torch device the rank computes on (where its share of the norm is summed).
         duplicates: parameters counted here whose gradient is another's too (tied copies after
-            their sum, ``runtime.tied``): taken out of the norm, so a tied matrix counts once.
+            their sum, ``runtime.step.tied``): taken out of the norm, so a tied matrix counts once.
     """
 
     def __init__(self, max_norm: float, plan: Plan, device: str, sync: GradientSync, group: Any, ranks: int,

@@ -1,6 +1,6 @@
 """Ranks whose device the plan leaves unused: they idle, joining only the checkpoint writes.
 
-A checkpoint write is collective over the whole job (``runtime.checkpoint``), so
+A checkpoint write is collective over the whole job (``runtime.state.checkpoint``), so
 an unused rank must take part in each, with nothing to write. The reporting rank
 posts numbered events to the job's store; unused ranks read them in order::
 
@@ -19,9 +19,9 @@ from typing import Any
 
 from hetrain.distributed.barrier import Barrier, BarrierError
 from hetrain.distributed.health import PeerError, beat_counter
-from hetrain.runtime.checkpoint import save_checkpoint
-from hetrain.runtime.drift import DriftSwitch
-from hetrain.runtime.job import Job
+from hetrain.runtime.lifecycle.drift_watch import DriftSwitch
+from hetrain.runtime.lifecycle.job import Job
+from hetrain.runtime.state.checkpoint import save_checkpoint
 
 
 class JobEvents:
@@ -74,7 +74,7 @@ class JobEvents:
             self.count += 1
             if event["kind"] == "done":
                 return step
-            if event["kind"] == "switch":  # the used ranks switch plans (runtime.drift): leave with them
+            if event["kind"] == "switch":  # the used ranks switch plans (lifecycle.drift_watch): leave with them
                 raise DriftSwitch(f"switching plans at step {event['step']} (drift)", int(event["step"]), None)
             step = int(event["step"])
             save_checkpoint(self.checkpoint_dir, step, {}, {}, event["meta"], owned_names=set(),

@@ -17,7 +17,7 @@ rank, without a collective, under any sync mode. A tie across ranks needs ``bsp`
 other sync modes step on gradients not yet summed across VWs.
 
 The tie's process groups are created by every rank of the job, in tie order, after the
-sync mode's groups (``runtime.job.build_groups``); the executor calls ``TiedGrads`` at STEP
+sync mode's groups (``runtime.lifecycle.job.build_groups``); the executor calls ``TiedGrads`` at STEP
 (``Executor.before_step``), before gradient clipping.
 
 Example:
@@ -37,7 +37,7 @@ from torch import nn
 
 from hetrain.errors import InputError
 from hetrain.plan import Plan
-from hetrain.runtime.losses import WaitFn
+from hetrain.runtime.step.losses import WaitFn
 from hetrain.sync_layout import Segment
 
 Tie = tuple[tuple[int, str], ...]

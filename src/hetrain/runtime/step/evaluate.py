@@ -26,7 +26,7 @@ from torch import nn
 
 from hetrain import amp
 from hetrain.distributed.health import Health
-from hetrain.runtime.roles import Role
+from hetrain.runtime.lifecycle.roles import Role
 
 Batch = tuple[Any, Any]
 

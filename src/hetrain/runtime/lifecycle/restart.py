@@ -14,7 +14,7 @@ know is there) and re-planning is on, every rank, in the same order::
 
 Every rank plans by itself (the planner is deterministic given its inputs); step 3 checks it.
 The Trainer then resumes from the newest checkpoint under the new plan: checkpoints hold
-every layer under its global name, so any plan loads them (``runtime.stage_state``).
+every layer under its global name, so any plan loads them (``runtime.state.stage_state``).
 
 A rank's device type: ``HETRAIN_DEVICE_TYPE`` when set (emulation), else a GPU's catalog name
 (``torch.cuda.get_device_name``, ``profiler.layers.describe_device``), else ``cpu``. It is read
@@ -48,11 +48,11 @@ from hetrain.elastic import (
     world_differs,
 )
 from hetrain.plan import Plan, load_plan
-from hetrain.runtime.roles import device_name
-from hetrain.runtime.stage_state import latest_step
+from hetrain.runtime.lifecycle.roles import device_name
+from hetrain.runtime.state.stage_state import latest_step
 
 #: ``--replan``: ``auto`` re-plans a changed world when the plan records how it was made, and watches for drift
-#: (``runtime.drift``); ``world``: the changed world only; ``off`` refuses a changed world
+#: (``runtime.lifecycle.drift_watch``); ``world``: the changed world only; ``off`` refuses a changed world
 REPLAN_MODES: tuple[str, ...] = ("auto", "world", "off")
 
 

@@ -44,7 +44,7 @@ from hetrain.distributed.health import Health, PeerError
 from hetrain.distributed.work import wait_work
 from hetrain.errors import RunError
 from hetrain.plan import Plan
-from hetrain.runtime.sync import GradientSync
+from hetrain.runtime.sync.allreduce import GradientSync
 from hetrain.schedule import ActionKind, SegmentSync
 
 K = ActionKind
@@ -493,7 +493,7 @@ class ModeSync:
         """
         if not self.base:
             return []
-        from hetrain.runtime.checkpoint import load_checkpoint, load_manifest
+        from hetrain.runtime.state.checkpoint import load_checkpoint, load_manifest
 
         held = load_manifest(directory, step)["tensors"]
         name_of = {id(p): n for n, p in module.named_parameters()}

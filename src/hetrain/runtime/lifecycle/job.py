@@ -6,7 +6,7 @@ the stage module, optimizer, sync, transport and executor)::
 
     1. join        init_distributed: the default process group (NCCL with CUDA, else Gloo)
     2. report      all_gather_object: every rank's device name "<node>:<LOCAL_RANK>"
-       (re-plan)   a world other than the plan's, re-planning on: a new plan (``runtime.elastic``, collective)
+       (re-plan)   a world other than the plan's, re-planning on: a new plan (``runtime.lifecycle.restart``, collective)
     3. roles       build_roles: ranks matched to the plan's devices (pure, same result everywhere)
     4. schedule    build_schedule + validate (pure)
     5. health      Health(rank, reported).start(): heartbeats; its store keys count instances
@@ -41,14 +41,14 @@ from hetrain.distributed.health import Health
 from hetrain.distributed.store import attempt_store
 from hetrain.distributed.work import first_line as _first_line
 from hetrain.plan import Plan
-from hetrain.runtime.elastic import ReplanPolicy, replan_world
-from hetrain.runtime.executor import Executor, LossFn, StageModule
-from hetrain.runtime.metrics import Recorder
-from hetrain.runtime.modes import ModeSync, build_mode_groups
-from hetrain.runtime.p2p import Transport, early_receives
-from hetrain.runtime.roles import Role, RoleError, build_roles, local_device_name, match_hosts, node_from_host
-from hetrain.runtime.sync import GradientSync, SegmentGroups, build_segment_groups
-from hetrain.runtime.tied import Tie, TiedGrads, build_tie_groups
+from hetrain.runtime.lifecycle.restart import ReplanPolicy, replan_world
+from hetrain.runtime.lifecycle.roles import Role, RoleError, build_roles, local_device_name, match_hosts, node_from_host
+from hetrain.runtime.report.metrics import Recorder
+from hetrain.runtime.step.executor import Executor, LossFn, StageModule
+from hetrain.runtime.step.p2p import Transport, early_receives
+from hetrain.runtime.step.tied import Tie, TiedGrads, build_tie_groups
+from hetrain.runtime.sync.allreduce import GradientSync, SegmentGroups, build_segment_groups
+from hetrain.runtime.sync.modes import ModeSync, build_mode_groups
 from hetrain.schedule import Action, build_schedule, validate
 
 if TYPE_CHECKING:
@@ -169,7 +169,7 @@ class Job:
         groups: the job's process groups.
         stage: this rank's stage and its machinery; None on a rank the plan leaves unused.
         timeout_s: the longest any distributed wait may take.
-        replanned: how ``plan`` was re-made for a changed world (``runtime.elastic``); None: the plan given.
+        replanned: how ``plan`` was re-made for a changed world (``runtime.lifecycle.restart``); None: the plan given.
     """
 
     plan: Plan

@@ -10,10 +10,10 @@ On every used rank, after each step (``Trainer``)::
         calls drift.decide_drift with the same inputs, and the ranks check that their plans' digests agree
     switch: the Trainer checkpoints at this step, rank 0 writes CKPT/plans/plan-step{N}.json, every rank
         (unused ones too) leaves with SWITCH_EXIT_STATUS; torchrun restarts the job, which takes that plan
-        (``runtime.elastic.adopt_drift_plan``) and resumes from the checkpoint
+        (``runtime.lifecycle.restart.adopt_drift_plan``) and resumes from the checkpoint
 
 Why not in process: a plan's process groups, stages and sync machinery are built once at start-up
-(``runtime.job``), and Gloo cannot re-form groups over a changed set of ranks in a running process
+(``runtime.lifecycle.job``), and Gloo cannot re-form groups over a changed set of ranks in a running process
 cleanly. A restart rebuilds them the one tested way.
 
 Every decision is a metrics row (``{"step", "drift": "trigger" | "skip" | "switch", ...figures}``) and one

@@ -29,8 +29,8 @@ import torch.distributed as dist
 from hetrain.amp import LossScaler
 from hetrain.errors import InputError
 from hetrain.plan import Plan
-from hetrain.runtime.losses import WaitFn
-from hetrain.runtime.sync import GradientSync
+from hetrain.runtime.step.losses import WaitFn
+from hetrain.runtime.sync.allreduce import GradientSync
 
 
 def check_fp16(plan: Plan, where: str = "the plan") -> None:

@@ -114,7 +114,7 @@ def layer_file_name(name: str) -> str:
     """The file that holds parameter ``name``: ``layers.3.weight`` -> ``layers.3.pt``.
 
     A parameter server's global weights of a layer (``ps.layers.3.weight``, written by the shard's
-    host, ``runtime.modes``) go to ``ps.layers.3.pt``. Names outside ``layers.{i}.`` go by their first
+    host, ``runtime.sync.modes``) go to ``ps.layers.3.pt``. Names outside ``layers.{i}.`` go by their first
     component (``head.bias`` -> ``head.pt``).
     """
     match = _LAYER.match(name)

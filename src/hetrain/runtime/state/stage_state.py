@@ -1,6 +1,6 @@
 """One stage's share of a checkpoint: what it writes, and how it comes back on resume.
 
-A checkpoint (``runtime.checkpoint``) holds every layer once, under its global
+A checkpoint (``runtime.state.checkpoint``) holds every layer once, under its global
 name ``layers.{k}.…``. A layer held by several devices (its segment's owners) is
 written by the first owner only::
 
@@ -30,7 +30,7 @@ from hetrain.distributed.barrier import Barrier, BarrierError
 from hetrain.distributed.health import beat_counter
 from hetrain.distributed.work import PeerError
 from hetrain.plan import Plan
-from hetrain.runtime.checkpoint import (
+from hetrain.runtime.state.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     load_checkpoint,
@@ -150,7 +150,7 @@ def resume_together(health: Health, rank: int, world: int, timeout_s: float, res
     """Run ``restore`` (this rank's share of a resume), then wait until every rank of the job has run its own.
 
     ``resuming`` False: no checkpoint to resume from, only the start to pass together, so that a rank whose
-    stage could not be built (``runtime.job.build_job`` posts why) is named by the others before training.
+    stage could not be built (``runtime.lifecycle.job.build_job`` posts why) is named by the others before training.
 
     A rank that cannot resume (a checkpoint of other shapes) posts its error and leaves; the others
     stop here naming it, instead of meeting a closed connection once training starts::

@@ -37,11 +37,11 @@ from hetrain.distributed.health import Health
 from hetrain.errors import RunError
 from hetrain.models.layers import LayerRange
 from hetrain.models.user import describe_error
-from hetrain.runtime.metrics import Recorder
-from hetrain.runtime.modes import ModeSync
-from hetrain.runtime.p2p import Transport, flatten, grad_slots
-from hetrain.runtime.roles import Role
-from hetrain.runtime.sync import GradientSync
+from hetrain.runtime.lifecycle.roles import Role
+from hetrain.runtime.report.metrics import Recorder
+from hetrain.runtime.step.p2p import Transport, flatten, grad_slots
+from hetrain.runtime.sync.allreduce import GradientSync
+from hetrain.runtime.sync.modes import ModeSync
 from hetrain.schedule import Action, ActionKind, BucketSync, Compute, SegmentSync, Step, Transfer
 from hetrain.timeline import Event
 
@@ -162,20 +162,20 @@ class Executor:
             backward with it off, and the cast weights are dropped after anything that changes the
             weights (``hetrain.amp``).
         early_receives: whether the receives from the previous stage, and from the next, are posted one
-            ahead of the RECV that waits for them, or at it (the plan's sync option, ``runtime.p2p.early_receives``).
+            ahead of the RECV that waits for them, or at it (the plan's sync option, ``p2p.early_receives``).
 
     Attributes:
         before_step: called as ``before_step(step)`` at each STEP, after the sends are waited for and before
             the optimizer steps (every ALLREDUCE of the iteration has been waited for by then): tied
-            gradients, fp16's unscaling, gradient clipping (``runtime.clip``). It returns False to skip
+            gradients, fp16's unscaling, gradient clipping (``runtime.step.clip``). It returns False to skip
             the optimizer step (an fp16 overflow). None: nothing.
         on_losses: called as ``on_losses(loss_sum)`` once the iteration's last F has run (the sum of this
             rank's scaled micro-batch losses is then complete), so that the losses can be summed over the
-            ranks while the backward and its all-reduces run (``runtime.losses``). None: nothing.
+            ranks while the backward and its all-reduces run (``runtime.step.losses``). None: nothing.
         grad_scale: the loss scale the backward starts from (fp16's ``amp.LossScaler.scale``; 1 otherwise),
             read at the start of each iteration.
         compute_s: the host's seconds of the last iteration's F and B actions (on a GPU: their launch and
-            whatever waits they hold, not the kernels' time), for the drift watch (``runtime.drift``).
+            whatever waits they hold, not the kernels' time), for the drift watch (``runtime.lifecycle.drift_watch``).
     """
 
     def __init__(self, role: Role, module: StageModule, loss_fn: LossFn, transport: Transport, sync: GradientSync,
@@ -198,7 +198,7 @@ class Executor:
         self.before_step: Callable[[int], bool | None] | None = None
         self.on_losses: Callable[[torch.Tensor], None] | None = None
         self.grad_scale = 1.0
-        self.compute_s = 0.0  # host seconds of the last iteration's F and B actions (drift watch, runtime.drift)
+        self.compute_s = 0.0  # host seconds of the last iteration's F and B actions (lifecycle.drift_watch)
         # BSP: n_i / N, as the seed of each micro-batch's backward: the gradient of loss * n_i / N, without the product
         # other sync modes: n_i / (this VW's mini-batch): each VW steps on its own mean gradient (docs/sync.md)
         total = role.global_batch if modes is None else sum(role.micro_batch_sizes)

@@ -1,0 +1,4 @@
+"""What a run reports.
+
+- ``metrics``: the measured Timeline, metrics as JSONL, TensorBoard scalars, the progress bar.
+"""

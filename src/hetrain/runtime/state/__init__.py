@@ -1,0 +1,6 @@
+"""What training leaves on disk: checkpoints and exported weights.
+
+- ``checkpoint``: atomic per-layer checkpoints with global names, loadable under any plan; damage detected.
+- ``stage_state``: one stage's share of a checkpoint, and its resume.
+- ``export``: a checkpoint's weights as a Hugging Face directory or one safetensors file.
+"""
