@@ -101,10 +101,10 @@ def test_train_runs_the_plan_as_it_is() -> None:
     """The sync mode, its options and the optimizer are the plan's: train has no flag to change them."""
     import argparse
 
-    from hetrain.runtime.command import add_train_arguments
+    from hetrain.runtime.command import add_arguments
 
     parser = argparse.ArgumentParser()
-    add_train_arguments(parser)
+    add_arguments(parser)
     for flag in (["--sync", "wsp"], ["--sync-option", "period=2"], ["--optimizer", "sgd"]):
         with pytest.raises(SystemExit):
             parser.parse_args(["--plan", "p.json", "--model", "mlp-digits", *flag])

@@ -12,13 +12,13 @@ pytest.importorskip("torch")
 from hetrain.cluster import parse_cluster
 from hetrain.models.analytic import build_mlp_profile
 from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
-from hetrain.runtime.command import add_train_arguments, main
+from hetrain.runtime.command import add_arguments, main
 from hetrain.runtime.config_file import ConfigFileError, load_config_file, named_value, parse_with_config
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hetrain train")
-    add_train_arguments(p)
+    add_arguments(p)
     return p
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 _EXPORTS = {
     "Trainer": "trainer", "build_optimizer_fn": "trainer", "init_distributed": "lifecycle.job",
-    "run_train_command": "command", "add_train_arguments": "command", "run_from_args": "command",
+    "run_train_command": "command", "add_arguments": "command", "run": "command",
     "PeerError": "step.p2p", "RoleError": "lifecycle.roles", "Role": "lifecycle.roles",
     "build_roles": "lifecycle.roles", "match_hosts": "lifecycle.roles",
     "StageModule": "step.executor", "Executor": "step.executor", "merge_timeline": "report.metrics",

@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 4 -m hetrain.runtime.command --plan plan.json --model gpt-tiny --steps 100 \
         --checkpoint-dir ckpt --checkpoint-every 50 --metrics-out metrics.jsonl --timeline-out measured.json
 
-``hetrain train`` takes the same options (``add_train_arguments``, ``run_from_args``), on the
+``hetrain train`` takes the same options (``add_arguments``, ``run``), on the
 command line or in a TOML file, ``--config train.toml`` (``runtime.config_file``).
 Restarted by ``torchrun --max-restarts N``, a job resumes from the newest complete
 checkpoint in ``--checkpoint-dir`` by itself, under the plan it is given then; when the
@@ -239,7 +239,7 @@ def run_train_command(plan_path: str | Path | Plan, model: str | ModelSource,
     return 0
 
 
-def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``train`` command's options (for ``hetrain train`` and ``python -m hetrain.runtime.trainer``)."""
     parser.add_argument("--config", default=None, metavar="train.toml",
                         help="read options from this TOML file (keys: the long option names); the command line "
@@ -372,8 +372,8 @@ def _check_force_drift(args: argparse.Namespace, plan: Plan) -> tuple[int, tuple
     return force
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    """Run the ``train`` command from parsed ``add_train_arguments`` options.
+def run(args: argparse.Namespace) -> int:
+    """Run the ``train`` command from parsed ``add_arguments`` options.
 
     Bad arguments and a plan file that cannot be read are refused here, before any process group,
     with status 2; ``run_train_command`` returns 1 for what fails after.
@@ -413,13 +413,13 @@ def run_from_args(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m hetrain.runtime.trainer --plan plan.json --model NAME ...`` (under torchrun)."""
     parser = argparse.ArgumentParser(prog="hetrain train", description="Train a reference model with a plan.")
-    add_train_arguments(parser)
+    add_arguments(parser)
     try:
         args = parse_with_config(parser, argv)
     except InputError as e:
         print(f"hetrain train: error: {e}", file=sys.stderr)
         return 2
-    code = run_from_args(args)
+    code = run(args)
     if code != 0 and dist.is_initialized():
         # A process group with a dead or stuck peer cannot be torn down cleanly: its
         # transport threads may abort the interpreter at exit ("terminate called
