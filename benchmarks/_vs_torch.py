@@ -38,11 +38,13 @@ import torch.multiprocessing as mp
 
 from hetrain.baselines import build_ddp_step, build_pipelining_step, even_bounds
 from hetrain.cluster import Cluster, parse_cluster
-from hetrain.models.registry import build_layers, layer_names, loss_fn, num_layers, sample_batch
+from hetrain.models.registry import build_layers, layer_names, num_layers, sample_batch
+from hetrain.models.user import resolve_model
 from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
 from hetrain.planner.baselines import torch_schedule
 from hetrain.profile import LayerProfile, ModelProfile
 from hetrain.runtime import Trainer, build_optimizer_fn
+from hetrain.runtime.config import LoggingConfig, TrainConfig
 from hetrain.runtime.step.p2p import flatten
 from hetrain.sync_layout import REDUCE_DTYPES, SyncOptions
 
@@ -204,9 +206,9 @@ def build_hetrain(case: str, args: argparse.Namespace, layers: int, batch: Batch
                   cluster: Cluster) -> Callable[[int], None]:
     """``run(k)``: k more steps of hetrain's Trainer."""
     plan = build_plan(case, args, layers, cluster)
-    trainer = Trainer(lambda a, b: build_layers(args.model, a, b, seed=0, **args.config), plan,
-                      build_optimizer_fn("sgd", LR), loss_fn(args.model), timeout_s=120, progress=False,
-                      log_every=args.block_steps)
+    trainer = Trainer(resolve_model(args.model, **args.config), plan,
+                      TrainConfig(timeout_s=120, logging=LoggingConfig(progress=False, log_every=args.block_steps)),
+                      optimizer_fn=build_optimizer_fn("sgd", LR))
     data = itertools.repeat(batch)
 
     def run(k: int) -> None:

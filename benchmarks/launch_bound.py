@@ -42,8 +42,10 @@ from _vs_torch import (
     take_turns,
 )
 from hetrain.baselines import build_pipelining_step
-from hetrain.models.registry import build_layers, loss_fn, num_layers, sample_batch
+from hetrain.models.registry import num_layers, sample_batch
+from hetrain.models.user import resolve_model
 from hetrain.runtime import Trainer, build_optimizer_fn
+from hetrain.runtime.config import LoggingConfig, TrainConfig
 
 #: small layers: gpt-tiny 64 wide, 32 tokens, 8 blocks (10 layers)
 SMALL = {"hidden": 64, "seq_len": 32, "heads": 2, "n_blocks": 8}
@@ -54,9 +56,9 @@ def timed_blocks(args: argparse.Namespace, device: torch.device) -> dict[str, li
     batch = tuple(t.to(device) for t in sample_batch(args.model, args.global_batch,
                                                      torch.Generator().manual_seed(0), **args.config))
     plan = build_plan("1f1b", args, num_layers(args.model, **args.config), local_cluster(1))
-    trainer = Trainer(lambda a, b: build_layers(args.model, a, b, seed=0, **args.config), plan,
-                      build_optimizer_fn("sgd", LR), loss_fn(args.model), timeout_s=120, progress=False,
-                      log_every=args.block_steps)
+    trainer = Trainer(resolve_model(args.model, **args.config), plan,
+                      TrainConfig(timeout_s=120, logging=LoggingConfig(progress=False, log_every=args.block_steps)),
+                      optimizer_fn=build_optimizer_fn("sgd", LR))
     torch_step, _ = build_pipelining_step(args.model, args.config, args.micro_batches, "1f1b",
                                           build_optimizer_fn("sgd", LR), seed=0, device=device)
 

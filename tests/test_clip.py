@@ -19,6 +19,8 @@ from hetrain.planner import plan as build_plan
 
 pytest.importorskip("torch")
 
+from hetrain.models.user import resolve_model
+from hetrain.runtime.config import OptimConfig, TrainConfig
 from hetrain.runtime.step.clip import check_clip
 from hetrain.runtime.trainer import Trainer
 
@@ -48,4 +50,4 @@ def test_clipping_under_another_sync_mode_is_refused_by_the_trainer_before_any_p
     plan = dataclasses.replace(bsp_plan, sync=mode)  # type: ignore[arg-type]
     check_clip(plan, None)  # no clipping: any mode
     with pytest.raises(InputError, match=f"needs the bsp sync mode; the plan's is '{mode}'"):
-        Trainer(None, plan, None, None, clip_grad_norm=1.0)  # type: ignore[arg-type]
+        Trainer(resolve_model("mlp"), plan, TrainConfig(optim=OptimConfig(clip_grad_norm=1.0)))

@@ -11,15 +11,24 @@ pytest.importorskip("torch")
 
 from hetrain.cluster import parse_cluster
 from hetrain.models.analytic import build_mlp_profile
+from hetrain.options import ConfigFileError, load_options_file
 from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
 from hetrain.runtime.command import add_arguments, main
-from hetrain.runtime.config_file import ConfigFileError, load_config_file, named_value, parse_with_config
+from hetrain.runtime.config import OptimConfig, TrainConfig, train_config_from_args
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hetrain train")
     add_arguments(p)
     return p
+
+
+def parse(argv: list[str]) -> TrainConfig:
+    return train_config_from_args(parser().parse_args(argv))
+
+
+def load_config_file(path: str) -> dict[str, object]:
+    return dict(load_options_file(path, TrainConfig, "hetrain train").values)
 
 
 CONFIG = """
@@ -37,26 +46,56 @@ set = ["n_blocks=2"]
 
 def test_the_file_gives_every_option_and_the_command_line_overrides_it(tmp_path: Path) -> None:
     (tmp_path / "train.toml").write_text(CONFIG)
-    args = parse_with_config(parser(), ["--config", str(tmp_path / "train.toml"), "--steps", "10", "--lr", "0.01"])
-    assert (args.plan, args.model, args.data) == ("plan.json", "gpt-tiny", "tokens:train.bin")
-    assert args.steps == 10 and args.lr == 0.01  # the command line wins
-    assert args.lr_schedule == "cosine" and args.warmup_steps == 100  # `-` and `_` both name the option
-    assert args.progress is False and args.model_config == ["n_blocks=2"]
-    alone = parse_with_config(parser(), ["--config", str(tmp_path / "train.toml")])
-    assert alone.steps == 2000 and alone.lr == 3e-4
-    flag = parse_with_config(parser(), ["--config", str(tmp_path / "train.toml"), "--progress"])
-    assert flag.progress is True
+    c = parse(["--config", str(tmp_path / "train.toml"), "--steps", "10", "--lr", "0.01"])
+    assert (c.plan, c.model, c.data.data) == ("plan.json", "gpt-tiny", "tokens:train.bin")
+    assert c.steps == 10 and c.optim.lr == 0.01  # the command line wins
+    assert c.optim.lr_schedule == "cosine" and c.optim.warmup_steps == 100  # `-` and `_` both name the option
+    assert c.logging.progress is False and c.model_config == ("n_blocks=2",)
+    alone = parse(["--config", str(tmp_path / "train.toml")])
+    assert alone.steps == 2000 and alone.optim.lr == 3e-4
+    flag = parse(["--config", str(tmp_path / "train.toml"), "--progress"])
+    assert flag.logging.progress is True
 
 
 def test_without_a_config_file_the_required_options_stay_required(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
-        parse_with_config(parser(), ["--model", "gpt-tiny"])
-    assert "--plan" in capsys.readouterr().err
+    assert main(["--model", "gpt-tiny"]) == 2
+    err = capsys.readouterr().err
+    assert "required: --plan" in err and err.count("\n") == 1, err
+
+
+def test_every_option_is_one_field_flag_key_and_help() -> None:
+    """The flags, the file's keys and the help all come from TrainConfig's fields: each field has a flag with
+    help text, and a value refused on the command line is refused in Python with the key named."""
+    from hetrain.options import leaves
+
+    help_text = parser().format_help()
+    for leaf in leaves(TrainConfig):
+        assert leaf.flag in help_text and leaf.help, leaf.key
+    assert "--min-lr" in help_text and "--set" in help_text and "--no-progress" in help_text
+    with pytest.raises(ValueError, match=r"TrainConfig: steps = -1: expected an integer >= 0"):
+        TrainConfig(steps=-1)
+    with pytest.raises(ValueError, match=r"OptimConfig: lr = '0.1': takes float, not str"):
+        OptimConfig(lr="0.1")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"model settings are KEY=VALUE, got 'n_blocks'"):
+        TrainConfig(model_config=("n_blocks",))
+    assert TrainConfig(model_config=("n_blocks=2", "act=gelu")).model_settings() == {"n_blocks": 2, "act": "gelu"}
+
+
+def test_a_config_written_for_the_old_reader_still_loads(tmp_path: Path) -> None:
+    """Every key the old reader took (each long option name) is a key of the new one, with the same value."""
+    old_keys = ("plan", "model", "data", "val_data", "tokenizer", "seq_len", "steps", "checkpoint_dir",
+                "checkpoint_every", "timeline_out", "metrics_out", "tensorboard_dir", "log_every", "timeout_s", "lr",
+                "lr_schedule", "warmup_steps", "min_lr", "clip_grad_norm", "weight_decay", "precision", "replan",
+                "drift_threshold", "drift_window", "replan_cooldown", "force_drift", "seed", "data_seed", "set",
+                "eval_every", "eval_batches", "progress")
+    from hetrain.options import leaves
+
+    assert sorted(leaf.key for leaf in leaves(TrainConfig)) == sorted(old_keys)
 
 
 def test_a_table_of_model_settings_is_set_items(tmp_path: Path) -> None:
     (tmp_path / "t.toml").write_text('set = {n_blocks = 2, hidden = 64}\n')
-    assert load_config_file(str(tmp_path / "t.toml"), parser()) == {"model_config": ["n_blocks=2", "hidden=64"]}
+    assert load_config_file(str(tmp_path / "t.toml")) == {"set": ("n_blocks=2", "hidden=64")}
 
 
 @pytest.mark.parametrize("text, needles", [
@@ -74,7 +113,7 @@ def test_a_table_of_model_settings_is_set_items(tmp_path: Path) -> None:
 def test_a_bad_key_or_value_names_the_file_key_and_value(tmp_path: Path, text: str, needles: tuple[str, ...]) -> None:
     (tmp_path / "t.toml").write_text(text)
     with pytest.raises(ConfigFileError) as err:
-        load_config_file(str(tmp_path / "t.toml"), parser())
+        load_config_file(str(tmp_path / "t.toml"))
     message = str(err.value)
     assert str(tmp_path / "t.toml") in message and "\n" not in message
     for needle in needles:
@@ -83,13 +122,13 @@ def test_a_bad_key_or_value_names_the_file_key_and_value(tmp_path: Path, text: s
 
 def test_an_error_names_where_each_value_came_from_the_file_and_key_or_the_flag(tmp_path: Path) -> None:
     (tmp_path / "t.toml").write_text('plan = "plan.json"\nmodel = "gpt-tiny"\nlr = 0.01\nmin_lr = 0.5\nset = ["a=1"]\n')
-    args = parse_with_config(parser(), ["--config", str(tmp_path / "t.toml"), "--lr", "0.1", "--set", "b=2"])
-    assert named_value(args, "min_lr", "--min-lr") == f"{tmp_path / 't.toml'}: min_lr = 0.5"
-    assert named_value(args, "lr", "--lr") == "--lr 0.1"  # the command line overrode the file
-    assert named_value(args, "steps", "--steps") == "--steps 100"  # in neither: the default, by its flag
-    assert args.model_config == ["a=1", "b=2"]  # --set appends to the file's list, as before
-    plain = parse_with_config(parser(), ["--plan", "p.json", "--model", "m", "--min-lr", "0.5"])
-    assert named_value(plain, "min_lr", "--min-lr") == "--min-lr 0.5"
+    c = parse(["--config", str(tmp_path / "t.toml"), "--lr", "0.1", "--set", "b=2"])
+    assert c.name_of("min_lr", c.optim.min_lr) == f"{tmp_path / 't.toml'}: min_lr = 0.5"
+    assert c.name_of("lr", c.optim.lr) == "--lr 0.1"  # the command line overrode the file
+    assert c.name_of("steps", c.steps) == "--steps 100"  # in neither: the default, by its flag
+    assert c.model_config == ("a=1", "b=2")  # --set appends to the file's list, as before
+    plain = parse(["--plan", "p.json", "--model", "m", "--min-lr", "0.5"])
+    assert plain.name_of("min_lr", plain.optim.min_lr) == "--min-lr 0.5"
 
 
 def write_plan(path: Path) -> None:

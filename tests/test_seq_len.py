@@ -264,18 +264,19 @@ def test_train_cuts_token_data_at_the_profiles_length_and_refuses_a_data_set_of_
                                                                                         capsys: Any) -> None:
     from hetrain.plan import load_plan
     from hetrain.runtime.command import build_train_datasets
+    from hetrain.runtime.config import DataConfig, TrainConfig
 
     model = hf_dir(tmp_path)
     plan = load_plan(plan_at(tmp_path, "--model", model, "--seq-len", "8"))
     source = resolve_model(model)
     (np.arange(4000) % VOCAB).astype("<u2").tofile(tmp_path / "t.bin")
-    _, (train, _) = build_train_datasets(plan, source, f"tokens:{tmp_path / 't.bin'}")
+    _, (train, _) = build_train_datasets(plan, source, TrainConfig(data=DataConfig(f"tokens:{tmp_path / 't.bin'}")))
     assert train.take(torch.arange(2))[0].shape == (2, 8)  # (B, T): the profile's T, not given again
     (tmp_path / "tokens16.py").write_text(TOKENS16)
     data = f"{tmp_path / 'tokens16.py'}:dataset"
     with pytest.raises(SpecError, match=f"--data {data}: samples of 16 tokens, but the plan's profile was measured "
                                         "at 8; re-profile"):
-        build_train_datasets(plan, source, data)
+        build_train_datasets(plan, source, TrainConfig(data=DataConfig(data)))
 
 
 # --- an hf model's built-in data ----------------------------------------------------------------------

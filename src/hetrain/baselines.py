@@ -41,6 +41,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -49,12 +50,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hetrain.arguments import int_between, number_at_least
 from hetrain.errors import RunError
+from hetrain.fields import MAX_GLOBAL_BATCH, MAX_STEPS
+from hetrain.options import add_options, build_options, given_options, option
+from hetrain.profile import OPTIMIZER_ALIASES, OPTIMIZER_NAMES
+from hetrain.runtime.config import RunOptions
 from hetrain.sync_layout import REDUCE_DTYPES
 
 BASELINES = ("ddp", "pipelining")
 SCHEDULES = ("gpipe", "1f1b")
-DEFAULT_TIMEOUT_S = 300.0
 
 
 class BaselineError(RunError):
@@ -170,28 +175,59 @@ def build_pipelining_step(model: str, config: dict[str, Any], micro_batches: int
     return step, module
 
 
-def run_baseline(kind: str, model: str, *, data: str | None = None, global_batch: int = 32, steps: int = 10,
-                 micro_batches: int = 4, schedule: str = "1f1b", optimizer: str = "sgd", lr: float | None = None,
-                 seed: int = 0, data_seed: int = 0, model_config: dict[str, Any] | None = None,
-                 metrics_out: str | Path | None = None, weights_out: str | Path | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, reduce_dtype: str = "fp32") -> list[dict[str, Any]]:
-    """Train ``model`` with a torch baseline on this rank of an initialised torchrun job; the per-step rows.
+@dataclass(frozen=True)
+class BaselineConfig(RunOptions):
+    """A torch baseline's run: the seeds, model settings and waits of ``hetrain train`` (``RunOptions``), and
+    what the baseline itself takes. ``kind`` is the positional ``ddp`` or ``pipelining``."""
 
-    Args:
-        kind: ``ddp`` or ``pipelining``.
-        model: a reference model name (``hetrain.models.registry``).
-        data: a data set name (default: the real one that fits the model).
-        global_batch: samples per step over all ranks.
-        steps: steps to train.
-        micro_batches: ``m`` (pipelining only).
-        schedule: ``gpipe`` or ``1f1b`` (pipelining only).
-        optimizer, lr: as ``hetrain train``'s (``build_optimizer_fn``).
-        seed, data_seed: the model's seed and the data order's.
-        model_config: overrides of the model preset's fields.
-        metrics_out: where the last rank writes the rows (JSONL).
-        weights_out: a directory where every rank saves its module's ``state_dict`` as ``rank{r}.pt``.
-        timeout_s: the process group's timeout (every wait).
-        reduce_dtype: ``fp32`` or ``bf16``: the dtype DDP all-reduces its gradient buckets in (ddp only).
+    kind: str = "ddp"
+    model: str = option("gpt-tiny")
+    """reference model (default gpt-tiny)"""
+    data: str | None = option(None)
+    """data set (default: the real one that fits the model)"""
+    global_batch: int = option(32, type=int_between(1, MAX_GLOBAL_BATCH, "MAX_GLOBAL_BATCH"))
+    """samples per step over all ranks (default 32)"""
+    steps: int = option(10, type=int_between(1, MAX_STEPS, "MAX_STEPS"))
+    """steps to train (default 10)"""
+    micro_batches: int = option(4, type=int_between(1, MAX_GLOBAL_BATCH, "MAX_GLOBAL_BATCH"))
+    """m, pipelining only (default 4)"""
+    schedule: str = option("1f1b", choices=SCHEDULES)
+    """pipelining only (default 1f1b)"""
+    optimizer: str = option("sgd", choices=(*OPTIMIZER_NAMES, *OPTIMIZER_ALIASES))
+    """as hetrain train's (default sgd)"""
+    lr: float | None = option(None, type=number_at_least(0.0, inclusive=False))
+    """learning rate (default as hetrain train's)"""
+    metrics_out: str | None = option(None)
+    """per-step rows, JSONL (written by the last rank)"""
+    weights_out: str | None = option(None)
+    """directory for each rank's state_dict"""
+    reduce_dtype: str = option(REDUCE_DTYPES[0], choices=REDUCE_DTYPES)
+    """ddp: all-reduce the gradient buckets in bf16 (as hetrain's sync option reduce_dtype)"""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.kind not in BASELINES:
+            raise BaselineError(f"unknown baseline {self.kind!r}; known: {', '.join(BASELINES)}")
+
+
+def _check_world(c: BaselineConfig, world: int) -> None:
+    """Refuse a global batch DDP cannot split over the ranks, micro-batches pipelining cannot make, and a reduce
+    dtype other than fp32 for pipelining."""
+    if c.kind == "ddp" and c.global_batch < world:
+        raise BaselineError(f"a global batch of {c.global_batch} cannot be split over {world} DDP replicas")
+    if c.kind == "pipelining" and c.global_batch % c.micro_batches:
+        raise BaselineError(f"torch pipelining needs equal micro-batches: global batch {c.global_batch} does not "
+                            f"split into {c.micro_batches}")
+    if c.reduce_dtype != REDUCE_DTYPES[0] and c.kind != "ddp":
+        raise BaselineError(f"--reduce-dtype {c.reduce_dtype}: one of {', '.join(REDUCE_DTYPES)}, and other than "
+                            f"{REDUCE_DTYPES[0]} for the ddp baseline only")
+
+
+def run_baseline(c: BaselineConfig) -> list[dict[str, Any]]:
+    """Train ``c.model`` with the torch baseline ``c.kind`` on this rank of a torchrun job; the per-step rows.
+
+    Every collective and transfer waits at most ``c.timeout_s``; ``c.weights_out``: a directory where every rank
+    saves its module's ``state_dict`` as ``rank{r}.pt``; the last rank writes ``c.metrics_out`` (module docstring).
 
     Returns:
         The rows on every rank; ``loss`` is the batch's mean loss (summed over the ranks at the end).
@@ -200,103 +236,79 @@ def run_baseline(kind: str, model: str, *, data: str | None = None, global_batch
         BaselineError: bad options, or a step failed or timed out (names the rank, the step and the peers).
     """
     from hetrain.data.registry import build_datasets, default_data
-    from hetrain.models.registry import num_layers
     from hetrain.runtime.trainer import build_optimizer_fn
 
-    if kind not in BASELINES:
-        raise BaselineError(f"unknown baseline {kind!r}; known: {', '.join(BASELINES)}")
-    if schedule not in SCHEDULES:
-        raise BaselineError(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
     if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group("gloo", timeout=timedelta(seconds=c.timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
-    config = dict(model_config or {})
-    if steps < 1:
-        raise BaselineError(f"steps must be >= 1, got {steps}")
-    if kind == "ddp" and global_batch < world:
-        raise BaselineError(f"a global batch of {global_batch} cannot be split over {world} DDP replicas")
-    if kind == "pipelining" and (micro_batches < 1 or global_batch % micro_batches):
-        raise BaselineError(f"torch pipelining needs equal micro-batches: global batch {global_batch} does not "
-                            f"split into {micro_batches}")
-    if reduce_dtype not in REDUCE_DTYPES or (reduce_dtype != REDUCE_DTYPES[0] and kind != "ddp"):
-        raise BaselineError(f"--reduce-dtype {reduce_dtype}: one of {', '.join(REDUCE_DTYPES)}, and other than "
-                            f"{REDUCE_DTYPES[0]} for the ddp baseline only")
-    opt_fn = build_optimizer_fn(optimizer, lr)
-    if kind == "ddp":
-        step, module = build_ddp_step(model, config, global_batch, opt_fn, seed, reduce_dtype=reduce_dtype)
+    _check_world(c, world)
+    config = c.model_settings()
+    opt_fn = build_optimizer_fn(c.optimizer, c.lr)
+    if c.kind == "ddp":
+        step, module = build_ddp_step(c.model, config, c.global_batch, opt_fn, c.seed, reduce_dtype=c.reduce_dtype)
         peers = f"ranks {', '.join(str(r) for r in range(world) if r != rank)} (DDP's all-reduce)"
     else:
-        step, module = build_pipelining_step(model, config, micro_batches, schedule, opt_fn, seed)
+        step, module = build_pipelining_step(c.model, config, c.micro_batches, c.schedule, opt_fn, c.seed)
         peers = "stage ranks " + ", ".join(str(r) for r in (rank - 1, rank + 1) if 0 <= r < world)
-    train = build_datasets(data or default_data(model, **config), model, seed=data_seed, **config).train
-    batches = _global_batches(train, global_batch, data_seed)
+    train = build_datasets(c.data or default_data(c.model, **config), c.model, seed=c.data_seed, **config).train
+    batches = _global_batches(train, c.global_batch, c.data_seed)
     rows: list[dict[str, Any]] = []
     losses: list[torch.Tensor] = []
     t_prev = time.perf_counter()
-    for s in range(steps):
+    for s in range(c.steps):
         try:
             losses.append(step(next(batches)))
         except RuntimeError as e:  # DistBackendError (a timeout) is one
-            raise BaselineError(f"{kind} baseline, rank {rank} of {world}: step {s} failed or timed out "
-                                f"({timeout_s:g} s) waiting on {peers}: {e}") from None
+            raise BaselineError(f"{c.kind} baseline, rank {rank} of {world}: step {s} failed or timed out "
+                                f"({c.timeout_s:g} s) waiting on {peers}: {e}") from None
         t_end = time.perf_counter()
         rows.append({"step": s + 1, "step_time_s": t_end - t_prev,
-                     "samples_per_s": global_batch / (t_end - t_prev), "loss": None})
+                     "samples_per_s": c.global_batch / (t_end - t_prev), "loss": None})
         t_prev = t_end
     # the losses once, after the timed steps: DDP's mean over the replicas, the last stage's alone for pipelining
     buf = torch.stack(losses)
     dist.all_reduce(buf)
-    for row, value in zip(rows, (buf / world if kind == "ddp" else buf).tolist(), strict=True):
+    for row, value in zip(rows, (buf / world if c.kind == "ddp" else buf).tolist(), strict=True):
         row["loss"] = float(value)
-    if weights_out is not None:
-        Path(weights_out).mkdir(parents=True, exist_ok=True)
-        torch.save(module.state_dict(), Path(weights_out) / f"rank{rank}.pt")
-    if metrics_out is not None and rank == world - 1:
-        head = {"baseline": kind, "runtime": "torch " + torch.__version__, "model": model, "ranks": world,
-                "global_batch": global_batch, "optimizer": optimizer, "reduce_dtype": reduce_dtype}
-        if kind == "pipelining":
-            head.update(micro_batches=micro_batches, schedule=schedule,
-                        stage_bounds=even_bounds(num_layers(model, **config), world))
-        path = Path(metrics_out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in [head, *rows]))
-        os.replace(tmp, path)
+    if c.weights_out is not None:
+        Path(c.weights_out).mkdir(parents=True, exist_ok=True)
+        torch.save(module.state_dict(), Path(c.weights_out) / f"rank{rank}.pt")
+    if c.metrics_out is not None and rank == world - 1:
+        _write_rows(c, world, rows)
     return rows
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hetrain.baselines ddp|pipelining ...`` on every rank of a torchrun job; exit status."""
-    from hetrain.profile import OPTIMIZER_ALIASES, OPTIMIZER_NAMES
-    from hetrain.runtime.command import _model_config
+def _write_rows(c: BaselineConfig, world: int, rows: list[dict[str, Any]]) -> None:
+    """The metrics file, atomically: a line describing the run, then one line per step."""
+    from hetrain.models.registry import num_layers
 
-    parser = argparse.ArgumentParser(prog="python -m hetrain.baselines",
-                                     description="Train a reference model with torch's DDP or pipelining.")
+    head = {"baseline": c.kind, "runtime": "torch " + torch.__version__, "model": c.model, "ranks": world,
+            "global_batch": c.global_batch, "optimizer": c.optimizer, "reduce_dtype": c.reduce_dtype}
+    if c.kind == "pipelining":
+        head.update(micro_batches=c.micro_batches, schedule=c.schedule,
+                    stage_bounds=even_bounds(num_layers(c.model, **c.model_settings()), world))
+    path = Path(str(c.metrics_out))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in [head, *rows]))
+    os.replace(tmp, path)
+
+
+HELP = "under torchrun: train a reference model with torch's DDP or pipelining, as a baseline for a plan"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``python -m hetrain.baselines``' options: the kind, and ``BaselineConfig``'s."""
     parser.add_argument("kind", choices=BASELINES)
-    parser.add_argument("--model", default="gpt-tiny", help="reference model (default gpt-tiny)")
-    parser.add_argument("--data", default=None, help="data set (default: the real one that fits the model)")
-    parser.add_argument("--global-batch", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--micro-batches", type=int, default=4, help="m, pipelining only (default 4)")
-    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipelining only (default 1f1b)")
-    parser.add_argument("--optimizer", choices=[*OPTIMIZER_NAMES, *OPTIMIZER_ALIASES], default="sgd")
-    parser.add_argument("--lr", type=float, default=None, help="learning rate (default as hetrain train's)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--data-seed", type=int, default=0)
-    parser.add_argument("--set", dest="model_config", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--metrics-out", default=None, help="per-step rows, JSONL (written by the last rank)")
-    parser.add_argument("--weights-out", default=None, help="directory for each rank's state_dict")
-    parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S, help="longest wait, seconds")
-    parser.add_argument("--reduce-dtype", choices=REDUCE_DTYPES, default=REDUCE_DTYPES[0],
-                        help="ddp: all-reduce the gradient buckets in bf16 (as hetrain's sync option reduce_dtype)")
-    args = parser.parse_args(argv)
+    add_options(parser, BaselineConfig)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run a baseline from parsed ``add_arguments`` options on this rank; the exit status (module docstring)."""
     torch.set_num_threads(1)
     try:
-        rows = run_baseline(args.kind, args.model, data=args.data, global_batch=args.global_batch, steps=args.steps,
-                            micro_batches=args.micro_batches, schedule=args.schedule, optimizer=args.optimizer,
-                            lr=args.lr, seed=args.seed, data_seed=args.data_seed,
-                            model_config=_model_config(args.model_config), metrics_out=args.metrics_out,
-                            weights_out=args.weights_out, timeout_s=args.timeout_s, reduce_dtype=args.reduce_dtype)
+        c = build_options(BaselineConfig, given_options(args, BaselineConfig))
+        rows = run_baseline(replace(c, kind=args.kind))
     except (BaselineError, ValueError) as e:
         print(f"hetrain.baselines: error: {e}", file=sys.stderr, flush=True)
         sys.stderr.flush()
@@ -312,6 +324,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # skip the group's C++ teardown, which can abort ("terminate called") at interpreter exit
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m hetrain.baselines ddp|pipelining ...`` on every rank of a torchrun job; exit status."""
+    parser = argparse.ArgumentParser(prog="python -m hetrain.baselines",
+                                     description="Train a reference model with torch's DDP or pipelining.")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -427,7 +427,7 @@ def parse_force(text: str, name: str | None = None) -> tuple[int, tuple[tuple[st
 
     Args:
         text: the value.
-        name: how errors name it (``config_file.named_value``: ``--force-drift 40:n0:1=3`` or
+        name: how errors name it (``TrainConfig.name_of``: ``--force-drift 40:n0:1=3`` or
             ``train.toml: force_drift = "40:n0:1=3"``); default ``--force-drift TEXT``.
 
     Raises:

@@ -49,14 +49,17 @@ WORKER = textwrap.dedent("""
     from hetrain.data.registry import build_datasets
     from hetrain.models.registry import build_layers, loss_fn
     from hetrain.plan import load_plan
+    from hetrain.models.user import ModelSource, resolve_model
     from hetrain.runtime import Trainer, build_optimizer_fn
+    from hetrain.runtime.config import CheckpointConfig, LoggingConfig, OptimConfig, TrainConfig
 
     torch.set_num_threads(1)
     (case,) = json.load(open(sys.argv[1]))
     data = build_datasets("synthetic", "mlp-digits", seed=0, synthetic_samples=256).train
-    trainer = Trainer(lambda a, b: build_layers("mlp-digits", a, b, seed=0), load_plan(case["plan"]),
-                      build_optimizer_fn("sgd", case["lr"]), loss_fn("mlp-digits"), timeout_s=60,
-                      checkpoint_dir=case["checkpoint_dir"], progress=False)
+    trainer = Trainer(resolve_model("mlp-digits"), load_plan(case["plan"]),
+                      TrainConfig(timeout_s=60, checkpoint=CheckpointConfig(case["checkpoint_dir"]),
+                                  logging=LoggingConfig(progress=False)),
+                      optimizer_fn=build_optimizer_fn("sgd", case["lr"]))
     start = trainer.step
     history = trainer.fit(data, case["steps"], seed=0)
     replanned = trainer.job.replanned

@@ -42,7 +42,9 @@ WORKER = textwrap.dedent("""
     from hetrain.data.registry import build_datasets
     from hetrain.models.registry import build_layers, loss_fn
     from hetrain.plan import load_plan
+    from hetrain.models.user import ModelSource, resolve_model
     from hetrain.runtime import Trainer, build_optimizer_fn
+    from hetrain.runtime.config import CheckpointConfig, LoggingConfig, OptimConfig, TrainConfig
 
     torch.set_num_threads(1)
     (case,) = json.load(open(sys.argv[1]))
@@ -61,9 +63,9 @@ WORKER = textwrap.dedent("""
             starts.append(time.time())
             yield batch
 
-    trainer = Trainer(lambda a, b: build_layers("mlp-digits", a, b, seed=0), load_plan(case["plan"]),
-                      build_optimizer_fn("sgd", 0.1), loss_fn("mlp-digits"), timeout_s=case["timeout_s"],
-                      progress=False, log_every=10)
+    trainer = Trainer(resolve_model("mlp-digits"), load_plan(case["plan"]),
+                      TrainConfig(timeout_s=case["timeout_s"], logging=LoggingConfig(progress=False, log_every=10)),
+                      optimizer_fn=build_optimizer_fn("sgd", 0.1))
     error, history = None, []
     try:
         history = trainer.fit(batches(), case["steps"])

@@ -43,8 +43,9 @@ WORKER = textwrap.dedent("""
     from hetrain.data.registry import build_datasets
     from hetrain.models.registry import build_layers, loss_fn
     from hetrain.plan import load_plan
+    from hetrain.models.user import ModelSource, resolve_model
     from hetrain.runtime import Trainer, build_optimizer_fn
-    from hetrain.runtime.step.lr_schedule import LrSchedule
+    from hetrain.runtime.config import CheckpointConfig, LoggingConfig, OptimConfig, TrainConfig
 
     torch.set_num_threads(1)
     for case in json.load(open(sys.argv[1])):
@@ -52,10 +53,14 @@ WORKER = textwrap.dedent("""
         data = build_datasets("synthetic", "gpt-tiny", seed=0, synthetic_samples=256, **config).train
         history, starts = [], []
         for stop in case["stops"]:  # one Trainer per stop: each after the first resumes from the checkpoint
-            trainer = Trainer(lambda a, b: build_layers("gpt-tiny", a, b, seed=0, **config), load_plan(case["plan"]),
-                              build_optimizer_fn("momentum", case["lr"]), loss_fn("gpt-tiny"), timeout_s=60,
-                              metrics_out=case["metrics"], progress=False, checkpoint_dir=case["ckpt"],
-                              lr_schedule=LrSchedule(**case["schedule"]), clip_grad_norm=case["clip"])
+            s = case["schedule"]  # the decay ends at the run's last step: the last stop
+            optim = OptimConfig(lr=s["lr"], lr_schedule=s["schedule"], warmup_steps=s["warmup_steps"],
+                                min_lr=s["min_lr"], clip_grad_norm=case["clip"])
+            trainer = Trainer(resolve_model("gpt-tiny", **config), load_plan(case["plan"]),
+                              TrainConfig(steps=case["stops"][-1], timeout_s=60, optim=optim,
+                                          checkpoint=CheckpointConfig(case["ckpt"]),
+                                          logging=LoggingConfig(metrics_out=case["metrics"], progress=False)),
+                              optimizer_fn=build_optimizer_fn("momentum", case["lr"]))
             starts.append(trainer.step)
             history += trainer.fit(data, stop, seed=0)
             weights = trainer.state_dict()

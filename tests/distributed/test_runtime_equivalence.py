@@ -66,7 +66,9 @@ WORKER = textwrap.dedent("""
     from hetrain.data.registry import build_datasets
     from hetrain.models.registry import build_layers, loss_fn
     from hetrain.plan import load_plan
+    from hetrain.models.user import ModelSource, resolve_model
     from hetrain.runtime import Trainer, build_optimizer_fn
+    from hetrain.runtime.config import CheckpointConfig, LoggingConfig, OptimConfig, TrainConfig
 
     from hetrain.runtime.step.losses import LossSums
     from hetrain.schedule import ActionKind
@@ -84,10 +86,12 @@ WORKER = textwrap.dedent("""
         flushes.clear()
         model, config = case["model"], case["config"]
         data = build_datasets(case["data"], model, seed=0, synthetic_samples=256, **config).train
-        trainer = Trainer(lambda a, b: build_layers(model, a, b, seed=0, **config), load_plan(case["plan"]),
-                          build_optimizer_fn(case["optimizer"], case["lr"], weight_decay=case["weight_decay"]),
-                          loss_fn(model), timeout_s=60, metrics_out=case.get("metrics"),
-                          timeline_out=case.get("timeline"), progress=False)
+        trainer = Trainer(resolve_model(model, **config), load_plan(case["plan"]),
+                          TrainConfig(timeout_s=60, logging=LoggingConfig(metrics_out=case.get("metrics"),
+                                                                          timeline_out=case.get("timeline"),
+                                                                          progress=False)),
+                          optimizer_fn=build_optimizer_fn(case["optimizer"], case["lr"],
+                                                          weight_decay=case["weight_decay"]))
         history = trainer.fit(data, case["steps"], seed=0)
         torch.save({"weights": trainer.state_dict(), "history": history, "used": trainer.role.used,
                     "early": trainer.sync.posted_early if trainer.role.used else 0, "flushes": list(flushes),

@@ -40,15 +40,18 @@ WORKER = textwrap.dedent("""
     from hetrain.data.registry import build_datasets
     from hetrain.models.registry import build_layers, loss_fn
     from hetrain.plan import load_plan
+    from hetrain.models.user import ModelSource, resolve_model
     from hetrain.runtime import Trainer, build_optimizer_fn
+    from hetrain.runtime.config import CheckpointConfig, LoggingConfig, OptimConfig, TrainConfig
 
     torch.set_num_threads(1)
     train, val = build_datasets("shakespeare", "gpt-tiny")
     for case in json.load(open(sys.argv[1])):
         plan = load_plan(case["plan"])
-        trainer = Trainer(lambda a, b: build_layers("gpt-tiny", a, b, seed=0), plan,
-                          build_optimizer_fn("adamw", 3e-3), loss_fn("gpt-tiny"), timeout_s=60, progress=False,
-                          metrics_out=case["out"] + "/metrics.jsonl", log_every=3)
+        trainer = Trainer(resolve_model("gpt-tiny"), plan,
+                          TrainConfig(timeout_s=60, logging=LoggingConfig(metrics_out=case["out"] + "/metrics.jsonl",
+                                                                          progress=False, log_every=3)),
+                          optimizer_fn=build_optimizer_fn("adamw", 3e-3))
         history = trainer.fit(train, case["steps"], seed=0, val_data=val, eval_every=case["eval_every"],
                               eval_batches=case["eval_batches"])
         torch.save({"weights": trainer.state_dict(), "val": trainer.val_history, "history": history},

@@ -16,8 +16,10 @@ from pathlib import Path
 from hetrain.cluster import parse_cluster
 from hetrain.models.analytic import build_mlp_profile
 from hetrain.models.registry import build_layers
-from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
-from hetrain.runtime.command import run_train_command
+from hetrain.models.user import resolve_model
+from hetrain.plan import Plan, Prediction, Stage, VirtualWorker, load_plan
+from hetrain.runtime.command import run_train
+from hetrain.runtime.config import TrainConfig
 from hetrain.runtime.state.checkpoint import save_checkpoint
 from hetrain.runtime.step.executor import StageModule
 
@@ -147,14 +149,16 @@ def test_a_rank_whose_layers_are_not_the_plans_is_named_by_the_other(tmp_path, s
     assert time.monotonic() - start < 25, stderr  # not rank 0's 30 s timeout
     for err in stderr:
         assert "Traceback" not in err, err[-3000:]
-    assert ("hetrain train: error: the plan was made for another model: layer 1 (fc1) of its profile (mlp-digits) "
-            "has 263,168 bytes of parameters, model mlp-digits's has 131,584") in stderr[1], stderr[1]
+    assert (f"hetrain train: error: {tmp_path / 'plan.json'} was made for another model: layer 1 (fc1) of its "
+            "profile (mlp-digits) has 263,168 bytes of parameters, model mlp-digits's has 131,584") in stderr[1], \
+        stderr[1]
     assert "rank 1 (n0:1)" in stderr[0] and "made for another model" in stderr[0], stderr[0]
 
 
 def test_a_model_that_does_not_fit_the_plan_is_refused(tmp_path, capsys):
     pipeline_plan(1).save(tmp_path / "plan.json")
-    assert run_train_command(tmp_path / "plan.json", "gpt-tiny", steps=1) == 1  # refused before any process group
+    plan = load_plan(tmp_path / "plan.json")  # refused before any process group:
+    assert run_train(plan, resolve_model("gpt-tiny"), TrainConfig(steps=1)) == 1
     assert "model 'gpt-tiny' has 6 layers but the plan (mlp-digits) has 3" in capsys.readouterr().err
 
 

@@ -47,14 +47,17 @@ WORKER = textwrap.dedent("""
     from hetrain.data.registry import build_datasets
     from hetrain.models.registry import build_layers, loss_fn
     from hetrain.plan import load_plan
+    from hetrain.models.user import ModelSource, resolve_model
     from hetrain.runtime import Trainer, build_optimizer_fn
+    from hetrain.runtime.config import CheckpointConfig, LoggingConfig, OptimConfig, TrainConfig
 
     torch.set_num_threads(1)
     spec = json.load(open(sys.argv[1]))
     config = spec["config"]
     data = build_datasets("synthetic", "gpt-tiny", seed=0, synthetic_samples=256, **config).train
-    trainer = Trainer(lambda a, b: build_layers("gpt-tiny", a, b, seed=0, **config), load_plan(spec["plan"]),
-                      build_optimizer_fn("sgd", spec["lr"]), loss_fn("gpt-tiny"), timeout_s=60, progress=False)
+    trainer = Trainer(resolve_model("gpt-tiny", **config), load_plan(spec["plan"]),
+                      TrainConfig(timeout_s=60, logging=LoggingConfig(progress=False)),
+                      optimizer_fn=build_optimizer_fn("sgd", spec["lr"]))
     history = trainer.fit(data, spec["steps"], seed=0)
     calls, early = dict(trainer.sync.calls), trainer.sync.posted_early
     numel = sum(flat.numel() for entries in trainer.sync.buffers.values() for flat, _ in entries)

@@ -43,16 +43,19 @@ WORKER = textwrap.dedent("""
     from hetrain.data.registry import build_datasets
     from hetrain.models.registry import build_layers, loss_fn
     from hetrain.plan import load_plan
+    from hetrain.models.user import ModelSource, resolve_model
     from hetrain.runtime import Trainer, build_optimizer_fn
+    from hetrain.runtime.config import CheckpointConfig, LoggingConfig, OptimConfig, TrainConfig
     from hetrain.runtime.step.loss_scale import LossScaling
 
     torch.set_num_threads(1)
     case = json.load(open(sys.argv[1]))
     config = case["config"]
     data = build_datasets("shakespeare", "gpt-tiny", seed=0, **config).train
-    trainer = Trainer(lambda a, b: build_layers("gpt-tiny", a, b, seed=0, **config), load_plan(case["plan"]),
-                      build_optimizer_fn("momentum", case["lr"]), loss_fn("gpt-tiny"), timeout_s=60,
-                      progress=False, clip_grad_norm=case["clip"])
+    trainer = Trainer(resolve_model("gpt-tiny", **config), load_plan(case["plan"]),
+                      TrainConfig(timeout_s=60, optim=OptimConfig(lr=case["lr"], clip_grad_norm=case["clip"]),
+                                  logging=LoggingConfig(progress=False)),
+                      optimizer_fn=build_optimizer_fn("momentum", case["lr"]))
     history = trainer.fit(data, case["steps"], seed=0)
     sent = []
     if trainer.job.stage is not None:

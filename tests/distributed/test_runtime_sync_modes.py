@@ -56,7 +56,9 @@ WORKER = textwrap.dedent("""
     from hetrain.data.registry import build_datasets
     from hetrain.models.registry import build_layers, loss_fn
     from hetrain.plan import load_plan
+    from hetrain.models.user import ModelSource, resolve_model
     from hetrain.runtime import Trainer, build_optimizer_fn
+    from hetrain.runtime.config import CheckpointConfig, LoggingConfig, OptimConfig, TrainConfig
 
     torch.set_num_threads(1)
 
@@ -79,17 +81,19 @@ WORKER = textwrap.dedent("""
     for case in json.load(open(sys.argv[1])):
         plan = load_plan(case["plan"])
         if case["model"] == "linreg":
-            layers, loss, data = linreg_layers, nn.functional.mse_loss, linreg_data(case["steps"], plan.global_batch)
+            model = ModelSource.of_layers(linreg_layers, nn.functional.mse_loss, 1)
+            data = linreg_data(case["steps"], plan.global_batch)
         elif case["model"] == "deep-linreg":
-            layers, loss = deep_linreg_layers, nn.functional.mse_loss
+            model = ModelSource.of_layers(deep_linreg_layers, nn.functional.mse_loss, 2)
             data = linreg_data(case["steps"], plan.global_batch)
         else:
             data = build_datasets("synthetic", case["model"], seed=0, synthetic_samples=256).train
-            layers, loss = (lambda a, b: build_layers(case["model"], a, b, seed=0)), loss_fn(case["model"])
+            model = resolve_model(case["model"])
         ckpt = case["out"] + "/ckpt" if case.get("resume_to") else None
         def build():
-            t = Trainer(layers, plan, build_optimizer_fn("sgd", case["lr"]), loss, timeout_s=60, progress=False,
-                        checkpoint_dir=ckpt)
+            t = Trainer(model, plan, TrainConfig(timeout_s=60, checkpoint=CheckpointConfig(ckpt),
+                                                 logging=LoggingConfig(progress=False)),
+                        optimizer_fn=build_optimizer_fn("sgd", case["lr"]))
             if t.role.device == case.get("slow"):
                 t.module.register_forward_hook(lambda *a: time.sleep(0.03))
             return t
@@ -253,16 +257,22 @@ def test_wsp_on_pipelines_reaches_bsp_loss(job: dict[str, Any], case: str) -> No
 FAIL_WORKER = textwrap.dedent("""
     import os, sys, torch
     from torch import nn
+    from hetrain.models.user import ModelSource
     from hetrain.plan import load_plan
+    from hetrain.models.user import ModelSource, resolve_model
     from hetrain.runtime import Trainer, build_optimizer_fn
+    from hetrain.runtime.config import CheckpointConfig, LoggingConfig, OptimConfig, TrainConfig
+    from hetrain.runtime.config import LoggingConfig, TrainConfig
 
     torch.set_num_threads(1)
     def data():
         g = torch.Generator().manual_seed(1)
         while True:
             yield torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
-    trainer = Trainer(lambda a, b: [nn.Linear(8, 1)], load_plan(sys.argv[1]), build_optimizer_fn("sgd", 0.1),
-                      nn.functional.mse_loss, timeout_s=float(sys.argv[2]), progress=False)
+    trainer = Trainer(ModelSource.of_layers(lambda a, b: [nn.Linear(8, 1)], nn.functional.mse_loss, 1),
+                      load_plan(sys.argv[1]), TrainConfig(timeout_s=float(sys.argv[2]),
+                                                          logging=LoggingConfig(progress=False)),
+                      optimizer_fn=build_optimizer_fn("sgd", 0.1))
     if trainer.rank == 1:
         trainer.module.register_forward_hook(lambda m, i, o: os._exit(3) if trainer.step == 3 else None)
     trainer.fit(data(), 1000)

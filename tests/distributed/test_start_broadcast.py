@@ -25,6 +25,8 @@ WORKER = textwrap.dedent("""
     import torch.distributed as dist
     from torch import nn
     from hetrain.plan import load_plan
+    from hetrain.models.user import ModelSource
+    from hetrain.runtime.config import TrainConfig
     from hetrain.runtime.trainer import Trainer, build_optimizer_fn
 
     root = Path(sys.argv[1]).parent
@@ -37,8 +39,8 @@ WORKER = textwrap.dedent("""
                                               generator=torch.Generator().manual_seed(1000 + rank)))
         return layers
 
-    trainer = Trainer(layers_fn, load_plan(root / "plan.json"), build_optimizer_fn("sgd", 0.1),
-                      nn.functional.cross_entropy, timeout_s=30)
+    trainer = Trainer(ModelSource.of_layers(layers_fn, nn.functional.cross_entropy, 3), load_plan(root / "plan.json"),
+                      TrainConfig(timeout_s=30), optimizer_fn=build_optimizer_fn("sgd", 0.1))
     flat = torch.cat([p.detach().reshape(-1) for p in trainer.module.parameters()])
     everyone = [torch.zeros_like(flat) for _ in range(2)]
     dist.all_gather(everyone, flat)

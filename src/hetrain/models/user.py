@@ -105,6 +105,22 @@ class ModelSource:
     masked_lm: bool = False
     _build: BuildFn | None = field(default=None, repr=False, compare=False)
 
+    @classmethod
+    def of_layers(cls, layers_fn: Callable[[int, int], list[nn.Module]], loss_fn: LossFn, num_layers: int, *,
+                  name: str = "layers") -> ModelSource:
+        """A model given as a function building its layers ``[first, end)`` (the Trainer's Python API).
+
+        The function initialises the layers itself (the Trainer's ``config.seed`` is not passed to it); every
+        rank must build the same weights.
+
+        Example:
+            >>> m = ModelSource.of_layers(lambda a, b: [nn.Linear(4, 4)] * (b - a), nn.functional.mse_loss, 2)
+            >>> len(m.build_layers(0, 2))
+            2
+        """
+        return cls(name, num_layers, tuple(f"layer {k}" for k in range(num_layers)), loss_fn,
+                   _build=lambda first, end, seed: layers_fn(first, end))
+
     def build_layers(self, first: int = 0, end: int | None = None, seed: int = 0) -> list[nn.Module]:
         """Layers ``[first, end)`` (all by default) on the CPU, with the weights they have in the whole model."""
         end = self.num_layers if end is None else end

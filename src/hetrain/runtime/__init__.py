@@ -25,7 +25,7 @@ from typing import Any
 
 _EXPORTS = {
     "Trainer": "trainer", "build_optimizer_fn": "trainer", "init_distributed": "lifecycle.job",
-    "run_train_command": "command", "add_arguments": "command", "run": "command",
+    "run_train": "command", "TrainConfig": "config",
     "PeerError": "step.p2p", "RoleError": "lifecycle.roles", "Role": "lifecycle.roles",
     "build_roles": "lifecycle.roles", "match_hosts": "lifecycle.roles",
     "StageModule": "step.executor", "Executor": "step.executor", "merge_timeline": "report.metrics",

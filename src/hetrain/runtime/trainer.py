@@ -48,15 +48,15 @@ from torch import nn
 
 from hetrain.amp import LossScaler, check_precision
 from hetrain.distributed.device import choose_device
-from hetrain.drift import DriftOptions
 from hetrain.errors import HetrainError, RunError
-from hetrain.models.user import describe_error
+from hetrain.models.user import ModelSource, describe_error
 from hetrain.plan import Plan, plan_fingerprint
 from hetrain.profile import OPTIMIZER_NAMES, canonical_optimizer
+from hetrain.runtime.config import OptimConfig, TrainConfig
 from hetrain.runtime.lifecycle.drift_watch import DriftMonitor, DriftSwitch, drift_row, leave_together
 from hetrain.runtime.lifecycle.host_memory import tune_host_allocator
 from hetrain.runtime.lifecycle.idle import JobEvents
-from hetrain.runtime.lifecycle.job import DEFAULT_TIMEOUT_S, LayersFn, OptimizerFn, build_job, init_distributed
+from hetrain.runtime.lifecycle.job import LayersFn, OptimizerFn, build_job, init_distributed
 from hetrain.runtime.lifecycle.restart import ReplanPolicy, plan_path
 from hetrain.runtime.lifecycle.roles import Role
 from hetrain.runtime.report.metrics import MetricsLog, merge_timeline
@@ -64,11 +64,11 @@ from hetrain.runtime.state.stage_state import checkpoint_meta, latest_step, rest
 from hetrain.runtime.step.batches import MicroBatches, global_batches
 from hetrain.runtime.step.clip import GradClip, check_clip
 from hetrain.runtime.step.evaluate import evaluate_stage
-from hetrain.runtime.step.executor import LayerFailure, LossFn, StageModule
+from hetrain.runtime.step.executor import LayerFailure, StageModule
 from hetrain.runtime.step.loss_scale import LossScaling, check_fp16
 from hetrain.runtime.step.losses import LossSums
 from hetrain.runtime.step.lr_schedule import LrSchedule
-from hetrain.runtime.step.tied import Tie, chain_hooks, check_tied
+from hetrain.runtime.step.tied import chain_hooks, check_tied
 from hetrain.runtime.sync.allreduce import GradientSync
 from hetrain.runtime.sync.modes import DasoRate, ModeSync
 from hetrain.schedule import (
@@ -108,56 +108,59 @@ def build_optimizer_fn(name: str, lr: float | None = None, momentum: float = 0.9
     return make
 
 
+def _model_layers(model: ModelSource, seed: int, first: int, end: int) -> list[nn.Module]:
+    """Layers ``[first, end)`` of ``model`` from ``seed`` (``Trainer``'s ``layers_fn``)."""
+    return model.build_layers(first, end, seed=seed)
+
+
 class Trainer:
     """Runs a Plan's share of training on this rank. Create it on every rank of the job, with the same arguments.
 
     Args:
-        layers_fn: ``layers_fn(first, end)`` builds layers ``[first, end)`` of the model (each
-            layer initialised from its own seed, so any plan starts from the same weights).
+        model: the model (``resolve_model``, or ``ModelSource.of_layers`` for a function building layers
+            ``[first, end)``); each layer is initialised from its own seed (``config.seed``), so any plan starts
+            from the same weights; its loss function and tied weights come with it.
         plan: the plan; its devices are matched to ranks by node and local rank.
-        optimizer_fn: ``optimizer_fn(params)`` -> an optimizer over this rank's parameters.
-        loss_fn: ``loss_fn(output, target)``: the mean loss of a micro-batch.
-        timeout_s: the longest any distributed wait may take.
-        checkpoint_dir: where checkpoints go; the newest complete one is resumed from.
-        checkpoint_every: steps between checkpoints (0: only at the end of ``fit``).
-        metrics_out: JSONL file of per-step metrics (written by the reporting rank).
-        timeline_out: file for the measured Timeline of ``fit``'s last step.
-        progress: progress bar on the reporting rank: True, False, or None (when stdout is a terminal).
-        tensorboard_dir: TensorBoard scalars, when tensorboard is installed.
+        config: the run's options (``runtime.config.TrainConfig``): the ones the Trainer reads are
+            ``timeout_s``, ``seed``, ``optim`` (the plan's optimizer at ``lr``, with ``weight_decay``, the
+            learning-rate schedule of each step, and ``clip_grad_norm``: clipping by the global norm over the
+            whole model, where the sync mode steps on a global sum), ``checkpoint`` (the newest complete
+            checkpoint in ``checkpoint_dir`` is resumed from), ``logging`` (metrics rows, timeline, TensorBoard,
+            progress bar, ``log_every``: the losses of this many steps summed over the ranks in one all-reduce
+            while training goes on) and ``elastic`` (``replan``: a world whose devices are not the plan's is
+            re-planned and ``self.plan`` is then the new plan; under ``auto`` with a checkpoint directory, the
+            drift watch: ``fit`` checkpoints and raises ``DriftSwitch`` on every rank when switching plans pays;
+            docs/elastic.md). ``plan``, ``model`` and ``data`` are the command's, not read here.
+        optimizer_fn: ``optimizer_fn(params)`` -> an optimizer over this rank's parameters, for an optimizer the
+            plan does not name (its memory is then not the plan's prediction); it keeps its own learning rate
+            where ``config.optim`` is left at its defaults. None: the plan's optimizer.
         record_timeline: record the last step's Timeline even without ``timeline_out`` (``self.timeline``).
-        log_every: the losses of this many steps are summed over the ranks in one all-reduce, which
-            runs while training goes on; metrics lines and the progress bar follow in batches.
-        lr_schedule: the learning rate of each step (``runtime.step.lr_schedule``), set on every parameter
-            group before the step; None: the optimizer's own rate throughout. Each metrics row has
-            ``lr``, the rate its step ran at.
-        clip_grad_norm: clip the gradients to this global norm over the whole model before each
-            optimizer step (``runtime.step.clip``; ``bsp`` plans only); each metrics row then has
-            ``grad_norm``, the norm before clipping. None: no clipping.
-        tied: weights the model ties across layers (``ModelSource.tied``), each layer holding a
-            copy: their gradients are summed before each step, before clipping (``runtime.step.tied``).
-        replan: ``auto``: a world whose devices are not the plan's (a torchrun restart after a node left or
-            joined) is re-planned, when the plan records how it was made, and training resumes from the
-            newest checkpoint under the new plan (``runtime.lifecycle.restart``; ``self.plan`` is then the new plan);
-            ``world``: the same, without the drift watch; ``off``: such a world is refused.
-        drift: under ``replan="auto"`` with a ``checkpoint_dir``, watch each device's compute time and
-            switch to a re-made plan when a device drifts and switching pays (``runtime.lifecycle.drift_watch``,
-            docs/elastic.md): ``fit`` then checkpoints and raises ``DriftSwitch`` on every rank, and a
-            new Trainer on the same checkpoint directory takes the new plan. None: no watch.
 
     Example:
-        >>> trainer = Trainer(functools.partial(build_layers, "gpt-tiny", seed=0), plan,   # doctest: +SKIP
-        ...                   build_optimizer_fn("adamw"), loss_fn("gpt-tiny"))
+        >>> model = resolve_model("gpt-tiny")                                             # doctest: +SKIP
+        >>> trainer = Trainer(model, plan, TrainConfig(optim=OptimConfig(lr=3e-4)))       # doctest: +SKIP
         >>> trainer.fit(build_datasets("shakespeare", "gpt-tiny").train, steps=10)      # doctest: +SKIP
     """
 
-    def __init__(self, layers_fn: LayersFn, plan: Plan, optimizer_fn: OptimizerFn, loss_fn: LossFn, *,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, checkpoint_dir: str | Path | None = None,
-                 checkpoint_every: int = 0, metrics_out: str | Path | None = None,
-                 timeline_out: str | Path | None = None, progress: bool | None = None,
-                 tensorboard_dir: str | Path | None = None, record_timeline: bool = False,
-                 log_every: int = 10, lr_schedule: LrSchedule | None = None,
-                 clip_grad_norm: float | None = None, tied: Sequence[Tie] = (), replan: str = "auto",
-                 drift: DriftOptions | None = None) -> None:
+    def __init__(self, model: ModelSource, plan: Plan, config: TrainConfig | None = None, *,
+                 optimizer_fn: OptimizerFn | None = None,
+                 record_timeline: bool = False) -> None:
+        config = TrainConfig() if config is None else config
+        self.config = config
+        o, log, ckpt = config.optim, config.logging, config.checkpoint
+        loss_fn, tied = model.loss_fn, model.tied
+        layers_fn: LayersFn = functools.partial(_model_layers, model, config.seed)
+        own_rate = optimizer_fn is not None and o == OptimConfig()  # a given optimizer at its own rate throughout
+        if optimizer_fn is None:
+            optimizer_fn = build_optimizer_fn(plan.optimizer, o.lr, weight_decay=o.weight_decay)
+        lr_schedule = None if own_rate else LrSchedule(default_lr(plan.optimizer) if o.lr is None else o.lr,
+                                                       o.lr_schedule, o.warmup_steps, o.min_lr,  # type: ignore[arg-type]
+                                                       total_steps=config.steps or None)
+        timeout_s, clip_grad_norm, replan, drift = config.timeout_s, o.clip_grad_norm, config.elastic.replan, \
+            config.drift_options()
+        checkpoint_dir, checkpoint_every = ckpt.checkpoint_dir, ckpt.checkpoint_every
+        metrics_out, timeline_out, progress = log.metrics_out, log.timeline_out, log.progress
+        tensorboard_dir, log_every = log.tensorboard_dir, log.log_every
         started_s = time.perf_counter()
         check_clip(plan, clip_grad_norm)  # before any process group: every rank refuses alike
         check_tied(plan, tied)
@@ -638,5 +641,5 @@ def _sum_now(sums: LossSums, row: dict[str, Any], read: list[list[dict[str, Any]
     read.append(sums.flush())
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "OPTIMIZER_NAMES", "LayersFn", "LrSchedule", "OptimizerFn", "Trainer",
+__all__ = ["OPTIMIZER_NAMES", "LayersFn", "LrSchedule", "OptimizerFn", "Trainer",
            "build_optimizer_fn", "default_lr", "init_distributed"]

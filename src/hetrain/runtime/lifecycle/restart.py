@@ -48,12 +48,9 @@ from hetrain.elastic import (
     world_differs,
 )
 from hetrain.plan import Plan, load_plan
+from hetrain.runtime.config import REPLAN_MODES
 from hetrain.runtime.lifecycle.roles import device_name
 from hetrain.runtime.state.stage_state import latest_step
-
-#: ``--replan``: ``auto`` re-plans a changed world when the plan records how it was made, and watches for drift
-#: (``runtime.lifecycle.drift_watch``); ``world``: the changed world only; ``off`` refuses a changed world
-REPLAN_MODES: tuple[str, ...] = ("auto", "world", "off")
 
 
 @dataclass(frozen=True)
