@@ -81,6 +81,24 @@ def test_every_option_is_one_field_flag_key_and_help() -> None:
     assert TrainConfig(model_config=("n_blocks=2", "act=gelu")).model_settings() == {"n_blocks": 2, "act": "gelu"}
 
 
+def test_a_file_in_sections_gives_the_same_config_as_a_flat_one(tmp_path: Path) -> None:
+    """``[optim]`` / ``[logging]`` tables name the same options as flat keys; an option of another section, or
+    one given twice, is refused naming it."""
+    (tmp_path / "flat.toml").write_text(CONFIG)
+    (tmp_path / "tree.toml").write_text('plan = "plan.json"\nmodel = "gpt-tiny"\nsteps = 2000\nset = ["n_blocks=2"]\n'
+                                        '[data]\ndata = "tokens:train.bin"\n'
+                                        '[optim]\nlr = 3e-4\nlr-schedule = "cosine"\nwarmup_steps = 100\n'
+                                        '[logging]\nprogress = false\n')
+    flat, tree = parse(["--config", str(tmp_path / "flat.toml")]), parse(["--config", str(tmp_path / "tree.toml")])
+    assert flat == tree and tree.optim.lr == 3e-4 and tree.data.data == "tokens:train.bin"
+    (tmp_path / "bad.toml").write_text("[optim]\nlog_every = 5\n")
+    with pytest.raises(ConfigFileError, match="unknown key 'optim.log_every'"):
+        load_config_file(str(tmp_path / "bad.toml"))
+    (tmp_path / "twice.toml").write_text("lr = 0.1\n[optim]\nlr = 0.2\n")
+    with pytest.raises(ConfigFileError, match="optim.lr = 0.2: lr is given twice"):
+        load_config_file(str(tmp_path / "twice.toml"))
+
+
 def test_a_config_written_for_the_old_reader_still_loads(tmp_path: Path) -> None:
     """Every key the old reader took (each long option name) is a key of the new one, with the same value."""
     old_keys = ("plan", "model", "data", "val_data", "tokenizer", "seq_len", "steps", "checkpoint_dir",

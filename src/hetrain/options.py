@@ -284,16 +284,34 @@ def load_options_file(path: str, cls: type, command: str) -> Given:
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise ConfigFileError(f"--config {path}: not a TOML file: {e}") from None
     by_key = {leaf.key: leaf for leaf in leaves(cls)}
+    sections = {leaf.path[0] for leaf in by_key.values() if len(leaf.path) > 1}
     values: dict[str, Any] = {}
     named: dict[str, str] = {}
-    for key, value in table.items():
-        leaf = by_key.get(key.replace("-", "_"))
+    for key, value, leaf in _file_items(path, table, by_key, sections):
         if leaf is None:
             raise ConfigFileError(f"{path}: unknown key {key!r} (= {json.dumps(value, default=str)}); keys are the "
                                   f"options of {command}: {', '.join(sorted(by_key))}")
+        if leaf.key in values:
+            raise ConfigFileError(f"{path}: {key} = {json.dumps(value, default=str)}: {leaf.key} is given twice "
+                                  "(flat and in its section)")
         values[leaf.key] = _file_value(path, key, value, leaf)
         named[leaf.key] = f"{path}: {key} = {json.dumps(value, default=str)}"
     return Given(values, named)
+
+
+def _file_items(path: str, table: Mapping[str, Any], by_key: Mapping[str, Leaf],
+                sections: set[str]) -> Iterator[tuple[str, Any, Leaf | None]]:
+    """``(key as written, value, its option or None)`` of a file's table: flat keys, and the keys of a section's
+    table (``[optim]`` then ``lr = 3e-4``; its options only)."""
+    for key, value in table.items():
+        name = key.replace("-", "_")
+        leaf = by_key.get(name)
+        if name in sections and isinstance(value, dict) and not (leaf is not None and leaf.spec.repeat):
+            for sub, v in value.items():
+                inner = by_key.get(sub.replace("-", "_"))
+                yield (f"{key}.{sub}", v, inner if inner is not None and inner.path[0] == name else None)
+        else:
+            yield key, value, leaf
 
 
 def build_options(cls: type, given: Given) -> Any:
