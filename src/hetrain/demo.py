@@ -410,7 +410,7 @@ def _plan_only_profile(model: str, type_names: Sequence[str], out_dir: str) -> M
         return build_profile(model)
     except (KeyError, ValueError):
         from hetrain.profile import load_profile, relabel_profile
-        from hetrain.profiler.fit import merge_profiles
+        from hetrain.profile_combine import merge_profiles
         from hetrain.profiler.layers import run_profile_command
 
         out = Path(out_dir)

@@ -51,6 +51,7 @@ from hetrain import amp
 from hetrain.amp import check_precision
 from hetrain.catalog import RuntimeFootprint, lookup_device_type
 from hetrain.errors import InputError
+from hetrain.fit import estimate_common_spread
 from hetrain.models.layers import param_bytes as layer_param_bytes
 from hetrain.models.user import ModelSource, check_model_on_batch, describe_error, describe_shapes
 from hetrain.profile import (
@@ -63,7 +64,6 @@ from hetrain.profile import (
     ModelProfile,
     Precision,
 )
-from hetrain.profiler.fit import estimate_common_spread
 from hetrain.profiler.footprint import allocator_footprint, measure_fixed_footprint
 
 SampleInput = Any  # a tensor, a tuple of tensors, or a callable b -> batch of size b
@@ -973,8 +973,8 @@ def run_profile_command(model: str | ModelSource, micro_batches: Sequence[int], 
     or 1 with the reason on stderr.
     """
     from hetrain.data.seq_len import measured_seq_len
+    from hetrain.fit import TIME_MODELS, fit_error
     from hetrain.models.user import resolve_model
-    from hetrain.profiler.fit import TIME_MODELS, fit_error
 
     try:
         dev = torch.device(device)
