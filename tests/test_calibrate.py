@@ -23,7 +23,7 @@ from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
 from hetrain.planner import plan
 from hetrain.planner.partition import partition
 from hetrain.profile import LayerProfile, Measurement, ModelProfile, ProfileError, load_profile, parse_profile
-from hetrain.profiler.fit import merge_profiles
+from hetrain.profile_combine import merge_profiles
 from hetrain.simulator import simulate
 
 A100 = "A100-40GB"

@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hetrain.catalog",),
     ("hetrain.cluster",),
     ("hetrain.profile",),
-    ("hetrain.cost", "hetrain.time_model"),
+    ("hetrain.cost", "hetrain.time_model", "hetrain.fit", "hetrain.profile_combine"),
     ("hetrain.sync_layout",),
     ("hetrain.plan",),
     ("hetrain.planner", "hetrain.schedule", "hetrain.timeline", "hetrain.models.analytic", "hetrain.data.sharding",

@@ -14,16 +14,9 @@ from torch import nn
 from hetrain.catalog import lookup_device_type
 from hetrain.cluster import Device, parse_cluster
 from hetrain.cost import estimate_layer_time
+from hetrain.fit import fit_error, fit_linear, fit_link, predict_from_measurements
 from hetrain.profile import DeviceFigures, Measurement, ModelProfile, ProfileError, load_profile
-from hetrain.profiler.fit import (
-    average_profiles,
-    fit_error,
-    fit_linear,
-    fit_link,
-    merge_profiles,
-    predict_layer_time,
-    scale_to,
-)
+from hetrain.profile_combine import average_profiles, merge_profiles, scale_to
 from hetrain.profiler.layers import match_device_type, measure_device_figures, profile_layers, run_profile_command
 from hetrain.profiler.network import (
     DiscoveryError,
@@ -266,7 +259,7 @@ def test_fit_error_exact_on_linear_data():
         err = fit_error(p, "cpu", model=model)
         assert err.held_out == (2, 4, 8)
         assert err.total < 1e-9 and err.max < 1e-9
-    assert predict_layer_time(layer_ms, 32, "linear") == pytest.approx((1e-4 + 2e-5 * 32, 2e-4 + 4e-5 * 32))
+    assert predict_from_measurements(layer_ms, 32, "linear") == pytest.approx((1e-4 + 2e-5 * 32, 2e-4 + 4e-5 * 32))
 
 
 def test_fit_error_on_measured_profile():

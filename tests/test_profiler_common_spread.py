@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 
+from hetrain.fit import estimate_common_spread
 from hetrain.profile import ProfileError, load_profile, parse_profile, relabel_profile
-from hetrain.profiler.fit import average_profiles, estimate_common_spread, merge_profiles
+from hetrain.profile_combine import average_profiles, merge_profiles
 from hetrain.profiler.layers import measure_layers
 
 

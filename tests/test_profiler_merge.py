@@ -75,7 +75,7 @@ def test_merge_names_the_device_whose_profile_is_missing(tmp_path: Path) -> None
 
 
 def test_merging_keeps_every_types_fixed_costs() -> None:
-    from hetrain.profiler.fit import merge_profiles
+    from hetrain.profile_combine import merge_profiles
 
     a = parse_profile({**_cpu_profile(0.1), "action_overhead_s": {"cpu": 0.001},
                        "iteration_overhead_s": {"cpu": 0.02}})

@@ -23,7 +23,7 @@ from hetrain.profile import (
     parse_profile,
     relabel_profile,
 )
-from hetrain.profiler.fit import merge_profiles
+from hetrain.profile_combine import merge_profiles
 from hetrain.profiler.layers import measure_layers, measure_optimizer_step, profile_layers
 from hetrain.simulator import simulate
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from hetrain.profile import Measurement, ProfileError, load_profile, parse_profile, relabel_profile
-from hetrain.profiler.fit import average_profiles, merge_profiles
+from hetrain.profile_combine import average_profiles, merge_profiles
 from hetrain.profiler.layers import estimate_spread, measure_layers, profile_layers
 
 

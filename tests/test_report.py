@@ -14,7 +14,7 @@ from hetrain.cluster import parse_cluster
 from hetrain.models.analytic import build_profile
 from hetrain.plan import Plan
 from hetrain.planner import plan
-from hetrain.report import Comparison, PlanRun
+from hetrain.report import DemoResult, PlanRun
 from hetrain.simulator import simulate
 
 CLUSTER = {"name": "two", "node": [{"name": "n", "devices": [{"type": "cpu", "count": 2}], "intra_link": "loopback",
@@ -54,7 +54,7 @@ def test_plan_run_leaves_the_warmup_steps_out_of_the_measured_rate(tmp_path: Pat
 def test_comparison_tabulates_each_run_and_divides_measured_rates(tmp_path: Path) -> None:
     runs = {"hetrain": _run(tmp_path, "hetrain", _plan("pp"), [0.5, 0.5], warmup=0),
             "dp": _run(tmp_path, "dp", _plan("dp"), [2.0, 2.0], warmup=0)}
-    result = Comparison(tmp_path, tmp_path / "cluster.toml", tmp_path / "profile.json", runs, "", {})
+    result = DemoResult(tmp_path, tmp_path / "cluster.toml", tmp_path / "profile.json", runs, "", {})
     assert result.speedup("dp") == pytest.approx(4.0)
     assert result.speedup("hetrain", of="dp") == pytest.approx(0.25)
     header, _, first, second = result.table().splitlines()

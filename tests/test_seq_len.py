@@ -29,7 +29,7 @@ from hetrain.data.user import build_model_datasets  # noqa: E402
 from hetrain.models.spec import SpecError  # noqa: E402
 from hetrain.models.user import resolve_model  # noqa: E402
 from hetrain.profile import ModelProfile, ProfileError, parse_profile  # noqa: E402
-from hetrain.profiler.fit import merge_profiles  # noqa: E402
+from hetrain.profile_combine import merge_profiles  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, POSITIONS = 100, 64

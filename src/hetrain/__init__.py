@@ -22,6 +22,7 @@ from hetrain.plan import Plan, PlanError, load_plan
 from hetrain.planner import PlannerError, PlannerOptions
 from hetrain.planner import plan as _plan
 from hetrain.profile import LayerProfile, ModelProfile, ProfileError, load_profile
+from hetrain.profile_combine import merge_profiles
 from hetrain.simulator import simulate
 from hetrain.version import __version__
 
@@ -51,7 +52,6 @@ def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: Pl
 _LAZY = {
     "Trainer": "hetrain.runtime.trainer",
     "profile_layers": "hetrain.profiler.layers",
-    "merge_profiles": "hetrain.profiler.fit",
 }
 
 

@@ -24,7 +24,7 @@ Workers run as ``python -m hetrain.demo profile-worker ...`` on every rank.
 This module is the orchestration only, one function per step; the pieces it puts together live
 where they belong: ``profiler.merge`` (one profile from the devices' profiles), ``cluster_fixups``
 (the discovered links in the cluster), ``planner.baselines`` (the even-split pipeline, even DP),
-``report`` (``PlanRun``, ``Comparison``, the report).
+``report`` (``PlanRun``, ``DemoResult``, the report).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib  # type: ignore[import-not-found, unused-ignore]
 
-from hetrain.report import Comparison, PlanRun
+from hetrain.report import DemoResult, PlanRun
 
 if TYPE_CHECKING:  # cheap imports for the workers
     from hetrain.calibrate import Calibration
@@ -341,7 +341,7 @@ def run_emulated_comparison(cluster_text: str, out_dir: str | Path, model: str =
                             job_timeout_s: float = 300.0, train: Sequence[str] = ("hetrain", "dp", "even-split"),
                             baselines: Sequence[str] = (),
                             plan_builder: Callable[[dict[str, Any], ModelProfile, int], dict[str, Plan]] | None = None,
-                            calibrate: bool = True) -> Comparison:
+                            calibrate: bool = True) -> DemoResult:
     """Profile, discover, plan, simulate and train plans (and torch baselines) on one emulated cluster.
 
     Args:
@@ -393,7 +393,7 @@ def run_emulated_comparison(cluster_text: str, out_dir: str | Path, model: str =
         timings["plan"] = time.perf_counter() - start
         runs = _plan_and_simulate_step(jobs, plans, train, baselines, warmup)
         _train_step(jobs, runs, next(iter(plans.values())).optimizer, model, global_batch, steps)
-    return Comparison(out, cluster_path, profile_path, runs, discovered, timings, plans, calibration)
+    return DemoResult(out, cluster_path, profile_path, runs, discovered, timings, plans, calibration)
 
 
 # ---------------------------------------------------------------------------
@@ -410,7 +410,7 @@ def _plan_only_profile(model: str, type_names: Sequence[str], out_dir: str) -> M
         return build_profile(model)
     except (KeyError, ValueError):
         from hetrain.profile import load_profile, relabel_profile
-        from hetrain.profiler.fit import merge_profiles
+        from hetrain.profile_combine import merge_profiles
         from hetrain.profiler.layers import run_profile_command
 
         out = Path(out_dir)
@@ -451,7 +451,7 @@ def _cluster_text(args: argparse.Namespace) -> str:
     return Path(path).read_text() if path else DEFAULT_CLUSTER
 
 
-def _print_outcome(result: Comparison, report: Path, steps: int) -> None:
+def _print_outcome(result: DemoResult, report: Path, steps: int) -> None:
     """Step 6's last words: hetrain's plan, predicted vs measured, the speed-ups, where the report is."""
     best, dp = result.runs["hetrain"], result.runs["dp"]
     print("\n" + "=" * 72)

@@ -475,8 +475,3 @@ def check_force_devices(force: tuple[int, tuple[tuple[str, float], ...]], cluste
         listed = ", ".join(known[:8]) + (f" ... ({len(known)} in all)" if len(known) > 8 else "")
         raise DriftError(f"{name}: {missing[0]} is not a device of {plan_path}'s cluster {cluster.name!r} "
                          f"(its devices: {listed})")
-
-
-def window_median(values: Sequence[float]) -> float:
-    """The median of a window's values (0 for none)."""
-    return statistics.median(values) if values else 0.0

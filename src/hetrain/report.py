@@ -1,6 +1,6 @@
-"""The demo's results and report: ``PlanRun`` and ``Comparison``, and Markdown with PNGs from them.
+"""The demo's results and report: ``PlanRun`` and ``DemoResult``, and Markdown with PNGs from them.
 
-``hetrain.demo.run_emulated_comparison`` returns a ``Comparison`` (one ``PlanRun`` per plan trained:
+``hetrain.demo.run_emulated_comparison`` returns a ``DemoResult`` (one ``PlanRun`` per plan trained:
 its prediction and what training measured); ``write_report`` writes it out:
 
     out/demo/report.md            the tables and the pictures below, with how to read them
@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hetrain.timeline import Comparison as TimelineComparison
-from hetrain.timeline import compare, load_timeline, save_side_by_side
+from hetrain.timeline import Comparison, compare, load_timeline, save_side_by_side
 
 if TYPE_CHECKING:
     from hetrain.calibrate import Calibration
@@ -89,7 +88,7 @@ class PlanRun:
 
 
 @dataclass
-class Comparison:
+class DemoResult:
     """What ``hetrain.demo.run_emulated_comparison`` produced: the plans, their runs, where things are."""
 
     out_dir: Path
@@ -188,7 +187,7 @@ def save_loss_curve(runs: Sequence[PlanRun], path: str | Path) -> None:
     plt.close(fig)
 
 
-def save_stage_times(rows: TimelineComparison, path: str | Path, title: str) -> None:
+def save_stage_times(rows: Comparison, path: str | Path, title: str) -> None:
     """Grouped bars per device: predicted vs measured seconds of compute (forward + backward) and of the
     whole iteration (the device's last event)."""
     plt = _pyplot()
@@ -212,7 +211,7 @@ def save_stage_times(rows: TimelineComparison, path: str | Path, title: str) -> 
     plt.close(fig)
 
 
-def _md_compare(rows: TimelineComparison) -> str:
+def _md_compare(rows: Comparison) -> str:
     lines = ["| device | kind | n predicted | n measured | predicted ms | measured ms | error |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows.rows:
@@ -222,7 +221,7 @@ def _md_compare(rows: TimelineComparison) -> str:
     return "\n".join(lines)
 
 
-def write_report(result: Comparison) -> Path:
+def write_report(result: DemoResult) -> Path:
     """Write ``report.md`` and its pictures into ``result.out_dir``; returns the report's path."""
     out = result.out_dir
     runs = list(result.runs.values())

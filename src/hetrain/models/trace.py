@@ -341,88 +341,114 @@ def _name(k: int, split_points: Sequence[str], tail: bool) -> str:
 
 def _build_layer(gm: fx.GraphModule, members: list[fx.Node], inputs: Sequence[fx.Node], outputs: Any,
                  first: bool, what: str, names: dict[int, list[str]]) -> fx.GraphModule:
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    attrs: dict[str, Any] = {}
-    if first or len(inputs) == 1:  # the model's own inputs, or the one value that crosses
-        for n in inputs:
-            env[n] = graph.placeholder(n.name)
-            env[n].meta = dict(n.meta)
-    else:  # one argument, the tuple the layer before returned
-        x = graph.placeholder("x")
-        for k, n in enumerate(inputs):
-            env[n] = graph.call_function(operator.getitem, (x, k))
-            env[n].meta = dict(n.meta)
-    tensor_inputs = list(inputs)
+    """One layer of the cut as a GraphModule of its own: ``members`` (the traced graph's nodes of the layer)
+    copied in order, fed by ``inputs`` (the model's inputs for the ``first`` layer, else the values that
+    cross the cut before it), returning ``outputs``."""
+    builder = _LayerBuilder(gm, members, inputs, first, what, names)
+    for n in members:
+        builder.copy(n)
+    return builder.finish(outputs)
 
-    def attr(n: fx.Node) -> fx.Node:
+
+class _LayerBuilder:
+    """Copies one layer's nodes of the traced graph into a graph of its own (``_build_layer``).
+
+    ``env`` maps a node of the traced graph to its copy; what a copied node needs from outside the layer is
+    brought in by ``lookup``: a parameter or buffer fetched again (``attr``) or a size read again from a
+    tensor the layer holds (``size``); anything else that does not reach the layer is refused.
+    """
+
+    def __init__(self, gm: fx.GraphModule, members: list[fx.Node], inputs: Sequence[fx.Node], first: bool,
+                 what: str, names: dict[int, list[str]]) -> None:
+        self.gm, self.first, self.what, self.names = gm, first, what, names
+        self.member_set = set(members)
+        self.tensor_inputs = list(inputs)
+        self.graph = fx.Graph()
+        self.env: dict[fx.Node, fx.Node] = {}
+        self.attrs: dict[str, Any] = {}
+        self.modes: dict[str, nn.Module] = {}
+        self.where: fx.Node | None = None
+        if first or len(inputs) == 1:  # the model's own inputs, or the one value that crosses
+            for n in inputs:
+                self.env[n] = self.graph.placeholder(n.name)
+                self.env[n].meta = dict(n.meta)
+        else:  # one argument, the tuple the layer before returned
+            x = self.graph.placeholder("x")
+            for k, n in enumerate(inputs):
+                self.env[n] = self.graph.call_function(operator.getitem, (x, k))
+                self.env[n].meta = dict(n.meta)
+
+    def attr(self, n: fx.Node) -> fx.Node:
+        """A parameter or buffer of the model, under its name in the model (``_own_name``)."""
         target = str(n.target)
-        value = fetch(gm, target)
+        value = fetch(self.gm, target)
         name = _own_name(target[len(_ROOT) + 1:] if target.startswith(_ROOT + ".") else target,
-                         names.get(id(value), []), [p for u in n.users if u in member_set for p in _module_paths(u)])
-        attrs[name] = value
-        node = graph.get_attr(name)
+                         self.names.get(id(value), []),
+                         [p for u in n.users if u in self.member_set for p in _module_paths(u)])
+        self.attrs[name] = value
+        node = self.graph.get_attr(name)
         node.meta = dict(n.meta)
         return node
 
-    def size(n: fx.Node) -> fx.Node:
+    def size(self, n: fx.Node) -> fx.Node:
         """A size from before this layer, computed again from a tensor the layer holds."""
-        if n.target == torch.ops.aten.sym_size.int and not first:
+        if n.target == torch.ops.aten.sym_size.int and not self.first:
             want = n.meta.get("val")
-            for t in tensor_inputs:
+            for t in self.tensor_inputs:
                 for d, s in enumerate(_shape(t)):
                     if _same_size(s, want):
-                        node = graph.call_function(torch.ops.aten.sym_size.int, (env[t], d))
+                        node = self.graph.call_function(torch.ops.aten.sym_size.int, (self.env[t], d))
                         node.meta = dict(n.meta)
                         return node
-            raise SpecError(f"{what}: a size ({want}) crosses a cut that no tensor of the next layer has; "
+            raise SpecError(f"{self.what}: a size ({want}) crosses a cut that no tensor of the next layer has; "
                             "choose other split points")
-        node = graph.node_copy(n, lookup)
-        return node
+        return self.graph.node_copy(n, self.lookup)
 
-    def lookup(a: fx.Node) -> fx.Node:
-        if a in env:
-            return env[a]
+    def lookup(self, a: fx.Node) -> fx.Node:
+        """The copy of ``a`` in this layer, brought in if it is a parameter, a buffer or a size."""
+        if a in self.env:
+            return self.env[a]
         if a.op == "get_attr":
-            env[a] = attr(a)
+            self.env[a] = self.attr(a)
         elif _is_size(a):
-            env[a] = size(a)
+            self.env[a] = self.size(a)
         else:
-            raise SpecError(f"{what}: value {a.name} is needed by a layer it does not reach; choose other split "
-                            "points")
-        return env[a]
+            raise SpecError(f"{self.what}: value {a.name} is needed by a layer it does not reach; choose other "
+                            "split points")
+        return self.env[a]
 
-    where: list[fx.Node] = []
-
-    def device() -> fx.Node:
+    def device(self) -> fx.Node:
         """The device of the layer's first input, read once: what a factory op creates its tensor on."""
-        if not where:
-            first_input = next(iter(env.values()))
-            with graph.inserting_after(first_input):
-                where.append(graph.call_function(getattr, (first_input, "device")))
-        return where[0]
+        if self.where is None:
+            first_input = next(iter(self.env.values()))
+            with self.graph.inserting_after(first_input):
+                self.where = self.graph.call_function(getattr, (first_input, "device"))
+        return self.where
 
-    modes: dict[str, nn.Module] = {}
-    member_set = set(members)
-    for n in members:
+    def copy(self, n: fx.Node) -> None:
+        """Copy member ``n``: a mode op (``_mode_op``) as a module call, a factory op onto the layer's device."""
         if n.op == "call_module":
-            attrs[str(n.target)] = fetch(gm, str(n.target))
+            self.attrs[str(n.target)] = fetch(self.gm, str(n.target))
         mode = _mode_op(n) if n.op == "call_function" else None
         if mode is not None:
-            name = f"mode_{len(modes)}"
-            modes[name] = mode
-            new = graph.call_module(name, tuple(fx.map_arg(n.args, lookup)), dict(fx.map_arg(n.kwargs, lookup)))
+            name = f"mode_{len(self.modes)}"
+            self.modes[name] = mode
+            new = self.graph.call_module(name, tuple(fx.map_arg(n.args, self.lookup)),
+                                         dict(fx.map_arg(n.kwargs, self.lookup)))
             new.meta = dict(n.meta)
-            env[n] = new
-        elif n not in env:
-            env[n] = graph.node_copy(n, lookup)
-            if isinstance(env[n].kwargs.get("device"), torch.device):  # a factory op (arange, ones): where the
-                env[n].kwargs = {**env[n].kwargs, "device": device()}   # layer runs, not where it was traced
-    if isinstance(outputs, tuple) and len(outputs) == 1:
-        outputs = outputs[0]
-    graph.output(fx.map_arg(outputs, lookup))
-    graph.eliminate_dead_code(is_impure_node=lambda node: node.op == "call_module" or node.is_impure())
-    return fx.GraphModule({**attrs, **modes}, graph, class_name="TracedLayer")
+            self.env[n] = new
+        elif n not in self.env:
+            copied = self.env[n] = self.graph.node_copy(n, self.lookup)
+            if isinstance(copied.kwargs.get("device"), torch.device):  # a factory op (arange, ones): where the
+                copied.kwargs = {**copied.kwargs, "device": self.device()}  # layer runs, not where it was traced
+
+    def finish(self, outputs: Any) -> fx.GraphModule:
+        """The layer's GraphModule returning ``outputs`` (one value, not a tuple of one), dead code removed."""
+        if isinstance(outputs, tuple) and len(outputs) == 1:
+            outputs = outputs[0]
+        self.graph.output(fx.map_arg(outputs, self.lookup))
+        self.graph.eliminate_dead_code(is_impure_node=lambda node: node.op == "call_module" or node.is_impure())
+        return fx.GraphModule({**self.attrs, **self.modes}, self.graph, class_name="TracedLayer")
 
 
 def _own_name(traced: str, known: list[str], paths: list[str]) -> str:

@@ -206,6 +206,79 @@ def _worst(peak: np.ndarray, cuts: Sequence[int]) -> float:
     return float(peak[j, c[1:] - (j + 1), span - (c[1:] - c[:-1])].max())
 
 
+def _guess_bottleneck(kinds: KindTables, kind_of: Sequence[int]) -> float:
+    """A guess of the bottleneck: 2 x a lower bound of it, the model's work spread over the devices in
+    proportion to their speed (a_d: device d's least time per unit of work), plus two actions' overhead."""
+    work = kinds.layer_s.min(axis=0)  # (L,) each layer on its fastest kind
+    slowness = (kinds.layer_s / np.where(work > 0, work, 1.0)).min(axis=1)  # (u,) a_d per kind
+    guess = max(float(work.max()), 2.0 * float(work.sum()) / float((1.0 / slowness[kind_of]).sum()))
+    return guess + 2 * max(t.overhead_s for t in kinds.kinds)  # every stage's time holds its two actions' overhead
+
+
+def _full_recompute_optimum(kinds: KindTables, kind_of: Sequence[int], bases: Sequence[np.ndarray],
+                            links: np.ndarray, n: np.ndarray, m: int,
+                            blocking: bool) -> tuple[float, list[int]] | None:
+    """The best cuts with every useful layer recomputed where memory needs it, and their objective ``f0``
+    (an upper bound of the optimum); None if no cut fits memory.
+
+    Ranges slower than a guess U of the bottleneck (``_guess_bottleneck``) are left out of the tables;
+    if the bottleneck found is at most U the answer is the same as with every range, else widen to the
+    bottleneck found (an upper bound of the true one) or to every range.
+    """
+    p, L = len(kind_of), kinds.layer_s.shape[1]
+    guess = _guess_bottleneck(kinds, kind_of)
+    kind = np.array(kind_of)[:, None, None] * (L + 1) ** 2
+    for _ in range(3):
+        cells = _cells(p, L, _span(bases, guess))
+        block = kinds.full_at(kind + cells.flat, n)
+        cost_full, peak_full = _banded(block, links, cells, blocking)
+        t_full = _min_max(peak_full, cells.rows)
+        if t_full <= guess or not np.isfinite(guess):
+            break
+        guess = t_full if np.isfinite(t_full) else INF
+    if not np.isfinite(t_full):
+        return None
+    found_full = _min_sum(cost_full, peak_full, cells.rows, t_full)
+    assert found_full is not None
+    sum_full, cuts_full = found_full
+    return sum_full + (m - 1) * _worst(peak_full, cuts_full), cuts_full
+
+
+def _caps(peak: np.ndarray, t_star: float, max_caps: int) -> tuple[np.ndarray, bool]:
+    """The caps to try, ascending from the bottleneck ``t_star``, and whether they are all of them: every
+    distinct term up to ``max_caps``, else the first caps above the bottleneck, then a geometric sample of
+    the rest."""
+    values = np.unique(peak[np.isfinite(peak) & (peak >= t_star)])
+    exact = len(values) <= max_caps
+    if not exact:
+        n_head = max(1, max_caps // 2)
+        rest = values[n_head:]
+        picks = np.unique(np.geomspace(1, len(rest), max_caps - n_head).astype(int) - 1) if max_caps > n_head \
+            else np.zeros(0, dtype=int)
+        values = np.concatenate([values[:n_head], rest[picks]])
+    return values, exact
+
+
+def _best_cuts(cost: np.ndarray, peak: np.ndarray, rows: np.ndarray, caps: np.ndarray, s_min: float,
+               m: int) -> list[int]:
+    """The cuts minimising ``S(T) + (m - 1) * T`` over the caps ``T``, tried in increasing order until
+    ``s_min + (m - 1) * T`` (``s_min``: the sum without a cap) cannot beat the best."""
+    best: list[int] | None = None
+    best_f = INF
+    for cap in caps:
+        if s_min + (m - 1) * cap >= best_f:
+            break
+        found = _min_sum(cost, peak, rows, float(cap))
+        if found is None:
+            continue
+        total, cuts = found
+        f = total + (m - 1) * _worst(peak, cuts)
+        if f < best_f:
+            best_f, best = f, cuts
+    assert best is not None
+    return best
+
+
 def partition(cluster: Cluster, profile: ModelProfile, devices: Sequence[Device], b: int, m: int,
               schedule: str, optimizer: str, allow_recompute: bool = True,
               max_caps: int = 64, cache: StageTableCache | None = None,
@@ -237,30 +310,10 @@ def partition(cluster: Cluster, profile: ModelProfile, devices: Sequence[Device]
     # An upper bound first, with every useful layer recomputed where memory needs it:
     # any optimum has max stage time M* <= (f0 - S_lb) / (m - 1), S_lb a lower bound
     # of the sum, so ranges slower than that need no exact recompute set.
-    # Ranges slower than a guess U of the bottleneck are left out of the tables; if the
-    # bottleneck found is at most U the answer is the same as with every range, else
-    # widen to the bottleneck found (an upper bound of the true one) or to every range.
-    # The guess: 2 x a lower bound of the bottleneck, the model's work spread over the
-    # devices in proportion to their speed (a_d: device d's least time per unit of work).
-    work = kinds.layer_s.min(axis=0)  # (L,) each layer on its fastest kind
-    slowness = (kinds.layer_s / np.where(work > 0, work, 1.0)).min(axis=1)  # (u,) a_d per kind
-    guess = max(float(work.max()), 2.0 * float(work.sum()) / float((1.0 / slowness[kind_of]).sum()))
-    guess += 2 * max(t.overhead_s for t in kinds.kinds)  # every stage's time holds its two actions' overhead
-    kind = np.array(kind_of)[:, None, None] * (L + 1) ** 2
-    for _ in range(3):
-        cells = _cells(p, L, _span(bases, guess))
-        block = kinds.full_at(kind + cells.flat, n)
-        cost_full, peak_full = _banded(block, links, cells, blocking)
-        t_full = _min_max(peak_full, cells.rows)
-        if t_full <= guess or not np.isfinite(guess):
-            break
-        guess = t_full if np.isfinite(t_full) else INF
-    if not np.isfinite(t_full):
+    full = _full_recompute_optimum(kinds, kind_of, bases, links, n, m, blocking)
+    if full is None:
         return None
-    found_full = _min_sum(cost_full, peak_full, cells.rows, t_full)
-    assert found_full is not None
-    sum_full, cuts_full = found_full
-    f0 = sum_full + (m - 1) * _worst(peak_full, cuts_full)
+    f0, cuts_full = full
     if full_recompute:
         return _result_full(devices, kinds, kind_of, n[:, 0, 0], links, cuts_full, m, b, blocking)
     stages = build_stage_costs(profile, devices, b, m, schedule, optimizer, allow_recompute, cache, reduce_copy)
@@ -279,29 +332,8 @@ def partition(cluster: Cluster, profile: ModelProfile, devices: Sequence[Device]
         return None
     unconstrained = _min_sum(cost, peak, rows, limit)
     assert unconstrained is not None  # t_star finite implies a feasible cut
-    s_min = unconstrained[0]
-    values = np.unique(peak[np.isfinite(peak) & (peak >= t_star)])
-    exact = len(values) <= max_caps
-    if not exact:
-        # the first caps above the bottleneck, then a geometric sample of the rest
-        n_head = max(1, max_caps // 2)
-        rest = values[n_head:]
-        picks = np.unique(np.geomspace(1, len(rest), max_caps - n_head).astype(int) - 1) if max_caps > n_head \
-            else np.zeros(0, dtype=int)
-        values = np.concatenate([values[:n_head], rest[picks]])
-    best: list[int] | None = None
-    best_f = INF
-    for cap in values:
-        if s_min + (m - 1) * cap >= best_f:
-            break
-        found = _min_sum(cost, peak, rows, float(cap))
-        if found is None:
-            continue
-        total, cuts = found
-        f = total + (m - 1) * _worst(peak, cuts)
-        if f < best_f:
-            best_f, best = f, cuts
-    assert best is not None
+    caps, exact = _caps(peak, t_star, max_caps)
+    best = _best_cuts(cost, peak, rows, caps, unconstrained[0], m)
     return _result(devices, stages, links, best, m, b, full_recompute=False, exact=exact, blocking=blocking)
 
 

@@ -795,14 +795,6 @@ def candidate_plans(cluster: Cluster, profile: ModelProfile, global_batch: int, 
     return [_to_plan(cluster, profile, c, opts) for c in search(cluster, profile, global_batch, opts)[:count]]
 
 
-def rerank(plans: list[Plan], opts: PlannerOptions, score: Callable[[Plan], float]) -> list[Plan]:
-    """Score each plan (its iteration seconds), record the figure, and order by it (or TTA); then, where the
-    profile has spreads, put the robust choice first (``planner.robust.rank_robust``), which also records in
-    the first plan's ``options["confidence"]`` how sure the choice is. No time budget."""
-    out = [replace(p, prediction=replace(p.prediction, simulated_iteration_s=score(p))) for p in plans]
-    return _rank_simulated(out, opts, score, TimeBudget(None))
-
-
 def _rank_simulated(plans: list[Plan], opts: PlannerOptions, score: Callable[[Plan], float],
                     budget: TimeBudget) -> list[Plan]:
     """``plans`` (simulated) ordered by their simulated objective, then the robust choice first, its draws

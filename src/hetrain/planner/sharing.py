@@ -465,6 +465,35 @@ class _Kind(IntEnum):
     PHASE = 2  # an all-reduce's phase is due (or the all-reduce ends)
 
 
+def _piece_phases(cluster: Cluster, job: SegmentJob, pieces: int) -> list[Load]:
+    """The phases of one of a segment's ``pieces`` pieces: buckets / pieces buckets of the mean size, split
+    into phases as one such bucket is (each bucket's latency terms in the phase that pays them), scaled so
+    that the pieces add up to the job's seconds."""
+    whole = collective_phases(cluster, job.owners, job.num_bytes, job.algorithm)
+    one = whole if job.buckets <= 1 else \
+        collective_phases(cluster, job.owners, job.num_bytes / job.buckets, job.algorithm)
+    f = job.scale * sum(x.duration_s for x in whole) / (pieces * sum(x.duration_s for x in one)) if one else 0.0
+    return [x._replace(duration_s=x.duration_s * f) for x in one]
+
+
+def _pieces_ready_s(backwards: Sequence[tuple[float, float]], n: int, share: float) -> list[float]:
+    """When each of a segment's ``n`` pieces is ready, its owners' last backwards given as (start, seconds):
+    piece i once every owner is ``share + (1 - share) i / (n - 1)`` into it."""
+    out = []
+    for i in range(n):
+        f = share + (1 - share) * i / (n - 1) if n > 1 else share
+        out.append(max(t0 + f * b for t0, b in backwards))
+    return out
+
+
+def _edge(cluster: Cluster, edges: dict[tuple[int, int], np.ndarray], key: tuple[int, int]) -> np.ndarray:
+    """The resources of the transfer from device ``key[0]`` to ``key[1]``, looked up once into ``edges``."""
+    links = edges.get(key)
+    if links is None:
+        links = edges[key] = np.array(edge_resources(cluster, *key))
+    return links
+
+
 def estimate_tail(cluster: Cluster, jobs: Sequence[SegmentJob],
                   waves: Sequence[Wave]) -> tuple[float, float]:
     """(when the last VW's pipeline ends, when the last all-reduce ends): the last micro-batch's backward in
@@ -494,17 +523,10 @@ def estimate_tail(cluster: Cluster, jobs: Sequence[SegmentJob],
     """
     free = np.full(resource_count(cluster), -np.inf)
     edges: dict[tuple[int, int], np.ndarray] = cluster.__dict__.setdefault("_edge_resource_cache", {})
-    segments_of: dict[int, list[int]] = {}
-    phases: list[list[Load]] = []
     pieces = [max(1, min(job.buckets, MAX_TAIL_PIECES)) for job in jobs]
+    phases = [_piece_phases(cluster, job, n) for job, n in zip(jobs, pieces, strict=True)]
+    segments_of: dict[int, list[int]] = {}
     for s, job in enumerate(jobs):
-        # a piece: buckets / pieces buckets of the mean size, split into phases as one such bucket is (each
-        # bucket's latency terms in the phase that pays them), scaled to the job's seconds
-        whole = collective_phases(cluster, job.owners, job.num_bytes, job.algorithm)
-        one = whole if job.buckets <= 1 else \
-            collective_phases(cluster, job.owners, job.num_bytes / job.buckets, job.algorithm)
-        f = job.scale * sum(x.duration_s for x in whole) / (pieces[s] * sum(x.duration_s for x in one)) if one else 0.0
-        phases.append([x._replace(duration_s=x.duration_s * f) for x in one])
         for d in job.owners:
             segments_of.setdefault(d, []).append(s)
     arrived = [0] * len(jobs)
@@ -527,11 +549,8 @@ def estimate_tail(cluster: Cluster, jobs: Sequence[SegmentJob],
             for s in segments_of.get(w.devices[j], ()):
                 arrived[s] += 1
                 backwards[s].append((t, w.backward_s[j]))
-                if arrived[s] == len(jobs[s].owners):  # piece i ready once every owner is that far into it
-                    n, share = pieces[s], jobs[s].share
-                    for i in range(n):
-                        f = share + (1 - share) * i / (n - 1) if n > 1 else share
-                        ready = max(t0 + f * b for t0, b in backwards[s])
+                if arrived[s] == len(jobs[s].owners):
+                    for i, ready in enumerate(_pieces_ready_s(backwards[s], pieces[s], jobs[s].share)):
                         heapq.heappush(queue, (ready, next(seq), _Kind.PHASE, s, 0, i))
             end = t + w.backward_s[j]
             if j == 0:
@@ -540,10 +559,7 @@ def estimate_tail(cluster: Cluster, jobs: Sequence[SegmentJob],
                 heapq.heappush(queue, (end, next(seq), _Kind.CROSS, a, j, 0))
         elif kind is _Kind.CROSS:
             w = waves[a]
-            key = (w.devices[j], w.devices[j - 1])
-            links = edges.get(key)
-            if links is None:
-                links = edges[key] = np.array(edge_resources(cluster, *key))
+            links = _edge(cluster, edges, (w.devices[j], w.devices[j - 1]))
             heapq.heappush(queue, (book(links, t, w.gradient_s[j - 1]), next(seq), _Kind.STAGE, a, j - 1, 0))
         elif j == len(phases[a]):
             sync_end = max(sync_end, t)

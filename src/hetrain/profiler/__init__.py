@@ -1,14 +1,16 @@
 """Measure what the planner needs: per-layer costs (torch) and the cluster's links (torch.distributed).
 
 - ``profile_layers``: per-layer forward/backward seconds and bytes -> ModelProfile;
-- ``merge_profiles`` / ``scale_to`` / ``fit_error``: combine and check profiles (pure);
 - ``merge_node_profiles``: one profile from a profiling job's per-device files (pure);
 - ``discover``: under torchrun, measure devices and links -> cluster TOML.
 
-Names load lazily: ``import hetrain.profiler.fit`` imports no torch.
+Names load lazily: ``import hetrain.profiler.merge`` imports no torch. The pure fits and the combining of
+profiles (``merge_profiles``, ``scale_to``, ``fit_error``, ``fit_link``) are the planning side's:
+``hetrain.fit`` and ``hetrain.profile_combine``.
 
 Example:
-    >>> from hetrain.profiler import profile_layers, scale_to             # doctest: +SKIP
+    >>> from hetrain.profiler import profile_layers                       # doctest: +SKIP
+    >>> from hetrain.profile_combine import scale_to                      # doctest: +SKIP
     >>> p = scale_to(profile_layers(layers, x), ["A100-40GB"])           # doctest: +SKIP
 """
 
@@ -21,8 +23,6 @@ _EXPORTS = {
     "profile_layers": "layers", "measure_layers": "layers", "LayerReport": "layers",
     "LayersMeasurement": "layers", "LayerError": "layers", "match_device_type": "layers",
     "measure_device_figures": "layers", "run_profile_command": "layers",
-    "fit_error": "fit", "FitError": "fit", "fit_link": "fit", "fit_linear": "fit", "merge_profiles": "fit",
-    "predict_layer_time": "fit", "scale_to": "fit",
     "merge_node_profiles": "merge", "node_profile_path": "merge",
     "discover": "network", "DiscoveryError": "network", "DiscoveryResult": "network",
     "build_plan": "network", "round_robin": "network", "run_discover_command": "network",

@@ -40,7 +40,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -51,6 +51,7 @@ from hetrain import amp
 from hetrain.amp import check_precision
 from hetrain.catalog import RuntimeFootprint, lookup_device_type
 from hetrain.errors import InputError
+from hetrain.fit import estimate_common_spread
 from hetrain.models.layers import param_bytes as layer_param_bytes
 from hetrain.models.user import ModelSource, check_model_on_batch, describe_error, describe_shapes
 from hetrain.profile import (
@@ -63,7 +64,6 @@ from hetrain.profile import (
     ModelProfile,
     Precision,
 )
-from hetrain.profiler.fit import estimate_common_spread
 from hetrain.profiler.footprint import allocator_footprint, measure_fixed_footprint
 
 SampleInput = Any  # a tensor, a tuple of tensors, or a callable b -> batch of size b
@@ -736,6 +736,100 @@ def _check_arguments(layers: Sequence[nn.Module], micro_batches: Sequence[int], 
     return sizes
 
 
+def _resolve_device(device: str | torch.device) -> torch.device:
+    """``device`` as a torch device; a bare ``"cuda"`` becomes the current CUDA device."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _layer_names(layers: Sequence[nn.Module], names: Sequence[str] | None) -> list[str]:
+    """``names`` checked against the layers, or ``"<class><index>"`` per layer."""
+    if names is not None and len(names) != len(layers):
+        raise ValueError(f"{len(names)} names for {len(layers)} layers")
+    return list(names) if names is not None else [f"{type(m).__name__.lower()}{i}" for i, m in enumerate(layers)]
+
+
+def _check_sample_input(sample_input: SampleInput) -> None:
+    """A sample input is a callable, or one sample: one of its tensors has a leading dimension of 1."""
+    if not callable(sample_input) and not any(t.dim() > 0 and t.shape[0] == 1 for t in _tensors(sample_input)):
+        shapes = [tuple(t.shape) for t in _tensors(sample_input)]
+        raise ValueError(f"sample_input must be one sample with a leading batch dimension of 1 (got shapes {shapes}), "
+                         "or a callable b -> batch of b samples")
+
+
+@dataclass
+class _LayerRecord:
+    """One layer's measurements while they are gathered size by size (``_measure_every_size``).
+
+    ``times_s`` and ``spreads_s`` gain one entry per size; the byte, FLOP and peak-memory counts
+    are those of the whole largest micro-batch.
+    """
+
+    times_s: list[tuple[int, float, float]] = field(default_factory=list)
+    spreads_s: list[tuple[float | None, float | None]] = field(default_factory=list)
+    saved_bytes: int = 0
+    forward_flops: float = 0.0
+    output_bytes: float = 0.0
+    peak_memory_bytes: int | None = None
+
+    def report(self, name: str, layer: nn.Module, b_max: int) -> LayerReport:
+        """The LayerReport of the record, its counts divided by the largest size ``b_max``."""
+        return LayerReport(name=name, param_bytes=layer_param_bytes(layer),
+                           output_bytes_per_sample=self.output_bytes / b_max,
+                           saved_bytes_per_sample=self.saved_bytes / b_max,
+                           forward_flops_per_sample=self.forward_flops / b_max, times_s=tuple(self.times_s),
+                           peak_memory_bytes=self.peak_memory_bytes, spreads_s=tuple(self.spreads_s))
+
+
+def _measure_layer_at(layer: nn.Module, args: tuple[Any, ...], b: int, grad_inputs: bool, counts: bool,
+                      record: _LayerRecord, repeats: int, warmup: int, dev: torch.device, min_time_s: float,
+                      precision: Precision) -> Any:
+    """Time ``layer`` on ``args`` (micro-batch ``b``) into ``record``, with ``counts`` its bytes, FLOPs and
+    peak memory too; returns its output, the next layer's input."""
+    with amp.autocast(dev, precision):  # its cache: one 16-bit copy per weight, as an iteration
+        timed, out = _time_layer(layer, args, grad_inputs, repeats, warmup, dev, min_time_s)
+        record.times_s.append((b, timed.forward_s, timed.backward_s))
+        record.spreads_s.append((timed.forward_spread_s, timed.backward_spread_s))
+        if counts:
+            leaves = _map(args, functools.partial(_leaf, requires_grad=grad_inputs))
+            record.saved_bytes, record.forward_flops, y = _measure_saved(layer, leaves)
+            record.output_bytes = sum(amp.to_wire(t, precision).element_size() * t.numel() for t in _tensors(y))
+            record.peak_memory_bytes = _peak_memory(layer, args, grad_inputs, dev)
+            del y
+    return out
+
+
+def _measure_every_size(layers: Sequence[nn.Module], names: Sequence[str], sizes: Sequence[int],
+                        batch: Callable[[int], Any], as_args: Callable[[Any], tuple[Any, ...]], repeats: int,
+                        warmup: int, dev: torch.device, min_time_s: float,
+                        precision: Precision) -> tuple[list[_LayerRecord], float]:
+    """Every layer at every size in ascending order, each fed the previous one's output; the records and the
+    first layer's input bytes per sample (at the largest size).
+
+    Raises:
+        LayerError: a layer fails at a size, naming the sample that fails alone if one does.
+    """
+    records = [_LayerRecord() for _ in layers]
+    b_max = sizes[-1]
+    input_bytes = 0.0
+    for b in sizes:
+        x = batch(b)
+        if b == b_max:
+            input_bytes = _nbytes(x) / b
+        for i, layer in enumerate(layers):
+            args = as_args(x)
+            try:
+                x = _measure_layer_at(layer, args, b, i > 0, b == b_max, records[i], repeats, warmup, dev,
+                                      min_time_s, precision)
+            except Exception as e:  # the model's code at this size (BatchNorm at 1, out of memory) or on
+                # one sample of the data (a token id beyond the vocabulary): one line, naming the sample
+                sample = find_failing_sample(layer, x, b, as_args, dev, precision)
+                raise LayerError(i, names[i], b, sizes, args[0] if len(args) == 1 else args, e, sample) from e
+    return records, input_bytes
+
+
 def measure_layers(layers: Sequence[nn.Module], sample_input: SampleInput,
                    micro_batches: Sequence[int] = (1, 2, 4, 8), device: str | torch.device = "cpu",
                    repeats: int = 5, warmup: int = 2, precision: Precision = "fp32",
@@ -761,16 +855,9 @@ def measure_layers(layers: Sequence[nn.Module], sample_input: SampleInput,
             the layer, the size, its input and the error its code raised (chained).
     """
     sizes = _check_arguments(layers, micro_batches, repeats, warmup, precision)
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    if names is not None and len(names) != len(layers):
-        raise ValueError(f"{len(names)} names for {len(layers)} layers")
-    names = list(names) if names is not None else [f"{type(m).__name__.lower()}{i}" for i, m in enumerate(layers)]
-    if not callable(sample_input) and not any(t.dim() > 0 and t.shape[0] == 1 for t in _tensors(sample_input)):
-        shapes = [tuple(t.shape) for t in _tensors(sample_input)]
-        raise ValueError(f"sample_input must be one sample with a leading batch dimension of 1 (got shapes {shapes}), "
-                         "or a callable b -> batch of b samples")
+    dev = _resolve_device(device)
+    names = _layer_names(layers, names)
+    _check_sample_input(sample_input)
     check_precision(precision, dev.type, "--precision")
     fixed_bytes = 0.0
     if dev.type == "cuda":  # before any layer is on the device: the context, the communicator's buffers
@@ -787,51 +874,14 @@ def measure_layers(layers: Sequence[nn.Module], sample_input: SampleInput,
     def as_args(x: Any) -> tuple[Any, ...]:
         return x if unpack_tuples and isinstance(x, tuple) else (x,)
 
-    times: list[list[tuple[int, float, float]]] = [[] for _ in layers]
-    spreads: list[list[tuple[float | None, float | None]]] = [[] for _ in layers]
-    static: list[tuple[int, float, float, int | None]] = [(0, 0.0, 0.0, None)] * len(layers)
-    b_max = sizes[-1]
-    input_bytes = 0.0
     try:
-        for b in sizes:
-            x = batch(b)
-            if b == b_max:
-                input_bytes = _nbytes(x) / b
-            for i, layer in enumerate(layers):
-                args = as_args(x)
-                try:
-                    with amp.autocast(dev, precision):  # its cache: one 16-bit copy per weight, as an iteration
-                        timed, out = _time_layer(layer, args, i > 0, repeats, warmup, dev, min_time_s)
-                        times[i].append((b, timed.forward_s, timed.backward_s))
-                        spreads[i].append((timed.forward_spread_s, timed.backward_spread_s))
-                        if b == b_max:
-                            leaves = _map(args, functools.partial(_leaf, requires_grad=i > 0))
-                            saved, flops, y = _measure_saved(layer, leaves)
-                            sent = sum(amp.to_wire(t, precision).element_size() * t.numel() for t in _tensors(y))
-                            static[i] = (saved, flops, sent, _peak_memory(layer, args, i > 0, dev))
-                            del y
-                except Exception as e:  # the model's code at this size (BatchNorm at 1, out of memory) or on
-                    # one sample of the data (a token id beyond the vocabulary): one line, naming the sample
-                    sample = find_failing_sample(layer, x, b, as_args, dev, precision)
-                    raise LayerError(i, names[i], b, sizes, args[0] if len(args) == 1 else args, e, sample) from e
-                x = out
+        records, input_bytes = _measure_every_size(layers, names, sizes, batch, as_args, repeats, warmup, dev,
+                                                   min_time_s, precision)
     finally:
         for m, mode in zip(layers, modes, strict=True):
             m.train(mode)
     type_name, _ = describe_device(dev)
-    reports = tuple(
-        LayerReport(
-            name=names[i],
-            param_bytes=layer_param_bytes(layer),
-            output_bytes_per_sample=static[i][2] / b_max,
-            saved_bytes_per_sample=static[i][0] / b_max,
-            forward_flops_per_sample=static[i][1] / b_max,
-            times_s=tuple(times[i]),
-            peak_memory_bytes=static[i][3],
-            spreads_s=tuple(spreads[i]),
-        )
-        for i, layer in enumerate(layers)
-    )
+    reports = tuple(r.report(name, layer, sizes[-1]) for r, name, layer in zip(records, names, layers, strict=True))
     footprint = allocator_footprint(fixed_bytes, dev, type_name) if dev.type == "cuda" else None
     model_s: list[float] = []
     if repeats >= 2:  # the whole model's repeats, for the noise common to all layers
@@ -923,8 +973,8 @@ def run_profile_command(model: str | ModelSource, micro_batches: Sequence[int], 
     or 1 with the reason on stderr.
     """
     from hetrain.data.seq_len import measured_seq_len
+    from hetrain.fit import TIME_MODELS, fit_error
     from hetrain.models.user import resolve_model
-    from hetrain.profiler.fit import TIME_MODELS, fit_error
 
     try:
         dev = torch.device(device)

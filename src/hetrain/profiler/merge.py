@@ -6,8 +6,8 @@ A profiling job measures the model on every device at once, each rank writing it
 
 ``merge_node_profiles`` reads them back, files each under its device's type with that type's peak
 figures (``profile.relabel_profile``: a CPU process profiles as ``cpu`` whatever it emulates), takes
-the median over the devices of a type (``fit.average_profiles``) and merges the types
-(``fit.merge_profiles``).
+the median over the devices of a type (``profile_combine.average_profiles``) and merges the types
+(``profile_combine.merge_profiles``).
 
 Pure Python and numpy, no torch.
 
@@ -25,7 +25,7 @@ from typing import Any
 from hetrain.cluster import parse_cluster
 from hetrain.errors import RunError
 from hetrain.profile import ModelProfile, load_profile, relabel_profile
-from hetrain.profiler.fit import average_profiles, merge_profiles
+from hetrain.profile_combine import average_profiles, merge_profiles
 
 
 def node_profile_path(out_dir: str | Path, node: str, local_rank: int) -> Path:

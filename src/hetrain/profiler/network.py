@@ -66,7 +66,7 @@ from hetrain.distributed.work import WaitError, wait_work
 from hetrain.distributed.work import first_line as _first_line
 from hetrain.distributed.work import ranks_text as _ranks
 from hetrain.errors import RunError
-from hetrain.profiler.fit import fit_link
+from hetrain.fit import fit_link
 from hetrain.profiler.layers import describe_device, measure_device_figures
 from hetrain.units import UnitError, format_bandwidth, format_bytes, format_time, parse_bytes
 from hetrain.version import __version__

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from hetrain.schedule.actions import Action, ScheduleError
-from hetrain.schedule.roles import Role
+from hetrain.schedule.roles import StageRole
 
 ERROR_MARK = "<-- ERROR HERE"
 
@@ -58,7 +58,7 @@ _MAX_GRID_COLUMNS = 8
 _MAX_GRID_ROWS = 40
 
 
-def schedule_error(schedule: Mapping[str, Sequence[Action]], roles: Mapping[str, Role], device: str | None,
+def schedule_error(schedule: Mapping[str, Sequence[Action]], roles: Mapping[str, StageRole], device: str | None,
                    step: int | None, message: str, also: Mapping[tuple[str, int], str] | None = None) -> ScheduleError:
     """A ScheduleError whose message is ``message`` above the grid, the failing cell marked."""
     marks = dict(also or {})

@@ -23,7 +23,7 @@ from hetrain.schedule.actions import (
     Transfer,
 )
 from hetrain.schedule.grid import schedule_error
-from hetrain.schedule.roles import Role, action_ident
+from hetrain.schedule.roles import StageRole, action_ident
 
 K = ActionKind
 
@@ -38,7 +38,7 @@ class Interpreter:
     failure: this runs once per action of the cluster.
     """
 
-    def __init__(self, schedule: Mapping[str, Sequence[Action]], roles: Mapping[str, Role],
+    def __init__(self, schedule: Mapping[str, Sequence[Action]], roles: Mapping[str, StageRole],
                  owners: Mapping[int, set[str]], node_of: Mapping[str, str] | None = None, bsp: bool = True,
                  num_buckets: Sequence[int] = ()) -> None:
         self.schedule = schedule

@@ -9,8 +9,9 @@ from hetrain.schedule.actions import Action, BucketSync, Compute, SegmentSync, T
 
 
 @dataclass(frozen=True)
-class Role:
-    """Where a device sits in the plan."""
+class StageRole:
+    """Where a device sits in the plan, as the schedule sees it: VW ``vw``, stage ``j`` of ``p``, ``m``
+    micro-batches, its neighbours in the pipeline (the runtime's ``Role`` is a rank's part of the plan)."""
 
     vw: int
     j: int
@@ -21,15 +22,15 @@ class Role:
     vw_devices: tuple[str, ...]
 
 
-def device_roles(plan: Plan) -> dict[str, Role]:
-    """Every device of ``plan`` -> its Role."""
+def device_roles(plan: Plan) -> dict[str, StageRole]:
+    """Every device of ``plan`` -> its StageRole."""
     out = {}
     for v, vw in enumerate(plan.virtual_workers):
         devs = tuple(vw.devices)
         p = len(devs)
         for j, dev in enumerate(devs):
-            out[dev] = Role(v, j, p, vw.micro_batches, devs[j - 1] if j > 0 else None,
-                             devs[j + 1] if j < p - 1 else None, devs)
+            out[dev] = StageRole(v, j, p, vw.micro_batches, devs[j - 1] if j > 0 else None,
+                                  devs[j + 1] if j < p - 1 else None, devs)
     return out
 
 

@@ -14,13 +14,13 @@ from hetrain.plan import Plan
 from hetrain.schedule.actions import P2P_KINDS, Action, ActionKind, BucketSync, Compute, SegmentSync, Transfer
 from hetrain.schedule.grid import schedule_error
 from hetrain.schedule.interpret import Interpreter
-from hetrain.schedule.roles import Role, action_ident, device_roles
+from hetrain.schedule.roles import StageRole, action_ident, device_roles
 from hetrain.sync_layout import Segment
 
 K = ActionKind
 
 
-def _static_problem(a: Action, role: Role, num_buckets: Sequence[int], owned: set[int], device: str) -> str | None:
+def _static_problem(a: Action, role: StageRole, num_buckets: Sequence[int], owned: set[int], device: str) -> str | None:
     """What is wrong with action ``a`` on its own, or None."""
     match a:
         case Compute() | Transfer():
@@ -40,7 +40,7 @@ def _static_problem(a: Action, role: Role, num_buckets: Sequence[int], owned: se
     return None
 
 
-def _peer_problem(a: Transfer, role: Role) -> str | None:
+def _peer_problem(a: Transfer, role: StageRole) -> str | None:
     """What is wrong with the peer of send or receive ``a``, or None."""
     offset, _ = P2P_KINDS[a.kind]
     want = role.next if offset > 0 else role.prev
@@ -81,7 +81,7 @@ def validate(schedule: Mapping[str, Sequence[Action]], plan: Plan) -> None:
     Interpreter(schedule, roles, owners, node_of, plan.sync == "bsp", num_buckets).run()
 
 
-def _check_static(schedule: Mapping[str, Sequence[Action]], roles: Mapping[str, Role], num_buckets: Sequence[int],
+def _check_static(schedule: Mapping[str, Sequence[Action]], roles: Mapping[str, StageRole], num_buckets: Sequence[int],
                   owners: Mapping[int, set[str]]) -> None:
     """``validate``'s static checks: the devices, each action on its own, no action twice, every F, B and STEP."""
     owned: dict[str, set[int]] = {}
@@ -116,7 +116,7 @@ def _check_static(schedule: Mapping[str, Sequence[Action]], roles: Mapping[str, 
             raise schedule_error(schedule, roles, dev, last, f"{dev} has no STEP")
 
 
-def _check_start_order(schedule: Mapping[str, Sequence[Action]], roles: Mapping[str, Role],
+def _check_start_order(schedule: Mapping[str, Sequence[Action]], roles: Mapping[str, StageRole],
                        segments: Sequence[Segment]) -> None:
     """The owners of each owner set start its buckets in one order (their all-reduces share one process group)."""
     first: dict[tuple[str, ...], tuple[str, list[tuple[int, int]]]] = {}  # owner set -> (device, its starts)

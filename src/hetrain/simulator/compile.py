@@ -63,7 +63,7 @@ _new = tuple.__new__  # a NamedTuple record without its Python-level __new__: mi
 
 
 @dataclass(frozen=True)
-class StageCosts:
+class CompiledStageCosts:
     """One device's figures: per micro-batch i (``forward_s[i]``...), and for the whole iteration."""
 
     weights_bytes: float  # weights, gradients and optimizer state: held from t = 0
@@ -77,7 +77,7 @@ class StageCosts:
     layer_times: dict[int, tuple[np.ndarray, np.ndarray]]  # micro-batch size -> (forward_s, backward_s) per layer
 
 
-def estimate_stage_costs(plan: Plan, vw: VirtualWorker, stage: Stage, device: Device) -> StageCosts:
+def estimate_stage_costs(plan: Plan, vw: VirtualWorker, stage: Stage, device: Device) -> CompiledStageCosts:
     """The figures of ``stage`` of ``vw`` run on ``device``, from ``hetrain.cost``."""
     profile = plan.profile
     first, end, rc = stage.first_layer, stage.end_layer, list(stage.recompute)
@@ -95,7 +95,7 @@ def estimate_stage_costs(plan: Plan, vw: VirtualWorker, stage: Stage, device: De
                        float(g[first:end].sum() + f[rc].sum()) + overhead,
                        held1 - held0, held0 - weights)
     sizes = vw.micro_batch_sizes
-    return StageCosts(
+    return CompiledStageCosts(
         weights_bytes=weights,
         step_transient_bytes=max(estimate_optimizer_step_memory(param_bytes, profile.bytes_per_element,
                                                                 plan.optimizer),
@@ -185,7 +185,7 @@ class _Device:
     d: int
     name: str
     stage: Stage
-    costs: StageCosts
+    costs: CompiledStageCosts
     sizes: Sequence[int]
     out_bytes: float  # per sample, sent forward
     in_bytes: float  # per sample, sent backward
@@ -245,7 +245,7 @@ class _Compiler:
         self.p2p_cache: dict[tuple[int, int, float], tuple[float, tuple[int, ...]]] = {}
         self.labels: dict[tuple[str, int, int], list[str]] = {}  # "jFi" strings, shared by devices of equal (j, m)
         # devices alike (the same stage of equal VWs on the same kind of device) share their costs and compute ops
-        self.costs: dict[tuple[object, ...], StageCosts] = {}
+        self.costs: dict[tuple[object, ...], CompiledStageCosts] = {}
         self.computes: dict[tuple[int, int], tuple[list[Forward], list[Backward]]] = {}
         # (kind, segment, bucket, iteration) -> the one operation of every owner (``_bucket``)
         self.bucket_ops: dict[tuple[ActionKind, int, int, int], BucketStart | BucketWait] = {}
@@ -268,7 +268,7 @@ class _Compiler:
         return Program(self.plan, self.schedules[0], len(self.schedules), self.names,
                        [where[name] for name in self.names], weights, ops, self.collectives, self.res)
 
-    def _stage_costs(self, vw: VirtualWorker, stage: Stage, device: Device) -> StageCosts:
+    def _stage_costs(self, vw: VirtualWorker, stage: Stage, device: Device) -> CompiledStageCosts:
         """``estimate_stage_costs``, once per kind of device (its figures, not its name) and stage."""
         key = (tuple(vw.micro_batch_sizes), stage.first_layer, stage.end_layer, stage.recompute,
                replace(device, name="", node="", index=0))
@@ -277,7 +277,7 @@ class _Compiler:
             costs = self.costs[key] = estimate_stage_costs(self.plan, vw, stage, device)
         return costs
 
-    def _device(self, d: int, name: str, vw: VirtualWorker, j: int, costs: StageCosts) -> _Device:
+    def _device(self, d: int, name: str, vw: VirtualWorker, j: int, costs: CompiledStageCosts) -> _Device:
         stage, profile = vw.stages[j], self.plan.profile
         m = len(vw.micro_batch_sizes)
         for letter in "FB":
