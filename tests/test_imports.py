@@ -22,8 +22,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 #: the layers, lowest first; a module may import from its own layer and the ones before it
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("hetrain.errors", "hetrain.units", "hetrain.version", "hetrain.fields", "hetrain.arguments"),
-    ("hetrain.sync_mode",),
+    ("hetrain.errors", "hetrain.units", "hetrain.version", "hetrain.fields", "hetrain.arguments",
+     "hetrain.sync_mode"),
     ("hetrain.catalog",),
     ("hetrain.cluster",),
     ("hetrain.profile",),
@@ -42,7 +42,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "hetrain.cli", "hetrain.__main__", "hetrain"),
 )
 #: the planning side: pure Python (numpy allowed), no torch
-PLANNING = LAYERS[:11]
+PLANNING = LAYERS[:10]
 
 
 def module_files() -> dict[str, Path]:
