@@ -22,7 +22,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 #: the layers, lowest first; a module may import from its own layer and the ones before it
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("hetrain.errors", "hetrain.units", "hetrain.version", "hetrain.fields", "hetrain.arguments", "hetrain.options"),
+    ("hetrain.errors", "hetrain.units", "hetrain.version", "hetrain.fields", "hetrain.arguments", "hetrain.options",
+     "hetrain.sync_mode"),
     ("hetrain.catalog",),
     ("hetrain.cluster",),
     ("hetrain.profile",),

@@ -17,8 +17,10 @@ from hetrain.models.hf import lm_loss  # noqa: E402
 from hetrain.models.layers import LayerRange, run_layers  # noqa: E402
 from hetrain.models.spec import SpecError  # noqa: E402
 from hetrain.models.user import resolve_model  # noqa: E402
-from hetrain.runtime.step.tied import TiedGrads, chain_hooks, check_tied, is_local, tie_ranks  # noqa: E402
+from hetrain.runtime.step.hooks import chain_hooks  # noqa: E402
+from hetrain.runtime.step.tied import TiedGrads, check_tied, is_local, tie_ranks  # noqa: E402
 from hetrain.sync_layout import Segment  # noqa: E402
+from hetrain.sync_mode import sync_mode  # noqa: E402
 
 VOCAB = 100
 
@@ -199,11 +201,12 @@ def test_tied_grads_on_one_rank_sum_the_copies_as_the_tied_models_gradient(tmp_p
 def test_a_tie_across_devices_needs_bsp() -> None:
     tie = ((0, "model.embed_tokens.weight"), (3, "lm_head.weight"))
     across = (Segment(0, 2, ("n0:0",)), Segment(2, 4, ("n0:1",)))
-    plan = SimpleNamespace(sync="wsp", segments=lambda: across)
+    plan = SimpleNamespace(sync="wsp", sync_mode=sync_mode("wsp"), segments=lambda: across)
     assert not is_local(plan, tie)  # type: ignore[arg-type]
     with pytest.raises(InputError, match=r"layer 0 \(model\.embed_tokens\.weight\) and layer 3 "
                                          r"\(lm_head\.weight\).*'wsp'"):
         check_tied(plan, [tie])  # type: ignore[arg-type]
-    check_tied(SimpleNamespace(sync="bsp", segments=lambda: across), [tie])  # type: ignore[arg-type]
-    assert tie_ranks(SimpleNamespace(sync="bsp", segments=lambda: across),  # type: ignore[arg-type]
+    bsp = SimpleNamespace(sync="bsp", sync_mode=sync_mode("bsp"), segments=lambda: across)
+    check_tied(bsp, [tie])  # type: ignore[arg-type]
+    assert tie_ranks(bsp,  # type: ignore[arg-type]
                      {"n0:0": 0, "n0:1": 1}, [tie]) == [[0, 1]]

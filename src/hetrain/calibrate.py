@@ -226,7 +226,7 @@ def _is_number(x: Any) -> TypeGuard[float]:
 
 def _sync_endings(plan: Plan) -> tuple[tuple[str, ...], set[tuple[str, ...]]]:
     """The sync actions that end a step of ``plan``, as the metrics write them: the first device's of the first
-    step, and every device's of every kind of step of the mode (bsp: the same each step; the others over the
+    step, and every device's of every kind of step of the mode (bsp, wsp: the same each step; the others over the
     mode's cycle: periods, DASO's warm-up, pending merges and cool-down, whatever period DASO adapts to)."""
     from hetrain.schedule import SyncState, build_sync_actions
 
@@ -234,8 +234,8 @@ def _sync_endings(plan: Plan) -> tuple[tuple[str, ...], set[tuple[str, ...]]]:
     devices = plan.devices_used
     opts = plan.sync_options
     states: list[tuple[SyncState | None, int | None]] = [(None, None)]
-    if plan.sync != "bsp":
-        every = opts.aggregate if plan.sync == "hybrid-ps" else opts.period
+    if not plan.sync_mode.same_every_iteration:
+        every = plan.sync_mode.period(opts)
         after = every * ((opts.warmup + every) // every) - 1  # the first global sync at or after DASO's warm-up
         iterations = {0, 1, max(0, opts.warmup - 1), opts.warmup, opts.warmup + 1, every - 1, after, after + 1}
         states += [(SyncState(i, opts.period, pending), steps) for i in sorted(iterations)

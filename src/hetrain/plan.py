@@ -44,16 +44,15 @@ from hetrain.fields import (
 )
 from hetrain.profile import OPTIMIZER_NAMES, ModelProfile, ProfileError, parse_profile
 from hetrain.sync_layout import (
-    SYNC_MODES,
     Segment,
     SyncLayout,
     SyncLayoutError,
-    SyncMode,
     SyncOptions,
     build_sync_layout,
     check_mode_options,
     check_sync_section,
 )
+from hetrain.sync_mode import SYNC_MODES, SyncMode, SyncModeName, sync_mode
 from hetrain.units import format_bytes, format_time
 
 Schedule = Literal["gpipe", "1f1b", "1f1b-eager"]
@@ -218,7 +217,7 @@ class Plan:
         model: the profile's model name.
         global_batch: samples per iteration over all VWs.
         schedule: ``"gpipe"``, ``"1f1b"`` or ``"1f1b-eager"`` (``hetrain.schedule.generate``).
-        sync: the sync mode among VWs.
+        sync: the sync mode among VWs, by name (as plan.json stores it); ``sync_mode`` has its rules.
         sync_options: the mode's parameters (staleness, period, bucket sizes, all-reduce algorithm...).
         layout: every sync decision (segments, buckets and their algorithms, parameter-server hosts), made
             from the stages and ``sync_options`` when the plan is built (``sync_layout.build_sync_layout``);
@@ -237,7 +236,7 @@ class Plan:
     model: str
     global_batch: int
     schedule: Schedule
-    sync: SyncMode
+    sync: SyncModeName
     optimizer: Optimizer
     virtual_workers: tuple[VirtualWorker, ...]
     prediction: Prediction
@@ -248,9 +247,12 @@ class Plan:
     options: Mapping[str, Any] = field(default_factory=dict, repr=False)
     sync_options: SyncOptions = field(default_factory=SyncOptions)
     layout: SyncLayout = field(init=False, repr=False, compare=False)
+    #: the sync mode's rules (``hetrain.sync_mode``), looked up from ``sync`` when the plan is built
+    sync_mode: SyncMode = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         validate_plan(self)
+        object.__setattr__(self, "sync_mode", sync_mode(self.sync))
         stages = [[(s.device, s.first_layer, s.end_layer) for s in vw.stages] for vw in self.virtual_workers]
         layout = build_sync_layout(self.cluster, self.profile, stages, self.sync, self.sync_options)
         object.__setattr__(self, "layout", layout)

@@ -29,7 +29,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -38,13 +38,8 @@ from hetrain.cluster import Cluster
 from hetrain.cost import allreduce_shape, estimate_allreduce
 from hetrain.errors import InputError
 from hetrain.profile import ModelProfile
+from hetrain.sync_mode import MODES, SYNC_MODES, SyncModeError, sync_mode
 
-SyncMode = Literal["bsp", "wsp", "hybrid-ps", "daso", "local-sgd"]
-SYNC_MODES: tuple[str, ...] = ("bsp", "wsp", "hybrid-ps", "daso", "local-sgd")
-#: modes that keep a parameter-server shard per segment
-PS_MODES: frozenset[str] = frozenset({"wsp", "hybrid-ps"})
-#: modes that all-reduce a segment among its owners on one node every iteration
-LOCAL_MODES: frozenset[str] = frozenset({"hybrid-ps", "daso"})
 #: where a segment's parameter-server shard lives; the first is the default
 PLACEMENTS: tuple[str, ...] = ("local", "round-robin")
 #: ``allreduce`` option: the cheaper of ring and hierarchical per all-reduce, or always the flat ring
@@ -231,9 +226,11 @@ class SyncOptions:
 
 
 def modes_for(options: SyncOptions) -> tuple[str, ...]:
-    """The sync modes that can run with ``options``: every mode, or ``bsp`` alone where gradients are
-    all-reduced in 16 bits (``reduce_dtype``), which only ``bsp``'s all-reduces do."""
-    return SYNC_MODES if options.reduce_dtype == REDUCE_DTYPES[0] else ("bsp",)
+    """The sync modes that can run with ``options``: every mode, or the synchronous one (``bsp``) alone where
+    gradients are all-reduced in 16 bits (``reduce_dtype``), which only its all-reduces do."""
+    if options.reduce_dtype == REDUCE_DTYPES[0]:
+        return SYNC_MODES
+    return tuple(m.name for m in MODES if m.synchronous)
 
 
 _INTERNAL = "sync options"  # check_mode_options's ``where`` when the planner checks, not the user's input
@@ -572,8 +569,10 @@ def build_sync_layout(cluster: Cluster, profile: ModelProfile, stages: Sequence[
     Raises:
         SyncLayoutError: an unknown mode.
     """
-    if mode not in SYNC_MODES:
-        raise SyncLayoutError(f"sync mode must be one of {', '.join(SYNC_MODES)}, got {mode!r}")
+    try:
+        rules = sync_mode(mode)
+    except SyncModeError as e:
+        raise SyncLayoutError(str(e)) from None
     _check_runnable(mode, options)  # not the options a user gave: the planner lays out every mode with them
     wire = options.reduce_wire
     index = {d.name: d.index for d in cluster.devices}
@@ -590,19 +589,19 @@ def build_sync_layout(cluster: Cluster, profile: ModelProfile, stages: Sequence[
                 return estimate_allreduce(size * wire, shape, options.allreduce)[1]
 
             seg = replace(seg, algorithm=algorithm(num_bytes))
-            if mode == "bsp" and options.bucket_cut == "exact":
+            if rules.synchronous and options.bucket_cut == "exact":
                 exact = cut_buckets_exact(layer_bytes, first, end, options.first_bucket_bytes, options.bucket_bytes)
                 seg = replace(seg, buckets=tuple(_exact_bucket(s, b, lo, hi, size, algorithm(size))
                                                  for b, (lo, hi, size) in enumerate(exact)))
-            elif mode == "bsp":
+            elif rules.synchronous:
                 cuts = cut_buckets(layer_bytes, first, end, options.first_bucket_bytes, options.bucket_bytes)
                 seg = replace(seg, buckets=tuple(Bucket(s, b, k, l, size, algorithm(size))
                                                  for b, (k, l, size) in enumerate(cuts)))
-            if mode in PS_MODES:
+            if rules.parameter_servers:
                 in_order = sorted(owners, key=index.__getitem__)
                 seg = replace(seg, ps_host=place_ps_shard(in_order, [node_of[o] for o in in_order], s,
                                                           options.placement))
-            if mode in LOCAL_MODES:
+            if rules.local_mean:
                 by_node: dict[str, list[str]] = {}
                 for o in owners:
                     by_node.setdefault(node_of[o], []).append(o)

@@ -39,7 +39,7 @@ from hetrain.models.layers import LayerRange
 from hetrain.models.registry import build_layers, loss_fn
 from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
 from hetrain.runtime.state.checkpoint import load_checkpoint, load_manifest
-from hetrain.runtime.sync.modes import DasoRate
+from hetrain.runtime.sync.daso import DasoRate
 from hetrain.runtime.trainer import build_optimizer_fn
 from hetrain.schedule import COMPUTE_KINDS, P2P_KINDS, advance_sync_state, build_schedule, initial_sync_state
 from hetrain.simulator import build_schedules, simulate

@@ -1,4 +1,5 @@
-"""The Trainer's parts that run in one process: micro-batches, loss sums, a stage's checkpoint share."""
+"""The Trainer's parts that run in one process: micro-batches, loss sums, a step's record, the pre-step hooks'
+order, each iteration's Actions, a stage's checkpoint share."""
 
 from __future__ import annotations
 
@@ -12,9 +13,16 @@ from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
 from hetrain.runtime.lifecycle.roles import build_roles
 from hetrain.runtime.state.checkpoint import CheckpointError
 from hetrain.runtime.state.stage_state import checkpoint_meta, owned_names, restore_stage, save_stage
+from hetrain.runtime.step.actions import StepActions
 from hetrain.runtime.step.batches import MicroBatches
 from hetrain.runtime.step.executor import StageModule
-from hetrain.runtime.step.losses import LossSums
+from hetrain.runtime.step.hooks import PreStepHooks
+from hetrain.runtime.step.losses import EarlySum, LossSums
+from hetrain.runtime.step.record import StepRecord
+from hetrain.runtime.sync.daso import DasoAdaptation
+from hetrain.schedule import COMPUTE_KINDS, P2P_KINDS
+from hetrain.simulator import build_schedules
+from hetrain.sync_layout import SyncOptions
 
 DEVICES = ["n0:0", "n0:1", "n0:2", "n0:3"]
 
@@ -96,6 +104,96 @@ def test_losses_come_back_one_flush_late_and_all_at_the_end() -> None:
     assert [r["loss"] for r in sums.flush()] == [0.5, 0.25]
     assert sums.drain() == [{"step": 3, "loss": 0.125}]
     assert sums.drain() == [] and waits == []  # one rank: nothing to sum, nothing to wait for
+
+
+def test_an_early_sum_adds_its_row_and_reads_the_batch_before() -> None:
+    sums = LossSums(group=None, ranks=1, wait=lambda work, what: None)
+    before = {"step": 1, "loss": None}
+    sums.add(before, torch.tensor(0.5))
+    assert sums.flush() == []
+    early = EarlySum(sums, 2)
+    assert early.read is None and early.row == {"step": 2, "loss": None}
+    early(torch.tensor(0.25))  # the executor's on_losses, once the step's forwards are over
+    assert early.read == [{"step": 1, "loss": 0.5}] and sums.waiting == 0
+    assert sums.drain() == [{"step": 2, "loss": 0.25}] and early.row["loss"] == 0.25
+
+
+# --- a step's record ----------------------------------------------------------------------
+
+
+def record(**kw: object) -> StepRecord:
+    base: dict[str, object] = dict(step=3, loss=torch.tensor(1.0), lr=0.01, step_time_s=0.5, elapsed_s=1.5,
+                                   samples_per_s=20.0, sync_actions=("STEP",), allreduce_bytes=64, compute_s=0.1)
+    return StepRecord(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_a_records_metrics_are_the_rows_keys_in_their_order() -> None:
+    assert list(record().metrics().items()) == [
+        ("samples_per_s", 20.0), ("step_time_s", 0.5), ("elapsed_s", 1.5), ("sync_actions", ["STEP"]),
+        ("lr", 0.01), ("allreduce_bytes", 64)]
+    norm = torch.tensor(2.0)
+    full = record(clipping=True, grad_norm=norm, loss_scale=1024.0, step_skipped=False, daso_period=2).metrics()
+    assert list(full)[6:] == ["grad_norm", "loss_scale", "step_skipped", "daso_period"]
+    assert full["grad_norm"] is norm and full["loss_scale"] == 1024.0 and full["step_skipped"] is False
+    # clipping before any step was clipped (fp16 skipped the first): the key is there, its value None
+    assert record(clipping=True).metrics()["grad_norm"] is None
+
+
+# --- the pre-step hooks ---------------------------------------------------------------------
+
+
+def test_the_pre_step_hooks_run_tied_then_loss_scale_then_clip_and_an_overflow_stops_them() -> None:
+    calls: list[str] = []
+
+    def hook(name: str, result: bool | None = None):  # type: ignore[no-untyped-def]
+        return lambda step: calls.append(f"{name}{step}") or result
+
+    hooks = PreStepHooks(hook("tied"), hook("scale", True), hook("clip"))  # type: ignore[arg-type]
+    chained = hooks.as_hook()
+    assert chained is not None and chained(4) is None and calls == ["tied4", "scale4", "clip4"]
+    calls.clear()
+    overflow = PreStepHooks(hook("tied"), hook("scale", False), hook("clip")).as_hook()  # type: ignore[arg-type]
+    assert overflow is not None and overflow(5) is False and calls == ["tied5", "scale5"]  # step and clip skipped
+    assert PreStepHooks().as_hook() is None
+    only = hook("clip")
+    assert PreStepHooks(clip=only).as_hook() is only  # type: ignore[arg-type]
+
+
+# --- each iteration's Actions ----------------------------------------------------------------
+
+
+def sync_tail(actions: list) -> list[str]:  # type: ignore[type-arg]
+    return [str(a) for a in actions if a.kind not in COMPUTE_KINDS and a.kind not in P2P_KINDS]
+
+
+@pytest.mark.parametrize("mode", ["bsp", "wsp", "hybrid-ps", "daso", "local-sgd"])
+def test_the_actions_of_each_iteration_are_the_ones_the_simulator_replays(mode: str) -> None:
+    plan = make_plan([(["n0:0"], [0, 4], 2, 1), (["n0:1"], [0, 4], 2, 1), (["n0:2"], [0, 4], 2, 1)]).with_sync(
+        mode, SyncOptions(period=3, aggregate=2, warmup=1, cooldown=1))
+    steps = 9
+    replayed = build_schedules(plan, steps)
+    daso = DasoAdaptation(plan.sync_options.period, None, 1, lambda work, what: None) if mode == "daso" else None
+    actions = StepActions(plan, "n0:1", daso)
+    actions.start(0)
+    for i in range(steps):
+        it = actions.next(steps)
+        assert list(it.actions) == list(replayed[i]["n0:1"]), (mode, i)
+        assert list(it.sync_actions) == sync_tail(it.actions)
+        assert it.period == plan.sync_options.period
+
+
+def test_dasos_period_goes_into_the_sync_state_and_its_checkpoint() -> None:
+    plan = make_plan([(["n0:0"], [0, 4], 2, 1), (["n0:1"], [0, 4], 2, 1)]).with_sync(
+        "daso", SyncOptions(period=4, warmup=0, cooldown=0))
+    daso = DasoAdaptation(4, None, 1, lambda work, what: None)
+    actions = StepActions(plan, "n0:0", daso)
+    actions.start(5)
+    daso.rate.period = 2  # as DasoRate halves k on a plateau
+    it = actions.next(100)
+    assert it.period == 2 and "AVERAGE_START seg0" in it.sync_actions  # iteration 5 ends a period of 2
+    again = DasoAdaptation(4, None, 1, lambda work, what: None)
+    again.load_state_dict(daso.state_dict())
+    assert again.period == 2
 
 
 # --- stage state --------------------------------------------------------------------------

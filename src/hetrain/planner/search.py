@@ -78,7 +78,8 @@ from hetrain.planner.stage_cost import StageTableCache
 from hetrain.planner.sync import Scorer, choose_sync_mode, estimate_mode_sync_time
 from hetrain.planner.vw import VWEvaluator, canonical_devices, vw_signature
 from hetrain.profile import ModelProfile
-from hetrain.sync_layout import SYNC_MODES, SyncMode, SyncOptions, check_mode_options, modes_for
+from hetrain.sync_layout import SyncOptions, check_mode_options, modes_for
+from hetrain.sync_mode import SYNC_MODES, SyncModeName
 from hetrain.units import format_bytes
 
 INF = float("inf")
@@ -140,7 +141,7 @@ class PlannerOptions:
 
     strategy: Literal["auto", "dp", "pp", "hybrid"] = "auto"
     schedule: Literal["auto", "gpipe", "1f1b", "1f1b-eager"] = "auto"
-    sync: SyncMode | Literal["auto"] = "bsp"
+    sync: SyncModeName | Literal["auto"] = "bsp"
     sync_options: SyncOptions = field(default_factory=SyncOptions)
     staleness_penalty: float = 0.0
     optimizer: Optimizer = "adam"

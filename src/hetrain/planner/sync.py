@@ -51,6 +51,7 @@ from hetrain.sync_layout import (
     place_ps_shard,
 )
 from hetrain.sync_layout import group_segments as build_segments
+from hetrain.sync_mode import sync_mode
 
 #: a plan's simulated iteration seconds (the simulator's, handed in by the caller: the planner imports no simulator)
 Scorer = Callable[[Plan], float]
@@ -111,22 +112,7 @@ def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequenc
         if traffic is not None and t > 0:  # the planner's BSP estimate: bucket by bucket, as the plan cuts them
             cut = cut_buckets_exact if bucket_cut == "exact" else cut_buckets
             cuts = cut(layer_bytes, first, end, first_bucket_bytes, bucket_bytes)
-            shape = allreduce_shape(cluster, owners)
-            priced = [estimate_allreduce(size * wire, shape) for _, _, size in cuts]
-            by_bucket = sum(s for s, _ in priced)
-            # the replay runs each bucket by its own algorithm (sync_layout): the phases are its largest
-            # bucket's; 134 hierarchical buckets hold the NICs as no flat ring of the whole segment does
-            algorithm = max(zip(cuts, priced, strict=True), key=lambda x: x[0][2])[1][1]
-            whole = estimate_allreduce(num_bytes * wire, shape, algorithm)[0]
-            # the first bucket is final once the backward of its layers is over: its share of the segment's
-            # backward seconds (a head of 8 kB and 105 GFLOPs is most of its bucket's time, none of its bytes)
-            g = estimate_layer_times(profile, cluster.devices[owners[0]], 1)[1]
-            seg_s = float(g[first:end].sum())
-            before = (float(g[int(cuts[0][0]):end].sum()) if bucket_cut != "exact"
-                      else backward_after(g, cuts[0][0], end))
-            share = before / seg_s if seg_s > 0 else cuts[0][2] / num_bytes
-            job = job._replace(scale=by_bucket / whole, share=share, buckets=len(cuts), algorithm=algorithm)
-            t = by_bucket
+            job, t = _bucketed_job(cluster, profile, job, first, end, num_bytes, cuts, bucket_cut == "exact", wire)
         last = t if num_bytes <= bucket_bytes else estimate_allreduce_time(cluster, owners, bucket_bytes * wire)
         for d in owners:
             per_device[d] = per_device.get(d, 0.0) + t
@@ -146,6 +132,33 @@ def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequenc
         return max(delayed, shared)
     pipeline_end, sync_end = estimate_tail(cluster, jobs, traffic.waves)
     return max(delayed, shared, pipeline_end, sync_end)
+
+
+def _bucketed_job(cluster: Cluster, profile: ModelProfile, job: SegmentJob, first: int, end: int, num_bytes: float,
+                  cuts: Sequence[tuple[float, float, float]], exact: bool, wire: float) -> tuple[SegmentJob, float]:
+    """Segment ``[first, end)``'s all-reduce (``job``, of ``num_bytes`` of gradients) bucket by bucket, as ``cuts``
+    (last layers first) cut it:
+    the job with its scale, its first bucket's share of the backward, its bucket count and algorithm, and its
+    seconds (each bucket paying the latency terms).
+
+    ``exact``: the cuts fall inside layers (``sync_layout.cut_buckets_exact``), a layer cut inside counting its
+    bytes' share of its backward.
+    """
+    owners = job.owners
+    shape = allreduce_shape(cluster, owners)
+    priced = [estimate_allreduce(size * wire, shape) for _, _, size in cuts]
+    by_bucket = sum(s for s, _ in priced)
+    # the replay runs each bucket by its own algorithm (sync_layout): the phases are its largest
+    # bucket's; 134 hierarchical buckets hold the NICs as no flat ring of the whole segment does
+    algorithm = max(zip(cuts, priced, strict=True), key=lambda x: x[0][2])[1][1]
+    whole = estimate_allreduce(num_bytes * wire, shape, algorithm)[0]
+    # the first bucket is final once the backward of its layers is over: its share of the segment's
+    # backward seconds (a head of 8 kB and 105 GFLOPs is most of its bucket's time, none of its bytes)
+    g = estimate_layer_times(profile, cluster.devices[owners[0]], 1)[1]
+    seg_s = float(g[first:end].sum())
+    before = float(g[int(cuts[0][0]):end].sum()) if not exact else backward_after(g, cuts[0][0], end)
+    share = before / seg_s if seg_s > 0 else cuts[0][2] / num_bytes
+    return job._replace(scale=by_bucket / whole, share=share, buckets=len(cuts), algorithm=algorithm), by_bucket
 
 
 def _estimate_delayed_own(cluster: Cluster, jobs: Sequence[SegmentJob], traffic: PipelineTraffic,
@@ -245,21 +258,18 @@ def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Se
 
     Warm-up and cool-down iterations of DASO (blocking) are not counted: they are a fixed cost per run.
     """
-    k, a, stale, placement = options.period, options.aggregate, options.staleness, options.placement
-    if mode == "bsp":
+    rules = sync_mode(mode)
+    if rules.synchronous:
         return estimate_sync_time(cluster, profile, layouts, hide_s, options.bucket_bytes, traffic,
                                   options.first_bucket_bytes, options.bucket_cut, options.reduce_wire)
-    if mode == "local-sgd":
-        return estimate_sync_time(cluster, profile, layouts) / k
-    if mode == "daso":
-        glob = estimate_sync_time(cluster, profile, layouts)
-        return estimate_local_sync_time(cluster, profile, layouts) + max(0.0, glob - (k - 1) * compute_s) / k
-    if mode == "hybrid-ps":
-        ps = estimate_ps_time(cluster, profile, layouts, placement)
-        return estimate_local_sync_time(cluster, profile, layouts) + max(0.0, ps - stale * compute_s) / a
-    if mode == "wsp":
-        return max(0.0, estimate_ps_time(cluster, profile, layouts, placement) - stale * compute_s)
-    raise ValueError(f"unknown sync mode {mode!r}")
+    if rules.parameter_servers:  # P: one wave's pushes and pulls
+        exchange_s = estimate_ps_time(cluster, profile, layouts, options.placement)
+    else:  # S: the whole segments all-reduced (an average of the weights moves their bytes)
+        exchange_s = estimate_sync_time(cluster, profile, layouts)
+    hidden_s = max(0.0, exchange_s - rules.overlap_iterations(options) * compute_s) / rules.period(options)
+    if not rules.local_mean:
+        return hidden_s
+    return estimate_local_sync_time(cluster, profile, layouts) + hidden_s
 
 
 # ---------------------------------------------------------------------------
@@ -280,18 +290,16 @@ def estimate_mode_staleness(mode: str, options: SyncOptions, num_vws: int) -> fl
 
     One VW has nobody to be stale with: 0. DASO's blocking warm-up and cool-down are left out.
     """
-    if num_vws < 2 or mode == "bsp":
+    rules = sync_mode(mode)
+    if num_vws < 2 or rules.synchronous:
         return 0.0
-    k, a, d = options.period, options.aggregate, options.staleness
-    if mode == "local-sgd":
-        return (k - 1) / 2
-    if mode == "daso":
-        return (k + 1) / 2
-    if mode == "wsp":
-        return float(d)
-    if mode == "hybrid-ps":
-        return (a - 1) / 2 + d * a
-    raise ValueError(f"unknown sync mode {mode!r}")
+    every = rules.period(options)
+    # how late the others' updates come on top of the wait for the next exchange, (every - 1) / 2 on average
+    if rules.parameter_servers:
+        late = options.staleness * every  # pulls up to D pushes old
+    else:
+        late = 1 if rules.posted else 0  # a posted average is merged one iteration after it starts
+    return (every - 1) / 2 + late
 
 
 @dataclass(frozen=True)

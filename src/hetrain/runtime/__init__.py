@@ -1,10 +1,13 @@
 """The runtime: run a Plan with torch.distributed under torchrun.
 
-- ``trainer``: ``Trainer(...).fit(data, steps)``: the step loop, any model given as a list of layers.
+- ``trainer``: ``Trainer(...).fit(data, steps)``: the step loop (``_step`` returns a ``StepRecord``,
+  ``_after_step`` logs, checkpoints, evaluates and watches for drift), any model given as a list of layers.
 - ``command``: the ``train`` command (``hetrain train``; ``python -m hetrain.runtime.command``).
-- ``step/``: one step on one rank: ``executor`` (the Actions), ``p2p``, ``batches``, ``losses``, the pre-step
-  hooks (``tied``, ``loss_scale``, ``clip``), ``lr_schedule``, ``evaluate``.
-- ``sync/``: data parallelism across VWs: ``allreduce`` (segments' gradients), ``modes`` (the relaxed modes).
+- ``step/``: one step on one rank: ``executor`` (the Actions), ``actions`` (which Actions each iteration runs),
+  ``p2p``, ``batches``, ``losses``, ``hooks`` (the pre-step hooks in their order: ``tied``, ``loss_scale``,
+  ``clip``), ``record`` (``StepRecord``, what a step produced), ``lr_schedule``, ``evaluate``.
+- ``sync/``: data parallelism across VWs: ``allreduce`` (segments' gradients), ``modes`` (the relaxed modes),
+  ``daso`` (DASO's adaptive period).
 - ``state/``: ``checkpoint``, ``stage_state`` (a stage's share and its resume), ``export``.
 - ``lifecycle/``: ``job`` (start-up), ``roles``, ``restart`` (a changed world), ``drift_watch``, ``idle``,
   ``host_memory``.

@@ -12,13 +12,17 @@ or, with a model of one's own as a list of layers::
 
 What one step does on a rank (its Role in the plan), and where each part lives::
 
-    global batch (same on every rank, from the data seed)               batches
-      └─ shard_batch: this VW's mini-batch ─ split_batch: micro-batches i = 0..m-1
-    Executor.run(actions of this iteration)  F/B, SEND/RECV, ALLREDUCE, STEP   executor
-    losses: every log_every steps, summed over the used ranks by one all-reduce, asynchronously   losses
-    learning rate of the step, the same on every rank (a pure function of the step)      lr_schedule
-    at STEP, bsp: gradients clipped by the global norm (one all-reduce of one number)    clip
-    checkpoint every N steps (collective over the job; unused ranks join when told)   stage_state, idle
+    _step(s) -> StepRecord
+      global batch (same on every rank, from the data seed) ─ this VW's micro-batches     step.batches
+      this iteration's Actions (the sync state, DASO's k, as the simulator has them)     step.actions
+      learning rate of the step, the same on every rank (a pure function of the step)   step.lr_schedule
+      Executor.run(actions): F/B, SEND/RECV, ALLREDUCE, sync-mode actions, STEP         step.executor
+        at STEP, before the optimizer: tied gradients, fp16 unscaling, clipping         step.hooks
+      the sync mode's waves, DASO's loss                                                sync.modes, sync.daso
+    _after_step(record)
+      metrics row; losses of log_every steps summed over the used ranks in one call     step.record, step.losses
+      checkpoint every N steps (collective over the job; unused ranks join when told)   state.stage_state, idle
+      evaluation every M steps; the drift watch                           step.evaluate, lifecycle.drift_watch
 
 Start-up (``job.build_job``): each rank reports its device ``<node>:<LOCAL_RANK>``
 and the reports are all-gathered and matched to the plan (``roles``); every rank
@@ -28,8 +32,7 @@ complete checkpoint, if any, so ``torchrun --max-restarts N`` resumes by itself.
 A rank whose device the plan leaves unused takes part in nothing after that (it
 waits, idle, only to join checkpoint writes, which are collective over the job).
 
-The Trainer keeps ``fit`` and the step loop, and the per-iteration sync state
-(which sync actions an iteration runs, DASO's adaptive period) in one block.
+The Trainer keeps ``fit`` and the step loop; each concern of a step lives in the module named beside it.
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ from __future__ import annotations
 import functools
 import os
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import replace
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hetrain.amp import LossScaler, check_precision
+from hetrain.amp import check_precision
 from hetrain.distributed.device import choose_device
 from hetrain.errors import HetrainError, RunError
 from hetrain.models.user import ModelSource, describe_error
@@ -56,31 +59,32 @@ from hetrain.runtime.config import OptimConfig, TrainConfig
 from hetrain.runtime.lifecycle.drift_watch import DriftMonitor, DriftSwitch, drift_row, leave_together
 from hetrain.runtime.lifecycle.host_memory import tune_host_allocator
 from hetrain.runtime.lifecycle.idle import JobEvents
-from hetrain.runtime.lifecycle.job import LayersFn, OptimizerFn, build_job, init_distributed
+from hetrain.runtime.lifecycle.job import (
+    LayersFn,
+    OptimizerFn,
+    StageParts,
+    build_job,
+    init_distributed,
+)
 from hetrain.runtime.lifecycle.restart import ReplanPolicy, plan_path
 from hetrain.runtime.lifecycle.roles import Role
 from hetrain.runtime.report.metrics import MetricsLog, merge_timeline
 from hetrain.runtime.state.stage_state import checkpoint_meta, latest_step, restore_stage, resume_together, save_stage
+from hetrain.runtime.step.actions import StepActions
 from hetrain.runtime.step.batches import MicroBatches, global_batches
 from hetrain.runtime.step.clip import GradClip, check_clip
 from hetrain.runtime.step.evaluate import evaluate_stage
 from hetrain.runtime.step.executor import LayerFailure, StageModule
+from hetrain.runtime.step.hooks import PreStepHooks, build_pre_step_hooks
 from hetrain.runtime.step.loss_scale import LossScaling, check_fp16
-from hetrain.runtime.step.losses import LossSums
+from hetrain.runtime.step.losses import EarlySum, LossSums
 from hetrain.runtime.step.lr_schedule import LrSchedule
-from hetrain.runtime.step.tied import chain_hooks, check_tied
+from hetrain.runtime.step.record import StepRecord
+from hetrain.runtime.step.tied import check_tied
 from hetrain.runtime.sync.allreduce import GradientSync
-from hetrain.runtime.sync.modes import DasoRate, ModeSync
-from hetrain.schedule import (
-    Action,
-    ActionKind,
-    SyncState,
-    advance_sync_state,
-    build_schedule,
-    build_sync_actions,
-    initial_sync_state,
-    validate,
-)
+from hetrain.runtime.sync.daso import DasoAdaptation
+from hetrain.runtime.sync.modes import ModeSync
+from hetrain.schedule import ActionKind
 from hetrain.timeline import Timeline
 
 
@@ -166,12 +170,6 @@ class Trainer:
         check_tied(plan, tied)
         check_fp16(plan)
         check_precision(plan.precision, choose_device(int(os.environ.get("LOCAL_RANK", "0")))[1].type)
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        if checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
-        if log_every < 1:
-            raise ValueError(f"log_every must be >= 1, got {log_every}")
         # the host allocator keeps freed pages for the next step (lifecycle.host_memory)
         self.host_allocator = tune_host_allocator()
         self.log_every = log_every
@@ -207,19 +205,19 @@ class Trainer:
         self.sync: GradientSync | None = None if parts is None else parts.sync
         self.modes: ModeSync | None = None if parts is None else parts.modes
         self.lr_schedule = lr_schedule
-        self.clip: GradClip | None = None
-        self.loss_scaling: LossScaling | None = None  # fp16 only
-        if parts is not None and plan.precision == "fp16":
-            self.loss_scaling = LossScaling(LossScaler(), parts.sync, self.work_group, len(self.used_ranks),
-                                            job.wait, self.device, parts.executor)
-            parts.executor.before_step = chain_hooks(parts.executor.before_step, self.loss_scaling)
-        if parts is not None and clip_grad_norm is not None:
-            self.clip = GradClip(clip_grad_norm, plan, self.role.device, parts.sync, self.work_group,
-                                 len(self.used_ranks), job.wait, self.device,
-                                 duplicates=parts.tied.duplicates if parts.tied is not None else ())
-            # ties summed first, then fp16's gradients unscaled (a skipped step is not clipped)
-            parts.executor.before_step = chain_hooks(parts.executor.before_step, self.clip)
-        self._init_sync_state()
+        hooks = PreStepHooks()
+        if parts is not None:  # tied gradients, fp16's unscaling, clipping: in their order (runtime.step.hooks)
+            hooks = build_pre_step_hooks(plan, self.role.device, tied=parts.tied, sync=parts.sync,
+                                         executor=parts.executor, group=self.work_group, ranks=len(self.used_ranks),
+                                         wait=job.wait, on=self.device, clip_grad_norm=clip_grad_norm)
+            parts.executor.before_step = hooks.as_hook()
+        self.clip: GradClip | None = hooks.clip
+        self.loss_scaling: LossScaling | None = hooks.loss_scaling  # fp16 only
+        # DASO's adaptive k (runtime.sync.daso); this rank's Actions of each iteration (runtime.step.actions)
+        self._daso = (DasoAdaptation(plan.sync_options.period, self.work_group, len(self.used_ranks), job.wait)
+                      if plan.sync_mode.adaptive else None)
+        self._step_actions = StepActions(plan, self.role.device, self._daso)
+        self._fit: _Fit | None = None  # the loop's state during fit
         self._events = JobEvents(job, self.checkpoint_dir)
         self._micro_batches = MicroBatches(self.role, plan.global_batch)
         self._restore()
@@ -322,7 +320,7 @@ class Trainer:
         if self.modes is None:
             return {}
         return {"max_lead_waves": self.modes.max_lead_waves, "lead_checks": self.modes.lead_checks,
-                "waves": self.modes.wave, "period": self._daso_rate.period}
+                "waves": self.modes.wave, "period": self.daso_period}
 
     def close(self) -> None:
         """Stop the heartbeat and any parameter-server threads. The process group is left as it is."""
@@ -335,113 +333,131 @@ class Trainer:
     # --- the loop --------------------------------------------------------------------
 
     def _train(self, batches: Iterator[Any], steps: int, log: MetricsLog | None, out: list[dict[str, Any]]) -> None:
-        parts = self.job.stage
-        assert parts is not None
-        N = self.plan.global_batch
-        # the sync mode's state at this step (a resumed run starts with no DASO average in flight)
-        self.sync_state = SyncState(self.step, self._daso_rate.period, False)
+        """Each step, then what follows it; at the end, the last losses and the sync mode's waves in flight."""
         sums = LossSums(self.work_group, len(self.used_ranks), self.job.wait)  # reduced in batches, asynchronously
-        t_begin = t_prev = time.perf_counter()
-        excluded = 0.0  # seconds spent evaluating: left out of elapsed_s
+        now = time.perf_counter()
+        fit = self._fit = _Fit(batches, steps, log, out, sums, now, now)
+        self._step_actions.start(self.step)
         if self._eval_every:
-            excluded += self._evaluate(log, 0.0)
-            t_prev = time.perf_counter()
+            fit.excluded_s += self._evaluate(0.0)
+            fit.last_s = time.perf_counter()
         while self.step < steps:
-            s = self.step
-            record = self.record_timeline and s == steps - 1
-            try:
-                batch = next(batches)
-            except StopIteration:
-                raise ValueError(f"the data ran out at step {s} of {steps}") from None
-            inputs, targets = self._micro_batches(batch, s)
-            if record:
-                self.job.wait(dist.all_reduce(torch.zeros(1, device=self.device), group=self.work_group,
-                                              async_op=True), f"lining up for the recorded step {s}")
-                parts.recorder.start()
-                t_prev = time.perf_counter()
-            actions, sync_actions = self._actions_for(steps)
-            lr = self._set_lr(steps)
-            row: dict[str, Any] = {"step": s + 1, "loss": None}
-            # where the losses are summed right after this step (a batch of log_every, or the last step of fit),
-            # start that sum as soon as the step's forwards are over: it runs during the backward and the
-            # gradient all-reduces instead of after them (the end of fit then waits for nothing more)
-            read: list[list[dict[str, Any]]] = []  # the rows that early flush read, logged after the step
-            early = s + 1 == steps or sums.waiting + 1 >= self.log_every
-            parts.executor.on_losses = functools.partial(_sum_now, sums, row, read) if early else None
-            wire0 = self.sync.wire_bytes if self.sync is not None else 0
-            loss = parts.executor.run(actions, s, inputs, targets)
-            if self.modes is not None and any(a.kind is ActionKind.PULL for a in actions):
-                self.modes.end_wave()
-            if self.plan.sync == "daso":
-                self._adapt_daso_period(actions, loss)
-            if record and self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            t_end = time.perf_counter()
-            if record:
-                self._merge_timeline(parts.recorder.stop(), s, t_end - t_prev)
-            self.step += 1
-            step_time = t_end - t_prev
-            t_prev = t_end
-            row.update({
-                "samples_per_s": N / step_time if step_time > 0 else 0.0,
-                "step_time_s": step_time, "elapsed_s": (elapsed := t_end - t_begin - excluded),
-                "sync_actions": sync_actions, "lr": lr,
-                # what this rank handed to its gradient all-reduces, in the plan's reduce_dtype
-                "allreduce_bytes": (self.sync.wire_bytes - wire0) if self.sync is not None else 0})
-            if self.clip is not None:
-                row["grad_norm"] = self.clip.norm  # a tensor until the row is logged (no device sync here)
-            if self.loss_scaling is not None:
-                row["loss_scale"] = self.loss_scaling.scaler.scale  # the scale after this step
-                row["step_skipped"] = self.loss_scaling.skipped_last
-            if self.plan.sync == "daso":
-                row["daso_period"] = self.sync_state.period  # the k this step's actions were built with
-            if read:  # its loss is being summed already (on_losses)
-                self._log_losses(read[0], log, out)
-            else:
-                sums.add(row, loss)
-            checkpoint = self._checkpoint_due(steps)
-            evaluate = bool(self._eval_every) and (self.step % self._eval_every == 0 or self.step == steps)
-            if sums.waiting >= self.log_every or checkpoint or evaluate or self.step == steps:
-                self._log_losses(sums.flush(), log, out)
-            if checkpoint:
-                self._log_losses(sums.drain(), log, out)
-                self._save(out[-1]["loss"] if out else None)
-            if evaluate:  # after every rank has finished this step (its losses are summed): evaluate, untimed
-                self._log_losses(sums.drain(), log, out)
-                excluded += self._evaluate(log, elapsed)
-                t_prev = time.perf_counter()
-            if self._drift is not None:
-                self._watch_drift(parts.executor.compute_s, step_time, steps, log, out, sums, checkpoint)
+            self._after_step(self._step(self.step))
         if self._drift is not None:
             self._drift.flush(self.step)
-        self._log_losses(sums.drain(), log, out)
+        self._log_losses(sums.drain())
         if self.modes is not None:
             self.modes.finish(f"the end of training (step {self.step})")
 
-    def _watch_drift(self, compute_s: float, step_s: float, steps: int, log: MetricsLog | None,
-                     out: list[dict[str, Any]], sums: LossSums, saved: bool) -> None:
+    def _step(self, s: int) -> StepRecord:
+        """Step ``s`` (0-based) on this rank: its micro-batches through its Actions; what it produced."""
+        fit, parts = self._run, self._parts
+        recorded = self.record_timeline and s == fit.steps - 1
+        inputs, targets = self._micro_batches(self._next_batch(s), s)
+        if recorded:
+            self._line_up(s)
+        it = self._step_actions.next(fit.steps)
+        lr = self._set_lr(fit.steps)
+        # where the losses are summed right after this step (a batch of log_every, or the last step of fit),
+        # start that sum as soon as the step's forwards are over: it runs during the backward and the
+        # gradient all-reduces instead of after them (the end of fit then waits for nothing more)
+        early = EarlySum(fit.sums, s + 1) if s + 1 == fit.steps or fit.sums.waiting + 1 >= self.log_every else None
+        parts.executor.on_losses = early
+        wire0 = parts.sync.wire_bytes
+        loss = parts.executor.run(it.actions, s, inputs, targets)
+        if self.modes is not None and any(a.kind is ActionKind.PULL for a in it.actions):
+            self.modes.end_wave()
+        if self._daso is not None:
+            self._daso.after_step(it.actions, loss)
+        if recorded and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t_end = time.perf_counter()
+        if recorded:
+            self._merge_timeline(parts.recorder.stop(), s, t_end - fit.last_s)
+        self.step += 1
+        step_s, fit.last_s = t_end - fit.last_s, t_end
+        scaling = self.loss_scaling
+        return StepRecord(
+            step=s + 1, loss=loss, lr=lr, step_time_s=step_s, elapsed_s=t_end - fit.began_s - fit.excluded_s,
+            samples_per_s=self.plan.global_batch / step_s if step_s > 0 else 0.0, sync_actions=it.sync_actions,
+            allreduce_bytes=parts.sync.wire_bytes - wire0, compute_s=parts.executor.compute_s, early=early,
+            clipping=self.clip is not None, grad_norm=None if self.clip is None else self.clip.norm,
+            loss_scale=None if scaling is None else scaling.scaler.scale,
+            step_skipped=None if scaling is None else scaling.skipped_last,
+            daso_period=None if self._daso is None else it.period)
+
+    def _after_step(self, record: StepRecord) -> None:
+        """What follows a step, each when due: its metrics row (logged once its loss is summed over the ranks), a
+        checkpoint, an evaluation, the drift watch."""
+        fit = self._run
+        if record.early is not None and record.early.read is not None:  # its loss is being summed already
+            record.early.row.update(record.metrics())
+            self._log_losses(record.early.read)
+        else:
+            fit.sums.add({"step": record.step, "loss": None, **record.metrics()}, record.loss)
+        checkpoint = self._checkpoint_due(fit.steps)
+        evaluate = bool(self._eval_every) and (self.step % self._eval_every == 0 or self.step == fit.steps)
+        if fit.sums.waiting >= self.log_every or checkpoint or evaluate or self.step == fit.steps:
+            self._log_losses(fit.sums.flush())
+        if checkpoint:
+            self._log_losses(fit.sums.drain())
+            self._save(fit.out[-1]["loss"] if fit.out else None)
+        if evaluate:  # after every rank has finished this step (its losses are summed): evaluate, untimed
+            self._log_losses(fit.sums.drain())
+            fit.excluded_s += self._evaluate(record.elapsed_s)
+            fit.last_s = time.perf_counter()
+        if self._drift is not None:
+            self._watch_drift(record, checkpoint)
+
+    @property
+    def _run(self) -> _Fit:
+        """The loop's state (during ``fit`` only)."""
+        assert self._fit is not None
+        return self._fit
+
+    @property
+    def _parts(self) -> StageParts:
+        """This rank's stage and the machinery around it (a used rank's only)."""
+        assert self.job.stage is not None
+        return self.job.stage
+
+    def _next_batch(self, s: int) -> Any:
+        try:
+            return next(self._run.batches)
+        except StopIteration:
+            raise ValueError(f"the data ran out at step {s} of {self._run.steps}") from None
+
+    def _line_up(self, s: int) -> None:
+        """Before the recorded step (``fit``'s last, the Timeline's): the used ranks start it together, and the
+        recorder runs; its time counts from here."""
+        self.job.wait(dist.all_reduce(torch.zeros(1, device=self.device), group=self.work_group, async_op=True),
+                      f"lining up for the recorded step {s}")
+        self._parts.recorder.start()
+        self._run.last_s = time.perf_counter()
+
+    def _watch_drift(self, record: StepRecord, saved: bool) -> None:
         """Record this step's compute time; every ``share_every`` steps share the figures and, on a sustained
         drift, decide (the same on every rank) and log it; switch when that pays (``runtime.lifecycle.drift_watch``)."""
-        mon = self._drift
+        mon, fit = self._drift, self._run
         assert mon is not None
-        mon.after_step(self.step, compute_s, step_s)
-        if self.step >= steps:
+        mon.after_step(self.step, record.compute_s, record.step_time_s)
+        if self.step >= fit.steps:
             return
         drift = mon.detector.forced(self.step)
         if drift is None and mon.due():
             drift = mon.observe(mon.share(self.step))
         if drift is None:
             return
-        self._log_drift(drift_row(self.step, "trigger", drift, None), log)
-        decision = mon.decide(drift, self.step, steps)
-        self._log_drift(drift_row(self.step, "switch" if decision.switch else "skip", drift, decision), log)
+        self._log_drift(drift_row(self.step, "trigger", drift, None))
+        decision = mon.decide(drift, self.step, fit.steps)
+        self._log_drift(drift_row(self.step, "switch" if decision.switch else "skip", drift, decision))
         if not decision.switch or decision.replanned is None:
             return
         mon.flush(self.step)
-        self._log_losses(sums.flush(), log, out)
-        self._log_losses(sums.drain(), log, out)
+        self._log_losses(fit.sums.flush())
+        self._log_losses(fit.sums.drain())
         if not saved:
-            self._save(out[-1]["loss"] if out else None)
+            self._save(fit.out[-1]["loss"] if fit.out else None)
         assert self.checkpoint_dir is not None
         path = plan_path(self.checkpoint_dir, self.step)
         if self.is_reporting:
@@ -452,24 +468,26 @@ class Trainer:
                           f"the new plan is {path} (plan {decision.replanned.digest}): restart to take it",
                           self.step, str(path))
 
-    def _log_drift(self, row: dict[str, Any], log: MetricsLog | None) -> None:
+    def _log_drift(self, row: dict[str, Any]) -> None:
         """A drift decision: a metrics row and one printed line, on the reporting rank."""
         if not self.is_reporting:
             return
+        log = self._run.log
         if log is not None:
             log.log(row)
         print(f"hetrain: drift {row['drift']} at step {row['step']}: "
               + (row.get("reason") or ", ".join(f"{d} x{f:.2f}" for d, f in row["factors"].items())), flush=True)
 
-    def _log_losses(self, rows: list[dict[str, Any]], log: MetricsLog | None, out: list[dict[str, Any]]) -> None:
-        """Steps whose summed loss has been read: into ``out``, the history and the metrics log."""
+    def _log_losses(self, rows: list[dict[str, Any]]) -> None:
+        """Steps whose summed loss has been read: into ``fit``'s rows, the history and the metrics log."""
+        fit = self._run
         for row in rows:
             if isinstance(row.get("grad_norm"), torch.Tensor):
                 row["grad_norm"] = float(row["grad_norm"])
-            out.append(row)
+            fit.out.append(row)
             self.history.append(row)
-            if log is not None:
-                log.log(row)
+            if fit.log is not None:
+                fit.log.log(row)
 
     def _set_lr(self, steps: int) -> float:
         """Set every parameter group to the schedule's rate of the coming step (``self.step + 1``); return it."""
@@ -481,7 +499,7 @@ class Trainer:
             group["lr"] = lr
         return lr
 
-    def _evaluate(self, log: MetricsLog | None, elapsed_s: float) -> float:
+    def _evaluate(self, elapsed_s: float) -> float:
         """Validation loss of VW 0's weights now (``runtime.step.evaluate``); returns the seconds it took."""
         t0 = time.perf_counter()
         mine = evaluate_stage(self.role, self.module, self._loss_fn, self._eval_set, self.work_group, self.health,
@@ -494,8 +512,8 @@ class Trainer:
         row = {"step": self.step, "val_loss": float(buf[0]), "elapsed_s": elapsed_s, "eval_s": took,
                "val_samples": sum(len(y) for _, y in self._eval_set)}
         self.val_history.append(row)
-        if log is not None:
-            log.log(row)
+        if self._run.log is not None:
+            self._run.log.log(row)
         return took
 
     def _merge_timeline(self, part: dict[str, Any], step: int, iteration_s: float) -> None:
@@ -532,7 +550,7 @@ class Trainer:
         """Write this rank's share of the checkpoint of ``self.step``; unused ranks are told to join."""
         assert self.module is not None and self.optimizer is not None and self.checkpoint_dir is not None
         meta = checkpoint_meta(self.plan, self.step, loss)
-        mode_tensors = ({} if self.modes is None else  # parameter-server shards; DASO's k (runtime.sync.modes)
+        mode_tensors = ({} if self.modes is None else  # parameter-server shards (runtime.sync.modes)
                         self.modes.checkpoint_state(self.module, f"the checkpoint of step {self.step}"))
         self._save_sync_state(meta)
         t0 = time.perf_counter()
@@ -562,83 +580,56 @@ class Trainer:
         if restored is None:
             return
         self.step = int(restored.meta.get("step", restored.step))
-        if self.modes is not None:  # the parameter-server shards' global weights, DASO's k (runtime.sync.modes)
+        if self.modes is not None:  # the parameter-server shards' global weights (runtime.sync.modes)
             self.modes.restore_state(self.module, self.checkpoint_dir, restored.step)
         self._load_sync_state(restored.meta)
 
-    # === per-iteration sync state ===================================================
-    # Which sync actions each iteration runs: ``schedule.advance_sync_state`` moves the state on after
-    # every step, as the simulator does; DASO's adaptive period k is put into it before each step.
-    # Checkpoints carry k through ``_save_sync_state`` / ``_load_sync_state``.
-
-    def _init_sync_state(self) -> None:
-        self._schedules: dict[tuple[str, ...], list[Action]] = {}  # this device's actions, by its sync actions
-        self._daso_rate = DasoRate(self.plan.sync_options.period)  # DASO's k, adapted when the loss plateaus
-        self._daso_loss: tuple[Any, torch.Tensor] | None = None  # (work, buffer) of the loss posted with an average
-        self.sync_state = initial_sync_state(self.plan)
-
-    def _actions_for(self, steps: int) -> tuple[list[Action], list[str]]:
-        """This device's Actions of the iteration of ``sync_state`` (the plan's schedule for it, validated once
-        per kind) and its sync actions' text, for the metrics; then the state is advanced."""
-        state = replace(self.sync_state, period=self._daso_rate.period)
-        if self.plan.sync == "bsp" and self._schedules:  # the same actions every iteration: built once
-            ((key, actions),) = self._schedules.items()
-            self.sync_state = advance_sync_state(self.plan, state, steps)
-            return actions, list(key)
-        tail = build_sync_actions(self.plan, self.role.device, state, steps)
-        key = tuple(str(a) for a in tail)
-        if key not in self._schedules:
-            schedule = build_schedule(self.plan, state, steps)
-            validate(schedule, self.plan)
-            self._schedules[key] = schedule[self.role.device]
-        self.sync_state = advance_sync_state(self.plan, state, steps)
-        return self._schedules[key], list(key)
-
-    def _adapt_daso_period(self, actions: Sequence[Action], loss: torch.Tensor) -> None:
-        """DASO's adaptive global sync rate (Coquelin et al. 2022, Sec. 3.3): the global loss travels with
-        each non-blocking average and is read when it is merged; when it has not improved by 1% over the last
-        two merges, k is halved (syncing more often near a plateau). Every used rank sees the same losses, so
-        all choose the same k."""
-        if self._daso_loss is not None and any(a.kind is ActionKind.AVERAGE_MERGE for a in actions):
-            work, buf = self._daso_loss
-            self._daso_loss = None
-            if work is not None:
-                self._wait_collective(work, "the loss sent with DASO's global average")
-            self._daso_rate.observe(float(buf))  # modes.DasoRate: k for the iterations that follow
-        if any(a.kind is ActionKind.AVERAGE_START for a in actions):
-            buf = loss.detach().clone()
-            work = (dist.all_reduce(buf, group=self.work_group, async_op=True) if len(self.used_ranks) > 1 else None)
-            self._daso_loss = (work, buf)
-
-    def _wait_collective(self, work: Any, what: str) -> None:
-        self.job.wait(work, what)
+    # --- the sync mode's and fp16's state in checkpoints ---------------------------------
 
     @property
     def daso_period(self) -> int:
-        """DASO's current k (iterations between global averages)."""
-        return self._daso_rate.period
+        """DASO's current k (iterations between global averages; ``runtime.sync.daso``); the plan's period under
+        another mode."""
+        return self._daso.period if self._daso is not None else self.plan.sync_options.period
 
     def _save_sync_state(self, meta: dict[str, Any]) -> None:
-        if self.plan.sync == "daso":
-            meta["daso"] = self._daso_rate.state_dict()
+        if self._daso is not None:
+            meta["daso"] = self._daso.state_dict()
         if self.loss_scaling is not None:  # the same on every rank: the overflow verdict is global
             meta["loss_scaler"] = self.loss_scaling.scaler.state_dict()
 
     def _load_sync_state(self, meta: dict[str, Any]) -> None:
-        if self.plan.sync == "daso" and isinstance(meta.get("daso"), dict):
-            self._daso_rate.load_state_dict(meta["daso"])
+        if self._daso is not None and isinstance(meta.get("daso"), dict):
+            self._daso.load_state_dict(meta["daso"])
         if self.loss_scaling is not None and isinstance(meta.get("loss_scaler"), dict):
             self.loss_scaling.scaler.load_state_dict(meta["loss_scaler"])
             self.loss_scaling.set_scale()
 
-    # === end of the per-iteration sync state ==========================================
 
+@dataclass
+class _Fit:
+    """One ``fit`` call's loop state, carried from step to step (``Trainer._train``).
 
-def _sum_now(sums: LossSums, row: dict[str, Any], read: list[list[dict[str, Any]]], loss_sum: torch.Tensor) -> None:
-    """A step's losses, known once its forwards are over: start summing them over the ranks now, with the
-    steps waiting before it (``LossSums.flush``); the rows of the batch before go into ``read``."""
-    sums.add(row, loss_sum)
-    read.append(sums.flush())
+    Attributes:
+        batches: the global batches, from the resumed step.
+        steps: the step count to reach.
+        log: the metrics log (the reporting rank's), or None.
+        out: the rows ``fit`` returns.
+        sums: the steps' losses being summed over the ranks.
+        began_s: when the loop began (``perf_counter``).
+        last_s: when the last step, evaluation, or line-up for the recorded step ended: the next step's time
+            counts from there.
+        excluded_s: seconds spent evaluating, left out of ``elapsed_s``.
+    """
+
+    batches: Iterator[Any]
+    steps: int
+    log: MetricsLog | None
+    out: list[dict[str, Any]]
+    sums: LossSums
+    began_s: float
+    last_s: float
+    excluded_s: float = 0.0
 
 
 __all__ = ["OPTIMIZER_NAMES", "LayersFn", "LrSchedule", "OptimizerFn", "Trainer",

@@ -157,7 +157,7 @@ def build_schedule_templates(plan: Plan, state: SyncState | None = None,
     keys: dict[tuple[object, ...], int] = {}
     templates: list[list[Action]] = []
     roles: dict[str, DeviceRole] = {}
-    bsp = plan.sync == "bsp"
+    bsp = plan.sync_mode.synchronous
     buckets = buckets_by_device(plan) if bsp else {}
     owned = owned_segments(plan) if not bsp else {}
     for vw in plan.virtual_workers:

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from hetrain.plan import Plan
-from hetrain.schedule.actions import Action, ActionKind, BucketSync, ScheduleError, SegmentSync, Step
+from hetrain.schedule.actions import Action, ActionKind, BucketSync, SegmentSync, Step
 from hetrain.sync_layout import Bucket
 
 K = ActionKind
@@ -55,9 +55,9 @@ class SyncState:
 
     Attributes:
         iteration: the 0-based index of the coming iteration.
-        period: k of ``local-sgd`` and ``daso``: iterations between global averages. DASO adapts
-            it when the loss plateaus (``runtime.sync.modes.DasoRate``): the trainer sets it with
-            ``dataclasses.replace``; the simulator keeps the plan's.
+        period: DASO's k, iterations between global averages, which it adapts when the loss plateaus
+            (``SyncMode.adaptive``, ``runtime.sync.daso``): the trainer sets it with ``dataclasses.replace``;
+            the simulator keeps the plan's. The other modes' period is the plan's (``SyncMode.period``).
         merge_pending: a non-blocking DASO average was started by the previous iteration and is
             merged in this one.
     """
@@ -73,8 +73,10 @@ def initial_sync_state(plan: Plan) -> SyncState:
 
 
 def is_global_sync(plan: Plan, state: SyncState) -> bool:
-    """Whether the iteration of ``state`` ends with the mode's periodic global sync."""
-    every = plan.sync_options.aggregate if plan.sync == "hybrid-ps" else state.period
+    """Whether the iteration of ``state`` ends with the mode's periodic exchange across VWs: every
+    ``SyncMode.period`` iterations, or ``state.period`` where the mode adapts it."""
+    mode = plan.sync_mode
+    every = state.period if mode.adaptive else mode.period(plan.sync_options)
     return (state.iteration + 1) % every == 0
 
 
@@ -86,44 +88,44 @@ def is_daso_blocking(plan: Plan, state: SyncState, steps: int | None) -> bool:
 
 
 def advance_sync_state(plan: Plan, state: SyncState, steps: int | None = None) -> SyncState:
-    """The state after the iteration of ``state``: the next iteration, and whether it merges a DASO
-    average this one started (a non-blocking average, on a period boundary outside warm-up and cool-down)."""
-    started = plan.sync == "daso" and not is_daso_blocking(plan, state, steps) and is_global_sync(plan, state)
+    """The state after the iteration of ``state``: the next iteration, and whether it merges an average this one
+    posted (a mode that posts its average, on a period boundary outside the warm-up and the cool-down)."""
+    started = plan.sync_mode.posted and not is_daso_blocking(plan, state, steps) and is_global_sync(plan, state)
     return SyncState(state.iteration + 1, state.period, started)
 
 
 def build_sync_actions(plan: Plan, device: str, state: SyncState | None = None,
                        steps: int | None = None, owned: Mapping[str, list[int]] | None = None) -> list[Action]:
-    """The sync actions of ``device`` that end the iteration of ``state`` under ``plan.sync`` (STEP included).
+    """The sync actions of ``device`` that end the iteration of ``state`` under ``plan.sync`` (STEP included)::
+
+        synchronous (bsp)     every bucket all-reduced, then STEP (the same every iteration)
+        local mean            LOCAL_ALLREDUCE of the segments shared on the node, before STEP
+        parameter servers     STEP, then PUSH and PULL on a period boundary (wsp: every iteration, one wave)
+        average, blocking     STEP, then AVERAGE on a period boundary (local-sgd)
+        average, posted       STEP, AVERAGE_MERGE of last iteration's, then AVERAGE_START on a period
+                              boundary, or AVERAGE in the warm-up and the cool-down (daso)
 
     ``state`` defaults to ``initial_sync_state(plan)``; ``steps`` (the run's length) places DASO's cool-down;
     ``owned`` is ``owned_segments(plan)`` where the caller has it already (``build_schedule``, once per plan).
     """
+    mode = plan.sync_mode
+    if mode.synchronous:
+        return add_bsp_sync([], plan.layout.device_buckets(device))
     state = initial_sync_state(plan) if state is None else state
     shared = (owned_segments(plan) if owned is None else owned).get(device, [])
-    down = sorted(shared, reverse=True)
 
     def each(kind: ActionKind, segs: Sequence[int]) -> list[Action]:
         return [SegmentSync(kind, segment=s) for s in sorted(segs, reverse=True)]
 
-    mode = plan.sync
-    if mode == "bsp":
-        return add_bsp_sync([], plan.layout.device_buckets(device))
-    if mode == "wsp":  # every iteration is one wave: local step, push the wave's update, pull within D
-        return [Step(), *each(K.PUSH, down), *each(K.PULL, down)]
-    if mode == "local-sgd":
-        return [Step(), *(each(K.AVERAGE, down) if is_global_sync(plan, state) else [])]
-    local = each(K.LOCAL_ALLREDUCE, plan.layout.local_segments(device))
-    if mode == "hybrid-ps":
-        glob = [*each(K.PUSH, down), *each(K.PULL, down)] if is_global_sync(plan, state) else []
-        return [*local, Step(), *glob]
-    if mode == "daso":
-        out = [*local, Step()]
-        if state.merge_pending:
-            out += each(K.AVERAGE_MERGE, down)
-        if is_daso_blocking(plan, state, steps):
-            out += each(K.AVERAGE, down)
-        elif is_global_sync(plan, state):
-            out += each(K.AVERAGE_START, down)
-        return out
-    raise ScheduleError(f"sync mode {mode!r} has no schedule; known: bsp, wsp, hybrid-ps, daso, local-sgd")
+    out = [*(each(K.LOCAL_ALLREDUCE, plan.layout.local_segments(device)) if mode.local_mean else []), Step()]
+    if mode.parameter_servers:
+        return out + ([*each(K.PUSH, shared), *each(K.PULL, shared)] if is_global_sync(plan, state) else [])
+    if not mode.posted:
+        return out + (each(K.AVERAGE, shared) if is_global_sync(plan, state) else [])
+    if state.merge_pending:
+        out += each(K.AVERAGE_MERGE, shared)
+    if is_daso_blocking(plan, state, steps):
+        out += each(K.AVERAGE, shared)
+    elif is_global_sync(plan, state):
+        out += each(K.AVERAGE_START, shared)
+    return out

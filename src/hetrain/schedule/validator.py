@@ -78,7 +78,7 @@ def validate(schedule: Mapping[str, Sequence[Action]], plan: Plan) -> None:
     _check_static(schedule, roles, num_buckets, owners)
     _check_start_order(schedule, roles, segments)
     node_of = {d.name: d.node for d in plan.cluster.devices}
-    Interpreter(schedule, roles, owners, node_of, plan.sync == "bsp", num_buckets).run()
+    Interpreter(schedule, roles, owners, node_of, plan.sync_mode.synchronous, num_buckets).run()
 
 
 def _check_static(schedule: Mapping[str, Sequence[Action]], roles: Mapping[str, StageRole], num_buckets: Sequence[int],

@@ -25,12 +25,12 @@ ASYNC_ITERATIONS = 12
 
 
 def simulated_iterations(plan: Plan) -> int:
-    """How many iterations ``simulate`` replays: 1 for ``bsp``; for the other modes enough to cover their periods."""
-    if plan.sync == "bsp":
+    """How many iterations ``simulate`` replays: 1 for the synchronous mode (``bsp``); for the other modes enough to
+    cover their periods and their VWs' slack."""
+    if plan.sync_mode.synchronous:
         return 1
     opts = plan.sync_options
-    period = opts.aggregate if plan.sync == "hybrid-ps" else opts.period
-    return max(ASYNC_ITERATIONS, 3 * period, 2 * (opts.staleness + 1))
+    return max(ASYNC_ITERATIONS, 3 * plan.sync_mode.period(opts), 2 * (opts.staleness + 1))
 
 
 def build_schedules(plan: Plan, n: int) -> list[Schedule]:

@@ -142,7 +142,7 @@ def build_result(program: Program, replayed: Replayed) -> SimResult:
             capacity_bytes=devices[name].memory_bytes, max_in_flight=replayed.max_in_flight[d],
         )
     samples_per_s = plan.global_batch / iteration_s if iteration_s > 0 else 0.0
-    if plan.sync != "bsp" and iteration_s > 0:
+    if not plan.sync_mode.synchronous and iteration_s > 0:
         # VWs that run ahead finish their iterations sooner: each VW's own pace counts
         samples_per_s = 0.0
         for v, vw in enumerate(plan.virtual_workers):

@@ -13,7 +13,8 @@ the stage module, optimizer, sync, transport and executor)::
     6. groups      new_group: forward, backward (CUDA only), work; then segment groups, mode groups,
                    tied-weight groups
     7. stage       used ranks only: layers, optimizer, GradientSync, Transport, Recorder, ModeSync, Executor
-                   (and TiedGrads, its before_step, when the model ties layers' weights)
+                   (and TiedGrads, when the model ties layers' weights: the first pre-step hook, which the
+                   Trainer installs with the others, ``runtime.step.hooks``)
 
 Steps 1, 2 and 6 are collective over the whole job: ``all_gather_object`` and
 every ``new_group`` call (even for a group the rank is not in) must be issued by
@@ -139,7 +140,8 @@ class StageParts:
         recorder: the measured timeline's events.
         modes: the sync mode's state (None under ``bsp``).
         executor: runs the rank's Actions of an iteration.
-        tied: sums the tied copies' gradients at STEP (the executor's ``before_step``); None: no ties here.
+        tied: sums the tied copies' gradients at STEP, the first pre-step hook (``runtime.step.hooks``); None: no
+            ties here.
     """
 
     module: StageModule
@@ -249,12 +251,11 @@ def build_stage(plan: Plan, role: Role, device: torch.device, groups: Groups, ra
     transport = Transport(health, groups.forward, groups.backward, device, timeout_s, plan.precision)
     recorder = Recorder(role.device, device if device.type == "cuda" else None)
     modes = None
-    if plan.sync != "bsp":
+    if not plan.sync_mode.synchronous:  # the relaxed modes' actions (runtime.sync.modes)
         modes = ModeSync(plan, role.device, sync, groups.segments, groups.modes, rank_of, health, timeout_s)
     executor = Executor(role, module, loss_fn, transport, sync, optimizer, health, recorder, device, modes,
                         plan.precision, early_receives(plan, role.device))
     tied_grads = TiedGrads(tied, plan, role.device, module, groups.tied, wait) if tied else None
-    executor.before_step = tied_grads
     return StageParts(module, optimizer, sync, transport, recorder, modes, executor, tied_grads)
 
 

@@ -48,7 +48,7 @@ def check_clip(plan: Plan, max_norm: float | None) -> None:
         return
     if not (math.isfinite(max_norm) and max_norm > 0):
         raise InputError(f"the gradient clipping norm must be a finite number > 0, got {max_norm}")
-    if plan.sync != "bsp":
+    if not plan.sync_mode.supports_clipping:
         raise InputError(f"gradient clipping by the global norm needs the bsp sync mode; the plan's is "
                          f"{plan.sync!r}, whose VWs step on gradients not yet summed across VWs")
 

@@ -16,7 +16,7 @@ refused for them (use bf16, which needs no scaling).
 Example:
     >>> guard = LossScaling(LossScaler(), sync, job.groups.work, len(job.used_ranks), job.wait,  # doctest: +SKIP
     ...                     job.device, executor)
-    >>> executor.before_step = chain_hooks(tied_grads, guard, clip)
+    >>> executor.before_step = PreStepHooks(tied_grads, guard, clip).as_hook()   # runtime.step.hooks
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def check_fp16(plan: Plan, where: str = "the plan") -> None:
     Raises:
         InputError: naming the sync mode.
     """
-    if plan.precision == "fp16" and plan.sync != "bsp":
+    if plan.precision == "fp16" and not plan.sync_mode.supports_fp16:
         raise InputError(f"{where}: precision fp16 needs the bsp sync mode (its loss scaler skips a step on "
                          f"every rank at once); the plan's sync mode is {plan.sync!r}: re-plan with "
                          "--precision bf16, which needs no loss scaling")

@@ -16,6 +16,8 @@ are over (``Executor.on_losses``), so the sum runs during its backward and its
 gradient all-reduces; the end of ``fit`` then reads a sum that has landed rather
 than wait for one more collective of its own.
 
+``EarlySum`` is that early add and flush: the executor's ``on_losses`` for such a step.
+
 Example:
     >>> sums = LossSums(work_group, len(used_ranks), job.wait)          # doctest: +SKIP
     >>> sums.add({"step": 1, "loss": None}, loss)                       # doctest: +SKIP
@@ -82,3 +84,24 @@ class LossSums:
         for row, value in zip(rows, buf.tolist(), strict=True):
             row["loss"] = float(value)
         return rows
+
+
+class EarlySum:
+    """A step whose loss is summed over the ranks as soon as its forwards are over (``Executor.on_losses``),
+    with the steps waiting before it: called with the loss, it adds the step's row (``{"step", "loss"}``, its
+    other figures filled in after the step) and flushes ``sums``.
+
+    Attributes:
+        row: the step's metrics row, in ``sums`` once called.
+        read: the rows that flush read (the batch before, with their losses), logged after the step; None until
+            called.
+    """
+
+    def __init__(self, sums: LossSums, step: int) -> None:
+        self._sums = sums
+        self.row: Row = {"step": step, "loss": None}
+        self.read: list[Row] | None = None
+
+    def __call__(self, loss_sum: torch.Tensor) -> None:
+        self._sums.add(self.row, loss_sum)
+        self.read = self._sums.flush()

@@ -17,8 +17,8 @@ rank, without a collective, under any sync mode. A tie across ranks needs ``bsp`
 other sync modes step on gradients not yet summed across VWs.
 
 The tie's process groups are created by every rank of the job, in tie order, after the
-sync mode's groups (``runtime.lifecycle.job.build_groups``); the executor calls ``TiedGrads`` at STEP
-(``Executor.before_step``), before gradient clipping.
+sync mode's groups (``runtime.lifecycle.job.build_groups``); the executor calls ``TiedGrads`` at STEP,
+first of the pre-step hooks (``runtime.step.hooks``).
 
 Example:
     >>> ranks = tie_ranks(plan, rank_of, source.tied)          # doctest: +SKIP
@@ -27,7 +27,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -41,7 +41,6 @@ from hetrain.runtime.step.losses import WaitFn
 from hetrain.sync_layout import Segment
 
 Tie = tuple[tuple[int, str], ...]
-StepHook = Callable[[int], bool | None]
 
 
 def _segment(plan: Plan, layer: int) -> Segment:
@@ -68,7 +67,7 @@ def check_tied(plan: Plan, tied: Sequence[Tie]) -> None:
         InputError: naming the tie's layers and the plan's sync mode.
     """
     for tie in tied:
-        if not is_local(plan, tie) and plan.sync != "bsp":
+        if not is_local(plan, tie) and not plan.sync_mode.supports_ties_across_devices:
             layers = " and ".join(f"layer {k} ({name})" for k, name in tie)
             raise InputError(f"the model ties {layers}, held by different devices; summing their gradients "
                              f"needs the bsp sync mode, the plan's is {plan.sync!r}")
@@ -137,24 +136,4 @@ class TiedGrads:
                 g.copy_(total)
 
 
-def chain_hooks(*hooks: StepHook | None) -> StepHook | None:
-    """One ``before_step`` hook calling the given ones in order (None: none given).
-
-    A hook that returns False skips the step: the hooks after it are not called, and the chain returns False.
-    """
-    present = [h for h in hooks if h is not None]
-    if not present:
-        return None
-    if len(present) == 1:
-        return present[0]
-
-    def run(step: int) -> bool | None:
-        for hook in present:
-            if hook(step) is False:
-                return False
-        return None
-
-    return run
-
-
-__all__ = ["TiedGrads", "build_tie_groups", "chain_hooks", "check_tied", "is_local", "tie_ranks"]
+__all__ = ["TiedGrads", "build_tie_groups", "check_tied", "is_local", "tie_ranks"]

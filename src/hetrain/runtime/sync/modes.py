@@ -9,6 +9,7 @@ layers of that segment held by this rank (a flat vector per segment)::
     AVERAGE s           parameters of s averaged among all owners, weighted by mini-batch (blocking)
     AVERAGE_START s     the same average posted, not waited for (DASO)
     AVERAGE_MERGE s     wait for it; x <- (2S x_local + P x_avg) / (2S + P), S iterations since the start, P owners
+                        (DASO's adaptive period, and the loss sent with its averages: ``runtime.sync.daso``)
     PUSH s              this wave's update (parameters now - at the last pull) to the shard of s
     PULL s              the global weights of wave c - D or newer, plus this worker's own newer updates
 
@@ -95,62 +96,6 @@ def _assign(params: Sequence[nn.Parameter], flat: torch.Tensor) -> None:
             offset += p.numel()
 
 
-class DasoRate:
-    """DASO's global sync period k, adapted to the loss (Coquelin et al., J. Big Data 2022, "Adaptive
-    synchronization"): as training settles the global averages come more often; at every k, long runs of
-    local steps with rare, stale averages are what buys time early on.
-
-    ``observe`` takes the global loss at each merged average. The loss is on a plateau when it has not
-    fallen below ``(1 - threshold)`` times its best for ``patience`` observations in a row; k is then
-    halved, and from 1 it goes back up to ``max_period`` (the paper cycles k down from its maximum, 8 in
-    its experiments, starting at 4 after the warm-up). After each change the plateau test starts over.
-
-    Example:
-        >>> rate = DasoRate(4)
-        >>> [rate.observe(loss) for loss in (1.0, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5)]
-        [4, 4, 4, 2, 2, 2, 1, 1]
-    """
-
-    def __init__(self, period: int, max_period: int | None = None, threshold: float = 0.01,
-                 patience: int = 2) -> None:
-        if period < 1:
-            raise ValueError(f"DASO's period k must be >= 1, got {period}")
-        self.period = period
-        self.max_period = max(period, max_period if max_period is not None else 2 * period)
-        self.threshold = threshold
-        self.patience = patience
-        self.best: float | None = None
-        self.bad = 0  # observations in a row without improvement
-        self.changes = 0
-
-    def observe(self, loss: float) -> int:
-        """Record the global loss at a merge; return k for the iterations that follow."""
-        if self.best is None or loss < self.best * (1.0 - self.threshold):
-            self.best = loss if self.best is None else min(self.best, loss)
-            self.bad = 0
-            return self.period
-        self.best = min(self.best, loss)
-        self.bad += 1
-        if self.bad >= self.patience:
-            self.period = self.period // 2 if self.period > 1 else self.max_period
-            self.best, self.bad = None, 0
-            self.changes += 1
-        return self.period
-
-    def state_dict(self) -> dict[str, Any]:
-        """JSON-able state, for the checkpoint's meta."""
-        return {"period": self.period, "max_period": self.max_period, "best": self.best, "bad": self.bad,
-                "changes": self.changes}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.period = int(state["period"])
-        self.max_period = int(state.get("max_period", self.max_period))
-        best = state.get("best")
-        self.best = None if best is None else float(best)
-        self.bad = int(state.get("bad", 0))
-        self.changes = int(state.get("changes", 0))
-
-
 class _Shard(threading.Thread):
     """The parameter-server shard of one segment: global weights, one reduce and one broadcast per wave."""
 
@@ -210,6 +155,7 @@ class ModeSync:
         self.timeout = timedelta(seconds=timeout_s)
         self.timeout_s = timeout_s
         self.opts = plan.sync_options
+        self.mode = plan.sync_mode
         self.segments = plan.segments()
         self.seg_groups = dict(seg_groups)
         self.mode_groups = dict(mode_groups)
@@ -229,8 +175,9 @@ class ModeSync:
             mates = [o for o in seg.owners if node_of[o] == node_of[device]]
             node_samples = sum(mini[o] for o in mates)
             self.local_weight[s] = mini[device] / node_samples
-            # hybrid-ps: every node mate holds the same node update; together they push it once, weighted by the node
-            self.push_weight[s] = (node_samples / n / len(mates)) if plan.sync == "hybrid-ps" else self.share
+            # a local mean (hybrid-ps): every node mate holds the same node update; together they push it once,
+            # weighted by the node
+            self.push_weight[s] = (node_samples / n / len(mates)) if self.mode.local_mean else self.share
         self.node_shared = set(plan.layout.local_segments(device))
         # parameter servers
         self.wave = 0
@@ -242,7 +189,7 @@ class ModeSync:
         self.max_lead_waves = 0
         self.lead_checks = 0
         self._key = f"sync{next(_instances)}"
-        if plan.sync in ("wsp", "hybrid-ps"):
+        if self.mode.parameter_servers:
             for s, ps in self.params.items():
                 if ("ps", s) not in self.mode_groups:
                     continue
@@ -464,13 +411,13 @@ class ModeSync:
     def checkpoint_state(self, module: nn.Module, where: object) -> dict[str, torch.Tensor]:
         """Bring the mode to a state a checkpoint can hold, and return the shards this rank hosts.
 
-        Every owner does this at the same step: under ``hybrid-ps`` it first pushes its local steps
-        since the last push (one extra wave), then every owner waits until the global weights hold
-        all pushed waves (as at the end of training) and a DASO average in flight is merged. The
+        Every owner does this at the same step: where pushes come every few iterations (``hybrid-ps``) it
+        first pushes its local steps since the last push (one extra wave), then every owner waits until the
+        global weights hold all pushed waves (as at the end of training) and a DASO average in flight is merged. The
         shards' global weights come back under ``ps.<parameter name>`` (``PS_PREFIX``), one file per
         layer, written by the shard's host.
         """
-        if self.plan.sync == "hybrid-ps" and self.base:
+        if self.mode.parameter_servers and not self.mode.same_every_iteration and self.base:
             for s in sorted(self.base, reverse=True):
                 self._push(s)
             self.wave += 1
@@ -516,4 +463,4 @@ class ModeSync:
                 shard.updates.put(None)
 
 
-__all__ = ["PS_PREFIX", "DasoRate", "ModeSync", "PeerError", "build_mode_groups"]
+__all__ = ["PS_PREFIX", "ModeSync", "PeerError", "build_mode_groups"]
