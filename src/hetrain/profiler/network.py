@@ -35,7 +35,6 @@ with it.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import hashlib
@@ -784,25 +783,12 @@ def run_discover_command(output: str, sizes: Sequence[int] | None = None, timeou
     return 0
 
 
-def add_discover_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``hetrain discover``, for the CLI's subparser."""
-    parser.add_argument("-o", "--output", default="cluster.toml", help="cluster file to write (default cluster.toml)")
-    parser.add_argument("--sizes", type=parse_message_sizes, default=list(DEFAULT_SIZES),
-                        help="message sizes: '4KB,1MB,16MB' or a x4 range '4KB..64MB' (the default)")
-    parser.add_argument("--timeout", type=float, default=60.0, dest="timeout_s",
-                        help="seconds any one wait may take before the rank waited for is reported (default 60)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed round trips per message size (default 5)")
-    parser.add_argument("--allreduce-bytes", type=parse_bytes, default=None,
-                        help="size of the all-reduce compared with the cost model (default: the largest message)")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hetrain.profiler.network [options]`` under torchrun: as ``hetrain discover``."""
-    parser = argparse.ArgumentParser(prog="hetrain discover", description=__doc__.splitlines()[0])
-    add_discover_arguments(parser)
-    args = parser.parse_args(argv)
-    allreduce = int(args.allreduce_bytes) if args.allreduce_bytes else None
-    return run_discover_command(args.output, args.sizes, args.timeout_s, args.repeats, allreduce)
+    """``python -m hetrain.profiler.network [options]`` under torchrun: ``hetrain discover`` (the one command line,
+    ``hetrain.cli``; its options are ``hetrain.commands.discover``'s)."""
+    from hetrain.cli import main as cli_main
+
+    return cli_main(["discover", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

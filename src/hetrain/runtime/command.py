@@ -372,12 +372,34 @@ def _check_force_drift(args: argparse.Namespace, plan: Plan) -> tuple[int, tuple
     return force
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """The command table's hook (``hetrain.cli``): ``argv`` over the options of ``--config train.toml``, if given."""
+    return parse_with_config(parser, argv)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the ``train`` command from parsed ``add_arguments`` options.
 
     Bad arguments and a plan file that cannot be read are refused here, before any process group,
-    with status 2; ``run_train_command`` returns 1 for what fails after.
+    with status 2; ``run_train_command`` returns 1 for what fails after. A rank that fails with its
+    process group up leaves at once (``_leave_at_once``).
     """
+    code = _run(args)
+    if code != 0 and dist.is_initialized():
+        _leave_at_once(code)
+    return code
+
+
+def _leave_at_once(code: int) -> None:
+    """A process group with a dead or stuck peer cannot be torn down cleanly: its transport threads may abort
+    the interpreter at exit ("terminate called without an active exception"). The error is printed; leave
+    at once with it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         config = _model_config(args.model_config)
         _check_output_paths(args)
@@ -411,23 +433,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hetrain.runtime.trainer --plan plan.json --model NAME ...`` (under torchrun)."""
-    parser = argparse.ArgumentParser(prog="hetrain train", description="Train a reference model with a plan.")
-    add_arguments(parser)
-    try:
-        args = parse_with_config(parser, argv)
-    except InputError as e:
-        print(f"hetrain train: error: {e}", file=sys.stderr)
-        return 2
-    code = run(args)
-    if code != 0 and dist.is_initialized():
-        # A process group with a dead or stuck peer cannot be torn down cleanly: its
-        # transport threads may abort the interpreter at exit ("terminate called
-        # without an active exception"). The error is printed; leave at once with it.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
+    """``python -m hetrain.runtime.command --plan plan.json --model NAME ...`` (under torchrun): ``hetrain train``
+    (the one command line, ``hetrain.cli``)."""
+    from hetrain.cli import main as cli_main
+
+    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
