@@ -651,28 +651,11 @@ def discover(output_path: str | Path, sizes: Sequence[int] = DEFAULT_SIZES, time
         device = torch.device("cuda", local_rank) if dist.get_backend() == "nccl" else torch.device("cpu")
         settings = {"hetrain": __version__, "sizes": list(sizes), "repeats": repeats, "warmup": warmup,
                     "allreduce_bytes": allreduce_bytes, "world_size": world}
-        reports = session.all_gather((_rank_info(rank, device), settings), "device and host reports")
-        _check_settings(rank, [s for _, s in reports])
-        infos: list[RankInfo] = [info for info, _ in reports]
-        plan = build_plan([info.host for info in infos])
-        digests = session.all_gather(plan.digest(settings), "plan hashes")
-        odd = [r for r, d in enumerate(digests) if d != digests[0]]
-        if odd:
-            raise DiscoveryError(f"rank {rank}: ranks disagree about the measurement plan: {_ranks(odd)} "
-                                 f"computed plan {digests[odd[0]]}, rank 0 computed {digests[0]} "
-                                 "(different hetrain versions on different hosts?)")
-
+        infos, plan = _agree(session, device, settings)
         links = _measure_rounds(session, plan, sizes, repeats, warmup, device)
-        name = Path(output_path).stem
-        cluster = _parse(cluster_toml(plan, infos, links), name)
-        measured_s, predicted_s, algorithm = _compare_allreduce(session, cluster, allreduce_bytes, device)
-        device_order = sorted(range(world), key=lambda r: (plan.node_names.index(infos[r].host), r))
-        result = DiscoveryResult(cluster, plan, links, tuple(device_order.index(r) for r in range(world)),
-                                 allreduce_bytes, measured_s, predicted_s, algorithm, "", time.monotonic() - start)
-        text = cluster_toml(plan, infos, links, _header(result, settings, dist.get_backend()))
-        result = dataclasses.replace(result, cluster=_parse(text, name), toml=text)
+        result = _result(session, plan, infos, links, settings, device, Path(output_path).stem, start)
         if rank == 0:
-            _write(Path(output_path), text)
+            _write(Path(output_path), result.toml)
         session.barrier("rank 0 writing the cluster file")
         return result
     except DiscoveryError as e:
@@ -682,6 +665,42 @@ def discover(output_path: str | Path, sizes: Sequence[int] = DEFAULT_SIZES, time
         session.close()
         if own_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _agree(session: _Session, device: torch.device,
+           settings: dict[str, Any]) -> tuple[list[RankInfo], MeasurementPlan]:
+    """Every rank's device and host, and the measurement plan, once the ranks agree on the settings and the plan.
+
+    Raises:
+        DiscoveryError: a rank whose settings or plan differ, named.
+    """
+    rank = session.rank
+    reports = session.all_gather((_rank_info(rank, device), settings), "device and host reports")
+    _check_settings(rank, [s for _, s in reports])
+    infos: list[RankInfo] = [info for info, _ in reports]
+    plan = build_plan([info.host for info in infos])
+    digests = session.all_gather(plan.digest(settings), "plan hashes")
+    odd = [r for r, d in enumerate(digests) if d != digests[0]]
+    if odd:
+        raise DiscoveryError(f"rank {rank}: ranks disagree about the measurement plan: {_ranks(odd)} "
+                             f"computed plan {digests[odd[0]]}, rank 0 computed {digests[0]} "
+                             "(different hetrain versions on different hosts?)")
+    return infos, plan
+
+
+def _result(session: _Session, plan: MeasurementPlan, infos: Sequence[RankInfo],
+            links: tuple[LinkMeasurement, ...], settings: dict[str, Any], device: torch.device, name: str,
+            start: float) -> DiscoveryResult:
+    """The measured cluster (its all-reduce timed and compared with the cost model) and its file's text."""
+    world = session.world
+    allreduce_bytes = int(settings["allreduce_bytes"])
+    cluster = _parse(cluster_toml(plan, infos, links), name)
+    measured_s, predicted_s, algorithm = _compare_allreduce(session, cluster, allreduce_bytes, device)
+    device_order = sorted(range(world), key=lambda r: (plan.node_names.index(infos[r].host), r))
+    result = DiscoveryResult(cluster, plan, links, tuple(device_order.index(r) for r in range(world)),
+                             allreduce_bytes, measured_s, predicted_s, algorithm, "", time.monotonic() - start)
+    text = cluster_toml(plan, infos, links, _header(result, settings, dist.get_backend()))
+    return dataclasses.replace(result, cluster=_parse(text, name), toml=text)
 
 
 def _measure_rounds(session: _Session, plan: MeasurementPlan, sizes: tuple[int, ...], repeats: int, warmup: int,
