@@ -471,8 +471,12 @@ def run_plan_only(args: argparse.Namespace) -> int:
 
 
 def _cluster_text(args: argparse.Namespace) -> str:
+    """The text of ``--cluster`` (a file that cannot be read is bad input, named), or ``DEFAULT_CLUSTER``."""
+    from hetrain.cluster import ClusterError
+    from hetrain.fields import read_text
+
     path = getattr(args, "cluster", None)
-    return Path(path).read_text() if path else DEFAULT_CLUSTER
+    return read_text(path, ClusterError, "cluster file") if path else DEFAULT_CLUSTER
 
 
 def _print_outcome(result: Comparison, report: Path, steps: int) -> None:

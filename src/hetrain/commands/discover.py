@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import argparse
 
+from hetrain.arguments import int_between, number_at_least
+from hetrain.fields import MAX_REPEATS
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``hetrain discover``'s options."""
@@ -18,9 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", default="cluster.toml", help="cluster file to write (default cluster.toml)")
     parser.add_argument("--sizes", type=parse_message_sizes, default=list(DEFAULT_SIZES),
                         help="message sizes: '4KB,1MB,16MB' or a x4 range '4KB..64MB' (the default)")
-    parser.add_argument("--timeout", type=float, default=60.0, dest="timeout_s",
+    parser.add_argument("--timeout", type=number_at_least(0.0, inclusive=False), default=60.0, dest="timeout_s",
                         help="seconds any one wait may take before the rank waited for is reported (default 60)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed round trips per message size (default 5)")
+    parser.add_argument("--repeats", type=int_between(1, MAX_REPEATS, "MAX_REPEATS"), default=5,
+                        help="timed round trips per message size (default 5)")
     parser.add_argument("--allreduce-bytes", type=parse_bytes, default=None,
                         help="size of the all-reduce compared with the cost model (default: the largest message)")
 

@@ -115,9 +115,9 @@ def run_emulate_command(subcommand: str, cluster_path: str | Path | None = None,
             return 0
         if subcommand == "down":
             runs = [r for r in list_runs() if run_id is None or r.run_id == run_id]
-            if run_id is not None and not runs:
+            if run_id is not None and not runs:  # a run id that names no run: bad input
                 print(f"no emulated cluster with run id {run_id}")
-                return 1
+                return 2
             if runs:
                 check_permissions("down")
             failed = False

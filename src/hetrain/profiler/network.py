@@ -172,7 +172,7 @@ def parse_message_sizes(text: str) -> list[int]:
     """``"4KB,64KB,1MB"`` -> bytes; ``"4KB..64MB"`` -> 4 KB, 16 KB, ... up to 64 MB (x4 steps).
 
     Raises:
-        ValueError: a size without a unit, or a range whose end is below its start.
+        ValueError: a size without a unit or below 1 byte, none at all, or a range whose end is below its start.
     """
     try:
         if ".." in text:
@@ -184,9 +184,12 @@ def parse_message_sizes(text: str) -> list[int]:
             while out[-1] * 4 <= hi:
                 out.append(out[-1] * 4)
             return out
-        return [int(parse_bytes(part.strip(), "sizes")) for part in text.split(",") if part.strip()]
+        sizes = [int(parse_bytes(part.strip(), "sizes")) for part in text.split(",") if part.strip()]
     except UnitError as e:
         raise ValueError(str(e)) from None
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"message sizes {text!r} must be at least 1 byte each")
+    return sizes
 
 
 # ---------------------------------------------------------------------------
