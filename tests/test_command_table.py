@@ -181,3 +181,14 @@ def test_simulate_reads_and_replays_the_plan_once(tmp_path: Path, monkeypatch: p
     out = capsys.readouterr().out
     assert f"timeline: {timeline}" in out and f"trace: {trace}" in out
     assert json.loads(timeline.read_text()) and json.loads(trace.read_text())["traceEvents"]
+
+
+def test_emulate_down_of_a_run_id_that_names_no_run_is_status_2(monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    import hetrain.emulate.cli as emulate_cli
+
+    monkeypatch.setattr(emulate_cli, "list_runs", lambda: [])
+    assert main(["emulate", "down", "abcdef"]) == 2
+    assert "no emulated cluster with run id abcdef" in capsys.readouterr().out
+    assert main(["emulate", "down"]) == 0  # nothing to remove is no error
+    assert "nothing to remove" in capsys.readouterr().out
