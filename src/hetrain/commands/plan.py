@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from hetrain.arguments import int_between, micro_batch_sizes, number_at_least
 from hetrain.cluster import Cluster, load_cluster
@@ -100,9 +100,20 @@ def _replan_from(args: argparse.Namespace) -> Plan:
     return repredict_sync(old, args.sync or old.sync, options, simulated_iteration_s)
 
 
-def _plan_anew(args: argparse.Namespace) -> tuple[Plan, ModelProfile, Cluster, PlannerOptions, float]:
-    """``hetrain plan --cluster ... --model ...``: the plan, its profile and cluster, the options it was made with,
-    and the seconds the planning took."""
+@dataclass(frozen=True)
+class _Planned:
+    """What ``hetrain plan`` prints: the plan, the cluster and profile it was made for, the planner options the
+    pure families are planned with, and the seconds the planning took (None for a ``--from`` plan)."""
+
+    plan: Plan
+    cluster: Cluster
+    profile: ModelProfile
+    options: PlannerOptions
+    planning_s: float | None
+
+
+def _plan_anew(args: argparse.Namespace) -> _Planned:
+    """``hetrain plan --cluster ... --model ...``: the planner's plan."""
     for name in ("cluster", "global_batch"):
         if getattr(args, name) is None:
             raise PlanError(f"hetrain plan needs --{name.replace('_', '-')} (or --from PLAN to re-predict a plan)")
@@ -120,7 +131,16 @@ def _plan_anew(args: argparse.Namespace) -> tuple[Plan, ModelProfile, Cluster, P
     if learned:
         result = replace(result, options={**result.options,
                                           "time_model": {"file": args.time_model, "types": list(learned)}})
-    return result, profile, cluster, options, planning_s
+    return _Planned(result, cluster, profile, options, planning_s)
+
+
+def _planned(args: argparse.Namespace) -> _Planned:
+    """The plan made anew, or ``--from``'s re-predicted (its families planned with its optimizer and sync)."""
+    if not args.from_plan:
+        return _plan_anew(args)
+    result = _replan_from(args)
+    options = PlannerOptions(sync=result.sync, optimizer=result.optimizer, sync_options=result.sync_options)
+    return _Planned(result, result.cluster, result.profile, options, None)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -131,25 +151,20 @@ def run(args: argparse.Namespace) -> int:
 
     if args.output:
         check_output_path(args.output, "-o")
-    planning_s = None
-    if args.from_plan:
-        result = _replan_from(args)
-        cluster, profile = result.cluster, result.profile
-        options = PlannerOptions(sync=result.sync, optimizer=result.optimizer, sync_options=result.sync_options)
-    else:
-        result, profile, cluster, options, planning_s = _plan_anew(args)
+    planned = _planned(args)
+    result, planning_s = planned.plan, planned.planning_s
     if args.output:
         result.save(args.output)
     # the families compared under the plan's sync mode (the one --sync auto chose, if so), simulated as the plan was
     simulate = 1 if result.prediction.simulated_iteration_s else 0
-    families = plan_families(cluster, profile, result.global_batch,
-                             replace(options, sync=result.sync, simulate_top_k=simulate))
+    families = plan_families(planned.cluster, planned.profile, result.global_batch,
+                             replace(planned.options, sync=result.sync, simulate_top_k=simulate))
     rows = comparison_rows(result, families)
     if args.json:
         print(json.dumps({"plan": result.to_dict() if not args.output else args.output,
                           "comparison": rows, "planning_s": planning_s}, indent=1))
         return 0
-    print(cluster.summary())
+    print(planned.cluster.summary())
     print()
     print(result.summary())
     if planning_s is not None and REPORT_KEY in result.options:  # what this planning did (not a --from plan's)
