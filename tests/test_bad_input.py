@@ -554,11 +554,8 @@ ARG_CASES: list[tuple[str, list[str], tuple[str, ...]]] = [
     ("compare-list", ["compare", "{list}", "{list}"], ("{list}", "JSON object", "[]")),
     ("compare-missing", ["compare", "{missing}", "{missing}"], ("{missing}", "cannot read")),
 ]
-# The cases that hung or imported torch before refusing: run as real subprocesses.
-# `hetrain calibrate` reports a plan it cannot read with status 1, as it always has (tests/test_calibrate.py).
-STATUS_1_ARGS = {"calibrate-plan-list", "calibrate-plan-missing", "calibrate-metrics-deep",
-                 "calibrate-metrics-step-string"}
 NEEDS_TRANSFORMERS = {"profile-hf-weights-mismatch", "hf-model-weights-mismatch"}  # read by transformers
+# The cases that hung or imported torch before refusing: run as real subprocesses.
 SUBPROCESS_ARGS = {"plan-global-batch-huge", "plan-output-directory", "simulate-trace-directory",
                    "profile-output-directory", "profile-repeats-huge", "plan-cluster-directory"}
 
@@ -575,7 +572,7 @@ def test_bad_argument_is_one_line(name: str, argv: list[str], needles: tuple[str
         assert seconds < HANG_LIMIT_S, f"{seconds:.1f} s to refuse"
     else:
         code, stderr = run_in_process(argv, capsys)
-    check_refused(code, stderr, needles, status=1 if name in STATUS_1_ARGS else 2)
+    check_refused(code, stderr, needles)
 
 
 # --- `hetrain train`: refused before any process group -----------------------------------------------

@@ -221,14 +221,14 @@ def test_the_command_writes_the_calibrated_profile(tmp_path: Path, capsys: pytes
     assert run_calibrate_command(str(tmp_path / "plan.json"), str(tmp_path / "m2.jsonl"), 1, str(out)) == 0
     assert "from step to step" in capsys.readouterr().out
     assert load_profile(out).action_overhead_spread_of(A100) > 0
-    assert run_calibrate_command(str(tmp_path / "plan.json"), str(tmp_path / "m.jsonl"), 9, None) == 1
+    assert run_calibrate_command(str(tmp_path / "plan.json"), str(tmp_path / "m.jsonl"), 9, None) == 2  # bad input
     assert "none after the 9 warm-up step(s)" in capsys.readouterr().err
     # the same through the hetrain command
     from hetrain.cli import main
 
     assert main(["calibrate", str(tmp_path / "plan.json"), str(tmp_path / "m.jsonl"), "--warmup", "1"]) == 0
     assert "with 4 ms per forward and backward" in capsys.readouterr().out
-    assert main(["calibrate", str(tmp_path / "missing.json"), str(tmp_path / "m.jsonl")]) == 1
+    assert main(["calibrate", str(tmp_path / "missing.json"), str(tmp_path / "m.jsonl")]) == 2  # bad input
     assert "hetrain calibrate:" in capsys.readouterr().err
 
 
@@ -268,7 +268,7 @@ def test_metrics_of_another_plan_are_refused_naming_both_files(tmp_path: Path, c
     pipeline.save(tmp_path / "pp.json")
     data_parallel.save(tmp_path / "dp.json")
     write_run_metrics(tmp_path / "pp.jsonl", pipeline, [0.1, 0.05, 0.05, 0.05, 0.05])
-    assert main(["calibrate", str(tmp_path / "dp.json"), str(tmp_path / "pp.jsonl")]) == 1
+    assert main(["calibrate", str(tmp_path / "dp.json"), str(tmp_path / "pp.jsonl")]) == 2  # bad input
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert f"{tmp_path / 'pp.jsonl'}:1 was recorded training another plan than {tmp_path / 'dp.json'}" in err
@@ -277,7 +277,7 @@ def test_metrics_of_another_plan_are_refused_naming_both_files(tmp_path: Path, c
     # a run of another global batch
     bigger = pipeline_plan(2, 4, 4, profile)
     write_run_metrics(tmp_path / "big.jsonl", bigger, [0.1, 0.05, 0.05, 0.05, 0.05])
-    assert main(["calibrate", str(tmp_path / "pp.json"), str(tmp_path / "big.jsonl")]) == 1
+    assert main(["calibrate", str(tmp_path / "pp.json"), str(tmp_path / "big.jsonl")]) == 2  # bad input
     assert "its steps are of 16 samples, the plan's global batch is 8" in capsys.readouterr().err
 
 
@@ -292,7 +292,7 @@ def test_the_plan_fingerprint_tells_apart_what_the_rows_cannot(tmp_path: Path, c
     write_run_metrics(tmp_path / "eight.jsonl", eight, [0.1, 0.05, 0.05, 0.05, 0.05], plan_fingerprint(eight))
     rows = [json.loads(line) for line in (tmp_path / "eight.jsonl").read_text().splitlines()]
     assert {r[PLAN_FINGERPRINT_KEY] for r in rows} == {plan_fingerprint(eight)}
-    assert run_calibrate_command(str(tmp_path / "four.json"), str(tmp_path / "eight.jsonl"), 1, None) == 1
+    assert run_calibrate_command(str(tmp_path / "four.json"), str(tmp_path / "eight.jsonl"), 1, None) == 2  # bad input
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(tmp_path / "four.json") in err and str(tmp_path / "eight.jsonl") in err
     assert f"plan fingerprint '{plan_fingerprint(eight)}'" in err

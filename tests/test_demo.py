@@ -36,3 +36,16 @@ def test_plan_only_prints_each_plan_with_its_predicted_rate(tmp_path: Path, caps
     assert "cluster small-hetero: 2 nodes, 4 devices" in out
     names = re.findall(r"^(\S+) plan: predicted [0-9.]+ samples/s \(iteration [0-9.]+ ms\)$", out, re.MULTILINE)
     assert names == ["hetrain", "dp", "even-split"]
+
+
+def test_the_profile_worker_takes_its_options_and_names_a_wrong_one() -> None:
+    from hetrain.demo import worker_options
+    from hetrain.errors import InputError
+
+    assert worker_options(["--model", "gpt-tiny", "--out-dir", "d", "--repeats", "2"]) == {
+        "--model": "gpt-tiny", "--out-dir": "d", "--micro-batches": "2,4,8,16", "--repeats": "2"}
+    for argv, needle in ((["--model", "m", "--out-dir", "d", "--bogus", "x"], "--bogus"),
+                         (["--model", "m", "--out-dir"], "--out-dir has no value"),
+                         (["--out-dir", "d"], "--model is required")):
+        with pytest.raises(InputError, match=needle):
+            worker_options(argv)

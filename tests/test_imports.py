@@ -22,8 +22,10 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 #: the layers, lowest first; a module may import from its own layer and the ones before it
 LAYERS: tuple[tuple[str, ...], ...] = (
+    # hetrain.cli: the command table and its dispatcher, which names each command's module (a string, imported
+    # when the command runs) and imports only errors, so that a command's own module may hand it its argv
     ("hetrain.errors", "hetrain.units", "hetrain.version", "hetrain.fields", "hetrain.arguments", "hetrain.options",
-     "hetrain.sync_mode"),
+     "hetrain.sync_mode", "hetrain.cli"),
     ("hetrain.catalog",),
     ("hetrain.cluster",),
     ("hetrain.profile",),
@@ -33,13 +35,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hetrain.planner", "hetrain.schedule", "hetrain.timeline", "hetrain.models.analytic", "hetrain.data.sharding",
      "hetrain.imports"),
     ("hetrain.simulator",),
-    ("hetrain.calibrate", "hetrain.elastic", "hetrain.drift"),
+    ("hetrain.calibrate", "hetrain.planning", "hetrain.elastic", "hetrain.drift"),
     ("hetrain.models", "hetrain.data", "hetrain.amp"),
     ("hetrain.distributed",),
     ("hetrain.profiler",),
     ("hetrain.runtime",),
     ("hetrain.baselines", "hetrain.report", "hetrain.cluster_fixups", "hetrain.emulate", "hetrain.demo",
-     "hetrain.cli", "hetrain.__main__", "hetrain"),
+     "hetrain.commands", "hetrain.__main__", "hetrain"),
 )
 #: the planning side: pure Python (numpy allowed), no torch
 PLANNING = LAYERS[:10]

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 import hetrain
-from hetrain.cli import main, parse_time_budget
+from hetrain.cli import main
+from hetrain.commands.plan_inputs import parse_time_budget
 from hetrain.cost import estimate_stage_memory, in_flight, tensor_budget
 from hetrain.errors import InputError
 from hetrain.plan import Plan, load_plan

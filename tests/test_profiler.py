@@ -362,5 +362,5 @@ def test_run_profile_command(tmp_path, capsys):
     assert p.name == "mlp-digits" and p.num_layers == 3
     printed = capsys.readouterr().out
     assert "piecewise fit on cpu" in printed and "linear fit on cpu" in printed
-    assert run_profile_command("no-such-model", [1], str(tmp_path / "x.json"), "cpu") == 1
+    assert run_profile_command("no-such-model", [1], str(tmp_path / "x.json"), "cpu") == 2  # bad input
     assert "unknown model" in capsys.readouterr().err

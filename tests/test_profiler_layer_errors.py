@@ -75,7 +75,7 @@ def one_error_line(stderr: str) -> str:
 def test_a_batchnorm_at_micro_batch_1_is_named_with_its_layer_and_the_sizes_to_try(tmp_path, capsys) -> None:
     code, stderr, out = profile(tmp_path, BATCHNORM, "1,2,4,8", capsys)
     line = one_error_line(stderr)
-    assert code == 1 and not out.exists()
+    assert code == 2 and not out.exists()  # the model fails at a size asked for: bad input
     assert line.startswith(f"hetrain profile: error: model {tmp_path}/model.py:build: "), line
     for needle in ("layer 1 (batchnorm1d1)", "micro-batch 1", "(1, 64) float32",
                    "ValueError: Expected more than 1 value per channel", "--micro-batch 2,4,8"):
@@ -89,7 +89,7 @@ def test_a_batchnorm_at_micro_batch_1_is_named_with_its_layer_and_the_sizes_to_t
 def test_an_unexpected_error_type_from_a_layer_is_one_line_naming_the_layer(tmp_path, capsys) -> None:
     code, stderr, out = profile(tmp_path, PICKY, "1,2,4", capsys)
     line = one_error_line(stderr)
-    assert code == 1 and not out.exists()
+    assert code == 2 and not out.exists()  # the model fails at a size asked for: bad input
     for needle in ("layer 1 (picky1)", "micro-batch 4", "(4, 8) float32", "KeyError: 4",
                    "--micro-batch 1,2"):  # the sizes it ran at
         assert needle in line, f"{needle!r} not in {line}"
@@ -139,7 +139,7 @@ def profile_line(tmp_path: Path, source: str, sizes: str, capsys: pytest.Capture
     stderr = capsys.readouterr().err
     assert "Traceback" not in stderr, stderr
     lines = [line for line in stderr.splitlines() if line.strip()]
-    assert code == 1 and not out.exists() and len(lines) == 1, stderr
+    assert code == 2 and not out.exists() and len(lines) == 1, stderr  # bad input
     return code, lines[0], data
 
 

@@ -24,7 +24,7 @@ from hetrain.cost import (
 from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
 from hetrain.profile import LayerProfile, Measurement, ModelProfile
 from hetrain.schedule import ScheduleError, build_schedule, parse_action
-from hetrain.simulator import run_simulate_command, simulate
+from hetrain.simulator import simulate
 from hetrain.sync_layout import SyncOptions
 
 A100 = "A100-40GB"
@@ -399,21 +399,23 @@ def test_a_schedule_passed_in_is_validated() -> None:
 # --- the command ---------------------------------------------------------------------
 
 
-def test_run_simulate_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_simulate_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hetrain.cli import main
+
     plan = hetero_plan("1f1b", 3)
     path = tmp_path / "plan.json"
     plan.save(path)
     trace, gantt = tmp_path / "trace.json", tmp_path / "gantt.png"
-    assert run_simulate_command(str(path), str(trace), str(gantt), as_json=False) == 0
+    assert main(["simulate", str(path), "--trace", str(trace), "--gantt", str(gantt)]) == 0
     out = capsys.readouterr().out
     assert "simulated iteration 24 s" in out and "fast:0" in out and "slow:0" in out
     assert json.loads(trace.read_text())["traceEvents"]
     assert gantt.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert run_simulate_command(str(path), None, None, as_json=True) == 0
+    assert main(["simulate", str(path), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["iteration_s"] == pytest.approx(24.0)
     assert {d["device"] for d in data["devices"]} == {"fast:0", "slow:0"}
-    assert run_simulate_command(str(tmp_path / "missing.json"), None, None, as_json=False) == 1
+    assert main(["simulate", str(tmp_path / "missing.json")]) == 2  # bad input
     assert "cannot read plan" in capsys.readouterr().err
 
 

@@ -13,6 +13,8 @@ import argparse
 import math
 from collections.abc import Callable
 
+from hetrain.fields import MAX_MICRO_BATCH
+
 
 def int_between(least: int, most: int, limit_name: str = "") -> Callable[[str], int]:
     """An argparse type: an integer in ``[least, most]``; ``limit_name`` names ``most`` (``MAX_STEPS``)."""
@@ -43,3 +45,25 @@ def number_at_least(least: float, inclusive: bool = True) -> Callable[[str], flo
             raise argparse.ArgumentTypeError(f"expected a finite number {sign} {least:g}, got {text!r}")
         return value
     return parse
+
+
+def micro_batch_sizes(text: str) -> list[int]:
+    """An argparse type: ``"1,2,4"`` -> ``[1, 2, 4]``, each at least 1 and at most ``MAX_MICRO_BATCH``."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    big = [v for v in values if v > MAX_MICRO_BATCH]
+    if big:
+        raise argparse.ArgumentTypeError(f"{big[0]} is more than the limit of {MAX_MICRO_BATCH} (MAX_MICRO_BATCH)")
+    return values
+
+
+def module_names(text: str) -> tuple[str, ...]:
+    """An argparse type: ``"model.layers.0,model.layers.4"`` -> its module names."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r} names no module; give NAME,... (e.g. model.layers.4)")
+    return names

@@ -294,9 +294,6 @@ def _write_rows(c: BaselineConfig, world: int, rows: list[dict[str, Any]]) -> No
     os.replace(tmp, path)
 
 
-HELP = "under torchrun: train a reference model with torch's DDP or pipelining, as a baseline for a plan"
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``python -m hetrain.baselines``' options: the kind, and ``BaselineConfig``'s."""
     parser.add_argument("kind", choices=BASELINES)
@@ -327,11 +324,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hetrain.baselines ddp|pipelining ...`` on every rank of a torchrun job; exit status."""
-    parser = argparse.ArgumentParser(prog="python -m hetrain.baselines",
-                                     description="Train a reference model with torch's DDP or pipelining.")
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    """``python -m hetrain.baselines ddp|pipelining ...`` on every rank of a torchrun job: ``hetrain baseline``
+    (the one command line, ``hetrain.cli``)."""
+    from hetrain.cli import main as cli_main
+
+    return cli_main(["baseline", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -246,7 +246,8 @@ def _sync_endings(plan: Plan) -> tuple[tuple[str, ...], set[tuple[str, ...]]]:
 
 
 def run_calibrate_command(plan_path: str, metrics_path: str, warmup: int, output: str | None) -> int:
-    """``hetrain calibrate PLAN METRICS [--warmup N] [-o PROFILE]``: print the fit, write the profile; exit status."""
+    """``hetrain calibrate PLAN METRICS [--warmup N] [-o PROFILE]``: print the fit, write the profile; exit status:
+    0, 2 for a plan or metrics file that cannot be used (bad input), 1 for a profile that cannot be written."""
     try:
         plan = load_plan(plan_path)
         rows = read_step_rows(metrics_path)
@@ -255,7 +256,7 @@ def run_calibrate_command(plan_path: str, metrics_path: str, warmup: int, output
         found = fit_action_overhead(plan, sum(steps) / len(steps), steps_s=steps)
     except (PlanError, ProfileError, CalibrationError, ValueError) as e:
         print(f"hetrain calibrate: error: {e}", file=sys.stderr)
-        return 1
+        return 2
     print(found.summary())
     if output:
         profile = with_action_overhead(plan.profile, found.overhead_s, plan.cluster.type_names, found.spread_s)

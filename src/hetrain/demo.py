@@ -116,21 +116,43 @@ def _say(text: str) -> None:
 # ---------------------------------------------------------------------------
 
 
+#: the profile worker's options (what ``_profile_step`` passes) and their defaults; None: required
+WORKER_OPTIONS: dict[str, str | None] = {"--model": None, "--out-dir": None,
+                                         "--micro-batches": ",".join(map(str, PROFILE_MICRO_BATCHES)), "--repeats": "3"}
+
+
+def worker_options(argv: Sequence[str]) -> dict[str, str]:
+    """``["--model", "gpt-tiny", "--out-dir", "d"]`` -> ``{"--model": "gpt-tiny", "--out-dir": "d", ...}``: the
+    profile worker's ``WORKER_OPTIONS``, each given as ``--name value``, with their defaults.
+
+    Raises:
+        InputError: an option it does not take, one without a value, or a required one missing, named.
+    """
+    from hetrain.errors import InputError
+
+    usage = "takes " + " ".join(f"{k} {k[2:].upper().replace('-', '_')}" for k in WORKER_OPTIONS)
+    given = dict(zip(argv[::2], argv[1::2], strict=False))
+    unknown = [k for k in argv[::2] if k not in WORKER_OPTIONS]
+    if unknown or len(argv) % 2:
+        raise InputError(f"profile-worker: {unknown[0] if unknown else argv[-1] + ' has no value'}: it {usage}")
+    values = {**WORKER_OPTIONS, **given}
+    missing = [k for k, v in values.items() if v is None]
+    if missing:
+        raise InputError(f"profile-worker: {missing[0]} is required; it {usage}")
+    return {k: str(v) for k, v in values.items()}
+
+
 def profile_worker(argv: Sequence[str]) -> int:
     """One rank of the profiling job: every rank profiles the model at once and saves its measurements
     (``profiler.merge.node_profile_path``); ``profiler.merge.merge_node_profiles`` takes the median per
-    device type.
+    device type. ``argv``: ``worker_options``.
 
     All ranks measure together so that each device meets the CPU contention it meets in training
     (the emulated devices' shares add up to most of the host's cores); one device measuring alone
     on an idle host ran faster than it then trained.
     """
-    parser = argparse.ArgumentParser(prog="python -m hetrain.demo profile-worker")
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--out-dir", required=True)
-    parser.add_argument("--micro-batches", default=",".join(map(str, PROFILE_MICRO_BATCHES)))
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args(argv)
+    options = worker_options(argv)
+    model, out_dir = options["--model"], options["--out-dir"]
     import torch
 
     from hetrain.models.registry import build_layers, layer_names, sample_batch
@@ -139,15 +161,15 @@ def profile_worker(argv: Sequence[str]) -> int:
 
     torch.set_num_threads(1)
     node = os.environ.get("HETRAIN_NODE", "local")
-    layers = build_layers(args.model, seed=0)
+    layers = build_layers(model, seed=0)
     generator = torch.Generator().manual_seed(0)
-    sizes = [int(b) for b in args.micro_batches.split(",")]
-    measured = measure_layers(layers, lambda b: sample_batch(args.model, b, generator)[0], sizes, "cpu",
-                              args.repeats, 1, "fp32", layer_names(args.model), unpack_tuples=False,
+    sizes = [int(b) for b in options["--micro-batches"].split(",")]
+    measured = measure_layers(layers, lambda b: sample_batch(model, b, generator)[0], sizes, "cpu",
+                              int(options["--repeats"]), 1, "fp32", layer_names(model), unpack_tuples=False,
                               min_time_s=PROFILE_MIN_TIME_S)
-    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    measured.to_profile(args.model).save(node_profile_path(args.out_dir, node, local_rank))
+    measured.to_profile(model).save(node_profile_path(out_dir, node, local_rank))
     return 0
 
 
@@ -157,31 +179,33 @@ def profile_worker(argv: Sequence[str]) -> int:
 
 
 def build_plans(cluster_dict: dict[str, Any], profile: ModelProfile, global_batch: int) -> dict[str, Plan]:
-    """hetrain's plan, pure data parallelism and the even-split pipeline, in that order."""
-    from hetrain import plan
+    """hetrain's plan, pure data parallelism and the even-split pipeline, in that order: the plan and the pure
+    families it is compared with (``planning.plan_families``), the pipeline split evenly by hand."""
     from hetrain.cluster import parse_cluster
+    from hetrain.planner import PlannerOptions
     from hetrain.planner.baselines import even_split_plan
+    from hetrain.planning import plan_families, plan_with_simulator
     from hetrain.simulator import with_simulated_prediction
 
     cluster = parse_cluster(cluster_dict)
     sizes = tuple(b for b in MICRO_BATCH_SIZES if b <= global_batch) or (1,)
-    best = plan(cluster, profile, global_batch, simulate_top_k=5, micro_batch_sizes=sizes)
-    dp = plan(cluster, profile, global_batch, strategy="dp", simulate_top_k=3, micro_batch_sizes=sizes)
-    pp = plan(cluster, profile, global_batch, strategy="pp", simulate_top_k=3, micro_batch_sizes=sizes)
+    best = plan_with_simulator(cluster, profile, global_batch, simulate_top_k=5, micro_batch_sizes=sizes)
+    dp, pp = (f.required() for f in plan_families(cluster, profile, global_batch,
+                                                   PlannerOptions(simulate_top_k=3, micro_batch_sizes=sizes)))
     return {"hetrain": best, "dp": dp, "even-split": even_split_plan(pp, with_simulated_prediction)}
 
 
 def calibration_plan(cluster_dict: dict[str, Any], profile: ModelProfile, global_batch: int) -> Plan:
     """The plan the demo trains to calibrate the overhead per action: one pipeline over every device,
     layers split evenly, micro-batches of ``CALIBRATION_MICRO_BATCH``: many actions per step."""
-    from hetrain import plan
     from hetrain.cluster import parse_cluster
     from hetrain.planner.baselines import even_split_plan
+    from hetrain.planning import plan_with_simulator
     from hetrain.simulator import with_simulated_prediction
 
     b = min(CALIBRATION_MICRO_BATCH, global_batch)
-    pp = plan(parse_cluster(cluster_dict), profile, global_batch, strategy="pp", micro_batch_sizes=(b,),
-              simulate_top_k=0)
+    pp = plan_with_simulator(parse_cluster(cluster_dict), profile, global_batch, strategy="pp",
+                             micro_batch_sizes=(b,), simulate_top_k=0)
     return even_split_plan(pp, with_simulated_prediction)
 
 
@@ -447,8 +471,12 @@ def run_plan_only(args: argparse.Namespace) -> int:
 
 
 def _cluster_text(args: argparse.Namespace) -> str:
+    """The text of ``--cluster`` (a file that cannot be read is bad input, named), or ``DEFAULT_CLUSTER``."""
+    from hetrain.cluster import ClusterError
+    from hetrain.fields import read_text
+
     path = getattr(args, "cluster", None)
-    return Path(path).read_text() if path else DEFAULT_CLUSTER
+    return read_text(path, ClusterError, "cluster file") if path else DEFAULT_CLUSTER
 
 
 def _print_outcome(result: DemoResult, report: Path, steps: int) -> None:
@@ -498,9 +526,15 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m hetrain.demo profile-worker ...``: the per-rank part of the demo's jobs."""
+    from hetrain.errors import InputError
+
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "profile-worker":
-        return profile_worker(argv[1:])
+        try:
+            return profile_worker(argv[1:])
+        except InputError as e:
+            print(f"python -m hetrain.demo: error: {e}", file=sys.stderr)
+            return 2
     print("usage: python -m hetrain.demo profile-worker --model NAME --out-dir DIR (under torchrun); "
           "the demo itself is `hetrain demo`", file=sys.stderr)
     return 2

@@ -11,7 +11,7 @@ and gets back a plan for them, made the way the old one was::
                are the saved cluster's slowest (recorded as assumed)
                      │
                      ▼
-               planner_options_of(plan) ──► planner + simulator ──► new Plan
+               planner_options_of(plan) ──► plan_with_simulator ──► new Plan
                (strategy, objective, schedule, sync mode and options,
                 optimizer, global batch: as the old plan has them)
 
@@ -38,13 +38,10 @@ from hetrain.cluster import Cluster, Device, Link, Node
 from hetrain.errors import RunError
 from hetrain.plan import Plan
 from hetrain.planner import PlannerError, PlannerOptions
-from hetrain.planner import plan as build_plan
-from hetrain.simulator import simulate
+from hetrain.planning import PLANNER_KEY, plan_with_simulator
 
 #: the key of ``Plan.options`` that says how a re-planned plan came about (``Replanned.record``)
 REPLAN_KEY = "replan"
-#: the key of ``Plan.options`` that holds the planner options a plan was made with (``record_planner_options``)
-PLANNER_KEY = "planner"
 
 
 class ReplanError(RunError):
@@ -145,26 +142,10 @@ def world_differs(plan: Plan, reported: Sequence[str]) -> bool:
 DETERMINISTIC_TOP_K = 3
 
 
-def record_planner_options(plan: Plan, opts: PlannerOptions) -> Plan:
-    """``plan`` with ``options["planner"]``: the options it was made with (those JSON holds), so that it can be
-    re-made as it was (``planner_options_of``). ``hetrain.plan`` records them in every plan it makes."""
-    recorded: dict[str, Any] = {}
-    for f in fields(opts):
-        value = getattr(opts, f.name)
-        if f.name == "sync_options":
-            continue  # the plan's own (``Plan.sync_options``), which ``hetrain plan --from`` may change
-        if isinstance(value, tuple) and all(isinstance(v, (int, float, str)) for v in value):
-            value = list(value)
-        elif not (value is None or isinstance(value, (bool, int, float, str))):
-            continue  # not a JSON value
-        recorded[f.name] = value
-    return replace(plan, options={**plan.options, PLANNER_KEY: recorded})
-
-
 def planner_options_of(plan: Plan) -> PlannerOptions:
     """The planner options ``plan`` was made with, for the same global batch and sync mode.
 
-    From ``options["planner"]`` where the plan has it (``record_planner_options``: every option),
+    From ``options["planner"]`` where the plan has it (``planning.record_planner_options``: every option),
     else from what every planner's plan records: strategy, objective, critical batch, and, where
     ``--sync auto`` chose the mode, its staleness penalty and samples to target. Either way the
     plan's own fields win: its schedule, sync mode and options, optimizer. The sync mode is the one
@@ -269,11 +250,6 @@ def plan_digest(plan: Plan) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _simulated_iteration_s(plan: Plan) -> float:
-    """The simulator's iteration seconds: the scoring function ``hetrain.plan`` hands the planner."""
-    return simulate(plan).iteration_s
-
-
 def predicted_samples_per_s(plan: Plan) -> float:
     """The plan's predicted samples/s: the simulator's where the plan has it, else the closed form's."""
     pred = plan.prediction
@@ -307,16 +283,14 @@ def replan_on_cluster(plan: Plan, cluster: Cluster, change: WorldChange, from_st
     Raises:
         ReplanError: the model fits no arrangement of the cluster's devices (the planner's reason).
     """
-    opts = planner_options_of(plan)
-    try:
-        new = build_plan(cluster, plan.profile, plan.global_batch, opts, score=_simulated_iteration_s)
+    try:  # recorded in the new plan too, so that it can be re-made as it was
+        new = plan_with_simulator(cluster, plan.profile, plan.global_batch, planner_options_of(plan))
     except PlannerError as e:
         raise ReplanError(f"the {cluster.num_devices} device(s) present ({', '.join(d.name for d in cluster.devices)}"
                           f"; {change.describe()}) cannot run the plan's model at global batch {plan.global_batch}: "
                           f"{e}") from None
     record = {**change.to_dict(), "from_step": from_step, "previous_devices": plan.devices_used,
               "previous_samples_per_s": predicted_samples_per_s(plan)}
-    new = record_planner_options(new, opts)  # so that it too can be re-made as it was
     new = replace(new, options={**new.options, REPLAN_KEY: record})
     return Replanned(new, change, plan_digest(new))
 

@@ -6,8 +6,8 @@
     hetrain emulate down [RUN_ID]                              remove one run, or every run's leftovers
     hetrain emulate status                                     what exists on this host
 
-``python -m hetrain.emulate ...`` is the same. The CLI calls ``add_emulate_arguments``
-on its ``emulate`` subparser and ``run_emulate_args`` on the parsed arguments.
+``python -m hetrain.emulate ...`` is the same. The CLI's ``emulate`` command (``hetrain.commands.emulate``)
+calls ``add_emulate_arguments`` on its subparser and ``run_emulate_args`` on the parsed arguments.
 """
 
 from __future__ import annotations
@@ -115,9 +115,9 @@ def run_emulate_command(subcommand: str, cluster_path: str | Path | None = None,
             return 0
         if subcommand == "down":
             runs = [r for r in list_runs() if run_id is None or r.run_id == run_id]
-            if run_id is not None and not runs:
+            if run_id is not None and not runs:  # a run id that names no run: bad input
                 print(f"no emulated cluster with run id {run_id}")
-                return 1
+                return 2
             if runs:
                 check_permissions("down")
             failed = False
@@ -257,7 +257,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hetrain.emulate ...``: as ``hetrain emulate ...``."""
-    parser = argparse.ArgumentParser(prog="hetrain emulate", description=__doc__.splitlines()[0])
-    add_emulate_arguments(parser)
-    return run_emulate_args(parser.parse_args(argv))
+    """``python -m hetrain.emulate ...``: ``hetrain emulate ...`` (the one command line, ``hetrain.cli``)."""
+    from hetrain.cli import main as cli_main
+
+    return cli_main(["emulate", *(sys.argv[1:] if argv is None else argv)])

@@ -31,11 +31,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import IO, TYPE_CHECKING, TextIO
 
-from hetrain.emulate.events import absent_nodes, late_nodes
+from hetrain.emulate.events import EmulationEvent, absent_nodes, late_nodes
 from hetrain.emulate.keepawake import cpus_kept_awake
 from hetrain.emulate.network import NIC, PREFIX, kill_pids, namespace_pids
 from hetrain.emulate.rankwrap import CGROUPS_ENV, COMM_ENV, CPUS_ENV, FILL_ENV
@@ -156,6 +157,73 @@ def _stop(procs: Sequence[subprocess.Popen[str]], grace_s: float) -> None:
             p.wait()
 
 
+@dataclass
+class _NodeRuns:
+    """Each node's torchrun started so far, its output forwarded line by line with the node's name."""
+
+    em: EmulatedCluster
+    command: list[str]
+    out: TextIO
+    err: TextIO
+    say: Callable[[str], None]
+    procs: list[subprocess.Popen[str]] = field(default_factory=list)
+    threads: list[threading.Thread] = field(default_factory=list)
+    started: list[int] = field(default_factory=list)  # node index of each of procs
+    killed: set[int] = field(default_factory=set)  # indices in procs of the torchruns an event killed: expected exits
+
+    @property
+    def names(self) -> list[str]:
+        return [n.name for n in self.em.cluster.nodes]
+
+    def start(self, k: int) -> None:
+        """Start node ``k``'s torchrun in its own session, its stdout and stderr forwarded."""
+        p = subprocess.Popen(build_torchrun_command(self.em, k, self.command), env=build_node_env(self.em, k),
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, errors="replace", bufsize=1, start_new_session=True)
+        self.procs.append(p)
+        self.started.append(k)
+        names = self.names
+        prefix = f"[{names[k]:<{max(len(n) for n in names)}}] "
+        for pipe, target in ((p.stdout, self.out), (p.stderr, self.err)):
+            t = threading.Thread(target=_forward, args=(pipe, target, prefix), daemon=True,
+                                 name=f"hetrain-emulate-{names[k]}")
+            t.start()
+            self.threads.append(t)
+
+    def apply(self, event: EmulationEvent) -> None:
+        """Apply an event that is due: start a node late, or act on one (a node's torchrun killed is expected
+        to exit; one started again later must not fail)."""
+        names = self.names
+        if event.kind == "start":
+            self.start(names.index(event.target))
+            self.say(f"event {event.describe()}: node {event.target} started")
+            return
+        if event.kind == "kill":
+            gone = names.index(event.target)
+            self.killed.update(j for j, node in enumerate(self.started) if node == gone)
+        try:
+            self.say(f"event {event.describe()}: {self.em.apply_event(event)}")
+        except EmulationError as e:
+            self.say(f"event {event.describe()} failed: {e}")
+
+    def first_failure(self, codes: Sequence[int | None]) -> tuple[str, int] | None:
+        """The first node whose torchrun exited non-zero (not one an event killed), with its status."""
+        bad = [(self.names[self.started[j]], c) for j, c in enumerate(codes) if c not in (None, 0)
+               and j not in self.killed]
+        return bad[0] if bad else None
+
+    def stop(self, awake: contextlib.ExitStack) -> None:
+        """Stop every torchrun, let the CPUs sleep again, kill what is left in the namespaces, drain the output."""
+        with signals_deferred():
+            _stop(self.procs, STOP_GRACE_S)
+            awake.close()
+            leftovers = [pid for nn in self.em.network.nodes for pid in namespace_pids(nn.namespace)]
+            if leftovers:
+                kill_pids(leftovers)
+            for t in self.threads:
+                t.join(timeout=2.0)
+
+
 def launch_job(em: EmulatedCluster, command: Sequence[str], timeout_s: float | None = None,
                stdout: TextIO | None = None, stderr: TextIO | None = None,
                log: Callable[[str], None] | None = None) -> int:
@@ -172,82 +240,49 @@ def launch_job(em: EmulatedCluster, command: Sequence[str], timeout_s: float | N
     if not command:
         raise EmulationError("no command to run: give it after `--`, for example "
                              "`hetrain emulate run cluster.toml -- python -m hetrain.profiler.network -o m.toml`")
-    out, err = stdout or sys.stdout, stderr or sys.stderr
+    err = stderr or sys.stderr
     say = log or (lambda m: print(f"hetrain emulate: {m}", file=err, flush=True))
-    procs: list[subprocess.Popen[str]] = []
-    threads: list[threading.Thread] = []
-    names = [n.name for n in em.cluster.nodes]
-    width = max(len(n) for n in names)
+    runs = _NodeRuns(em, command, stdout or sys.stdout, err, say)
     awake = contextlib.ExitStack()
     if em.keeps_awake():
         problem = awake.enter_context(cpus_kept_awake())
         if problem:
             say(f"keep_awake: {problem}; the CPUs may sleep between quota periods")
-
-    def start(k: int) -> None:
-        p = subprocess.Popen(build_torchrun_command(em, k, command), env=build_node_env(em, k),
-                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, errors="replace", bufsize=1, start_new_session=True)
-        procs.append(p)
-        started.append(k)
-        prefix = f"[{names[k]:<{width}}] "
-        for pipe, target in ((p.stdout, out), (p.stderr, err)):
-            t = threading.Thread(target=_forward, args=(pipe, target, prefix), daemon=True,
-                                 name=f"hetrain-emulate-{names[k]}")
-            t.start()
-            threads.append(t)
-
-    started: list[int] = []  # node index of each of procs
-    killed: set[int] = set()  # indices in procs of the torchruns an event killed: their exit is expected
     pending = list(em.settings.events)
     late = late_nodes(pending)
     try:
-        for k, name in enumerate(names):
+        for k, name in enumerate(runs.names):
             if name not in late:
-                start(k)
-        t0 = time.monotonic()
-        deadline = None if timeout_s is None else t0 + timeout_s
-        status: int | None = None
-        failed_at: float | None = None
-        while True:
-            while pending and time.monotonic() - t0 >= pending[0].at_s:
-                event = pending.pop(0)
-                if event.kind == "start":
-                    start(names.index(event.target))
-                    say(f"event {event.describe()}: node {event.target} started")
-                    continue
-                if event.kind == "kill":  # the node's torchrun now; one started again later must not fail
-                    gone = names.index(event.target)
-                    killed.update(j for j, node in enumerate(started) if node == gone)
-                try:
-                    say(f"event {event.describe()}: {em.apply_event(event)}")
-                except EmulationError as e:
-                    say(f"event {event.describe()} failed: {e}")
-            codes = [p.poll() for p in procs]
-            bad = [(names[started[j]], c) for j, c in enumerate(codes)
-                   if c not in (None, 0) and j not in killed]
-            if bad and status is None:
-                status = bad[0][1]
-                failed_at = time.monotonic()
-                say(f"node {bad[0][0]} failed with exit status {status}; stopping the other nodes")
-            if all(c is not None for c in codes) and not any(e.kind == "start" for e in pending):
-                return status or 0
-            now = time.monotonic()
-            if failed_at is not None and now - failed_at > FAILURE_GRACE_S:
-                return status or 1
-            if deadline is not None and now > deadline:
-                say(f"the job ran past its time limit of {timeout_s:g} s; stopping it")
-                return 124
-            time.sleep(0.05)
+                runs.start(k)
+        return _watch(runs, pending, timeout_s)
     finally:
-        with signals_deferred():
-            _stop(procs, STOP_GRACE_S)
-            awake.close()
-            leftovers = [pid for nn in em.network.nodes for pid in namespace_pids(nn.namespace)]
-            if leftovers:
-                kill_pids(leftovers)
-            for t in threads:
-                t.join(timeout=2.0)
+        runs.stop(awake)
+
+
+def _watch(runs: _NodeRuns, pending: list[EmulationEvent], timeout_s: float | None) -> int:
+    """Apply the events as they fall due and poll the torchruns until the job ends (``launch_job``'s status)."""
+    t0 = time.monotonic()
+    deadline = None if timeout_s is None else t0 + timeout_s
+    status: int | None = None
+    failed_at: float | None = None
+    while True:
+        while pending and time.monotonic() - t0 >= pending[0].at_s:
+            runs.apply(pending.pop(0))
+        codes = [p.poll() for p in runs.procs]
+        failure = runs.first_failure(codes)
+        if failure is not None and status is None:
+            status = failure[1]
+            failed_at = time.monotonic()
+            runs.say(f"node {failure[0]} failed with exit status {status}; stopping the other nodes")
+        if all(c is not None for c in codes) and not any(e.kind == "start" for e in pending):
+            return status or 0
+        now = time.monotonic()
+        if failed_at is not None and now - failed_at > FAILURE_GRACE_S:
+            return status or 1
+        if deadline is not None and now > deadline:
+            runs.say(f"the job ran past its time limit of {timeout_s:g} s; stopping it")
+            return 124
+        time.sleep(0.05)
 
 
 @contextlib.contextmanager

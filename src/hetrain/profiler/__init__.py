@@ -26,7 +26,7 @@ _EXPORTS = {
     "merge_node_profiles": "merge", "node_profile_path": "merge",
     "discover": "network", "DiscoveryError": "network", "DiscoveryResult": "network",
     "build_plan": "network", "round_robin": "network", "run_discover_command": "network",
-    "parse_message_sizes": "network", "add_discover_arguments": "network",
+    "parse_message_sizes": "network",
 }
 
 __all__ = sorted(_EXPORTS)

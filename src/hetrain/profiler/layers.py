@@ -969,8 +969,9 @@ def run_profile_command(model: str | ModelSource, micro_batches: Sequence[int], 
     micro-batch sizes (with 3 or more sizes), and saves the profile. ``inputs`` (``b -> the
     first layer's input for b samples``, from ``profile_inputs``) replaces ``data`` (which still
     says what they are). A token model or token data runs at ``seq_len`` tokens per sample
-    (``profile_inputs``); the profile records the length it was measured at. Returns 0,
-    or 1 with the reason on stderr.
+    (``profile_inputs``); the profile records the length it was measured at. Returns 0; 2 for bad input
+    (a model, data set, device or micro-batch size that cannot be used) or 1 for a failure while measuring,
+    with the reason on stderr.
     """
     from hetrain.data.seq_len import measured_seq_len
     from hetrain.fit import TIME_MODELS, fit_error
@@ -988,10 +989,13 @@ def run_profile_command(model: str | ModelSource, micro_batches: Sequence[int], 
                                   source.layer_names, unpack_tuples=False)
         profile = replace(measured.to_profile(source.name), seq_len=measured_at, split_points=source.split_points)
         profile.save(output)
-    except LayerError as e:
+    except LayerError as e:  # the model, at a micro-batch size asked for: bad input
         print(f"hetrain profile: error: model {source.name}: {e}; {_layer_error_hint(e, data)}", file=sys.stderr)
-        return 1
-    except (ValueError, RuntimeError, OSError) as e:
+        return 2
+    except ValueError as e:  # InputError among them: a model, data set or device that cannot be used
+        print(f"hetrain profile: error: {e}", file=sys.stderr)
+        return 2
+    except (RuntimeError, OSError) as e:
         print(f"hetrain profile: error: {e}", file=sys.stderr)
         return 1
     print(measured.table())

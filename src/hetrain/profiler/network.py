@@ -35,7 +35,6 @@ with it.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import hashlib
@@ -173,7 +172,7 @@ def parse_message_sizes(text: str) -> list[int]:
     """``"4KB,64KB,1MB"`` -> bytes; ``"4KB..64MB"`` -> 4 KB, 16 KB, ... up to 64 MB (x4 steps).
 
     Raises:
-        ValueError: a size without a unit, or a range whose end is below its start.
+        ValueError: a size without a unit or below 1 byte, none at all, or a range whose end is below its start.
     """
     try:
         if ".." in text:
@@ -185,9 +184,12 @@ def parse_message_sizes(text: str) -> list[int]:
             while out[-1] * 4 <= hi:
                 out.append(out[-1] * 4)
             return out
-        return [int(parse_bytes(part.strip(), "sizes")) for part in text.split(",") if part.strip()]
+        sizes = [int(parse_bytes(part.strip(), "sizes")) for part in text.split(",") if part.strip()]
     except UnitError as e:
         raise ValueError(str(e)) from None
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"message sizes {text!r} must be at least 1 byte each")
+    return sizes
 
 
 # ---------------------------------------------------------------------------
@@ -652,28 +654,11 @@ def discover(output_path: str | Path, sizes: Sequence[int] = DEFAULT_SIZES, time
         device = torch.device("cuda", local_rank) if dist.get_backend() == "nccl" else torch.device("cpu")
         settings = {"hetrain": __version__, "sizes": list(sizes), "repeats": repeats, "warmup": warmup,
                     "allreduce_bytes": allreduce_bytes, "world_size": world}
-        reports = session.all_gather((_rank_info(rank, device), settings), "device and host reports")
-        _check_settings(rank, [s for _, s in reports])
-        infos: list[RankInfo] = [info for info, _ in reports]
-        plan = build_plan([info.host for info in infos])
-        digests = session.all_gather(plan.digest(settings), "plan hashes")
-        odd = [r for r, d in enumerate(digests) if d != digests[0]]
-        if odd:
-            raise DiscoveryError(f"rank {rank}: ranks disagree about the measurement plan: {_ranks(odd)} "
-                                 f"computed plan {digests[odd[0]]}, rank 0 computed {digests[0]} "
-                                 "(different hetrain versions on different hosts?)")
-
+        infos, plan = _agree(session, device, settings)
         links = _measure_rounds(session, plan, sizes, repeats, warmup, device)
-        name = Path(output_path).stem
-        cluster = _parse(cluster_toml(plan, infos, links), name)
-        measured_s, predicted_s, algorithm = _compare_allreduce(session, cluster, allreduce_bytes, device)
-        device_order = sorted(range(world), key=lambda r: (plan.node_names.index(infos[r].host), r))
-        result = DiscoveryResult(cluster, plan, links, tuple(device_order.index(r) for r in range(world)),
-                                 allreduce_bytes, measured_s, predicted_s, algorithm, "", time.monotonic() - start)
-        text = cluster_toml(plan, infos, links, _header(result, settings, dist.get_backend()))
-        result = dataclasses.replace(result, cluster=_parse(text, name), toml=text)
+        result = _result(session, plan, infos, links, settings, device, Path(output_path).stem, start)
         if rank == 0:
-            _write(Path(output_path), text)
+            _write(Path(output_path), result.toml)
         session.barrier("rank 0 writing the cluster file")
         return result
     except DiscoveryError as e:
@@ -683,6 +668,42 @@ def discover(output_path: str | Path, sizes: Sequence[int] = DEFAULT_SIZES, time
         session.close()
         if own_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _agree(session: _Session, device: torch.device,
+           settings: dict[str, Any]) -> tuple[list[RankInfo], MeasurementPlan]:
+    """Every rank's device and host, and the measurement plan, once the ranks agree on the settings and the plan.
+
+    Raises:
+        DiscoveryError: a rank whose settings or plan differ, named.
+    """
+    rank = session.rank
+    reports = session.all_gather((_rank_info(rank, device), settings), "device and host reports")
+    _check_settings(rank, [s for _, s in reports])
+    infos: list[RankInfo] = [info for info, _ in reports]
+    plan = build_plan([info.host for info in infos])
+    digests = session.all_gather(plan.digest(settings), "plan hashes")
+    odd = [r for r, d in enumerate(digests) if d != digests[0]]
+    if odd:
+        raise DiscoveryError(f"rank {rank}: ranks disagree about the measurement plan: {_ranks(odd)} "
+                             f"computed plan {digests[odd[0]]}, rank 0 computed {digests[0]} "
+                             "(different hetrain versions on different hosts?)")
+    return infos, plan
+
+
+def _result(session: _Session, plan: MeasurementPlan, infos: Sequence[RankInfo],
+            links: tuple[LinkMeasurement, ...], settings: dict[str, Any], device: torch.device, name: str,
+            start: float) -> DiscoveryResult:
+    """The measured cluster (its all-reduce timed and compared with the cost model) and its file's text."""
+    world = session.world
+    allreduce_bytes = int(settings["allreduce_bytes"])
+    cluster = _parse(cluster_toml(plan, infos, links), name)
+    measured_s, predicted_s, algorithm = _compare_allreduce(session, cluster, allreduce_bytes, device)
+    device_order = sorted(range(world), key=lambda r: (plan.node_names.index(infos[r].host), r))
+    result = DiscoveryResult(cluster, plan, links, tuple(device_order.index(r) for r in range(world)),
+                             allreduce_bytes, measured_s, predicted_s, algorithm, "", time.monotonic() - start)
+    text = cluster_toml(plan, infos, links, _header(result, settings, dist.get_backend()))
+    return dataclasses.replace(result, cluster=_parse(text, name), toml=text)
 
 
 def _measure_rounds(session: _Session, plan: MeasurementPlan, sizes: tuple[int, ...], repeats: int, warmup: int,
@@ -784,25 +805,12 @@ def run_discover_command(output: str, sizes: Sequence[int] | None = None, timeou
     return 0
 
 
-def add_discover_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``hetrain discover``, for the CLI's subparser."""
-    parser.add_argument("-o", "--output", default="cluster.toml", help="cluster file to write (default cluster.toml)")
-    parser.add_argument("--sizes", type=parse_message_sizes, default=list(DEFAULT_SIZES),
-                        help="message sizes: '4KB,1MB,16MB' or a x4 range '4KB..64MB' (the default)")
-    parser.add_argument("--timeout", type=float, default=60.0, dest="timeout_s",
-                        help="seconds any one wait may take before the rank waited for is reported (default 60)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed round trips per message size (default 5)")
-    parser.add_argument("--allreduce-bytes", type=parse_bytes, default=None,
-                        help="size of the all-reduce compared with the cost model (default: the largest message)")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hetrain.profiler.network [options]`` under torchrun: as ``hetrain discover``."""
-    parser = argparse.ArgumentParser(prog="hetrain discover", description=__doc__.splitlines()[0])
-    add_discover_arguments(parser)
-    args = parser.parse_args(argv)
-    allreduce = int(args.allreduce_bytes) if args.allreduce_bytes else None
-    return run_discover_command(args.output, args.sizes, args.timeout_s, args.repeats, allreduce)
+    """``python -m hetrain.profiler.network [options]`` under torchrun: ``hetrain discover`` (the one command line,
+    ``hetrain.cli``; its options are ``hetrain.commands.discover``'s)."""
+    from hetrain.cli import main as cli_main
+
+    return cli_main(["discover", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -42,8 +42,6 @@ from hetrain.runtime.step.loss_scale import check_fp16
 from hetrain.runtime.step.lr_schedule import LrSchedule
 from hetrain.runtime.trainer import Trainer, default_lr
 
-HELP = "under torchrun: train a model with a plan (torchrun ... -m hetrain train --plan P)"
-
 
 def _describe(schedule: LrSchedule | None, clip_grad_norm: float | None) -> str:
     """``"lr 0.001 cosine to 1e-05, warm-up 100, clip 1"``: the start-up line's part on the optimizer's driving."""
@@ -248,8 +246,25 @@ def run(args: argparse.Namespace) -> int:
     """Run the ``train`` command from parsed ``add_arguments`` options.
 
     Bad arguments and a plan file that cannot be read are refused here, before any process group,
-    with status 2; ``run_train`` returns 1 for what fails after.
+    with status 2; ``run_train`` returns 1 for what fails after. A rank that fails with its process group up
+    leaves at once (``_leave_at_once``).
     """
+    code = _run(args)
+    if code != 0 and dist.is_initialized():
+        _leave_at_once(code)
+    return code
+
+
+def _leave_at_once(code: int) -> None:
+    """A process group with a dead or stuck peer cannot be torn down cleanly: its transport threads may abort
+    the interpreter at exit ("terminate called without an active exception"). The error is printed; leave
+    at once with it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         config = train_config_from_args(args)
         _check_output_paths(config)
@@ -274,18 +289,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hetrain.runtime.command --plan plan.json --model NAME ...`` (under torchrun): ``hetrain train``."""
-    parser = argparse.ArgumentParser(prog="hetrain train", description="Train a model with a plan.")
-    add_arguments(parser)
-    code = run(parser.parse_args(argv))
-    if code != 0 and dist.is_initialized():
-        # A process group with a dead or stuck peer cannot be torn down cleanly: its
-        # transport threads may abort the interpreter at exit ("terminate called
-        # without an active exception"). The error is printed; leave at once with it.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
+    """``python -m hetrain.runtime.command --plan plan.json --model NAME ...`` (under torchrun): ``hetrain train``
+    (the one command line, ``hetrain.cli``)."""
+    from hetrain.cli import main as cli_main
+
+    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -73,14 +73,12 @@ The package, one job per module::
     result.py    SimResult, DeviceStats, the summary table
     replay.py    simulate(): schedule templates (build_schedule_templates_of) -> compile -> engine -> result;
                  with_simulated_prediction() for a hand-built plan
-    command.py   ``hetrain simulate``
 
 Example:
     >>> result = simulate(load_plan("plan.json"))        # doctest: +SKIP
     >>> print(result.summary())                          # doctest: +SKIP
 """
 
-from hetrain.simulator.command import run_simulate_command
 from hetrain.simulator.replay import (
     ASYNC_ITERATIONS,
     build_schedules,
@@ -90,5 +88,5 @@ from hetrain.simulator.replay import (
 )
 from hetrain.simulator.result import DeviceStats, SimResult
 
-__all__ = ["ASYNC_ITERATIONS", "DeviceStats", "SimResult", "build_schedules", "run_simulate_command", "simulate",
-           "simulated_iterations", "with_simulated_prediction"]
+__all__ = ["ASYNC_ITERATIONS", "DeviceStats", "SimResult", "build_schedules", "simulate", "simulated_iterations",
+           "with_simulated_prediction"]

@@ -1,0 +1,56 @@
+"""``hetrain.planning``: the planner wired to the simulator once, and the pure families a plan is compared with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import hetrain
+from hetrain.cluster import load_cluster, parse_cluster
+from hetrain.models.analytic import build_mlp_profile, build_profile
+from hetrain.planner import PlannerError, PlannerOptions
+from hetrain.planning import PLANNER_KEY, plan_families, plan_with_simulator
+from hetrain.simulator import simulate
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER = ROOT / "examples" / "clusters" / "small-hetero.toml"
+
+
+def test_hetrain_plan_is_the_planner_with_the_simulator() -> None:
+    assert hetrain.plan is plan_with_simulator
+    made = hetrain.plan(load_cluster(CLUSTER), build_profile("mlp"), 16, simulate_top_k=2, time_budget_s=None)
+    assert made.prediction.simulated_iteration_s == pytest.approx(simulate(made).iteration_s)
+    assert made.options[PLANNER_KEY]["simulate_top_k"] == 2 and "sync_options" not in made.options[PLANNER_KEY]
+
+
+def test_options_and_keywords_together_replace_the_options_fields() -> None:
+    cluster, profile = load_cluster(CLUSTER), build_profile("mlp")
+    made = plan_with_simulator(cluster, profile, 16, PlannerOptions(strategy="pp"), simulate_top_k=0)
+    assert made.strategy == "pp" and made.prediction.simulated_iteration_s is None
+    assert made.options[PLANNER_KEY]["strategy"] == "pp"
+
+
+def test_the_families_are_dp_then_pp_planned_with_the_options_given() -> None:
+    cluster, profile = load_cluster(CLUSTER), build_profile("mlp")
+    dp, pp = plan_families(cluster, profile, 16, PlannerOptions(simulate_top_k=1, optimizer="sgd",
+                                                                 global_batch_choices=(8, 32)))
+    assert (dp.strategy, dp.label, pp.strategy, pp.label) == ("dp", "pure data parallelism", "pp", "pure pipeline")
+    assert dp.required().strategy == "dp" and all(len(vw.stages) == 1 for vw in dp.required().virtual_workers)
+    assert pp.required().strategy == "pp" and len(pp.required().virtual_workers) == 1
+    for family in (dp, pp):
+        plan = family.required()
+        assert plan.optimizer == "sgd" and plan.global_batch == 16  # no other global batch tried
+        assert plan.prediction.simulated_iteration_s is not None
+
+
+def test_a_family_that_fits_nowhere_says_why_and_raises_when_required() -> None:
+    """One layer larger than any device: no pure data-parallel replica fits; a pipeline may still."""
+    tiny = parse_cluster({"name": "tiny", "node": [{"name": "n0", "devices": [
+        {"type": "cpu", "memory": "64MB", "tflops": 0.01, "memory_bandwidth": "10GB/s", "count": 2}]}]})
+    profile = build_mlp_profile([4096, 4096, 4096, 10], name="wide")
+    families = plan_families(tiny, profile, 8, PlannerOptions(simulate_top_k=0, optimizer="sgd"))
+    dp = families[0]
+    assert dp.plan is None and isinstance(dp.error, PlannerError)
+    with pytest.raises(PlannerError):
+        dp.required()
