@@ -31,6 +31,7 @@ from hetrain.planner.search import DEFAULT_TIME_BUDGET_S
 from hetrain.planning import plan_families, plan_with_simulator, simulated_iteration_s
 from hetrain.profile import ModelProfile
 from hetrain.sync_layout import SYNC_OPTION_HELP, SyncOptions, check_mode_options
+from hetrain.sync_mode import SYNC_MODES
 
 _positive = number_at_least(0.0, inclusive=False)
 
@@ -49,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="never leave a node out (by default auto also plans without the node of the slowest NIC "
                              "and the node of least compute, and keeps that plan where it is 10%% faster)")
     parser.add_argument("--schedule", choices=["auto", *SCHEDULES], default="auto")
-    parser.add_argument("--sync", choices=["bsp", "wsp", "hybrid-ps", "daso", "local-sgd", "auto"], default=None,
+    parser.add_argument("--sync", choices=[*SYNC_MODES, "auto"], default=None,
                         help="sync mode (docs/sync.md; default bsp, or the --from plan's); auto: the soonest predicted "
                         "time to accuracy")
     parser.add_argument("--sync-option", dest="sync_options", action="append", default=[], metavar="KEY=VALUE",

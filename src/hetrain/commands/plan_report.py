@@ -90,13 +90,13 @@ def _bf16_hint(result: Plan) -> str:
     samples/s were they all-reduced in bf16 (sync option ``reduce_dtype``, docs/sync.md), the same stages."""
     from hetrain.planner.sync import repredict_sync
 
-    if result.sync != "bsp" or result.sync_options.reduce_dtype != "fp32" or result.prediction.sync_s <= 0:
+    if not result.sync_mode.synchronous or result.sync_options.reduce_dtype != "fp32" or result.prediction.sync_s <= 0:
         return ""
     table = result.options.get("sync_predictions", {})
-    if "bsp" not in table:
+    if result.sync not in table:
         return ""
-    now = float(table["bsp"]["samples_per_s"])
-    bf16 = repredict_sync(result, "bsp", replace(result.sync_options, reduce_dtype="bf16"))
+    now = float(table[result.sync]["samples_per_s"])
+    bf16 = repredict_sync(result, result.sync, replace(result.sync_options, reduce_dtype="bf16"))
     gain = bf16.prediction.samples_per_s / now if now > 0 else 1.0
     if gain < 1.01:
         return ""
