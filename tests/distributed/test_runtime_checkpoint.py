@@ -42,7 +42,8 @@ LR, MOMENTUM = 0.1, 0.9
 
 WRAPPER = textwrap.dedent(f"""
     import os, sys
-    from hetrain.runtime import command, executor
+    from hetrain.runtime import command
+    from hetrain.runtime.step import executor
 
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     plan_a, plan_b, *args = sys.argv[1:]
