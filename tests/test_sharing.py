@@ -202,6 +202,7 @@ def test_without_sharing_the_closed_form_is_the_per_device_one() -> None:
     assert estimate_sync_time(cluster, profile, layouts, hide) == pytest.approx(0.8)
 
 
+@pytest.mark.slow  # plans and simulates
 def test_a_plan_re_predicted_counts_sharing_as_the_planner_did() -> None:
     """``hetrain plan --from PLAN --sync MODE`` re-predicts from the plan's stages (``plan_traffic``): the same
     sync figures as the planner's, for every mode, on a plan whose VWs share the NICs."""
@@ -239,6 +240,7 @@ def test_a_ring_holds_the_links_the_simulator_gives_it() -> None:
             assert (r < n) == name.endswith("NIC out") and (n <= r < 2 * n) == name.endswith("NIC in")
 
 
+@pytest.mark.slow  # plans and simulates
 def test_all_reduces_that_cut_in_are_not_charged_again_after_the_delayed_pipeline() -> None:
     """64 devices: 8 nodes of 8 GPUs of four generations in turn (H100 / NVLink 4 / 200 Gbit/s, A100 /
     NVLink 3 / 100 Gbit/s, V100 / NVLink 2 / 25 Gbit/s, T4 / PCIe 3 / 10 Gbit/s), gpt2-medium, batch 256.
