@@ -26,6 +26,7 @@ from hetrain.cli import main
 from hetrain.cluster import load_cluster
 from hetrain.models.analytic import build_profile
 from hetrain.planner import plan as build_plan
+from tiers import slow_where
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "examples" / "clusters" / "small-hetero.toml"
@@ -211,7 +212,8 @@ PLAN_CASES: list[tuple[str, Callable[[Json], Json] | str, tuple[str, ...]]] = [
 PLAN_CASE_NAMES = [c[0] for c in PLAN_CASES]
 
 
-@pytest.mark.parametrize("name, corrupt, needles", PLAN_CASES, ids=[c[0] for c in PLAN_CASES])
+# the cases run in a real process (every other one) are slow: the in-process half is in the fast tier
+@pytest.mark.parametrize("name, corrupt, needles", slow_where(PLAN_CASES, lambda k, _c: k % 2 == 0, ids=lambda c: c[0]))
 def test_malformed_plan_is_one_line(name: str, corrupt: Callable[[Json], Json] | str, needles: tuple[str, ...],
                                     valid: dict[str, Json], tmp_path: Path,
                                     capsys: pytest.CaptureFixture[str]) -> None:
@@ -222,7 +224,7 @@ def test_malformed_plan_is_one_line(name: str, corrupt: Callable[[Json], Json] |
         path.write_bytes(RAW_FILES[corrupt])
     else:
         path.write_text(json.dumps(corrupt(copy.deepcopy(valid["plan"]))))
-    if PLAN_CASE_NAMES.index(name) % 2 == 0:
+    if PLAN_CASE_NAMES.index(name) % 2 == 0:  # a real process (the cases marked slow)
         code, stderr, seconds = run_subprocess(["simulate", str(path)], tmp_path)
         assert seconds < HANG_LIMIT_S, f"{seconds:.1f} s to refuse"
     else:
@@ -292,7 +294,8 @@ CLUSTER_CASES: list[tuple[str, str | bytes, tuple[str, ...]]] = [
 ]
 
 
-@pytest.mark.parametrize("name, text, needles", CLUSTER_CASES, ids=[c[0] for c in CLUSTER_CASES])
+@pytest.mark.parametrize("name, text, needles", slow_where(CLUSTER_CASES, lambda _k, c: c[0].endswith("-huge"),
+                                                           ids=lambda c: c[0]))  # real processes are slow
 def test_malformed_cluster_is_one_line(name: str, text: str | bytes, needles: tuple[str, ...], tmp_path: Path,
                                        capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "c.toml"
@@ -560,7 +563,8 @@ SUBPROCESS_ARGS = {"plan-global-batch-huge", "plan-output-directory", "simulate-
                    "profile-output-directory", "profile-repeats-huge", "plan-cluster-directory"}
 
 
-@pytest.mark.parametrize("name, argv, needles", ARG_CASES, ids=[c[0] for c in ARG_CASES])
+@pytest.mark.parametrize("name, argv, needles", slow_where(  # a real process or a traced transformers model: slow
+    ARG_CASES, lambda _k, c: c[0] in SUBPROCESS_ARGS | NEEDS_TRANSFORMERS, ids=lambda c: c[0]))
 def test_bad_argument_is_one_line(name: str, argv: list[str], needles: tuple[str, ...], files: dict[str, str],
                                   tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = [a.format(**files) for a in argv]
@@ -621,7 +625,8 @@ TRAIN_CASES: list[tuple[str, list[str], tuple[str, ...]]] = [
 ]
 
 
-@pytest.mark.parametrize("name, extra, needles", TRAIN_CASES, ids=[c[0] for c in TRAIN_CASES])
+@pytest.mark.parametrize("name, extra, needles", slow_where(  # a traced transformers model: slow
+    TRAIN_CASES, lambda _k, c: c[0] in NEEDS_TRANSFORMERS, ids=lambda c: c[0]))
 def test_bad_train_argument_is_one_line(name: str, extra: list[str], needles: tuple[str, ...],
                                         files: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("torch")
@@ -633,6 +638,7 @@ def test_bad_train_argument_is_one_line(name: str, extra: list[str], needles: tu
     check_refused(code, stderr, tuple(n.format(**files) for n in needles))
 
 
+@pytest.mark.slow  # starts hetrain train
 def test_bad_train_plan_is_refused_by_a_real_process(files: dict[str, str], tmp_path: Path) -> None:
     pytest.importorskip("torch")
     code, stderr, _ = run_subprocess(["train", "--plan", files["list"], "--model", "mlp-digits"], tmp_path)

@@ -147,6 +147,7 @@ def test_cpu_cgroup_of_reads_v1_cpu_line_else_v2() -> None:
 
 
 @pytest.mark.parametrize("value", ["0", "-1", str((os.cpu_count() or 1) + 1)])
+@pytest.mark.slow  # starts the benchmark script
 def test_cpu_quota_refuses_bad_values_in_one_line(value: str) -> None:
     done = run_script("--cpu-quota", value)
     assert done.returncode == 2
@@ -159,6 +160,7 @@ def test_cpu_quota_refuses_bad_values_in_one_line(value: str) -> None:
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
                     reason="needs root and unshare(1) to hide the cgroup mounts in a mount namespace")
+@pytest.mark.slow  # starts the benchmark script
 def test_cpu_quota_without_cpu_controller_says_so_in_one_line() -> None:
     hide = ("unshare", "-m", "sh", "-c", 'umount -R /sys/fs/cgroup 2>/dev/null; exec "$0" "$@"')
     done = run_script("--cpu-quota", "1", prefix=hide)
@@ -210,6 +212,7 @@ def test_emulated_rows_read_a_jobs_result() -> None:
     (["--global-batch", "4", "--micro-batches", "8"], "hold the --micro-batches 8"),
     (["--blocks", "0"], "--blocks must be >= 1, got 0"),
 ])
+@pytest.mark.slow  # starts the benchmark script
 def test_emulated_script_refuses_bad_options(argv: list[str], message: str) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"),
                                                        os.environ.get("PYTHONPATH", "")]))
@@ -246,6 +249,7 @@ def _launch_bound(*argv: str) -> subprocess.CompletedProcess[str]:
                           text=True, capture_output=True, timeout=300)
 
 
+@pytest.mark.slow  # starts the benchmark script
 def test_launch_bound_script_times_both_runtimes_on_one_cpu_stage() -> None:
     """A smoke run of the one-device comparison (the GPU case's script) on the CPU: both runtimes train, a table."""
     done = _launch_bound("--device", "cpu", "--blocks", "2", "--block-steps", "1", "--warmup", "1",
@@ -261,6 +265,7 @@ def test_launch_bound_script_times_both_runtimes_on_one_cpu_stage() -> None:
     pytest.param(["--device", "cuda"], "torch.cuda.is_available() is False here",
                  marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is here")),
 ])
+@pytest.mark.slow  # starts the benchmark script
 def test_launch_bound_script_refuses_bad_options(argv: list[str], message: str) -> None:
     done = _launch_bound(*argv)
     assert done.returncode == 2

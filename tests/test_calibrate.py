@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from factories import make_plan, replicas
 from hetrain.calibrate import (
     CalibrationError,
     fit_action_overhead,
@@ -19,7 +20,7 @@ from hetrain.calibrate import (
 from hetrain.cluster import Cluster, parse_cluster
 from hetrain.cost import estimate_pipeline_time
 from hetrain.models.analytic import build_profile
-from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
+from hetrain.plan import Plan
 from hetrain.planner import plan
 from hetrain.planner.partition import partition
 from hetrain.profile import LayerProfile, Measurement, ModelProfile, ProfileError, load_profile, parse_profile
@@ -43,9 +44,8 @@ def uniform_profile(p: int, t_f: float, t_b: float, b: int, overhead_s: float = 
 
 
 def pipeline_plan(p: int, m: int, b: int, profile: ModelProfile, schedule: str = "1f1b") -> Plan:
-    vw = VirtualWorker(tuple(Stage(f"n0:{j}", j, j + 1) for j in range(p)), m * b, m)
-    return Plan(profile.name, m * b, schedule, "bsp", "sgd", (vw,), Prediction(0, 0, 0, 0, 0), "pp",  # type: ignore[arg-type]
-                "manual", one_node(p), profile, {})
+    return make_plan(one_node(p), profile, [([f"n0:{j}" for j in range(p)], list(range(p + 1)), m * b, m)],
+                     schedule=schedule)
 
 
 # --- the profile field --------------------------------------------------------------
@@ -237,9 +237,7 @@ def test_the_command_writes_the_calibrated_profile(tmp_path: Path, capsys: pytes
 def data_parallel_plan(b: int, profile: ModelProfile) -> Plan:
     """Two VWs of one stage each (one per device), ``b`` samples each: the same global batch as
     ``pipeline_plan(2, m, 2 * b // m, ...)``."""
-    vws = tuple(VirtualWorker((Stage(f"n0:{v}", 0, profile.num_layers),), b, 1) for v in range(2))
-    return Plan(profile.name, 2 * b, "1f1b", "bsp", "sgd", vws, Prediction(0, 0, 0, 0, 0), "dp", "manual",
-                one_node(2), profile, {})
+    return make_plan(one_node(2), profile, replicas(("n0:0", "n0:1"), profile.num_layers, b))
 
 
 def write_run_metrics(path: Path, plan: Plan, step_times: list[float], fingerprint: str | None = None) -> None:
@@ -298,7 +296,8 @@ def test_the_plan_fingerprint_tells_apart_what_the_rows_cannot(tmp_path: Path, c
     assert f"plan fingerprint '{plan_fingerprint(eight)}'" in err
     assert run_calibrate_command(str(tmp_path / "eight.json"), str(tmp_path / "eight.jsonl"), 1, None) == 0
     # what runs makes the fingerprint; the predictions do not
-    again = dataclasses.replace(eight, prediction=Prediction(1.0, 8.0, 1.0, 0.0, 0.0))
+    again = dataclasses.replace(eight, prediction=dataclasses.replace(eight.prediction, iteration_s=1.0,
+                                                                      samples_per_s=8.0, pipeline_s=1.0))
     assert plan_fingerprint(again) == plan_fingerprint(eight) != plan_fingerprint(four)
     assert plan_fingerprint(eight.with_sync("wsp")) != plan_fingerprint(eight)
 

@@ -44,6 +44,7 @@ def test_bad_input_is_a_clear_error_not_a_traceback(tmp_path: Path, capsys) -> N
     assert "gpt3" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # plans gpt2-small on pipetorch's 8 devices and simulates
 def test_simulate_command_writes_trace_and_gantt(tmp_path: Path, capsys) -> None:
     out = tmp_path / "plan.json"
     assert main(["plan", "--cluster", str(CLUSTER), "--model", "gpt2-small", "--global-batch", "32",
@@ -58,6 +59,7 @@ def test_simulate_command_writes_trace_and_gantt(tmp_path: Path, capsys) -> None
     assert gantt.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # starts a Python process
 def test_planning_commands_do_not_import_torch() -> None:
     code = ("import sys; from hetrain.cli import main; "
             f"main(['plan', '--cluster', {str(CLUSTER)!r}, '--model', 'mlp', '--global-batch', '16']); "
@@ -65,12 +67,14 @@ def test_planning_commands_do_not_import_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)
 
 
+@pytest.mark.slow  # starts a Python process
 def test_top_level_api_without_torch() -> None:
     code = ("import sys, hetrain; assert callable(hetrain.plan); from hetrain.plan import Plan; "
             "assert 'torch' not in sys.modules; hetrain.Trainer; assert 'torch' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)
 
 
+@pytest.mark.slow  # plans gpt2-small on pipetorch's 8 devices and simulates
 def test_plan_sync_auto_prints_every_mode_and_picks_one(tmp_path: Path, capsys) -> None:
     out = tmp_path / "plan.json"
     code = main(["plan", "--cluster", str(CLUSTER), "--model", "gpt2-small", "--global-batch", "64", "--strategy",
@@ -110,6 +114,7 @@ def test_train_runs_the_plan_as_it_is() -> None:
             parser.parse_args(["--plan", "p.json", "--model", "mlp-digits", *flag])
 
 
+@pytest.mark.slow  # plans gpt2-small on pipetorch's 8 devices and simulates
 def test_plan_from_a_plan_changes_the_mode_and_re_predicts(tmp_path: Path, capsys) -> None:
     first, second = tmp_path / "plan.json", tmp_path / "daso.json"
     assert main(["plan", "--cluster", str(CLUSTER), "--model", "gpt2-small", "--global-batch", "64", "--strategy",
@@ -129,6 +134,7 @@ def test_plan_from_a_plan_changes_the_mode_and_re_predicts(tmp_path: Path, capsy
     assert "drop --global-batch" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # plans gpt2-small on pipetorch's 8 devices and simulates
 def test_a_format_1_plan_is_refused_with_the_way_to_upgrade_it(tmp_path: Path, capsys) -> None:
     path = tmp_path / "plan.json"
     assert main(["plan", "--cluster", str(CLUSTER), "--model", "gpt2-small", "--global-batch", "64", "--sync",
@@ -204,6 +210,7 @@ def test_a_cpu_cluster_gets_a_plan_it_can_train(tmp_path: Path, capsys) -> None:
     assert load_plan(out).precision == "fp32" and capsys.readouterr().err == ""
 
 
+@pytest.mark.slow  # plans gpt2-small on pipetorch's 8 devices and simulates
 def test_the_comparison_ranks_the_families_as_the_planner_does_by_simulation(capsys) -> None:
     """The closed form may miss a pipeline's transfers by far more than the simulator (cloud-mixed gpt2-medium:
     a pure pipeline at 285.9 samples/s closed, 188.7 simulated), so the table compares simulated figures, each
@@ -232,6 +239,7 @@ def test_the_sync_table_counts_the_large_batch_factor_as_the_plan_does(tmp_path:
     assert tta is not None and f"{tta:.1f}s" in chosen, (tta, chosen)
 
 
+@pytest.mark.slow  # plans gpt2-small on pipetorch's 8 devices and simulates
 def test_from_a_plan_with_sync_auto_takes_an_option_of_a_mode_auto_considers(tmp_path: Path, capsys) -> None:
     out = tmp_path / "plan.json"
     assert main(["plan", "--cluster", str(CLUSTER), "--model", "gpt2-small", "--global-batch", "64",

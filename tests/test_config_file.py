@@ -9,10 +9,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from hetrain.cluster import parse_cluster
-from hetrain.models.analytic import build_mlp_profile
+from factories import make_cluster, make_plan, mlp_digits_profile
 from hetrain.options import ConfigFileError, load_options_file
-from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
 from hetrain.runtime.command import add_arguments, main
 from hetrain.runtime.config import OptimConfig, TrainConfig, train_config_from_args
 
@@ -151,11 +149,7 @@ def test_an_error_names_where_each_value_came_from_the_file_and_key_or_the_flag(
 
 def write_plan(path: Path) -> None:
     """mlp-digits on one CPU device, SGD (default learning rate 0.05)."""
-    cluster = parse_cluster({"name": "cpu", "node": [{"name": "n0", "devices": [{"type": "cpu", "count": 1}],
-                                                      "intra_link": "loopback", "nic": "1Gbit/s"}]})
-    Plan("mlp-digits", 8, "1f1b", "bsp", "sgd", (VirtualWorker((Stage("n0:0", 0, 3),), 8, 2),),
-         Prediction(0, 0, 0, 0, 0), "pp", "manual", cluster,
-         build_mlp_profile([64, 256, 256, 10], name="mlp-digits")).save(path)
+    make_plan(make_cluster({"n0": 1}, name="cpu"), mlp_digits_profile(), [(["n0:0"], [0, 3], 8, 2)]).save(path)
 
 
 @pytest.mark.parametrize("toml, argv, needle", [

@@ -136,6 +136,7 @@ def test_text_dataset_windows_and_epochs() -> None:
         TextDataset(encode_text("short"), seq_len=10)
 
 
+@pytest.mark.slow  # trains gpt-tiny
 def test_gpt_tiny_trains_on_the_corpus() -> None:
     """A few SGD steps on real text bring the loss below the uniform ln(96) = 4.56."""
     torch.manual_seed(0)

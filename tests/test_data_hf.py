@@ -38,6 +38,7 @@ def model_dir(tmp_path: Path, tokenizer: bool = False) -> Path:
     return d
 
 
+@pytest.mark.slow  # traces a transformers model
 def test_dicts_with_labels_and_right_padding_give_transformers_loss(tmp_path: Path) -> None:
     d = model_dir(tmp_path)
     source = resolve_model(f"hf:{d}")
@@ -70,6 +71,7 @@ def test_dicts_hetrain_would_run_otherwise_are_refused_in_one_line(batch: dict[s
     assert needle in str(info.value) and "\n" not in str(info.value), str(info.value)
 
 
+@pytest.mark.slow  # traces a transformers model
 def test_a_data_set_of_dicts_trains_with_its_labels(tmp_path: Path) -> None:
     d = model_dir(tmp_path)
     (tmp_path / "rows.py").write_text(
@@ -82,6 +84,7 @@ def test_a_data_set_of_dicts_trains_with_its_labels(tmp_path: Path) -> None:
     assert x.tolist() == [list(range(9, 17))] and y.tolist() == [[*range(10, 17), -100]]
 
 
+@pytest.mark.slow  # traces a transformers model
 def test_pairs_whose_targets_are_their_inputs_are_refused_naming_the_convention(tmp_path: Path) -> None:
     d = model_dir(tmp_path)
     (tmp_path / "same.py").write_text(
@@ -95,6 +98,7 @@ def test_pairs_whose_targets_are_their_inputs_are_refused_naming_the_convention(
         "model shifts them" in str(info.value)
 
 
+@pytest.mark.slow  # traces a transformers model
 def test_text_is_tokenised_by_the_model_directorys_tokenizer_and_named(tmp_path: Path) -> None:
     d = model_dir(tmp_path, tokenizer=True)
     (tmp_path / "t.txt").write_text("w1 w2 w3 " * 40)
@@ -107,6 +111,7 @@ def test_text_is_tokenised_by_the_model_directorys_tokenizer_and_named(tmp_path:
         build_model_datasets(resolve_model(f"hf:{d}"), f"text:{tmp_path / 't.txt'}", seq_len=4)
 
 
+@pytest.mark.slow  # traces a transformers model
 def test_tables_of_text_and_of_input_ids(tmp_path: Path) -> None:
     datasets = pytest.importorskip("datasets")
     d = model_dir(tmp_path, tokenizer=True)

@@ -36,6 +36,7 @@ def test_a_reference_gpt_is_told_the_vocab_to_set(tmp_path: Path) -> None:
                                f"use a larger vocab (--set vocab=N, N >= {SIZE}) or the model's own tokenizer")
 
 
+@pytest.mark.slow  # traces a transformers model
 def test_an_hf_model_is_told_the_vocab_size_to_write_in_its_config_json(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     tokenizer, data = write_tokenizer(tmp_path)

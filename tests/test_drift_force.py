@@ -8,21 +8,18 @@ from pathlib import Path
 import pytest
 
 import hetrain
-from hetrain.cluster import parse_cluster
+from factories import make_cluster, mlp_digits_profile
 from hetrain.drift import DriftError, DriftOptions, parse_force
-from hetrain.models.analytic import build_mlp_profile
 from hetrain.runtime.command import main
 
-MLP = build_mlp_profile([64, 256, 256, 10], name="mlp-digits")
+MLP = mlp_digits_profile()
 
 
 @pytest.fixture(scope="module")
 def plan_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The planner's plan for three CPUs (n0:0, n0:1, n0:2): a world of one process would re-plan it."""
-    cluster = parse_cluster({"name": "cpus", "node": [{"name": "n0", "devices": [{"type": "cpu", "count": 3}],
-                                                       "intra_link": "loopback", "nic": "1Gbit/s"}]})
     path = tmp_path_factory.mktemp("plan") / "plan.json"
-    hetrain.plan(cluster, MLP, 48, optimizer="sgd").save(path)
+    hetrain.plan(make_cluster({"n0": 3}), MLP, 48, optimizer="sgd").save(path)
     return path
 
 

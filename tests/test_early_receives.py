@@ -6,24 +6,20 @@ from dataclasses import replace
 
 import pytest
 
-from hetrain.cluster import parse_cluster
-from hetrain.plan import Plan, Prediction, Stage, VirtualWorker, load_plan
+from factories import make_cluster, make_plan
+from hetrain.plan import Plan, load_plan
 from hetrain.profile import LayerProfile, ModelProfile
 from hetrain.runtime.step.p2p import early_receives
 from hetrain.sync_layout import SyncLayoutError, SyncOptions
 
-CLUSTER = parse_cluster({"name": "two", "node": [
-    {"name": "a", "devices": [{"type": "cpu", "count": 2}], "intra_link": "loopback", "nic": "100Mbit/s"},
-    {"name": "b", "devices": [{"type": "cpu", "count": 2}], "intra_link": "loopback", "nic": "100Mbit/s"}]})
+CLUSTER = make_cluster({"a": 2, "b": 2}, nic="100Mbit/s", name="two")
 
 
 def plan_of(early: str | None = None) -> Plan:
     """One pipeline a:0 -> a:1 -> b:0 (b:1 unused), micro-batches of 4."""
     profile = ModelProfile("m", tuple(LayerProfile(f"l{k}", 1e3, 8e3, 0, 0) for k in range(6)), 0)
-    vw = VirtualWorker((Stage("a:0", 0, 2), Stage("a:1", 2, 4), Stage("b:0", 4, 6)), 16, 4)
     options = SyncOptions() if early is None else SyncOptions(early_receives=early)
-    return Plan("m", 16, "1f1b", "bsp", "sgd", (vw,), Prediction(0, 0, 0, 0, 0), "pp", "manual", CLUSTER, profile,
-                sync_options=options)
+    return make_plan(CLUSTER, profile, [(["a:0", "a:1", "b:0"], [0, 2, 4, 6], 16, 4)], sync_options=options)
 
 
 def test_by_default_every_stage_posts_the_receives_it_has_ahead() -> None:

@@ -8,6 +8,7 @@ import json
 import pytest
 
 import hetrain
+from factories import make_plan
 from hetrain.catalog import lookup_device_type
 from hetrain.cluster import parse_cluster
 from hetrain.elastic import (
@@ -22,7 +23,7 @@ from hetrain.elastic import (
     world_differs,
 )
 from hetrain.models.analytic import build_mlp_profile
-from hetrain.plan import Plan, Prediction, Stage, VirtualWorker, parse_plan
+from hetrain.plan import parse_plan
 from hetrain.sync_layout import SyncOptions
 
 MLP = build_mlp_profile([64, 256, 256, 10], name="mlp-digits")
@@ -136,8 +137,7 @@ def test_a_plan_without_its_options_recorded_is_remade_from_what_it_has() -> Non
     bare = parse_plan({**plan.to_dict(), "options": {k: v for k, v in plan.options.items() if k != "planner"}})
     opts = planner_options_of(bare)
     assert (opts.strategy, opts.schedule, opts.optimizer, opts.micro_batch_sizes) == ("dp", "gpipe", "momentum", None)
-    manual = Plan("mlp-digits", 4, "1f1b", "bsp", "sgd", (VirtualWorker((Stage("n0:0", 0, 3),), 4, 1),),
-                  Prediction(0, 0, 0, 0, 0), "dp", "manual", parse_cluster(cpus(1)), MLP)
+    manual = make_plan(parse_cluster(cpus(1)), MLP, [(["n0:0"], [0, 3], 4, 1)])
     assert not made_by_planner(manual)
 
 

@@ -80,6 +80,7 @@ def logits(model: Any, ids: Any) -> Any:
 
 
 @pytest.mark.parametrize("kind", list(CONFIGS))
+@pytest.mark.slow  # traces a transformers model
 def test_export_loads_in_transformers_with_the_checkpoints_logits(kind: str, tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     spec = model_dir(tmp_path / "src", CONFIGS[kind]())
@@ -104,6 +105,7 @@ def test_export_loads_in_transformers_with_the_checkpoints_logits(kind: str, tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "out", "src"]  # no temporary left beside OUT
 
 
+@pytest.mark.slow  # traces a transformers model
 def test_tokenizer_and_generation_config_are_copied(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -120,6 +122,7 @@ def test_tokenizer_and_generation_config_are_copied(tmp_path: Path, capsys: pyte
     assert transformers.GenerationConfig.from_pretrained(tmp_path / "out").max_new_tokens == 5
 
 
+@pytest.mark.slow  # traces a transformers model
 def test_the_tokenizer_trained_with_is_exported_and_files_are_readable_as_the_umask_allows(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``train --tokenizer FILE`` keeps FILE beside the checkpoints (``save_tokenizer``); export writes it with the
@@ -150,6 +153,7 @@ def test_the_tokenizer_trained_with_is_exported_and_files_are_readable_as_the_um
     assert oct((tmp_path / "out").stat().st_mode & 0o777) == oct(0o755)
 
 
+@pytest.mark.slow  # traces a transformers model
 def test_newest_checkpoint_by_default_and_step_picks_another(tmp_path: Path) -> None:
     spec = model_dir(tmp_path / "src", llama_config())
     early = write_checkpoint(tmp_path / "ckpt", spec, 5, seed=1)
@@ -162,6 +166,7 @@ def test_newest_checkpoint_by_default_and_step_picks_another(tmp_path: Path) -> 
         torch.testing.assert_close(logits(model, ids), logits(want, ids), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # traces a transformers model
 def test_model_named_when_the_checkpoint_does_not_record_it(tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     spec = model_dir(tmp_path / "src", llama_config())
@@ -174,6 +179,7 @@ def test_model_named_when_the_checkpoint_does_not_record_it(tmp_path: Path,
                capsys)[0] == 0
 
 
+@pytest.mark.slow  # traces a transformers model
 def test_a_moved_model_directory_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     spec = model_dir(tmp_path / "src", llama_config())
     write_checkpoint(tmp_path / "ckpt", spec, 4)
@@ -186,6 +192,7 @@ def test_a_moved_model_directory_is_named(tmp_path: Path, capsys: pytest.Capture
     assert run([*args, "--model", f"hf:{tmp_path / 'moved'}"], capsys)[0] == 0
 
 
+@pytest.mark.slow  # traces a transformers model
 def test_no_checkpoint_and_a_missing_step_are_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "empty").mkdir()
     err = one_line_error(capsys, ["--checkpoint", str(tmp_path / "empty"), "--to-hf", str(tmp_path / "out")])
@@ -198,6 +205,7 @@ def test_no_checkpoint_and_a_missing_step_are_named(tmp_path: Path, capsys: pyte
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # traces a transformers model
 def test_a_non_empty_out_is_replaced_only_with_force(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     spec = model_dir(tmp_path / "src", llama_config())
     write_checkpoint(tmp_path / "ckpt", spec, 5)
@@ -243,6 +251,7 @@ def test_a_reference_model_exports_only_as_one_safetensors_file(tmp_path: Path,
     assert run(["--checkpoint", str(tmp_path / "ckpt"), "--to-safetensors", str(file), "--force"], capsys)[0] == 0
 
 
+@pytest.mark.slow  # traces a transformers model
 def test_a_checkpoint_of_another_model_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     small = model_dir(tmp_path / "small", llama_config())
     write_checkpoint(tmp_path / "ckpt", small, 2)
@@ -265,6 +274,7 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path: Path, capsys: pytest
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # traces a transformers model
 def test_tied_copies_that_differ_are_named_and_the_first_is_written(tmp_path: Path) -> None:
     spec = model_dir(tmp_path / "src", gpt2_config())
     stage = LayerRange(resolve_model(spec).build_layers(seed=0))

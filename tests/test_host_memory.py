@@ -43,6 +43,7 @@ def _run(mode: str, **env: str) -> list[str]:
 
 
 @pytest.mark.skipif(not GLIBC, reason="glibc's mallopt")
+@pytest.mark.slow  # starts a Python process that runs training steps
 def test_tuned_allocator_reuses_freed_activations_instead_of_faulting_them_in() -> None:
     # glibc's thresholds move with what the process frees, so whether its own settings hand the 32 MiB back
     # depends on the heap's layout (in 2 of 6 runs they did not); pinned at its starting mmap threshold
@@ -58,6 +59,7 @@ def test_tuned_allocator_reuses_freed_activations_instead_of_faulting_them_in() 
 
 
 @pytest.mark.skipif(not GLIBC, reason="glibc's mallopt")
+@pytest.mark.slow  # starts a Python process that runs training steps
 def test_environment_opts_out() -> None:
     said, _, faults = _run("tuned", HETRAIN_HOST_MALLOC="default", MALLOC_MMAP_THRESHOLD_=str(128 * 1024))
     assert said == "left as it is (HETRAIN_HOST_MALLOC=default)"

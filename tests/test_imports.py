@@ -15,6 +15,7 @@ the graph, the module sizes and the longest functions::
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from pathlib import Path
 
@@ -63,10 +64,16 @@ def _resolve(name: str, modules: dict[str, Path]) -> str:
     return name
 
 
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """The file's syntax tree, parsed once for all the checks."""
+    return ast.parse(path.read_text())
+
+
 def imports_of(path: Path, modules: dict[str, Path]) -> tuple[set[str], set[str]]:
     """(hetrain modules imported, top-level third-party packages imported) by the file, anywhere in it."""
     ours, theirs = set(), set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_tree(path)):
         names: list[str] = []
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]

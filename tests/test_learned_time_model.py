@@ -175,6 +175,7 @@ def test_without_a_model_the_profile_and_plan_are_unchanged() -> None:
     assert learned == () and same is p
 
 
+@pytest.mark.slow  # fits the time model once per GPU type held out (seven)
 def test_leave_one_type_out_beats_the_roofline_ratio() -> None:
     """Each GPU type of the OPT subset held out of training: the learned model's whole-model error is at
     least 2x smaller than the roofline fallback's (hetrain's cost.estimate_layer_time from each other type
@@ -215,6 +216,7 @@ def test_bad_model_file_is_one_line_naming_file_and_field(tmp_path: Path, capsys
     assert "bad.json: not JSON" in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.slow  # starts a Python process
 def test_planning_with_a_model_imports_neither_sklearn_nor_torch(tmp_path: Path) -> None:
     model_path = tmp_path / "time_model.json"
     fit_time_model(_profiles()).save(model_path)

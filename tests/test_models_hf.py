@@ -21,6 +21,7 @@ from hetrain.runtime.step.hooks import chain_hooks  # noqa: E402
 from hetrain.runtime.step.tied import TiedGrads, check_tied, is_local, tie_ranks  # noqa: E402
 from hetrain.sync_layout import Segment  # noqa: E402
 from hetrain.sync_mode import sync_mode  # noqa: E402
+from tiers import slow_where  # noqa: E402
 
 VOCAB = 100
 
@@ -57,7 +58,8 @@ def write_dir(tmp_path: Path, config: Any, weights_seed: int | None = None) -> t
     return f"hf:{tmp_path}", model
 
 
-@pytest.mark.parametrize("kind", list(CONFIGS))
+# each case traces a transformers model: gpt2 in the fast tier
+@pytest.mark.parametrize("kind", slow_where(CONFIGS, lambda _k, kind: kind != "gpt2"))
 def test_cut_layers_give_the_models_logits(kind: str, tmp_path: Path) -> None:
     config = CONFIGS[kind]()
     spec, _ = write_dir(tmp_path, config)
@@ -79,6 +81,7 @@ def test_cut_layers_give_the_models_logits(kind: str, tmp_path: Path) -> None:
                                torch.nn.functional.cross_entropy(want.reshape(-1, VOCAB), targets.reshape(-1)))
 
 
+@pytest.mark.slow  # traces a transformers model
 def test_tied_weights_become_equal_copies_named_as_ties(tmp_path: Path) -> None:
     gpt2 = resolve_model(write_dir(tmp_path / "g", gpt2_config())[0])
     assert gpt2.tied == (((0, "transformer.wte.weight"), (3, "lm_head.weight")),)
@@ -90,6 +93,7 @@ def test_tied_weights_become_equal_copies_named_as_ties(tmp_path: Path) -> None:
         ((0, "model.embed_tokens.weight"), (3, "lm_head.weight")),)
 
 
+@pytest.mark.slow  # traces a transformers model
 def test_weights_are_loaded_into_a_ranks_layers(tmp_path: Path) -> None:
     spec, saved = write_dir(tmp_path, gpt2_config(), weights_seed=11)
     source = resolve_model(spec)
@@ -105,6 +109,7 @@ def test_weights_are_loaded_into_a_ranks_layers(tmp_path: Path) -> None:
     torch.testing.assert_close(run_layers(source.build_layers(seed=5), ids), saved(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # traces a transformers model
 def test_weights_saved_from_the_base_model_are_found_without_its_prefix(tmp_path: Path) -> None:
     """The hub's gpt2 names its tensors "h.0.attn...", "wte.weight": saved from GPT2Model, not the LM."""
     from safetensors.torch import save_file
@@ -118,6 +123,7 @@ def test_weights_saved_from_the_base_model_are_found_without_its_prefix(tmp_path
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # traces a transformers model
 def test_a_rank_reads_only_its_layers_tensors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     spec, _ = write_dir(tmp_path, llama_config(), weights_seed=2)
     source = resolve_model(spec)
@@ -146,7 +152,9 @@ def test_a_rank_reads_only_its_layers_tensors(tmp_path: Path, monkeypatch: pytes
     assert sorted(read) == ["lm_head.weight", "model.norm.weight"]
 
 
-@pytest.mark.parametrize("problem", ["no-dir", "no-config", "wrong-shape", "missing-tensor", "not-safetensors"])
+@pytest.mark.parametrize("problem", slow_where(  # the two whose directory is read trace the model
+    ["no-dir", "no-config", "wrong-shape", "missing-tensor", "not-safetensors"],
+    lambda _k, problem: problem in ("wrong-shape", "missing-tensor")))
 def test_a_directory_that_cannot_be_used_is_named(problem: str, tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
@@ -178,6 +186,7 @@ def test_settings_are_refused_for_an_hf_model(tmp_path: Path) -> None:
         resolve_model(spec, n_blocks=2)
 
 
+@pytest.mark.slow  # traces a transformers model
 def test_tied_grads_on_one_rank_sum_the_copies_as_the_tied_models_gradient(tmp_path: Path) -> None:
     """One stage holding both ends: the copies' gradients are summed on the rank, without a group."""
     config = gpt2_config()

@@ -59,6 +59,7 @@ def model_dir(tmp_path: Path, config: dict[str, Any]) -> tuple[str, Path]:
 
 
 @pytest.mark.parametrize("name", sorted(HUB))
+@pytest.mark.slow  # traces a transformers model
 def test_a_config_as_the_hub_publishes_it_loads(tmp_path: Path, name: str) -> None:
     spec, _ = model_dir(tmp_path, HUB[name])
     source = resolve_model(spec)

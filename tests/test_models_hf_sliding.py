@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
+pytestmark = pytest.mark.slow  # every case traces a transformers model
 
 from hetrain.cli import main  # noqa: E402
 from hetrain.models.layers import run_layers  # noqa: E402

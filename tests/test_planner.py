@@ -19,6 +19,7 @@ from hetrain.planner.search import _split_batch
 from hetrain.planner.stage_cost import build_model_arrays, build_stage_costs, choose_recompute, link_time_table
 from hetrain.planner.vw import VWEvaluator, candidate_orders
 from hetrain.profile import LayerProfile, ModelProfile
+from tiers import slow_where
 
 
 def random_instance(rng: random.Random, n: int, layers: int, tight_memory: bool):
@@ -81,7 +82,8 @@ def brute_force(cluster, profile, b, m, schedule, optimizer="adam", pipeline_tim
     return best
 
 
-@pytest.mark.parametrize("seed", range(14))
+# seeds 12 and 13 search six devices by brute force (seconds each): the full run only
+@pytest.mark.parametrize("seed", slow_where(range(14), lambda _k, seed: seed >= 12))
 def test_partition_search_matches_brute_force(seed: int) -> None:
     rng = random.Random(seed)
     n = rng.randint(2, 5) if seed < 12 else 6
@@ -263,6 +265,7 @@ def _cloud():
     ]})
 
 
+@pytest.mark.slow  # plans and simulates a large cluster
 def test_plan_beats_or_ties_the_pure_families_and_holds_memory() -> None:
     cluster = _cloud()
     profile = build_profile("gpt2-medium")
@@ -308,6 +311,7 @@ def test_vw_time_grows_with_every_sample_at_a_fixed_micro_batch_size() -> None:
     assert all(a < b for a, b in itertools.pairwise(times))
 
 
+@pytest.mark.slow  # plans and simulates a large cluster
 def test_time_to_accuracy_prefers_smaller_global_batch_past_critical() -> None:
     cluster = _cloud()
     profile = build_profile("gpt2-small")
@@ -346,6 +350,7 @@ def test_bad_options_name_the_value() -> None:
         PlannerOptions(objective="time-to-accuracy")
 
 
+@pytest.mark.slow  # plans and simulates a large cluster
 def test_top_k_reranked_by_simulation() -> None:
     import hetrain
 
@@ -398,6 +403,7 @@ def test_a_gpipe_plan_that_does_not_fit_says_why_and_what_holds_less() -> None:
     assert "try --schedule 1f1b (or auto)" in message and "\n" not in message
 
 
+@pytest.mark.slow  # plans and simulates a large cluster
 def test_a_node_behind_a_slow_nic_is_left_out_where_that_is_faster() -> None:
     """Two RTX 3090s behind a 1 Gbit/s NIC beside 8 A100s on 100 Gbit/s: every plan that uses them sends a
     pipeline's activations or an all-reduce through that NIC. The planner also plans without the node of the

@@ -88,6 +88,7 @@ def test_the_clock_lets_the_first_simulation_start_then_estimates_by_plan_size()
     assert TimeBudget(None).fits([p] * 1000)
 
 
+@pytest.mark.slow  # plans and simulates many candidates
 def test_a_tiny_budget_simulates_nothing_and_a_large_one_simulates_the_best_few() -> None:
     cluster, profile = _instance()
     counted, calls = _counting(hetrain.simulated_iteration_s)
@@ -107,6 +108,7 @@ def test_a_tiny_budget_simulates_nothing_and_a_large_one_simulates_the_best_few(
     assert report.simulated <= len(search(cluster, profile, 64, PlannerOptions())) + 1
 
 
+@pytest.mark.slow  # plans and simulates many candidates
 def test_simulate_top_k_given_is_an_upper_bound() -> None:
     cluster, profile = _instance()
     counted, calls = _counting(hetrain.simulated_iteration_s)
@@ -125,6 +127,7 @@ def test_simulate_top_k_given_is_an_upper_bound() -> None:
     assert _report(only).simulated == 8  # 7 and the reverse
 
 
+@pytest.mark.slow  # plans and simulates many candidates
 def test_a_budget_that_runs_out_stops_before_the_next_simulation_and_overruns_by_at_most_one() -> None:
     """A scoring function that takes 0.2 s per thousand actions of the plan (0.7 s for all 8 candidates): the
     planner stops where the next estimate no longer fits, and exceeds the budget by no more than the one
@@ -155,6 +158,7 @@ def test_a_budget_that_runs_out_stops_before_the_next_simulation_and_overruns_by
     assert cut.prediction.simulated_iteration_s is not None
 
 
+@pytest.mark.slow  # plans and simulates many candidates
 def test_sync_auto_counts_the_simulations_of_every_mode_where_they_fit() -> None:
     cluster, profile = _instance()
     counted, calls = _counting(hetrain.simulated_iteration_s)
@@ -183,6 +187,7 @@ def test_candidate_plans_are_the_search_in_its_order() -> None:
     assert all(p.prediction.simulated_iteration_s is None for p in plans)
 
 
+@pytest.mark.slow  # plans and simulates many candidates
 def test_hetrain_plan_prints_and_records_what_the_planner_did(tmp_path: Path, capsys: pytest.CaptureFixture[str]) \
         -> None:
     out = tmp_path / "plan.json"
@@ -203,6 +208,7 @@ def test_hetrain_plan_prints_and_records_what_the_planner_did(tmp_path: Path, ca
                   "or none for no limit\n"
 
 
+@pytest.mark.slow  # plans and simulates many candidates
 def test_hetrain_plan_json_carries_the_planning_seconds(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--cluster", str(CLUSTER), "--model", "gpt2-small", "--global-batch", "64",
                  "--time-budget", "none", "--json"]) == 0
@@ -212,6 +218,7 @@ def test_hetrain_plan_json_carries_the_planning_seconds(capsys: pytest.CaptureFi
     assert report.time_budget_s is None and report.stopped_by in ("closed form", "all candidates")
 
 
+@pytest.mark.slow  # plans and simulates many candidates
 def test_a_candidate_past_the_top_three_that_may_still_win_is_searched() -> None:
     """Screening partitions are upper bounds: spread-2 screens at about 0.99 s an iteration with gradients
     all-reduced in bf16, past the top three (best 0.63 s, contig-2), and searches to 0.43 s. The planner searches
@@ -235,6 +242,7 @@ def test_a_candidate_past_the_top_three_that_may_still_win_is_searched() -> None
     assert _report(full).searched > 3 and _report(cut_short).searched == 1
 
 
+@pytest.mark.slow  # plans and simulates many candidates
 def test_schedule_auto_replays_the_best_under_more_activations_where_they_fit_and_keeps_the_fastest() -> None:
     counted, calls = _counting(hetrain.simulated_iteration_s)
     cluster, medium = hetrain.load_cluster(ROOT / "examples" / "clusters" / "cloud-mixed.toml"), \

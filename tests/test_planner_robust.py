@@ -191,6 +191,7 @@ def test_stage_order_slow_first_and_fast_first_differ_and_the_planner_takes_the_
     assert auto.prediction.simulated_iteration_s <= min(times.values()) * (1 + 1e-9)
 
 
+@pytest.mark.slow  # plans with robust draws
 def test_plan_takes_robust_draws_from_the_command_line(tmp_path: Path) -> None:
     """``hetrain plan --robust-draws N`` reaches the planner, recorded with the plan's planner options."""
     from hetrain.cli import main
@@ -247,6 +248,7 @@ def test_a_common_shift_moves_every_time_of_its_type_alike_and_leaves_the_old_dr
     assert [p.layers for p in draw_profiles(zero, 4, seed=7)] == [p.layers for p in draw_profiles(layered, 4, seed=7)]
 
 
+@pytest.mark.slow  # plans with robust draws
 def test_with_the_common_shift_profiles_that_differ_within_it_choose_one_plan() -> None:
     # 20 layers, 15 or 14 on the noisy device first: at the medians the two are 1.4% apart, and which is
     # ahead depends on where a profiling of the noisy type fell (2-3% either way). Per-layer spreads of 5%

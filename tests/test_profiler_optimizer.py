@@ -9,9 +9,10 @@ import pytest
 import torch
 from torch import nn
 
+from factories import make_plan
 from hetrain.cluster import parse_cluster
 from hetrain.cost import OPTIMIZER_STATE_PER_PARAM, estimate_optimizer_time
-from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
+from hetrain.plan import Plan
 from hetrain.planner import plan
 from hetrain.profile import (
     OPTIMIZER_NAMES,
@@ -104,9 +105,7 @@ def test_bad_rates_are_refused_when_built_in_code() -> None:
 
 def one_device_plan(profile: ModelProfile, optimizer: str) -> Plan:
     cluster = parse_cluster({"name": "one", "node": [{"name": "n0", "devices": [{"type": A100, "count": 1}]}]})
-    vw = VirtualWorker((Stage("n0:0", 0, 2, ()),), 2, 1)
-    return Plan(profile.name, 2, "1f1b", "bsp", optimizer, (vw,),  # type: ignore[arg-type]
-                Prediction(0, 0, 0, 0, 0), "pp", "manual", cluster, profile, {})
+    return make_plan(cluster, profile, [(["n0:0"], [0, 2], 2, 1)], optimizer=optimizer)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])

@@ -38,6 +38,7 @@ def test_param_bytes_are_the_parameters_as_the_model_holds_them(dtype: Any, prec
 
 @pytest.mark.parametrize(("extra", "per_param"), [({}, 4), ({"torch_dtype": "float32"}, 4),
                                                   ({"torch_dtype": "bfloat16"}, 4), ({"dtype": "bfloat16"}, 4)])
+@pytest.mark.slow  # traces a transformers model
 def test_an_hf_model_is_built_with_fp32_master_weights_whatever_its_config_json_names(
         tmp_path: Path, extra: dict[str, str], per_param: int, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("transformers")

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from factories import A100, make_cluster, make_plan, replicas
 from hetrain import plan
 from hetrain.cli import main
 from hetrain.cluster import Cluster, parse_cluster
@@ -34,7 +35,7 @@ from hetrain.cost import (
 )
 from hetrain.errors import InputError
 from hetrain.models.analytic import build_mlp_profile, build_profile
-from hetrain.plan import Plan, PlanError, Prediction, Stage, VirtualWorker, load_plan, parse_plan
+from hetrain.plan import Plan, PlanError, load_plan, parse_plan
 from hetrain.planner.search import PlannerError
 from hetrain.planner.sync import estimate_mode_sync_time
 from hetrain.profile import ModelProfile
@@ -44,18 +45,15 @@ from hetrain.sync_layout import SYNC_MODES, SyncLayoutError, SyncOptions, check_
 
 def two_nodes(nic: str) -> Cluster:
     """Two nodes of two A100s: NVLink inside, ``nic`` between."""
-    return parse_cluster({"name": "2x2", "node": [
-        {"name": n, "devices": [{"type": "A100-40GB", "count": 2}], "intra_link": "nvlink3", "nic": nic}
-        for n in ("n0", "n1")]})
+    return make_cluster({"n0": 2, "n1": 2}, device_type=A100, intra_link="nvlink3", nic=nic, name="2x2")
 
 
 def dp_plan(reduce_dtype: str, cluster: Cluster, profile: ModelProfile | None = None, optimizer: str = "sgd",
             **options: Any) -> Plan:
     """Four one-stage VWs (pure data parallelism) of ``profile`` (gpt2-small), 4 samples each."""
     profile = profile or build_profile("gpt2-small")
-    vws = tuple(VirtualWorker((Stage(d.name, 0, profile.num_layers),), 4, 1) for d in cluster.devices)
-    return Plan(profile.name, 16, "1f1b", "bsp", optimizer, vws, Prediction(0, 0, 0, 0, 0),  # type: ignore[arg-type]
-                "dp", "manual", cluster, profile, sync_options=SyncOptions(reduce_dtype=reduce_dtype, **options))
+    return make_plan(cluster, profile, replicas([d.name for d in cluster.devices], profile.num_layers, 4),
+                     optimizer=optimizer, reduce_dtype=reduce_dtype, **options)
 
 
 def test_the_option_is_fp32_by_default_and_bf16_moves_half_the_bytes() -> None:

@@ -8,9 +8,10 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
+import factories
+from factories import A100, link, make_cluster, make_profile, replicas
 from hetrain.cluster import Cluster, parse_cluster
-from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
-from hetrain.profile import LayerProfile, Measurement, ModelProfile
+from hetrain.plan import Plan
 from hetrain.schedule import (
     ERROR_MARK,
     GENERATORS,
@@ -35,28 +36,19 @@ from hetrain.schedule import (
     schedule_to_dict,
     validate,
 )
-from hetrain.sync_layout import Bucket, SyncLayoutError, SyncOptions
-
-
-def make_cluster(per_node: int = 6) -> Cluster:
-    link = {"bandwidth_bytes_per_s": 1e10, "latency_s": 1e-6}
-    return parse_cluster({"name": "t", "node": [
-        {"name": "n0", "devices": [{"type": "A100-40GB", "count": per_node}], "intra_link": link, "nic": link}]})
-
-
-def make_profile(num_layers: int = 6) -> ModelProfile:
-    ms = (("A100-40GB", (Measurement(1, 0.01, 0.02),)),)
-    return ModelProfile("toy", tuple(LayerProfile(f"l{i}", 1e6, 1e3, 1e4, 1e9, ms) for i in range(num_layers)), 1e3)
+from hetrain.sync_layout import Bucket, SyncLayoutError
 
 
 def make_plan(vws: list[tuple[list[str], list[int], int, int]], schedule: str = "1f1b", sync: str = "bsp",
               options: dict[str, float] | None = None) -> Plan:
-    """``vws``: (devices, layer boundaries, mini-batch, micro-batches) per VW; ``options``: sync options."""
-    built = tuple(VirtualWorker(tuple(Stage(d, bounds[j], bounds[j + 1]) for j, d in enumerate(devs)), mb, m)
-                  for devs, bounds, mb, m in vws)
-    return Plan("toy", sum(v.mini_batch for v in built), schedule, sync, "sgd", built,  # type: ignore[arg-type]
-                Prediction(0, 0, 0, 0, 0), "pp", "manual", make_cluster(), make_profile(),
-                sync_options=SyncOptions(**(options or {})))
+    """Six one-MB layers on one node of six A100s; ``vws``: (devices, layer boundaries, mini-batch, micro-batches)
+    per VW; ``options``: sync options."""
+    return factories.make_plan(six_a100s(), make_profile(6), vws, schedule=schedule, sync=sync,
+                               **(options or {}))
+
+
+def six_a100s() -> Cluster:
+    return make_cluster({"n0": 6}, device_type=A100, intra_link=link(1e10, 1e-6), nic=link(1e10, 1e-6), name="t")
 
 
 def two_stage_plan(schedule: str) -> Plan:
@@ -210,13 +202,10 @@ def test_multi_vw_schedule_is_valid_and_syncs_every_shared_segment(schedule: str
 
 def two_node_plan(sync: str, **options: int) -> Plan:
     """Four one-stage VWs on two nodes of two devices."""
-    link = {"bandwidth_bytes_per_s": 1e10, "latency_s": 1e-6}
-    cluster = parse_cluster({"name": "t2", "node": [
-        {"name": n, "devices": [{"type": "A100-40GB", "count": 2}], "intra_link": link, "nic": link}
-        for n in ("n0", "n1")]})
-    vws = tuple(VirtualWorker((Stage(d, 0, 6),), 2, 1) for d in ("n0:0", "n0:1", "n1:0", "n1:1"))
-    return Plan("toy", 8, "1f1b", sync, "sgd", vws, Prediction(0, 0, 0, 0, 0),  # type: ignore[arg-type]
-                "dp", "manual", cluster, make_profile(), sync_options=SyncOptions(**options))
+    cluster = make_cluster({"n0": 2, "n1": 2}, device_type=A100, intra_link=link(1e10, 1e-6), nic=link(1e10, 1e-6),
+                           name="t2")
+    return factories.make_plan(cluster, make_profile(6), replicas(("n0:0", "n0:1", "n1:0", "n1:1"), 6, 2), sync=sync,
+                               **options)
 
 
 def sync_texts(plan: Plan, iteration: int = 0, steps: int | None = None, **kw: object) -> list[str]:
@@ -464,9 +453,7 @@ def test_error_grid_of_a_wide_schedule_shows_the_failing_device() -> None:
     devs = [f"n0:{k}" for k in range(8)]
     cluster = parse_cluster({"name": "w", "node": [{"name": "n0", "devices": [{"type": "A100-40GB", "count": 12}],
                                                     "intra_link": "nvlink3", "nic": "ib-hdr"}]})
-    built = tuple(VirtualWorker((Stage(d, 0, 6),), 1, 1) for d in devs)
-    plan = Plan("toy", len(devs), "gpipe", "bsp", "sgd", built, Prediction(0, 0, 0, 0, 0), "dp", "manual",
-                cluster, make_profile())
+    plan = factories.make_plan(cluster, make_profile(6), replicas(devs, 6, 1), schedule="gpipe")
     schedule = {**build_schedule(plan), "n0:11": [parse_action("STEP")]}
     with pytest.raises(ScheduleError, match="n0:11 holds no stage") as err:
         validate(schedule, plan)

@@ -34,6 +34,7 @@ from hetrain.simulator.fast_engine import run_program_fast
 from hetrain.simulator.replay import build_schedule_templates_of, build_schedules, simulated_iterations
 from hetrain.simulator.result import build_result
 from test_simulator_fast import MODES, SCHEDULES, assert_same, contig_plan, random_plan
+from tiers import one_in, slow_where
 
 K = ActionKind
 ODD = ("", "type", "batch", "order", "cut", "recompute", "stages")
@@ -96,7 +97,8 @@ def test_a_random_plans_shared_schedule_is_each_devices_own(seed: int) -> None:
         assert schedule_to_dict(build_schedule(plan, state, n)) == schedule_to_dict(direct_schedule(plan, state, n))
 
 
-@pytest.mark.parametrize("plan", twin_plans(), ids=lambda p: f"{p.schedule}-{p.sync}")
+# 70 plans, each replayed over its iterations: a spread of 12 (both schedules, every mode) in the fast tier
+@pytest.mark.parametrize("plan", slow_where(twin_plans(), one_in(6)), ids=lambda p: f"{p.schedule}-{p.sync}")
 def test_twin_devices_share_a_template_and_broken_twins_do_not(plan: Plan) -> None:
     n = simulated_iterations(plan)
     for state in states(plan, n):
@@ -170,8 +172,9 @@ def assert_same_program(got: Program, want: Program) -> None:
     assert got.schedule == want.schedule
 
 
-@pytest.mark.parametrize("plan", [*twin_plans()[::3], *(random_plan(s) for s in range(0, 40, 3))],
-                         ids=lambda p: f"{p.schedule}-{p.sync}")
+# 38 plans, each compiled and replayed twice: 10 of them (6 twins, 4 random) in the fast tier
+@pytest.mark.parametrize("plan", slow_where([*twin_plans()[::3], *(random_plan(s) for s in range(0, 40, 3))],
+                                            one_in(4)), ids=lambda p: f"{p.schedule}-{p.sync}")
 def test_operations_compiled_from_templates_are_each_devices_own(plan: Plan) -> None:
     shared, own = compiled(plan, True), compiled(plan, False)
     assert_same_program(shared, own)

@@ -117,6 +117,7 @@ def test_profiles_measured_at_different_lengths_are_not_merged() -> None:
 # --- hetrain profile ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.slow  # traces a transformers model
 def test_an_hf_model_is_profiled_at_the_given_length_and_its_activations_scale_with_it(kind: str,
                                                                                       tmp_path: Path) -> None:
     model = hf_dir(tmp_path, kind)
@@ -133,6 +134,7 @@ def test_an_hf_model_is_profiled_at_the_given_length_and_its_activations_scale_w
 
 
 @pytest.mark.parametrize(("kind", "field"), [("gpt2", "n_positions"), ("llama", "max_position_embeddings")])
+@pytest.mark.slow  # traces a transformers model
 def test_an_hf_model_needs_a_length_within_its_positions(kind: str, field: str, tmp_path: Path,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     model = hf_dir(tmp_path, kind)
@@ -165,6 +167,7 @@ def test_a_model_without_a_sequence_length_refuses_seq_len_and_records_none(tmp_
     assert "seq_len" not in profile(tmp_path, "--model", "mlp-digits")
 
 
+@pytest.mark.slow  # traces a transformers model
 def test_an_hf_models_token_data_is_checked_against_its_vocabulary(tmp_path: Path) -> None:
     (np.arange(400) % (VOCAB + 1)).astype("<u2").tofile(tmp_path / "t.bin")  # id 100: one past the vocabulary
     from hetrain.data.tokens import TokenDataError
@@ -173,6 +176,7 @@ def test_an_hf_models_token_data_is_checked_against_its_vocabulary(tmp_path: Pat
         build_model_datasets(resolve_model(hf_dir(tmp_path)), f"tokens:{tmp_path / 't.bin'}", seq_len=8)
 
 
+@pytest.mark.slow  # traces a transformers model
 def test_an_hf_models_bad_token_id_points_to_vocab_size_in_its_config_json(tmp_path: Path, monkeypatch) -> None:
     """``--set`` is refused for an hf:DIR model, so the errors name its config.json's ``vocab_size`` instead:
     at open, in a batch read later, and for a tokenizer larger than the vocabulary."""
@@ -216,6 +220,7 @@ def test_a_reference_gpts_bad_token_id_points_to_set_vocab(tmp_path: Path) -> No
         build_model_datasets(resolve_model("gpt-tiny"), f"tokens:{tmp_path / 't.bin'}")
 
 
+@pytest.mark.slow  # traces a transformers model
 def test_a_user_data_set_gives_the_length_and_must_match_seq_len(tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "tokens16.py").write_text(TOKENS16)
@@ -249,6 +254,7 @@ def train_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=300)
 
 
+@pytest.mark.slow  # starts hetrain train processes
 def test_hetrain_train_refuses_a_length_other_than_the_plans_profile(tmp_path: Path) -> None:
     model = hf_dir(tmp_path)
     plan = plan_at(tmp_path, "--model", model, "--seq-len", "16")
@@ -260,6 +266,7 @@ def test_hetrain_train_refuses_a_length_other_than_the_plans_profile(tmp_path: P
                                   "16); re-profile with hetrain profile --seq-len 32 and re-plan")
 
 
+@pytest.mark.slow  # traces a transformers model
 def test_train_cuts_token_data_at_the_profiles_length_and_refuses_a_data_set_of_another(tmp_path: Path,
                                                                                         capsys: Any) -> None:
     from hetrain.plan import load_plan
@@ -281,6 +288,7 @@ def test_train_cuts_token_data_at_the_profiles_length_and_refuses_a_data_set_of_
 
 # --- an hf model's built-in data ----------------------------------------------------------------------
 
+@pytest.mark.slow  # traces a transformers model
 def test_an_hf_model_without_data_trains_on_the_shipped_text_tokenized_by_its_tokenizer(tmp_path: Path) -> None:
     tokenizers = pytest.importorskip("tokenizers")
     from hetrain.data.text import load_text_corpus

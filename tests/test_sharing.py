@@ -8,10 +8,12 @@ import dataclasses
 import numpy as np
 import pytest
 
+import factories
+from factories import A100, link, make_cluster, make_profile, replicas
 from hetrain.cluster import Cluster, Device, parse_cluster
 from hetrain.cost import allreduce_shape, estimate_allreduce, estimate_optimizer_time, estimate_p2p_time
 from hetrain.models.analytic import build_gpt_profile, build_profile
-from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
+from hetrain.plan import Plan
 from hetrain.planner import plan as planner_plan
 from hetrain.planner.partition import PartitionResult
 from hetrain.planner.search import candidate_plans
@@ -30,34 +32,24 @@ from hetrain.planner.sync import estimate_sync_time, plan_layouts, repredict_syn
 from hetrain.profile import LayerProfile, Measurement, ModelProfile
 from hetrain.simulator import simulate
 from hetrain.simulator.links import LinkResources, ring_links
-from hetrain.sync_layout import SyncOptions
-
-A100 = "A100-40GB"
-
-
-def link(bandwidth_bytes_per_s: float, latency_s: float = 0.0) -> dict[str, float]:
-    return {"bandwidth_bytes_per_s": bandwidth_bytes_per_s, "latency_s": latency_s}
 
 
 def cluster_of(nodes: dict[str, int], nic_bytes_per_s: float, intra_bytes_per_s: float = 1e30) -> Cluster:
     """Nodes of A100s, ``nodes[name]`` each, joined by NICs of ``nic_bytes_per_s``, no latency anywhere."""
-    return parse_cluster({"name": "shared", "node": [
-        {"name": name, "devices": [{"type": A100, "count": count}], "intra_link": link(intra_bytes_per_s),
-         "nic": link(nic_bytes_per_s)} for name, count in nodes.items()]})
+    return make_cluster(nodes, device_type=A100, intra_link=link(intra_bytes_per_s), nic=link(nic_bytes_per_s),
+                        name="shared")
 
 
 def model(num_layers: int, param_bytes: float = 0.0, output_bytes: float = 10.0) -> ModelProfile:
     """Layers of forward 0.1 s and backward 0.2 s on an A100 at micro-batch 1."""
-    return ModelProfile("m", tuple(LayerProfile(f"l{k}", param_bytes, output_bytes, 1e4, 1e9,
-                                                ((A100, (Measurement(1, 0.1, 0.2),)),))
-                                   for k in range(num_layers)), 1e3)
+    return make_profile(num_layers, name="m", times={A100: (0.1, 0.2)}, param_bytes=param_bytes,
+                        output_bytes=output_bytes)
 
 
 def make_plan(cluster: Cluster, profile: ModelProfile, vws: list[list[str]], m: int, schedule: str) -> Plan:
     """One layer per stage, ``m`` micro-batches of one sample per VW."""
-    built = tuple(VirtualWorker(tuple(Stage(d, j, j + 1) for j, d in enumerate(devs)), m, m) for devs in vws)
-    return Plan(profile.name, m * len(vws), schedule, "bsp", "sgd", built,  # type: ignore[arg-type]
-                Prediction(0, 0, 0, 0, 0), "pp", "manual", cluster, profile, sync_options=SyncOptions())
+    return factories.make_plan(cluster, profile, [(devs, range(len(devs) + 1), m, m) for devs in vws],
+                               schedule=schedule)
 
 
 def partition_of(cluster: Cluster, devices: list[str], link_s: float, m: int) -> PartitionResult:
@@ -210,6 +202,7 @@ def test_without_sharing_the_closed_form_is_the_per_device_one() -> None:
     assert estimate_sync_time(cluster, profile, layouts, hide) == pytest.approx(0.8)
 
 
+@pytest.mark.slow  # plans and simulates
 def test_a_plan_re_predicted_counts_sharing_as_the_planner_did() -> None:
     """``hetrain plan --from PLAN --sync MODE`` re-predicts from the plan's stages (``plan_traffic``): the same
     sync figures as the planner's, for every mode, on a plan whose VWs share the NICs."""
@@ -247,6 +240,7 @@ def test_a_ring_holds_the_links_the_simulator_gives_it() -> None:
             assert (r < n) == name.endswith("NIC out") and (n <= r < 2 * n) == name.endswith("NIC in")
 
 
+@pytest.mark.slow  # plans and simulates
 def test_all_reduces_that_cut_in_are_not_charged_again_after_the_delayed_pipeline() -> None:
     """64 devices: 8 nodes of 8 GPUs of four generations in turn (H100 / NVLink 4 / 200 Gbit/s, A100 /
     NVLink 3 / 100 Gbit/s, V100 / NVLink 2 / 25 Gbit/s, T4 / PCIe 3 / 10 Gbit/s), gpt2-medium, batch 256.
@@ -314,10 +308,8 @@ def cascade_plan(intra_bytes_per_s: float, layers: int, layer_bytes: float, firs
                                                          1e9, timed) for k in range(layers + 1)), 1e3)
     vws = [[f"x{k}:{i}", f"y{k}:{i}"] for k in range(4) for i in range(2)]
     m = 2
-    built = tuple(VirtualWorker((Stage(a, 0, 1), Stage(b, 1, layers + 1)), m, m) for a, b in vws)
-    plan = Plan(profile.name, m * len(vws), "1f1b", "bsp", "sgd", built, Prediction(0, 0, 0, 0, 0), "pp",
-                "manual", cluster, profile, sync_options=SyncOptions(bucket_bytes=layer_bytes,
-                                                                    first_bucket_bytes=layer_bytes))
+    plan = factories.make_plan(cluster, profile, [(devs, [0, 1, layers + 1], m, m) for devs in vws],
+                               bucket_bytes=layer_bytes, first_bucket_bytes=layer_bytes)
     parts = []
     for a, b in vws:
         devices = (cluster.device(a), cluster.device(b))
@@ -390,9 +382,7 @@ def test_a_bucket_is_ready_when_the_backward_of_its_layers_is_over() -> None:
         return LayerProfile(name, param_bytes, 1e5, 1e4, 1e9, ((A100, (Measurement(1, backward_s / 2, backward_s),)),))
 
     profile = ModelProfile("head", (layer("l0", 5e7, 0.002), layer("l1", 5e7, 0.002), layer("head", 8e3, 0.04)), 1e3)
-    plan = Plan(profile.name, 2, "1f1b", "bsp", "sgd", tuple(VirtualWorker((Stage(d, 0, 3),), 1, 1)
-                                                             for d in ("a:0", "b:0")),
-                Prediction(0, 0, 0, 0, 0), "dp", "manual", cluster, profile, sync_options=SyncOptions())
+    plan = factories.make_plan(cluster, profile, replicas(("a:0", "b:0"), 3, 1))
     assert [(b.first_layer, b.end_layer) for b in plan.layout.segments[0].buckets] == [(1, 3), (0, 1)]
     parts = [PartitionResult((cluster.device(d),), (0, 3), ((),), (0.066,), (0.022,), (0.044,), (), 0.066, 0.066,
                              1, 1, True) for d in ("a:0", "b:0")]

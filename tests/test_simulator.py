@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from factories import make_cluster, make_plan, replicas
 from hetrain.cluster import Cluster, parse_cluster
 from hetrain.cost import (
     estimate_allreduce_time,
@@ -21,11 +22,10 @@ from hetrain.cost import (
     in_flight,
     runtime_footprint,
 )
-from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
+from hetrain.plan import Plan
 from hetrain.profile import LayerProfile, Measurement, ModelProfile
 from hetrain.schedule import ScheduleError, build_schedule, parse_action
 from hetrain.simulator import simulate
-from hetrain.sync_layout import SyncOptions
 
 A100 = "A100-40GB"
 V100 = "V100-16GB"
@@ -49,18 +49,6 @@ def layer(name: str, times: dict[str, tuple[float, float]], b: int, param_bytes:
     return LayerProfile(name, param_bytes, output_bytes, saved_bytes, 1e9, measured)
 
 
-def make_plan(cluster: Cluster, profile: ModelProfile, vws: list[tuple[list[str], list[int], int, int]],
-              schedule: str = "1f1b", optimizer: str = "sgd",
-              recompute: dict[str, tuple[int, ...]] | None = None, options: dict[str, Any] | None = None) -> Plan:
-    """``vws``: (devices, layer boundaries, mini-batch, micro-batches) per VW."""
-    rc = recompute or {}
-    built = tuple(VirtualWorker(tuple(Stage(d, bounds[j], bounds[j + 1], rc.get(d, ()))
-                                      for j, d in enumerate(devs)), mb, m) for devs, bounds, mb, m in vws)
-    return Plan(profile.name, sum(v.mini_batch for v in built), schedule, "bsp", optimizer,  # type: ignore[arg-type]
-                built, Prediction(0, 0, 0, 0, 0), "pp", "manual", cluster, profile,
-                sync_options=SyncOptions(**(options or {})))
-
-
 # --- closed forms ------------------------------------------------------------------
 
 
@@ -70,7 +58,7 @@ def test_uniform_stages_match_the_closed_form(schedule: str, p: int, m: int) -> 
     t_f, t_b, b = 0.3, 0.7, 2
     profile = ModelProfile("uniform", tuple(layer(f"l{j}", {A100: (t_f, t_b)}, b) for j in range(p)), 1e3)
     plan = make_plan(one_node(p), profile, [([f"n0:{j}" for j in range(p)], list(range(p + 1)), m * b, m)],
-                     schedule)
+                     schedule=schedule)
     result = simulate(plan)
     expected = (m + p - 1) * (t_f + t_b)
     assert result.iteration_s == pytest.approx(expected, rel=1e-9)
@@ -89,8 +77,8 @@ def uniform_blocking_plan(schedule: str, p: int, m: int, t_f: float, t_b: float,
     profile = ModelProfile("uniform", tuple(layer(f"l{j}", {A100: (t_f, t_b)}, b, output_bytes=out)
                                             for j in range(p)), 1e3)
     return make_plan(one_node(p, b * out / c, 0.0), profile,
-                     [([f"n0:{j}" for j in range(p)], list(range(p + 1)), m * b, m)], schedule,
-                     options={"transfers": transfers})
+                     [([f"n0:{j}" for j in range(p)], list(range(p + 1)), m * b, m)],
+                     schedule=schedule, transfers=transfers)
 
 
 @pytest.mark.parametrize(("p", "m"), [(4, 6), (3, 1), (1, 5), (5, 3), (2, 8), (3, 3)])
@@ -140,7 +128,7 @@ def test_one_f_one_b_keeps_at_most_p_minus_j_micro_batches_in_flight(p: int, m: 
     devices = [f"n0:{j}" for j in range(p)]
     for schedule, bound in (("1f1b", lambda j: min(m, p - j)), ("gpipe", lambda j: m),
                             ("1f1b-eager", lambda j: min(m, p - j + 1) if j < p - 1 else 1)):
-        result = simulate(make_plan(one_node(p), profile, [(devices, list(range(p + 1)), m, m)], schedule))
+        result = simulate(make_plan(one_node(p), profile, [(devices, list(range(p + 1)), m, m)], schedule=schedule))
         for j, dev in enumerate(devices):
             assert result.devices[dev].max_in_flight == bound(j), (schedule, j)
 
@@ -160,7 +148,7 @@ def hetero_plan(schedule: str, m: int) -> Plan:
     ]})
     profile = ModelProfile("two", (layer("l0", {A100: (1.0, 2.0)}, 4, output_bytes=350e3),
                                    layer("l1", {V100: (2.0, 4.0)}, 4)), 1e3)
-    return make_plan(cluster, profile, [(["fast:0", "slow:0"], [0, 1, 2], 4 * m, m)], schedule)
+    return make_plan(cluster, profile, [(["fast:0", "slow:0"], [0, 1, 2], 4 * m, m)], schedule=schedule)
 
 
 def spans(result: Any, track: str, kind: str) -> list[tuple[float, float]]:
@@ -214,7 +202,7 @@ def test_peak_memory_equals_the_cost_model(schedule: str) -> None:
     plan = make_plan(one_node(5, 1e11, 1e-6), profile, [
         (["n0:0", "n0:1", "n0:2"], [0, 2, 5, 6], 8, 4),
         (["n0:3", "n0:4"], [0, 3, 6], 9, 3),
-    ], schedule, optimizer="adam", recompute={"n0:1": (3, 4), "n0:3": (0, 1)})
+    ], schedule=schedule, optimizer="adam", recompute={"n0:1": (3, 4), "n0:3": (0, 1)})
     result = simulate(plan)
     for vw in plan.virtual_workers:
         p = len(vw.stages)
@@ -253,7 +241,7 @@ def test_transfers_leaving_one_node_share_its_nic() -> None:
     profile = ModelProfile("two", (layer("l0", {A100: (1.0, 1.0)}, 1, output_bytes=1e6),
                                    layer("l1", {A100: (1.0, 1.0)}, 1)), 1e3)
     plan = make_plan(two_node_cluster(1e6), profile, [(["a:0", "b:0"], [0, 1, 2], 1, 1),
-                                                      (["a:1", "b:1"], [0, 1, 2], 1, 1)], "gpipe")
+                                                      (["a:1", "b:1"], [0, 1, 2], 1, 1)], schedule="gpipe")
     result = simulate(plan)
     assert sorted(spans(result, "a NIC out", "send_f")) == [(1.0, 2.0), (2.0, 3.0)]
     starts = sorted([spans(result, "b:0", "forward")[0][0], spans(result, "b:1", "forward")[0][0]])
@@ -265,7 +253,7 @@ def test_data_parallel_sync_takes_the_allreduce_time() -> None:
     params = 4e6
     profile = ModelProfile("dp", (layer("l0", {A100: (0.5, 1.0)}, 2, param_bytes=params),), 1e3)
     cluster = two_node_cluster(1e8, 1e-3)
-    plan = make_plan(cluster, profile, [(["a:0"], [0, 1], 2, 1), (["b:0"], [0, 1], 2, 1)], "gpipe")
+    plan = make_plan(cluster, profile, [(["a:0"], [0, 1], 2, 1), (["b:0"], [0, 1], 2, 1)], schedule="gpipe")
     assert [str(a) for a in build_schedule(plan)["a:0"]] == ["0F0", "0B0", "ALLREDUCE_START seg0 bucket0",
                                                              "ALLREDUCE_WAIT seg0 bucket0", "STEP"]
     result = simulate(plan)
@@ -286,7 +274,7 @@ def test_concurrent_allreduces_contend_for_the_nics() -> None:
               layer("l1", {A100: (0.1, 0.2)}, 1, param_bytes=params))
     cluster = two_node_cluster(1e8)
     plan = make_plan(cluster, ModelProfile("c", layers, 1e3), [(["a:0", "a:1"], [0, 1, 2], 1, 1),
-                                                               (["b:0", "b:1"], [0, 1, 2], 1, 1)], "gpipe")
+                                                               (["b:0", "b:1"], [0, 1, 2], 1, 1)], schedule="gpipe")
     result = simulate(plan)
     assert estimate_allreduce_time(cluster, [0, 2], params) == pytest.approx(1.0)  # 0.5 s per ring phase
     # stage 1 is done at 0.4 s, stage 0 at 0.6 s. The NICs serve the phases in the order they ask:
@@ -313,7 +301,8 @@ def test_hierarchical_allreduce_runs_in_three_phases() -> None:
         {"name": name, "devices": [{"type": A100, "count": 2}], "intra_link": "nvlink3", "nic": link(1e9, 1e-5)}
         for name in ("a", "b")]})
     profile = ModelProfile("dp", (layer("l0", {A100: (0.5, 1.0)}, 2, param_bytes=params),), 1e3)
-    plan = make_plan(cluster, profile, [([d], [0, 1], 2, 1) for d in ("a:0", "a:1", "b:0", "b:1")], "gpipe")
+    plan = make_plan(cluster, profile, [([d], [0, 1], 2, 1) for d in ("a:0", "a:1", "b:0", "b:1")],
+                     schedule="gpipe")
     result = simulate(plan)
     sync = estimate_allreduce_time(cluster, [0, 1, 2, 3], params)
     assert result.devices["b:1"].sync_s == pytest.approx(sync, rel=1e-12)
@@ -331,8 +320,8 @@ def bucket_plan(recompute: tuple[int, ...] = ()) -> tuple[Plan, float]:
     layers = tuple(layer(f"l{k}", {A100: (0.1, 0.2)}, 2, param_bytes=params) for k in range(4))
     cluster = two_node_cluster(1e8)
     plan = make_plan(cluster, ModelProfile("b", layers, 1e3), [(["a:0"], [0, 4], 2, 1), (["b:0"], [0, 4], 2, 1)],
-                     "gpipe", recompute={"a:0": recompute, "b:0": recompute} if recompute else None,
-                     options={"first_bucket_bytes": params, "bucket_bytes": params})
+                     schedule="gpipe", recompute={"a:0": recompute, "b:0": recompute} if recompute else None,
+                     first_bucket_bytes=params, bucket_bytes=params)
     assert estimate_allreduce_time(cluster, [0, 2], params) == pytest.approx(0.2)
     return plan, params
 
@@ -423,12 +412,8 @@ def two_by_two_dp_plan(options: dict[str, Any]) -> Plan:
     """Pure DP over 2 nodes x 2 CPU devices, fast intra link and slow NIC: the cost model picks hierarchical."""
     from hetrain.models.analytic import build_profile
 
-    cluster = parse_cluster({"name": "2x2", "node": [
-        {"name": n, "devices": [{"type": "cpu", "count": 2}], "intra_link": "100Gbit/s", "nic": "100Mbit/s"}
-        for n in ("n0", "n1")]})
-    vws = tuple(VirtualWorker((Stage(d, 0, 6),), 4, 1) for d in ("n0:0", "n0:1", "n1:0", "n1:1"))
-    return Plan("gpt-tiny", 16, "1f1b", "bsp", "sgd", vws, Prediction(0, 0, 0, 0, 0), "dp", "manual", cluster,
-                build_profile("gpt-tiny"), sync_options=SyncOptions(**options))
+    cluster = make_cluster({"n0": 2, "n1": 2}, intra_link="100Gbit/s", nic="100Mbit/s", name="2x2")
+    return make_plan(cluster, build_profile("gpt-tiny"), replicas(("n0:0", "n0:1", "n1:0", "n1:1"), 6, 4), **options)
 
 
 def test_the_allreduce_option_ring_replays_a_flat_ring_where_auto_goes_hierarchical() -> None:

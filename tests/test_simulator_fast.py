@@ -10,8 +10,9 @@ from dataclasses import replace
 
 import pytest
 
+from factories import make_plan
 from hetrain.cluster import Cluster, parse_cluster
-from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
+from hetrain.plan import Plan, Stage, VirtualWorker
 from hetrain.profile import LayerProfile, Measurement, ModelProfile
 from hetrain.schedule import ActionKind, BucketSync, Compute, ScheduleError, build_schedule
 from hetrain.schedule.sync import buckets_by_device
@@ -75,9 +76,8 @@ def random_plan(seed: int) -> Plan:
                           bucket_bytes=rng.choice([1e6, 25 * 2**20]), first_bucket_bytes=rng.choice([1e5, 2**20]),
                           allreduce=rng.choice(["auto", "ring"]), transfers=rng.choice(["overlap", "blocking"]),
                           placement=rng.choice(["local", "round-robin"]))
-    return Plan("random", sum(v.mini_batch for v in vws), SCHEDULES[seed // len(MODES) % 2],  # type: ignore[arg-type]
-                MODES[seed % len(MODES)], rng.choice(["sgd", "adam"]), tuple(vws), Prediction(0, 0, 0, 0, 0),
-                "hybrid", "random", cluster, profile, sync_options=options)
+    return make_plan(cluster, profile, vws, schedule=SCHEDULES[seed // len(MODES) % 2], sync=MODES[seed % len(MODES)],
+                     optimizer=rng.choice(["sgd", "adam"]), strategy="hybrid", formation="random", sync_options=options)
 
 
 def spread_plan(nodes: int, stages: int, micro_batches: int, transfers: str = "overlap") -> Plan:
@@ -93,9 +93,8 @@ def spread_plan(nodes: int, stages: int, micro_batches: int, transfers: str = "o
     vws = tuple(VirtualWorker(tuple(Stage(f"n{j + stages * (v // 8)}:{v % 8}", 2 * j, 2 * j + 2)
                                     for j in range(stages)), micro_batches, micro_batches)
                 for v in range(8 * (nodes // stages)))
-    return Plan("block", sum(v.mini_batch for v in vws), "1f1b", "bsp", "adam", vws,  # type: ignore[arg-type]
-                Prediction(0, 0, 0, 0, 0), "hybrid", "spread", cluster, profile,
-                sync_options=SyncOptions(transfers=transfers))
+    return make_plan(cluster, profile, vws, optimizer="adam", strategy="hybrid", formation="spread",
+                     transfers=transfers)
 
 
 def assert_same(fast: SimResult, reference: SimResult) -> None:
@@ -166,9 +165,8 @@ def contig_plan(vws: int, stages: int, micro_batches: int, schedule: str, odd: s
             mine.reverse()
         m = micro_batches + (odd == "batch" and v == vws - 1)
         out.append(VirtualWorker(tuple(Stage(mine[j], 2 * j, 2 * j + 2) for j in range(stages)), 2 * m, m))
-    return Plan("block", sum(v.mini_batch for v in out), schedule, "bsp", "adam", tuple(out),  # type: ignore[arg-type]
-                Prediction(0, 0, 0, 0, 0), "hybrid", "contig", cluster, profile,
-                sync_options=SyncOptions(bucket_bytes=4e6, first_bucket_bytes=1e6, allreduce="ring"))
+    return make_plan(cluster, profile, out, schedule=schedule, optimizer="adam", strategy="hybrid", formation="contig",
+                     bucket_bytes=4e6, first_bucket_bytes=1e6, allreduce="ring")
 
 
 @pytest.mark.parametrize(("schedule", "odd"), [(s, o) for s in SCHEDULES for o in ("", "type", "batch", "order")])

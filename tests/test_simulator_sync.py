@@ -7,33 +7,27 @@ import dataclasses
 
 import pytest
 
-from hetrain.cluster import Cluster, parse_cluster
-from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
-from hetrain.profile import LayerProfile, Measurement, ModelProfile
+from factories import A100, V100, link, make_cluster, make_plan, make_profile, replicas
+from hetrain.cluster import Cluster
+from hetrain.plan import Plan
+from hetrain.profile import ModelProfile
 from hetrain.simulator import simulate, simulated_iterations
 from hetrain.sync_layout import SyncOptions
 
-A100, V100 = "A100-40GB", "V100-16GB"
-
 
 def two_nodes(nic_bytes_per_s: float = 1e9) -> Cluster:
-    fast = {"bandwidth_bytes_per_s": 1e11, "latency_s": 1e-6}
-    nic = {"bandwidth_bytes_per_s": nic_bytes_per_s, "latency_s": 1e-5}
-    return parse_cluster({"name": "t", "node": [
-        {"name": "n0", "devices": [{"type": A100, "count": 2}], "intra_link": fast, "nic": nic},
-        {"name": "n1", "devices": [{"type": V100, "count": 2}], "intra_link": fast, "nic": nic}]})
+    return make_cluster({"n0": (A100, 2), "n1": (V100, 2)}, intra_link=link(1e11, 1e-6),
+                        nic=link(nic_bytes_per_s, 1e-5), name="t")
 
 
 def profile(param_bytes: float = 4e7) -> ModelProfile:
-    ms = ((A100, (Measurement(4, 0.01, 0.02),)), (V100, (Measurement(4, 0.02, 0.04),)))
-    return ModelProfile("toy", tuple(LayerProfile(f"l{i}", param_bytes, 1e3, 1e4, 1e9, ms) for i in range(4)), 1e3)
+    return make_profile(4, times={A100: (0.01, 0.02), V100: (0.02, 0.04)}, micro_batch=4, param_bytes=param_bytes)
 
 
 def dp_plan(sync: str, param_bytes: float = 4e7, **options: int) -> Plan:
     """Four one-stage VWs: two A100s on n0, two V100s (half as fast) on n1."""
-    vws = tuple(VirtualWorker((Stage(d, 0, 4),), 4, 1) for d in ("n0:0", "n0:1", "n1:0", "n1:1"))
-    return Plan("toy", 16, "1f1b", sync, "sgd", vws, Prediction(0, 0, 0, 0, 0),  # type: ignore[arg-type]
-                "dp", "manual", two_nodes(), profile(param_bytes), sync_options=SyncOptions(**options))
+    return make_plan(two_nodes(), profile(param_bytes), replicas(("n0:0", "n0:1", "n1:0", "n1:1"), 4, 4), sync=sync,
+                     **options)
 
 
 @pytest.mark.parametrize("mode", ["wsp", "local-sgd", "hybrid-ps", "daso"])
@@ -92,9 +86,8 @@ def test_pulls_occupy_the_network_from_the_shard_host_back() -> None:
 
 def three_vw_plan(placement: str) -> Plan:
     """One VW on n0, two on n1: round-robin puts the shard on n0, local on n1."""
-    vws = tuple(VirtualWorker((Stage(d, 0, 4),), 4, 1) for d in ("n0:0", "n1:0", "n1:1"))
-    return Plan("toy", 12, "1f1b", "wsp", "sgd", vws, Prediction(0, 0, 0, 0, 0), "dp", "manual", two_nodes(1e8),
-                profile(), sync_options=SyncOptions(staleness=0, placement=placement))
+    return make_plan(two_nodes(1e8), profile(), replicas(("n0:0", "n1:0", "n1:1"), 4, 4), sync="wsp", staleness=0,
+                     placement=placement)
 
 
 def test_local_placement_keeps_traffic_on_the_node_and_is_faster() -> None:

@@ -8,27 +8,23 @@ from typing import Any
 
 import pytest
 
+from factories import make_cluster, make_plan, replicas
 from hetrain.cluster import Cluster, parse_cluster
 from hetrain.errors import InputError
 from hetrain.models.analytic import build_profile
-from hetrain.plan import DeviceMemory, Plan, PlanError, Prediction, Stage, VirtualWorker, parse_plan
+from hetrain.plan import DeviceMemory, Plan, PlanError, Stage, VirtualWorker, parse_plan
 from hetrain.schedule import ActionKind, build_schedule
 from hetrain.sync_layout import SyncLayoutError, SyncOptions, cut_buckets, cut_buckets_exact, group_segments
 
 
 def two_by_two(nic: str = "100Mbit/s") -> Cluster:
-    return parse_cluster({"name": "2x2", "node": [
-        {"name": n, "devices": [{"type": "cpu", "count": 2}], "intra_link": "100Gbit/s", "nic": nic}
-        for n in ("n0", "n1")]})
+    return make_cluster({"n0": 2, "n1": 2}, intra_link="100Gbit/s", nic=nic, name="2x2")
 
 
-def dp_plan(mode: str, cluster: Cluster | None = None, memory: float = 0.0, **options: Any) -> Plan:
+def dp_plan(mode: str, **options: Any) -> Plan:
     """Four one-stage VWs of gpt-tiny over two nodes."""
-    vws = tuple(VirtualWorker((Stage(d, 0, 6, (), 0.0, 0.0, memory),), 4, 1)
-                for d in ("n0:0", "n0:1", "n1:0", "n1:1"))
-    return Plan("gpt-tiny", 16, "1f1b", mode, "sgd", vws, Prediction(0, 0, 0, 0, 0),  # type: ignore[arg-type]
-                "dp", "manual", cluster or two_by_two(), build_profile("gpt-tiny"),
-                sync_options=SyncOptions(**options))
+    return make_plan(two_by_two(), build_profile("gpt-tiny"), replicas(("n0:0", "n0:1", "n1:0", "n1:1"), 6, 4),
+                     sync=mode, **options)
 
 
 def test_segments_group_layers_by_owner_set() -> None:
@@ -169,8 +165,8 @@ def test_sync_options_in_a_plan_file_are_type_checked(options: dict[str, Any], w
 
 def test_a_sync_option_among_the_plan_options_is_refused() -> None:
     with pytest.raises(PlanError, match=r"'period' is a sync option: it belongs in sync\.options"):
-        Plan("gpt-tiny", 16, "1f1b", "bsp", "sgd", dp_plan("bsp").virtual_workers, Prediction(0, 0, 0, 0, 0),
-             "dp", "manual", two_by_two(), build_profile("gpt-tiny"), options={"period": 4})
+        make_plan(two_by_two(), build_profile("gpt-tiny"), dp_plan("bsp").virtual_workers,
+                  planner_options={"period": 4})
 
 
 def test_a_stage_that_does_not_fit_its_device_is_refused_with_the_numbers() -> None:
@@ -178,15 +174,12 @@ def test_a_stage_that_does_not_fit_its_device_is_refused_with_the_numbers() -> N
         {"name": "n0", "devices": [{"type": "cpu", "count": 4, "memory": "8GB"}], "intra_link": "100Gbit/s",
          "nic": "1Gbit/s"}]})
     vws = tuple(VirtualWorker((Stage(d, 0, 6, (), 0.0, 0.0, 1e9),), 4, 1) for d in ("n0:0", "n0:1"))
-    Plan("gpt-tiny", 8, "1f1b", "bsp", "sgd", vws, Prediction(0, 0, 0, 0, 0), "dp", "manual", cluster,
-         build_profile("gpt-tiny"))
+    make_plan(cluster, build_profile("gpt-tiny"), vws)
     big = (VirtualWorker((Stage("n0:0", 0, 6, (), 0.0, 0.0, 9.1e9),), 4, 1), vws[1])
     with pytest.raises(PlanError, match=r"VW0 stage 0 on n0:0 needs 9\.1 GB, the device has 8\.0 GB"):
-        Plan("gpt-tiny", 8, "1f1b", "bsp", "sgd", big, Prediction(0, 0, 0, 0, 0), "dp", "manual", cluster,
-             build_profile("gpt-tiny"))
-    peak = Prediction(0, 0, 0, 0, 0, memory=(DeviceMemory("n0:1", 12e9, 8e9),))
+        make_plan(cluster, build_profile("gpt-tiny"), big)
     with pytest.raises(PlanError, match=r"VW1 stage 0 on n0:1 needs 12\.0 GB"):
-        Plan("gpt-tiny", 8, "1f1b", "bsp", "sgd", vws, peak, "dp", "manual", cluster, build_profile("gpt-tiny"))
+        make_plan(cluster, build_profile("gpt-tiny"), vws, memory=[DeviceMemory("n0:1", 12e9, 8e9)])
 
 
 def test_with_sync_makes_the_layout_anew() -> None:

@@ -118,6 +118,7 @@ def test_compare_peak_memory_prefers_the_measured_peak() -> None:
 
 # --- hetrain compare: the files it is given are timelines, predicted first ------------------------------
 
+@pytest.mark.slow  # plans for its 1 s time budget
 def test_compare_names_a_plan_or_profile_given_as_a_timeline(tmp_path: Path, capsys) -> None:
     from hetrain.cli import main
 

@@ -23,15 +23,14 @@ import torch
 from worker_ranks import kill_groups, single_process_mlp
 
 import hetrain
-from hetrain.cluster import parse_cluster
+from factories import make_cluster, mlp_digits_profile
 from hetrain.elastic import plan_digest
-from hetrain.models.analytic import build_mlp_profile
 from hetrain.plan import Plan, load_plan
 from hetrain.runtime.lifecycle.drift_watch import SWITCH_EXIT_STATUS
 from hetrain.runtime.state.checkpoint import load_checkpoint, load_manifest
 
 TRAIN = [sys.executable, "-m", "hetrain.runtime.command"]
-MLP = build_mlp_profile([64, 256, 256, 10], name="mlp-digits")
+MLP = mlp_digits_profile()
 LR, SWITCH_AT, STEPS = 0.2, 3, 6
 
 
@@ -62,10 +61,7 @@ def switched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     import subprocess
 
     root = tmp_path_factory.mktemp("drift")
-    plan = hetrain.plan(parse_cluster({"name": "cpus", "node": [{"name": "n0", "devices": [{"type": "cpu",
-                                                                                             "count": 3}],
-                                                                  "intra_link": "loopback", "nic": "1Gbit/s"}]}),
-                        MLP, 16, optimizer="sgd")
+    plan = hetrain.plan(make_cluster({"n0": 3}), MLP, 16, optimizer="sgd")
     assert sorted(plan.devices_used) == ["n0:0", "n0:1", "n0:2"], plan.summary()
     plan.save(root / "plan.json")
     args = ["--plan", str(root / "plan.json"), "--model", "mlp-digits", "--data", "synthetic", "--steps", str(STEPS),

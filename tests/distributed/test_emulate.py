@@ -324,14 +324,19 @@ def test_refuses_clearly_without_root(monkeypatch: pytest.MonkeyPatch) -> None:
 # ---------------------------------------------------------------------------
 
 
+def skip_without_tools() -> None:
+    """Skip (with which) unless the commands an emulated cluster is made with are installed."""
+    missing = [t for t in ("ip", "tc", "nsenter") if shutil.which(t) is None]
+    if missing:
+        pytest.skip(f"emulation needs {', '.join(missing)} (iproute2, util-linux)")
+
+
 @pytest.fixture(scope="module")
 def can_emulate() -> None:
     """Skip (with why) unless this host lets us make namespaces, a bridge, veths and htb."""
     if os.geteuid() != 0:
         pytest.skip("emulation needs root (network namespaces, tc, cgroups)")
-    missing = [t for t in ("ip", "tc", "nsenter") if shutil.which(t) is None]
-    if missing:
-        pytest.skip(f"emulation needs {', '.join(missing)} (iproute2, util-linux)")
+    skip_without_tools()
     probe = f"hetrain-probe-{secrets.token_hex(3)}"
     steps = [("ip", "netns", "add", probe), ("ip", "-n", probe, "link", "add", "br0", "type", "bridge"),
              ("ip", "-n", probe, "link", "add", "probe0", "type", "veth", "peer", "name", "probe1"),
@@ -346,7 +351,7 @@ def can_emulate() -> None:
 
 
 @pytest.fixture
-def run_ids(can_emulate: None) -> Iterator[Callable[[], str]]:
+def fresh_run_ids() -> Iterator[Callable[[], str]]:
     """``new()`` gives a fresh run id; every run made with one is removed at teardown, whatever happened."""
     made: list[str] = []
 
@@ -357,6 +362,12 @@ def run_ids(can_emulate: None) -> Iterator[Callable[[], str]]:
     yield new
     for rid in made:
         remove_run(rid)
+
+
+@pytest.fixture
+def run_ids(can_emulate: None, fresh_run_ids: Callable[[], str]) -> Callable[[], str]:
+    """``fresh_run_ids`` on a host that can emulate as root."""
+    return fresh_run_ids
 
 
 def assert_nothing_left(run_id: str) -> None:
@@ -755,14 +766,15 @@ def test_down_removes_the_leftovers_of_a_killed_launcher(tmp_path: Path, run_ids
 
 
 @pytest.mark.timeout(60)
-def test_rootless_run_leaves_nothing_on_the_host(tmp_path: Path, run_ids: Callable[[], str],
+def test_rootless_run_leaves_nothing_on_the_host(tmp_path: Path, fresh_run_ids: Callable[[], str],
                                                  capfd: pytest.CaptureFixture[str]) -> None:
-    """The whole run inside a user namespace (the default without root; forced here)."""
+    """The whole run inside a user namespace (the default without root; forced here): needs no root."""
+    skip_without_tools()
     why = probe_user_namespaces()
     if why is not None:
         pytest.skip(f"no user namespaces here: {why}")
     path = write(tmp_path / "two.toml", TWO_NODES)
-    rid = run_ids()
+    rid = fresh_run_ids()
     status = cli.run(path, ["python", "-c", "import os, sys; sys.stdout.write('AT ' + os.environ['HETRAIN_NODE'] + "
                                             "' ' + os.environ['RANK'] + '\\n')"], timeout_s=40, run_id=rid,
                      rootless=True)

@@ -29,11 +29,10 @@ import pytest
 from worker_ranks import kill_groups
 
 import hetrain
-from hetrain.cluster import parse_cluster
-from hetrain.models.analytic import build_mlp_profile
+from factories import make_cluster, mlp_digits_profile
 from hetrain.sync_layout import SyncOptions
 
-MLP = build_mlp_profile([64, 256, 256, 10], name="mlp-digits")
+MLP = mlp_digits_profile()
 STALL_AT, STEPS = 6, 20
 
 WORKER = textwrap.dedent("""
@@ -80,9 +79,8 @@ WORKER = textwrap.dedent("""
 
 
 def relaxed_plan(root: Path, mode: str, options: SyncOptions) -> Path:
-    cluster = parse_cluster({"name": "cpus", "node": [{"name": "n0", "devices": [{"type": "cpu", "count": 2}],
-                                                        "intra_link": "loopback", "nic": "1Gbit/s"}]})
-    plan = hetrain.plan(cluster, MLP, 16, optimizer="sgd", strategy="dp", sync=mode, sync_options=options)
+    plan = hetrain.plan(make_cluster({"n0": 2}), MLP, 16, optimizer="sgd", strategy="dp", sync=mode,
+                        sync_options=options)
     assert len(plan.virtual_workers) == 2 and plan.sync == mode, plan.summary()
     plan.save(root / f"plan-{mode}.json")
     return root / f"plan-{mode}.json"

@@ -25,13 +25,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from hetrain.cluster import parse_cluster
+import factories
+from factories import make_cluster, mlp_digits_profile
 from hetrain.data.datasets import iter_batches
 from hetrain.data.registry import build_datasets
-from hetrain.models.analytic import build_mlp_profile, build_profile
+from hetrain.models.analytic import build_profile
 from hetrain.models.layers import LayerRange
 from hetrain.models.registry import build_layers, loss_fn
-from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
+from hetrain.plan import Plan
 from hetrain.runtime.state.checkpoint import latest_checkpoint, load_checkpoint, load_manifest
 from hetrain.runtime.trainer import build_optimizer_fn
 
@@ -60,12 +61,8 @@ WRAPPER = textwrap.dedent(f"""
 
 
 def make_plan(vws: list[tuple[list[str], list[int], int, int]], schedule: str) -> Plan:
-    cluster = parse_cluster({"name": "cpus", "node": [{"name": "n0", "devices": [{"type": "cpu", "count": 3}],
-                                                       "intra_link": "loopback", "nic": "1Gbit/s"}]})
-    built = tuple(VirtualWorker(tuple(Stage(d, b[j], b[j + 1]) for j, d in enumerate(devs)), mb, m)
-                  for devs, b, mb, m in vws)
-    return Plan("gpt-tiny", sum(v.mini_batch for v in built), schedule, "bsp", "momentum",  # type: ignore[arg-type]
-                built, Prediction(0, 0, 0, 0, 0), "hybrid", "manual", cluster, build_profile("gpt-tiny", **GPT))
+    return factories.make_plan(make_cluster({"n0": 3}), build_profile("gpt-tiny", **GPT), vws, schedule=schedule,
+                               optimizer="momentum")
 
 
 PLAN_A = make_plan([(["n0:0", "n0:1"], [0, 3, 6], 8, 4)], "gpipe")
@@ -141,11 +138,8 @@ def train_one_rank(spawn, clean_env, plan: Path, ckpt: Path, *args: str) -> tupl
 @pytest.fixture
 def trained(tmp_path: Path, spawn, clean_env) -> tuple[Path, Path]:
     """A one-stage mlp-digits plan and a checkpoint directory whose newest checkpoint is of step RESUME_STEPS."""
-    cluster = parse_cluster({"name": "cpu", "node": [{"name": "n0", "devices": [{"type": "cpu", "count": 1}],
-                                                      "intra_link": "loopback", "nic": "1Gbit/s"}]})
-    plan = Plan("mlp-digits", 8, "1f1b", "bsp", "momentum", (VirtualWorker((Stage("n0:0", 0, 3),), 8, 2),),
-                Prediction(0, 0, 0, 0, 0), "pp", "manual", cluster, build_mlp_profile([64, 256, 256, 10],
-                                                                                    name="mlp-digits"))
+    plan = factories.make_plan(make_cluster({"n0": 1}, name="cpu"), mlp_digits_profile(), [(["n0:0"], [0, 3], 8, 2)],
+                               optimizer="momentum")
     plan.save(tmp_path / "plan.json")
     status, _, stderr = train_one_rank(spawn, clean_env, tmp_path / "plan.json", tmp_path / "ckpt",
                                        "--steps", str(RESUME_STEPS))

@@ -39,17 +39,17 @@ import pytest
 import torch
 from worker_ranks import run_worker_ranks
 
-from hetrain.cluster import parse_cluster
+import factories
+from factories import make_cluster, mlp_digits_profile
 from hetrain.data.datasets import iter_batches
 from hetrain.data.registry import build_datasets
-from hetrain.models.analytic import build_mlp_profile, build_profile
+from hetrain.models.analytic import build_profile
 from hetrain.models.layers import LayerRange
 from hetrain.models.registry import build_layers, loss_fn
-from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
+from hetrain.plan import Plan
 from hetrain.runtime.trainer import build_optimizer_fn
 from hetrain.schedule import ActionKind, build_schedule
 from hetrain.simulator import simulate
-from hetrain.sync_layout import SyncOptions
 from hetrain.timeline import compare, load_timeline
 
 STEPS = 3
@@ -109,16 +109,10 @@ def make_plan(model: str, vws: list[tuple[list[str], list[int], int, int]], sche
               recompute: dict[str, tuple[int, ...]] | None = None,
               options: dict[str, Any] | None = SMALL_BUCKETS) -> Plan:
     """``vws``: (devices, layer boundaries, mini-batch, micro-batches) per VW, on node n0 of 4 CPU devices."""
-    cluster = parse_cluster({"name": "cpus", "node": [{"name": "n0", "devices": [{"type": "cpu", "count": WORLD}],
-                                                       "intra_link": "loopback", "nic": "1Gbit/s"}]})
-    profile = (build_mlp_profile([64, 256, 256, 10], name=model) if model == "mlp-digits"
+    profile = (mlp_digits_profile() if model == "mlp-digits"
                else build_profile(model, hidden=GPT["hidden"], heads=GPT["heads"], seq_len=GPT["seq_len"]))
-    rc = recompute or {}
-    built = tuple(VirtualWorker(tuple(Stage(d, b[j], b[j + 1], rc.get(d, ())) for j, d in enumerate(devs)), mb, m)
-                  for devs, b, mb, m in vws)
-    return Plan(model, sum(v.mini_batch for v in built), schedule, "bsp", "sgd", built,  # type: ignore[arg-type]
-                Prediction(0, 0, 0, 0, 0), "hybrid", "manual", cluster, profile,
-                sync_options=SyncOptions(**(options or {})))
+    return factories.make_plan(make_cluster({"n0": WORLD}), profile, vws, schedule=schedule, recompute=recompute,
+                               **(options or {}))
 
 
 D = [f"n0:{k}" for k in range(WORLD)]

@@ -21,14 +21,14 @@ import pytest
 import torch
 from worker_ranks import run_worker_ranks
 
-from hetrain.cluster import parse_cluster
+import factories
+from factories import make_cluster
 from hetrain.data.datasets import eval_batches
 from hetrain.data.registry import build_datasets
 from hetrain.models.analytic import build_profile
 from hetrain.models.layers import LayerRange
 from hetrain.models.registry import build_layers, loss_fn
-from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
-from hetrain.sync_layout import SyncOptions
+from hetrain.plan import Plan
 
 WORLD = 2
 STEPS = 4
@@ -61,13 +61,9 @@ WORKER = textwrap.dedent("""
 
 
 def make_plan(sync: str, vws: list[tuple[list[str], list[int], int, int]], **options: int) -> Plan:
-    cluster = parse_cluster({"name": "one-node", "node": [
-        {"name": "n0", "devices": [{"type": "cpu", "count": 2}], "intra_link": "loopback", "nic": "1Gbit/s"}]})
-    built = tuple(VirtualWorker(tuple(Stage(d, b[j], b[j + 1]) for j, d in enumerate(devs)), mb, m)
-                  for devs, b, mb, m in vws)
-    return Plan("gpt-tiny", sum(v.mini_batch for v in built), "1f1b", sync, "adam", built,  # type: ignore[arg-type]
-                Prediction(0, 0, 0, 0, 0), "hybrid", "manual", cluster,
-                build_profile("gpt-tiny", tie_embeddings=False), sync_options=SyncOptions(**options))
+    profile = build_profile("gpt-tiny", tie_embeddings=False)
+    return factories.make_plan(make_cluster({"n0": 2}, name="one-node"), profile, vws, sync=sync, optimizer="adam",
+                               **options)
 
 
 CASES: dict[str, Plan] = {

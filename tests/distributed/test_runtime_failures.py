@@ -13,11 +13,10 @@ import sys
 import time
 from pathlib import Path
 
-from hetrain.cluster import parse_cluster
-from hetrain.models.analytic import build_mlp_profile
+from factories import make_cluster, make_plan, mlp_digits_profile
 from hetrain.models.registry import build_layers
 from hetrain.models.user import resolve_model
-from hetrain.plan import Plan, Prediction, Stage, VirtualWorker, load_plan
+from hetrain.plan import Plan, load_plan
 from hetrain.runtime.command import run_train
 from hetrain.runtime.config import TrainConfig
 from hetrain.runtime.state.checkpoint import save_checkpoint
@@ -28,13 +27,9 @@ TRAIN = [sys.executable, "-m", "hetrain.runtime.command"]
 
 def pipeline_plan(p: int, nodes: tuple[str, ...] = ("n0",)) -> Plan:
     """mlp-digits (3 layers) as one pipeline of ``p`` stages over devices n0:0..n0:{p-1}, 1F1B, 4 micro-batches."""
-    cluster = parse_cluster({"name": "cpus", "node": [
-        {"name": n, "devices": [{"type": "cpu", "count": p}], "intra_link": "loopback", "nic": "1Gbit/s"}
-        for n in nodes]})
     bounds = {1: [0, 3], 2: [0, 1, 3], 3: [0, 1, 2, 3]}[p]
-    vw = VirtualWorker(tuple(Stage(f"n0:{j}", bounds[j], bounds[j + 1]) for j in range(p)), 16, 4)
-    return Plan("mlp-digits", 16, "1f1b", "bsp", "sgd", (vw,), Prediction(0, 0, 0, 0, 0), "pp", "manual",
-                cluster, build_mlp_profile([64, 256, 256, 10], name="mlp-digits"))
+    return make_plan(make_cluster(dict.fromkeys(nodes, p)), mlp_digits_profile(),
+                     [([f"n0:{j}" for j in range(p)], bounds, 16, 4)])
 
 
 def start_ranks(spawn, clean_env, port: int, world: int, args: list[str], node: str | None = "n0") -> list:

@@ -25,16 +25,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from hetrain.cluster import parse_cluster
+import factories
+from factories import make_cluster
 from hetrain.cost import allreduce_shape, estimate_allreduce
 from hetrain.data.datasets import iter_batches
 from hetrain.data.registry import build_datasets
 from hetrain.models.analytic import build_profile
 from hetrain.models.layers import LayerRange
 from hetrain.models.registry import build_layers, loss_fn
-from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
+from hetrain.plan import Plan
 from hetrain.runtime.trainer import build_optimizer_fn
-from hetrain.sync_layout import SyncOptions
 
 STEPS = 3
 GPT = {"hidden": 32, "heads": 2, "seq_len": 16}
@@ -80,15 +80,10 @@ WORKER = textwrap.dedent("""
 def make_plan(reduce_dtype: str = "fp32") -> Plan:
     """Pure data parallelism: 4 VWs of one stage each, on 2 nodes of 2 CPU devices (fast intra link, slow NIC);
     gradients all-reduced in ``reduce_dtype``."""
-    cluster = parse_cluster({"name": "2x2", "node": [
-        {"name": n, "devices": [{"type": "cpu", "count": 2}], "intra_link": "100Gbit/s", "nic": "10Mbit/s"}
-        for n in ("n0", "n1")]})
+    cluster = make_cluster({"n0": 2, "n1": 2}, intra_link="100Gbit/s", nic="10Mbit/s", name="2x2")
     profile = build_profile("gpt-tiny", hidden=GPT["hidden"], heads=GPT["heads"], seq_len=GPT["seq_len"])
-    vws = tuple(VirtualWorker((Stage(d, 0, 6, ()),), mb, 1)
-                for d, mb in zip(["n0:0", "n0:1", "n1:0", "n1:1"], [3, 2, 2, 1], strict=True))
-    return Plan("gpt-tiny", sum(v.mini_batch for v in vws), "1f1b", "bsp", "sgd", vws,
-                Prediction(0, 0, 0, 0, 0), "hybrid", "manual", cluster, profile,
-                sync_options=SyncOptions(**BUCKETS, reduce_dtype=reduce_dtype))
+    vws = [([d], [0, 6], mb, 1) for d, mb in zip(["n0:0", "n0:1", "n1:0", "n1:1"], [3, 2, 2, 1], strict=True)]
+    return factories.make_plan(cluster, profile, vws, **BUCKETS, reduce_dtype=reduce_dtype)
 
 
 def test_the_plan_records_hierarchical_as_the_cost_model_picks_it() -> None:

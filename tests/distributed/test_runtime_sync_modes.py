@@ -31,19 +31,19 @@ import pytest
 import torch
 from worker_ranks import run_worker_ranks
 
-from hetrain.cluster import parse_cluster
+import factories
+from factories import make_cluster
 from hetrain.data.datasets import iter_batches
 from hetrain.data.registry import build_datasets
 from hetrain.models.analytic import build_mlp_profile
 from hetrain.models.layers import LayerRange
 from hetrain.models.registry import build_layers, loss_fn
-from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
+from hetrain.plan import Plan
 from hetrain.runtime.state.checkpoint import load_checkpoint, load_manifest
 from hetrain.runtime.sync.daso import DasoRate
 from hetrain.runtime.trainer import build_optimizer_fn
 from hetrain.schedule import COMPUTE_KINDS, P2P_KINDS, advance_sync_state, build_schedule, initial_sync_state
 from hetrain.simulator import build_schedules, simulate
-from hetrain.sync_layout import SyncOptions
 
 WORLD = 4
 NODES = "n0,n0,n1,n1"
@@ -115,20 +115,14 @@ WORKER = textwrap.dedent("""
 
 
 def cluster() -> Any:
-    return parse_cluster({"name": "two-nodes", "node": [
-        {"name": n, "devices": [{"type": "cpu", "count": 2}], "intra_link": "loopback", "nic": "1Gbit/s"}
-        for n in ("n0", "n1")]})
+    return make_cluster({"n0": 2, "n1": 2}, name="two-nodes")
 
 
 def make_plan(model: str, sync: str, vws: list[tuple[list[str], list[int], int, int]],
               **options: int | str) -> Plan:
     widths = {"mlp-digits": [64, 256, 256, 10], "deep-linreg": [8, 8, 1]}.get(model, [8, 1])
     profile = build_mlp_profile(widths, name=model)
-    built = tuple(VirtualWorker(tuple(Stage(d, b[j], b[j + 1]) for j, d in enumerate(devs)), mb, m)
-                  for devs, b, mb, m in vws)
-    return Plan(model, sum(v.mini_batch for v in built), "1f1b", sync, "sgd", built,  # type: ignore[arg-type]
-                Prediction(0, 0, 0, 0, 0), "hybrid", "manual", cluster(), profile,
-                sync_options=SyncOptions(**options))
+    return factories.make_plan(cluster(), profile, vws, sync=sync, **options)
 
 
 DP4 = [([d], [0, 1], 8, 1) for d in D]

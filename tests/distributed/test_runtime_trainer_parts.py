@@ -7,9 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from hetrain.cluster import parse_cluster
+import factories
+from factories import make_cluster
 from hetrain.models.analytic import build_mlp_profile
-from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
+from hetrain.plan import Plan
 from hetrain.runtime.lifecycle.roles import build_roles
 from hetrain.runtime.state.checkpoint import CheckpointError
 from hetrain.runtime.state.stage_state import checkpoint_meta, owned_names, restore_stage, save_stage
@@ -29,12 +30,7 @@ DEVICES = ["n0:0", "n0:1", "n0:2", "n0:3"]
 
 def make_plan(vws: list[tuple[list[str], list[int], int, int]]) -> Plan:
     """A 4-layer MLP on 4 CPU devices of one node; ``vws``: (devices, layer boundaries, mini-batch, micro-batches)."""
-    cluster = parse_cluster({"name": "cpus", "node": [
-        {"name": "n0", "devices": [{"type": "cpu", "count": 4}], "intra_link": "loopback", "nic": "1Gbit/s"}]})
-    built = tuple(VirtualWorker(tuple(Stage(d, b[j], b[j + 1]) for j, d in enumerate(devs)), mb, m)
-                  for devs, b, mb, m in vws)
-    return Plan("mlp", sum(v.mini_batch for v in built), "1f1b", "bsp", "sgd", built, Prediction(0, 0, 0, 0, 0),
-                "hybrid", "manual", cluster, build_mlp_profile([3, 5, 5, 5, 2], name="mlp"))
+    return factories.make_plan(make_cluster({"n0": 4}), build_mlp_profile([3, 5, 5, 5, 2], name="mlp"), vws)
 
 
 # VW0: n0:0 [0, 2) -> n0:1 [2, 4), 6 samples in 3 micro-batches; VW1: n0:2 [0, 4), 4 samples in 2; n0:3 unused

@@ -7,11 +7,12 @@ import json
 import pytest
 import torch
 
-from hetrain.cluster import parse_cluster
+import factories
+from factories import make_cluster
 from hetrain.models.analytic import build_profile
 from hetrain.models.layers import LayerRange
 from hetrain.models.registry import build_layers, loss_fn, sample_batch
-from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
+from hetrain.plan import Plan
 from hetrain.runtime.lifecycle.roles import RoleError, assign_ranks, build_roles, local_node_name, match_hosts
 from hetrain.runtime.report.metrics import MetricsLog, merge_timeline
 from hetrain.runtime.step.executor import StageModule
@@ -23,14 +24,7 @@ from hetrain.timeline import compare
 def make_plan(vws: list[tuple[list[str], list[int], int, int]], nodes: dict[str, int] | None = None,
               recompute: dict[str, tuple[int, ...]] | None = None) -> Plan:
     """gpt-tiny (6 layers) on CPU devices; ``vws``: (devices, layer boundaries, mini-batch, micro-batches)."""
-    cluster = parse_cluster({"name": "cpus", "node": [
-        {"name": n, "devices": [{"type": "cpu", "count": c}], "intra_link": "loopback", "nic": "1Gbit/s"}
-        for n, c in (nodes or {"n0": 4}).items()]})
-    rc = recompute or {}
-    built = tuple(VirtualWorker(tuple(Stage(d, b[j], b[j + 1], rc.get(d, ())) for j, d in enumerate(devs)), mb, m)
-                  for devs, b, mb, m in vws)
-    return Plan("gpt-tiny", sum(v.mini_batch for v in built), "1f1b", "bsp", "sgd", built,
-                Prediction(0, 0, 0, 0, 0), "hybrid", "manual", cluster, build_profile("gpt-tiny"))
+    return factories.make_plan(make_cluster(nodes), build_profile("gpt-tiny"), vws, recompute=recompute)
 
 
 TWO_VWS = [(["n0:0", "n1:0"], [0, 2, 6], 6, 3), (["n1:1"], [0, 6], 4, 2)]

@@ -14,9 +14,7 @@ from pathlib import Path
 
 from worker_ranks import run_worker_ranks
 
-from hetrain.cluster import parse_cluster
-from hetrain.models.analytic import build_mlp_profile
-from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
+from factories import make_cluster, make_plan, mlp_digits_profile, replicas
 
 WORKER = textwrap.dedent("""
     import json, os, sys
@@ -51,11 +49,8 @@ WORKER = textwrap.dedent("""
 
 
 def test_data_parallel_replicas_start_from_the_first_owners_weights(tmp_path: Path) -> None:
-    cluster = parse_cluster({"name": "cpus", "node": [{"name": "n0", "devices": [{"type": "cpu", "count": 2}],
-                                                       "intra_link": "loopback"}]})
-    vws = tuple(VirtualWorker((Stage(f"n0:{j}", 0, 3),), 8, 1) for j in range(2))
-    Plan("mlp-digits", 16, "1f1b", "bsp", "sgd", vws, Prediction(0, 0, 0, 0, 0), "dp", "manual", cluster,
-         build_mlp_profile([64, 256, 256, 10], name="mlp-digits")).save(tmp_path / "plan.json")
+    make_plan(make_cluster({"n0": 2}, nic=None), mlp_digits_profile(), replicas(("n0:0", "n0:1"), 3, 8)).save(
+        tmp_path / "plan.json")
     (tmp_path / "worker.py").write_text(WORKER)
     (tmp_path / "cases.json").write_text("{}")
     run_worker_ranks(tmp_path, "n0", [0, 1], timeout_s=90)
