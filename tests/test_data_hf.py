@@ -111,7 +111,7 @@ def test_text_is_tokenised_by_the_model_directorys_tokenizer_and_named(tmp_path:
         build_model_datasets(resolve_model(f"hf:{d}"), f"text:{tmp_path / 't.txt'}", seq_len=4)
 
 
-@pytest.mark.slow  # traces a transformers model
+# traces a transformers model, yet stays in the fast tier: its one cover of tables (JSONL, Parquet, save_to_disk)
 def test_tables_of_text_and_of_input_ids(tmp_path: Path) -> None:
     datasets = pytest.importorskip("datasets")
     d = model_dir(tmp_path, tokenizer=True)

@@ -20,6 +20,7 @@ from hetrain.models.layers import LayerRange  # noqa: E402
 from hetrain.models.user import resolve_model  # noqa: E402
 from hetrain.runtime.state.checkpoint import save_checkpoint  # noqa: E402
 from hetrain.runtime.state.export import ExportError, export_hf  # noqa: E402
+from tiers import slow_where  # noqa: E402
 
 VOCAB = 100
 
@@ -79,8 +80,8 @@ def logits(model: Any, ids: Any) -> Any:
     return out.logits if hasattr(out, "logits") else out
 
 
-@pytest.mark.parametrize("kind", list(CONFIGS))
-@pytest.mark.slow  # traces a transformers model
+# each case traces a transformers model: gpt2 in the fast tier
+@pytest.mark.parametrize("kind", slow_where(CONFIGS, lambda _k, kind: kind != "gpt2"))
 def test_export_loads_in_transformers_with_the_checkpoints_logits(kind: str, tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     spec = model_dir(tmp_path / "src", CONFIGS[kind]())
