@@ -371,12 +371,3 @@ def check_section(section: Any) -> None:
     for leaf in leaves(cls):
         if len(leaf.path) == 1:
             check_value(owner, leaf, getattr(section, leaf.name))
-
-
-def iter_values(config: Any) -> Iterator[tuple[str, Any]]:
-    """``(key, value)`` of every option of a built tree, in field order."""
-    for leaf in leaves(config.__class__):
-        obj = config
-        for part in leaf.path:
-            obj = getattr(obj, part)
-        yield leaf.key, obj

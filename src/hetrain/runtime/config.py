@@ -48,10 +48,6 @@ _POSITIVE = number_at_least(0.0, inclusive=False)
 _NON_NEGATIVE = number_at_least(0.0)
 
 
-def _opt(default: Any = None, **kw: Any) -> Any:
-    return option(default, **kw)
-
-
 def _model_setting(text: str) -> str:
     """``KEY=VALUE``, checked."""
     key, sep, _ = text.partition("=")
@@ -64,22 +60,22 @@ def _model_setting(text: str) -> str:
 class DataConfig:
     """What the model is trained and evaluated on."""
 
-    data: str | None = _opt(None)
+    data: str | None = option(None)
     """data set: shakespeare, digits, synthetic (default: fits model), tokens:FILE.bin (uint16 token ids), text:FILE
     (an hf:DIR model's tokenizer.json, --tokenizer, or bytes), jsonl:FILE / parquet:FILE / dataset:DIR (a text or
     input_ids column), or MODULE:FUNCTION returning a torch Dataset of (input, target) or of dicts with input_ids
     (needed for your own model)"""
-    val_data: str | None = _opt(None, metavar="tokens:FILE|text:FILE")
+    val_data: str | None = option(None, metavar="tokens:FILE|text:FILE")
     """validation tokens for --data tokens:/text: (default: its last 10%)"""
-    tokenizer: str | None = _opt(None, metavar="tokenizer.json")
+    tokenizer: str | None = option(None, metavar="tokenizer.json")
     """tokenize --data text:FILE (or a text column) with this tokenizers file (default: an hf:DIR model's
     tokenizer.json, else bytes, vocab 256)"""
-    seq_len: int | None = _opt(None, type=int_between(1, MAX_SEQ_LEN, "MAX_SEQ_LEN"), metavar="T")
+    seq_len: int | None = option(None, type=int_between(1, MAX_SEQ_LEN, "MAX_SEQ_LEN"), metavar="T")
     """tokens per sample of token data (default: the length the plan's profile was measured at, which it must
     equal; else the reference GPT's seq_len; needed for your own model)"""
-    eval_every: int = _opt(0, type=_STEPS, metavar="N")
+    eval_every: int = option(0, type=_STEPS, metavar="N")
     """validation loss on the held-out data every N steps, logged as val_loss (0: never)"""
-    eval_batches: int = _opt(8, type=_POSITIVE_STEPS, metavar="K")
+    eval_batches: int = option(8, type=_POSITIVE_STEPS, metavar="K")
     """global-batch-sized validation batches per evaluation (default 8)"""
 
     def __post_init__(self) -> None:
@@ -90,18 +86,18 @@ class DataConfig:
 class OptimConfig:
     """How the plan's optimizer is driven: learning rate and its schedule, weight decay, clipping."""
 
-    lr: float | None = _opt(None, type=_POSITIVE)
+    lr: float | None = option(None, type=_POSITIVE)
     """peak learning rate, reached after the warm-up (default 0.05 SGD, 1e-3 AdamW)"""
-    lr_schedule: str = _opt("constant", choices=LR_SCHEDULES)
+    lr_schedule: str = option("constant", choices=LR_SCHEDULES)
     """after the warm-up: constant, or cosine / linear decay to --min-lr at the last step (default constant)"""
-    warmup_steps: int = _opt(0, type=_STEPS, metavar="N")
+    warmup_steps: int = option(0, type=_STEPS, metavar="N")
     """linear warm-up from 0 to --lr over the first N steps (default 0)"""
-    min_lr: float = _opt(0.0, type=_NON_NEGATIVE)
+    min_lr: float = option(0.0, type=_NON_NEGATIVE)
     """learning rate the decay ends at, <= --lr (default 0)"""
-    clip_grad_norm: float | None = _opt(None, type=_POSITIVE, metavar="X")
+    clip_grad_norm: float | None = option(None, type=_POSITIVE, metavar="X")
     """clip gradients to global norm X over the whole model before each step; sync modes that step on a global
     sum only (others step on gradients not summed across VWs: refused)"""
-    weight_decay: float = _opt(0.0, type=_NON_NEGATIVE)
+    weight_decay: float = option(0.0, type=_NON_NEGATIVE)
     """weight decay (default 0)"""
 
     def __post_init__(self) -> None:
@@ -112,7 +108,7 @@ class OptimConfig:
 class PrecisionConfig:
     """The precision the plan trains in: stated here only to be checked against the plan."""
 
-    precision: str | None = _opt(None, choices=PRECISIONS)
+    precision: str | None = option(None, choices=PRECISIONS)
     """must be the plan's precision (hetrain plan --precision), which is what runs; a different one is refused
     (re-plan)"""
 
@@ -124,9 +120,9 @@ class PrecisionConfig:
 class CheckpointConfig:
     """Where checkpoints go and how often; a run resumes from the newest complete one there."""
 
-    checkpoint_dir: str | None = _opt(None)
+    checkpoint_dir: str | None = option(None)
     """write checkpoints here; resume from the newest"""
-    checkpoint_every: int = _opt(0, type=_STEPS)
+    checkpoint_every: int = option(0, type=_STEPS)
     """steps between checkpoints (0: at the end)"""
 
     def __post_init__(self) -> None:
@@ -137,15 +133,15 @@ class CheckpointConfig:
 class LoggingConfig:
     """What a run reports, and where."""
 
-    metrics_out: str | None = _opt(None)
+    metrics_out: str | None = option(None)
     """per-step metrics (JSONL)"""
-    timeline_out: str | None = _opt(None)
+    timeline_out: str | None = option(None)
     """measured timeline of the last step (JSON)"""
-    tensorboard_dir: str | None = _opt(None)
+    tensorboard_dir: str | None = option(None)
     """TensorBoard scalars (if tensorboard is installed)"""
-    log_every: int = _opt(10, type=_POSITIVE_STEPS)
+    log_every: int = option(10, type=_POSITIVE_STEPS)
     """steps whose losses are summed over the ranks together (default 10)"""
-    progress: bool | None = _opt(None, switch=True)
+    progress: bool | None = option(None, switch=True)
     """progress bar on or off (default: when stdout is a terminal)"""
 
     def __post_init__(self) -> None:
@@ -156,19 +152,19 @@ class LoggingConfig:
 class ElasticConfig:
     """A restart on a changed world, and the drift watch (docs/elastic.md)."""
 
-    replan: str = _opt("auto", choices=REPLAN_MODES)
+    replan: str = option("auto", choices=REPLAN_MODES)
     """auto: a restart whose devices are not the plan's (a node left or joined) re-plans with the plan's cluster,
     profile and options, and resumes from the newest checkpoint under the new plan (written to
     CHECKPOINT_DIR/plans/); with --checkpoint-dir it also watches for a device that drifts and switches plans when
     that pays (exit status 75, for torchrun to restart); world: the changed world only, no drift watch; off: refuse
     a changed world (default auto; docs/elastic.md)"""
-    drift_threshold: float = _opt(0.3, type=_POSITIVE, metavar="X")
+    drift_threshold: float = option(0.3, type=_POSITIVE, metavar="X")
     """a device drifts when its compute runs 1+X times slower (or faster) than its baseline (default 0.3)"""
-    drift_window: int = _opt(20, type=_POSITIVE_STEPS, metavar="N")
+    drift_window: int = option(20, type=_POSITIVE_STEPS, metavar="N")
     """steps in a row a device must drift before a re-plan is considered; also its baseline's steps (default 20)"""
-    replan_cooldown: int = _opt(100, type=_STEPS, metavar="N")
+    replan_cooldown: int = option(100, type=_STEPS, metavar="N")
     """no drift decision within N steps of the last one (default 100)"""
-    force_drift: str | None = _opt(None, metavar="STEP:DEVICE=FACTOR")
+    force_drift: str | None = option(None, metavar="STEP:DEVICE=FACTOR")
     """a drill: at STEP act as if DEVICE ran FACTOR times slower and switch plans whatever the gain
     (e.g. 40:n0:1=3)"""
 
@@ -180,13 +176,13 @@ class ElasticConfig:
 class RunOptions:
     """What every run of a reference model takes, hetrain's or a torch baseline's: seeds, model settings, waits."""
 
-    seed: int = _opt(0, type=int)
+    seed: int = option(0, type=int)
     """model seed (per-layer seeds derive from it)"""
-    data_seed: int = _opt(0, type=int)
+    data_seed: int = option(0, type=int)
     """seed of the data order"""
-    model_config: tuple[str, ...] = _opt((), flag="--set", type=_model_setting, metavar="KEY=VALUE", repeat=True)
+    model_config: tuple[str, ...] = option((), flag="--set", type=_model_setting, metavar="KEY=VALUE", repeat=True)
     """override a field of the model preset, e.g. --set n_blocks=2"""
-    timeout_s: float = _opt(DEFAULT_TIMEOUT_S, type=_POSITIVE)
+    timeout_s: float = option(DEFAULT_TIMEOUT_S, type=_POSITIVE)
     """longest distributed wait, seconds (default 300)"""
     named: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
     """how an error names each value the user gave: ``--min-lr 1.0`` or ``train.toml: min_lr = 1.0``"""
@@ -220,12 +216,12 @@ class TrainConfig(RunOptions):
     themselves (``Trainer(model, plan, config)``, ``run_train(plan, model, config)``) and leaves them None.
     """
 
-    plan: str | None = _opt(None)
+    plan: str | None = option(None)
     """plan.json"""
-    model: str | None = _opt(None)
+    model: str | None = option(None)
     """reference model name (hetrain.models.registry), or MODULE:FUNCTION / path/to/file.py:FUNCTION returning your
     own (docs/own-model.md)"""
-    steps: int = _opt(100, type=_STEPS)
+    steps: int = option(100, type=_STEPS)
     """step count to reach (default 100); a decaying learning rate ends there"""
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -151,47 +151,43 @@ class Trainer:
                  record_timeline: bool = False) -> None:
         config = TrainConfig() if config is None else config
         self.config = config
-        o, log, ckpt = config.optim, config.logging, config.checkpoint
-        loss_fn, tied = model.loss_fn, model.tied
-        layers_fn: LayersFn = functools.partial(_model_layers, model, config.seed)
+        o, log = config.optim, config.logging
+        started_s = time.perf_counter()
+        check_clip(plan, o.clip_grad_norm)  # before any process group: every rank refuses alike
+        check_tied(plan, model.tied)
+        check_fp16(plan)
+        check_precision(plan.precision, choose_device(int(os.environ.get("LOCAL_RANK", "0")))[1].type)
         own_rate = optimizer_fn is not None and o == OptimConfig()  # a given optimizer at its own rate throughout
         if optimizer_fn is None:
             optimizer_fn = build_optimizer_fn(plan.optimizer, o.lr, weight_decay=o.weight_decay)
-        lr_schedule = None if own_rate else LrSchedule(default_lr(plan.optimizer) if o.lr is None else o.lr,
-                                                       o.lr_schedule, o.warmup_steps, o.min_lr,  # type: ignore[arg-type]
-                                                       total_steps=config.steps or None)
-        timeout_s, clip_grad_norm, replan, drift = config.timeout_s, o.clip_grad_norm, config.elastic.replan, \
-            config.drift_options()
-        checkpoint_dir, checkpoint_every = ckpt.checkpoint_dir, ckpt.checkpoint_every
-        metrics_out, timeline_out, progress = log.metrics_out, log.timeline_out, log.progress
-        tensorboard_dir, log_every = log.tensorboard_dir, log.log_every
-        started_s = time.perf_counter()
-        check_clip(plan, clip_grad_norm)  # before any process group: every rank refuses alike
-        check_tied(plan, tied)
-        check_fp16(plan)
-        check_precision(plan.precision, choose_device(int(os.environ.get("LOCAL_RANK", "0")))[1].type)
+        self.lr_schedule = None if own_rate else LrSchedule(default_lr(plan.optimizer) if o.lr is None else o.lr,
+                                                            o.lr_schedule, o.warmup_steps,  # type: ignore[arg-type]
+                                                            o.min_lr, total_steps=config.steps or None)
         # the host allocator keeps freed pages for the next step (lifecycle.host_memory)
         self.host_allocator = tune_host_allocator()
-        self.log_every = log_every
+        self.log_every = log.log_every
         self.plan = plan
-        self.timeout_s = timeout_s
-        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
-        self.checkpoint_every = checkpoint_every
-        self.metrics_out = metrics_out
-        self.timeline_out = timeline_out
-        self.progress = progress
-        self.tensorboard_dir = tensorboard_dir
-        self.record_timeline = record_timeline or timeline_out is not None
+        self.timeout_s = config.timeout_s
+        ckpt_dir = config.checkpoint.checkpoint_dir
+        self.checkpoint_dir = Path(ckpt_dir) if ckpt_dir is not None else None
+        self.checkpoint_every = config.checkpoint.checkpoint_every
+        self.metrics_out = log.metrics_out
+        self.timeline_out = log.timeline_out
+        self.progress = log.progress
+        self.tensorboard_dir = log.tensorboard_dir
+        self.record_timeline = record_timeline or log.timeline_out is not None
         self.timeline: Timeline | None = None
         self.step = 0
         self.history: list[dict[str, Any]] = []
         self.val_history: list[dict[str, Any]] = []  # validation-loss records of fit (reporting rank)
-        self._loss_fn = loss_fn
+        self._loss_fn = model.loss_fn
         self._eval_set: list[Any] = []  # fixed validation batches (fit's val_data)
         self._eval_every = 0
 
-        self.job = build_job(plan, layers_fn, optimizer_fn, loss_fn, timeout_s, tied,  # collective: lifecycle.job
-                             ReplanPolicy(replan, self.checkpoint_dir))
+        layers_fn: LayersFn = functools.partial(_model_layers, model, config.seed)
+        # collective (lifecycle.job)
+        self.job = build_job(plan, layers_fn, optimizer_fn, model.loss_fn, config.timeout_s, model.tied,
+                             ReplanPolicy(config.elastic.replan, self.checkpoint_dir))
         plan = self.plan = self.job.plan  # re-made when the world changed (runtime.lifecycle.restart)
         job = self.job
         self.rank, self.world, self.device, self.reported = job.rank, job.world, job.device, job.reported
@@ -204,12 +200,11 @@ class Trainer:
         self.optimizer: torch.optim.Optimizer | None = None if parts is None else parts.optimizer
         self.sync: GradientSync | None = None if parts is None else parts.sync
         self.modes: ModeSync | None = None if parts is None else parts.modes
-        self.lr_schedule = lr_schedule
         hooks = PreStepHooks()
         if parts is not None:  # tied gradients, fp16's unscaling, clipping: in their order (runtime.step.hooks)
             hooks = build_pre_step_hooks(plan, self.role.device, tied=parts.tied, sync=parts.sync,
                                          executor=parts.executor, group=self.work_group, ranks=len(self.used_ranks),
-                                         wait=job.wait, on=self.device, clip_grad_norm=clip_grad_norm)
+                                         wait=job.wait, on=self.device, clip_grad_norm=o.clip_grad_norm)
             parts.executor.before_step = hooks.as_hook()
         self.clip: GradClip | None = hooks.clip
         self.loss_scaling: LossScaling | None = hooks.loss_scaling  # fp16 only
@@ -222,7 +217,8 @@ class Trainer:
         self._micro_batches = MicroBatches(self.role, plan.global_batch)
         self._restore()
         self._drift: DriftMonitor | None = None  # the drift watch (runtime.lifecycle.drift_watch), on used ranks
-        if drift is not None and replan == "auto" and self.checkpoint_dir is not None and parts is not None:
+        drift = config.drift_options()  # None unless --replan auto with a checkpoint directory
+        if drift is not None and parts is not None:
             device_of = {r: d for d, r in self.rank_of.items()}
             self._drift = DriftMonitor(plan, self.role.device, [device_of[r] for r in self.used_ranks],
                                        self.work_group, job.wait, drift, started_s, self.step)
