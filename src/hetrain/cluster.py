@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +107,9 @@ class Device:
         cpu_share: for emulation only: the CPU fraction its process gets (None: unthrottled).
         peak_bf16_flops: dense bf16 rate, FLOP/s, where it is not the fp16 rate (Volta and Turing
             have no bf16 tensor cores: ``catalog.DeviceType.peak_bf16_flops``); None: the fp16 rate.
+        tp_group: in a cluster of TP groups (``tp_cluster``), the k devices this one leads, itself first; empty
+            for a device on its own. Not part of a cluster file.
+        tp_link: the link the group's collectives run on (its node's intra-node link); None alone.
     """
 
     name: str
@@ -119,6 +122,13 @@ class Device:
     memory_bandwidth_bytes_per_s: float
     cpu_share: float | None = None
     peak_bf16_flops: float | None = None
+    tp_group: tuple[str, ...] = ()
+    tp_link: Link | None = None
+
+    @property
+    def tp(self) -> int:
+        """The TP degree of the group this device stands for (1: itself alone)."""
+        return len(self.tp_group) or 1
 
     def peak_flops(self, precision: str) -> float:
         """The peak rate for ``precision`` (``"fp32"``, ``"fp16"`` or ``"bf16"``), FLOP/s."""
@@ -555,3 +565,47 @@ def load_cluster(path: str | Path) -> Cluster:
         return parse_cluster(data, name=p.stem)
     except ClusterError as e:
         raise ClusterError(f"{p}: {e}") from None
+
+
+def tp_groups_of_node(node: Node, k: int) -> list[tuple[Device, ...]]:
+    """The node's devices in TP groups of ``k``: consecutive devices of one type, k at a time (a type's last
+    devices that do not fill a group are left out). ``k`` 1: each device alone.
+
+    Consecutive devices share the fastest links of a node (an NVLink pair or quad of a board); cluster files
+    list a node's devices in that order.
+    """
+    by_type: dict[str, list[Device]] = {}
+    for d in node.devices:
+        by_type.setdefault(d.type_name, []).append(d)
+    out: list[tuple[Device, ...]] = []
+    for devs in by_type.values():
+        out.extend(tuple(devs[i:i + k]) for i in range(0, len(devs) - k + 1, k))
+    return out
+
+
+def tp_cluster(cluster: Cluster, k: int) -> Cluster:
+    """The cluster as the planner sees it when every stage runs on a TP group of ``k`` devices: each group is one
+    device, its first, carrying ``tp_group`` and ``tp_link`` (its node's intra-node link). Links between groups
+    are those between their first devices. Nodes with no whole group are left out; ClusterError where none has one.
+
+    Example:
+        >>> c = tp_cluster(load_cluster("examples/clusters/a100-v100.toml"), 4)   # doctest: +SKIP
+        >>> c.devices[0].tp_group                                                # doctest: +SKIP
+        ('a0:0', 'a0:1', 'a0:2', 'a0:3')
+    """
+    if k == 1:
+        return cluster
+    nodes = []
+    index = 0
+    for n in cluster.nodes:
+        leads = []
+        for group in tp_groups_of_node(n, k):
+            leads.append(replace(group[0], index=index, tp_group=tuple(d.name for d in group), tp_link=n.intra_link))
+            index += 1
+        if leads:
+            nodes.append(replace(n, devices=tuple(leads)))
+    if not nodes:
+        raise ClusterError(f"no node of cluster {cluster.name!r} has {k} devices of one type for a TP group of {k}")
+    kept = {n.name for n in nodes}
+    links = tuple(nl for nl in cluster.node_links if set(nl.nodes) <= kept)
+    return Cluster(cluster.name, tuple(nodes), links)

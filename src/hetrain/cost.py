@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -101,24 +101,109 @@ def estimate_layer_time(profile: ModelProfile, i: int, device: Device, b: int) -
     2. measured on another type: scale that by the roofline ratio between types
        (DESIGN.md cost model; Barrachina et al. scale per kernel the same way);
     3. never measured: roofline of the layer's FLOPs and bytes on this device.
+
+    On a TP group (``profile`` one rank's, from ``tp_rank_profile``; ``device`` the group's, from
+    ``cluster.tp_cluster``), the layer's TP all-reduces are added, on the critical path, unless the time was
+    measured on a rank of such a group (``LayerProfile.measured_tp``: they are in it).
     """
+    compute, collectives_in = _layer_compute_time(profile, i, device, b)
+    layer = profile.layers[i]
+    if profile.tp_degree == 1 or layer.tp is None or collectives_in:
+        return compute
+    if device.tp != profile.tp_degree or device.tp_link is None:
+        raise ValueError(f"a TP {profile.tp_degree} profile costed on {device.name} (TP {device.tp})")
+    comm = estimate_tp_collective_time(layer.tp.allreduce_bytes_per_sample * b, layer.tp.allreduces,
+                                       device.tp, device.tp_link)
+    return compute[0] + comm, compute[1] + comm
+
+
+def _layer_compute_time(profile: ModelProfile, i: int, device: Device, b: int) -> tuple[tuple[float, float], bool]:
+    """(forward, backward) seconds of layer ``i`` by the rules of ``estimate_layer_time``, and whether they were
+    measured with the TP collectives in."""
     layer = profile.layers[i]
     in_bytes = profile.input_bytes_per_sample if i == 0 else profile.layers[i - 1].output_bytes_per_sample
     peak = device.peak_flops(profile.precision)
     eff = profile.compute_efficiency
     own = layer.measurements(device.type_name)
     if own:
-        return interpolate_measurements(own, b)
+        return interpolate_measurements(own, b), own[0].source == MEASURED_TP
     here = _roofline_layer(layer, in_bytes, b, peak, device.memory_bandwidth_bytes_per_s, eff)
     for type_name, ms in layer.measured:
         fig = _device_figures(profile, type_name)
-        if fig is None or not ms:
+        if fig is None or not ms or ms[0].source == MEASURED_TP:
             continue
         there = _roofline_layer(layer, in_bytes, b, fig[0], fig[1], eff)
         fwd, bwd = interpolate_measurements(ms, b)
         return (fwd * here[0] / there[0] if there[0] > 0 else fwd,
-                bwd * here[1] / there[1] if there[1] > 0 else bwd)
-    return here
+                bwd * here[1] / there[1] if there[1] > 0 else bwd), False
+    return here, False
+
+
+#: ``Measurement.source`` of a rank's time measured in a TP group (``LayerProfile.measured_tp``), collectives in
+MEASURED_TP = "measured-tp"
+#: ``Measurement.source`` of a rank's time estimated from the layer's time on one device (``tp_rank_profile``)
+SCALED_TP = "tp-scaled"
+
+
+def estimate_tp_collective_time(num_bytes: float, calls: int, k: int, link: Link) -> float:
+    """Seconds of a layer's TP all-reduces in one forward (or one backward): ``calls`` ring all-reduces among
+    the ``k`` ranks of a TP group over the node's ``link``, ``num_bytes`` in all (Megatron-LM: two per
+    transformer block each way, of the block's output; Narayanan et al. 2021, sec. 3.3). They sit on the
+    critical path: the next matrix multiply needs their result."""
+    if k <= 1 or calls <= 0 or num_bytes <= 0:
+        return 0.0
+    per_call = estimate_ring_allreduce_time(num_bytes / calls, k, link.bandwidth_bytes_per_s, link.step_latency_s)
+    return calls * per_call
+
+
+def _split(whole: float, part: float, k: int, efficiency: float = 1.0) -> float:
+    """A figure of which ``part`` is divided over ``k`` ranks at ``efficiency`` and the rest stays whole."""
+    return whole - part + part / (k * efficiency)
+
+
+def tp_rank_profile(profile: ModelProfile, k: int) -> ModelProfile:
+    """What one rank of a TP group of ``k`` devices holds and computes, as a profile (cached on ``profile``).
+
+    Per layer with a TP rule (``LayerProfile.tp``): its split parameters, saved activations and FLOPs divided by
+    ``k``, the rest whole; its input and output whole (every rank holds them: Megatron's f and g operators
+    all-reduce to a replicated tensor). Its times: measured on a rank of a group of ``k`` where the profile
+    has them (``measured_tp``, collectives in), else its measured time on one device with the split share
+    of its FLOPs divided by ``k * profile.tp_efficiency``. A layer without a rule is the same on every rank.
+    The planner and the simulator cost a TP stage as a stage of this profile on the group's device
+    (``cluster.tp_cluster``); ``estimate_layer_time`` adds the collectives.
+    """
+    if k == 1:
+        return profile
+    key = ("tp_rank_profile", k)
+    cached = profile._cache.get(key)
+    if cached is not None:
+        return cached
+    eff = profile.tp_efficiency
+    layers = []
+    for layer in profile.layers:
+        t = layer.tp
+        if t is None:
+            layers.append(layer)
+            continue
+        share = t.split_flops_per_sample / layer.forward_flops_per_sample if layer.forward_flops_per_sample else 0.0
+        factor = _split(1.0, share, k, eff)
+        measured = []
+        for type_name, ms in layer.measured:
+            at_k = layer.tp_measurements(type_name, k)
+            measured.append((type_name, tuple(replace(m, source=MEASURED_TP) for m in at_k) if at_k else tuple(
+                replace(m, forward_s=m.forward_s * factor, backward_s=m.backward_s * factor, source=SCALED_TP,
+                        forward_spread_s=None, backward_spread_s=None) for m in ms)))
+        known = {type_name for type_name, _ in layer.measured}
+        measured += [(type_name, tuple(replace(m, source=MEASURED_TP) for m in ms))
+                     for type_name, degree, ms in layer.measured_tp if degree == k and type_name not in known]
+        layers.append(replace(
+            layer, param_bytes=_split(layer.param_bytes, t.split_param_bytes, k),
+            saved_bytes_per_sample=_split(layer.saved_bytes_per_sample, t.split_saved_bytes_per_sample, k),
+            forward_flops_per_sample=_split(layer.forward_flops_per_sample, t.split_flops_per_sample, k, eff),
+            measured=tuple(measured), measured_tp=()))
+    cached = replace(profile, layers=tuple(layers), tp_degree=k)
+    profile._cache[key] = cached
+    return cached
 
 
 def estimate_layer_times(profile: ModelProfile, device: Device, b: int) -> tuple[np.ndarray, np.ndarray]:
@@ -127,7 +212,7 @@ def estimate_layer_times(profile: ModelProfile, device: Device, b: int) -> tuple
     Cached on the profile per (device figures, b): the planner calls this in loops.
     """
     key = ("layer_times", device.type_name, device.peak_fp32_flops, device.peak_fp16_flops,
-           device.memory_bandwidth_bytes_per_s, b)
+           device.memory_bandwidth_bytes_per_s, b, device.tp, device.tp_link)
     cached = profile._cache.get(key)
     if cached is None:
         pairs = [estimate_layer_time(profile, i, device, b) for i in range(profile.num_layers)]

@@ -59,8 +59,12 @@ Schedule = Literal["gpipe", "1f1b", "1f1b-eager"]
 Optimizer = Literal["sgd", "momentum", "adam"]
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "1f1b-eager")
 OPTIMIZERS: tuple[str, ...] = OPTIMIZER_NAMES  # profile.OPTIMIZER_NAMES: one vocabulary
-#: 2: the ``"sync"`` section holds the mode, its typed options and the sync layout (was the mode's name)
-FORMAT_VERSION = 2
+#: 2: the ``"sync"`` section holds the mode, its typed options and the sync layout (was the mode's name);
+#: 3: a stage may run on a TP group (``"tp_group"``). A version 2 plan reads as it is (every stage on one device).
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (2, 3)
+#: the largest TP degree a stage may have (the devices of one node; DGX-class nodes hold 8, a few 16)
+MAX_TP = 16
 
 
 class PlanError(InputError):
@@ -73,7 +77,7 @@ class PlanError(InputError):
 PLAN_KEYS = frozenset({"format_version", "model", "global_batch", "schedule", "sync", "optimizer", "strategy",
                        "formation", "options", "prediction", "virtual_workers", "cluster", "profile"})
 VIRTUAL_WORKER_KEYS = frozenset({"mini_batch", "micro_batches", "predicted_pipeline_s", "stages"})
-STAGE_KEYS = frozenset({"device", "layers", "recompute", "predicted_forward_s", "predicted_backward_s",
+STAGE_KEYS = frozenset({"device", "tp_group", "layers", "recompute", "predicted_forward_s", "predicted_backward_s",
                         "predicted_memory_bytes"})
 PREDICTION_KEYS = frozenset({"iteration_s", "samples_per_s", "pipeline_s", "sync_s", "optimizer_s",
                              "simulated_iteration_s", "time_to_accuracy_s", "memory"})
@@ -106,9 +110,12 @@ def check_known_keys(data: Mapping[str, Any], known: frozenset[str] | set[str], 
 
 @dataclass(frozen=True)
 class Stage:
-    """Layers ``[first_layer, end_layer)`` on one device, with their recompute set.
+    """Layers ``[first_layer, end_layer)`` on one device or on a TP group, with their recompute set.
 
-    The ``predicted_*`` figures are per micro-batch of the VW's micro-batch size.
+    ``tp_group``: empty for a stage on ``device`` alone; else the k devices (k a power of two >= 2, all of one
+    type in one node, ``device`` first) that split each layer's matrices (tensor parallelism of degree k).
+    ``device`` leads the group: the schedule's actions are named by it, and every device of the group runs them.
+    The ``predicted_*`` figures are per micro-batch of the VW's micro-batch size, per device of the group.
     """
 
     device: str
@@ -118,14 +125,27 @@ class Stage:
     predicted_forward_s: float = 0.0
     predicted_backward_s: float = 0.0
     predicted_memory_bytes: float = 0.0
+    tp_group: tuple[str, ...] = ()
 
     @property
     def layers(self) -> range:
         return range(self.first_layer, self.end_layer)
 
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """Every device that runs the stage: its TP group, or its one device."""
+        return self.tp_group or (self.device,)
+
+    @property
+    def tp(self) -> int:
+        """The stage's tensor-parallel degree (1: one device)."""
+        return len(self.tp_group) or 1
+
     def to_dict(self) -> dict[str, Any]:
+        group = {"tp_group": list(self.tp_group)} if self.tp_group else {}
         return {
             "device": self.device,
+            **group,
             "layers": [self.first_layer, self.end_layer],
             "recompute": list(self.recompute),
             "predicted_forward_s": self.predicted_forward_s,
@@ -266,7 +286,18 @@ class Plan:
 
     @property
     def devices_used(self) -> list[str]:
-        return [s.device for vw in self.virtual_workers for s in vw.stages]
+        """Every device that runs a stage, TP groups' devices included, in stage order."""
+        return [d for vw in self.virtual_workers for s in vw.stages for d in s.devices]
+
+    @property
+    def max_tp(self) -> int:
+        """The largest TP degree of any stage (1: no stage splits its layers)."""
+        return max(s.tp for vw in self.virtual_workers for s in vw.stages)
+
+    def stage_on(self, device: str) -> Stage:
+        """The stage ``device`` runs (as the stage's device or a member of its TP group)."""
+        v, j = self.stage_of(device)
+        return self.virtual_workers[v].stages[j]
 
     @property
     def unused_devices(self) -> list[str]:
@@ -287,10 +318,10 @@ class Plan:
         return replace(self, sync=mode or self.sync, sync_options=options or self.sync_options)  # type: ignore[arg-type]
 
     def stage_of(self, device: str) -> tuple[int, int]:
-        """(VW index, stage index) of the stage on ``device``."""
+        """(VW index, stage index) of the stage ``device`` runs (its device, or a member of its TP group)."""
         for v, vw in enumerate(self.virtual_workers):
             for j, s in enumerate(vw.stages):
-                if s.device == device:
+                if s.device == device or device in s.tp_group:
                     return v, j
         raise PlanError(f"device {device} holds no stage in this plan")
 
@@ -347,11 +378,16 @@ class Plan:
                                 f"{format_bytes(free)} ({free / m.capacity_bytes:.0%})" if m.capacity_bytes > 0
                                 else f"{format_bytes(m.peak_bytes)} / 0 B")
                 rc = f" recompute {len(s.recompute)} layer(s)" if s.recompute else ""
+                where = s.device if s.tp == 1 else f"{s.device} TP{s.tp}"
                 lines.append(
-                    f"    stage {j}  {s.device:<12} layers [{s.first_layer:>3}, {s.end_layer:>3})"
+                    f"    stage {j}  {where:<12} layers [{s.first_layer:>3}, {s.end_layer:>3})"
                     f"  F {format_time(s.predicted_forward_s):>9}  B {format_time(s.predicted_backward_s):>9}"
                     f"  mem {mem_text}{rc}"
                 )
+        groups = [s for vw in self.virtual_workers for s in vw.stages if s.tp > 1]
+        if groups:
+            lines.append("  TP groups: " + "; ".join(f"{s.device} = {', '.join(s.tp_group)}" for s in groups[:8])
+                         + (f"; ... {len(groups) - 8} more" if len(groups) > 8 else ""))
         if self.unused_devices:
             lines.append(f"  unused devices: {', '.join(self.unused_devices)}")
         learned = self.options.get("time_model")
@@ -392,7 +428,8 @@ def plan_fingerprint(plan: Plan) -> str:
         "schedule": plan.schedule, "sync": plan.sync, "sync_options": plan.sync_options.to_dict(),
         "optimizer": plan.optimizer,
         "virtual_workers": [[vw.mini_batch, vw.micro_batches,
-                             [[s.device, s.first_layer, s.end_layer, list(s.recompute)] for s in vw.stages]]
+                             [[s.device, s.first_layer, s.end_layer, list(s.recompute)]
+                              + ([list(s.tp_group)] if s.tp_group else []) for s in vw.stages]]
                             for vw in plan.virtual_workers],
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
@@ -424,11 +461,13 @@ def validate_plan(plan: Plan) -> None:
             raise PlanError(f"VW{v}: {vw.micro_batches} micro-batches for a mini-batch of {vw.mini_batch}")
         expect = 0
         for j, s in enumerate(vw.stages):
-            if s.device not in names:
-                raise PlanError(f"VW{v} stage {j}: device {s.device!r} is not in cluster {plan.cluster.name!r}")
-            if s.device in seen:
-                raise PlanError(f"VW{v} stage {j}: device {s.device} already holds another stage")
-            seen.add(s.device)
+            for d in s.devices:
+                if d not in names:
+                    raise PlanError(f"VW{v} stage {j}: device {d!r} is not in cluster {plan.cluster.name!r}")
+                if d in seen:
+                    raise PlanError(f"VW{v} stage {j}: device {d} already holds another stage")
+                seen.add(d)
+            _check_tp_group(plan.cluster, s, f"VW{v} stage {j}")
             if s.first_layer != expect or s.end_layer <= s.first_layer:
                 raise PlanError(
                     f"VW{v} stage {j}: layers [{s.first_layer}, {s.end_layer}) do not continue from layer {expect}"
@@ -439,6 +478,7 @@ def validate_plan(plan: Plan) -> None:
             expect = s.end_layer
         if expect != L:
             raise PlanError(f"VW{v}: stages cover layers [0, {expect}) but the model has {L} layers")
+    _check_tp_degrees(plan)
     total = sum(vw.mini_batch for vw in plan.virtual_workers)
     if total != plan.global_batch:
         raise PlanError(f"mini-batches add up to {total}, global batch is {plan.global_batch}")
@@ -447,6 +487,44 @@ def validate_plan(plan: Plan) -> None:
         raise PlanError(f"plan options {misplaced[0]!r} is a sync option: it belongs in sync.options "
                         f"(Plan.sync_options; `hetrain plan --from PLAN --sync-option {misplaced[0]}=...`)")
     _check_memory(plan)
+
+
+def _check_tp_group(cluster: Cluster, s: Stage, where: str) -> None:
+    """A TP group is k >= 2 distinct devices, k a power of two, of one type in one node, led by the stage's device."""
+    if not s.tp_group:
+        return
+    k = len(s.tp_group)
+    if k < 2 or k & (k - 1) or k > MAX_TP:
+        raise PlanError(f"{where}: tp_group has {k} device(s); a TP group has 2, 4, 8 or 16 (a power of two "
+                        f"<= MAX_TP {MAX_TP})")
+    if s.tp_group[0] != s.device:
+        raise PlanError(f"{where}: tp_group {list(s.tp_group)} must start with the stage's device {s.device!r}")
+    if len(set(s.tp_group)) != k:
+        raise PlanError(f"{where}: tp_group {list(s.tp_group)} names a device twice")
+    devs = [cluster.device(d) for d in s.tp_group]
+    nodes = sorted({d.node for d in devs})
+    if len(nodes) > 1:
+        raise PlanError(f"{where}: tp_group {list(s.tp_group)} spans nodes {', '.join(nodes)}; a TP group lies "
+                        f"in one node (its collectives run on the node's own link)")
+    types = sorted({d.type_name for d in devs})
+    if len(types) > 1:
+        raise PlanError(f"{where}: tp_group {list(s.tp_group)} mixes device types {', '.join(types)}; a TP group "
+                        f"is of one type (its ranks wait for each other at every collective)")
+
+
+def _check_tp_degrees(plan: Plan) -> None:
+    """Every layer runs at one TP degree in every VW: each TP rank then reduces its shard's gradients with the
+    same shard of the other VWs, exactly (``runtime.sync``). A plan where they differ is refused."""
+    if len(plan.virtual_workers) < 2 or plan.max_tp == 1:
+        return
+    degree: dict[int, tuple[int, int]] = {}
+    for v, vw in enumerate(plan.virtual_workers):
+        for s in vw.stages:
+            for i in s.layers:
+                k0, v0 = degree.setdefault(i, (s.tp, v))
+                if k0 != s.tp:
+                    raise PlanError(f"layer {i} runs at TP degree {k0} in VW{v0} and {s.tp} in VW{v}; every VW "
+                                    f"must split a layer alike (its gradients are reduced shard by shard)")
 
 
 def _check_memory(plan: Plan) -> None:
@@ -472,8 +550,13 @@ def _stage_from(raw: Any, where: str) -> Stage:
     first = check_int(layers[0], f"{where}.layers[0]", PlanError, least=0, most=MAX_LAYERS, limit_name="MAX_LAYERS")
     end = check_int(layers[1], f"{where}.layers[1]", PlanError, least=0, most=MAX_LAYERS, limit_name="MAX_LAYERS")
     recompute = require_list(raw, "recompute", where, PlanError, default=[], most=MAX_LAYERS, what="layers")
+    group = require_list(raw, "tp_group", where, PlanError, default=[], most=MAX_TP, what="devices")
+    for k, d in enumerate(group):
+        if not isinstance(d, str) or not d.strip():
+            raise PlanError(f"{where}.tp_group[{k}]: expected a device name, got {show(d)}")
+    tp_group = tuple(group)
     return Stage(
-        device=require_str(raw, "device", where, PlanError), first_layer=first, end_layer=end,
+        device=require_str(raw, "device", where, PlanError), first_layer=first, end_layer=end, tp_group=tp_group,
         recompute=tuple(check_int(i, f"{where}.recompute[{k}]", PlanError, least=0) for k, i in enumerate(recompute)),
         predicted_forward_s=require_number(raw, "predicted_forward_s", where, PlanError, 0.0, least=0),
         predicted_backward_s=require_number(raw, "predicted_backward_s", where, PlanError, 0.0, least=0),
@@ -549,8 +632,9 @@ def parse_plan(data: Mapping[str, Any], check_layout: bool = True) -> Plan:
     if version == 1:
         raise PlanError("format_version: 1 predates the plan's sync section (format_version 2): "
                         "upgrade it with `hetrain plan --from PLAN -o NEW`, which re-predicts it")
-    if version != FORMAT_VERSION:
-        raise PlanError(f"format_version: {version} is not supported (this hetrain reads {FORMAT_VERSION})")
+    if version not in READABLE_VERSIONS:
+        raise PlanError(f"format_version: {version} is not supported (this hetrain reads "
+                        f"{', '.join(map(str, READABLE_VERSIONS))})")
     check_known_keys(data, PLAN_KEYS, "", "a plan")
     sync = require_object(data, "sync", "", PlanError)
     check_known_keys(sync, SYNC_SECTION_KEYS, "sync", "the sync section")

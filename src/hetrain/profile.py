@@ -113,6 +113,37 @@ class Measurement:
 
 
 @dataclass(frozen=True)
+class TPSplit:
+    """How a layer splits over a TP group of k devices (Megatron-style tensor parallelism: Shoeybi et al. 2019).
+
+    The split parts are divided by k on every rank; the rest (norms, replicated biases, the layer's input and
+    output, element-wise work on them) stays whole on every rank. A layer without a ``TPSplit`` is replicated:
+    each rank of a TP group computes all of it.
+
+    Attributes:
+        split_param_bytes: parameter bytes divided among the ranks (the column- and row-parallel matrices).
+        split_flops_per_sample: forward FLOPs divided among the ranks (their matrix multiplies, attention by heads).
+        split_saved_bytes_per_sample: activation bytes kept for backward that are divided (those inside the
+            column-parallel / row-parallel pair; Korthikanti et al. 2022, eq. 2).
+        allreduce_bytes_per_sample: bytes each forward all-reduces over the group per sample (Megatron's g
+            operator: a transformer block's attention and MLP outputs, two of s x h each); backward all-reduces as
+            many (the f operator's conjugate, on the input gradients).
+        allreduces: all-reduce calls per forward (and as many per backward): a transformer block's two.
+    """
+
+    split_param_bytes: float
+    split_flops_per_sample: float
+    split_saved_bytes_per_sample: float
+    allreduce_bytes_per_sample: float
+    allreduces: int = 2
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"split_param_bytes": self.split_param_bytes, "split_flops_per_sample": self.split_flops_per_sample,
+                "split_saved_bytes_per_sample": self.split_saved_bytes_per_sample,
+                "allreduce_bytes_per_sample": self.allreduce_bytes_per_sample, "allreduces": self.allreduces}
+
+
+@dataclass(frozen=True)
 class LayerProfile:
     """Costs of one layer (one entry of the model's layer list).
 
@@ -125,7 +156,12 @@ class LayerProfile:
             outputs in the precision of compute).
         saved_bytes_per_sample: activation bytes kept for backward per sample.
         forward_flops_per_sample: forward FLOPs per sample (backward is taken as 2x).
-        measured: per device type, measurements at one or more micro-batch sizes.
+        measured: per device type, measurements at one or more micro-batch sizes (on one device).
+        tp: how the layer splits under tensor parallelism; None: it has no TP rule, and a TP group
+            replicates it.
+        measured_tp: per device type and TP degree k >= 2, measurements of the layer on one rank of a TP group
+            of k (its collectives in): ``hetrain profile`` under torchrun on a node with k devices. Where a
+            type and degree have none, the cost model estimates them from ``tp`` (``cost.estimate_layer_time``).
     """
 
     name: str
@@ -134,6 +170,8 @@ class LayerProfile:
     saved_bytes_per_sample: float
     forward_flops_per_sample: float
     measured: tuple[tuple[str, tuple[Measurement, ...]], ...] = ()
+    tp: TPSplit | None = None
+    measured_tp: tuple[tuple[str, int, tuple[Measurement, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         for key in ("param_bytes", "output_bytes_per_sample", "saved_bytes_per_sample",
@@ -141,6 +179,28 @@ class LayerProfile:
             value = getattr(self, key)
             if not value >= 0:
                 raise ProfileError(f"layer {self.name!r}: {key} must be >= 0, got {value}")
+        if self.tp is not None:
+            for key, whole in (("split_param_bytes", self.param_bytes),
+                               ("split_flops_per_sample", self.forward_flops_per_sample),
+                               ("split_saved_bytes_per_sample", self.saved_bytes_per_sample)):
+                part = getattr(self.tp, key)
+                if not 0 <= part <= whole * (1 + 1e-9):
+                    raise ProfileError(f"layer {self.name!r}: tp.{key} = {part} must be in [0, {whole}] "
+                                       f"(the layer's own figure)")
+            if not (self.tp.allreduce_bytes_per_sample >= 0 and self.tp.allreduces >= 0):
+                raise ProfileError(f"layer {self.name!r}: tp.allreduce_bytes_per_sample and tp.allreduces "
+                                   f"must be >= 0")
+        for type_name, k, _ in self.measured_tp:
+            if k < 2 or k & (k - 1):
+                raise ProfileError(f"layer {self.name!r}: measured_tp[{type_name!r}] degree {k} must be a power "
+                                   f"of two >= 2")
+
+    def tp_measurements(self, type_name: str, k: int) -> tuple[Measurement, ...]:
+        """Measurements on one rank of a TP group of ``k`` devices of ``type_name`` (empty where not measured)."""
+        for t, degree, ms in self.measured_tp:
+            if t == type_name and degree == k:
+                return ms
+        return ()
 
     def measurements(self, type_name: str) -> tuple[Measurement, ...]:
         for t, ms in self.measured:
@@ -158,6 +218,13 @@ class LayerProfile:
         }
         if self.measured:
             out["measured"] = {t: [m.to_dict() for m in ms] for t, ms in self.measured}
+        if self.tp is not None:
+            out["tp"] = self.tp.to_dict()
+        if self.measured_tp:
+            by_type: dict[str, dict[str, Any]] = {}
+            for t, k, ms in self.measured_tp:
+                by_type.setdefault(t, {})[str(k)] = [m.to_dict() for m in ms]
+            out["measured_tp"] = by_type
         return out
 
 
@@ -213,6 +280,11 @@ class ModelProfile:
             work per action is the host's, and it wanders with the host; a plan of many small
             micro-batches is exposed to it more than one of few large ones. The planner draws it
             once per draw, for every type alike (``planner.robust``). A type without a figure: none known.
+        tp_efficiency: where a layer's time on a rank of a TP group is estimated (no ``measured_tp``), the
+            fraction of the ideal 1/k speed-up its split part reaches: k-times narrower matrix multiplies run
+            below the whole one's rate. 0.9 by default: Megatron-LM keeps 77% of one GPU's rate at TP 8 with
+            its collectives in (Shoeybi et al. 2019, fig. 5), most of the loss being the all-reduces, which
+            the cost model counts apart (``cost.estimate_tp_collective_time``).
     """
 
     name: str
@@ -229,6 +301,10 @@ class ModelProfile:
     common_spread: tuple[tuple[str, float], ...] = ()
     action_overhead_spread_s: tuple[tuple[str, float], ...] = ()
     split_points: tuple[str, ...] = ()
+    tp_efficiency: float = 0.9
+    #: 1 for a model's profile; k for what one rank of a TP group of k holds (``cost.tp_rank_profile``),
+    #: which the planner and the simulator cost and never save
+    tp_degree: int = field(default=1, compare=False)
     _cache: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -267,6 +343,8 @@ class ModelProfile:
                     math.isfinite(fraction) and 0 <= fraction <= 1):
                 raise ProfileError(f"common_spread[{type_name!r}] must be a fraction of the time in [0, 1], "
                                    f"got {fraction!r}")
+        if not 0 < self.tp_efficiency <= 1:
+            raise ProfileError(f"tp_efficiency must be in (0, 1], got {self.tp_efficiency}")
         if self.seq_len is not None and not 1 <= self.seq_len <= MAX_SEQ_LEN:
             raise ProfileError(f"seq_len must be in [1, {MAX_SEQ_LEN}], got {self.seq_len}")
 
@@ -340,6 +418,9 @@ class ModelProfile:
         return 0.0
 
     def to_dict(self) -> dict[str, Any]:
+        if self.tp_degree != 1:
+            raise ValueError(f"profile {self.name!r} is one TP rank's view (degree {self.tp_degree}); save the "
+                             f"model's profile")
         out: dict[str, Any] = {
             "format_version": FORMAT_VERSION,
             "name": self.name,
@@ -370,7 +451,14 @@ class ModelProfile:
             out["common_spread"] = dict(self.common_spread)
         if self.action_overhead_spread_s:
             out["action_overhead_spread_s"] = dict(self.action_overhead_spread_s)
+        if self.tp_efficiency != 0.9:
+            out["tp_efficiency"] = self.tp_efficiency
         return out
+
+    @property
+    def has_tp(self) -> bool:
+        """Whether any layer has a TP rule (``LayerProfile.tp``): only then can a TP group split a stage."""
+        return any(layer.tp is not None for layer in self.layers)
 
     @staticmethod
     def from_dict(data: Mapping[str, Any]) -> ModelProfile:
@@ -387,9 +475,11 @@ class ModelProfile:
 PROFILE_KEYS = frozenset({
     "format_version", "name", "precision", "compute_efficiency", "input_bytes_per_sample", "layers", "measured_on",
     "optimizer_step_s_per_byte", "action_overhead_s", "iteration_overhead_s", "memory_footprint", "seq_len",
-    "common_spread", "action_overhead_spread_s", "split_points"})
+    "common_spread", "action_overhead_spread_s", "split_points", "tp_efficiency"})
 LAYER_KEYS = frozenset({"name", "param_bytes", "output_bytes_per_sample", "saved_bytes_per_sample",
-                        "forward_flops_per_sample", "measured"})
+                        "forward_flops_per_sample", "measured", "tp", "measured_tp"})
+TP_KEYS = frozenset({"split_param_bytes", "split_flops_per_sample", "split_saved_bytes_per_sample",
+                     "allreduce_bytes_per_sample", "allreduces"})
 MEASUREMENT_KEYS = frozenset({"micro_batch", "forward_s", "backward_s", "source", "forward_spread_s",
                               "backward_spread_s"})
 
@@ -440,7 +530,27 @@ def _layer_from(raw: Any, i: int) -> LayerProfile:
             raise ProfileError(f"{at}: expected a list of measurements, got {show(ms)}")
         items = tuple(_measurement_from(m, f"{at}[{k}]") for k, m in enumerate(ms))
         measured.append((str(type_name), tuple(sorted(items, key=lambda m: m.micro_batch))))
+    tp = None
+    if raw.get("tp") is not None:
+        at = f"{where}.tp"
+        t = require_mapping(raw["tp"], at, ProfileError)
+        _known_keys(t, TP_KEYS, at)
+        tp = TPSplit(_number(t, "split_param_bytes", at), _number(t, "split_flops_per_sample", at),
+                     _number(t, "split_saved_bytes_per_sample", at), _number(t, "allreduce_bytes_per_sample", at),
+                     require_int(t, "allreduces", at, ProfileError, 2, least=0, most=1000))
+    measured_tp: list[tuple[str, int, tuple[Measurement, ...]]] = []
+    for type_name, by_k in require_object(raw, "measured_tp", where, ProfileError, {}).items():
+        at = f"{where}.measured_tp[{type_name!r}]"
+        by_k = require_mapping(by_k, at, ProfileError)
+        for key, ms in by_k.items():
+            if not (isinstance(key, str) and key.isdigit()):
+                raise ProfileError(f"{at}: TP degree {key!r} is not a whole number")
+            if not isinstance(ms, list):
+                raise ProfileError(f"{at}[{key!r}]: expected a list of measurements, got {show(ms)}")
+            items = tuple(_measurement_from(m, f"{at}[{key!r}][{k}]") for k, m in enumerate(ms))
+            measured_tp.append((str(type_name), int(key), tuple(sorted(items, key=lambda m: m.micro_batch))))
     return LayerProfile(
+        tp=tp, measured_tp=tuple(measured_tp),
         name=require_str(raw, "name", where, ProfileError, f"layer{i}"),
         param_bytes=_number(raw, "param_bytes", where),
         output_bytes_per_sample=_number(raw, "output_bytes_per_sample", where),
@@ -496,6 +606,7 @@ def parse_profile(data: Mapping[str, Any]) -> ModelProfile:
         action_overhead_spread_s=_parse_overheads(data.get("action_overhead_spread_s", {}),
                                                   "action_overhead_spread_s"),
         split_points=_parse_split_points(data.get("split_points", [])),
+        tp_efficiency=require_number(data, "tp_efficiency", "", ProfileError, 0.9, positive=True, most=1),
     )
 
 

@@ -46,7 +46,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hetrain.profile import PRECISIONS, LayerProfile, ModelProfile, Precision
+from hetrain.profile import PRECISIONS, LayerProfile, ModelProfile, Precision, TPSplit
 
 INT64_BYTES = 8
 MASK_BYTES = 1  # torch stores dropout masks as bool: 1 byte per element
@@ -159,6 +159,23 @@ def gpt_block_saved_bytes(hidden: int, heads: int, seq_len: int, bytes_per_eleme
     return s * h * (16 * e + 2 * MASK_BYTES) + a * s * s * (2 * e + MASK_BYTES)
 
 
+def gpt_block_tp_split(hidden: int, heads: int, seq_len: int, bytes_per_element: int) -> TPSplit:
+    """How one GPT block splits over a TP group (Megatron-LM: Shoeybi et al. 2019, sec. 3).
+
+    Column-parallel QKV and MLP up-projection (weights and biases split), row-parallel output projection and
+    MLP down-projection (weights split, biases whole), attention by heads; the two LayerNorms whole.
+    Split: ``12h^2 + 7h`` parameters, every matmul FLOP, and of the saved activations (Korthikanti et al. 2022,
+    sec. 4.2: ``s h (10 + 24/t + 5 a s / (h t))`` in 16-bit) the ``12 s h`` elements and the scores; whole: the
+    LN inputs and the inputs of the column-parallel matmuls (``4 s h`` elements) and the two dropout masks.
+    Forward all-reduces the attention and MLP outputs: two of ``s h`` elements.
+    """
+    s, h, a, e = seq_len, hidden, heads, bytes_per_element
+    return TPSplit(split_param_bytes=float((12 * h * h + 7 * h) * PARAM_BYTES),
+                   split_flops_per_sample=float(gpt_block_flops(h, s)),
+                   split_saved_bytes_per_sample=float(12 * s * h * e + a * s * s * (2 * e + MASK_BYTES)),
+                   allreduce_bytes_per_sample=float(2 * s * h * e), allreduces=2)
+
+
 def build_gpt_profile(num_layers: int, hidden: int, heads: int, seq_len: int, vocab: int,
                       precision: Precision = "fp16", name: str | None = None, *,
                       tie_embeddings: bool = True,
@@ -213,6 +230,7 @@ def build_gpt_profile(num_layers: int, hidden: int, heads: int, seq_len: int, vo
             output_bytes_per_sample=float(activation),
             saved_bytes_per_sample=float(gpt_block_saved_bytes(h, a, s, e)),
             forward_flops_per_sample=float(gpt_block_flops(h, s)),
+            tp=gpt_block_tp_split(h, a, s, e),
         )
         for k in range(num_layers)
     ]
