@@ -334,7 +334,7 @@ def test_model_that_fits_nowhere_says_what_it_needs() -> None:
 
 def test_global_batch_smaller_than_dp_vws_is_refused() -> None:
     with pytest.raises(PlannerError, match=r"global batch 4 is smaller than the 8 virtual workers.*>= 8"):
-        plan(_cloud(), build_profile("gpt2-small"), 4, strategy="dp", simulate_top_k=0)
+        plan(_cloud(), build_profile("gpt2-small"), 4, strategy="dp", simulate_top_k=0, max_tp=1)
 
 
 def test_pure_pipeline_longer_than_the_model_is_refused() -> None:

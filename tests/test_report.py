@@ -23,7 +23,7 @@ CLUSTER = {"name": "two", "node": [{"name": "n", "devices": [{"type": "cpu", "co
 
 def _plan(strategy: str) -> Plan:
     return plan(parse_cluster(CLUSTER), build_profile("gpt-tiny"), 8, strategy=strategy, micro_batch_sizes=(2,),
-                simulate_top_k=0)
+                simulate_top_k=0, max_tp=1)
 
 
 def _run(tmp_path: Path, name: str, p: Plan, step_times_s: list[float], warmup: int) -> PlanRun:

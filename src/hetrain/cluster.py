@@ -275,6 +275,15 @@ class Cluster:
         some = ", ".join(d.name for d in self.devices[:6])
         raise ClusterError(f"no device {name!r} in cluster {self.name!r}; devices are {some}, ...")
 
+    def group_device(self, names: tuple[str, ...]) -> Device:
+        """The device a TP group of ``names`` stands for in the cost model: its first, carrying the group and the
+        link its collectives run on (its node's intra-node link). One name: that device as it is."""
+        lead = self.device(names[0])
+        if len(names) < 2:
+            return lead
+        node = next(n for n in self.nodes if n.name == lead.node)
+        return replace(lead, tp_group=tuple(names), tp_link=node.intra_link)
+
     @property
     def type_names(self) -> list[str]:
         """The distinct device types, in the order of their first device."""
@@ -585,8 +594,10 @@ def tp_groups_of_node(node: Node, k: int) -> list[tuple[Device, ...]]:
 
 def tp_cluster(cluster: Cluster, k: int) -> Cluster:
     """The cluster as the planner sees it when every stage runs on a TP group of ``k`` devices: each group is one
-    device, its first, carrying ``tp_group`` and ``tp_link`` (its node's intra-node link). Links between groups
-    are those between their first devices. Nodes with no whole group are left out; ClusterError where none has one.
+    device, its first, carrying ``tp_group`` and ``tp_link`` (its node's intra-node link). Links between groups in
+    a node are those between their first devices (rank j of one group reaches rank j of the other over its own
+    pair); a node's NIC and explicit node links carry a k-th of their bandwidth (``_share``). Nodes with no whole
+    group are left out; ClusterError where none has one.
 
     Example:
         >>> c = tp_cluster(load_cluster("examples/clusters/a100-v100.toml"), 4)   # doctest: +SKIP
@@ -603,9 +614,18 @@ def tp_cluster(cluster: Cluster, k: int) -> Cluster:
             leads.append(replace(group[0], index=index, tp_group=tuple(d.name for d in group), tp_link=n.intra_link))
             index += 1
         if leads:
-            nodes.append(replace(n, devices=tuple(leads)))
+            nodes.append(replace(n, devices=tuple(leads), nic=_share(n.nic, k)))
     if not nodes:
         raise ClusterError(f"no node of cluster {cluster.name!r} has {k} devices of one type for a TP group of {k}")
     kept = {n.name for n in nodes}
-    links = tuple(nl for nl in cluster.node_links if set(nl.nodes) <= kept)
+    links = tuple(replace(nl, link=_share(nl.link, k)) for nl in cluster.node_links if set(nl.nodes) <= kept)
     return Cluster(cluster.name, tuple(nodes), links)
+
+
+def _share(link: Link, k: int) -> Link:
+    """A node's network link as each of ``k`` TP ranks that use it at once sees it: a k-th of its bandwidth.
+
+    Every rank of a TP group sends its copy of a stage's output (runtime: replicated activations, rank j to
+    rank j), and every rank reduces its own shard's gradients with the other VWs, so whatever one group
+    device of ``tp_cluster`` moves across the network, its k ranks move at once over the node's one NIC."""
+    return replace(link, bandwidth_bytes_per_s=link.bandwidth_bytes_per_s / k)

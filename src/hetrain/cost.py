@@ -177,7 +177,7 @@ def tp_rank_profile(profile: ModelProfile, k: int) -> ModelProfile:
     key = ("tp_rank_profile", k)
     cached = profile._cache.get(key)
     if cached is not None:
-        return cached
+        return cached  # type: ignore[no-any-return]
     eff = profile.tp_efficiency
     layers = []
     for layer in profile.layers:
@@ -200,7 +200,10 @@ def tp_rank_profile(profile: ModelProfile, k: int) -> ModelProfile:
             layer, param_bytes=_split(layer.param_bytes, t.split_param_bytes, k),
             saved_bytes_per_sample=_split(layer.saved_bytes_per_sample, t.split_saved_bytes_per_sample, k),
             forward_flops_per_sample=_split(layer.forward_flops_per_sample, t.split_flops_per_sample, k, eff),
-            measured=tuple(measured), measured_tp=()))
+            measured=tuple(measured), measured_tp=(),
+            tp=replace(t, split_param_bytes=t.split_param_bytes / k,  # one rank's part; the all-reduces whole
+                       split_flops_per_sample=t.split_flops_per_sample / (k * eff),
+                       split_saved_bytes_per_sample=t.split_saved_bytes_per_sample / k)))
     cached = replace(profile, layers=tuple(layers), tp_degree=k)
     profile._cache[key] = cached
     return cached

@@ -274,7 +274,8 @@ class Plan:
         validate_plan(self)
         object.__setattr__(self, "sync_mode", sync_mode(self.sync))
         stages = [[(s.device, s.first_layer, s.end_layer) for s in vw.stages] for vw in self.virtual_workers]
-        layout = build_sync_layout(self.cluster, self.profile, stages, self.sync, self.sync_options)
+        layout = build_sync_layout(self.cluster, self.profile, stages, self.sync, self.sync_options,
+                                   self.layer_tp_degrees() if self.max_tp > 1 else None)
         object.__setattr__(self, "layout", layout)
 
     # --- derived views -----------------------------------------------------
@@ -293,6 +294,10 @@ class Plan:
     def max_tp(self) -> int:
         """The largest TP degree of any stage (1: no stage splits its layers)."""
         return max(s.tp for vw in self.virtual_workers for s in vw.stages)
+
+    def layer_tp_degrees(self) -> list[int]:
+        """Per layer, the TP degree it runs at (every VW runs it at the same: ``validate_plan``)."""
+        return [s.tp for s in self.virtual_workers[0].stages for _ in s.layers]
 
     def stage_on(self, device: str) -> Stage:
         """The stage ``device`` runs (as the stage's device or a member of its TP group)."""
@@ -390,6 +395,13 @@ class Plan:
                          + (f"; ... {len(groups) - 8} more" if len(groups) > 8 else ""))
         if self.unused_devices:
             lines.append(f"  unused devices: {', '.join(self.unused_devices)}")
+        tp_choice = self.options.get("tp_choice")
+        if isinstance(tp_choice, Mapping) and isinstance(tp_choice.get("degrees"), Mapping):
+            rows = []
+            for k, row in tp_choice["degrees"].items():
+                t = row.get("simulated_iteration_s") or row.get("iteration_s") if isinstance(row, Mapping) else None
+                rows.append(f"TP {k}: {format_time(t)}" if t else f"TP {k}: no plan")
+            lines.append(f"  planned at {'; '.join(rows)}; chose TP {tp_choice.get('chosen')}")
         learned = self.options.get("time_model")
         if isinstance(learned, Mapping) and learned.get("types"):
             lines.append(f"  layer times for {', '.join(map(str, learned['types']))} from the learned model "

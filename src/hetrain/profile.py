@@ -455,6 +455,13 @@ class ModelProfile:
             out["tp_efficiency"] = self.tp_efficiency
         return out
 
+    def sent_bytes_per_sample(self, i: int) -> float:
+        """Bytes per sample layer ``i``'s output puts on the link to the next stage from one device: all of it,
+        or on a TP rank (``tp_degree`` k) a k-th: the output is the same on every rank of a group, and rank j
+        sends its j-th part to rank j of the next group, which all-gathers them over its node's link (Megatron's
+        scatter / gather between pipeline stages: Narayanan et al. 2021, sec. 4.1)."""
+        return self.layers[i].output_bytes_per_sample / self.tp_degree
+
     @property
     def has_tp(self) -> bool:
         """Whether any layer has a TP rule (``LayerProfile.tp``): only then can a TP group split a stage."""

@@ -35,7 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from hetrain.cluster import Cluster
-from hetrain.cost import allreduce_shape, estimate_allreduce
+from hetrain.cost import allreduce_shape, estimate_allreduce, tp_rank_profile
 from hetrain.errors import InputError
 from hetrain.profile import ModelProfile
 from hetrain.sync_mode import MODES, SYNC_MODES, SyncModeError, sync_mode
@@ -563,8 +563,12 @@ def place_ps_shard(owners: Sequence[T], nodes: Sequence[str], s: int, placement:
 
 
 def build_sync_layout(cluster: Cluster, profile: ModelProfile, stages: Sequence[Sequence[tuple[str, int, int]]],
-                      mode: str, options: SyncOptions) -> SyncLayout:
+                      mode: str, options: SyncOptions, tp_degrees: Sequence[int] | None = None) -> SyncLayout:
     """Every sync decision for VWs whose stages are ``stages`` (per VW, ``(device, first, end)`` per stage).
+
+    ``tp_degrees``: per layer, the TP degree it runs at (the same in every VW: ``plan.validate_plan``); a
+    segment's owners are then the stages' first devices, and its bytes one TP rank's: rank j of each owner's
+    group reduces its shard with rank j of the others (``cost.tp_rank_profile``). None: no TP.
 
     Raises:
         SyncLayoutError: an unknown mode.
@@ -578,6 +582,8 @@ def build_sync_layout(cluster: Cluster, profile: ModelProfile, stages: Sequence[
     index = {d.name: d.index for d in cluster.devices}
     node_of = {d.name: d.node for d in cluster.devices}
     layer_bytes = [float(x.param_bytes) for x in profile.layers]
+    if tp_degrees is not None:
+        layer_bytes = [float(tp_rank_profile(profile, k).layers[i].param_bytes) for i, k in enumerate(tp_degrees)]
     segments = []
     for s, (first, end, owners) in enumerate(group_segments(profile.num_layers, stages)):
         num_bytes = float(sum(layer_bytes[first:end]))

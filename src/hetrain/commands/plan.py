@@ -25,7 +25,7 @@ from hetrain.commands.plan_inputs import (
 )
 from hetrain.commands.plan_report import comparison_basis, comparison_rows, format_comparison, format_sync_modes
 from hetrain.fields import MAX_GLOBAL_BATCH, check_output_path
-from hetrain.plan import SCHEDULES, Plan, PlanError
+from hetrain.plan import MAX_TP, SCHEDULES, Plan, PlanError
 from hetrain.planner import PlannerOptions
 from hetrain.planner.search import DEFAULT_TIME_BUDGET_S
 from hetrain.planning import plan_families, plan_with_simulator, simulated_iteration_s
@@ -34,6 +34,17 @@ from hetrain.sync_layout import SYNC_OPTION_HELP, SyncOptions, check_mode_option
 from hetrain.sync_mode import SYNC_MODES
 
 _positive = number_at_least(0.0, inclusive=False)
+
+
+def _tp_degree(text: str) -> int:
+    """A TP degree: a power of two from 1 to ``plan.MAX_TP``."""
+    try:
+        k = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a power of two (1, 2, 4, 8, 16), got {text!r}") from None
+    if k < 1 or k & (k - 1) or k > MAX_TP:
+        raise argparse.ArgumentTypeError(f"expected a power of two from 1 to {MAX_TP}, got {k}")
+    return k
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-batch", type=int_between(1, MAX_GLOBAL_BATCH, "MAX_GLOBAL_BATCH"),
                         help="samples per iteration")
     parser.add_argument("--strategy", choices=["auto", "dp", "pp"], default="auto")
+    parser.add_argument("--max-tp", type=_tp_degree, default=None, metavar="K",
+                        help="the largest tensor-parallel degree a stage may run at: the planner plans at every power "
+                             "of two up to K that a node's devices of one type can form and keeps the fastest "
+                             "(default 8; 1: no tensor parallelism; docs/planner.md)")
+    parser.add_argument("--tp", type=_tp_degree, default=None, metavar="K",
+                        help="run every stage on a TP group of K devices of one node (as --strategy forces a family)")
     parser.add_argument("--use-every-device", action="store_true",
                         help="never leave a node out (by default auto also plans without the node of the slowest NIC "
                              "and the node of least compute, and keeps that plan where it is 10%% faster)")

@@ -173,6 +173,10 @@ def planner_options(args: argparse.Namespace) -> PlannerOptions:
     }
     if args.robust_draws is not None:
         opts["robust_draws"] = args.robust_draws
+    if getattr(args, "max_tp", None) is not None:
+        opts["max_tp"] = args.max_tp
+    if getattr(args, "tp", None) is not None:
+        opts["tp"] = args.tp
     opts["time_budget_s"] = parse_time_budget(args.time_budget)
     if args.target_samples is not None:
         opts["target_samples"] = args.target_samples

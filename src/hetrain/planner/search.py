@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, cast
 
-from hetrain.cluster import Cluster
+from hetrain.cluster import Cluster, tp_cluster, tp_groups_of_node
 from hetrain.cost import (
     MEMORY_MARGIN_FRACTION,
     estimate_device_memory,
@@ -56,9 +56,11 @@ from hetrain.cost import (
     loss_memory_per_sample,
     runtime_footprint,
     tensor_budget,
+    tp_rank_profile,
 )
 from hetrain.errors import InputError
 from hetrain.plan import (
+    MAX_TP,
     OPTIMIZERS,
     SCHEDULES,
     DeviceMemory,
@@ -95,6 +97,10 @@ SIMULATE_AT_MOST = 50
 PLAUSIBLE_FRACTION = 0.05
 #: the key of ``Plan.options`` that says what the planner did (``PlannerReport``)
 REPORT_KEY = "planner_report"
+#: the key of ``Plan.options`` with each TP degree's best predicted iteration (``tp_degrees``)
+TP_KEY = "tp_choice"
+#: the TP degree the planner goes up to by default: the devices of a DGX-class node
+DEFAULT_MAX_TP = 8
 
 
 class PlannerError(InputError):
@@ -137,6 +143,10 @@ class PlannerOptions:
             them too, and prefer the best worst case among the plans within the fastest's spread
             (``planner.robust``; 0: off).
         robust_seed: the seed of those draws (the same seed, the same plan).
+        max_tp: the largest TP degree a stage may run at (1: no tensor parallelism); the planner plans at every
+            power of two up to it that some node's devices of one type can form, where the profile has TP rules,
+            and keeps the best (``tp_degrees``).
+        tp: plan every stage at this TP degree (``hetrain plan --tp K``, as ``strategy`` forces a family).
     """
 
     strategy: Literal["auto", "dp", "pp", "hybrid"] = "auto"
@@ -161,6 +171,8 @@ class PlannerOptions:
     robust_draws: int = DRAWS
     robust_seed: int = SEED
     leave_out: bool = True  # also plan without the slowest NIC's or the weakest node, keep it if 10% faster
+    max_tp: int = DEFAULT_MAX_TP
+    tp: int | None = None
 
     def __post_init__(self) -> None:
         if self.strategy not in ("auto", "dp", "pp", "hybrid"):
@@ -186,6 +198,9 @@ class PlannerOptions:
             raise ValueError(f"time_budget_s must be a finite number of seconds >= 0 or None, got {self.time_budget_s}")
         if self.robust_draws < 0:
             raise ValueError(f"robust_draws must be >= 0, got {self.robust_draws}")
+        for key, k in (("max_tp", self.max_tp), ("tp", self.tp)):
+            if k is not None and (k < 1 or k & (k - 1) or k > MAX_TP):
+                raise ValueError(f"{key} must be a power of two in [1, {MAX_TP}], got {k}")
         if self.micro_batch_sizes is not None and any(b < 1 for b in self.micro_batch_sizes):
             raise ValueError(f"micro-batch sizes must be >= 1, got {list(self.micro_batch_sizes)}")
 
@@ -608,7 +623,78 @@ def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: Pl
     opts = options if options is not None else PlannerOptions(**kwargs)
     if options is not None and kwargs:
         opts = replace(options, **kwargs)
-    budget = TimeBudget(opts.time_budget_s)
+    degrees = tp_degrees(cluster, profile, opts)
+    if degrees == [1]:
+        return _plan_degree(cluster, profile, global_batch, opts, score, TimeBudget(opts.time_budget_s))
+    start, found, errors = time.perf_counter(), [], []
+    for n, k in enumerate(degrees):  # each degree an equal share of what is left of the budget
+        left = None if opts.time_budget_s is None else opts.time_budget_s - (time.perf_counter() - start)
+        share = TimeBudget(None if left is None else max(0.0, left) / (len(degrees) - n))
+        try:
+            p = _plan_degree(tp_cluster(cluster, k), tp_rank_profile(profile, k), global_batch, opts, score, share)
+        except PlannerError as e:
+            errors.append((k, e))
+            continue
+        found.append((k, as_tp_plan(p, cluster, profile)))
+    if not found:
+        raise errors[0][1] if len(errors) == 1 else PlannerError(
+            "; ".join(f"at TP {k}: {e}" for k, e in errors))
+    best_k, best = min(found, key=lambda kp: _rank_key(opts, kp[1]))
+    choice: dict[str, dict[str, Any]] = {
+        str(k): {"iteration_s": p.prediction.iteration_s, "simulated_iteration_s": p.prediction.simulated_iteration_s}
+        for k, p in found}
+    choice.update({str(k): {"error": str(e)} for k, e in errors})
+    reports = [PlannerReport.from_dict(p.options[REPORT_KEY]) for _, p in found]
+    total = replace(reports[0], simulations=sum(r.simulations for r in reports),
+                    **{key: sum(getattr(r, key) for r in reports) for key in ("screened", "searched", "simulated")})
+    return replace(best, options={**best.options, TP_KEY: {"chosen": best_k, "degrees": choice},
+                                  REPORT_KEY: total.to_dict()})
+
+
+def tp_degrees(cluster: Cluster, profile: ModelProfile, opts: PlannerOptions) -> list[int]:
+    """The TP degrees to plan at: ``opts.tp`` alone where given; else 1 and every power of two up to
+    ``opts.max_tp`` that some node's devices of one type can form, where the profile has TP rules."""
+    if opts.tp is not None:
+        if opts.tp > 1 and not profile.has_tp:
+            raise PlannerError(f"--tp {opts.tp}: model {profile.name} has no layer with a TP rule (its profile's "
+                               f"layers have no 'tp' split); plan it with --tp 1")
+        if opts.tp > 1 and not tp_groups_possible(cluster, opts.tp):
+            raise PlannerError(f"--tp {opts.tp}: no node of cluster {cluster.name} has {opts.tp} devices of one type")
+        return [opts.tp]
+    if not profile.has_tp:
+        return [1]
+    return [1] + [k for k in (2, 4, 8, 16) if k <= opts.max_tp and tp_groups_possible(cluster, k)]
+
+
+def tp_groups_possible(cluster: Cluster, k: int) -> bool:
+    """Whether some node of ``cluster`` has ``k`` devices of one type (a TP group of ``k``)."""
+    return any(tp_groups_of_node(n, k) for n in cluster.nodes)
+
+
+def as_tp_plan(p: Plan, cluster: Cluster, profile: ModelProfile) -> Plan:
+    """A plan made on ``tp_cluster(cluster, k)`` and ``tp_rank_profile(profile, k)`` as a plan of ``cluster`` and
+    ``profile``: each stage on its group's devices (``Stage.tp_group``), each device's memory entry repeated for
+    the group's other devices (they hold the same)."""
+    if p.profile is profile:
+        return p
+    groups = {d.name: d.tp_group for d in p.cluster.devices}
+    vws = tuple(replace(vw, stages=tuple(replace(s, tp_group=groups[s.device]) for s in vw.stages))
+                for vw in p.virtual_workers)
+    memory = tuple(replace(m, device=d) for m in p.prediction.memory for d in groups.get(m.device) or (m.device,))
+    return replace(p, cluster=cluster, profile=profile, virtual_workers=vws,
+                   prediction=replace(p.prediction, memory=memory))
+
+
+def _rank_key(opts: PlannerOptions, p: Plan) -> float:
+    """What the objective ranks plans by: time to accuracy where asked and known, else the iteration time."""
+    if opts.objective == "time-to-accuracy" and p.prediction.time_to_accuracy_s:
+        return p.prediction.time_to_accuracy_s
+    return _iteration_s(p) / p.global_batch
+
+
+def _plan_degree(cluster: Cluster, profile: ModelProfile, global_batch: int, opts: PlannerOptions,
+                 score: Scorer | None, budget: TimeBudget) -> Plan:
+    """``plan`` at one TP degree: on the whole cluster, and without the nodes worth leaving out."""
     best = _plan_within(cluster, profile, global_batch, opts, score, budget)
     if not opts.leave_out or opts.strategy != "auto" or opts.objective != "throughput":
         return best  # a family asked for is planned on every device; time to accuracy may change the batch

@@ -115,6 +115,7 @@ class ModelArrays:
     saved: np.ndarray  # (L,) activation bytes kept per sample
     input: np.ndarray  # (L,) input bytes per sample (previous layer's output)
     output: np.ndarray  # (L,) output bytes per sample
+    sent: np.ndarray  # (L,) bytes per sample one device sends of it (``ModelProfile.sent_bytes_per_sample``)
     weight_factor: float  # weight memory per parameter byte (params + grads + optimizer state)
     # Range tables shared by every device: out[k, l] over layers [k, l).
     weight_table: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # weight memory
@@ -163,7 +164,8 @@ def build_model_arrays(profile: ModelProfile, optimizer: str, reduce_copy: float
     last_column[:L, L] = loss_kept
     saved_table = _range_table(_prefix(saved)) + last_column
     arrays = ModelArrays(
-        param=param, saved=saved, input=inputs, output=out, weight_factor=weight_factor,
+        param=param, saved=saved, input=inputs, output=out, sent=out / profile.tp_degree,
+        weight_factor=weight_factor,
         weight_table=weight_factor * _range_table(_prefix(param)),
         saved_table=saved_table,
         kept_full_table=saved_table - _range_table(_prefix(np.where(useful, saved - inputs, 0.0))),
@@ -502,7 +504,7 @@ def link_time_table(cluster: Cluster, devices: Sequence[Device], arrays: ModelAr
     idx = np.array([d.index for d in devices])
     bw = cluster.bandwidth_bytes_per_s[idx[:-1], idx[1:]].astype(float)[:, None]  # (p-1, 1)
     lat = cluster.latency_s[idx[:-1], idx[1:]].astype(float)[:, None]
-    boundary = np.concatenate([[0.0], arrays.output])[None, :]  # bytes/sample crossing a cut before layer k
+    boundary = np.concatenate([[0.0], arrays.sent])[None, :]  # bytes/sample crossing a cut before layer k
     c = np.zeros((len(devices), len(arrays.output) + 1))
     c[1:] = 2 * (lat + b * boundary / bw)
     c[1:, 0] = INF  # a cut before layer 0 would leave stage j-1 empty

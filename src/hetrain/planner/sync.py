@@ -419,7 +419,7 @@ def plan_traffic(plan: Plan) -> PipelineTraffic:
     for vw in plan.virtual_workers:
         devices = tuple(cluster.devices[index[s.device]] for s in vw.stages)
         b = vw.micro_batch_size
-        link_s = tuple(2 * estimate_p2p_time(b * profile.layers[s.end_layer - 1].output_bytes_per_sample,
+        link_s = tuple(2 * estimate_p2p_time(b * profile.sent_bytes_per_sample(s.end_layer - 1),
                                              cluster.link(x.index, y.index))
                        for s, x, y in zip(vw.stages, devices, devices[1:], strict=False))
         stage_s = tuple(s.predicted_forward_s + s.predicted_backward_s for s in vw.stages)

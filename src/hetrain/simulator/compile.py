@@ -23,8 +23,10 @@ from hetrain.cost import (
     estimate_optimizer_time,
     estimate_p2p_time,
     estimate_stage_memory,
+    tp_rank_profile,
 )
 from hetrain.plan import Plan, Stage, VirtualWorker
+from hetrain.profile import ModelProfile
 from hetrain.schedule import (
     COLLECTIVE_KINDS,
     Action,
@@ -78,8 +80,9 @@ class CompiledStageCosts:
 
 
 def estimate_stage_costs(plan: Plan, vw: VirtualWorker, stage: Stage, device: Device) -> CompiledStageCosts:
-    """The figures of ``stage`` of ``vw`` run on ``device``, from ``hetrain.cost``."""
-    profile = plan.profile
+    """The figures of ``stage`` of ``vw`` run on ``device``, from ``hetrain.cost``: one rank's, on a TP group
+    (``cost.tp_rank_profile``; ``device`` then stands for the group: ``Cluster.group_device``)."""
+    profile = tp_rank_profile(plan.profile, stage.tp)
     first, end, rc = stage.first_layer, stage.end_layer, list(stage.recompute)
     weights = estimate_stage_memory(profile, first, end, rc, 0, 0, plan.optimizer, with_step=False)
     param_bytes = float(sum(profile.layers[i].param_bytes for i in stage.layers))
@@ -99,7 +102,7 @@ def estimate_stage_costs(plan: Plan, vw: VirtualWorker, stage: Stage, device: De
         weights_bytes=weights,
         step_transient_bytes=max(estimate_optimizer_step_memory(param_bytes, profile.bytes_per_element,
                                                                 plan.optimizer),
-                                 plan.sync_options.reduce_copy * _shared_param_bytes(plan, stage)),
+                                 plan.sync_options.reduce_copy * _shared_param_bytes(plan, stage, profile)),
         optimizer_s=estimate_optimizer_time(param_bytes, profile.bytes_per_element, device, plan.optimizer, profile)
         + estimate_iteration_overhead(profile, device),
         overhead_s=overhead,
@@ -109,10 +112,10 @@ def estimate_stage_costs(plan: Plan, vw: VirtualWorker, stage: Stage, device: De
     )
 
 
-def _shared_param_bytes(plan: Plan, stage: Stage) -> float:
+def _shared_param_bytes(plan: Plan, stage: Stage, profile: ModelProfile) -> float:
     """Bytes of ``stage``'s gradients that it all-reduces with other owners (its layers in shared segments)."""
     shared = [(seg.first_layer, seg.end_layer) for seg in plan.segments() if seg.shared and stage.device in seg.owners]
-    return float(sum(plan.profile.layers[i].param_bytes for i in stage.layers if any(a <= i < b for a, b in shared)))
+    return float(sum(profile.layers[i].param_bytes for i in stage.layers if any(a <= i < b for a, b in shared)))
 
 
 @dataclass(frozen=True)
@@ -262,7 +265,9 @@ class _Compiler:
                 raise ScheduleError(f"{name} has actions but holds no stage in the plan")
             v, j = where[name]
             vw = self.plan.virtual_workers[v]
-            dev = self._device(d, name, vw, j, self._stage_costs(vw, vw.stages[j], devices[name]))
+            stage = vw.stages[j]
+            device = self.cluster.group_device(stage.tp_group) if stage.tp_group else devices[name]
+            dev = self._device(d, name, vw, j, self._stage_costs(vw, stage, device))
             ops.append(self._device_ops(dev))
             weights.append(dev.costs.weights_bytes)
         return Program(self.plan, self.schedules[0], len(self.schedules), self.names,
@@ -270,15 +275,16 @@ class _Compiler:
 
     def _stage_costs(self, vw: VirtualWorker, stage: Stage, device: Device) -> CompiledStageCosts:
         """``estimate_stage_costs``, once per kind of device (its figures, not its name) and stage."""
-        key = (tuple(vw.micro_batch_sizes), stage.first_layer, stage.end_layer, stage.recompute,
-               replace(device, name="", node="", index=0))
+        key = (tuple(vw.micro_batch_sizes), stage.first_layer, stage.end_layer, stage.recompute, stage.tp,
+               replace(device, name="", node="", index=0, tp_group=(str(device.tp),)))
         costs = self.costs.get(key)
         if costs is None:
             costs = self.costs[key] = estimate_stage_costs(self.plan, vw, stage, device)
         return costs
 
     def _device(self, d: int, name: str, vw: VirtualWorker, j: int, costs: CompiledStageCosts) -> _Device:
-        stage, profile = vw.stages[j], self.plan.profile
+        stage = vw.stages[j]
+        profile = tp_rank_profile(self.plan.profile, stage.tp)
         m = len(vw.micro_batch_sizes)
         for letter in "FB":
             if (letter, j, m) not in self.labels:
@@ -293,8 +299,8 @@ class _Compiler:
                  for i in range(m)])
         return _Device(
             d, name, stage, costs, vw.micro_batch_sizes,
-            out_bytes=profile.layers[end - 1].output_bytes_per_sample,
-            in_bytes=profile.layers[first - 1].output_bytes_per_sample if first > 0 else 0.0,
+            out_bytes=profile.sent_bytes_per_sample(end - 1),
+            in_bytes=profile.sent_bytes_per_sample(first - 1) if first > 0 else 0.0,
             forward=computes[0], backward=computes[1],
         )
 
