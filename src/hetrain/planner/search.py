@@ -663,11 +663,15 @@ def tp_degrees(cluster: Cluster, profile: ModelProfile, opts: PlannerOptions) ->
         return [opts.tp]
     if not profile.has_tp:
         return [1]
-    return [1] + [k for k in (2, 4, 8, 16) if k <= opts.max_tp and tp_groups_possible(cluster, k)]
+    return [1] + [k for k in (2, 4, 8, 16) if k <= opts.max_tp and tp_groups_possible(cluster, k, every=not
+                                                                                       opts.leave_out)]
 
 
-def tp_groups_possible(cluster: Cluster, k: int) -> bool:
-    """Whether some node of ``cluster`` has ``k`` devices of one type (a TP group of ``k``)."""
+def tp_groups_possible(cluster: Cluster, k: int, every: bool = False) -> bool:
+    """Whether some node of ``cluster`` has ``k`` devices of one type (a TP group of ``k``); with ``every``, whether
+    every device falls in such a group (``--use-every-device``: no device left out)."""
+    if every:
+        return all(len(tp_groups_of_node(n, k)) * k == len(n.devices) for n in cluster.nodes)
     return any(tp_groups_of_node(n, k) for n in cluster.nodes)
 
 
