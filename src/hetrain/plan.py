@@ -476,10 +476,11 @@ def validate_plan(plan: Plan) -> None:
             for d in s.devices:
                 if d not in names:
                     raise PlanError(f"VW{v} stage {j}: device {d!r} is not in cluster {plan.cluster.name!r}")
+            _check_tp_group(plan.cluster, s, f"VW{v} stage {j}")
+            for d in s.devices:
                 if d in seen:
                     raise PlanError(f"VW{v} stage {j}: device {d} already holds another stage")
                 seen.add(d)
-            _check_tp_group(plan.cluster, s, f"VW{v} stage {j}")
             if s.first_layer != expect or s.end_layer <= s.first_layer:
                 raise PlanError(
                     f"VW{v} stage {j}: layers [{s.first_layer}, {s.end_layer}) do not continue from layer {expect}"
