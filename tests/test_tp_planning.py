@@ -7,6 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from tests.factories import A100, make_cluster, make_plan
 
 import hetrain
 from hetrain.cluster import ClusterError, tp_cluster
@@ -23,7 +24,6 @@ from hetrain.plan import PlanError, Stage, VirtualWorker, load_plan, parse_plan
 from hetrain.planner.search import PlannerError, PlannerOptions, plan
 from hetrain.profile import LayerProfile, Measurement, ProfileError, parse_profile
 from hetrain.simulator import simulate
-from tests.factories import A100, make_cluster, make_plan
 
 NVLINK = {"a0": (A100, 8), "a1": (A100, 8), "v0": ("V100-32GB", 8), "v1": ("V100-32GB", 8)}
 
@@ -126,7 +126,7 @@ def test_tp_cluster_groups_a_nodes_devices_of_one_type_and_shares_its_nic() -> N
     assert g2.devices[0].tp_link == c.nodes[0].intra_link
     g4 = tp_cluster(c, 4)
     assert [n.name for n in g4.nodes] == ["n0"]  # n1 has no group of 4
-    with pytest.raises(ClusterError, match="no node .* has 8 devices of one type"):
+    with pytest.raises(ClusterError, match=r"no node .* has 8 devices of one type"):
         tp_cluster(c, 8)
     assert tp_cluster(c, 1) is c
 
@@ -137,7 +137,8 @@ def test_tp_cluster_groups_a_nodes_devices_of_one_type_and_shares_its_nic() -> N
 def _tp_plan(groups: list[tuple[str, ...]], bounds: list[int], profile: hetrain.ModelProfile | None = None,
              **kw: object) -> hetrain.Plan:
     cluster = make_cluster({"n0": (A100, 4), "n1": (A100, 4)}, intra_link="nvlink3", nic="100Gbit/s")
-    stages = tuple(Stage(g[0], bounds[j], bounds[j + 1], tp_group=g if len(g) > 1 else ()) for j, g in enumerate(groups))
+    stages = tuple(Stage(g[0], bounds[j], bounds[j + 1], tp_group=g if len(g) > 1 else ())
+                   for j, g in enumerate(groups))
     return make_plan(cluster, profile or _gpt(), [VirtualWorker(stages, 8, 4)], **kw)  # type: ignore[arg-type]
 
 
@@ -248,7 +249,7 @@ def test_tp_is_forced_capped_or_refused_by_name() -> None:
     assert plan(cluster, _gpt(), 32, replace(opts, max_tp=1)).max_tp == 1
     with pytest.raises(PlannerError, match="no layer with a TP rule"):
         plan(cluster, build_profile("vgg19"), 32, replace(opts, tp=2))
-    with pytest.raises(PlannerError, match="no node of cluster .* has 8 devices of one type"):
+    with pytest.raises(PlannerError, match=r"no node of cluster .* has 8 devices of one type"):
         plan(cluster, _gpt(), 32, replace(opts, tp=8))
     with pytest.raises(ValueError, match="max_tp must be a power of two"):
         PlannerOptions(max_tp=3)
