@@ -62,6 +62,9 @@ class TimeBudget:
         self.simulations = 0
         self.simulated_s = 0.0
         self.seconds_per_size = 0.0  # the dearest simulation so far, per unit of simulation_size
+        #: a closed-form score found already elsewhere (another TP degree's plan): a search none of whose
+        #: candidates could beat it, optimistically, stops after screening (``search.NotBetter``)
+        self.must_beat: float | None = None
 
     def elapsed_s(self) -> float:
         return self.clock() - self.start_s

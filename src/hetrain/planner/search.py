@@ -107,6 +107,10 @@ class PlannerError(InputError):
     """No plan satisfies the request; the message says why, with the numbers."""
 
 
+class NotBetter(PlannerError):
+    """No candidate of a search could beat, even optimistically, a plan found already (``TimeBudget.must_beat``)."""
+
+
 @dataclass(frozen=True)
 class PlannerOptions:
     """What the planner may choose and what it optimises.
@@ -529,6 +533,11 @@ def _search(cluster: Cluster, profile: ModelProfile, global_batch: int, opts: Pl
     if not screened:
         raise PlannerError(_explain_no_fit(cluster, profile, opts))
     screened = rank(screened)
+    whole: dict[tuple[int, int], float] = {}  # (device, micro-batch size) -> the whole model's seconds on it
+    if budget is not None and budget.must_beat is not None:
+        bound = min(_optimistic_score(profile, c, opts, whole) for c in screened)
+        if bound >= budget.must_beat:
+            raise NotBetter(f"no candidate could beat {budget.must_beat:.4g} (at best {bound:.4g})")
     found: list[Candidate] = []
     refined: set[int] = set()  # positions in screened
 
@@ -554,7 +563,6 @@ def _search(cluster: Cluster, profile: ModelProfile, global_batch: int, opts: Pl
     # beats the best found, most promising first, each only where the dearest exact search so far still fits in
     # the first EXTRA_SEARCH_SHARE of the time budget.
     best = min(c.score(opts) for c in found)
-    whole: dict[tuple[int, int], float] = {}  # (device, micro-batch size) -> the whole model's seconds on it
     hopeful = sorted((score, k) for k in range(len(screened)) if k not in refined
                      if (score := _optimistic_score(profile, screened[k], opts, whole)) < best)
     for score, k in hopeful:
@@ -626,12 +634,17 @@ def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: Pl
     degrees = tp_degrees(cluster, profile, opts)
     if degrees == [1]:
         return _plan_degree(cluster, profile, global_batch, opts, score, TimeBudget(opts.time_budget_s))
-    start, found, errors = time.perf_counter(), [], []
+    start, found, errors, pruned = time.perf_counter(), [], [], []
     for n, k in enumerate(degrees):  # each degree an equal share of what is left of the budget
         left = None if opts.time_budget_s is None else opts.time_budget_s - (time.perf_counter() - start)
         share = TimeBudget(None if left is None else max(0.0, left) / (len(degrees) - n))
+        if found:  # a degree none of whose candidates could beat the best so far stops after screening
+            share.must_beat = min(_candidate_score(opts, p) for _, p in found)
         try:
             p = _plan_degree(tp_cluster(cluster, k), tp_rank_profile(profile, k), global_batch, opts, score, share)
+        except NotBetter as e:
+            pruned.append((k, e))
+            continue
         except PlannerError as e:
             errors.append((k, e))
             continue
@@ -644,6 +657,7 @@ def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: Pl
         str(k): {"iteration_s": p.prediction.iteration_s, "simulated_iteration_s": p.prediction.simulated_iteration_s}
         for k, p in found}
     choice.update({str(k): {"error": str(e)} for k, e in errors})
+    choice.update({str(k): {"pruned": str(e)} for k, e in pruned})
     reports = [PlannerReport.from_dict(p.options[REPORT_KEY]) for _, p in found]
     total = replace(reports[0], simulations=sum(r.simulations for r in reports),
                     **{key: sum(getattr(r, key) for r in reports) for key in ("screened", "searched", "simulated")})
@@ -687,6 +701,13 @@ def as_tp_plan(p: Plan, cluster: Cluster, profile: ModelProfile) -> Plan:
     memory = tuple(replace(m, device=d) for m in p.prediction.memory for d in groups.get(m.device) or (m.device,))
     return replace(p, cluster=cluster, profile=profile, virtual_workers=vws,
                    prediction=replace(p.prediction, memory=memory))
+
+
+def _candidate_score(opts: PlannerOptions, p: Plan) -> float:
+    """``Candidate.score`` of a plan: the closed form's objective (what ``_search`` ranks by)."""
+    if opts.objective == "time-to-accuracy" and p.prediction.time_to_accuracy_s:
+        return p.prediction.time_to_accuracy_s
+    return p.prediction.iteration_s / p.global_batch
 
 
 def _rank_key(opts: PlannerOptions, p: Plan) -> float:
