@@ -79,9 +79,10 @@ def case(cluster: hetrain.Cluster, profile: ModelProfile, batch: int) -> dict[st
 def fmt(row: dict[str, object]) -> str:
     a, b = row.get("without"), row.get("with")
     ratio = f"{a / b:.2f}x" if isinstance(a, float) and isinstance(b, float) else "-"
-    return (f"| {row['cluster']} | {row['model']} | {row['batch']} | "
-            f"{f'{a:.2f} s' if isinstance(a, float) else row.get('without_error', '-')} | "
-            f"{row.get('without_shape', '-')} | {f'{b:.2f} s' if isinstance(b, float) else row.get('with_error', '-')} | "
+    without = f"{a:.2f} s" if isinstance(a, float) else row.get("without_error", "-")
+    with_tp = f"{b:.2f} s" if isinstance(b, float) else row.get("with_error", "-")
+    return (f"| {row['cluster']} | {row['model']} | {row['batch']} | {without} | "
+            f"{row.get('without_shape', '-')} | {with_tp} | "
             f"{row.get('with_shape', '-')} | {ratio} | {row.get('with_plan_s', 0):.1f} s |")
 
 

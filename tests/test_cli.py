@@ -164,7 +164,8 @@ def test_plan_says_a_trained_model_needs_a_profile_and_how(capsys) -> None:
     assert main(["plan", "--cluster", str(CLUSTER), "--model", "gpt9", "--global-batch", "8"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1
-    assert "--model 'gpt9': unknown model (did you mean 'gpt2-xl', 'gpt-tiny'?); hetrain plan knows gpt-tiny" in err
+    assert ("--model 'gpt9': unknown model (did you mean 'gpt2-xl', 'gpt-tiny', 'gpt-2.7b'?); hetrain plan knows "
+            "gpt-tiny") in err
 
 
 def test_profile_suggests_a_function_for_a_python_file(tmp_path: Path, capsys) -> None:

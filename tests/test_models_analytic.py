@@ -49,6 +49,29 @@ def test_param_counts_match_published(name: str) -> None:
     assert param_count(build_profile(name, **tied)) == pytest.approx(KNOWN_PARAMS[name], rel=0.02)
 
 
+# Touvron et al. 2023 table 1 (7B, 13B), as the published Llama-2 checkpoints count them; Brown et al. 2020
+# table 2.1 (GPT-3 2.7B, its head tied)
+BIG_PRESETS = {"llama2-7b": 6.74e9, "llama2-13b": 13.02e9, "gpt-2.7b": 2.65e9}
+
+
+@pytest.mark.parametrize("name", sorted(BIG_PRESETS))
+def test_big_presets_have_their_published_sizes(name: str) -> None:
+    assert param_count(build_profile(name)) == pytest.approx(BIG_PRESETS[name], rel=0.01)
+
+
+def test_llama2_presets_are_read_as_a_config_json_is() -> None:
+    from hetrain.models.analytic import LLAMA2_7B_CONFIG
+    from hetrain.models.hf_analytic import build_hf_profile
+
+    preset = build_profile("llama2-7b", seq_len=1024)
+    assert preset == build_hf_profile(LLAMA2_7B_CONFIG, seq_len=1024, name="llama2-7b")
+    assert [layer.name for layer in preset.layers[:2]] == ["embed", "block1"] and preset.num_layers == 34
+    assert preset.precision == "bf16" and all(layer.tp is not None for layer in preset.layers[1:-1])
+    # Llama-2-7B exactly: 2 V h + L (4 h^2 + 3 h I + 2 h) + h
+    h, inner = 4096, 11008
+    assert param_count(preset) == 2 * 32000 * h + 32 * (4 * h * h + 3 * h * inner + 2 * h) + h == 6_738_415_616
+
+
 def test_exact_param_counts() -> None:
     # GPT-2 small: V h + s h + 12 (12 h^2 + 13 h) + 2 h, with V=50257, s=1024, h=768.
     assert param_count(build_profile("gpt2-small", tie_embeddings=True)) == 124_439_808

@@ -24,7 +24,7 @@ from hetrain.commands.plan_inputs import (
     planner_options,
 )
 from hetrain.commands.plan_report import comparison_basis, comparison_rows, format_comparison, format_sync_modes
-from hetrain.fields import MAX_GLOBAL_BATCH, check_output_path
+from hetrain.fields import MAX_GLOBAL_BATCH, MAX_SEQ_LEN, check_output_path
 from hetrain.plan import MAX_TP, SCHEDULES, Plan, PlanError
 from hetrain.planner import PlannerOptions
 from hetrain.planner.search import DEFAULT_TIME_BUDGET_S
@@ -52,7 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--from", dest="from_plan", metavar="PLAN",
                         help="re-predict PLAN's stages under --sync / --sync-option (instead of searching anew)")
     parser.add_argument("--cluster", help="cluster TOML file")
-    parser.add_argument("--model", help="a reference model (see `hetrain models`); your own: --profile")
+    parser.add_argument("--model", help="a reference model (see `hetrain models`), or hf:DIR: a transformers "
+                        "config.json, planned from its analytic profile (never built); your own: --profile")
+    parser.add_argument("--seq-len", type=int_between(1, MAX_SEQ_LEN, "MAX_SEQ_LEN"), default=None, metavar="T",
+                        help="tokens per sample of a token model (default: an hf:DIR config's longest, a reference "
+                        "model's own)")
     parser.add_argument("--profile", help="a profile JSON file instead of --model")
     parser.add_argument("--global-batch", type=int_between(1, MAX_GLOBAL_BATCH, "MAX_GLOBAL_BATCH"),
                         help="samples per iteration")
@@ -102,7 +106,7 @@ def _replan_from(args: argparse.Namespace) -> Plan:
     from hetrain.plan import load_plan
     from hetrain.planner.sync import choose_sync_mode, repredict_sync
 
-    given = [name for name in ("cluster", "model", "profile", "global_batch", "precision", "time_model")
+    given = [name for name in ("cluster", "model", "profile", "global_batch", "precision", "time_model", "seq_len")
              if getattr(args, name) is not None]
     if given:
         raise PlanError(f"--from {args.from_plan} takes its cluster, model, global batch and precision from the plan; "
@@ -136,7 +140,7 @@ def _plan_anew(args: argparse.Namespace) -> _Planned:
         if getattr(args, name) is None:
             raise PlanError(f"hetrain plan needs --{name.replace('_', '-')} (or --from PLAN to re-predict a plan)")
     cluster = load_cluster(args.cluster)
-    profile = load_model_profile(args.model, args.profile, plan_precision(args, cluster))
+    profile = load_model_profile(args.model, args.profile, plan_precision(args, cluster), args.seq_len)
     learned: tuple[str, ...] = ()
     if args.time_model:  # layer times of the unmeasured device types from the learned model (docs/profile.md)
         from hetrain.time_model import apply_time_model

@@ -82,9 +82,15 @@ def plan_precision(args: argparse.Namespace, cluster: Cluster) -> str | None:
     return args.precision  # type: ignore[no-any-return]
 
 
-def load_model_profile(model: str | None, profile_path: str | None, precision: str | None = None) -> ModelProfile:
-    """The profile to plan with, in ``precision`` (None: the profile's own, or the reference model's default)."""
+def load_model_profile(model: str | None, profile_path: str | None, precision: str | None = None,
+                       seq_len: int | None = None) -> ModelProfile:
+    """The profile to plan with, in ``precision`` (None: the profile's own, or the reference model's default), at
+    ``seq_len`` tokens per sample (None: the model's own). An ``hf:DIR`` model's is analytic, from its config.json
+    alone (``models.hf_analytic``): nothing is built, so no weights are allocated however large the model."""
     if profile_path:
+        if seq_len is not None:
+            raise ProfileError(f"--seq-len {seq_len}: {profile_path} was measured at its own sequence length; "
+                               "--seq-len applies to --model")
         profile = load_profile(profile_path)
         if precision is not None and precision != profile.precision:
             raise ProfileError(f"--precision {precision}: {profile_path} was measured in {profile.precision}; "
@@ -92,7 +98,13 @@ def load_model_profile(model: str | None, profile_path: str | None, precision: s
         return profile
     if not model:
         raise ProfileError("give --model NAME (see `hetrain models`) or --profile profile.json")
+    from hetrain.models.hf_analytic import build_hf_profile, is_hf_spec
     from hetrain.models.spec import is_user_spec
+
+    given: dict[str, Any] = {key: value for key, value in (("precision", precision), ("seq_len", seq_len))
+                             if value is not None}  # the model's own where not given
+    if is_hf_spec(model):
+        return build_hf_profile(model, **given)
 
     if is_user_spec(model):  # no analytic profile: measure it (the planning side runs no user code)
         raise ProfileError(f"--model {model} is your own model, which hetrain plans from a measured profile; "
@@ -101,7 +113,7 @@ def load_model_profile(model: str | None, profile_path: str | None, precision: s
     from hetrain.models.analytic import build_profile
 
     try:
-        return build_profile(model) if precision is None else build_profile(model, precision=precision)
+        return build_profile(model, **given)
     except KeyError:
         raise ProfileError(_unknown_plan_model(model)) from None
 

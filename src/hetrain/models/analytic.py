@@ -44,7 +44,7 @@ import difflib
 import inspect
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from hetrain.profile import PRECISIONS, LayerProfile, ModelProfile, Precision, TPSplit
 
@@ -507,6 +507,32 @@ def build_mlp_profile(sizes: Sequence[int] = DEFAULT_MLP_SIZES, precision: Preci
 # ``build_profile("gpt2-small", tie_embeddings=True)`` counts the published sizes (124M, 355M, ...)
 _GPT2 = {"seq_len": 1024, "vocab": 50257, "precision": "fp16", "tie_embeddings": False}
 
+# Llama 2 (Touvron et al. 2023, "Llama 2: open foundation and fine-tuned chat models", table 1: context 4096; the
+# sizes as in the published config.json of Llama-2-7b-hf and Llama-2-13b-hf), read by the same path as any
+# transformers config.json (``hetrain.models.hf_analytic``): RMSNorm, SwiGLU, rotary positions, untied head.
+_LLAMA2 = {"model_type": "llama", "vocab_size": 32000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+           "tie_word_embeddings": False}
+LLAMA2_7B_CONFIG: dict[str, Any] = {**_LLAMA2, "hidden_size": 4096, "num_hidden_layers": 32,
+                                    "num_attention_heads": 32, "num_key_value_heads": 32, "intermediate_size": 11008}
+LLAMA2_13B_CONFIG: dict[str, Any] = {**_LLAMA2, "hidden_size": 5120, "num_hidden_layers": 40,
+                                     "num_attention_heads": 40, "num_key_value_heads": 40, "intermediate_size": 13824}
+
+
+def build_config_profile(config: dict[str, Any], seq_len: int | None = None, precision: Precision = "bf16",
+                         name: str | None = None, *, attention: Literal["fused", "eager"] = "fused",
+                         compute_efficiency: float = TRANSFORMER_EFFICIENCY) -> ModelProfile:
+    """A transformers decoder's profile from its config.json fields (``hf_analytic.build_hf_profile``).
+
+    Example:
+        >>> build_config_profile(LLAMA2_7B_CONFIG, seq_len=2048).num_layers
+        34
+    """
+    from hetrain.models.hf_analytic import build_hf_profile
+
+    return build_hf_profile(config, seq_len, precision, name, attention=attention,
+                            compute_efficiency=compute_efficiency)
+
+
 # name -> (builder, its arguments). GPT-2 sizes: Radford et al. 2019, table 2
 # (the 117M/345M/762M/1542M of the paper are 124M/355M/774M/1558M when counted exactly).
 _PRESETS: dict[str, tuple[Callable[..., ModelProfile], dict[str, Any]]] = {
@@ -517,6 +543,13 @@ _PRESETS: dict[str, tuple[Callable[..., ModelProfile], dict[str, Any]]] = {
     "gpt2-medium": (build_gpt_profile, {"num_layers": 24, "hidden": 1024, "heads": 16, **_GPT2}),
     "gpt2-large": (build_gpt_profile, {"num_layers": 36, "hidden": 1280, "heads": 20, **_GPT2}),
     "gpt2-xl": (build_gpt_profile, {"num_layers": 48, "hidden": 1600, "heads": 25, **_GPT2}),
+    # GPT-3 2.7B (Brown et al. 2020, table 2.1: 32 layers, d_model 2560, 32 heads, context 2048; GPT-2's layout
+    # and vocabulary, sec. 2.1), dense attention throughout (GPT-3's alternating locally banded layers are not
+    # modelled); its head tied as published (2.65e9 parameters): nothing hetrain trains holds a second copy of it
+    "gpt-2.7b": (build_gpt_profile, {"num_layers": 32, "hidden": 2560, "heads": 32, "seq_len": 2048,
+                                     "vocab": 50257, "precision": "fp16", "tie_embeddings": True}),
+    "llama2-7b": (build_config_profile, {"config": LLAMA2_7B_CONFIG}),
+    "llama2-13b": (build_config_profile, {"config": LLAMA2_13B_CONFIG}),
     "vgg19": (build_vgg19_profile, {}),
     "resnet50": (build_resnet_profile, {"depth": 50}),
     "resnet101": (build_resnet_profile, {"depth": 101}),

@@ -37,17 +37,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hetrain.models.hf_analytic import HF_PREFIX, is_hf_spec
 from hetrain.models.kept_cuts import cut_key, load_cut, save_cut
 from hetrain.models.spec import SpecError
 from hetrain.models.trace import TracedCut, bind, check_cut, repeated_blocks, trace_cut, untie
 
-HF_PREFIX = "hf:"
 Tie = tuple[tuple[int, str], ...]
-
-
-def is_hf_spec(text: str) -> bool:
-    """Whether ``--model`` names a local Hugging Face directory (``hf:DIR``)."""
-    return text.startswith(HF_PREFIX)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
