@@ -634,7 +634,10 @@ def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: Pl
     degrees = tp_degrees(cluster, profile, opts)
     if degrees == [1]:
         return _plan_degree(cluster, profile, global_batch, opts, score, TimeBudget(opts.time_budget_s))
-    start, found, errors, pruned = time.perf_counter(), [], [], []
+    start = time.perf_counter()
+    found: list[tuple[int, Plan]] = []
+    errors: list[tuple[int, PlannerError]] = []
+    pruned: list[tuple[int, PlannerError]] = []
     for n, k in enumerate(degrees):  # each degree an equal share of what is left of the budget
         left = None if opts.time_budget_s is None else opts.time_budget_s - (time.perf_counter() - start)
         share = TimeBudget(None if left is None else max(0.0, left) / (len(degrees) - n))
