@@ -153,7 +153,7 @@ def test_a_plan_with_tp_groups_round_trips_and_reads_older_plans(tmp_path: Path)
     assert data["format_version"] == 3
     assert data["virtual_workers"][0]["stages"][1]["tp_group"] == ["n1:0", "n1:1", "n1:2", "n1:3"]
     assert load_plan(path).virtual_workers == p.virtual_workers
-    assert "TP4" in p.summary() and "TP groups: n0:0 = n0:0, n0:1" in p.summary()
+    assert "TP4" in p.summary() and "TP groups: n0:0 = n0:0 .. n0:1 (2)" in p.summary()
     old = _tp_plan([("n0:0",), ("n1:0",)], [0, 3, 6]).to_dict()
     old["format_version"] = 2  # a plan of the format before TP reads as it is
     assert parse_plan(old).max_tp == 1
@@ -269,3 +269,23 @@ def test_the_plan_command_takes_max_tp_and_tp(tmp_path: Path, capsys: pytest.Cap
               "--global-batch", "64", "--max-tp", "3"])
     assert exit_info.value.code == 2
     assert "--max-tp: expected a power of two from 1 to 16, got 3" in capsys.readouterr().err
+
+
+def test_a_measured_profile_takes_its_tp_splits_from_the_analytic_one_where_layers_line_up() -> None:
+    from hetrain.profile_combine import with_tp_splits
+
+    analytic = _gpt()
+    measured = replace(analytic, layers=tuple(
+        replace(layer, tp=None, saved_bytes_per_sample=2 * layer.saved_bytes_per_sample,
+                measured=(("cpu", (Measurement(1, 1e-3, 2e-3),)),)) for layer in analytic.layers))
+    both, note = with_tp_splits(measured, analytic)
+    assert "TP splits of 4 layer(s)" in note and "estimated" in note
+    a, m = analytic.layers[1].tp, both.layers[1].tp
+    assert m is not None and a is not None
+    assert m.split_param_bytes == pytest.approx(a.split_param_bytes)
+    assert m.split_saved_bytes_per_sample == pytest.approx(2 * a.split_saved_bytes_per_sample)  # the same share
+    assert both.layers[0].tp is None and both.layers[1].measured == measured.layers[1].measured
+    other = replace(measured, layers=(measured.layers[0], replace(measured.layers[1], param_bytes=1.0),
+                                      *measured.layers[2:]))
+    same, why = with_tp_splits(other, analytic)
+    assert same is other and why.startswith("no TP splits: layer 1 (block0)")

@@ -391,7 +391,8 @@ class Plan:
                 )
         groups = [s for vw in self.virtual_workers for s in vw.stages if s.tp > 1]
         if groups:
-            lines.append("  TP groups: " + "; ".join(f"{s.device} = {', '.join(s.tp_group)}" for s in groups[:8])
+            lines.append("  TP groups: " + "; ".join(f"{s.device} = {s.tp_group[0]} .. {s.tp_group[-1]} ({s.tp})"
+                                                     for s in groups[:8])
                          + (f"; ... {len(groups) - 8} more" if len(groups) > 8 else ""))
         if self.unused_devices:
             lines.append(f"  unused devices: {', '.join(self.unused_devices)}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from collections.abc import Sequence
+from dataclasses import replace
 
 from hetrain.catalog import lookup_device_type
 from hetrain.cluster import Device
@@ -266,3 +267,43 @@ def scale_to(profile: ModelProfile, device_types: Sequence[str]) -> ModelProfile
                 Measurement(b, *estimate_layer_time(base, i, dev, b), source="scaled") for b in sizes)
         layers.append(dataclasses.replace(layer, measured=tuple(measured.items())))
     return dataclasses.replace(base, layers=tuple(layers))
+
+
+def with_tp_splits(measured: ModelProfile, analytic: ModelProfile) -> tuple[ModelProfile, str]:
+    """``measured`` with each layer's TP split (``LayerProfile.tp``) taken from ``analytic``, the analytic profile
+    of the same model (``models.analytic``, ``models.hf_analytic``), and a line saying what was done.
+
+    The layers must line up: as many, each with its parameter bytes within 1% of the analytic layer's (a cut at
+    other split points does not). Each split figure keeps the analytic layer's share of the measured figure (the
+    split share of its parameters, FLOPs and saved activations); the all-reduced bytes scale with the measured
+    output. Times at TP degrees stay estimated (``cost.tp_rank_profile``): the profile has no ``measured_tp``.
+    Where the layers do not line up, ``measured`` comes back as it is: its layers are replicated on a TP group.
+    """
+    if measured.num_layers != analytic.num_layers:
+        return measured, (f"no TP splits: {measured.num_layers} layers measured, the analytic profile of "
+                          f"{analytic.name} has {analytic.num_layers}")
+    layers = []
+    for i, (m, a) in enumerate(zip(measured.layers, analytic.layers, strict=True)):
+        if abs(m.param_bytes - a.param_bytes) > 0.01 * max(a.param_bytes, 1.0):
+            return measured, (f"no TP splits: layer {i} ({m.name}) has {m.param_bytes:.0f} parameter bytes, the "
+                              f"analytic profile's {a.param_bytes:.0f}")
+        if a.tp is None:
+            layers.append(m)
+            continue
+
+        def share(part: float, whole: float, of: float) -> float:
+            return of * part / whole if whole > 0 else 0.0
+
+        t = a.tp
+        layers.append(replace(m, tp=replace(
+            t, split_param_bytes=share(t.split_param_bytes, a.param_bytes, m.param_bytes),
+            split_flops_per_sample=share(t.split_flops_per_sample, a.forward_flops_per_sample,
+                                         m.forward_flops_per_sample),
+            split_saved_bytes_per_sample=share(t.split_saved_bytes_per_sample, a.saved_bytes_per_sample,
+                                               m.saved_bytes_per_sample),
+            allreduce_bytes_per_sample=share(t.allreduce_bytes_per_sample, a.output_bytes_per_sample,
+                                             m.output_bytes_per_sample))))
+    split = sum(1 for layer in layers if layer.tp is not None)
+    return replace(measured, layers=tuple(layers)), (
+        f"TP splits of {split} layer(s) from the analytic profile of {analytic.name}; their times on a TP group "
+        f"are estimated (tp_efficiency {measured.tp_efficiency:g}), not measured")

@@ -955,6 +955,27 @@ def _layer_error_hint(e: LayerError, data: str | None) -> str:
             "(any micro-batch size that holds it fails)")
 
 
+def _with_tp_splits(profile: ModelProfile, source: ModelSource) -> tuple[ModelProfile, str]:
+    """The measured profile with its layers' TP splits from the analytic profile of the same model, where there is
+    one (a reference model, a transformers config) and its layers line up (``profile_combine.with_tp_splits``);
+    and a line saying what was done."""
+    from hetrain.models.analytic import build_profile
+    from hetrain.models.hf_analytic import build_hf_profile, is_hf_spec
+    from hetrain.profile_combine import with_tp_splits
+
+    try:
+        if is_hf_spec(source.name):
+            twin = build_hf_profile(source.name, seq_len=profile.seq_len, precision=profile.precision)
+        elif source.preset is not None:
+            extra = {"seq_len": profile.seq_len} if profile.seq_len is not None else {}
+            twin = build_profile(source.preset, **{**source.config, **extra, "precision": profile.precision})
+        else:
+            return profile, "no TP splits: a model of your own has no analytic profile; a TP group replicates it"
+    except (KeyError, ValueError, TypeError) as e:
+        return profile, f"no TP splits: the analytic profile of {source.name} could not be built ({e})"
+    return with_tp_splits(profile, twin)
+
+
 def run_profile_command(model: str | ModelSource, micro_batches: Sequence[int], output: str, device: str = "cpu",
                         repeats: int = 5, warmup: int = 2, precision: Precision = "fp32", seed: int = 0,
                         data: str | None = None, inputs: Callable[[int], Any] | None = None,
@@ -988,6 +1009,7 @@ def run_profile_command(model: str | ModelSource, micro_batches: Sequence[int], 
         measured = measure_layers(layers, sample, micro_batches, dev, repeats, warmup, precision,
                                   source.layer_names, unpack_tuples=False)
         profile = replace(measured.to_profile(source.name), seq_len=measured_at, split_points=source.split_points)
+        profile, tp_note = _with_tp_splits(profile, source)
         profile.save(output)
     except LayerError as e:  # the model, at a micro-batch size asked for: bad input
         print(f"hetrain profile: error: model {source.name}: {e}; {_layer_error_hint(e, data)}", file=sys.stderr)
@@ -999,6 +1021,7 @@ def run_profile_command(model: str | ModelSource, micro_batches: Sequence[int], 
         print(f"hetrain profile: error: {e}", file=sys.stderr)
         return 1
     print(measured.table())
+    print(tp_note)
     if len(set(micro_batches)) >= 3:
         for time_model in TIME_MODELS:
             print(fit_error(profile, measured.type_name, model=time_model).summary())  # type: ignore[arg-type]
