@@ -46,15 +46,17 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from hetrain.profile import PRECISIONS, LayerProfile, ModelProfile, Precision, TPSplit
+from hetrain.models.analytic_figures import (
+    INT64_BYTES,
+    MASK_BYTES,
+    PARAM_BYTES,
+    TRANSFORMER_EFFICIENCY,
+    _bytes_per_element,
+    _check_efficiency,
+)
+from hetrain.models.hf_analytic import build_hf_profile
+from hetrain.profile import LayerProfile, ModelProfile, Precision, TPSplit
 
-INT64_BYTES = 8
-MASK_BYTES = 1  # torch stores dropout masks as bool: 1 byte per element
-
-# Fraction of the roofline peak a layer reaches when its time is estimated.
-# Transformers: large GEMMs; Megatron-LM reaches 44-52% of A100 peak end to end on
-# GPT models of 1.7B-1T parameters (Narayanan et al. 2021, table 1), so 0.45.
-TRANSFORMER_EFFICIENCY = 0.45
 # Convnets: early convolutions have few channels and huge activations, and the
 # BN / ReLU / pooling passes (not in the FLOP count) take a large share of a step,
 # so they sit well below transformers. A rough figure; measuring replaces it.
@@ -82,18 +84,6 @@ def _check_positive(**values: int) -> None:
             raise ValueError(f"{key} must be a positive integer, got {value!r}")
 
 
-PARAM_BYTES = 4  # bytes of one parameter (and of its gradient) as training keeps it: fp32
-
-
-def _bytes_per_element(precision: str) -> int:
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    return 4 if precision == "fp32" else 2
-
-
-def _check_efficiency(compute_efficiency: float) -> None:
-    if not 0 < compute_efficiency <= 1:
-        raise ValueError(f"compute_efficiency must be in (0, 1], got {compute_efficiency!r}")
 
 
 def _conv_out(size: int, k: int, stride: int, pad: int) -> int:
@@ -527,8 +517,6 @@ def build_config_profile(config: dict[str, Any], seq_len: int | None = None, pre
         >>> build_config_profile(LLAMA2_7B_CONFIG, seq_len=2048).num_layers
         34
     """
-    from hetrain.models.hf_analytic import build_hf_profile
-
     return build_hf_profile(config, seq_len, precision, name, attention=attention,
                             compute_efficiency=compute_efficiency)
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from hetrain.models.analytic import (
+from hetrain.models.analytic_figures import (
     INT64_BYTES,
     MASK_BYTES,
     PARAM_BYTES,

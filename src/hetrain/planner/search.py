@@ -484,6 +484,18 @@ def _copies_hint(profile: ModelProfile, opts: PlannerOptions) -> str:
             f"whole model); reduce_dtype fp32 needs none.")
 
 
+def _check_batch_fills_vws(cluster: Cluster, formations: Sequence[Formation], global_batch: int,
+                           opts: PlannerOptions) -> None:
+    """Refuse a global batch smaller than the fewest VWs of any formation: every VW needs a sample."""
+    fewest = min(len(f.vws) for f in formations)
+    if global_batch < fewest:
+        raise PlannerError(
+            f"global batch {global_batch} is smaller than the {fewest} virtual workers of the "
+            f"{opts.strategy} strategy on {cluster.num_devices} devices: every VW needs at least one sample. "
+            f"Use --global-batch >= {fewest}" + ("" if opts.strategy != "dp" else ", or --strategy auto/pp")
+        )
+
+
 def search(cluster: Cluster, profile: ModelProfile, global_batch: int, opts: PlannerOptions) -> list[Candidate]:
     """Every feasible candidate, best first by the objective (closed forms only)."""
     return _search(cluster, profile, global_batch, opts)[0]
@@ -503,13 +515,7 @@ def _search(cluster: Cluster, profile: ModelProfile, global_batch: int, opts: Pl
             f"{cluster.num_devices} devices: every stage needs at least one layer"
             + (", so a pure pipeline can use at most one device per layer" if opts.strategy == "pp" else "")
         )
-    fewest = min(len(f.vws) for f in formations)
-    if global_batch < fewest:
-        raise PlannerError(
-            f"global batch {global_batch} is smaller than the {fewest} virtual workers of the "
-            f"{opts.strategy} strategy on {cluster.num_devices} devices: every VW needs at least one sample. "
-            f"Use --global-batch >= {fewest}" + ("" if opts.strategy != "dp" else ", or --strategy auto/pp")
-        )
+    _check_batch_fills_vws(cluster, formations, global_batch, opts)
     # GPipe and 1F1B share the closed-form time, and 1F1B holds min(m, p - j) <= m
     # micro-batches per stage, so under "auto" 1F1B dominates; GPipe when asked.
     schedules = ("1f1b",) if opts.schedule == "auto" else (opts.schedule,)
