@@ -19,14 +19,15 @@ whole on every rank, and the ranks of neighbouring groups pair up to move them (
 Rules (``RULES``), by the block's class name:
 
     Block (hetrain.models.gpt)          attn.qkv fused column-parallel (q, k, v each split alike: a strided
-                                        shard), attn.proj row-parallel; mlp.0 column-, mlp.2 row-parallel
-    LlamaDecoderLayer, MistralDecoderLayer, Qwen2DecoderLayer
-                                        q/k/v_proj and gate/up_proj column-parallel, o_proj and down_proj
-                                        row-parallel (their attention views its heads as -1: the local count)
+                                        shard), attn.proj row-parallel; mlp.0 column-, mlp.2 row-parallel;
+                                        its attention views its heads as -1 (the local count)
 
-GPT-2's ``GPT2Block`` has no rule: its fused QKV is a ``Conv1D`` (weight ``(C, 3C)``), which torch's
-ColwiseParallel does not split (it takes ``nn.Linear`` and ``nn.Embedding`` only); a stage of TP > 1 holding
-one is refused, as is any other block type without a rule.
+Hugging Face models (Llama, Mistral, Qwen2, GPT-2...) have no rule yet: the model cutter (``models.trace``)
+keeps each layer as a graph of aten ops over the model's parameters, not the model's ``LlamaDecoderLayer``
+modules, so torch's ColwiseParallel / RowwiseParallel (which wrap ``nn.Linear`` modules) have nothing to
+wrap; a stage of TP > 1 holding one is refused by name, as is any other layer type without a rule.
+(GPT-2 would be refused even with its modules: its fused QKV is a ``Conv1D``, which ColwiseParallel does not
+split.)
 """
 
 from __future__ import annotations
@@ -76,21 +77,8 @@ def _gpt_block(block: nn.Module, k: int) -> dict[str, ParallelStyle]:
             "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
 
 
-def _llama_block(block: nn.Module, k: int) -> dict[str, ParallelStyle]:
-    config = block.self_attn.config
-    _require_divisible(block, "attention heads", config.num_attention_heads, k)
-    _require_divisible(block, "key-value heads", getattr(config, "num_key_value_heads", None)
-                       or config.num_attention_heads, k)
-    return {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
-
-
 #: block class name -> its rule (module docstring)
-RULES: Mapping[str, Rule] = {
-    "Block": _gpt_block,
-    "LlamaDecoderLayer": _llama_block, "MistralDecoderLayer": _llama_block, "Qwen2DecoderLayer": _llama_block,
-}
+RULES: Mapping[str, Rule] = {"Block": _gpt_block}
 
 #: layer class names that stay whole on every rank of a TP group (hetrain.models.gpt's embedding and head)
 WHOLE = frozenset({"Embedding", "Head"})
@@ -159,6 +147,25 @@ def block_type(layer: nn.Module) -> str:
     return type(layer).__name__
 
 
+def check_rules(layers: Mapping[int, nn.Module], names: Sequence[str], where: str, k: int) -> None:
+    """Refuse a layer of a TP stage whose type has no rule and does not stay whole (``RULES``, ``WHOLE``).
+
+    A traced layer (``hetrain.models.trace``: a Hugging Face model or a user's module cut by torch.export) is
+    a graph of aten ops over the model's parameters, not the model's block modules, so no rule applies to it.
+
+    Raises:
+        TPError: naming the stage, the layer and its type, in one line.
+    """
+    for i, layer in layers.items():
+        kind = block_type(layer)
+        if kind in WHOLE or kind in RULES:
+            continue
+        why = (" (a traced graph of the model's forward: it keeps no block modules for torch's TP styles)"
+               if kind == "TracedLayer" else "")
+        raise TPError(f"{where} runs TP {k}, but its layer {i} ({names[i]}) is a {kind}{why}, which has no TP "
+                      f"rule (rules: {', '.join(sorted(RULES))}); plan with --max-tp 1")
+
+
 def parallelize_stage(layers: Mapping[int, nn.Module], names: Sequence[str], where: str, mesh: DeviceMesh) -> None:
     """Parallelise each layer of a TP stage with its block type's rule; layers in ``WHOLE`` stay whole.
 
@@ -169,18 +176,14 @@ def parallelize_stage(layers: Mapping[int, nn.Module], names: Sequence[str], whe
         mesh: the stage's TP mesh.
 
     Raises:
-        TPError: a layer of a type without a rule, naming it and the stage.
+        TPError: a layer of a type without a rule (``check_rules``), before any layer is changed.
     """
     k = mesh.size()
-    for i, layer in layers.items():
-        kind = block_type(layer)
-        if kind in WHOLE:
-            continue
-        rule = RULES.get(kind)
-        if rule is None:
-            raise TPError(f"{where} runs TP {k}, but its layer {i} ({names[i]}) is a {kind}, which has no TP rule "
-                          f"(rules: {', '.join(sorted(RULES))}); plan with --max-tp 1")
-        parallelize_module(layer, mesh, rule(layer, k))
+    check_rules(layers, names, where, k)
+    for layer in layers.values():
+        rule = RULES.get(block_type(layer))
+        if rule is not None:
+            parallelize_module(layer, mesh, rule(layer, k))
 
 
 def full_state(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -197,5 +200,5 @@ def local_like(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["RULES", "WHOLE", "FusedColwiseParallel", "TPError", "block_type", "build_tp_groups", "build_tp_mesh",
-           "check_tp",
+           "check_rules", "check_tp",
            "full_state", "local_like", "parallelize_stage"]
