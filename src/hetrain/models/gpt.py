@@ -87,11 +87,14 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)  # 3 × (B, T, C)
+        d = c // self.heads  # one head's width
+        # the head count is read from the projection (-1), not kept: under tensor parallelism of degree k the
+        # QKV projection gives each rank its C / k columns of each of q, k, v (hetrain.runtime.tp), its local heads
+        q, k, v = self.qkv(x).chunk(3, dim=2)  # 3 × (B, T, C)
         # (B, T, C) -> (B, heads, T, C / heads)
-        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        q, k, v = (z.view(b, t, -1, d).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, heads, T, C / heads)
-        y = y.transpose(1, 2).contiguous().view(b, t, c)  # (B, T, C)
+        y = y.transpose(1, 2).contiguous().view(b, t, -1)  # (B, T, C)
         out: torch.Tensor = self.proj(y)
         return out
 

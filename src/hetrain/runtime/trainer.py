@@ -84,6 +84,7 @@ from hetrain.runtime.step.tied import check_tied
 from hetrain.runtime.sync.allreduce import GradientSync
 from hetrain.runtime.sync.daso import DasoAdaptation
 from hetrain.runtime.sync.modes import ModeSync
+from hetrain.runtime.tp import TPError, check_tp, full_state
 from hetrain.schedule import ActionKind
 from hetrain.timeline import Timeline
 
@@ -155,6 +156,7 @@ class Trainer:
         started_s = time.perf_counter()
         check_clip(plan, o.clip_grad_norm)  # before any process group: every rank refuses alike
         check_tied(plan, model.tied)
+        check_tp(plan, model.tied)
         check_fp16(plan)
         check_precision(plan.precision, choose_device(int(os.environ.get("LOCAL_RANK", "0")))[1].type)
         own_rate = optimizer_fn is not None and o == OptimConfig()  # a given optimizer at its own rate throughout
@@ -204,14 +206,15 @@ class Trainer:
         if parts is not None:  # tied gradients, fp16's unscaling, clipping: in their order (runtime.step.hooks)
             hooks = build_pre_step_hooks(plan, self.role.device, tied=parts.tied, sync=parts.sync,
                                          executor=parts.executor, group=self.work_group, ranks=len(self.used_ranks),
-                                         wait=job.wait, on=self.device, clip_grad_norm=o.clip_grad_norm)
+                                         wait=job.wait, on=self.device, clip_grad_norm=o.clip_grad_norm,
+                                         tp_member=self.role.tp_rank)
             parts.executor.before_step = hooks.as_hook()
         self.clip: GradClip | None = hooks.clip
         self.loss_scaling: LossScaling | None = hooks.loss_scaling  # fp16 only
         # DASO's adaptive k (runtime.sync.daso); this rank's Actions of each iteration (runtime.step.actions)
         self._daso = (DasoAdaptation(plan.sync_options.period, self.work_group, len(self.used_ranks), job.wait)
                       if plan.sync_mode.adaptive else None)
-        self._step_actions = StepActions(plan, self.role.device, self._daso)
+        self._step_actions = StepActions(plan, self.role.lead, self._daso)  # a TP group runs its lead's Actions
         self._fit: _Fit | None = None  # the loop's state during fit
         self._events = JobEvents(job, self.checkpoint_dir)
         self._micro_batches = MicroBatches(self.role, plan.global_batch)
@@ -231,8 +234,9 @@ class Trainer:
         return self.rank == self.report_rank
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's stage, with global names ``layers.{k}.…`` (empty on an unused rank)."""
-        return {} if self.module is None else self.module.state_dict()
+        """This rank's stage, with global names ``layers.{k}.…`` (empty on an unused rank); a TP stage's split
+        tensors whole (collective over its TP group: every member calls it)."""
+        return {} if self.module is None else full_state(self.module.state_dict())
 
     def fit(self, data: Any, steps: int, *, seed: int = 0, val_data: Any = None, eval_every: int = 0,
             eval_batches: int = 8) -> list[dict[str, Any]]:
@@ -263,6 +267,9 @@ class Trainer:
         """
         if eval_every < 0 or (eval_every and val_data is None):
             raise ValueError(f"eval_every={eval_every} needs eval_every >= 0 and, when > 0, val_data")
+        if eval_every and self.plan.max_tp > 1:
+            raise TPError(f"evaluation (eval_every={eval_every}) does not run TP stages yet (the plan's largest TP "
+                          f"degree is {self.plan.max_tp}); train without it, or plan with --max-tp 1")
         self._eval_every = eval_every
         if eval_every:
             from hetrain.data.datasets import eval_batches as fixed_batches

@@ -10,9 +10,10 @@ the stage module, optimizer, sync, transport and executor)::
     3. roles       build_roles: ranks matched to the plan's devices (pure, same result everywhere)
     4. schedule    build_schedule + validate (pure)
     5. health      Health(rank, reported).start(): heartbeats; its store keys count instances
-    6. groups      new_group: forward, backward (CUDA only), work; then segment groups, mode groups,
-                   tied-weight groups
-    7. stage       used ranks only: layers, optimizer, GradientSync, Transport, Recorder, ModeSync, Executor
+    6. groups      new_group: forward, backward (CUDA only), work; then segment groups (with TP: one per
+                   owner set of each TP member), mode groups, tied-weight groups, TP groups
+    7. stage       used ranks only: layers (a TP stage's split by ``runtime.tp``), optimizer, GradientSync,
+                   Transport, Recorder, ModeSync, Executor
                    (and TiedGrads, when the model ties layers' weights: the first pre-step hook, which the
                    Trainer installs with the others, ``runtime.step.hooks``)
 
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,7 @@ from hetrain.runtime.step.p2p import Transport, early_receives
 from hetrain.runtime.step.tied import Tie, TiedGrads, build_tie_groups
 from hetrain.runtime.sync.allreduce import GradientSync, SegmentGroups, build_segment_groups
 from hetrain.runtime.sync.modes import ModeSync, build_mode_groups
+from hetrain.runtime.tp import build_tp_groups, build_tp_mesh, parallelize_stage
 from hetrain.schedule import Action, build_schedule, validate
 
 if TYPE_CHECKING:
@@ -103,6 +105,7 @@ class Groups:
         segments: from ``sync.build_segment_groups``: each owner set's all-reduce.
         modes: from ``modes.build_mode_groups``: parameter-server and node groups of the sync mode.
         tied: from ``tied.build_tie_groups``: one per tie of weights held by different ranks.
+        tp: from ``tp.build_tp_groups``: this rank's TP group, by its stage's lead device (empty without TP).
     """
 
     forward: Any
@@ -111,6 +114,7 @@ class Groups:
     segments: SegmentGroups
     modes: dict[tuple[str, int], Any]
     tied: tuple[Any, ...] = ()
+    tp: dict[str, Any] = field(default_factory=dict)
 
 
 def build_groups(plan: Plan, rank_of: dict[str, int], used_ranks: list[int], device: torch.device,
@@ -125,7 +129,7 @@ def build_groups(plan: Plan, rank_of: dict[str, int], used_ranks: list[int], dev
     segments = build_segment_groups(plan, rank_of, timeout_s)
     modes = build_mode_groups(plan, rank_of, timeout_s)
     tie_groups = tuple(build_tie_groups(plan, rank_of, tied, timeout_s))
-    return Groups(forward, backward, work, segments, modes, tie_groups)
+    return Groups(forward, backward, work, segments, modes, tie_groups, build_tp_groups(plan, rank_of, timeout_s))
 
 
 @dataclass(frozen=True)
@@ -244,9 +248,13 @@ def build_stage(plan: Plan, role: Role, device: torch.device, groups: Groups, ra
         raise ValueError(f"layers_fn({stage.first_layer}, {stage.end_layer}) returned {len(layers)} layers, "
                          f"expected {stage.end_layer - stage.first_layer}")
     module = StageModule(layers, stage.first_layer, stage.recompute).to(device)
-    optimizer = optimizer_fn(list(module.parameters()))
     by_index = {k: module[k] for k in stage.layers}
-    sync = GradientSync(plan, by_index, groups.segments, rank_of, health, timeout_s)
+    if stage.tp > 1:  # each layer split by its block type's rule over the stage's mesh (runtime.tp)
+        mesh = build_tp_mesh(stage, rank_of, groups.tp[stage.device], device)
+        parallelize_stage(by_index, [layer.name for layer in plan.profile.layers],
+                          f"stage {role.j} of VW{role.vw}", mesh)
+    optimizer = optimizer_fn(list(module.parameters()))
+    sync = GradientSync(plan, by_index, groups.segments, rank_of, health, timeout_s, tp_member=role.tp_rank)
     sync.broadcast_weights()  # replicas start equal, whatever the user's build function drew
     transport = Transport(health, groups.forward, groups.backward, device, timeout_s, plan.precision)
     recorder = Recorder(role.device, device if device.type == "cuda" else None)

@@ -82,6 +82,16 @@ class Role:
         mini_batch_sizes: every VW's mini-batch, in VW order (how a global batch is cut).
         micro_batch_sizes: this VW's micro-batch sizes, i = 0..m-1.
         global_batch: N, samples per iteration over all VWs.
+        lead: the stage's device in the plan (its TP group's first; the schedule's Actions are named by it).
+        tp_rank: this rank's index in its stage's TP group (0 without TP).
+        tp_ranks: the ranks of the stage's TP group, in the group's order (this rank alone without TP).
+        send_f_ranks: the ranks of stage j + 1 this rank sends its activations to ("every rank sends its copy":
+            receiver r of a group of k' takes its input from rank r mod k of this group of k).
+        send_b_ranks: the ranks of stage j - 1 this rank sends its input gradients to (rank j' of that group
+            takes them from rank j' mod k of this group).
+
+    ``prev_rank`` is the rank this one receives its activations from, ``next_rank`` the one it receives its
+    output gradients from (with TP, one member of the neighbouring group; ``tp_transfers``).
     """
 
     rank: int
@@ -97,6 +107,16 @@ class Role:
     mini_batch_sizes: tuple[int, ...]
     micro_batch_sizes: tuple[int, ...]
     global_batch: int
+    lead: str = ""
+    tp_rank: int = 0
+    tp_ranks: tuple[int, ...] = ()
+    send_f_ranks: tuple[int, ...] = ()
+    send_b_ranks: tuple[int, ...] = ()
+
+    @property
+    def tp(self) -> int:
+        """The TP degree of this rank's stage (1: no TP)."""
+        return max(1, len(self.tp_ranks))
 
     @property
     def used(self) -> bool:
@@ -148,9 +168,10 @@ def assign_ranks(plan: Plan, reported: Sequence[str]) -> dict[str, int]:
             owner[dev] = rank
     for v, vw in enumerate(plan.virtual_workers):
         for j, s in enumerate(vw.stages):
-            if s.device not in owner:
-                problems.append(f"no rank drives {s.device} (stage {j} of VW{v}, layers [{s.first_layer}, "
-                                f"{s.end_layer}))")
+            for dev in s.devices:
+                if dev not in owner:
+                    problems.append(f"no rank drives {dev} (stage {j} of VW{v}, layers [{s.first_layer}, "
+                                    f"{s.end_layer}){f', TP group of {s.device}' if s.tp > 1 else ''})")
     if problems:
         listed = "\n  ".join(problems)
         raise RoleError(f"the world does not match the plan:\n  {listed}\n{_describe_world(plan, reported)}")
@@ -200,32 +221,65 @@ def match_hosts(plan: Plan, reported: Sequence[str]) -> tuple[list[str], str | N
     return renamed, f"hosts matched to the plan's nodes by their device counts: {pairs}"
 
 
+def tp_transfers(k_from: int, k_to: int) -> dict[int, tuple[int, ...]]:
+    """Who sends to whom between a group of ``k_from`` ranks and the next of ``k_to`` ("every rank sends its copy"):
+    sender index -> the receivers' indices. Receiver r takes its copy from sender r mod ``k_from``; the copies are
+    the same tensor (activations and their gradients are replicated across a TP group at a stage's bounds)::
+
+        k_from 2, k_to 2:  0 -> (0,)    1 -> (1,)
+        k_from 2, k_to 1:  0 -> (0,)    1 -> ()
+        k_from 1, k_to 2:  0 -> (0, 1)
+
+    Example:
+        >>> tp_transfers(1, 4)
+        {0: (0, 1, 2, 3)}
+    """
+    return {j: tuple(r for r in range(k_to) if r % k_from == j) for j in range(k_from)}
+
+
 def build_roles(plan: Plan, reported: Sequence[str]) -> list[Role]:
     """Every rank's Role (``result[rank]``), given the device each rank reported.
+
+    A member of a stage's TP group gets the stage's role; its neighbours are the members of the
+    neighbouring groups that ``tp_transfers`` pairs it with.
 
     Raises:
         RoleError: the world does not match the plan (see ``assign_ranks``).
     """
     rank_of = assign_ranks(plan, reported)
     sizes = tuple(vw.mini_batch for vw in plan.virtual_workers)
-    where: dict[str, tuple[int, int]] = {}
+    where: dict[str, tuple[int, int, int]] = {}
     for v, vw in enumerate(plan.virtual_workers):
         for j, s in enumerate(vw.stages):
-            where[s.device] = (v, j)
+            for t, dev in enumerate(s.devices):
+                where[dev] = (v, j, t)
     roles = []
     for rank, dev in enumerate(reported):
         if dev not in where:
-            roles.append(Role(rank, dev, None, 0, None, 0, None, None, None, None, sizes, (), plan.global_batch))
+            roles.append(Role(rank, dev, None, 0, None, 0, None, None, None, None, sizes, (), plan.global_batch,
+                              lead=dev))
             continue
-        v, j = where[dev]
-        vw = plan.virtual_workers[v]
-        devs = vw.devices
-        prev_dev = devs[j - 1] if j > 0 else None
-        next_dev = devs[j + 1] if j < len(devs) - 1 else None
-        roles.append(Role(
-            rank, dev, v, j, vw.stages[j], len(devs), prev_dev, next_dev,
-            rank_of[prev_dev] if prev_dev is not None else None,
-            rank_of[next_dev] if next_dev is not None else None,
-            sizes, tuple(vw.micro_batch_sizes), plan.global_batch,
-        ))
+        v, j, t = where[dev]
+        roles.append(_used_role(plan, rank_of, rank, dev, v, j, t, sizes))
     return roles
+
+
+def _used_role(plan: Plan, rank_of: dict[str, int], rank: int, dev: str, v: int, j: int, t: int,
+               sizes: tuple[int, ...]) -> Role:
+    """The Role of ``dev``, member ``t`` of the TP group (or the device) of stage ``j`` of VW ``v``."""
+    vw = plan.virtual_workers[v]
+    stage = vw.stages[j]
+    prev = vw.stages[j - 1] if j > 0 else None
+    nxt = vw.stages[j + 1] if j < len(vw.stages) - 1 else None
+    prev_dev = prev.devices[t % prev.tp] if prev is not None else None  # forward: receiver t <- sender t mod k
+    next_dev = nxt.devices[t % nxt.tp] if nxt is not None else None  # backward: mirrored
+    send_f = tuple(rank_of[nxt.devices[r]] for r in tp_transfers(stage.tp, nxt.tp)[t]) if nxt is not None else ()
+    send_b = tuple(rank_of[prev.devices[r]] for r in tp_transfers(stage.tp, prev.tp)[t]) if prev is not None else ()
+    return Role(
+        rank, dev, v, j, stage, len(vw.stages), prev_dev, next_dev,
+        rank_of[prev_dev] if prev_dev is not None else None,
+        rank_of[next_dev] if next_dev is not None else None,
+        sizes, tuple(vw.micro_batch_sizes), plan.global_batch,
+        lead=stage.device, tp_rank=t, tp_ranks=tuple(rank_of[d] for d in stage.devices) if stage.tp > 1 else (),
+        send_f_ranks=send_f, send_b_ranks=send_b,
+    )

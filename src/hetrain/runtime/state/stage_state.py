@@ -2,7 +2,8 @@
 
 A checkpoint (``runtime.state.checkpoint``) holds every layer once, under its global
 name ``layers.{k}.…``. A layer held by several devices (its segment's owners) is
-written by the first owner only::
+written by the first owner only (a TP stage's lead, its split tensors gathered whole: the same names and
+shapes as without TP, so a plan of any TP degree loads any checkpoint)::
 
     segment [0..3) owners (n0:0, n1:0)   ->  n0:0 writes layers.0..2, n1:0 writes none of them
     parameter-server shards              ->  their host writes ps.layers.{k}.… (``modes.PS_PREFIX``)
@@ -37,6 +38,7 @@ from hetrain.runtime.state.checkpoint import (
     save_checkpoint,
     step_dir_name,
 )
+from hetrain.runtime.tp import full_state, local_like
 
 if TYPE_CHECKING:
     from hetrain.distributed.health import Health
@@ -68,7 +70,8 @@ def owned_names(plan: Plan, module: nn.Module, device: str) -> set[str]:
 def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
     """The optimizer's state per parameter, by the parameter's global name, on the CPU."""
     name_of = {id(p): n for n, p in module.named_parameters()}
-    return {name_of[id(p)]: {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
+    return {name_of[id(p)]: {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
+                             for k, v in full_state(st).items()}
             for p, st in optimizer.state.items() if id(p) in name_of}
 
 
@@ -89,7 +92,8 @@ def save_stage(directory: Path, step: int, module: nn.Module, optimizer: torch.o
         mode_tensors: tensors of the sync mode this rank writes (``ModeSync.checkpoint_state``).
         meta: from ``checkpoint_meta``, with anything the mode adds.
     """
-    tensors = {n: t.detach().cpu() for n, t in module.state_dict().items()}
+    # a TP stage's split tensors gathered whole (every member of the group, in one order), as without TP
+    tensors = {n: t.detach().cpu() for n, t in full_state(module.state_dict()).items()}
     save_checkpoint(directory, step, {**tensors, **mode_tensors}, optimizer_state(module, optimizer), meta,
                     owned_names=owned_names(plan, module, device) | set(mode_tensors), timeout_s=timeout_s)
 
@@ -137,10 +141,11 @@ def restore_stage(directory: Path, module: nn.Module, optimizer: torch.optim.Opt
                for n, state in saved_optimizer_state.items() if n in params
                for k, v in state.items() if _per_element(k, v)]
     _check_shapes(f"checkpoint step {step} ({directory / step_dir_name(step)})", device, shapes)
-    module.load_state_dict({n: tensors[n] for n in names})
+    module.load_state_dict({n: local_like(tensors[n], own[n]) for n in names})  # a TP stage: its shards
     for name, p in params.items():
         if name in saved_optimizer_state:
-            optimizer.state[p] = {k: (v.to(p.device) if isinstance(v, torch.Tensor) and k != "step" else v)
+            optimizer.state[p] = {k: (local_like(v, p) if _per_element(k, v) else
+                                      v.to(p.device) if isinstance(v, torch.Tensor) and k != "step" else v)
                                   for k, v in saved_optimizer_state[name].items()}
     return Restored(step, meta)
 

@@ -7,6 +7,8 @@ once (``stage_state.owned_names``)::
 
     segment [0..2) owners (n0:0, n0:2)   ->  n0:0 adds the squares of its gradients, n0:2 adds nothing
     segment [2..4) owners (n0:1, n0:2)   ->  n0:1 adds them
+    TP group (n0:0, n0:1) leads a segment ->  each adds its shards of the split matrices; n0:0 alone adds the
+                                             parameters both hold whole (norms, replicated biases, embeddings)
 
     norm  = sqrt(Σ over the used ranks of Σ_{p owned} ||grad p||²)    one all-reduce (SUM) of one number
     coef  = min(1, max_norm / (norm + 1e-6))                           as torch.nn.utils.clip_grad_norm_
@@ -67,10 +69,11 @@ class GradClip:
         on: the torch device the rank computes on (where its share of the norm is summed).
         duplicates: parameters counted here whose gradient is another's too (tied copies after
             their sum, ``runtime.step.tied``): taken out of the norm, so a tied matrix counts once.
+        tp_member: this rank's index in its stage's TP group (0 without TP).
     """
 
     def __init__(self, max_norm: float, plan: Plan, device: str, sync: GradientSync, group: Any, ranks: int,
-                 wait: WaitFn, on: torch.device, duplicates: Sequence[torch.Tensor] = ()) -> None:
+                 wait: WaitFn, on: torch.device, duplicates: Sequence[torch.Tensor] = (), tp_member: int = 0) -> None:
         check_clip(plan, max_norm)
         self.max_norm = max_norm
         self._sync = sync
@@ -79,14 +82,19 @@ class GradClip:
         self._wait = wait
         self._on = on
         self._duplicates = list(duplicates)
-        # the segments this rank counts: those it leads (``Segment.lead``), and that hold gradients here
-        self._owned = [s for s, seg in enumerate(plan.segments()) if seg.lead == device and s in sync.buffers]
+        # the segments this rank counts: those it leads (``Segment.lead``), and that hold gradients here; with TP,
+        # member t of a group leads its shards (``sync.segments``): every member counts its shards of a split
+        # parameter, member 0 alone the parameters every member holds whole
+        self._owned = [s for s, seg in enumerate(sync.segments) if seg.lead == device and s in sync.buffers]
+        self._tp_member = tp_member
         self.norm: torch.Tensor | None = None  # the last step's global norm before clipping
 
     def __call__(self, step: int) -> None:
         """Clip the gradients of step ``step`` (0-based, for messages) by the global norm."""
         flats = [flat for entries in self._sync.buffers.values() for flat, _ in entries]
-        owned = [flat for s in self._owned for flat, _ in self._sync.buffers[s]]
+        split = {id(f) for f in self._sync.split_flats}
+        owned = [flat for s in self._owned for flat, _ in self._sync.buffers[s]
+                 if self._tp_member == 0 or id(flat) in split]
         # Σ ||g||² of the owned gradients, in float32 (as clip_grad_norm_ takes the norm of the norms)
         squares = torch.zeros(1, dtype=torch.float32, device=self._on)
         for flat in owned:

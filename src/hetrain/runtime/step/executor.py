@@ -205,13 +205,20 @@ class Executor:
         self.loss_scale = [torch.full((), n / total, device=device) for n in role.micro_batch_sizes]
         self._seeds = self.loss_scale  # loss_scale times grad_scale, made when grad_scale changes
         self._seeds_for = 1.0
-        # the reported loss is always the global batch's mean: n_i / N
-        self.report_scale = [torch.full((), n / role.global_batch, device=device) for n in role.micro_batch_sizes]
+        # the reported loss is always the global batch's mean: n_i / N; in a TP group every rank computes the same
+        # loss, and the lead alone reports it (0 from the others), so the sum over the ranks counts it once
+        report = 1.0 if role.tp_rank == 0 else 0.0
+        self.report_scale = [torch.full((), report * n / role.global_batch, device=device)
+                             for n in role.micro_batch_sizes]
         self._record_memory = device.type == "cuda"
         # per action list: (the list, micro-batches of its RECV_Fs, of its RECV_Bs, buckets armed before each B,
         # how many Fs it has)
         self._orders: dict[int, tuple[Sequence[Action], list[int], list[int], dict[int, list[tuple[int, int]]],
                                       int]] = {}
+        # where SEND_F and SEND_B go: the neighbour, or with TP the members of its group paired with this rank
+        paired = bool(role.send_f_ranks or role.send_b_ranks or role.tp_ranks)  # build_roles says: none may be
+        self._send_f_ranks = role.send_f_ranks if paired else tuple(r for r in (role.next_rank,) if r is not None)
+        self._send_b_ranks = role.send_b_ranks if paired else tuple(r for r in (role.prev_rank,) if r is not None)
         self._transfers: dict[ActionKind, Callable[[Transfer], None]] = {
             K.SEND_F: self._send_f, K.RECV_F: self._recv_f, K.SEND_B: self._send_b, K.RECV_B: self._recv_b,
         }
@@ -350,9 +357,9 @@ class Executor:
 
     def _send_f(self, a: Transfer) -> None:
         i = a.micro_batch
-        assert self.role.next_rank is not None
         tensors, is_tuple = flatten(self.outputs[i])
-        self.transport.send(tensors, is_tuple, self.role.next_rank, i, True, self._where(a))
+        for peer in self._send_f_ranks:  # with TP: each receiver of the next group that takes this rank's copy
+            self.transport.send(tensors, is_tuple, peer, i, True, self._where(a))
         if self.recorder.active:
             self.recorder.sent.append(("send_f", a.peer or "", i, self.recorder.now(), self._link_label(a)))
 
@@ -373,8 +380,9 @@ class Executor:
 
     def _send_b(self, a: Transfer) -> None:
         i = a.micro_batch
-        assert self.role.prev_rank is not None
-        self.transport.send(self.input_grads.pop(i), False, self.role.prev_rank, i, False, self._where(a))
+        grads = self.input_grads.pop(i)
+        for peer in self._send_b_ranks:
+            self.transport.send(grads, False, peer, i, False, self._where(a))
         if self.recorder.active:
             self.recorder.sent.append(("send_b", a.peer or "", i, self.recorder.now(), self._link_label(a)))
 

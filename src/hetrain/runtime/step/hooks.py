@@ -76,7 +76,7 @@ class PreStepHooks:
 
 def build_pre_step_hooks(plan: Plan, device: str, *, tied: TiedGrads | None, sync: GradientSync, executor: Any,
                          group: Any, ranks: int, wait: WaitFn, on: torch.device,
-                         clip_grad_norm: float | None) -> PreStepHooks:
+                         clip_grad_norm: float | None, tp_member: int = 0) -> PreStepHooks:
     """The hooks that run at each STEP before the optimizer steps, in this order:
 
     1. ``tied`` (the model ties weights across layers): the copies' gradients summed, so that each copy takes
@@ -98,13 +98,14 @@ def build_pre_step_hooks(plan: Plan, device: str, *, tied: TiedGrads | None, syn
         wait: ``wait(work, what)`` with the job's timeout (``Job.wait``).
         on: the torch device the rank computes on.
         clip_grad_norm: the largest global norm let through; None: no clipping.
+        tp_member: this rank's index in its stage's TP group (0 without TP).
     """
     loss_scaling = (LossScaling(LossScaler(), sync, group, ranks, wait, on, executor)
                     if plan.precision == "fp16" else None)
     clip = None
     if clip_grad_norm is not None:
         clip = GradClip(clip_grad_norm, plan, device, sync, group, ranks, wait, on,
-                        duplicates=tied.duplicates if tied is not None else ())
+                        duplicates=tied.duplicates if tied is not None else (), tp_member=tp_member)
     return PreStepHooks(tied, loss_scaling, clip)
 
 

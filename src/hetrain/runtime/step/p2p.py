@@ -73,7 +73,7 @@ def early_receives(plan: Plan, device: str) -> tuple[bool, bool]:
     early = plan.sync_options.early_receives == "always"
     for vw in plan.virtual_workers:
         for j, stage in enumerate(vw.stages):
-            if stage.device == device:
+            if device in stage.devices:
                 return early and j > 0, early and j + 1 < len(vw.stages)
     return False, False
 

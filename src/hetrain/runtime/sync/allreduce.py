@@ -66,17 +66,19 @@ import math
 import queue
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hetrain.distributed.health import Health, PeerError
 from hetrain.distributed.work import completed_within, is_timeout
 from hetrain.plan import Plan
+from hetrain.sync_layout import Segment
 
 
 @dataclass(frozen=True)
@@ -111,9 +113,45 @@ class SegmentGroups(dict[tuple[str, ...], Any]):
         self.hierarchical: dict[tuple[str, ...], Hierarchy] = {}
 
 
+def member_segments(plan: Plan, t: int) -> tuple[Segment, ...]:
+    """The plan's segments with each owner (a stage's lead device) replaced by member ``t`` of its TP group: whom
+    TP rank ``t`` all-reduces its shards with (every VW splits a layer alike, ``plan._check_tp_degrees``). A stage
+    without TP, or ``t`` 0, keeps its device.
+
+    Example:
+        >>> [s.owners for s in member_segments(plan, 1)]     # VW0 on n0:0+n0:1, VW1 on n0:2+n0:3   # doctest: +SKIP
+        [('n0:1', 'n0:3')]
+    """
+    if t == 0 or plan.max_tp == 1:
+        return plan.segments()
+    member = {s.device: s.devices[t % s.tp] for vw in plan.virtual_workers for s in vw.stages}
+    return tuple(replace(seg, owners=tuple(member[d] for d in seg.owners)) for seg in plan.segments())
+
+
+def is_split(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a TP-split parameter (a DTensor sharded on its mesh), whose gradient is a shard."""
+    return isinstance(p, DTensor) and any(not pl.is_replicate() for pl in p.placements)
+
+
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds of ``t``: a DTensor's local part (its shard, or its whole replica), else ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def grad_view(p: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+    """``p``'s gradient over ``view`` (a slice of a flat buffer): a DTensor of ``p``'s placements over it where
+    ``p`` is a DTensor, so that autograd accumulates into the buffer."""
+    if isinstance(p, DTensor):
+        local = view.view(p.to_local().shape)
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())
+    return view.view_as(p)
+
+
 def _hierarchical_owner_sets(plan: Plan) -> set[tuple[str, ...]]:
     """Owner sets whose segment, or one of its buckets, the plan all-reduces hierarchically."""
-    return {seg.owners for seg in plan.segments() if seg.shared and (
+    segments = [seg for t in range(plan.max_tp) for seg in member_segments(plan, t)]
+    return {seg.owners for seg in segments if seg.shared and (
         seg.algorithm == "hierarchical" or any(b.algorithm == "hierarchical" for b in seg.buckets))}
 
 
@@ -133,7 +171,7 @@ def build_segment_groups(plan: Plan, rank_of: Mapping[str, int], timeout_s: floa
     groups = SegmentGroups()
     hierarchical = _hierarchical_owner_sets(plan)
     made: set[tuple[str, ...]] = set()
-    for seg in plan.segments():
+    for seg in (seg for t in range(plan.max_tp) for seg in member_segments(plan, t)):
         if len(seg.owners) < 2 or seg.owners in made:
             continue
         made.add(seg.owners)
@@ -244,6 +282,8 @@ class GradientSync:
         rank_of: device -> rank (for messages).
         health: names peers in errors.
         timeout_s: the longest one all-reduce may take.
+        tp_member: this rank's index in its stage's TP group: it syncs its shards with member ``tp_member`` of
+            the other owners' groups (0 without TP).
 
     Example:
         >>> sync.arm([(1, 0), (1, 1)])        # before the last backward     # doctest: +SKIP
@@ -252,11 +292,13 @@ class GradientSync:
     """
 
     def __init__(self, plan: Plan, layers: Mapping[int, nn.Module], groups: Mapping[tuple[str, ...], Any],
-                 rank_of: Mapping[str, int], health: Health, timeout_s: float) -> None:
+                 rank_of: Mapping[str, int], health: Health, timeout_s: float, tp_member: int = 0) -> None:
         self.health = health
         self.timeout = timedelta(seconds=timeout_s)
         self.timeout_s = timeout_s
-        self.segments = plan.segments()
+        # with TP, member t of each owner's TP group: the owners of this rank's shards (``member_segments``)
+        self.segments = member_segments(plan, tp_member)
+        self.split_flats: list[torch.Tensor] = []  # the buffers of TP-split parameters' shards (``is_split``)
         self.rank_of = dict(rank_of)
         self.groups = dict(groups)
         # owner set -> this rank's part in its hierarchical all-reduce, where the plan says so
@@ -277,23 +319,27 @@ class GradientSync:
         for s, seg in enumerate(self.segments):
             if not any(k in layers for k in range(seg.first_layer, seg.end_layer)):
                 continue
-            by_dtype: dict[tuple[torch.dtype, torch.device], list[tuple[int, nn.Parameter]]] = {}
+            # TP: a split parameter's buffer holds its local shard; split and whole parameters get buffers apart
+            by_dtype: dict[tuple[torch.dtype, torch.device, bool], list[tuple[int, nn.Parameter]]] = {}
             for k in range(seg.first_layer, seg.end_layer):
                 if k in layers:
                     for p in layers[k].parameters():
                         if p.requires_grad:
-                            by_dtype.setdefault((p.dtype, p.device), []).append((k, p))
+                            by_dtype.setdefault((p.dtype, p.device, is_split(p)), []).append((k, p))
             entries = []
-            for (dtype, device), ps in by_dtype.items():
-                flat = torch.zeros(sum(p.numel() for _, p in ps), dtype=dtype, device=device)
+            for (dtype, device, split), ps in by_dtype.items():
+                flat = torch.zeros(sum(local_of(p).numel() for _, p in ps), dtype=dtype, device=device)
+                if split:
+                    self.split_flats.append(flat)
                 placed, spans, offset = [], [], 0
                 numel = dict.fromkeys(range(seg.first_layer, seg.end_layer), 0)
                 for k, p in ps:  # in layer order: a bucket's layers are one slice of the buffer
-                    p.grad = flat[offset:offset + p.numel()].view_as(p)
+                    n = local_of(p).numel()
+                    p.grad = grad_view(p, flat[offset:offset + n])
                     placed.append((p, p.grad))
-                    spans.append((offset, offset + p.numel()))
-                    offset += p.numel()
-                    numel[k] += p.numel()
+                    spans.append((offset, offset + n))
+                    offset += n
+                    numel[k] += n
                 starts = dict(zip(range(seg.first_layer, seg.end_layer + 1),  # layer -> its first element
                                   itertools.accumulate(numel.values(), initial=0), strict=True))
                 entries.append((flat, placed))
@@ -330,7 +376,7 @@ class GradientSync:
                 continue
             peers = sorted(self.rank_of[d] for d in seg.owners)
             group = self.groups[seg.owners]
-            works = [dist.broadcast(p.data, src=peers[0], group=group, async_op=True)
+            works = [dist.broadcast(local_of(p.data), src=peers[0], group=group, async_op=True)
                      for _, placed in entries for p, _ in placed]
             self._wait_all(works, s, f"the start's broadcast of segment {s}'s weights", peers)
 

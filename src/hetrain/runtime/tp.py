@@ -1,0 +1,204 @@
+"""Tensor parallelism (TP) of a stage's layers, run by torch's own DTensor TP: one rule per block type.
+
+Why hetrain wraps torch here rather than hand it the model: ``parallelize_module`` parallelises one
+module on one mesh, with one degree. A hetrain plan gives each stage its own TP degree (a pair of one
+device type in one node, one device of another elsewhere), so each stage gets a mesh of its own (its TP
+group, ``build_tp_groups``), and the stage's layers are parallelised one by one with the rule of their
+block type. Everything inside a layer is torch's: the DTensor parameters, the column- and row-parallel
+styles, the all-reduces that Megatron calls f and g::
+
+    block (Megatron layout, Shoeybi et al. 2019):
+      x (whole) ─► LN ─► QKV  column-parallel (each rank its heads) ─► attention on the local heads
+                      ─► proj row-parallel ─► all-reduce ─► + x
+                  ─► LN ─► up (and gate) column-parallel ─► act ─► down row-parallel ─► all-reduce ─► + x
+
+A layer without a rule (the embeddings; the final norm and LM head) stays whole on every rank of the
+group: identical inputs give identical outputs and gradients. A stage's input and output are therefore
+whole on every rank, and the ranks of neighbouring groups pair up to move them (``roles.tp_transfers``).
+
+Rules (``RULES``), by the block's class name:
+
+    Block (hetrain.models.gpt)          attn.qkv fused column-parallel (q, k, v each split alike: a strided
+                                        shard), attn.proj row-parallel; mlp.0 column-, mlp.2 row-parallel;
+                                        its attention views its heads as -1 (the local count)
+
+Hugging Face models (Llama, Mistral, Qwen2, GPT-2...) have no rule yet: the model cutter (``models.trace``)
+keeps each layer as a graph of aten ops over the model's parameters, not the model's ``LlamaDecoderLayer``
+modules, so torch's ColwiseParallel / RowwiseParallel (which wrap ``nn.Linear`` modules) have nothing to
+wrap; a stage of TP > 1 holding one is refused by name, as is any other layer type without a rule.
+(GPT-2 would be refused even with its modules: its fused QKV is a ``Conv1D``, which ColwiseParallel does not
+split.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from hetrain.errors import InputError
+from hetrain.plan import Plan, Stage
+
+
+class TPError(InputError):
+    """A plan's TP stage that hetrain does not run: a block type without a rule, or a feature that TP lacks."""
+
+
+class FusedColwiseParallel(ColwiseParallel):
+    """ColwiseParallel for a fused projection of ``parts`` equal outputs (QKV: 3): each rank gets its columns of
+    every part (a ``_StridedShard``, torch's placement for a shard of shards), so ``chunk(parts)`` of the local
+    output gives its heads of q, k and v. torch's own ColwiseParallel would give rank 0 all of q and half of k."""
+
+    def __init__(self, parts: int) -> None:
+        super().__init__(output_layouts=_StridedShard(-1, split_factor=parts))
+        self.parts = parts
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        for pname, param in module.named_parameters():
+            shard = distribute_tensor(param, device_mesh, [_StridedShard(0, split_factor=self.parts)],
+                                      src_data_rank=self.src_data_rank)
+            module.register_parameter(pname, nn.Parameter(shard, requires_grad=param.requires_grad))
+
+
+Rule = Callable[[nn.Module, int], dict[str, ParallelStyle]]
+
+
+def _gpt_block(block: nn.Module, k: int) -> dict[str, ParallelStyle]:
+    _require_divisible(block, "attention heads", block.attn.heads, k)
+    return {"attn.qkv": FusedColwiseParallel(3), "attn.proj": RowwiseParallel(),
+            "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
+
+
+#: block class name -> its rule (module docstring)
+RULES: Mapping[str, Rule] = {"Block": _gpt_block}
+
+#: layer class names that stay whole on every rank of a TP group (hetrain.models.gpt's embedding and head)
+WHOLE = frozenset({"Embedding", "Head"})
+
+
+def _require_divisible(block: nn.Module, what: str, count: int, k: int) -> None:
+    if count % k:
+        raise TPError(f"a {type(block).__name__} block has {count} {what}, which TP {k} cannot split evenly; "
+                      f"plan with a TP degree that divides {count} (--max-tp)")
+
+
+def check_tp(plan: Plan, tied: Sequence[Any] = ()) -> None:
+    """Refuse, before any process group, a plan with TP stages that hetrain does not run yet, in one line: a sync
+    mode other than bsp, a precision other than fp32, recompute sets or tied weights in a TP stage.
+
+    Raises:
+        TPError: naming the first TP stage and what it cannot do.
+    """
+    tp_stages = [(v, j, s) for v, vw in enumerate(plan.virtual_workers) for j, s in enumerate(vw.stages) if s.tp > 1]
+    if not tp_stages:
+        return
+    v, j, s = tp_stages[0]
+    where = f"stage {j} of VW{v} runs TP {s.tp}"
+    if plan.sync != "bsp":
+        raise TPError(f"sync mode {plan.sync} does not run TP stages yet ({where}); plan with --max-tp 1 or --sync bsp")
+    if plan.precision != "fp32":
+        raise TPError(f"precision {plan.precision} does not run TP stages yet ({where}); profile and plan in fp32, "
+                      "or plan with --max-tp 1")
+    for v, j, s in tp_stages:
+        if s.recompute:
+            raise TPError(f"recompute sets do not run in TP stages yet (stage {j} of VW{v} runs TP {s.tp} and "
+                          f"recomputes layers {list(s.recompute)}); plan with --max-tp 1 or without recomputation")
+    tied_layers = {k for tie in tied for k, _ in tie}
+    for v, j, s in tp_stages:
+        if tied_layers & set(s.layers):
+            raise TPError(f"tied weights do not run in TP stages yet (stage {j} of VW{v} runs TP {s.tp} and holds "
+                          f"tied layers {sorted(tied_layers & set(s.layers))}); plan with --max-tp 1")
+
+
+def build_tp_groups(plan: Plan, rank_of: Mapping[str, int], timeout_s: float) -> dict[str, Any]:
+    """One process group per TP group of the plan, by the stage's lead device (the groups this rank is in).
+
+    Collective over the job: every rank creates every group, in the plan's stage order.
+    """
+    timeout = timedelta(seconds=timeout_s)
+    me = dist.get_rank()
+    groups: dict[str, Any] = {}
+    for vw in plan.virtual_workers:
+        for s in vw.stages:
+            if s.tp > 1:
+                ranks = [rank_of[d] for d in s.devices]
+                group = dist.new_group(sorted(ranks), timeout=timeout)
+                if me in ranks:
+                    groups[s.device] = group
+    return groups
+
+
+def build_tp_mesh(stage: Stage, rank_of: Mapping[str, int], group: Any, device: torch.device) -> DeviceMesh:
+    """The stage's 1-D mesh over its TP group, its coordinates in the group's order (member t holds shard t)."""
+    ranks = [rank_of[d] for d in stage.devices]
+    return DeviceMesh.from_group(group, device.type, mesh=torch.tensor(ranks, dtype=torch.int64))
+
+
+def block_type(layer: nn.Module) -> str:
+    """The class name that selects ``layer``'s rule: its own class."""
+    return type(layer).__name__
+
+
+def check_rules(layers: Mapping[int, nn.Module], names: Sequence[str], where: str, k: int) -> None:
+    """Refuse a layer of a TP stage whose type has no rule and does not stay whole (``RULES``, ``WHOLE``).
+
+    A traced layer (``hetrain.models.trace``: a Hugging Face model or a user's module cut by torch.export) is
+    a graph of aten ops over the model's parameters, not the model's block modules, so no rule applies to it.
+
+    Raises:
+        TPError: naming the stage, the layer and its type, in one line.
+    """
+    for i, layer in layers.items():
+        kind = block_type(layer)
+        if kind in WHOLE or kind in RULES:
+            continue
+        why = (" (a traced graph of the model's forward: it keeps no block modules for torch's TP styles)"
+               if kind == "TracedLayer" else "")
+        raise TPError(f"{where} runs TP {k}, but its layer {i} ({names[i]}) is a {kind}{why}, which has no TP "
+                      f"rule (rules: {', '.join(sorted(RULES))}); plan with --max-tp 1")
+
+
+def parallelize_stage(layers: Mapping[int, nn.Module], names: Sequence[str], where: str, mesh: DeviceMesh) -> None:
+    """Parallelise each layer of a TP stage with its block type's rule; layers in ``WHOLE`` stay whole.
+
+    Args:
+        layers: the stage's layers by global index.
+        names: every layer's name in the model's profile (for messages).
+        where: the stage, for messages (``"stage 0 of VW1"``).
+        mesh: the stage's TP mesh.
+
+    Raises:
+        TPError: a layer of a type without a rule (``check_rules``), before any layer is changed.
+    """
+    k = mesh.size()
+    check_rules(layers, names, where, k)
+    for layer in layers.values():
+        rule = RULES.get(block_type(layer))
+        if rule is not None:
+            parallelize_module(layer, mesh, rule(layer, k))
+
+
+def full_state(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with every DTensor gathered whole (``full_tensor``: collective over its mesh, in this order)."""
+    return {n: (t.full_tensor() if isinstance(t, DTensor) else t) for n, t in tensors.items()}
+
+
+def local_like(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's part of the whole tensor ``whole`` where ``like`` is a DTensor (its placements, cut locally: no
+    collective); ``whole`` itself otherwise."""
+    if not isinstance(like, DTensor):
+        return whole
+    return distribute_tensor(whole.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+
+
+__all__ = ["RULES", "WHOLE", "FusedColwiseParallel", "TPError", "block_type", "build_tp_groups", "build_tp_mesh",
+           "check_rules", "check_tp",
+           "full_state", "local_like", "parallelize_stage"]
