@@ -72,7 +72,8 @@ Rule = Callable[[nn.Module, int], dict[str, ParallelStyle]]
 
 
 def _gpt_block(block: nn.Module, k: int) -> dict[str, ParallelStyle]:
-    _require_divisible(block, "attention heads", block.attn.heads, k)
+    heads = int(block.attn.heads)  # type: ignore[union-attr, arg-type]  # models.gpt.Block's attention
+    _require_divisible(block, "attention heads", heads, k)
     return {"attn.qkv": FusedColwiseParallel(3), "attn.proj": RowwiseParallel(),
             "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
 
