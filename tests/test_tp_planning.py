@@ -289,3 +289,13 @@ def test_a_measured_profile_takes_its_tp_splits_from_the_analytic_one_where_laye
                                       *measured.layers[2:]))
     same, why = with_tp_splits(other, analytic)
     assert same is other and why.startswith("no TP splits: layer 1 (block0)")
+
+
+def test_tp_plans_only_under_the_sync_mode_the_runtime_runs_them_in() -> None:
+    cluster = make_cluster({"n0": (A100, 4)}, intra_link="nvlink3")
+    opts = PlannerOptions(time_budget_s=None, simulate_top_k=0)
+    assert plan(cluster, _gpt(), 32, replace(opts, sync="wsp")).max_tp == 1
+    with pytest.raises(PlannerError, match="sync mode wsp does not run TP stages yet"):
+        plan(cluster, _gpt(), 32, replace(opts, sync="wsp", tp=2))
+    forced = plan(cluster, _gpt(), 32, replace(opts, sync="auto", tp=2))
+    assert forced.max_tp == 2 and forced.sync == "bsp"

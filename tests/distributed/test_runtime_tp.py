@@ -7,6 +7,8 @@ training the whole model on the same global batches. Float32; relative error <= 
     case          plan (gpt-tiny, shrunk: 6 layers, 2 heads)
     pp-tp2-tp2    one pipeline: [0, 3) on TP (n0:0, n0:1), [3, 6) on TP (n0:2, n0:3)
     pp-tp2-1      one pipeline: [0, 3) on TP (n0:0, n0:1), [3, 6) on n0:2 alone; n0:3 idles
+    recompute     pp-tp2-tp2, stage 0 recomputing layers 1 and 2 in backward
+    bf16          pp-tp2-tp2 under bf16 autocast (against the fp32 process, within bf16's rounding)
     dp-tp2        two VWs of one TP-2 stage each, bsp, clipping by the global norm
     save-tp       pp-tp2-tp2 for 2 steps, checkpointed; then load-flat resumes it on one device per stage
     save-flat     two stages of one device for 2 steps, checkpointed; then load-tp resumes it on TP groups
@@ -73,18 +75,22 @@ def tp(first: int, end: int, *devices: str) -> Stage:
     return Stage(devices[0], first, end, tp_group=tuple(devices) if len(devices) > 1 else ())
 
 
-def plan_of(vws: list[VirtualWorker], **options: Any) -> Plan:
-    profile = build_profile("gpt-tiny", **GPT)
+def plan_of(vws: list[VirtualWorker], precision: str = "fp32", **options: Any) -> Plan:
+    profile = build_profile("gpt-tiny", **GPT, precision=precision)
     return factories.make_plan(make_cluster({"n0": WORLD}), profile, vws, **options)
 
 
 PP_TP = VirtualWorker((tp(0, 3, D[0], D[1]), tp(3, 6, D[2], D[3])), 8, 2)
 PP_FLAT = VirtualWorker((tp(0, 3, D[0]), tp(3, 6, D[2])), 8, 2)
+#: stage 0 recomputes two of its layers in backward (every rank of its group alike)
+PP_RECOMPUTE = VirtualWorker((Stage(D[0], 0, 3, recompute=(1, 2), tp_group=(D[0], D[1])), tp(3, 6, D[2], D[3])), 8, 2)
 CASES: dict[str, dict[str, Any]] = {
     "pp-tp2-tp2": {"plan": plan_of([PP_TP])},
     "pp-tp2-1": {"plan": plan_of([VirtualWorker((tp(0, 3, D[0], D[1]), tp(3, 6, D[2])), 8, 4)], schedule="gpipe")},
     "dp-tp2": {"plan": plan_of([VirtualWorker((tp(0, 6, D[0], D[1]),), 5, 2),
                                 VirtualWorker((tp(0, 6, D[2], D[3]),), 3, 1)]), "clip": 0.05},
+    "recompute": {"plan": plan_of([PP_RECOMPUTE])},
+    "bf16": {"plan": plan_of([PP_TP], precision="bf16")},
     "save-tp": {"plan": plan_of([PP_TP]), "steps": 2, "checkpoint": "a"},
     "load-flat": {"plan": plan_of([PP_FLAT]), "checkpoint": "a"},
     "save-flat": {"plan": plan_of([PP_FLAT]), "steps": 2, "checkpoint": "b"},
@@ -131,7 +137,7 @@ def reference(global_batch: int, clip: float | None = None) -> tuple[dict[str, t
     return net.state_dict(), losses
 
 
-@pytest.mark.parametrize("name", ["pp-tp2-tp2", "pp-tp2-1", "dp-tp2", "load-flat", "load-tp"])
+@pytest.mark.parametrize("name", ["pp-tp2-tp2", "pp-tp2-1", "dp-tp2", "recompute", "load-flat", "load-tp"])
 def test_tp_stages_train_as_one_process(job: dict[str, Any], name: str) -> None:
     spec = job[name]
     plan: Plan = CASES[name]["plan"]
@@ -155,6 +161,18 @@ def test_tp_stages_train_as_one_process(job: dict[str, Any], name: str) -> None:
     for part in parts:
         if part["used"]:
             assert [h["loss"] for h in part["history"]] == pytest.approx(losses[first:], rel=1e-5)
+
+
+def test_a_bf16_tp_pipeline_trains_as_one_fp32_process_within_bf16s_precision(job: dict[str, Any]) -> None:
+    """Under bf16 autocast every rank of a group casts alike: the losses follow the fp32 single process within
+    bf16's rounding (8 bits of mantissa), and the TP members' whole weights agree."""
+    parts = [torch.load(Path(job["bf16"]["out"]) / f"rank{r}.pt") for r in range(WORLD)]
+    _, losses = reference(8)
+    last = [h["loss"] for h in parts[2]["history"]]
+    assert last == pytest.approx(losses, rel=2e-2) and last != pytest.approx(losses, rel=1e-6)  # bf16, not fp32
+    for a, b in ((parts[0], parts[1]), (parts[2], parts[3])):
+        for key, value in a["weights"].items():
+            torch.testing.assert_close(value, b["weights"][key], rtol=0, atol=0)
 
 
 def test_clipping_counts_each_parameter_once(job: dict[str, Any]) -> None:

@@ -678,13 +678,15 @@ def tp_degrees(cluster: Cluster, profile: ModelProfile, opts: PlannerOptions) ->
     """The TP degrees to plan at: ``opts.tp`` alone where given; else 1 and every power of two up to
     ``opts.max_tp`` that some node's devices of one type can form, where the profile has TP rules."""
     if opts.tp is not None:
+        if opts.tp > 1 and opts.sync not in ("bsp", "auto"):
+            raise PlannerError(f"--tp {opts.tp}: sync mode {opts.sync} does not run TP stages yet; use --sync bsp")
         if opts.tp > 1 and not profile.has_tp:
             raise PlannerError(f"--tp {opts.tp}: model {profile.name} has no layer with a TP rule (its profile's "
                                f"layers have no 'tp' split); plan it with --tp 1")
         if opts.tp > 1 and not tp_groups_possible(cluster, opts.tp):
             raise PlannerError(f"--tp {opts.tp}: no node of cluster {cluster.name} has {opts.tp} devices of one type")
         return [opts.tp]
-    if not profile.has_tp:
+    if not profile.has_tp or opts.sync not in ("bsp", "auto"):  # the runtime runs TP stages under bsp only
         return [1]
     return [1] + [k for k in (2, 4, 8, 16) if k <= opts.max_tp and tp_groups_possible(cluster, k, every=not
                                                                                        opts.leave_out)]
@@ -795,6 +797,8 @@ def cluster_without(cluster: Cluster, drop: frozenset[str]) -> Cluster:
 
 def _plan_within(cluster: Cluster, profile: ModelProfile, global_batch: int, opts: PlannerOptions,
                  score: Scorer | None, budget: TimeBudget) -> Plan:
+    if opts.sync == "auto" and profile.tp_degree > 1:  # the runtime runs TP stages under bsp only (runtime.tp)
+        opts = replace(opts, sync="bsp")
     if opts.sync == "auto":  # plan for BSP, then pick the mode by predicted time to accuracy (docs/sync.md)
         base = _plan_within(cluster, profile, global_batch, replace(opts, sync="bsp"), score, budget)
         # every mode of the chosen plan simulated, where they fit; else the closed forms choose

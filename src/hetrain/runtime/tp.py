@@ -93,7 +93,8 @@ def _require_divisible(block: nn.Module, what: str, count: int, k: int) -> None:
 
 def check_tp(plan: Plan, tied: Sequence[Any] = ()) -> None:
     """Refuse, before any process group, a plan with TP stages that hetrain does not run yet, in one line: a sync
-    mode other than bsp, a precision other than fp32, recompute sets or tied weights in a TP stage.
+    mode other than bsp, or tied weights in a TP stage. (Recompute sets and bf16 / fp16 run: every rank of a group
+    recomputes, and casts, alike; tests/distributed/test_runtime_tp.py.)
 
     Raises:
         TPError: naming the first TP stage and what it cannot do.
@@ -105,13 +106,6 @@ def check_tp(plan: Plan, tied: Sequence[Any] = ()) -> None:
     where = f"stage {j} of VW{v} runs TP {s.tp}"
     if plan.sync != "bsp":
         raise TPError(f"sync mode {plan.sync} does not run TP stages yet ({where}); plan with --max-tp 1 or --sync bsp")
-    if plan.precision != "fp32":
-        raise TPError(f"precision {plan.precision} does not run TP stages yet ({where}); profile and plan in fp32, "
-                      "or plan with --max-tp 1")
-    for v, j, s in tp_stages:
-        if s.recompute:
-            raise TPError(f"recompute sets do not run in TP stages yet (stage {j} of VW{v} runs TP {s.tp} and "
-                          f"recomputes layers {list(s.recompute)}); plan with --max-tp 1 or without recomputation")
     tied_layers = {k for tie in tied for k, _ in tie}
     for v, j, s in tp_stages:
         if tied_layers & set(s.layers):
