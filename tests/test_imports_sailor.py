@@ -259,4 +259,7 @@ def test_a_converted_plan_round_trips_through_plan_json(data: SailorData, tmp_pa
     again = load_plan(tmp_path / "plan.json")
     assert again.sync_options == run.plan.sync_options and again.sync_options.transfers == "blocking"
     assert again.profile.memory_footprint == run.plan.profile.memory_footprint
+    assert again.profile.layers[25].tp == run.plan.profile.layers[25].tp  # the head's logits split, as saved
+    assert [s.tp_group for vw in again.virtual_workers for s in vw.stages] == [
+        s.tp_group for vw in run.plan.virtual_workers for s in vw.stages]
     assert simulate(again).iteration_s == pytest.approx(simulate(run.plan).iteration_s, rel=1e-12)
