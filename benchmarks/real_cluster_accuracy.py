@@ -239,16 +239,17 @@ def main(argv: list[str] | None = None) -> int:
         notes = (
             "DIR: the development set of measured runs (Megatron-DeepSpeed on GH200 nodes and on Titan-RTX / "
             "RTX-2080 nodes; the Sailor project's artifact, github.com/eth-easl/sailor, revision cf2c8e3, MIT), "
-            "converted by hetrain.imports.sailor (docs/measured-runs.md). Errors are (predicted - measured) / "
-            "measured; memory per GPU where the data marks it reliable (not superseded_*). \"before issue 18\": "
-            "the same conversion under hetrain's model before it (transfers that overlap compute, no runtime "
-            "footprint). \"DeepSpeed (default)\": blocking transfers, the fitted footprint (4.41 GB per GPU and "
-            "10.4% of the tensor peak), and the receiver's rebuild of every activation and gradient it receives "
-            "(the runs' PipelineEngine zero-fills the whole tensor on the host, copies it to the GPU and "
-            "all-gathers it within the TP group: 11 GB/s, fitted once, docs/measured-runs.md). \"no rebuild\": "
-            "the same without the rebuild. \"whole tensors\": DeepSpeed's partitioned transfers off, every TP "
-            "rank sending the whole activation, no rebuild. Run-to-run spread of the data: 5% on average, 14% at "
-            "most on GH200."
+            "converted by hetrain.imports.sailor (docs/measured-runs.md): each replica's TP group a TP stage of "
+            "real GPUs, each layer whole with its TP split and its measured TP-rank times. Errors are "
+            "(predicted - measured) / measured; memory per GPU where the data marks it reliable (not "
+            "superseded_*). \"before issue 18\": the same conversion under hetrain's model before it (transfers "
+            "that overlap compute, no runtime footprint). \"DeepSpeed (default)\": blocking transfers, the fitted "
+            "footprint (4.41 GB per GPU and 10.4% of the tensor peak), and the receiver's rebuild of every "
+            "activation and gradient it receives (the runs' PipelineEngine zero-fills the whole tensor on the "
+            "host, copies it to the GPU and all-gathers it within the TP group: 11 GB/s, fitted once, "
+            "docs/measured-runs.md). \"no rebuild\": the same without the rebuild. \"whole tensors\": DeepSpeed's "
+            "partitioned transfers off, every TP rank sending the whole activation, no rebuild. Run-to-run spread "
+            "of the data: 5% on average, 14% at most on GH200."
             + (f" Skipped: {'; '.join(skipped)}." if skipped else ""))
         write_section("Real clusters: measured runs (issue 18)",
                       "python benchmarks/real_cluster_accuracy.py --data DIR --baseline --results", text, notes)

@@ -166,9 +166,10 @@ def tp_rank_profile(profile: ModelProfile, k: int) -> ModelProfile:
 
     Per layer with a TP rule (``LayerProfile.tp``): its split parameters, saved activations and FLOPs divided by
     ``k``, the rest whole; its input and output whole (every rank holds them: Megatron's f and g operators
-    all-reduce to a replicated tensor). Its times: measured on a rank of a group of ``k`` where the profile
-    has them (``measured_tp``, collectives in), else its measured time on one device with the split share
-    of its FLOPs divided by ``k * profile.tp_efficiency``. A layer without a rule is the same on every rank.
+    all-reduce to a replicated tensor), but for an output split among the ranks (a vocab-parallel head's
+    logits). Its times: measured on a rank of a group of ``k`` where the profile has them (``measured_tp``,
+    collectives in), else its measured time on one device with the split share of its FLOPs divided by
+    ``k * profile.tp_efficiency``. A layer without a rule is the same on every rank.
     The planner and the simulator cost a TP stage as a stage of this profile on the group's device
     (``cluster.tp_cluster``); ``estimate_layer_time`` adds the collectives.
     """
@@ -198,12 +199,14 @@ def tp_rank_profile(profile: ModelProfile, k: int) -> ModelProfile:
                      for type_name, degree, ms in layer.measured_tp if degree == k and type_name not in known]
         layers.append(replace(
             layer, param_bytes=_split(layer.param_bytes, t.split_param_bytes, k),
+            output_bytes_per_sample=_split(layer.output_bytes_per_sample, t.split_output_bytes_per_sample, k),
             saved_bytes_per_sample=_split(layer.saved_bytes_per_sample, t.split_saved_bytes_per_sample, k),
             forward_flops_per_sample=_split(layer.forward_flops_per_sample, t.split_flops_per_sample, k, eff),
             measured=tuple(measured), measured_tp=(),
             tp=replace(t, split_param_bytes=t.split_param_bytes / k,  # one rank's part; the all-reduces whole
                        split_flops_per_sample=t.split_flops_per_sample / (k * eff),
-                       split_saved_bytes_per_sample=t.split_saved_bytes_per_sample / k)))
+                       split_saved_bytes_per_sample=t.split_saved_bytes_per_sample / k,
+                       split_output_bytes_per_sample=t.split_output_bytes_per_sample / k)))
     cached = replace(profile, layers=tuple(layers), tp_degree=k)
     profile._cache[key] = cached
     return cached

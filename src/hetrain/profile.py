@@ -129,6 +129,9 @@ class TPSplit:
             operator: a transformer block's attention and MLP outputs, two of s x h each); backward all-reduces as
             many (the f operator's conjugate, on the input gradients).
         allreduces: all-reduce calls per forward (and as many per backward): a transformer block's two.
+        split_output_bytes_per_sample: output bytes per sample divided among the ranks and never gathered: a
+            vocab-parallel head's logits (Megatron's parallel cross-entropy keeps each rank's k-th of the vocabulary;
+            the loss term counts them, ``cost.loss_memory_per_sample``). 0: every rank holds the whole output.
     """
 
     split_param_bytes: float
@@ -136,11 +139,15 @@ class TPSplit:
     split_saved_bytes_per_sample: float
     allreduce_bytes_per_sample: float
     allreduces: int = 2
+    split_output_bytes_per_sample: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"split_param_bytes": self.split_param_bytes, "split_flops_per_sample": self.split_flops_per_sample,
-                "split_saved_bytes_per_sample": self.split_saved_bytes_per_sample,
-                "allreduce_bytes_per_sample": self.allreduce_bytes_per_sample, "allreduces": self.allreduces}
+        out = {"split_param_bytes": self.split_param_bytes, "split_flops_per_sample": self.split_flops_per_sample,
+               "split_saved_bytes_per_sample": self.split_saved_bytes_per_sample,
+               "allreduce_bytes_per_sample": self.allreduce_bytes_per_sample, "allreduces": self.allreduces}
+        if self.split_output_bytes_per_sample:
+            out["split_output_bytes_per_sample"] = self.split_output_bytes_per_sample
+        return out
 
 
 @dataclass(frozen=True)
@@ -182,7 +189,8 @@ class LayerProfile:
         if self.tp is not None:
             for key, whole in (("split_param_bytes", self.param_bytes),
                                ("split_flops_per_sample", self.forward_flops_per_sample),
-                               ("split_saved_bytes_per_sample", self.saved_bytes_per_sample)):
+                               ("split_saved_bytes_per_sample", self.saved_bytes_per_sample),
+                               ("split_output_bytes_per_sample", self.output_bytes_per_sample)):
                 part = getattr(self.tp, key)
                 if not 0 <= part <= whole * (1 + 1e-9):
                     raise ProfileError(f"layer {self.name!r}: tp.{key} = {part} must be in [0, {whole}] "
@@ -459,8 +467,11 @@ class ModelProfile:
         """Bytes per sample layer ``i``'s output puts on the link to the next stage from one device: all of it,
         or on a TP rank (``tp_degree`` k) a k-th: the output is the same on every rank of a group, and rank j
         sends its j-th part to rank j of the next group, which all-gathers them over its node's link (Megatron's
-        scatter / gather between pipeline stages: Narayanan et al. 2021, sec. 4.1)."""
-        return self.layers[i].output_bytes_per_sample / self.tp_degree
+        scatter / gather between pipeline stages: Narayanan et al. 2021, sec. 4.1). Of an output split among
+        the ranks (``TPSplit.split_output_bytes_per_sample``) each rank sends its own part."""
+        layer = self.layers[i]
+        own = layer.tp.split_output_bytes_per_sample if self.tp_degree > 1 and layer.tp is not None else 0.0
+        return (layer.output_bytes_per_sample - own) / self.tp_degree + own
 
     @property
     def has_tp(self) -> bool:
@@ -486,7 +497,7 @@ PROFILE_KEYS = frozenset({
 LAYER_KEYS = frozenset({"name", "param_bytes", "output_bytes_per_sample", "saved_bytes_per_sample",
                         "forward_flops_per_sample", "measured", "tp", "measured_tp"})
 TP_KEYS = frozenset({"split_param_bytes", "split_flops_per_sample", "split_saved_bytes_per_sample",
-                     "allreduce_bytes_per_sample", "allreduces"})
+                     "allreduce_bytes_per_sample", "allreduces", "split_output_bytes_per_sample"})
 MEASUREMENT_KEYS = frozenset({"micro_batch", "forward_s", "backward_s", "source", "forward_spread_s",
                               "backward_spread_s"})
 
@@ -544,7 +555,8 @@ def _layer_from(raw: Any, i: int) -> LayerProfile:
         _known_keys(t, TP_KEYS, at)
         tp = TPSplit(_number(t, "split_param_bytes", at), _number(t, "split_flops_per_sample", at),
                      _number(t, "split_saved_bytes_per_sample", at), _number(t, "allreduce_bytes_per_sample", at),
-                     require_int(t, "allreduces", at, ProfileError, 2, least=0, most=1000))
+                     require_int(t, "allreduces", at, ProfileError, 2, least=0, most=1000),
+                     _number(t, "split_output_bytes_per_sample", at, 0.0))
     measured_tp: list[tuple[str, int, tuple[Measurement, ...]]] = []
     for type_name, by_k in require_object(raw, "measured_tp", where, ProfileError, {}).items():
         at = f"{where}.measured_tp[{type_name!r}]"

@@ -13,27 +13,34 @@ and ``convert_plan`` turns one measured plan into a hetrain ``Plan`` by one rule
 the same for every plan, with no per-plan constant:
 
     Sailor                                   hetrain
-    replica of a stage (a TP group of tp     one device of type "<gpu>x<tp>" on its own node:
-      GPUs on one node)                        tp x the GPU's peak rates, bandwidth and memory;
-                                               its layer times the profile's at that tp
+    replica of a stage (a TP group of tp     a TP stage (``Stage.tp_group``) on a node of its own with the GPUs the
+      GPUs on one node)                        node had (``gpus_per_node``) of the GPU's catalog type, each with the
+                                               memory the cluster had per GPU
+    a layer                                  the whole layer's (TP 1) parameter, output and activation bytes and a
+                                               ``TPSplit`` solved from the data's per-rank counts at degree tp:
+                                               split = (whole - rank) k / (k - 1) (``solve_split``), checked through
+                                               ``cost.tp_rank_profile`` (``check_tp_split``); its seconds on one GPU
+                                               as ``measured``, on one rank of a TP group as ``measured_tp``
+                                               (collectives in); the head's logits split too (vocab-parallel)
+    a node's GPUs among themselves           its intra link: the intra-node curve of one pair at a ring step of a
+                                               block's TP all-reduce (the layer times have those in already)
     replica r of every stage                 virtual worker r (a pipeline); mini-batch mbs x m
-    activation / gradient between stages     a [[link]] whose bandwidth is the fitted curve of tp
-                                               GPUs per node sending at once (aggregate), at the
-                                               message each sends: mbs x the boundary's activation
-                                               / tp (DeepSpeed partitions a TP group's activations
-                                               and gradients over its ranks, the receiver gathers)
+    activation / gradient between stages     a [[link]] between the two nodes: the fitted curve of tp GPUs per node
+                                               sending at once (aggregate), at the message each sends, mbs x the
+                                               boundary's activation / tp; its k ranks share it, each sending a k-th
+                                               (DeepSpeed partitions a TP group's activations and gradients over
+                                               its ranks, the receiver gathers: ``cluster.tp_cluster``)
     the receiver's rebuild of each received  on that [[link]]: half a rebuild per transfer (the whole tensor
       tensor (host zero-fill, pageable copy,   at rebuild_bytes_per_s), so each of the two stages is held one
       TP all-gather: reconstruct_tensor)       rebuild per tensor it receives (``stage_link_bandwidth``)
-    gradient all-reduce among the replicas   a [[link]] between the replicas' nodes: the curve of tp
-      of a stage                               GPUs per node at once, at a ring step's message
-                                               (a GPU's gradients / dp)
+    gradient all-reduce among the replicas   a [[link]] between the replicas' nodes: the curve of tp GPUs per node
+      of a stage                               at once (the tp ranks' rings share it), at a ring step's message
+                                               (a rank's gradients / dp)
     DeepSpeed's PipelineEngine               1F1B; transfers that block (sync option transfers);
                                                one gradient bucket all-reduced after the last
                                                backward, a flat ring; fp32 AdamW
-    DeepSpeed's memory beyond tensors        the profile's memory footprint of each device type:
-                                               tp x a fixed footprint per GPU, and the allocator's
-                                               share (``DeepSpeedRuntime``)
+    DeepSpeed's memory beyond tensors        the profile's memory footprint of each GPU type: a fixed footprint
+                                               per GPU and the allocator's share (``DeepSpeedRuntime``)
     DeepSpeed's fixed cost per iteration     the profile's iteration_overhead_s
 
 Pure Python, no torch: the conversion is planning-side data.
@@ -55,9 +62,10 @@ from typing import Any
 
 from hetrain.catalog import lookup_device_type
 from hetrain.cluster import parse_cluster
+from hetrain.cost import tp_rank_profile
 from hetrain.errors import InputError
 from hetrain.plan import Plan, Prediction, Stage, VirtualWorker
-from hetrain.profile import DeviceFigures, LayerProfile, Measurement, ModelProfile
+from hetrain.profile import DeviceFigures, LayerProfile, Measurement, ModelProfile, TPSplit
 from hetrain.sync_layout import SyncOptions
 
 #: bytes per element of the runs: fp32 throughout (README of the data set; Sailor's simulator uses 4)
@@ -154,7 +162,6 @@ class MeasuredPlan:
     Attributes:
         id: the run's id in measured_plans.json; ``group``: its group.
         plan: the hetrain plan (``convert_plan``).
-        gpus_per_device: per hetrain device name, the GPUs it stands for (its TP degree).
         measured_iter_time_s / measured_max_mem_bytes: what was measured (peak memory per GPU).
         usable_for_time: the data's ``usable_for_time``.
         memory_reliable: whether its memory figure was measured on this configuration (False for the
@@ -164,16 +171,14 @@ class MeasuredPlan:
     id: str
     group: str
     plan: Plan
-    gpus_per_device: Mapping[str, int]
     measured_iter_time_s: float
     measured_max_mem_bytes: float
     usable_for_time: bool
     memory_reliable: bool
 
     def per_gpu_bytes(self, device_peak_bytes: Mapping[str, float]) -> float:
-        """The largest per-GPU memory of the plan, from each hetrain device's peak (a device of tp GPUs
-        holds tp shards of equal size: its peak / tp per GPU)."""
-        return max(b / self.gpus_per_device[d] for d, b in device_peak_bytes.items())
+        """The largest per-GPU memory of the plan: of each device's peak (a TP group's ranks hold alike)."""
+        return max(device_peak_bytes.values())
 
 
 def _load(path: Path) -> Any:
@@ -255,6 +260,14 @@ def _count(replica: Mapping[str, Any]) -> int:
     return int(min(replica["tp"], replica.get("gpus_per_node") or replica["tp"]))
 
 
+def _intra_fit(network: Mapping[str, Any], gpu: str, plan_id: str) -> Mapping[str, Any]:
+    """The intra-node curve of one pair of GPUs of type ``gpu`` sending at once (``intra_node[gpu]["2"]``)."""
+    fit = network.get("intra_node", {}).get(gpu, {}).get("2")
+    if fit is None:
+        raise MeasuredRunError(f"plan {plan_id}: network.json has no intra_node[{gpu!r}]['2'] fit")
+    return fit  # type: ignore[no-any-return]
+
+
 def _inter_fit(network: Mapping[str, Any], sender: Mapping[str, Any], receiver: Mapping[str, Any],
                plan_id: str) -> Mapping[str, Any]:
     keys = (str(sender["gpu_type"]), str(_count(sender)), str(receiver["gpu_type"]), str(_count(receiver)))
@@ -268,7 +281,7 @@ def _inter_fit(network: Mapping[str, Any], sender: Mapping[str, Any], receiver: 
 
 
 # ---------------------------------------------------------------------------
-# the profile of one model at one TP degree
+# the profile of one model: whole layers, their TP split, times per TP degree
 # ---------------------------------------------------------------------------
 
 
@@ -276,6 +289,10 @@ def _inter_fit(network: Mapping[str, Any], sender: Mapping[str, Any], receiver: 
 #: its "RTX-2080" nodes have 11 GiB per GPU (network.json ``basic_cluster_config`` and ``gpu_memory_GB``),
 #: which among Turing GeForce cards only the RTX 2080 Ti has (the RTX 2080 has 8 GB)
 SAILOR_GPU_TYPES = {"RTX-2080": "RTX2080Ti"}
+#: how far one rank's figures of the profile (``cost.tp_rank_profile``) may miss the data's per-rank element
+#: counts at the TP degree the split was solved at: an embedding's rank holds 0.2% more saved activations than the
+#: whole layer (OPT-350M: 4608 elements, the vocab-parallel embedding's own), which no split can express
+TP_SPLIT_TOLERANCE = 0.01
 
 
 def catalog_type(gpu: str) -> str:
@@ -288,11 +305,6 @@ def catalog_type(gpu: str) -> str:
     return lookup_device_type(SAILOR_GPU_TYPES.get(gpu, gpu)).name
 
 
-def device_type_name(gpu: str, tp: int) -> str:
-    """The hetrain device type of a TP group: ``"GH-96x4"``."""
-    return f"{gpu}x{tp}"
-
-
 def _model(data: SailorData, name: str, plan_id: str) -> Mapping[str, Any]:
     models = data.profiles["models"]
     if name not in models:
@@ -300,69 +312,152 @@ def _model(data: SailorData, name: str, plan_id: str) -> Mapping[str, Any]:
     return models[name]  # type: ignore[no-any-return]
 
 
-def _gpu_figures(data: SailorData, gpu: str, tp: int) -> tuple[float, float, float]:
-    """(peak fp32 FLOP/s, memory bytes, memory bandwidth) of a TP group of ``tp`` GPUs of type ``gpu``: the
-    catalog's rates, the memory the data's cluster had per GPU (``basic_cluster_config``), times tp."""
-    t = lookup_device_type(catalog_type(gpu))
+def _gpu_memory_bytes(data: SailorData, gpu: str) -> float:
+    """The memory of one GPU of type ``gpu`` as the data's cluster had it (``basic_cluster_config``), else the
+    catalog's."""
     cfg = data.network.get("basic_cluster_config", {}).get(gpu, {})
-    memory = float(cfg.get("mem_per_gpu") or t.memory_bytes)
-    return tp * t.peak_fp32_flops, tp * memory, tp * t.memory_bandwidth_bytes_per_s
+    return float(cfg.get("mem_per_gpu") or lookup_device_type(catalog_type(gpu)).memory_bytes)
+
+
+def solve_split(whole: float, rank: float, k: int) -> float:
+    """The part of a layer's figure that a TP group of ``k`` splits, from the whole layer's and one rank's.
+
+    A rank holds ``whole - split + split / k`` (``cost.tp_rank_profile``), so ``split = (whole - rank) k / (k - 1)``,
+    kept within [0, whole] (a rank that holds more than the whole layer: nothing split).
+
+    Example:
+        >>> solve_split(12596224, 3153664, 4)   # an OPT-350M block's parameters (elements) at TP 4
+        12590080.0
+    """
+    return min(whole, max(0.0, (whole - rank) * k / (k - 1)))
+
+
+def _layer_bytes(sizes: Mapping[str, Any], i: int, n: int) -> tuple[float, float, float]:
+    """(parameter, output, saved) bytes per sample of layer ``i`` of ``n`` on one rank at one TP degree's
+    ``layer_sizes_per_tp`` entry. The last layer's output is its logits, which hetrain's loss term keeps (one per
+    micro-batch in flight): its saved bytes are its activation memory less that one output."""
+    params, out, saved = (FP32_BYTES * float(sizes[key][i]) for key in
+                          ("params_floats", "act_output_floats", "act_mem_floats"))
+    return params, out, max(0.0, saved - out) if i == n - 1 else saved
+
+
+def _split_degree(sizes_per_tp: Mapping[str, Any], tp: int) -> int:
+    """The TP degree the layers' split is solved at: the plan's, else the smallest the data has (1: none)."""
+    if tp > 1:
+        return tp
+    return min((int(k) for k in sizes_per_tp if int(k) > 1), default=1)
+
+
+def _layer(sizes_per_tp: Mapping[str, Any], i: int, n: int, k: int, seq: int, hidden: int,
+           measured: Sequence[tuple[str, tuple[Measurement, ...]]],
+           measured_tp: Sequence[tuple[str, int, tuple[Measurement, ...]]]) -> LayerProfile:
+    """Layer ``i`` of ``n`` whole (TP 1) with its TP split solved at degree ``k`` (``solve_split``).
+
+    Split: the parameters and saved activations by the data's per-rank counts; the forward FLOPs of the split
+    parameters' matrix multiplies (2 per parameter and token) and, in a block, attention (by heads); all-reduced:
+    a block's two of ``s h`` per forward (Megatron's attention and MLP outputs), the embedding's and the head's one
+    (the vocab-parallel embedding's output; the head's input gradient). The output by the data's per-rank counts:
+    whole on every rank but the head's logits (vocab-parallel, never gathered).
+    """
+    params, out, saved = _layer_bytes(sizes_per_tp["1"], i, n)
+    block = 0 < i < n - 1
+    attention = 4.0 * seq * seq * hidden if block else 0.0  # QK^T and AV, per sample
+    flops = 2.0 * params / FP32_BYTES * seq + attention
+    split = None
+    if k > 1:
+        rank_params, rank_out, rank_saved = _layer_bytes(sizes_per_tp[str(k)], i, n)
+        split_params = solve_split(params, rank_params, k)
+        split = TPSplit(split_param_bytes=split_params,
+                        split_flops_per_sample=2.0 * split_params / FP32_BYTES * seq + attention,
+                        split_saved_bytes_per_sample=solve_split(saved, rank_saved, k),
+                        allreduce_bytes_per_sample=(2.0 if block else 1.0) * seq * hidden * FP32_BYTES,
+                        allreduces=2 if block else 1, split_output_bytes_per_sample=solve_split(out, rank_out, k))
+    name = "embedding" if i == 0 else "head" if i == n - 1 else f"block{i}"
+    return LayerProfile(name, params, out, saved, flops, tuple(measured), split, tuple(measured_tp))
+
+
+def _timings(model: Mapping[str, Any], gpus: Sequence[str], tp: int, n: int, where: str,
+             ) -> tuple[list[list[tuple[str, tuple[Measurement, ...]]]],
+                        list[list[tuple[str, int, tuple[Measurement, ...]]]]]:
+    """Per layer, the data's seconds of each GPU type in ``gpus`` (by its catalog type): on one GPU (TP 1) as
+    ``measured``, on one rank of a TP group of each degree k >= 2 as ``measured_tp`` (collectives in)."""
+    measured: list[list[tuple[str, tuple[Measurement, ...]]]] = [[] for _ in range(n)]
+    measured_tp: list[list[tuple[str, int, tuple[Measurement, ...]]]] = [[] for _ in range(n)]
+    for gpu in gpus:
+        by_mbs = model["timing"].get(gpu)
+        if by_mbs is None:
+            raise MeasuredRunError(f"{where}: profiles.json has no timing for GPU type {gpu!r}")
+        degrees = sorted({int(k) for t in by_mbs.values() for k in t})
+        if tp not in degrees:
+            raise MeasuredRunError(f"{where}: profiles.json has no timing of {gpu!r} at tp {tp}")
+        for k in degrees:
+            rows = sorted((int(mbs), t[str(k)]) for mbs, t in by_mbs.items() if str(k) in t)
+            for i in range(n):
+                ms = tuple(Measurement(mbs, float(t["fwd_s"][i]), float(t["bwd_s"][i])) for mbs, t in rows)
+                if k == 1:
+                    measured[i].append((catalog_type(gpu), ms))
+                else:
+                    measured_tp[i].append((catalog_type(gpu), k, ms))
+    return measured, measured_tp
+
+
+def check_tp_split(profile: ModelProfile, sizes: Mapping[str, Any], k: int, where: str) -> None:
+    """Check that one rank's view of ``profile`` at TP degree ``k`` (``cost.tp_rank_profile``) holds the data's
+    per-rank parameter and saved activation counts at that degree (``sizes``: its ``layer_sizes_per_tp`` entry),
+    within ``TP_SPLIT_TOLERANCE``.
+
+    Raises:
+        MeasuredRunError: a layer whose split misses a count by more; names the layer, the degree and the figures.
+    """
+    n = profile.num_layers
+    rank = tp_rank_profile(profile, k)
+    for i in range(n):
+        params, out, saved = _layer_bytes(sizes, i, n)
+        for what, got, want in (("parameter", rank.layers[i].param_bytes, params),
+                                ("output", rank.layers[i].output_bytes_per_sample, out),
+                                ("saved activation", rank.layers[i].saved_bytes_per_sample, saved)):
+            if abs(got - want) > TP_SPLIT_TOLERANCE * max(want, got):
+                raise MeasuredRunError(f"{where}: layer {i} ({profile.layers[i].name}) at TP {k}: its split gives "
+                                       f"a rank {got:.0f} {what} bytes, the data {want:.0f}")
 
 
 def build_sailor_profile(data: SailorData, model_name: str, tp: int, gpus: Sequence[str],
                          runtime: DeepSpeedRuntime = DEEPSPEED, plan_id: str = "") -> ModelProfile:
-    """The hetrain profile of ``model_name`` run at TP degree ``tp`` on device types ``<gpu>x<tp>``.
+    """The hetrain profile of ``model_name`` for a run at TP degree ``tp`` on the catalog types of ``gpus``.
 
-    Per layer (Sailor's ids: 0 embedding, 1..L blocks, L+1 final norm + head + loss), for a device of
-    tp GPUs: ``param_bytes`` = tp x a TP rank's parameters x 4; ``saved_bytes_per_sample`` = tp x a rank's
-    activation memory (``act_mem_floats``) x 4; ``output_bytes_per_sample`` = the whole activation sent
-    to the next stage (``act_output_floats`` at tp 1) x 4. The last layer's output is its logits, tp x
-    a rank's share: hetrain's loss term keeps one such output per micro-batch in flight, so the last
-    layer's saved bytes are its activation memory less that one. Times: the profile's seconds at
-    ``tp`` and each measured micro-batch size, per device type.
+    Per layer (Sailor's ids: 0 embedding, 1..L blocks, L+1 final norm + head + loss) the whole layer's figures
+    (``layer_sizes_per_tp["1"]``, x 4 bytes) and its TP split (``_layer``), solved at ``tp`` (a plan at TP 1: the
+    smallest degree the data has) and checked there (``check_tp_split``); its times on one GPU (TP 1) as
+    ``measured`` and on one rank of a TP group as ``measured_tp``, per measured micro-batch size. The runtime's
+    memory footprint per GPU.
     """
     where = f"plan {plan_id}" if plan_id else f"model {model_name}"
     model = _model(data, model_name, plan_id)
-    sizes_tp, sizes_1 = model["layer_sizes_per_tp"].get(str(tp)), model["layer_sizes_per_tp"]["1"]
-    if sizes_tp is None:
-        raise MeasuredRunError(f"{where}: profiles.json has no layer_sizes_per_tp[{tp!r}] for {model_name}")
+    sizes_per_tp = model["layer_sizes_per_tp"]
+    k = _split_degree(sizes_per_tp, tp)
+    for degree in {"1", str(k)}:
+        if degree not in sizes_per_tp:
+            raise MeasuredRunError(f"{where}: profiles.json has no layer_sizes_per_tp[{degree!r}] for {model_name}")
     dims = model["dims"]
     seq, hidden = int(dims["sequence_length"]), int(dims["hidden_size"])
-    n = len(sizes_tp["params_floats"])
-    measured: dict[int, list[tuple[str, tuple[Measurement, ...]]]] = {i: [] for i in range(n)}
-    for gpu in gpus:
-        by_mbs = model["timing"].get(gpu)
-        if by_mbs is None:
-            raise MeasuredRunError(f"{where}: profiles.json has no timing for GPU type {gpu!r} of {model_name}")
-        rows = sorted((int(mbs), t[str(tp)]) for mbs, t in by_mbs.items() if str(tp) in t)
-        if not rows:
-            raise MeasuredRunError(f"{where}: profiles.json has no timing of {gpu!r} at tp {tp}")
-        for i in range(n):
-            ms = tuple(Measurement(mbs, float(t["fwd_s"][i]), float(t["bwd_s"][i])) for mbs, t in rows)
-            measured[i].append((device_type_name(gpu, tp), ms))
-    layers = []
-    for i in range(n):
-        out = FP32_BYTES * float(sizes_1["act_output_floats"][i])
-        saved = tp * FP32_BYTES * float(sizes_tp["act_mem_floats"][i])
-        if i == n - 1:
-            out = tp * FP32_BYTES * float(sizes_tp["act_output_floats"][i])
-            saved = max(0.0, saved - out)
-        attention = 4.0 * seq * seq * hidden if 0 < i < n - 1 else 0.0  # QK^T and AV, per sample
-        flops = 2.0 * float(sizes_1["params_floats"][i]) * seq + attention
-        name = "embedding" if i == 0 else "head" if i == n - 1 else f"block{i}"
-        layers.append(LayerProfile(name, tp * FP32_BYTES * float(sizes_tp["params_floats"][i]), out, saved, flops,
-                                   tuple(measured[i])))
-    types = [device_type_name(g, tp) for g in gpus]
-    figures = {device_type_name(g, tp): _gpu_figures(data, g, tp) for g in gpus}
-    return ModelProfile(
-        name=model_name, layers=tuple(layers),
-        input_bytes_per_sample=FP32_BYTES * float(sizes_1["act_input_floats"][0]), precision="fp32",
-        measured_on=tuple((t, DeviceFigures(figures[t][0], figures[t][2])) for t in types),
-        memory_footprint=tuple((t, tp * runtime.fixed_bytes_per_gpu, runtime.allocator_fraction) for t in types),
+    n = len(sizes_per_tp["1"]["params_floats"])
+    measured, measured_tp = _timings(model, gpus, tp, n, where)
+    layers = tuple(_layer(sizes_per_tp, i, n, k, seq, hidden, measured[i], measured_tp[i]) for i in range(n))
+    types = list(dict.fromkeys(catalog_type(g) for g in gpus))
+    catalog = {t: lookup_device_type(t) for t in types}
+    profile = ModelProfile(
+        name=model_name, layers=layers,
+        input_bytes_per_sample=FP32_BYTES * float(sizes_per_tp["1"]["act_input_floats"][0]), precision="fp32",
+        measured_on=tuple((t, DeviceFigures(catalog[t].peak_fp32_flops, catalog[t].memory_bandwidth_bytes_per_s))
+                          for t in types),
+        memory_footprint=tuple((t, runtime.fixed_bytes_per_gpu, runtime.allocator_fraction) for t in types),
         iteration_overhead_s=tuple((t, runtime.iteration_overhead_s) for t in types if runtime.iteration_overhead_s),
         action_overhead_s=tuple((t, runtime.action_overhead_s) for t in types if runtime.action_overhead_s),
         seq_len=seq,
     )
+    if k > 1:
+        check_tp_split(profile, sizes_per_tp[str(k)], k, where)
+    return profile
 
 
 # ---------------------------------------------------------------------------
@@ -376,6 +471,84 @@ def _field(raw: Mapping[str, Any], key: str, plan_id: str) -> Any:
     return raw[key]
 
 
+def _node_name(j: int, r: int) -> str:
+    """The node of replica ``r`` of stage ``j``: every replica ran on a node of its own."""
+    return f"s{j}r{r}"
+
+
+def _nodes(stages: Sequence[Mapping[str, Any]], tp: int, mbs: int, seq: int, hidden: int, data: SailorData,
+           plan_id: str) -> list[dict[str, Any]]:
+    """One node per replica, with the GPUs its node had (``gpus_per_node``, at least its TP group) of the GPU's
+    catalog type and the memory the cluster had per GPU; its NIC the largest aggregate bandwidth its GPUs
+    reached towards a node like it; its intra link the intra-node curve of one pair of GPUs at a ring step of a
+    block's TP all-reduce (``mbs s h`` x 4 bytes / tp; the measured layer times have these collectives in)."""
+    nodes = []
+    for j, s in enumerate(stages):
+        for r, rep in enumerate(s["replicas"]):
+            gpu = str(rep["gpu_type"])
+            count = int(rep.get("gpus_per_node") or tp)
+            if count < tp:
+                raise MeasuredRunError(f"plan {plan_id}: stage {j} replica {r} has gpus_per_node {count}, fewer "
+                                       f"than its TP degree {tp}")
+            own = _inter_fit(data.network, rep, rep, plan_id)
+            intra = fitted_bandwidth(_intra_fit(data.network, gpu, plan_id), mbs * seq * hidden * FP32_BYTES / tp)
+            nodes.append({"name": _node_name(j, r), "intra_link": {"bandwidth_bytes_per_s": intra},
+                          "nic": {"bandwidth_bytes_per_s": float(own["max_bw_Bps"])},
+                          "devices": [{"type": catalog_type(gpu), "count": count,
+                                       "memory_bytes": _gpu_memory_bytes(data, gpu)}]})
+    return nodes
+
+
+def _links(stages: Sequence[Mapping[str, Any]], profile: ModelProfile, tp: int, mbs: int, data: SailorData,
+           runtime: DeepSpeedRuntime, plan_id: str) -> list[dict[str, Any]]:
+    """The ``[[link]]``s between replicas' nodes, each the aggregate bandwidth of the node's GPUs sending at once
+    (the fitted curve of ``tp`` GPUs per node) at the message each GPU sends: its k ranks share it, each sending a
+    k-th of what the group moves (``cluster.tp_cluster``, ``ModelProfile.sent_bytes_per_sample``).
+
+    Between stages: a rank's part of a boundary's activation (or gradient), ``mbs`` x the whole / tp, with the
+    receiver's rebuild (``stage_link_bandwidth``). Among a stage's replicas: a ring step of a rank's gradients,
+    a rank's parameter bytes / dp; the slower of the two directions."""
+    dp = len(stages[0]["replicas"])
+    links = []
+    for j, s in enumerate(stages[:-1]):
+        size = mbs * profile.layers[s["layers"][-1]].output_bytes_per_sample
+        for r, rep in enumerate(s["replicas"]):
+            peer = stages[j + 1]["replicas"][r % dp]
+            k = _count(rep)
+            aggregate = fitted_bandwidth(_inter_fit(data.network, rep, peer, plan_id),
+                                         size / k if runtime.partitioned_transfers else size)
+            bw = aggregate if runtime.partitioned_transfers else aggregate / k  # k copies of the whole tensor
+            links.append({"nodes": [_node_name(j, r), _node_name(j + 1, r % dp)],
+                          "bandwidth_bytes_per_s": stage_link_bandwidth(bw, runtime),
+                          "latency_s": runtime.p2p_latency_s})
+    rank = tp_rank_profile(profile, tp)
+    for j, s in enumerate(stages):  # the gradient all-reduce: the tp ranks' rings run at once
+        if dp < 2:
+            continue
+        rank_bytes = sum(rank.layers[i].param_bytes for i in s["layers"])
+        for r, a in enumerate(s["replicas"]):
+            for q in range(r + 1, dp):
+                b = s["replicas"][q]
+                fits = (_inter_fit(data.network, a, b, plan_id), _inter_fit(data.network, b, a, plan_id))
+                bw = min(fitted_bandwidth(f, rank_bytes / dp) for f in fits)
+                links.append({"nodes": [_node_name(j, r), _node_name(j, q)], "bandwidth_bytes_per_s": bw,
+                              "latency_s": 0.0})
+    return links
+
+
+def _one_degree(stages: Sequence[Mapping[str, Any]], plan_id: str) -> tuple[int, int]:
+    """(dp, tp) of the plan's stages; MeasuredRunError where stages differ in either."""
+    dps = {len(s["replicas"]) for s in stages}
+    if len(dps) != 1:
+        raise MeasuredRunError(f"plan {plan_id}: stages with different data-parallel degrees "
+                               f"{[len(s['replicas']) for s in stages]}: a replica would serve two pipelines, "
+                               f"which hetrain's virtual workers cannot express")
+    tps = {int(r["tp"]) for s in stages for r in s["replicas"]}
+    if len(tps) != 1:
+        raise MeasuredRunError(f"plan {plan_id}: replicas of TP degrees {sorted(tps)}; one TP degree per plan")
+    return dps.pop(), tps.pop()
+
+
 def convert_plan(raw: Mapping[str, Any], data: SailorData, runtime: DeepSpeedRuntime = DEEPSPEED) -> MeasuredPlan:
     """The hetrain plan of one measured plan of ``data`` (module docstring: the rule).
 
@@ -386,59 +559,23 @@ def convert_plan(raw: Mapping[str, Any], data: SailorData, runtime: DeepSpeedRun
     plan_id = str(raw.get("id", "?"))
     stages = _field(raw, "stages", plan_id)
     mbs, m = int(_field(raw, "mbs", plan_id)), int(_field(raw, "num_microbatches", plan_id))
-    dps = {len(s["replicas"]) for s in stages}
-    if len(dps) != 1:
-        raise MeasuredRunError(f"plan {plan_id}: stages with different data-parallel degrees "
-                               f"{[len(s['replicas']) for s in stages]}: a replica would serve two pipelines, "
-                               f"which hetrain's virtual workers cannot express")
-    dp = dps.pop()
-    tps = {int(r["tp"]) for s in stages for r in s["replicas"]}
-    if len(tps) != 1:
-        raise MeasuredRunError(f"plan {plan_id}: replicas of TP degrees {sorted(tps)}; one TP degree per plan")
-    tp = tps.pop()
+    dp, tp = _one_degree(stages, plan_id)
     gpus = list(dict.fromkeys(str(r["gpu_type"]) for s in stages for r in s["replicas"]))
     model_name = str(_field(raw, "model", plan_id))
     profile = build_sailor_profile(data, model_name, tp, gpus, runtime, plan_id)
     if sum(len(s["layers"]) for s in stages) != profile.num_layers:
         raise MeasuredRunError(f"plan {plan_id}: its stages hold {sum(len(s['layers']) for s in stages)} layers, "
                                f"the profile of {model_name} has {profile.num_layers}")
+    seq, hidden = profile.seq_len or 0, int(_model(data, model_name, plan_id)["dims"]["hidden_size"])
+    cluster = parse_cluster({"name": str(raw.get("cluster", "measured")),
+                             "node": _nodes(stages, tp, mbs, seq, hidden, data, plan_id),
+                             "link": _links(stages, profile, tp, mbs, data, runtime, plan_id)})
 
-    def node(j: int, r: int) -> str:
-        return f"s{j}r{r}"
+    def stage(j: int, r: int, s: Mapping[str, Any]) -> Stage:
+        group = tuple(f"{_node_name(j, r)}:{g}" for g in range(tp)) if tp > 1 else ()
+        return Stage(f"{_node_name(j, r)}:0", s["layers"][0], s["layers"][-1] + 1, tp_group=group)
 
-    nodes, links = [], []
-    for j, s in enumerate(stages):
-        for r, rep in enumerate(s["replicas"]):
-            peak, memory, bandwidth = _gpu_figures(data, str(rep["gpu_type"]), tp)
-            own = _inter_fit(data.network, rep, rep, plan_id)
-            nodes.append({"name": node(j, r), "nic": {"bandwidth_bytes_per_s": float(own["max_bw_Bps"])},
-                          "devices": [{"type": device_type_name(str(rep["gpu_type"]), tp), "peak_fp32_flops": peak,
-                                       "memory_bytes": memory, "memory_bandwidth_bytes_per_s": bandwidth}]})
-    for j, s in enumerate(stages[:-1]):  # activations and gradients: tp pairs at once, each 1/tp of the tensor
-        last = s["layers"][-1]
-        size = mbs * profile.layers[last].output_bytes_per_sample
-        for r, rep in enumerate(s["replicas"]):
-            peer = stages[j + 1]["replicas"][r % dp]
-            k = _count(rep)
-            aggregate = fitted_bandwidth(_inter_fit(data.network, rep, peer, plan_id),
-                                         size / k if runtime.partitioned_transfers else size)
-            bw = aggregate if runtime.partitioned_transfers else aggregate / k  # k copies of the whole tensor
-            links.append({"nodes": [node(j, r), node(j + 1, r % dp)],
-                          "bandwidth_bytes_per_s": stage_link_bandwidth(bw, runtime),
-                          "latency_s": runtime.p2p_latency_s})
-    for j, s in enumerate(stages):  # the gradient all-reduce: the tp ranks' rings run at once
-        if dp < 2:
-            continue
-        rank_bytes = sum(profile.layers[i].param_bytes for i in s["layers"]) / tp
-        for r, a in enumerate(s["replicas"]):
-            for q in range(r + 1, dp):
-                b = s["replicas"][q]
-                fits = (_inter_fit(data.network, a, b, plan_id), _inter_fit(data.network, b, a, plan_id))
-                bw = min(fitted_bandwidth(f, rank_bytes / dp) for f in fits)
-                links.append({"nodes": [node(j, r), node(j, q)], "bandwidth_bytes_per_s": bw, "latency_s": 0.0})
-    cluster = parse_cluster({"name": str(raw.get("cluster", "measured")), "node": nodes, "link": links})
-    vws = tuple(VirtualWorker(tuple(Stage(f"{node(j, r)}:0", s["layers"][0], s["layers"][-1] + 1)
-                                    for j, s in enumerate(stages)), mbs * m, m) for r in range(dp))
+    vws = tuple(VirtualWorker(tuple(stage(j, r, s) for j, s in enumerate(stages)), mbs * m, m) for r in range(dp))
     strategy = "dp" if len(stages) == 1 else "pp" if dp == 1 else "hybrid"
     plan = Plan(model_name, dp * mbs * m, "1f1b", "bsp", "adam", vws, Prediction(0.0, 0.0, 0.0, 0.0, 0.0),
                 strategy, "measured", cluster, profile, options={"measured_run": plan_id},
@@ -447,7 +584,6 @@ def convert_plan(raw: Mapping[str, Any], data: SailorData, runtime: DeepSpeedRun
     group = str(raw.get("group", ""))
     return MeasuredPlan(
         id=plan_id, group=group, plan=plan,
-        gpus_per_device={d.name: tp for d in cluster.devices},
         measured_iter_time_s=float(measured.get("iter_time_s") or 0.0),
         measured_max_mem_bytes=float(measured.get("max_mem_bytes") or 0.0),
         usable_for_time=bool(raw.get("usable_for_time", True)) and float(measured.get("iter_time_s") or 0) > 0,

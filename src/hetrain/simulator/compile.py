@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from hetrain.cluster import Device
+from hetrain.cluster import Cluster, Device, Link
 from hetrain.cost import (
     estimate_action_overhead,
     estimate_iteration_overhead,
@@ -221,13 +221,34 @@ class _OpTemplate:
     last_backward: int  # the position of the template's last backward (-1: none)
 
 
+def network_of_tp_groups(plan: Plan) -> Cluster:
+    """``plan.cluster`` with the network as one rank of each TP group sees it: the node of a stage's TP group of
+    k devices has a k-th of its NIC's bandwidth, and a node link a k-th of its own (the larger k of its two nodes).
+    Only a group's first device has actions; its k ranks move their parts at once over the node's one NIC, as
+    ``cluster.tp_cluster`` has it for the planner. A plan without TP groups: its cluster as it is."""
+    cluster = plan.cluster
+    if plan.max_tp == 1:
+        return cluster
+    node_of = {d.name: d.node for d in cluster.devices}
+    k_of: dict[str, int] = {}
+    for vw in plan.virtual_workers:
+        for s in vw.stages:
+            k_of[node_of[s.device]] = max(k_of.get(node_of[s.device], 1), s.tp)
+
+    def shared(link: Link, k: int) -> Link:
+        return replace(link, bandwidth_bytes_per_s=link.bandwidth_bytes_per_s / k)
+    nodes = tuple(replace(n, nic=shared(n.nic, k_of.get(n.name, 1))) for n in cluster.nodes)
+    links = tuple(replace(nl, link=shared(nl.link, max(k_of.get(a, 1) for a in nl.nodes))) for nl in cluster.node_links)
+    return Cluster(cluster.name, nodes, links)
+
+
 class _Compiler:
     """Numbers devices, link resources and collectives while it compiles each action."""
 
     def __init__(self, plan: Plan, schedules: Sequence[Schedule | ScheduleTemplates]) -> None:
         self.plan = plan
         self.schedules = [s if isinstance(s, ScheduleTemplates) else ScheduleTemplates.of(s) for s in schedules]
-        self.cluster = plan.cluster
+        self.cluster = network_of_tp_groups(plan)
         self.names = list(self.schedules[0].roles)
         self.index = {name: k for k, name in enumerate(self.names)}
         # transfers are numbered (``transfer_key``): micro-batch indices lie below ``span``
