@@ -3,7 +3,8 @@
 On the demo's emulated cluster (hetrain.demo.DEFAULT_CLUSTER: node "fast" of two devices at a full CPU share,
 node "slow" of two at 0.4, loopback inside a node, 1 Gbit/s and 100 Mbit/s NICs), after one profile (its TP
 splits from the analytic profile: ``profile_combine.with_tp_splits``), one link discovery and one calibration,
-the planner plans gpt-tiny twice with the same options but the TP degree:
+with the layers also timed on a rank of a TP group of a node's two devices (``runtime.tp_measure``), the
+planner plans gpt-tiny twice with the same options but the TP degree:
 
     tp2   every stage on a TP group of the node's two devices (``--tp 2``): a pipeline of two TP groups, or
           TP groups side by side, as the planner finds best
@@ -65,7 +66,7 @@ def main() -> int:
     try:
         result = run_emulated_comparison(DEFAULT_CLUSTER, args.out, model=MODEL, global_batch=args.global_batch,
                                          steps=args.steps, warmup=args.warmup, train=["tp2", "tp1"],
-                                         plan_builder=build)
+                                         plan_builder=build, profile_tp=2)
     except RuntimeError as e:
         print(f"failed: {e}")
         return 1

@@ -118,7 +118,12 @@ def _say(text: str) -> None:
 
 #: the profile worker's options (what ``_profile_step`` passes) and their defaults; None: required
 WORKER_OPTIONS: dict[str, str | None] = {"--model": None, "--out-dir": None,
-                                         "--micro-batches": ",".join(map(str, PROFILE_MICRO_BATCHES)), "--repeats": "3"}
+                                         "--micro-batches": ",".join(map(str, PROFILE_MICRO_BATCHES)), "--repeats": "3",
+                                         "--tp": "1"}
+
+
+#: how long the profiling job's ranks wait for each other while timing TP layers (``_measure_tp``)
+PROFILE_TP_TIMEOUT_S = 120.0
 
 
 def worker_options(argv: Sequence[str]) -> dict[str, str]:
@@ -169,8 +174,49 @@ def profile_worker(argv: Sequence[str]) -> int:
                               min_time_s=PROFILE_MIN_TIME_S)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    measured.to_profile(model).save(node_profile_path(out_dir, node, local_rank))
+    profile = measured.to_profile(model)
+    k = int(options["--tp"])
+    if k > 1:
+        profile = _measure_tp(profile, layers, lambda b: sample_batch(model, b, torch.Generator().manual_seed(0))[0],
+                              sizes, k, int(options["--repeats"]))
+    profile.save(node_profile_path(out_dir, node, local_rank))
     return 0
+
+
+def _measure_tp(profile: ModelProfile, layers: Any, sample: Any, sizes: list[int], k: int,
+                repeats: int) -> ModelProfile:
+    """``profile`` with its layers also timed on a rank of a TP group of ``k`` (``runtime.tp_measure``): the ranks
+    of each node, ``k`` consecutive local ranks a group (a node's last ranks that fill none time nothing). Every
+    rank of the job takes part in creating every group (collective), in node order."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from hetrain.runtime.tp_measure import measure_layers_tp, with_measured_tp
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=PROFILE_TP_TIMEOUT_S))
+    try:
+        where: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(where, (os.environ.get("HETRAIN_NODE", "local"), int(os.environ.get("LOCAL_RANK", "0"))))
+        nodes: dict[str, list[tuple[int, int]]] = {}
+        for rank, (node, local_rank) in enumerate(where):
+            nodes.setdefault(str(node), []).append((int(local_rank), rank))
+        mine = None
+        for node in sorted(nodes):
+            ranks = [r for _, r in sorted(nodes[node])]
+            for g in range(0, len(ranks) - k + 1, k):
+                members = ranks[g:g + k]
+                group = dist.new_group(members, timeout=timedelta(seconds=PROFILE_TP_TIMEOUT_S))
+                if dist.get_rank() in members:
+                    mine = DeviceMesh.from_group(group, "cpu", mesh=torch.tensor(members, dtype=torch.int64))
+        if mine is None:
+            return profile
+        timed = measure_layers_tp(layers, sample, sizes, mine, repeats=repeats, min_time_s=PROFILE_MIN_TIME_S)
+        return with_measured_tp(profile, profile.measured_on[0][0], k, timed)
+    finally:
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------
@@ -236,12 +282,13 @@ class _Jobs:
             raise RuntimeError(f"{what} failed with exit status {status}; see {self.out / 'jobs.log'}")
 
 
-def _profile_step(jobs: _Jobs, nominal: dict[str, Any], model: str) -> tuple[ModelProfile, Path]:
-    """Step 1: every device profiles the model; one profile per device type, saved as ``profile.json``."""
+def _profile_step(jobs: _Jobs, nominal: dict[str, Any], model: str, tp: int = 1) -> tuple[ModelProfile, Path]:
+    """Step 1: every device profiles the model (and, with ``tp`` > 1, its layers on a rank of a TP group of the
+    node's devices: ``_measure_tp``); one profile per device type, saved as ``profile.json``."""
     from hetrain.profiler.merge import merge_node_profiles
 
     jobs.run("profile", [PYTHON, "-m", "hetrain.demo", "profile-worker", "--model", model, "--out-dir",
-                         str(jobs.out)])
+                         str(jobs.out), "--tp", str(tp)])
     profile = merge_node_profiles(nominal, jobs.out)
     profile_path = jobs.out / "profile.json"
     profile.save(profile_path)
@@ -365,7 +412,7 @@ def run_emulated_comparison(cluster_text: str, out_dir: str | Path, model: str =
                             job_timeout_s: float = 300.0, train: Sequence[str] = ("hetrain", "dp", "even-split"),
                             baselines: Sequence[str] = (),
                             plan_builder: Callable[[dict[str, Any], ModelProfile, int], dict[str, Plan]] | None = None,
-                            calibrate: bool = True) -> DemoResult:
+                            calibrate: bool = True, profile_tp: int = 1) -> DemoResult:
     """Profile, discover, plan, simulate and train plans (and torch baselines) on one emulated cluster.
 
     Args:
@@ -387,6 +434,8 @@ def run_emulated_comparison(cluster_text: str, out_dir: str | Path, model: str =
         calibrate: before planning, train ``calibration_plan`` for ``CALIBRATION_STEPS`` steps and put the
             overhead per action it shows into the profile (``hetrain.calibrate``); the result's
             ``calibration`` says what was found.
+        profile_tp: also time the layers on a rank of a TP group of this many of a node's devices
+            (``LayerProfile.measured_tp``); 1: not.
 
     Raises:
         EmulationError: the host cannot emulate (not root, no namespaces...).
@@ -406,7 +455,7 @@ def run_emulated_comparison(cluster_text: str, out_dir: str | Path, model: str =
     with open(out / "jobs.log", "w") as log_file, EmulatedCluster(cluster, settings, source=str(cluster_path)) as em:
         log(em.describe())
         jobs = _Jobs(em, out, log, log_file, job_timeout_s, timings)
-        profile, profile_path = _profile_step(jobs, nominal, model)
+        profile, profile_path = _profile_step(jobs, nominal, model, profile_tp)
         discovered, planning = _discover_step(jobs, nominal)
         calibration = None
         if calibrate:

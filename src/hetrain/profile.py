@@ -691,6 +691,12 @@ def relabel_profile(profile: ModelProfile, type_name: str, figures: tuple[float,
     for layer in data["layers"]:
         measured = layer.get("measured", {})
         layer["measured"] = {type_name: [m for ms in measured.values() for m in ms]}
+        by_degree: dict[str, list[Any]] = {}
+        for degrees in layer.get("measured_tp", {}).values():
+            for k, ms in degrees.items():
+                by_degree.setdefault(k, []).extend(ms)
+        if by_degree:
+            layer["measured_tp"] = {type_name: by_degree}
     rates = data.get("optimizer_step_s_per_byte", {})
     if rates:
         data["optimizer_step_s_per_byte"] = {type_name: {k: v for r in rates.values() for k, v in r.items()}}

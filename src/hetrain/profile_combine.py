@@ -55,12 +55,16 @@ def _with_measured(profiles: Sequence[ModelProfile], i: int,
                    measured: tuple[tuple[str, tuple[Measurement, ...]], ...]) -> LayerProfile:
     """Layer ``i`` of the first profile with ``measured``; byte and FLOP counts the largest any profile reports
     (saved bytes can differ a little between backends)."""
+    tp: dict[tuple[str, int], tuple[Measurement, ...]] = {}
+    for p in profiles:  # TP-rank times: a later profile's (type, degree) replaces an earlier one's
+        tp.update({(t, k): ms for t, k, ms in p.layers[i].measured_tp})
     return dataclasses.replace(
         profiles[0].layers[i],
         output_bytes_per_sample=max(p.layers[i].output_bytes_per_sample for p in profiles),
         saved_bytes_per_sample=max(p.layers[i].saved_bytes_per_sample for p in profiles),
         forward_flops_per_sample=max(p.layers[i].forward_flops_per_sample for p in profiles),
         measured=measured,
+        measured_tp=tuple((t, k, ms) for (t, k), ms in tp.items()),
     )
 
 
