@@ -310,4 +310,5 @@ def with_tp_splits(measured: ModelProfile, analytic: ModelProfile) -> tuple[Mode
     split = sum(1 for layer in layers if layer.tp is not None)
     return replace(measured, layers=tuple(layers)), (
         f"TP splits of {split} layer(s) from the analytic profile of {analytic.name}; their times on a TP group "
-        f"are estimated (tp_efficiency {measured.tp_efficiency:g}), not measured")
+        f"are estimated (tp_efficiency {measured.tp_efficiency:g}) unless timed on one "
+        f"(`hetrain profile --tp K` under torchrun)")

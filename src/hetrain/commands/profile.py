@@ -1,6 +1,7 @@
 """``hetrain profile``: measure a model's layers on this device and write the profile.
 
     hetrain profile --model NAME|MODULE:FUNCTION|hf:DIR [--data SPEC] [--seq-len T] [--micro-batch 1,2,4,8] [-o P]
+    torchrun --nproc-per-node K -m hetrain profile --model NAME --tp K [...]     (the layers also on a TP group of K)
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int_between(1, MAX_REPEATS, "MAX_REPEATS"), default=5)
     parser.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32")
+    parser.add_argument("--tp", type=int_between(1, 16, "a TP group's devices"), default=1, metavar="K",
+                        help="under torchrun with K ranks on this node: also time each layer that has a TP rule on a "
+                        "rank of a TP group of the K devices (the profile's measured_tp; docs/profile.md); without it "
+                        "the planner estimates those times")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,5 +51,9 @@ def run(args: argparse.Namespace) -> int:
                          f"--model {args.model}:FUNCTION (docs/own-model.md)")
     source = resolve_model(args.model, split_points=args.split_points)
     inputs = profile_inputs(source, args.data, seq_len=args.seq_len)
+    if args.tp > 1:
+        from hetrain.runtime.tp_measure import profile_with_tp
+
+        return profile_with_tp(source, args, inputs)
     return run_profile_command(source, args.micro_batch, args.output, device=args.device,
                                repeats=args.repeats, precision=args.precision, data=args.data, inputs=inputs)

@@ -158,3 +158,57 @@ def with_measured_tp(profile: ModelProfile, type_name: str, k: int,
         ordered = tuple(sorted(ms, key=lambda m: m.micro_batch))
         layers.append(replace(layer, measured_tp=(*kept, (type_name, k, ordered))))
     return replace(profile, layers=tuple(layers))
+
+
+def profile_with_tp(source: Any, args: Any, inputs: SampleInput) -> int:
+    """``hetrain profile --tp K`` under torchrun with K ranks on one node: every rank measures the layers on its
+    own device (``profiler.layers.run_profile_command``), then the K ranks time the layers with a TP rule as one
+    TP group (``measure_layers_tp``), and rank 0 writes the profile with them (``measured_tp``). Exit status as
+    ``run_profile_command``'s.
+
+    Raises:
+        InputError: not under torchrun with exactly K ranks.
+    """
+    import os
+    from datetime import timedelta
+    from pathlib import Path
+
+    from hetrain.errors import InputError
+    from hetrain.profile import load_profile
+    from hetrain.profiler.layers import run_profile_command
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != args.tp:
+        raise InputError(f"--tp {args.tp}: time TP layers under `torchrun --nproc-per-node {args.tp} -m hetrain "
+                         f"profile ... --tp {args.tp}` (WORLD_SIZE is {world}); without --tp the planner estimates "
+                         f"them")
+    rank = int(os.environ.get("RANK", "0"))
+    own = Path(args.output) if rank == 0 else Path(f"{args.output}.rank{rank}")
+    status = run_profile_command(source, args.micro_batch, str(own), device=args.device, repeats=args.repeats,
+                                 precision=args.precision, data=args.data, inputs=inputs)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=TIMEOUT_S))
+    try:
+        flags = torch.tensor([status], dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # every rank measured, or none goes on
+        if int(flags.item()) != 0:
+            return int(flags.item())
+        mesh = DeviceMesh(device.type, list(range(world)))
+        timed = measure_layers_tp(source.build_layers(seed=0), inputs, args.micro_batch, mesh,
+                                  repeats=args.repeats, device=device, precision=args.precision)
+        if rank == 0:
+            profile = load_profile(own)
+            with_measured_tp(profile, profile.measured_on[0][0], args.tp, timed).save(own)
+            print(f"timed {len(timed)} layer(s) on a rank of a TP group of {args.tp}: measured_tp in {own}")
+        else:
+            own.unlink(missing_ok=True)
+        return 0
+    finally:
+        dist.destroy_process_group()
+
+
+#: how long the ranks of ``profile_with_tp`` wait for each other
+TIMEOUT_S = 300.0
