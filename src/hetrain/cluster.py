@@ -625,7 +625,8 @@ def tp_cluster(cluster: Cluster, k: int) -> Cluster:
 def _share(link: Link, k: int) -> Link:
     """A node's network link as each of ``k`` TP ranks that use it at once sees it: a k-th of its bandwidth.
 
-    Every rank of a TP group sends its copy of a stage's output (runtime: replicated activations, rank j to
-    rank j), and every rank reduces its own shard's gradients with the other VWs, so whatever one group
-    device of ``tp_cluster`` moves across the network, its k ranks move at once over the node's one NIC."""
+    Every rank of a TP group sends its k-th of a stage's output (``runtime.step.tp_transfer``: scatter / gather,
+    ``ModelProfile.sent_bytes_per_sample``), and every rank reduces its own shard's gradients with the other VWs,
+    so whatever one group device of ``tp_cluster`` moves across the network, its k ranks move at once over the
+    node's one NIC."""
     return replace(link, bandwidth_bytes_per_s=link.bandwidth_bytes_per_s / k)

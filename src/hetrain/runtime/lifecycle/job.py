@@ -263,6 +263,7 @@ def build_stage(plan: Plan, role: Role, device: torch.device, groups: Groups, ra
         modes = ModeSync(plan, role.device, sync, groups.segments, groups.modes, rank_of, health, timeout_s)
     executor = Executor(role, module, loss_fn, transport, sync, optimizer, health, recorder, device, modes,
                         plan.precision, early_receives(plan, role.device))
+    executor.tp_group = groups.tp.get(stage.device) if stage.tp > 1 else None
     tied_grads = TiedGrads(tied, plan, role.device, module, groups.tied, wait) if tied else None
     return StageParts(module, optimizer, sync, transport, recorder, modes, executor, tied_grads)
 

@@ -87,6 +87,8 @@ class Role:
         tp_ranks: the ranks of the stage's TP group, in the group's order (this rank alone without TP).
         send_f_ranks: the ranks of stage j + 1 this rank sends its activations to ("every rank sends its copy":
             receiver r of a group of k' takes its input from rank r mod k of this group of k).
+        split_prev / split_next: the stage before / after runs at this stage's TP degree (> 1): the boundary
+            moves a k-th per rank and is all-gathered (``step.tp_transfer``); else every rank sends its copy.
         send_b_ranks: the ranks of stage j - 1 this rank sends its input gradients to (rank j' of that group
             takes them from rank j' mod k of this group).
 
@@ -112,6 +114,8 @@ class Role:
     tp_ranks: tuple[int, ...] = ()
     send_f_ranks: tuple[int, ...] = ()
     send_b_ranks: tuple[int, ...] = ()
+    split_prev: bool = False
+    split_next: bool = False
 
     @property
     def tp(self) -> int:
@@ -282,4 +286,6 @@ def _used_role(plan: Plan, rank_of: dict[str, int], rank: int, dev: str, v: int,
         sizes, tuple(vw.micro_batch_sizes), plan.global_batch,
         lead=stage.device, tp_rank=t, tp_ranks=tuple(rank_of[d] for d in stage.devices) if stage.tp > 1 else (),
         send_f_ranks=send_f, send_b_ranks=send_b,
+        split_prev=prev is not None and stage.tp > 1 and prev.tp == stage.tp,
+        split_next=nxt is not None and stage.tp > 1 and nxt.tp == stage.tp,
     )

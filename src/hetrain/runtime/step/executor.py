@@ -40,6 +40,7 @@ from hetrain.models.user import describe_error
 from hetrain.runtime.lifecycle.roles import Role
 from hetrain.runtime.report.metrics import Recorder
 from hetrain.runtime.step.p2p import Transport, flatten, grad_slots
+from hetrain.runtime.step.tp_transfer import gather_whole, part_like, scatter_parts, shapes_of
 from hetrain.runtime.sync.allreduce import GradientSync
 from hetrain.runtime.sync.modes import ModeSync
 from hetrain.schedule import Action, ActionKind, BucketSync, Compute, SegmentSync, Step, Transfer
@@ -219,6 +220,8 @@ class Executor:
         paired = bool(role.send_f_ranks or role.send_b_ranks or role.tp_ranks)  # build_roles says: none may be
         self._send_f_ranks = role.send_f_ranks if paired else tuple(r for r in (role.next_rank,) if r is not None)
         self._send_b_ranks = role.send_b_ranks if paired else tuple(r for r in (role.prev_rank,) if r is not None)
+        #: this rank's TP group (``runtime.tp.build_tp_groups``), for the all-gather of a split boundary
+        self.tp_group: Any = None
         self._transfers: dict[ActionKind, Callable[[Transfer], None]] = {
             K.SEND_F: self._send_f, K.RECV_F: self._recv_f, K.SEND_B: self._send_b, K.RECV_B: self._recv_b,
         }
@@ -358,6 +361,8 @@ class Executor:
     def _send_f(self, a: Transfer) -> None:
         i = a.micro_batch
         tensors, is_tuple = flatten(self.outputs[i])
+        if self.role.split_next:  # a k-th per rank, the receivers all-gather (step.tp_transfer)
+            tensors = scatter_parts(tensors, self.role.tp, self.role.tp_rank, with_shapes=True)
         for peer in self._send_f_ranks:  # with TP: each receiver of the next group that takes this rank's copy
             self.transport.send(tensors, is_tuple, peer, i, True, self._where(a))
         if self.recorder.active:
@@ -368,6 +373,8 @@ class Executor:
         assert self.role.prev_rank is not None
         self._posted_f = max(self._posted_f, self._done_f + 1)  # not posted ahead: the receive posts itself
         tensors, is_tuple = self.transport.recv_activation(self.role.prev_rank, i, self._where(a))
+        if self.role.split_prev:
+            tensors = gather_whole(tensors[1:], shapes_of(tensors[0]), self.role.tp, self.tp_group)
         for t in tensors:
             if t.is_floating_point():
                 t.requires_grad_(True)
@@ -381,6 +388,8 @@ class Executor:
     def _send_b(self, a: Transfer) -> None:
         i = a.micro_batch
         grads = self.input_grads.pop(i)
+        if self.role.split_prev:
+            grads = scatter_parts(grads, self.role.tp, self.role.tp_rank, with_shapes=False)
         for peer in self._send_b_ranks:
             self.transport.send(grads, False, peer, i, False, self._where(a))
         if self.recorder.active:
@@ -392,11 +401,19 @@ class Executor:
         outs, _ = flatten(self.outputs[i])
         like = [outs[k] for k in grad_slots(outs)]
         self._posted_b = max(self._posted_b, self._done_b + 1)
-        self.grads[i] = self.transport.recv_gradients(like, self.role.next_rank, i, self._where(a))
+        grads = self.transport.recv_gradients(self._grad_like(like), self.role.next_rank, i, self._where(a))
+        if self.role.split_next:
+            grads = gather_whole(grads, [tuple(t.shape) for t in like], self.role.tp, self.tp_group)
+        self.grads[i] = grads
         self._done_b += 1
         self._post_ahead_b()
         if self.recorder.active:
             self.recorder.received.append(("send_b", a.peer or "", i, self.recorder.now()))
+
+    def _grad_like(self, like: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What the gradients of ``like`` arrive in: shaped like them, or one k-th of each from a group of this
+        stage's degree (``step.tp_transfer``)."""
+        return [part_like(t, self.role.tp) for t in like] if self.role.split_next else like
 
     def _post_ahead_f(self) -> None:
         """Post the next activation receive early (its shapes are known from the first iteration)."""
@@ -421,7 +438,8 @@ class Executor:
             assert self.role.next_rank is not None
             if i in self.outputs:
                 outs, _ = flatten(self.outputs[i])
-                self.transport.post_gradients([outs[k] for k in grad_slots(outs)], self.role.next_rank, i)
+                self.transport.post_gradients(self._grad_like([outs[k] for k in grad_slots(outs)]),
+                                              self.role.next_rank, i)
                 self._posted_b += 1
                 self.early_posts += 1
 
