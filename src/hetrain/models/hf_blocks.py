@@ -161,20 +161,26 @@ def find_forms(model: nn.Module, cut: TracedCut, example: tuple[Any, ...], what:
     """
     paths = list(cut.names[1:-1])
     blocks = {k: model.get_submodule(p) for k, p in enumerate(paths, start=1)}
-    given = _capture(model, [b for b in blocks.values() if type(b).__name__ in FORM_CLASSES], example)
+    forms: dict[int, BlockForm | str] = {
+        k: f"it is a {type(b).__name__}, which has no module form (forms: {', '.join(sorted(FORM_CLASSES))})"
+        for k, b in blocks.items() if type(b).__name__ not in FORM_CLASSES}
+    if len(forms) == len(blocks):  # nothing to run the model for
+        return forms
+    given = _capture(model, [b for k, b in blocks.items() if k not in forms], example)
     inputs = _layer_inputs(cut.layers, example)
-    forms: dict[int, BlockForm | str] = {}
     for k, block in blocks.items():
-        name = f"{what} block {k}"
-        kind = type(block).__name__
-        if kind not in FORM_CLASSES:
-            forms[k] = f"it is a {kind}, which has no module form (forms: {', '.join(sorted(FORM_CLASSES))})"
+        if k in forms:
             continue
+        name = f"{what} block {k}"
         try:
             form = _form_of(cut.layers[k], paths[k - 1], given[id(block)], inputs[k], name)
             check_form(BlockModule(block, form), cut.layers[k], name)
         except SpecError as e:
             forms[k] = str(e).split(" as TP: ", 1)[-1]
+            continue
+        except Exception as e:  # the decoder layer refused the form's arguments: no TP for it, training is unchanged
+            first = (str(e).strip().splitlines() or [""])[0]
+            forms[k] = f"its decoder layer cannot run on the traced layer's inputs ({type(e).__name__}: {first})"
             continue
         forms[k] = form
     return forms
