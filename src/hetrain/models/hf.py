@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetrain.models.hf_analytic import HF_PREFIX, is_hf_spec
+from hetrain.models.hf_blocks import WHOLE, BlockForm, ModuleForm, find_forms
 from hetrain.models.kept_cuts import cut_key, load_cut, save_cut
 from hetrain.models.spec import SpecError
 from hetrain.models.trace import TracedCut, bind, check_cut, repeated_blocks, trace_cut, untie
@@ -465,6 +466,8 @@ def resolve_hf(spec: str, split_points: Sequence[str] | None = None) -> HfModel:
     length = min(7, _positions_bound(hf.config))  # another shape than the trace's: a specialised size shows
     check_cut(cut, model, (example_ids(hf.config, 3, length),), hf_forward, f"--model {spec}")
     templates = cut.layers
+    # what a TP stage runs in place of each traced block (hf_blocks), found and checked on the model's own forward
+    forms = find_forms(model, cut, (example_ids(hf.config, 3, length),), spec) if not split_points else {}
     layers, hf_names, ties = _bound(templates, model)
     if hf.files:
         check_weights(hf, layers, hf_names)
@@ -473,16 +476,33 @@ def resolve_hf(spec: str, split_points: Sequence[str] | None = None) -> HfModel:
     del model, layers, cut
 
     def build(first: int, end: int, seed: int) -> list[nn.Module]:
-        built, ids, _ = _bound(templates, build_model(hf, seed))
+        model = build_model(hf, seed)
+        built, ids, _ = _bound(templates, model)
         kept = dict(enumerate(built[first:end], start=first))
         if hf.files:
             load_weights(hf, kept, ids)
+        for k, layer in kept.items():
+            setattr(layer, "tp_form", _tp_form(model, forms, k, n, spec, bool(split_points)))  # noqa: B010
         return list(kept.values())
 
     coef = _router_aux(hf.config)
     loss = lm_loss if coef is None else moe_loss(coef)
     return HfModel(n, names, ties, build, int(hf.config.vocab_size), max_positions(hf), loss,
                    is_masked_lm(hf.config))
+
+
+def _tp_form(model: nn.Module, forms: dict[int, BlockForm | str], k: int, n: int, spec: str,
+             split: bool) -> ModuleForm | str:
+    """Layer ``k``'s form under TP: ``WHOLE`` (the embedding, the head), its block's ``ModuleForm``, or why it has none
+    (``runtime.tp`` refuses such a layer in a TP stage with that reason)."""
+    if split:
+        return "it is cut at --split-points, which have no module form; cut at the decoder blocks (the default)"
+    if k in (0, n - 1):
+        return WHOLE
+    form = forms.get(k, "it has no module form")
+    if isinstance(form, str):
+        return form
+    return ModuleForm(model.get_submodule(form.path), form, f"{spec} block {k}")
 
 
 def _first_line(e: BaseException) -> str:

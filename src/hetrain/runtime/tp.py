@@ -21,13 +21,16 @@ Rules (``RULES``), by the block's class name:
     Block (hetrain.models.gpt)          attn.qkv fused column-parallel (q, k, v each split alike: a strided
                                         shard), attn.proj row-parallel; mlp.0 column-, mlp.2 row-parallel;
                                         its attention views its heads as -1 (the local count)
+    LlamaDecoderLayer,                  self_attn.q_proj, k_proj, v_proj column-parallel (their biases with
+    MistralDecoderLayer,                them: Qwen2's), o_proj row-parallel; mlp.gate_proj, up_proj column-,
+    Qwen2DecoderLayer (transformers)    down_proj row-parallel; attention views its heads as -1
 
-Hugging Face models (Llama, Mistral, Qwen2, GPT-2...) have no rule yet: the model cutter (``models.trace``)
-keeps each layer as a graph of aten ops over the model's parameters, not the model's ``LlamaDecoderLayer``
-modules, so torch's ColwiseParallel / RowwiseParallel (which wrap ``nn.Linear`` modules) have nothing to
-wrap; a stage of TP > 1 holding one is refused by name, as is any other layer type without a rule.
-(GPT-2 would be refused even with its modules: its fused QKV is a ``Conv1D``, which ColwiseParallel does not
-split.)
+A Hugging Face model's layers are traced graphs of aten ops (``models.trace``) with the head counts written into
+them and no ``nn.Linear`` modules for torch's styles to wrap. A TP stage runs each traced block in its module form
+instead (``models.hf_blocks``): the model's own decoder layer on the traced layer's input tuple, checked against
+the traced layer before it runs (``tp_stage_layers``); the embedding and head stay traced and whole. A block
+without a form (GPT-2's ``GPT2Block``, whose fused QKV is a ``Conv1D`` that ColwiseParallel does not split), and
+any other layer type without a rule, is refused by name in a stage of TP > 1.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hetrain.errors import InputError
+from hetrain.models import hf_blocks
+from hetrain.models.spec import SpecError
 from hetrain.plan import Plan, Stage
 
 
@@ -78,8 +83,22 @@ def _gpt_block(block: nn.Module, k: int) -> dict[str, ParallelStyle]:
             "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
 
 
+def _hf_decoder(layer: nn.Module, k: int) -> dict[str, ParallelStyle]:
+    assert isinstance(layer, hf_blocks.BlockModule)  # a traced block's module form (tp_stage_layers)
+    decoder, path = layer.decoder, layer.form.path
+    config: Any = decoder.get_submodule("self_attn").config  # transformers' attention keeps its config
+    heads = int(config.num_attention_heads)
+    _require_divisible(decoder, "attention heads", heads, k)
+    _require_divisible(decoder, "key-value heads", int(getattr(config, "num_key_value_heads", None) or heads), k)
+    _require_divisible(decoder, "MLP channels", int(config.intermediate_size), k)
+    styles: dict[str, ParallelStyle] = {f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")}
+    styles |= {"self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
+               "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+    return {f"{path}.{name}": style for name, style in styles.items()}
+
+
 #: block class name -> its rule (module docstring)
-RULES: Mapping[str, Rule] = {"Block": _gpt_block}
+RULES: Mapping[str, Rule] = {"Block": _gpt_block, **{kind: _hf_decoder for kind in sorted(hf_blocks.FORM_CLASSES)}}
 
 #: layer class names that stay whole on every rank of a TP group (hetrain.models.gpt's embedding and head)
 WHOLE = frozenset({"Embedding", "Head"})
@@ -138,27 +157,67 @@ def build_tp_mesh(stage: Stage, rank_of: Mapping[str, int], group: Any, device: 
 
 
 def block_type(layer: nn.Module) -> str:
-    """The class name that selects ``layer``'s rule: its own class."""
+    """The class name that selects ``layer``'s rule: its own class, or a module form's decoder layer's."""
+    if isinstance(layer, hf_blocks.BlockModule):
+        return type(layer.decoder).__name__
     return type(layer).__name__
 
 
+def _runs_as_tp(layer: nn.Module) -> bool:
+    """Whether a TP stage runs ``layer``: by its rule, whole, or (a traced block) by its module form's rule."""
+    kind = block_type(layer)
+    form = getattr(layer, "tp_form", None)
+    return (kind in WHOLE or kind in RULES or form == hf_blocks.WHOLE
+            or (isinstance(form, hf_blocks.ModuleForm) and form.kind in RULES))
+
+
 def check_rules(layers: Mapping[int, nn.Module], names: Sequence[str], where: str, k: int) -> None:
-    """Refuse a layer of a TP stage whose type has no rule and does not stay whole (``RULES``, ``WHOLE``).
+    """Refuse a layer of a TP stage that has no rule and does not stay whole (``RULES``, ``WHOLE``).
 
     A traced layer (``hetrain.models.trace``: a Hugging Face model or a user's module cut by torch.export) is
-    a graph of aten ops over the model's parameters, not the model's block modules, so no rule applies to it.
+    a graph of aten ops over the model's parameters, not the model's block modules: it runs in a TP stage whole
+    (a Hugging Face model's embedding and head) or in its module form (``hf_blocks``: Llama, Mistral, Qwen2
+    blocks), and is refused otherwise, with the reason its model gave.
 
     Raises:
         TPError: naming the stage, the layer and its type, in one line.
     """
     for i, layer in layers.items():
-        kind = block_type(layer)
-        if kind in WHOLE or kind in RULES:
+        if _runs_as_tp(layer):
             continue
+        kind = block_type(layer)
+        form = getattr(layer, "tp_form", None)
+        if isinstance(form, str):
+            raise TPError(f"{where} runs TP {k}, but its layer {i} ({names[i]}) cannot run as TP: {form}; plan with "
+                          "--max-tp 1")
         why = (" (a traced graph of the model's forward: it keeps no block modules for torch's TP styles)"
                if kind == "TracedLayer" else "")
         raise TPError(f"{where} runs TP {k}, but its layer {i} ({names[i]}) is a {kind}{why}, which has no TP "
                       f"rule (rules: {', '.join(sorted(RULES))}); plan with --max-tp 1")
+
+
+def tp_stage_layers(layers: Sequence[nn.Module], first: int, names: Sequence[str], where: str,
+                    k: int) -> list[nn.Module]:
+    """A TP stage's layers as it runs them: each traced block in its module form (``hf_blocks``), checked against
+    the traced layer with the stage's own weights; every other layer as it was built.
+
+    Call it before the layers are placed in the stage (the form takes the traced layer's place).
+
+    Raises:
+        TPError: a layer without a rule (``check_rules``), or a module form that differs from its traced layer.
+    """
+    check_rules(dict(enumerate(layers, start=first)), names, where, k)
+    out: list[nn.Module] = []
+    for layer in layers:
+        form = getattr(layer, "tp_form", None)
+        if not isinstance(form, hf_blocks.ModuleForm):
+            out.append(layer)
+            continue
+        try:
+            out.append(form.build(layer))
+        except SpecError as e:
+            raise TPError(f"{where}: {e}") from None
+    return out
 
 
 def parallelize_stage(layers: Mapping[int, nn.Module], names: Sequence[str], where: str, mesh: DeviceMesh) -> None:
@@ -196,4 +255,4 @@ def local_like(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 __all__ = ["RULES", "WHOLE", "FusedColwiseParallel", "TPError", "block_type", "build_tp_groups", "build_tp_mesh",
            "check_rules", "check_tp",
-           "full_state", "local_like", "parallelize_stage"]
+           "full_state", "local_like", "parallelize_stage", "tp_stage_layers"]

@@ -51,7 +51,7 @@ from hetrain.runtime.step.p2p import Transport, early_receives
 from hetrain.runtime.step.tied import Tie, TiedGrads, build_tie_groups
 from hetrain.runtime.sync.allreduce import GradientSync, SegmentGroups, build_segment_groups
 from hetrain.runtime.sync.modes import ModeSync, build_mode_groups
-from hetrain.runtime.tp import build_tp_groups, build_tp_mesh, parallelize_stage
+from hetrain.runtime.tp import build_tp_groups, build_tp_mesh, parallelize_stage, tp_stage_layers
 from hetrain.schedule import Action, build_schedule, validate
 
 if TYPE_CHECKING:
@@ -247,12 +247,14 @@ def build_stage(plan: Plan, role: Role, device: torch.device, groups: Groups, ra
     if len(layers) != stage.end_layer - stage.first_layer:
         raise ValueError(f"layers_fn({stage.first_layer}, {stage.end_layer}) returned {len(layers)} layers, "
                          f"expected {stage.end_layer - stage.first_layer}")
+    names, where = [layer.name for layer in plan.profile.layers], f"stage {role.j} of VW{role.vw}"
+    if stage.tp > 1:  # a traced block runs in its checked module form (runtime.tp)
+        layers = tp_stage_layers(layers, stage.first_layer, names, where, stage.tp)
     module = StageModule(layers, stage.first_layer, stage.recompute).to(device)
     by_index = {k: module[k] for k in stage.layers}
     if stage.tp > 1:  # each layer split by its block type's rule over the stage's mesh (runtime.tp)
         mesh = build_tp_mesh(stage, rank_of, groups.tp[stage.device], device)
-        parallelize_stage(by_index, [layer.name for layer in plan.profile.layers],
-                          f"stage {role.j} of VW{role.vw}", mesh)
+        parallelize_stage(by_index, names, where, mesh)
     optimizer = optimizer_fn(list(module.parameters()))
     sync = GradientSync(plan, by_index, groups.segments, rank_of, health, timeout_s, tp_member=role.tp_rank)
     sync.broadcast_weights()  # replicas start equal, whatever the user's build function drew
