@@ -16,7 +16,7 @@ import pytest
 import hetrain
 from hetrain.cli import main
 from hetrain.commands.plan_inputs import parse_time_budget
-from hetrain.cost import estimate_stage_memory, in_flight, tensor_budget
+from hetrain.cost import estimate_stage_memory, in_flight, tensor_budget, tp_rank_profile
 from hetrain.errors import InputError
 from hetrain.plan import Plan, load_plan
 from hetrain.planner import PlannerOptions, plan, search
@@ -271,8 +271,9 @@ def _assert_fits(p: Plan, cluster: hetrain.Cluster, profile: hetrain.ModelProfil
         for j, stage in enumerate(vw.stages):
             kept = in_flight(p.schedule, vw.micro_batches, len(vw.stages), j)
             assert kept > in_flight("1f1b", vw.micro_batches, len(vw.stages), j) or j == len(vw.stages) - 1
+            rank = tp_rank_profile(profile, stage.tp)  # on a TP group: what one rank holds
             assert stage.predicted_memory_bytes == pytest.approx(estimate_stage_memory(
-                profile, stage.first_layer, stage.end_layer, stage.recompute, vw.micro_batch_size, kept, "adam"))
+                rank, stage.first_layer, stage.end_layer, stage.recompute, vw.micro_batch_size, kept, "adam"))
             assert stage.predicted_memory_bytes <= tensor_budget(profile, cluster.device(stage.device))
 
 

@@ -402,8 +402,9 @@ class Plan:
             for k, row in tp_choice["degrees"].items():
                 t = row.get("simulated_iteration_s") or row.get("iteration_s") if isinstance(row, Mapping) else None
                 pruned = isinstance(row, Mapping) and "pruned" in row
+                skipped = isinstance(row, Mapping) and "skipped" in row
                 rows.append(f"TP {k}: {format_time(t)}" if t else f"TP {k}: cannot beat it" if pruned
-                            else f"TP {k}: no plan")
+                            else f"TP {k}: not planned within the time budget" if skipped else f"TP {k}: no plan")
             lines.append(f"  planned at {'; '.join(rows)}; chose TP {tp_choice.get('chosen')}")
         learned = self.options.get("time_model")
         if isinstance(learned, Mapping) and learned.get("types"):

@@ -644,13 +644,23 @@ def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: Pl
     found: list[tuple[int, Plan]] = []
     errors: list[tuple[int, PlannerError]] = []
     pruned: list[tuple[int, PlannerError]] = []
-    for n, k in enumerate(degrees):  # each degree an equal share of what is left of the budget
+    skipped: list[int] = []
+    seconds_per_device: float | None = None  # the first degree planned: its seconds per device of its cluster
+    for n, k in enumerate(degrees):  # TP 1 half the budget, each other degree an equal share of what is left
         left = None if opts.time_budget_s is None else opts.time_budget_s - (time.perf_counter() - start)
-        share = TimeBudget(None if left is None else max(0.0, left) / (len(degrees) - n))
+        count = sum(len(tp_groups_of_node(node, k)) for node in cluster.nodes)
+        if found and left is not None and seconds_per_device is not None and seconds_per_device * count > left:
+            skipped.append(k)  # its screening and exact search, which always run, would not fit what is left
+            continue
+        groups = tp_cluster(cluster, k)
+        share = TimeBudget(None if left is None else max(0.0, left) / (2 if n == 0 else len(degrees) - n))  # TP 1: half
         if found:  # a degree none of whose candidates could beat the best so far stops after screening
             share.must_beat = min(_candidate_score(opts, p) for _, p in found)
         try:
-            p = _plan_degree(tp_cluster(cluster, k), tp_rank_profile(profile, k), global_batch, opts, score, share)
+            began = time.perf_counter()
+            p = _plan_degree(groups, tp_rank_profile(profile, k), global_batch, opts, score, share)
+            if seconds_per_device is None:
+                seconds_per_device = (time.perf_counter() - began) / groups.num_devices
         except NotBetter as e:
             pruned.append((k, e))
             continue
@@ -667,6 +677,7 @@ def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: Pl
         for k, p in found}
     choice.update({str(k): {"error": str(e)} for k, e in errors})
     choice.update({str(k): {"pruned": str(e)} for k, e in pruned})
+    choice.update({str(k): {"skipped": "its search would not fit the time budget left"} for k in skipped})
     reports = [PlannerReport.from_dict(p.options[REPORT_KEY]) for _, p in found]
     total = replace(reports[0], simulations=sum(r.simulations for r in reports),
                     **{key: sum(getattr(r, key) for r in reports) for key in ("screened", "searched", "simulated")})
