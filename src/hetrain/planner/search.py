@@ -671,6 +671,9 @@ def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: Pl
     if not found:
         raise errors[0][1] if len(errors) == 1 else PlannerError(
             "; ".join(f"at TP {k}: {e}" for k, e in errors))
+    if score is not None and opts.simulate_top_k != 0:  # degrees compared alike: each one's plan simulated
+        found = [(k, p if p.prediction.simulated_iteration_s is not None else
+                  replace(p, prediction=replace(p.prediction, simulated_iteration_s=score(p)))) for k, p in found]
     best_k, best = min(found, key=lambda kp: _rank_key(opts, kp[1]))
     choice: dict[str, dict[str, Any]] = {
         str(k): {"iteration_s": p.prediction.iteration_s, "simulated_iteration_s": p.prediction.simulated_iteration_s}
