@@ -671,10 +671,13 @@ def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: Pl
     if not found:
         raise errors[0][1] if len(errors) == 1 else PlannerError(
             "; ".join(f"at TP {k}: {e}" for k, e in errors))
-    if score is not None and opts.simulate_top_k != 0:  # degrees compared alike: each one's plan simulated
-        found = [(k, p if p.prediction.simulated_iteration_s is not None else
-                  replace(p, prediction=replace(p.prediction, simulated_iteration_s=score(p)))) for k, p in found]
-    best_k, best = min(found, key=lambda kp: _rank_key(opts, kp[1]))
+    if score is not None and opts.simulate_top_k != 0:  # degrees compared alike: each one's plan simulated,
+        for n, (k, p) in enumerate(found):               # while the budget lasts
+            over = opts.time_budget_s is not None and time.perf_counter() - start >= opts.time_budget_s
+            if p.prediction.simulated_iteration_s is None and not over:
+                found[n] = (k, replace(p, prediction=replace(p.prediction, simulated_iteration_s=score(p))))
+    simulated = all(p.prediction.simulated_iteration_s is not None for _, p in found)  # else by the closed forms
+    best_k, best = min(found, key=lambda kp: _rank_key(opts, kp[1], simulated))
     choice: dict[str, dict[str, Any]] = {
         str(k): {"iteration_s": p.prediction.iteration_s, "simulated_iteration_s": p.prediction.simulated_iteration_s}
         for k, p in found}
@@ -735,11 +738,12 @@ def _candidate_score(opts: PlannerOptions, p: Plan) -> float:
     return p.prediction.iteration_s / p.global_batch
 
 
-def _rank_key(opts: PlannerOptions, p: Plan) -> float:
-    """What the objective ranks plans by: time to accuracy where asked and known, else the iteration time."""
+def _rank_key(opts: PlannerOptions, p: Plan, simulated: bool) -> float:
+    """What the objective ranks plans by: time to accuracy where asked and known, else the iteration time per
+    sample (``simulated``: the simulator's, which every plan compared has; else the closed form's)."""
     if opts.objective == "time-to-accuracy" and p.prediction.time_to_accuracy_s:
         return p.prediction.time_to_accuracy_s
-    return _iteration_s(p) / p.global_batch
+    return (_iteration_s(p) if simulated else p.prediction.iteration_s) / p.global_batch
 
 
 def _plan_degree(cluster: Cluster, profile: ModelProfile, global_batch: int, opts: PlannerOptions,
