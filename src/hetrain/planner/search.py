@@ -671,13 +671,8 @@ def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: Pl
     if not found:
         raise errors[0][1] if len(errors) == 1 else PlannerError(
             "; ".join(f"at TP {k}: {e}" for k, e in errors))
-    if score is not None and opts.simulate_top_k != 0:  # degrees compared alike: each one's plan simulated,
-        for n, (k, p) in enumerate(found):               # while the budget lasts
-            over = opts.time_budget_s is not None and time.perf_counter() - start >= opts.time_budget_s
-            if p.prediction.simulated_iteration_s is None and not over:
-                found[n] = (k, replace(p, prediction=replace(p.prediction, simulated_iteration_s=score(p))))
-    simulated = all(p.prediction.simulated_iteration_s is not None for _, p in found)  # else by the closed forms
-    best_k, best = min(found, key=lambda kp: _rank_key(opts, kp[1], simulated))
+    found = _simulate_degrees(found, opts, score, start)
+    best_k, best = _best_degree(found, opts)
     choice: dict[str, dict[str, Any]] = {
         str(k): {"iteration_s": p.prediction.iteration_s, "simulated_iteration_s": p.prediction.simulated_iteration_s}
         for k, p in found}
@@ -689,6 +684,36 @@ def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: Pl
                     **{key: sum(getattr(r, key) for r in reports) for key in ("screened", "searched", "simulated")})
     return replace(best, options={**best.options, TP_KEY: {"chosen": best_k, "degrees": choice},
                                   REPORT_KEY: total.to_dict()})
+
+
+def _simulate_degrees(found: list[tuple[int, Plan]], opts: PlannerOptions, score: Scorer | None,
+                      start: float) -> list[tuple[int, Plan]]:
+    """Each degree's plan simulated (where a scorer is given) while the budget that began at ``start`` lasts, so
+    that the degrees are compared alike; past it, the closed forms' best of them once more."""
+    if score is None or opts.simulate_top_k == 0:
+        return found
+
+    def simulated(p: Plan) -> Plan:
+        if p.prediction.simulated_iteration_s is not None:
+            return p
+        return replace(p, prediction=replace(p.prediction, simulated_iteration_s=score(p)))
+
+    out = list(found)
+    for n, (k, p) in enumerate(out):
+        if opts.time_budget_s is None or time.perf_counter() - start < opts.time_budget_s:
+            out[n] = (k, simulated(p))
+    if any(p.prediction.simulated_iteration_s is None for _, p in out):
+        n = min(range(len(out)), key=lambda m: _rank_key(opts, out[m][1], False))
+        out[n] = (out[n][0], simulated(out[n][1]))
+    return out
+
+
+def _best_degree(found: list[tuple[int, Plan]], opts: PlannerOptions) -> tuple[int, Plan]:
+    """The best of each degree's plan: by the simulator among those it simulated, else by the closed forms."""
+    simulated = [(k, p) for k, p in found if p.prediction.simulated_iteration_s is not None]
+    if simulated:
+        return min(simulated, key=lambda kp: _rank_key(opts, kp[1], True))
+    return min(found, key=lambda kp: _rank_key(opts, kp[1], False))
 
 
 def tp_degrees(cluster: Cluster, profile: ModelProfile, opts: PlannerOptions) -> list[int]:
