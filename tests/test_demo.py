@@ -43,7 +43,7 @@ def test_the_profile_worker_takes_its_options_and_names_a_wrong_one() -> None:
     from hetrain.errors import InputError
 
     assert worker_options(["--model", "gpt-tiny", "--out-dir", "d", "--repeats", "2"]) == {
-        "--model": "gpt-tiny", "--out-dir": "d", "--micro-batches": "2,4,8,16", "--repeats": "2"}
+        "--model": "gpt-tiny", "--out-dir": "d", "--micro-batches": "2,4,8,16", "--repeats": "2", "--tp": "1"}
     for argv, needle in ((["--model", "m", "--out-dir", "d", "--bogus", "x"], "--bogus"),
                          (["--model", "m", "--out-dir"], "--out-dir has no value"),
                          (["--out-dir", "d"], "--model is required")):

@@ -467,7 +467,7 @@ def resolve_hf(spec: str, split_points: Sequence[str] | None = None) -> HfModel:
     check_cut(cut, model, (example_ids(hf.config, 3, length),), hf_forward, f"--model {spec}")
     templates = cut.layers
     # what a TP stage runs in place of each traced block (hf_blocks), found and checked on the model's own forward
-    forms = find_forms(model, cut, (example_ids(hf.config, 3, length),), spec) if not split_points else {}
+    forms = find_forms(model, cut, (example_ids(hf.config, 3, length),), spec, hf_forward) if not split_points else {}
     layers, hf_names, ties = _bound(templates, model)
     if hf.files:
         check_weights(hf, layers, hf_names)

@@ -393,6 +393,12 @@ def _head_layer(m: DecoderShape, s: int, e: int) -> LayerProfile:
                         forward_flops_per_sample=float(flops))
 
 
+#: the families whose blocks hetrain's runtime splits over a TP group (``runtime.tp``: their decoder layers run
+#: in module form); the others' blocks get no ``TPSplit``, so the planner never puts them on a TP group, which
+#: the runtime would refuse (GPT-2's fused ``Conv1D``, GPT-NeoX's and OPT's blocks have no rule yet)
+TP_FAMILIES = frozenset({"llama", "mistral", "qwen2"})
+
+
 def _block_layer(m: DecoderShape, k: int, s: int, e: int, attention: Attention) -> LayerProfile:
     params, split_params = block_params(m)
     saved, split_saved = block_saved_bytes(m, s, e, attention)
@@ -400,9 +406,10 @@ def _block_layer(m: DecoderShape, k: int, s: int, e: int, attention: Attention) 
     # Megatron's g operator all-reduces the attention and the MLP outputs (s x h each); a parallel residual adds
     # them before one all-reduce (Black et al. 2022, sec. 2.1.1)
     allreduces = 1 if m.parallel_residual else 2
-    tp = TPSplit(split_param_bytes=float(split_params * PARAM_BYTES), split_flops_per_sample=float(flops),
-                 split_saved_bytes_per_sample=float(split_saved),
-                 allreduce_bytes_per_sample=float(allreduces * s * m.hidden * e), allreduces=allreduces)
+    tp = None if m.family not in TP_FAMILIES else TPSplit(
+        split_param_bytes=float(split_params * PARAM_BYTES), split_flops_per_sample=float(flops),
+        split_saved_bytes_per_sample=float(split_saved),
+        allreduce_bytes_per_sample=float(allreduces * s * m.hidden * e), allreduces=allreduces)
     return LayerProfile(name=f"block{k + 1}", param_bytes=float(params * PARAM_BYTES),
                         output_bytes_per_sample=float(s * m.hidden * e), saved_bytes_per_sample=float(saved),
                         forward_flops_per_sample=float(flops), tp=tp)

@@ -22,7 +22,7 @@ and again where a stage builds it with its own weights (``ModuleForm.build``). A
 not run as TP: the reason is kept (``find_forms``) and a TP stage holding it is refused with it.
 
 Example:
-    >>> forms = find_forms(model, cut, (ids,), "hf:llama")           # doctest: +SKIP
+    >>> forms = find_forms(model, cut, (ids,), "hf:llama", hf_forward)   # doctest: +SKIP
     >>> forms[1].hidden, forms[1].mask, forms[1].cos, forms[1].sin     # doctest: +SKIP
     (0, 1, 2, 3)
 """
@@ -30,7 +30,7 @@ Example:
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,7 +150,8 @@ class ModuleForm:
         return module
 
 
-def find_forms(model: nn.Module, cut: TracedCut, example: tuple[Any, ...], what: str) -> dict[int, BlockForm | str]:
+def find_forms(model: nn.Module, cut: TracedCut, example: tuple[Any, ...], what: str,
+               forward: Callable[..., Any]) -> dict[int, BlockForm | str]:
     """Each block layer's form (layers ``1..n`` of ``cut``, cut at the model's decoder layers), each checked; or
     why it has none, in words that follow "cannot run <block> as TP: ".
 
@@ -166,7 +167,7 @@ def find_forms(model: nn.Module, cut: TracedCut, example: tuple[Any, ...], what:
         for k, b in blocks.items() if type(b).__name__ not in FORM_CLASSES}
     if len(forms) == len(blocks):  # nothing to run the model for
         return forms
-    given = _capture(model, [b for k, b in blocks.items() if k not in forms], example)
+    given = _capture(model, [b for k, b in blocks.items() if k not in forms], example, forward)
     inputs = _layer_inputs(cut.layers, example)
     for k, block in blocks.items():
         if k in forms:
@@ -186,10 +187,10 @@ def find_forms(model: nn.Module, cut: TracedCut, example: tuple[Any, ...], what:
     return forms
 
 
-def _capture(model: nn.Module, blocks: Sequence[nn.Module], example: tuple[Any, ...]) -> dict[int, dict[str, Any]]:
-    """What each of ``blocks`` is given in the model's own forward (eval mode): hidden state, mask, cos, sin."""
-    from hetrain.models.hf import hf_forward
-
+def _capture(model: nn.Module, blocks: Sequence[nn.Module], example: tuple[Any, ...],
+             forward: Callable[..., Any]) -> dict[int, dict[str, Any]]:
+    """What each of ``blocks`` is given in the model's own forward (``forward(model, *example)``, eval mode):
+    hidden state, mask, cos, sin."""
     given: dict[int, dict[str, Any]] = {}
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -203,7 +204,7 @@ def _capture(model: nn.Module, blocks: Sequence[nn.Module], example: tuple[Any, 
     model.eval()
     try:
         with torch.no_grad():
-            hf_forward(model, *example)
+            forward(model, *example)
     finally:
         model.train(training)
         for handle in handles:

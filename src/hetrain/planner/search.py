@@ -689,7 +689,7 @@ def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: Pl
 def _simulate_degrees(found: list[tuple[int, Plan]], opts: PlannerOptions, score: Scorer | None,
                       start: float) -> list[tuple[int, Plan]]:
     """Each degree's plan simulated (where a scorer is given) while the budget that began at ``start`` lasts, so
-    that the degrees are compared alike; past it, the closed forms' best of them once more."""
+    that the degrees are compared alike (``_best_degree``: among the simulated where any is)."""
     if score is None or opts.simulate_top_k == 0:
         return found
 
@@ -702,9 +702,6 @@ def _simulate_degrees(found: list[tuple[int, Plan]], opts: PlannerOptions, score
     for n, (k, p) in enumerate(out):
         if opts.time_budget_s is None or time.perf_counter() - start < opts.time_budget_s:
             out[n] = (k, simulated(p))
-    if any(p.prediction.simulated_iteration_s is None for _, p in out):
-        n = min(range(len(out)), key=lambda m: _rank_key(opts, out[m][1], False))
-        out[n] = (out[n][0], simulated(out[n][1]))
     return out
 
 
