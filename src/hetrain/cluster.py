@@ -596,7 +596,7 @@ def tp_cluster(cluster: Cluster, k: int) -> Cluster:
     """The cluster as the planner sees it when every stage runs on a TP group of ``k`` devices: each group is one
     device, its first, carrying ``tp_group`` and ``tp_link`` (its node's intra-node link). Links between groups in
     a node are those between their first devices (rank j of one group reaches rank j of the other over its own
-    pair); a node's NIC and explicit node links carry a k-th of their bandwidth (``_share``). Nodes with no whole
+    pair); a node's NIC and explicit node links carry a k-th of their bandwidth (``share_link``). Nodes with no whole
     group are left out; ClusterError where none has one.
 
     Example:
@@ -614,15 +614,15 @@ def tp_cluster(cluster: Cluster, k: int) -> Cluster:
             leads.append(replace(group[0], index=index, tp_group=tuple(d.name for d in group), tp_link=n.intra_link))
             index += 1
         if leads:
-            nodes.append(replace(n, devices=tuple(leads), nic=_share(n.nic, k)))
+            nodes.append(replace(n, devices=tuple(leads), nic=share_link(n.nic, k)))
     if not nodes:
         raise ClusterError(f"no node of cluster {cluster.name!r} has {k} devices of one type for a TP group of {k}")
     kept = {n.name for n in nodes}
-    links = tuple(replace(nl, link=_share(nl.link, k)) for nl in cluster.node_links if set(nl.nodes) <= kept)
+    links = tuple(replace(nl, link=share_link(nl.link, k)) for nl in cluster.node_links if set(nl.nodes) <= kept)
     return Cluster(cluster.name, tuple(nodes), links)
 
 
-def _share(link: Link, k: int) -> Link:
+def share_link(link: Link, k: int) -> Link:
     """A node's network link as each of ``k`` TP ranks that use it at once sees it: a k-th of its bandwidth.
 
     Every rank of a TP group sends its k-th of a stage's output (``runtime.step.tp_transfer``: scatter / gather,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from hetrain.cluster import Cluster, Device, Link
+from hetrain.cluster import Cluster, Device, share_link
 from hetrain.cost import (
     estimate_action_overhead,
     estimate_iteration_overhead,
@@ -234,11 +234,9 @@ def network_of_tp_groups(plan: Plan) -> Cluster:
     for vw in plan.virtual_workers:
         for s in vw.stages:
             k_of[node_of[s.device]] = max(k_of.get(node_of[s.device], 1), s.tp)
-
-    def shared(link: Link, k: int) -> Link:
-        return replace(link, bandwidth_bytes_per_s=link.bandwidth_bytes_per_s / k)
-    nodes = tuple(replace(n, nic=shared(n.nic, k_of.get(n.name, 1))) for n in cluster.nodes)
-    links = tuple(replace(nl, link=shared(nl.link, max(k_of.get(a, 1) for a in nl.nodes))) for nl in cluster.node_links)
+    nodes = tuple(replace(n, nic=share_link(n.nic, k_of.get(n.name, 1))) for n in cluster.nodes)
+    links = tuple(replace(nl, link=share_link(nl.link, max(k_of.get(a, 1) for a in nl.nodes)))
+                  for nl in cluster.node_links)
     return Cluster(cluster.name, nodes, links)
 
 

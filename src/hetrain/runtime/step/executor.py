@@ -374,7 +374,8 @@ class Executor:
         self._posted_f = max(self._posted_f, self._done_f + 1)  # not posted ahead: the receive posts itself
         tensors, is_tuple = self.transport.recv_activation(self.role.prev_rank, i, self._where(a))
         if self.role.split_prev:
-            tensors = gather_whole(tensors[1:], shapes_of(tensors[0]), self.role.tp, self.tp_group)
+            tensors = gather_whole(tensors[1:], shapes_of(tensors[0]), self.role.tp, self.tp_group,
+                                   self.role.tp_ranks, self._where(a))
         for t in tensors:
             if t.is_floating_point():
                 t.requires_grad_(True)
@@ -403,7 +404,8 @@ class Executor:
         self._posted_b = max(self._posted_b, self._done_b + 1)
         grads = self.transport.recv_gradients(self._grad_like(like), self.role.next_rank, i, self._where(a))
         if self.role.split_next:
-            grads = gather_whole(grads, [tuple(t.shape) for t in like], self.role.tp, self.tp_group)
+            grads = gather_whole(grads, [tuple(t.shape) for t in like], self.role.tp, self.tp_group,
+                                 self.role.tp_ranks, self._where(a))
         self.grads[i] = grads
         self._done_b += 1
         self._post_ahead_b()

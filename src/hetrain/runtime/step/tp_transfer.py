@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hetrain.errors import RunError
+
 
 def part_size(numel: int, k: int) -> int:
     """Elements of each of the k parts of a tensor of ``numel`` elements (the last padded)."""
@@ -71,14 +73,19 @@ def scatter_parts(tensors: Sequence[torch.Tensor], k: int, j: int, with_shapes: 
     return [shapes_tensor(tensors, device), *parts]
 
 
-def gather_whole(parts: Sequence[torch.Tensor], shapes: Sequence[tuple[int, ...]], k: int,
-                 group: Any) -> list[torch.Tensor]:
+def gather_whole(parts: Sequence[torch.Tensor], shapes: Sequence[tuple[int, ...]], k: int, group: Any,
+                 peers: Sequence[int] = (), what: object = "") -> list[torch.Tensor]:
     """The whole tensors of ``shapes`` from this rank's ``parts`` and the other ranks' of ``group`` (collective:
-    every rank of the group calls it with its parts of the same tensors, in the same order)."""
+    every rank of the group calls it with its parts of the same tensors, in the same order). The group's own
+    timeout bounds the wait; a failure or timeout is a RunError naming ``what`` and the group's ranks ``peers``."""
     out = []
     for part, shape in zip(parts, shapes, strict=True):
         pieces = [torch.empty_like(part) for _ in range(k)]
-        dist.all_gather(pieces, part.contiguous(), group=group)
+        try:
+            dist.all_gather(pieces, part.contiguous(), group=group)
+        except RuntimeError as e:
+            raise RunError(f"{what}: the all-gather of a stage boundary over TP group ranks {list(peers)} failed "
+                           f"or timed out: {e}") from e
         numel = 1
         for n in shape:
             numel *= n
