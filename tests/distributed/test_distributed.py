@@ -197,9 +197,12 @@ def test_ranks_of_agents_with_other_restart_counts_meet_on_a_store_of_their_own(
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     joined = client(server, "checkpoint/200", number=None)
     assert restarted.prefix == joined.prefix == "hetrain/attempt_0/checkpoint/200/"
-    restarted.set("b/0", "")
-    joined.set("b/1", "")
-    assert Barrier(joined, 1, 2, 0.3).missing("b", [0, 1]) == []
+    Barrier(restarted, 0, 2, 5.0).arrive("b")
+    Barrier(joined, 1, 2, 5.0).arrive("b")
+    # a c10d set does not wait for the server's answer, so a check on another connection may run
+    # before it lands: wait (polling) as ranks do; under two prefixes this raises after 5 s
+    Barrier(joined, 1, 2, 5.0).wait("b", "the test barrier")
+    Barrier(restarted, 0, 2, 5.0).wait("b", "the test barrier")
 
 
 # ---------------------------------------------------------------------------
