@@ -20,7 +20,7 @@ from hetrain.cost import (
     tp_rank_profile,
 )
 from hetrain.models.analytic import build_gpt_profile, build_profile, gpt_block_params
-from hetrain.plan import PlanError, Stage, VirtualWorker, load_plan, parse_plan
+from hetrain.plan import FORMAT_VERSION, PlanError, Stage, VirtualWorker, load_plan, parse_plan
 from hetrain.planner.search import PlannerError, PlannerOptions, plan
 from hetrain.profile import LayerProfile, Measurement, ProfileError, parse_profile
 from hetrain.simulator import simulate
@@ -150,7 +150,7 @@ def test_a_plan_with_tp_groups_round_trips_and_reads_older_plans(tmp_path: Path)
     path = tmp_path / "plan.json"
     p.save(path)
     data = json.loads(path.read_text())
-    assert data["format_version"] == 3
+    assert data["format_version"] == FORMAT_VERSION
     assert data["virtual_workers"][0]["stages"][1]["tp_group"] == ["n1:0", "n1:1", "n1:2", "n1:3"]
     assert load_plan(path).virtual_workers == p.virtual_workers
     assert "TP4" in p.summary() and "TP groups: n0:0 = n0:0 .. n0:1 (2)" in p.summary()

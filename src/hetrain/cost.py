@@ -475,7 +475,8 @@ def most_in_flight(schedule: str, p: int) -> int | None:
 OPTIMIZER_STATE_PER_PARAM = {"sgd": 0, "momentum": 1, "adam": 2}
 
 
-def estimate_weight_memory(param_bytes: float, bytes_per_element: int, optimizer: str) -> float:
+def estimate_weight_memory(param_bytes: float, bytes_per_element: int, optimizer: str, state_share: float = 1.0,
+                           grad_share: float = 1.0) -> float:
     """Parameters + gradients + optimizer state (+ the 16-bit copy of the weights under mixed precision).
 
     ``param_bytes`` are fp32 (``LayerProfile.param_bytes``): training keeps the parameters, their
@@ -484,11 +485,15 @@ def estimate_weight_memory(param_bytes: float, bytes_per_element: int, optimizer
     fp16 (``bytes_per_element`` 2) autocast keeps one 16-bit copy of each weight for the iteration:
     2 bytes more. Adam under mixed precision: 18 bytes per parameter, against ZeRO's 16 for 16-bit
     weights and gradients with fp32 master, m and v (Rajbhandari et al., ZeRO, 2020, sec. 3.1).
+
+    Sharded among a segment's owners (``SyncOptions.shard``), a device keeps ``state_share`` of the optimizer
+    state (ZeRO-1) and, under ``optimizer+gradients``, ``grad_share`` of the gradients between backwards
+    (ZeRO-2; the backward's own gradients are transient: ``estimate_stage_memory``).
     """
     n_params = param_bytes / 4
-    state = 4 * OPTIMIZER_STATE_PER_PARAM[optimizer] * n_params
+    state = 4 * OPTIMIZER_STATE_PER_PARAM[optimizer] * n_params * state_share
     cast_copy = bytes_per_element * n_params if bytes_per_element < 4 else 0.0
-    return 2 * param_bytes + state + cast_copy
+    return param_bytes * (1.0 + grad_share) + state + cast_copy
 
 
 #: The share of a device's memory a plan leaves free: a plan never predicts a device more than
@@ -542,17 +547,18 @@ OPTIMIZER_STEP_TRANSIENT_PER_PARAM = {"sgd": 0, "momentum": 0, "adam": 1}
 
 
 def estimate_optimizer_step_memory(param_bytes: float, bytes_per_element: int, optimizer: str,
-                                   reduce_copy: float = 0.0) -> float:
+                                   reduce_copy: float = 0.0, state_share: float = 1.0) -> float:
     """The transient bytes on top of the weights at the end of an iteration (fp32 words, like the state and
     ``param_bytes``; ``bytes_per_element``, the precision of compute, does not change them): the optimizer
     step's, or the 16-bit copies of the gradients being all-reduced just before it (``reduce_copy`` bytes per
-    gradient byte, ``SyncOptions.reduce_copy``), whichever is larger: the copies are freed before the step."""
-    return max(OPTIMIZER_STEP_TRANSIENT_PER_PARAM[optimizer], reduce_copy) * param_bytes
+    gradient byte, ``SyncOptions.reduce_copy``), whichever is larger: the copies are freed before the step.
+    Sharded, the step runs over ``state_share`` of the parameters."""
+    return max(OPTIMIZER_STEP_TRANSIENT_PER_PARAM[optimizer] * state_share, reduce_copy) * param_bytes
 
 
 def estimate_stage_memory(profile: ModelProfile, first: int, end: int, recompute: Sequence[int],
                           b: int, in_flight_count: int, optimizer: str, with_step: bool = True,
-                          reduce_copy: float = 0.0) -> float:
+                          reduce_copy: float = 0.0, state_share: float = 1.0, grad_share: float = 1.0) -> float:
     """Peak bytes of a stage holding layers ``[first, end)``.
 
     weights (``estimate_weight_memory``) + ``in_flight_count * b *`` activation
@@ -567,6 +573,11 @@ def estimate_stage_memory(profile: ModelProfile, first: int, end: int, recompute
     activation peak and weights + ``estimate_optimizer_step_memory``
     (``with_step=False``: the activation peak alone, for the simulator's track); ``reduce_copy``: the 16-bit
     copies of its gradients, in the same transient (``estimate_optimizer_step_memory``).
+
+    ``state_share``, ``grad_share``: the shares of the optimizer state and of the gradients the device keeps
+    (``estimate_weight_memory``). Under ZeRO-2 (``grad_share < 1``) a backward's gradients of the whole stage
+    exist while they are reduced to their owners: counted in the activation peak's transient (an upper bound:
+    the runtime frees each bucket's once it is reduced).
     """
     layers = profile.layers
     rc = set(recompute)
@@ -586,11 +597,13 @@ def estimate_stage_memory(profile: ModelProfile, first: int, end: int, recompute
         loss_kept, loss_transient = loss_memory_per_sample(profile)
         kept += loss_kept
         transient += loss_transient * b
-    weights = estimate_weight_memory(params, profile.bytes_per_element, optimizer)
+    weights = estimate_weight_memory(params, profile.bytes_per_element, optimizer, state_share, grad_share)
+    if grad_share < 1.0 and b > 0:
+        transient += (1.0 - grad_share) * params
     peak = weights + in_flight_count * b * kept + transient
     if with_step:
         peak = max(peak, weights + estimate_optimizer_step_memory(params, profile.bytes_per_element, optimizer,
-                                                                  reduce_copy))
+                                                                  reduce_copy, state_share))
     return peak
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -61,8 +62,8 @@ SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "1f1b-eager")
 OPTIMIZERS: tuple[str, ...] = OPTIMIZER_NAMES  # profile.OPTIMIZER_NAMES: one vocabulary
 #: 2: the ``"sync"`` section holds the mode, its typed options and the sync layout (was the mode's name);
 #: 3: a stage may run on a TP group (``"tp_group"``). A version 2 plan reads as it is (every stage on one device).
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (2, 3)
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (2, 3, 4)
 #: the largest TP degree a stage may have (the devices of one node; DGX-class nodes hold 8, a few 16)
 MAX_TP = 16
 
@@ -82,7 +83,7 @@ STAGE_KEYS = frozenset({"device", "tp_group", "layers", "recompute", "predicted_
 PREDICTION_KEYS = frozenset({"iteration_s", "samples_per_s", "pipeline_s", "sync_s", "optimizer_s",
                              "simulated_iteration_s", "time_to_accuracy_s", "memory"})
 DEVICE_MEMORY_KEYS = frozenset({"device", "peak_bytes", "capacity_bytes"})
-SYNC_SECTION_KEYS = frozenset({"mode", "options", "segments"})
+SYNC_SECTION_KEYS = frozenset({"mode", "options", "segments", "shard_weights"})
 
 
 def check_known_keys(data: Mapping[str, Any], known: frozenset[str] | set[str], where: str, what: str) -> None:
@@ -266,6 +267,9 @@ class Plan:
     profile: ModelProfile = field(repr=False)
     options: Mapping[str, Any] = field(default_factory=dict, repr=False)
     sync_options: SyncOptions = field(default_factory=SyncOptions)
+    #: with ``sync_options.shard``: device -> what sizes its shards of the segments it owns (the bytes its stage
+    #: leaves free, or its speed: ``sync_options.shard_by``); plan.json's ``sync.shard_weights``
+    shard_weights: Mapping[str, float] = field(default_factory=dict)
     layout: SyncLayout = field(init=False, repr=False, compare=False)
     #: the sync mode's rules (``hetrain.sync_mode``), looked up from ``sync`` when the plan is built
     sync_mode: SyncMode = field(init=False, repr=False, compare=False)
@@ -274,8 +278,11 @@ class Plan:
         validate_plan(self)
         object.__setattr__(self, "sync_mode", sync_mode(self.sync))
         stages = [[(s.device, s.first_layer, s.end_layer) for s in vw.stages] for vw in self.virtual_workers]
-        layout = build_sync_layout(self.cluster, self.profile, stages, self.sync, self.sync_options,
-                                   self.layer_tp_degrees() if self.max_tp > 1 else None)
+        try:
+            layout = build_sync_layout(self.cluster, self.profile, stages, self.sync, self.sync_options,
+                                       self.layer_tp_degrees() if self.max_tp > 1 else None, self.shard_weights)
+        except SyncLayoutError as e:
+            raise PlanError(str(e)) from None
         object.__setattr__(self, "layout", layout)
 
     # --- derived views -----------------------------------------------------
@@ -338,7 +345,8 @@ class Plan:
             "model": self.model,
             "global_batch": self.global_batch,
             "schedule": self.schedule,
-            "sync": self.layout.to_dict(),
+            "sync": {**self.layout.to_dict(),
+                     **({"shard_weights": dict(self.shard_weights)} if self.sync_options.shard != "none" else {})},
             "optimizer": self.optimizer,
             "strategy": self.strategy,
             "formation": self.formation,
@@ -621,6 +629,21 @@ def _prediction_from(raw: Any) -> Prediction:
     )
 
 
+def _shard_weights_from(raw: Any, cluster: Cluster) -> dict[str, float]:
+    """``sync.shard_weights``: device name -> a finite weight >= 0."""
+    if not isinstance(raw, Mapping):
+        raise PlanError(f"sync.shard_weights: expected an object of device -> weight, got {type(raw).__name__}")
+    names = {d.name for d in cluster.devices}
+    out: dict[str, float] = {}
+    for name, value in raw.items():
+        if name not in names:
+            raise PlanError(f"sync.shard_weights.{name}: no such device in the plan's cluster")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+            raise PlanError(f"sync.shard_weights.{name}: expected a finite number >= 0, got {value!r:.40}")
+        out[name] = float(value)
+    return out
+
+
 def upgrade_plan_data(data: Mapping[str, Any]) -> dict[str, Any]:
     """A format_version 1 plan dict as version 2: its mode and the sync options it kept among its ``options``
     move into the ``"sync"`` section (whose layout ``parse_plan(check_layout=False)`` then makes anew).
@@ -687,6 +710,7 @@ def parse_plan(data: Mapping[str, Any], check_layout: bool = True) -> Plan:
         profile=profile,
         options=dict(require_object(data, "options", "", PlanError, {})),
         sync_options=sync_options,
+        shard_weights=_shard_weights_from(sync.get("shard_weights", {}), cluster),
     )
     if check_layout:
         try:

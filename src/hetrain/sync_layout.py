@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -55,6 +56,12 @@ EARLY_RECEIVES: tuple[str, ...] = ("always", "never")
 BUCKET_CUTS: tuple[str, ...] = ("layer", "exact")
 #: ``reduce_dtype`` option: the dtype bsp's gradient all-reduces travel in; the first is the default
 REDUCE_DTYPES: tuple[str, ...] = ("fp32", "bf16")
+#: ``shard`` option: what bsp's owners of a segment shard among them (ZeRO stage 1 and 2, Rajbhandari et al. 2020):
+#: nothing, the optimizer state, or the optimizer state and the gradients; the first is the default
+SHARD_MODES: tuple[str, ...] = ("none", "optimizer", "optimizer+gradients")
+#: ``shard_by`` option: an owner's shard in proportion to the memory its stage leaves free (Cephalo's rule),
+#: or to its speed
+SHARD_BY: tuple[str, ...] = ("memory", "speed")
 #: bytes on the wire per byte of (fp32) gradient, by ``reduce_dtype``
 REDUCE_WIRE: dict[str, float] = {"fp32": 1.0, "bf16": 0.5}
 #: DistributedDataParallel's default bucket size (``bucket_cap_mb=25``)
@@ -115,6 +122,10 @@ _BOUNDS: dict[str, _Bound] = {
                              help="always: a stage's receives posted one ahead of its RECVs; never: at them"),
     "reduce_dtype": _Bound(str, choices=REDUCE_DTYPES, modes=("bsp",),
                            help="the dtype gradients are all-reduced in: fp32, or bf16 (half the bytes; bsp)"),
+    "shard": _Bound(str, choices=SHARD_MODES, modes=("bsp",),
+                    help="what a segment's owners shard: none, optimizer (ZeRO-1), optimizer+gradients (ZeRO-2)"),
+    "shard_by": _Bound(str, choices=SHARD_BY, modes=("bsp",),
+                       help="an owner's shard in proportion to its free memory, or to its speed (bsp)"),
 }
 SYNC_OPTION_HELP = ", ".join(b.describe(name) for name, b in _BOUNDS.items())
 
@@ -152,6 +163,14 @@ class SyncOptions:
             ``bf16_compress_hook``, Megatron-LM's default under bf16). The cost model prices the all-reduces
             at ``REDUCE_WIRE`` bytes per gradient byte and the memory model counts the copies. Other modes
             average weights or push to parameter servers in fp32 and refuse ``bf16`` (``check_mode_options``).
+        shard: what the owners of each shared segment shard among them under ``bsp``: ``none``, ``optimizer``
+            (ZeRO-1: each owner keeps the optimizer state of its part only, steps it, and hands the updated
+            weights to the others) or ``optimizer+gradients`` (ZeRO-2: each owner also keeps only its part of
+            the gradients, which every backward reduces to it). Shards are uneven: ``Segment.shard_fractions``.
+            The relaxed modes refuse it: their replicas step their own optimizers on their own gradients
+            (local-sgd, daso) or on a parameter server's (wsp, hybrid-ps), so no replica's state is another's.
+        shard_by: what sizes an owner's shard: ``memory`` (in proportion to the bytes its stage leaves free,
+            Cephalo's rule) or ``speed``; the weights themselves are the plan's (``Plan.shard_weights``).
     """
 
     staleness: int = 1
@@ -167,6 +186,8 @@ class SyncOptions:
     transfers: str = TRANSFER_CHOICES[0]
     early_receives: str = EARLY_RECEIVES[0]
     reduce_dtype: str = REDUCE_DTYPES[0]
+    shard: str = SHARD_MODES[0]
+    shard_by: str = SHARD_BY[0]
     #: the options a user set (``from_items``, ``--sync-option``), which ``check_mode_options`` refuses where
     #: the mode does not read them; not an option: not compared, not written (``to_dict``)
     given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
@@ -227,8 +248,9 @@ class SyncOptions:
 
 def modes_for(options: SyncOptions) -> tuple[str, ...]:
     """The sync modes that can run with ``options``: every mode, or the synchronous one (``bsp``) alone where
-    gradients are all-reduced in 16 bits (``reduce_dtype``), which only its all-reduces do."""
-    if options.reduce_dtype == REDUCE_DTYPES[0]:
+    gradients are all-reduced in 16 bits (``reduce_dtype``) or the optimizer state is sharded (``shard``),
+    which only its all-reduces and its one optimizer step over all replicas do."""
+    if options.reduce_dtype == REDUCE_DTYPES[0] and options.shard == SHARD_MODES[0]:
         return SYNC_MODES
     return tuple(m.name for m in MODES if m.synchronous)
 
@@ -260,6 +282,9 @@ def check_mode_options(mode: str, options: SyncOptions, where: str = _INTERNAL) 
 
 def _check_runnable(mode: str, options: SyncOptions, where: str = "sync options") -> None:
     """Refuse options that ``mode`` cannot run: ``reduce_dtype`` bf16 under a mode other than ``bsp``."""
+    if mode in SYNC_MODES and options.shard != SHARD_MODES[0] and not sync_mode(mode).synchronous:
+        raise SyncLayoutError(f"{where}: shard={options.shard} shards the bsp mode's optimizer state; sync mode "
+                              f"{mode} steps each replica's own optimizer (use shard=none, or sync bsp)")
     if mode in SYNC_MODES and mode not in modes_for(options):
         raise SyncLayoutError(f"{where}: reduce_dtype={options.reduce_dtype} applies to the bsp mode's gradient "
                               f"all-reduces; sync mode {mode} exchanges weights and updates in fp32 "
@@ -353,6 +378,10 @@ class Segment:
         buckets: its gradient buckets under ``bsp``, last layers first.
         ps_host: the owner that keeps its parameter-server shard (``wsp``, ``hybrid-ps``).
         local_groups: its owners grouped by node, groups of two or more (``hybrid-ps``, ``daso``).
+        shard: what its owners shard (``SyncOptions.shard``; ``"none"`` with one owner).
+        shard_fractions: with ``shard``, the share of the segment's elements each owner keeps (in ``owners``'
+            order, summing to 1): owner j steps elements ``[F_j, F_j+1)`` of each flat buffer, F the running
+            sum (``shard_bounds``).
     """
 
     first_layer: int
@@ -363,6 +392,29 @@ class Segment:
     buckets: tuple[Bucket, ...] = ()
     ps_host: str | None = None
     local_groups: tuple[tuple[str, ...], ...] = ()
+    shard: str = SHARD_MODES[0]
+    shard_fractions: tuple[float, ...] = ()
+
+    @property
+    def sharded(self) -> bool:
+        """Whether its owners shard its optimizer state (and perhaps its gradients)."""
+        return self.shard != SHARD_MODES[0]
+
+    def shard_of(self, device: str) -> float:
+        """The share of the segment's optimizer state ``device`` keeps: its fraction where sharded, else 1."""
+        if not self.sharded:
+            return 1.0
+        return self.shard_fractions[self.owners.index(device)]
+
+    def shard_bounds(self, numel: int) -> list[tuple[int, int]]:
+        """Per owner, the elements ``[lo, hi)`` of a flat buffer of ``numel`` elements it keeps."""
+        edges = [0]
+        acc = 0.0
+        for f in self.shard_fractions[:-1]:
+            acc += f
+            edges.append(min(numel, round(acc * numel)))
+        edges.append(numel)
+        return list(itertools.pairwise(edges))
 
     @property
     def shared(self) -> bool:
@@ -432,6 +484,9 @@ class SyncLayout:
                 row["ps_host"] = seg.ps_host
             if seg.local_groups:
                 row["local_groups"] = [list(g) for g in seg.local_groups]
+            if seg.sharded:
+                row["shard"] = seg.shard
+                row["shard_fractions"] = list(seg.shard_fractions)
             segments.append(row)
         return {"mode": self.mode, "options": self.options.to_dict(), "segments": segments}
 
@@ -563,16 +618,24 @@ def place_ps_shard(owners: Sequence[T], nodes: Sequence[str], s: int, placement:
 
 
 def build_sync_layout(cluster: Cluster, profile: ModelProfile, stages: Sequence[Sequence[tuple[str, int, int]]],
-                      mode: str, options: SyncOptions, tp_degrees: Sequence[int] | None = None) -> SyncLayout:
+                      mode: str, options: SyncOptions, tp_degrees: Sequence[int] | None = None,
+                      shard_weights: Mapping[str, float] | None = None) -> SyncLayout:
     """Every sync decision for VWs whose stages are ``stages`` (per VW, ``(device, first, end)`` per stage).
+
+    ``shard_weights``: with ``options.shard``, device -> what sizes its shards (``shard_fractions``): each
+    owner of a segment keeps the share ``w / sum(w)`` of its owners' weights (equal shares where none is given,
+    or none is positive).
 
     ``tp_degrees``: per layer, the TP degree it runs at (the same in every VW: ``plan.validate_plan``); a
     segment's owners are then the stages' first devices, and its bytes one TP rank's: rank j of each owner's
     group reduces its shard with rank j of the others (``cost.tp_rank_profile``). None: no TP.
 
     Raises:
-        SyncLayoutError: an unknown mode.
+        SyncLayoutError: an unknown mode; a sharded layout with TP stages (the runtime shards whole tensors).
     """
+    if options.shard != SHARD_MODES[0] and tp_degrees is not None and max(tp_degrees, default=1) > 1:
+        raise SyncLayoutError(f"sync options: shard={options.shard} with TP stages is not supported: a TP rank's "
+                              f"gradients are DTensor shards already (use shard=none, or --max-tp 1)")
     try:
         rules = sync_mode(mode)
     except SyncModeError as e:
@@ -612,8 +675,20 @@ def build_sync_layout(cluster: Cluster, profile: ModelProfile, stages: Sequence[
                 for o in owners:
                     by_node.setdefault(node_of[o], []).append(o)
                 seg = replace(seg, local_groups=tuple(tuple(g) for n, g in sorted(by_node.items()) if len(g) > 1))
+            if rules.synchronous and options.shard != SHARD_MODES[0]:
+                seg = replace(seg, shard=options.shard, shard_fractions=shard_fractions(owners, shard_weights))
         segments.append(seg)
     return SyncLayout(mode, options, tuple(segments))
+
+
+def shard_fractions(owners: Sequence[str], weights: Mapping[str, float] | None) -> tuple[float, ...]:
+    """Each owner's share of a sharded segment: its weight over the owners' sum (non-positive weights count as
+    0), rounded to 1e-9; equal shares where no owner has a positive weight."""
+    w = [max(0.0, float((weights or {}).get(o, 0.0))) for o in owners]
+    total = sum(w)
+    if total <= 0 or not math.isfinite(total):
+        return tuple(round(1.0 / len(owners), 9) for _ in owners)
+    return tuple(round(x / total, 9) for x in w)
 
 
 def _exact_bucket(s: int, b: int, lo: float, hi: float, size: float, algorithm: str) -> Bucket:
