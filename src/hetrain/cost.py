@@ -496,6 +496,18 @@ def estimate_weight_memory(param_bytes: float, bytes_per_element: int, optimizer
     return param_bytes * (1.0 + grad_share) + state + cast_copy
 
 
+#: ZeRO-2's gradients in flight during a backward: two of DistributedDataParallel's 25 MiB buckets (one being
+#: reduced to its owners while the next fills; DeepSpeed's ``reduce_bucket_size`` plays the same part)
+ZERO2_IN_FLIGHT_BYTES = 2 * 25 * 2**20
+
+
+def zero2_transient_bytes(param_bytes: float, largest_layer_bytes: float, grad_share: float) -> float:
+    """The gradients a ZeRO-2 stage holds beyond its own share during a backward: the buckets not yet reduced
+    (``ZERO2_IN_FLIGHT_BYTES``, or the largest layer, a bucket ending on a layer boundary), at most the share
+    of the stage's gradients it does not keep."""
+    return min((1.0 - grad_share) * param_bytes, max(ZERO2_IN_FLIGHT_BYTES, largest_layer_bytes))
+
+
 #: The share of a device's memory a plan leaves free: a plan never predicts a device more than
 #: 95% full. The memory model's error on measured GPUs (docs/profile.md) is within it, and a
 #: training run's peak moves by a few percent with the allocator's fragmentation.
@@ -575,9 +587,8 @@ def estimate_stage_memory(profile: ModelProfile, first: int, end: int, recompute
     copies of its gradients, in the same transient (``estimate_optimizer_step_memory``).
 
     ``state_share``, ``grad_share``: the shares of the optimizer state and of the gradients the device keeps
-    (``estimate_weight_memory``). Under ZeRO-2 (``grad_share < 1``) a backward's gradients of the whole stage
-    exist while they are reduced to their owners: counted in the activation peak's transient (an upper bound:
-    the runtime frees each bucket's once it is reduced).
+    (``estimate_weight_memory``). Under ZeRO-2 (``grad_share < 1``) a backward's gradients live until their
+    bucket is reduced to its owners: ``zero2_transient_bytes`` in the activation peak's transient.
     """
     layers = profile.layers
     rc = set(recompute)
@@ -599,7 +610,7 @@ def estimate_stage_memory(profile: ModelProfile, first: int, end: int, recompute
         transient += loss_transient * b
     weights = estimate_weight_memory(params, profile.bytes_per_element, optimizer, state_share, grad_share)
     if grad_share < 1.0 and b > 0:
-        transient += (1.0 - grad_share) * params
+        transient += zero2_transient_bytes(params, max(x.param_bytes for x in layers[first:end]), grad_share)
     peak = weights + in_flight_count * b * kept + transient
     if with_step:
         peak = max(peak, weights + estimate_optimizer_step_memory(params, profile.bytes_per_element, optimizer,

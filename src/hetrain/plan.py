@@ -324,6 +324,25 @@ class Plan:
         """
         return self.layout.segments
 
+    def shard_shares(self, device: str) -> tuple[float, float]:
+        """(optimizer state, gradients): the shares of its stage's state and gradients ``device`` keeps between
+        iterations, over the stage's parameter bytes (1, 1 where nothing is sharded; ``Segment.shard_of``)."""
+        if self.sync_options.shard == "none":
+            return (1.0, 1.0)
+        v, j = self.stage_of(device)
+        stage = self.virtual_workers[v].stages[j]
+        layers = self.profile.layers
+        total = kept = 0.0
+        for seg in self.layout.segments:
+            lo, hi = max(seg.first_layer, stage.first_layer), min(seg.end_layer, stage.end_layer)
+            if lo >= hi:
+                continue
+            size = float(sum(x.param_bytes for x in layers[lo:hi]))
+            total += size
+            kept += size * (seg.shard_of(stage.device) if stage.device in seg.owners else 1.0)
+        state = kept / total if total > 0 else 1.0
+        return (state, state if self.sync_options.shard == "optimizer+gradients" else 1.0)
+
     def with_sync(self, mode: str | None = None, options: SyncOptions | None = None) -> Plan:
         """This plan under another sync mode or options: the layout is made anew, the prediction kept
         (``planner.sync.repredict_sync`` re-predicts it)."""
@@ -414,6 +433,17 @@ class Plan:
                 rows.append(f"TP {k}: {format_time(t)}" if t else f"TP {k}: cannot beat it" if pruned
                             else f"TP {k}: not planned within the time budget" if skipped else f"TP {k}: no plan")
             lines.append(f"  planned at {'; '.join(rows)}; chose TP {tp_choice.get('chosen')}")
+        if self.sync_options.shard != "none":
+            shares = ", ".join(f"{d} {self.shard_shares(d)[0]:.0%}" for d in self.devices_used)
+            lines.append(f"  sharded ({self.sync_options.shard}, by {self.sync_options.shard_by}): each device keeps "
+                         f"this share of its stage's optimizer state: {shares}")
+        shard_choice = self.options.get("shard_choice")
+        if isinstance(shard_choice, Mapping) and isinstance(shard_choice.get("modes"), Mapping):
+            rows = []
+            for mode, row in shard_choice["modes"].items():
+                t = row.get("simulated_iteration_s") or row.get("iteration_s") if isinstance(row, Mapping) else None
+                rows.append(f"shard {mode}: {format_time(t)}" if t else f"shard {mode}: no plan")
+            lines.append(f"  planned with {'; '.join(rows)}; chose shard {shard_choice.get('chosen')}")
         learned = self.options.get("time_model")
         if isinstance(learned, Mapping) and learned.get("types"):
             lines.append(f"  layer times for {', '.join(map(str, learned['types']))} from the learned model "

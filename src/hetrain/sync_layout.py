@@ -203,14 +203,17 @@ class SyncOptions:
 
     @property
     def reduce_wire(self) -> float:
-        """Bytes a gradient all-reduce moves per byte of fp32 gradient (``reduce_dtype``)."""
-        return REDUCE_WIRE[self.reduce_dtype]
+        """Bytes a gradient reduction moves per byte of fp32 gradient, against a ring all-reduce of it: half in
+        bf16 (``reduce_dtype``), and half again where the owners shard (``shard``): the gradients are
+        reduce-scattered, half a ring all-reduce's bytes, and the updated weights all-gathered after the step,
+        the other half (``planner.search.shard_gather_s``)."""
+        return REDUCE_WIRE[self.reduce_dtype] * (0.5 if self.shard != SHARD_MODES[0] else 1.0)
 
     @property
     def reduce_copy(self) -> float:
         """Bytes of 16-bit gradient copies per byte of the gradients a rank all-reduces, alive from a bucket's
         post to its wait (0 in fp32: the all-reduce runs in the gradient buffer itself)."""
-        return 0.0 if self.reduce_dtype == REDUCE_DTYPES[0] else self.reduce_wire
+        return 0.0 if self.reduce_dtype == REDUCE_DTYPES[0] else REDUCE_WIRE[self.reduce_dtype]
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.option_names()}

@@ -30,7 +30,7 @@ from hetrain.planner import PlannerOptions
 from hetrain.planner.search import DEFAULT_TIME_BUDGET_S
 from hetrain.planning import plan_families, plan_with_simulator, simulated_iteration_s
 from hetrain.profile import ModelProfile
-from hetrain.sync_layout import SYNC_OPTION_HELP, SyncOptions, check_mode_options
+from hetrain.sync_layout import SHARD_MODES, SYNC_OPTION_HELP, SyncOptions, check_mode_options
 from hetrain.sync_mode import SYNC_MODES
 
 _positive = number_at_least(0.0, inclusive=False)
@@ -67,6 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 8; 1: no tensor parallelism; docs/planner.md)")
     parser.add_argument("--tp", type=_tp_degree, default=None, metavar="K",
                         help="run every stage on a TP group of K devices of one node (as --strategy forces a family)")
+    parser.add_argument("--shard", choices=["auto", *SHARD_MODES], default="auto",
+                        help="what each segment's owners shard under bsp: none, optimizer (ZeRO-1), "
+                             "optimizer+gradients (ZeRO-2), uneven by each device's free memory; auto (default): "
+                             "also plan sharded where the plan without could be memory-bound, keep the best "
+                             "(docs/sync.md)")
     parser.add_argument("--use-every-device", action="store_true",
                         help="never leave a node out (by default auto also plans without the node of the slowest NIC "
                              "and the node of least compute, and keeps that plan where it is 10%% faster)")

@@ -189,6 +189,15 @@ def planner_options(args: argparse.Namespace) -> PlannerOptions:
         opts["max_tp"] = args.max_tp
     if getattr(args, "tp", None) is not None:
         opts["tp"] = args.tp
+    shard = getattr(args, "shard", None)
+    if shard is not None and "shard" in sync_options.given and shard != sync_options.shard:
+        if shard != "auto":
+            raise InputError(f"--shard {shard} and --sync-option shard={sync_options.shard} disagree: give one")
+    elif shard is not None:
+        if shard not in ("auto", "none") and (args.sync or "bsp") != "bsp":
+            raise InputError(f"--shard {shard}: sharding is the bsp mode's; sync mode {args.sync} steps each "
+                             f"replica's own optimizer (use --sync bsp, or --shard none)")
+        opts["shard"] = shard
     opts["time_budget_s"] = parse_time_budget(args.time_budget)
     if args.target_samples is not None:
         opts["target_samples"] = args.target_samples

@@ -283,7 +283,7 @@ def partition(cluster: Cluster, profile: ModelProfile, devices: Sequence[Device]
               schedule: str, optimizer: str, allow_recompute: bool = True,
               max_caps: int = 64, cache: StageTableCache | None = None,
               full_recompute: bool = False, blocking: bool = False,
-              reduce_copy: float = 0.0) -> PartitionResult | None:
+              reduce_copy: float = 0.0, shares: tuple[float, float] = (1.0, 1.0)) -> PartitionResult | None:
     """Best cuts of the model over ``devices`` in this order; None if no cut fits memory.
 
     Every device gets at least one layer, so ``len(devices) <= L`` is required.
@@ -293,6 +293,7 @@ def partition(cluster: Cluster, profile: ModelProfile, devices: Sequence[Device]
     (sync option ``transfers``), so each stage's time holds the transfers on both its sides.
     ``reduce_copy``: the bf16 copies of the gradients each stage all-reduces, per gradient byte, counted
     with the optimizer step's memory (``stage_cost.build_model_arrays``; 0 where no replica shares them).
+    ``shares``: the (optimizer state, gradients) shares each stage keeps where they are sharded.
 
     Example:
         >>> r = partition(cluster, profile, cluster.devices[:2], b=4, m=8,
@@ -303,8 +304,8 @@ def partition(cluster: Cluster, profile: ModelProfile, devices: Sequence[Device]
     p = len(devices)
     if p == 0 or p > L:
         return None
-    kinds, kind_of = build_kind_tables(profile, devices, b, optimizer, allow_recompute, cache, reduce_copy)
-    links = link_time_table(cluster, devices, build_model_arrays(profile, optimizer, reduce_copy), b)
+    kinds, kind_of = build_kind_tables(profile, devices, b, optimizer, allow_recompute, cache, reduce_copy, shares)
+    links = link_time_table(cluster, devices, build_model_arrays(profile, optimizer, reduce_copy, shares), b)
     n = np.array([in_flight(schedule, m, p, j) for j in range(p)], dtype=float)[:, None, None]
     bases = [t.base_s for t in kinds.kinds]
     # An upper bound first, with every useful layer recomputed where memory needs it:
@@ -316,7 +317,8 @@ def partition(cluster: Cluster, profile: ModelProfile, devices: Sequence[Device]
     f0, cuts_full = full
     if full_recompute:
         return _result_full(devices, kinds, kind_of, n[:, 0, 0], links, cuts_full, m, b, blocking)
-    stages = build_stage_costs(profile, devices, b, m, schedule, optimizer, allow_recompute, cache, reduce_copy)
+    stages = build_stage_costs(profile, devices, b, m, schedule, optimizer, allow_recompute, cache, reduce_copy,
+                               shares)
     s_lb = float(np.min(np.stack([s.fwd_s + s.bwd_s for s in stages]), axis=0).sum())
     limit = f0 if m == 1 else min(f0, (f0 - s_lb) / (m - 1))
     limit *= 1 + 1e-9

@@ -44,6 +44,7 @@ from typing import Any, Literal, cast
 from hetrain.cluster import Cluster, tp_cluster, tp_groups_of_node
 from hetrain.cost import (
     MEMORY_MARGIN_FRACTION,
+    estimate_allreduce_time,
     estimate_device_memory,
     estimate_iteration_overhead,
     estimate_layer_times,
@@ -80,7 +81,7 @@ from hetrain.planner.stage_cost import StageTableCache
 from hetrain.planner.sync import Scorer, choose_sync_mode, estimate_mode_sync_time
 from hetrain.planner.vw import VWEvaluator, canonical_devices, vw_signature
 from hetrain.profile import ModelProfile
-from hetrain.sync_layout import SyncOptions, check_mode_options, modes_for
+from hetrain.sync_layout import SHARD_MODES, SyncOptions, check_mode_options, group_segments, modes_for
 from hetrain.sync_mode import SYNC_MODES, SyncModeName
 from hetrain.units import format_bytes
 
@@ -151,6 +152,10 @@ class PlannerOptions:
             power of two up to it that some node's devices of one type can form, where the profile has TP rules,
             and keeps the best (``tp_degrees``).
         tp: plan every stage at this TP degree (``hetrain plan --tp K``, as ``strategy`` forces a family).
+        shard: ``"auto"``: also plan with the optimizer state sharded among each segment's owners (ZeRO-1, then
+            ZeRO-2 where ZeRO-1 does not fit), where the plan without could be memory-bound (it does not fit, or
+            it pipelines or recomputes), and keep the best (``plan_shards``); a shard mode: plan with it
+            (``SyncOptions.shard``); None: as ``sync_options`` says.
     """
 
     strategy: Literal["auto", "dp", "pp", "hybrid"] = "auto"
@@ -177,8 +182,11 @@ class PlannerOptions:
     leave_out: bool = True  # also plan without the slowest NIC's or the weakest node, keep it if 10% faster
     max_tp: int = DEFAULT_MAX_TP
     tp: int | None = None
+    shard: str | None = None
 
     def __post_init__(self) -> None:
+        if self.shard is not None and self.shard not in ("auto", *SHARD_MODES):
+            raise ValueError(f"shard must be auto or one of {', '.join(SHARD_MODES)}, got {self.shard!r}")
         if self.strategy not in ("auto", "dp", "pp", "hybrid"):
             raise ValueError(f"strategy must be auto, dp, pp or hybrid, got {self.strategy!r}")
         if self.schedule not in ("auto", *SCHEDULES):
@@ -270,6 +278,34 @@ def _reduce_copy(opts: PlannerOptions, vws: int) -> float:
     return opts.sync_options.reduce_copy if vws > 1 else 0.0
 
 
+def _shares(opts: PlannerOptions, vws: int) -> tuple[float, float]:
+    """The (optimizer state, gradients) shares each stage of a formation of ``vws`` VWs keeps where the plan
+    shards them (``SyncOptions.shard``), as the search prices memory: an even share, 1 / ``vws`` (every VW
+    holds each layer once). The plan's own shards are uneven (``_shard_weights``), and its memory is counted
+    with them (``_to_plan``)."""
+    shard = opts.sync_options.shard
+    if shard == "none" or vws < 2:
+        return (1.0, 1.0)
+    return (1.0 / vws, 1.0 / vws if shard == "optimizer+gradients" else 1.0)
+
+
+def shard_gather_s(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Sequence[tuple[int, int, int]]],
+                   shard: str) -> dict[int, float]:
+    """Per device, the seconds after its optimizer step in which the owners of its sharded segments hand each
+    other their updated shards (an all-gather: half a ring all-reduce's bytes on the same links; the gradients'
+    reduce-scatter is the other half, priced with the buckets at ``SyncOptions.reduce_wire``)."""
+    out: dict[int, float] = {}
+    if shard == "none":
+        return out
+    for first, end, owners in group_segments(profile.num_layers, layouts):
+        if len(owners) < 2:
+            continue
+        t = 0.5 * estimate_allreduce_time(cluster, list(owners), sum(x.param_bytes for x in profile.layers[first:end]))
+        for d in owners:
+            out[d] = out.get(d, 0.0) + t
+    return out
+
+
 def _evaluate(cluster: Cluster, profile: ModelProfile, formation: Formation, schedule: str, global_batch: int,
               opts: PlannerOptions, evaluators: dict[tuple[object, ...], VWEvaluator], cache: StageTableCache,
               exact: bool = True) -> Candidate | None:
@@ -277,13 +313,14 @@ def _evaluate(cluster: Cluster, profile: ModelProfile, formation: Formation, sch
     # a VW's stages hold bf16 copies of their gradients where other VWs share them (reduce_dtype bf16): one
     # evaluator per VW shape for formations of one VW, another for those of many
     copies = _reduce_copy(opts, len(groups))
-    sigs = [(vw_signature(cluster, g), schedule, copies) for g in groups]
+    shares = _shares(opts, len(groups))
+    sigs = [(vw_signature(cluster, g), schedule, copies, shares) for g in groups]
     for sig, g in zip(sigs, groups, strict=True):
         if sig not in evaluators:
             evaluators[sig] = VWEvaluator(
                 cluster, profile, canonical_devices(cluster, g), schedule, opts.optimizer, opts.allow_recompute,
                 opts.order_budget, opts.max_caps, opts.micro_batch_sizes, cache, opts.exhaustive_orders,
-                opts.sync_options.transfers == "blocking", reduce_copy=copies)
+                opts.sync_options.transfers == "blocking", reduce_copy=copies, shares=shares)
     if global_batch < len(groups):
         return None
     # Guess each VW's share by peak compute, to size the coarse partitions' micro-batch count.
@@ -325,10 +362,12 @@ def _assemble(cluster: Cluster, profile: ModelProfile, formation: Formation, sch
     vw_pipeline_s = estimate_shared_pipeline_times(cluster, parts)  # the NICs shared by every VW's transfers
     pipeline_s = max(vw_pipeline_s)
     layouts = [[(d.index, r.cuts[j], r.cuts[j + 1]) for j, d in enumerate(r.devices)] for r in parts]
+    state_share = _shares(opts, len(parts))[0]
+    gather = shard_gather_s(cluster, profile, layouts, opts.sync_options.shard if len(parts) > 1 else "none")
     optimizer_s = max(
-        estimate_optimizer_time(sum(profile.layers[i].param_bytes for i in range(k, l)),
+        estimate_optimizer_time(state_share * sum(profile.layers[i].param_bytes for i in range(k, l)),
                                 profile.bytes_per_element, cluster.devices[d], opts.optimizer, profile)
-        + estimate_iteration_overhead(profile, cluster.devices[d])
+        + estimate_iteration_overhead(profile, cluster.devices[d]) + gather.get(d, 0.0)
         for layout in layouts for d, k, l in layout
     )
     # what each device's last backward micro-batch can hide of its BSP gradient buckets
@@ -366,7 +405,7 @@ def reversed_orders(cluster: Cluster, profile: ModelProfile, c: Candidate, opts:
         if key not in done:
             done[key] = partition(cluster, profile, devices, r.b, r.m, c.schedule, opts.optimizer,
                                   opts.allow_recompute, opts.max_caps,
-                                  reduce_copy=_reduce_copy(opts, len(c.parts)))
+                                  reduce_copy=_reduce_copy(opts, len(c.parts)), shares=_shares(opts, len(c.parts)))
         flipped = done[key]
         if flipped is None:
             return None
@@ -377,6 +416,7 @@ def reversed_orders(cluster: Cluster, profile: ModelProfile, c: Candidate, opts:
 
 
 def _to_plan(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: PlannerOptions) -> Plan:
+    shares = _shares(opts, len(c.parts))
     vws = []
     memory = []
     for r, mini in zip(c.parts, c.mini_batches, strict=True):
@@ -385,7 +425,8 @@ def _to_plan(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: Planne
         for j, d in enumerate(r.devices):
             k, l = r.cuts[j], r.cuts[j + 1]
             mem = estimate_stage_memory(profile, k, l, r.recompute[j], r.b, in_flight(c.schedule, r.m, p, j),
-                                        opts.optimizer, reduce_copy=_reduce_copy(opts, len(c.parts)))
+                                        opts.optimizer, reduce_copy=_reduce_copy(opts, len(c.parts)),
+                                        state_share=shares[0], grad_share=shares[1])
             stages.append(Stage(d.name, k, l, r.recompute[j], r.forward_s[j], r.backward_s[j], mem))
             memory.append(DeviceMemory(d.name, estimate_device_memory(profile, d, mem), d.memory_bytes))
         vws.append(VirtualWorker(tuple(stages), mini, r.m, r.pipeline_s))
@@ -410,13 +451,50 @@ def _to_plan(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: Planne
             for mode in modes_for(opts.sync_options)}
     if opts.critical_batch:
         options["critical_batch"] = opts.critical_batch
-    return Plan(
+    plan = Plan(
         model=profile.name, global_batch=c.global_batch, schedule=schedule,
         sync=opts.sync if opts.sync != "auto" else "bsp", optimizer=opts.optimizer,
         virtual_workers=tuple(vws), prediction=prediction,
         strategy=c.formation.strategy, formation=c.formation.name, cluster=cluster, profile=profile,
         options=options, sync_options=opts.sync_options,
     )
+    return _with_shards(plan, opts, c) if opts.sync_options.shard != "none" and len(c.parts) > 1 else plan
+
+
+def _with_shards(plan: Plan, opts: PlannerOptions, c: Candidate) -> Plan:
+    """``plan`` with its shards sized (``Plan.shard_weights``) and each stage's memory counted with its own
+    shares: by memory, a device's weight is the tensor budget its stage leaves free of everything but the
+    sharded state (Cephalo's rule); by speed, its peak FLOP/s."""
+    profile, cluster = plan.profile, plan.cluster
+    unsharded = replace(opts, sync_options=replace(opts.sync_options, shard="none"))
+    state_free = (0.0, 0.0 if opts.sync_options.shard == "optimizer+gradients" else 1.0)
+    weights: dict[str, float] = {}
+    for r, vw in zip(c.parts, plan.virtual_workers, strict=True):
+        p = len(r.devices)
+        for j, (d, s) in enumerate(zip(r.devices, vw.stages, strict=True)):
+            if opts.sync_options.shard_by == "speed":
+                weights[d.name] = d.peak_flops(profile.precision)
+                continue
+            other = estimate_stage_memory(profile, s.first_layer, s.end_layer, s.recompute, r.b,
+                                          in_flight(c.schedule, r.m, p, j), opts.optimizer,
+                                          reduce_copy=_reduce_copy(unsharded, len(c.parts)),
+                                          state_share=state_free[0], grad_share=state_free[1])
+            weights[d.name] = max(0.0, tensor_budget(profile, d) - other)
+    sized = replace(plan, shard_weights=weights)
+    vws, memory = [], []
+    for r, vw in zip(c.parts, sized.virtual_workers, strict=True):
+        p = len(r.devices)
+        stages = []
+        for j, (d, s) in enumerate(zip(r.devices, vw.stages, strict=True)):
+            state_share, grad_share = sized.shard_shares(d.name)
+            mem = estimate_stage_memory(profile, s.first_layer, s.end_layer, s.recompute, r.b,
+                                        in_flight(c.schedule, r.m, p, j), opts.optimizer,
+                                        reduce_copy=_reduce_copy(opts, len(c.parts)), state_share=state_share,
+                                        grad_share=grad_share)
+            stages.append(replace(s, predicted_memory_bytes=mem))
+            memory.append(DeviceMemory(d.name, estimate_device_memory(profile, d, mem), d.memory_bytes))
+        vws.append(replace(vw, stages=tuple(stages)))
+    return replace(sized, virtual_workers=tuple(vws), prediction=replace(sized.prediction, memory=tuple(memory)))
 
 
 def _explain_no_fit(cluster: Cluster, profile: ModelProfile, opts: PlannerOptions) -> str:
@@ -637,6 +715,12 @@ def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: Pl
     opts = options if options is not None else PlannerOptions(**kwargs)
     if options is not None and kwargs:
         opts = replace(options, **kwargs)
+    if opts.shard == "auto":
+        return plan_shards(cluster, profile, global_batch, opts, score)
+    if opts.shard is not None:
+        opts = replace(opts, shard=None, sync_options=replace(opts.sync_options, shard=opts.shard))
+    if opts.sync_options.shard != "none" and (opts.tp or 1) == 1:
+        opts = replace(opts, max_tp=1)  # the runtime shards whole tensors: no TP stage with a sharded segment
     degrees = tp_degrees(cluster, profile, opts)
     if degrees == [1]:
         return _plan_degree(cluster, profile, global_batch, opts, score, TimeBudget(opts.time_budget_s))
@@ -684,6 +768,66 @@ def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: Pl
                     **{key: sum(getattr(r, key) for r in reports) for key in ("screened", "searched", "simulated")})
     return replace(best, options={**best.options, TP_KEY: {"chosen": best_k, "degrees": choice},
                                   REPORT_KEY: total.to_dict()})
+
+
+#: the key of ``Plan.options`` that says what ``plan_shards`` planned with each shard mode
+SHARD_KEY = "shard_choice"
+
+
+def plan_shards(cluster: Cluster, profile: ModelProfile, global_batch: int, opts: PlannerOptions,
+                score: Scorer | None) -> Plan:
+    """``plan`` without sharding, then, where that plan could be memory-bound (none fits, or it pipelines or
+    recomputes, which memory may have forced), with the optimizer state sharded (ZeRO-1), and with the
+    gradients too (ZeRO-2) where ZeRO-1 does not fit; the best by the simulator where it simulated them, else
+    by the closed forms. The budget is shared: half to the plan without, the rest to the others in turn.
+    Sharding is bsp's (``SyncOptions.shard``) and whole tensors' (no TP stage), so other modes, or a forced
+    TP degree, plan without."""
+    base = replace(opts, shard=None, sync_options=replace(opts.sync_options, shard="none"))
+    if opts.sync not in ("bsp", "auto") or (opts.tp or 1) > 1:
+        return plan(cluster, profile, global_batch, base, score)
+    start = time.perf_counter()
+
+    def left(share: float) -> float | None:
+        if opts.time_budget_s is None:
+            return None
+        return max(0.0, (opts.time_budget_s - (time.perf_counter() - start)) * share)
+
+    found: list[tuple[str, Plan]] = []
+    choice: dict[str, dict[str, Any]] = {}
+    try:
+        found.append(("none", plan(cluster, profile, global_batch, replace(base, time_budget_s=left(0.5)), score)))
+    except PlannerError as e:
+        choice["none"] = {"error": str(e)}
+        first_error: PlannerError | None = e
+    else:
+        first_error = None
+        unsharded = found[0][1]
+        if not any(len(vw.stages) > 1 or any(s.recompute for s in vw.stages) for vw in unsharded.virtual_workers):
+            return replace(unsharded, options={**unsharded.options, SHARD_KEY: {
+                "chosen": "none", "modes": {"none": _shard_row(unsharded)},
+                "note": "every VW is one stage without recompute: sharding would only add its all-gather"}})
+    for n, mode in enumerate(SHARD_MODES[1:]):
+        if n > 0 and any(m != "none" for m, _ in found):
+            break  # ZeRO-2 only where ZeRO-1 does not fit
+        sharded = replace(base, sync=opts.sync if opts.sync == "bsp" else "bsp", max_tp=1,
+                          sync_options=replace(opts.sync_options, shard=mode), time_budget_s=left(1.0 / (2 - n)))
+        try:
+            found.append((mode, plan(cluster, profile, global_batch, sharded, score)))
+        except PlannerError as e:
+            choice[mode] = {"error": str(e)}
+    if not found:
+        assert first_error is not None
+        raise first_error
+    simulated = [(m, p) for m, p in found if p.prediction.simulated_iteration_s is not None]
+    pool = simulated or found
+    chosen, best = min(pool, key=lambda mp: _rank_key(opts, mp[1], bool(simulated)))
+    choice.update({m: _shard_row(p) for m, p in found})
+    return replace(best, options={**best.options, SHARD_KEY: {"chosen": chosen, "modes": choice}})
+
+
+def _shard_row(p: Plan) -> dict[str, Any]:
+    return {"iteration_s": p.prediction.iteration_s, "simulated_iteration_s": p.prediction.simulated_iteration_s,
+            "stages": max(len(vw.stages) for vw in p.virtual_workers), "vws": len(p.virtual_workers)}
 
 
 def _simulate_degrees(found: list[tuple[int, Plan]], opts: PlannerOptions, score: Scorer | None,
@@ -927,6 +1071,7 @@ def _as_schedule(profile: ModelProfile, c: Candidate, opts: PlannerOptions, sche
     if c.schedule != "1f1b":
         return None
     copies = _reduce_copy(opts, len(c.parts))
+    state_share, grad_share = _shares(opts, len(c.parts))
     more = False
     for r in c.parts:
         p = len(r.devices)
@@ -934,7 +1079,8 @@ def _as_schedule(profile: ModelProfile, c: Candidate, opts: PlannerOptions, sche
             n = in_flight(schedule, r.m, p, j)
             more = more or n > in_flight(c.schedule, r.m, p, j)
             need = estimate_stage_memory(profile, r.cuts[j], r.cuts[j + 1], r.recompute[j], r.b, n,
-                                         opts.optimizer, reduce_copy=copies)
+                                         opts.optimizer, reduce_copy=copies, state_share=state_share,
+                                         grad_share=grad_share)
             if need > tensor_budget(profile, d):
                 return None
     return replace(c, schedule=schedule) if more else None

@@ -26,6 +26,7 @@ import numpy as np
 
 from hetrain.cluster import Cluster, Device
 from hetrain.cost import (
+    ZERO2_IN_FLIGHT_BYTES,
     estimate_action_overhead,
     estimate_layer_times,
     estimate_optimizer_step_memory,
@@ -138,12 +139,16 @@ def _range_max(values: np.ndarray) -> np.ndarray:
     return out
 
 
-def build_model_arrays(profile: ModelProfile, optimizer: str, reduce_copy: float = 0.0) -> ModelArrays:
+def build_model_arrays(profile: ModelProfile, optimizer: str, reduce_copy: float = 0.0,
+                       shares: tuple[float, float] = (1.0, 1.0)) -> ModelArrays:
     """The model's per-layer figures as arrays and range tables, cached on the profile. ``reduce_copy``: the
     16-bit gradient copies per gradient byte a stage holds at the end of the iteration where its gradients are
     all-reduced in bf16 (``SyncOptions.reduce_copy``; 0 in fp32, or where no other replica shares them): they
-    count in ``step_table`` with the optimizer step's transient (``cost.estimate_optimizer_step_memory``)."""
-    key = ("model_arrays", optimizer, reduce_copy)
+    count in ``step_table`` with the optimizer step's transient (``cost.estimate_optimizer_step_memory``).
+    ``shares``: (optimizer state, gradients) a stage keeps where its owners shard them (``SyncOptions.shard``;
+    ``cost.estimate_stage_memory``): under ZeRO-2 a backward's whole gradients are transient at the activation
+    peak, so ``weight_factor`` counts them there, and ``step_table`` does not."""
+    key = ("model_arrays", optimizer, reduce_copy, shares)
     cached = profile._cache.get(key)
     if cached is not None:
         return cached  # type: ignore[no-any-return]
@@ -153,7 +158,14 @@ def build_model_arrays(profile: ModelProfile, optimizer: str, reduce_copy: float
     saved = np.array([x.saved_bytes_per_sample for x in layers], dtype=float)
     inputs = np.concatenate([[profile.input_bytes_per_sample], out[:-1]])
     # estimate_weight_memory is linear in parameter bytes: take its slope once.
-    weight_factor = estimate_weight_memory(1.0, profile.bytes_per_element, optimizer)
+    state_share, grad_share = shares
+    held = estimate_weight_memory(1.0, profile.bytes_per_element, optimizer, state_share, grad_share)
+    weight_factor = held
+    # ZeRO-2: the gradients of the buckets not yet reduced to their owners, during a backward
+    # (cost.zero2_transient_bytes: min of the range's unkept share and the in-flight buckets or its largest layer)
+    in_flight_grads = (np.minimum((1.0 - grad_share) * _range_table(_prefix(param)),
+                                  np.maximum(ZERO2_IN_FLIGHT_BYTES, _range_max(param)))
+                       if grad_share < 1.0 else 0.0)
     useful = saved - inputs > 0
     L = len(layers)
     # The loss lives on the stage that ends at layer L (cost.estimate_stage_memory).
@@ -166,13 +178,13 @@ def build_model_arrays(profile: ModelProfile, optimizer: str, reduce_copy: float
     arrays = ModelArrays(
         param=param, saved=saved, input=inputs, output=out, sent=out / profile.tp_degree,
         weight_factor=weight_factor,
-        weight_table=weight_factor * _range_table(_prefix(param)),
+        weight_table=weight_factor * _range_table(_prefix(param)) + in_flight_grads,
         saved_table=saved_table,
         kept_full_table=saved_table - _range_table(_prefix(np.where(useful, saved - inputs, 0.0))),
         transient_table=_range_max(np.where(useful, saved, 0.0)),
         loss_table=loss_table,
-        step_table=(weight_factor + estimate_optimizer_step_memory(1.0, profile.bytes_per_element, optimizer,
-                                                                   reduce_copy))
+        step_table=(held + estimate_optimizer_step_memory(1.0, profile.bytes_per_element, optimizer,
+                                                          reduce_copy, state_share))
         * _range_table(_prefix(param)),
         upper=np.triu(np.ones((L + 1, L + 1), dtype=bool), k=1),
         useful=useful,
@@ -202,7 +214,7 @@ def choose_recompute(fwd_s: np.ndarray, arrays: ModelArrays, k: int, l: int, b: 
     """
     if arrays.step_table[k, l] > capacity_bytes:
         return None  # the optimizer step alone does not fit; recomputing cannot help
-    weights = arrays.weight_factor * float(arrays.param[k:l].sum())
+    weights = float(arrays.weight_table[k, l])
     kept = float(arrays.saved_table[k, l])
     loss = b * float(arrays.loss_table[k, l])
     need = weights + n * b * kept + loss
@@ -376,19 +388,20 @@ class KindTables:
 
 
 def device_key(dev: Device, b: int, optimizer: str, allow_recompute: bool,
-               reduce_copy: float = 0.0) -> tuple[object, ...]:
+               reduce_copy: float = 0.0, shares: tuple[float, float] = (1.0, 1.0)) -> tuple[object, ...]:
     """What a device's stage tables depend on, besides its in-flight count."""
     return (dev.type_name, dev.peak_fp32_flops, dev.peak_fp16_flops, dev.memory_bytes,
-            dev.memory_bandwidth_bytes_per_s, b, optimizer, allow_recompute, reduce_copy)
+            dev.memory_bandwidth_bytes_per_s, b, optimizer, allow_recompute, reduce_copy, shares)
 
 
 def build_kind_tables(profile: ModelProfile, devices: Sequence[Device], b: int, optimizer: str,
                       allow_recompute: bool, cache: StageTableCache | None,
-                      reduce_copy: float = 0.0) -> tuple[KindTables, list[int]]:
-    """Stacked tables of the distinct device kinds of ``devices``, and each position's kind (``reduce_copy``:
-    ``build_model_arrays``)."""
-    arrays = build_model_arrays(profile, optimizer, reduce_copy)
-    keys = [device_key(d, b, optimizer, allow_recompute, reduce_copy) for d in devices]
+                      reduce_copy: float = 0.0,
+                      shares: tuple[float, float] = (1.0, 1.0)) -> tuple[KindTables, list[int]]:
+    """Stacked tables of the distinct device kinds of ``devices``, and each position's kind (``reduce_copy``,
+    ``shares``: ``build_model_arrays``)."""
+    arrays = build_model_arrays(profile, optimizer, reduce_copy, shares)
+    keys = [device_key(d, b, optimizer, allow_recompute, reduce_copy, shares) for d in devices]
     index: dict[tuple[object, ...], int] = {}
     firsts: list[Device] = []
     for key, d in zip(keys, devices, strict=True):
@@ -400,7 +413,7 @@ def build_kind_tables(profile: ModelProfile, devices: Sequence[Device], b: int, 
     def one(d: Device) -> DeviceTables:
         if cache is None:
             return _build_device(profile, arrays, d, b, allow_recompute)
-        return cache.device_tables(device_key(d, b, optimizer, allow_recompute, reduce_copy),
+        return cache.device_tables(device_key(d, b, optimizer, allow_recompute, reduce_copy, shares),
                                    functools.partial(_build_device, profile, arrays, d, b, allow_recompute))
 
     def stack() -> KindTables:
@@ -474,15 +487,16 @@ def _add_recompute(costs: StageCosts, todo: np.ndarray) -> None:
 
 def build_stage_costs(profile: ModelProfile, devices: Sequence[Device], b: int, m: int, schedule: str,
                       optimizer: str, allow_recompute: bool = True,
-                      cache: StageTableCache | None = None, reduce_copy: float = 0.0) -> list[StageCosts]:
-    """Stage tables for each position ``j`` of a VW over ``devices`` (in that order; ``reduce_copy``:
-    ``build_model_arrays``)."""
-    arrays = build_model_arrays(profile, optimizer, reduce_copy)
+                      cache: StageTableCache | None = None, reduce_copy: float = 0.0,
+                      shares: tuple[float, float] = (1.0, 1.0)) -> list[StageCosts]:
+    """Stage tables for each position ``j`` of a VW over ``devices`` (in that order; ``reduce_copy``,
+    ``shares``: ``build_model_arrays``)."""
+    arrays = build_model_arrays(profile, optimizer, reduce_copy, shares)
     p = len(devices)
     out = []
     for j, dev in enumerate(devices):
         n = in_flight(schedule, m, p, j)
-        figures = device_key(dev, b, optimizer, allow_recompute, reduce_copy)
+        figures = device_key(dev, b, optimizer, allow_recompute, reduce_copy, shares)
         key = (*figures, n)
         costs = cache.get(key) if cache is not None else None
         if costs is None:

@@ -187,6 +187,7 @@ class VWEvaluator:
     exhaustive_orders: int = 120
     blocking: bool = False  # the runtime's transfers hold sender and receiver (sync option ``transfers``)
     reduce_copy: float = 0.0  # bf16 gradient copies per gradient byte at the step (partition; 0: none shared)
+    shares: tuple[float, float] = (1.0, 1.0)  # (optimizer state, gradients) a stage keeps where sharded
     _orders: list[tuple[int, ...]] | None = None
     _cache: dict[tuple[int, int, bool], PartitionResult | None] = field(default_factory=dict)
     _coarse: dict[int, PartitionResult | None] = field(default_factory=dict)
@@ -213,7 +214,8 @@ class VWEvaluator:
     def _partition_uncached(self, order: tuple[int, ...], b: int, m: int, fast: bool) -> PartitionResult | None:
         return partition(self.cluster, self.profile, [self.devices[q] for q in order], b, m, self.schedule,
                          self.optimizer, self.allow_recompute, 1 if fast else self.max_caps, self.cache,
-                         full_recompute=fast, blocking=self.blocking, reduce_copy=self.reduce_copy)
+                         full_recompute=fast, blocking=self.blocking, reduce_copy=self.reduce_copy,
+                         shares=self.shares)
 
     def best(self, b: int, m: int, fast: bool = False) -> PartitionResult | None:
         """Best partition over candidate orders at micro-batch ``b`` and ``m`` micro-batches.

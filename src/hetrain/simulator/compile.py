@@ -17,6 +17,7 @@ import numpy as np
 from hetrain.cluster import Cluster, Device, share_link
 from hetrain.cost import (
     estimate_action_overhead,
+    estimate_allreduce_time,
     estimate_iteration_overhead,
     estimate_layer_times,
     estimate_optimizer_step_memory,
@@ -84,7 +85,9 @@ def estimate_stage_costs(plan: Plan, vw: VirtualWorker, stage: Stage, device: De
     (``cost.tp_rank_profile``; ``device`` then stands for the group: ``Cluster.group_device``)."""
     profile = tp_rank_profile(plan.profile, stage.tp)
     first, end, rc = stage.first_layer, stage.end_layer, list(stage.recompute)
-    weights = estimate_stage_memory(profile, first, end, rc, 0, 0, plan.optimizer, with_step=False)
+    state_share, grad_share = plan.shard_shares(stage.device)
+    shares = {"state_share": state_share, "grad_share": grad_share}
+    weights = estimate_stage_memory(profile, first, end, rc, 0, 0, plan.optimizer, with_step=False, **shares)
     param_bytes = float(sum(profile.layers[i].param_bytes for i in stage.layers))
     per_size: dict[int, tuple[float, float, float, float]] = {}
     layer_times = {}
@@ -92,8 +95,8 @@ def estimate_stage_costs(plan: Plan, vw: VirtualWorker, stage: Stage, device: De
     for b in set(vw.micro_batch_sizes):
         f, g = estimate_layer_times(profile, device, b)
         layer_times[b] = (f, g)
-        held0 = estimate_stage_memory(profile, first, end, rc, b, 0, plan.optimizer, with_step=False)
-        held1 = estimate_stage_memory(profile, first, end, rc, b, 1, plan.optimizer, with_step=False)
+        held0 = estimate_stage_memory(profile, first, end, rc, b, 0, plan.optimizer, with_step=False, **shares)
+        held1 = estimate_stage_memory(profile, first, end, rc, b, 1, plan.optimizer, with_step=False, **shares)
         per_size[b] = (float(f[first:end].sum()) + overhead,
                        float(g[first:end].sum() + f[rc].sum()) + overhead,
                        held1 - held0, held0 - weights)
@@ -101,15 +104,26 @@ def estimate_stage_costs(plan: Plan, vw: VirtualWorker, stage: Stage, device: De
     return CompiledStageCosts(
         weights_bytes=weights,
         step_transient_bytes=max(estimate_optimizer_step_memory(param_bytes, profile.bytes_per_element,
-                                                                plan.optimizer),
+                                                                plan.optimizer, state_share=state_share),
                                  plan.sync_options.reduce_copy * _shared_param_bytes(plan, stage, profile)),
-        optimizer_s=estimate_optimizer_time(param_bytes, profile.bytes_per_element, device, plan.optimizer, profile)
-        + estimate_iteration_overhead(profile, device),
+        optimizer_s=estimate_optimizer_time(state_share * param_bytes, profile.bytes_per_element, device,
+                                            plan.optimizer, profile)
+        + estimate_iteration_overhead(profile, device) + _shard_gather_s(plan, stage),
         overhead_s=overhead,
         forward_s=[per_size[b][0] for b in sizes], backward_s=[per_size[b][1] for b in sizes],
         activation_bytes=[per_size[b][2] for b in sizes], transient_bytes=[per_size[b][3] for b in sizes],
         layer_times=layer_times,
     )
+
+
+def _shard_gather_s(plan: Plan, stage: Stage) -> float:
+    """Seconds after ``stage``'s optimizer step in which the owners of its sharded segments all-gather their
+    updated shards (``planner.search.shard_gather_s``: half a ring all-reduce of the segment's weights)."""
+    if plan.sync_options.shard == "none":
+        return 0.0
+    index = {d.name: d.index for d in plan.cluster.devices}
+    return sum(0.5 * estimate_allreduce_time(plan.cluster, [index[o] for o in seg.owners], seg.param_bytes)
+               for seg in plan.segments() if seg.sharded and stage.device in seg.owners)
 
 
 def _shared_param_bytes(plan: Plan, stage: Stage, profile: ModelProfile) -> float:

@@ -1,0 +1,161 @@
+"""Sharded optimizer state on the planning side: the plan's shards, their memory, their cost, the planner's choice."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from tests.factories import A100, V100, make_cluster, make_plan
+
+from hetrain.cost import ZERO2_IN_FLIGHT_BYTES, estimate_stage_memory, estimate_weight_memory
+from hetrain.models.analytic import build_gpt_profile, build_profile
+from hetrain.plan import PlanError, load_plan, parse_plan
+from hetrain.planner.search import PlannerError, PlannerOptions, plan
+from hetrain.simulator import simulate
+from hetrain.simulator.compile import estimate_stage_costs
+from hetrain.sync_layout import SyncLayoutError, SyncOptions, check_mode_options, shard_fractions
+
+ZERO1 = SyncOptions(shard="optimizer")
+ZERO2 = SyncOptions(shard="optimizer+gradients")
+
+
+def _profile():  # type: ignore[no-untyped-def]
+    return build_gpt_profile(4, 256, 8, 128, 1000)
+
+
+def _dp_plan(options: SyncOptions, weights: dict[str, float] | None = None):  # type: ignore[no-untyped-def]
+    cluster = make_cluster({"n0": 2, "n1": 2})
+    profile = _profile()
+    vws = [([d], [0, profile.num_layers], 4, 1) for d in ("n0:0", "n0:1", "n1:0", "n1:1")]
+    p = make_plan(cluster, profile, vws, optimizer="adam", sync_options=options)
+    return replace(p, shard_weights=weights) if weights is not None else p
+
+
+def test_shards_follow_the_weights_and_cover_every_element() -> None:
+    assert shard_fractions(("a", "b"), {"a": 3.0, "b": 1.0}) == (0.75, 0.25)
+    assert shard_fractions(("a", "b", "c"), None) == pytest.approx((1 / 3, 1 / 3, 1 / 3))
+    assert shard_fractions(("a", "b"), {"a": -5.0, "b": 0.0}) == (0.5, 0.5)  # none positive: even
+    p = _dp_plan(ZERO1, {"n0:0": 1.0, "n0:1": 2.0, "n1:0": 1.0, "n1:1": 0.0})
+    seg = p.segments()[0]
+    assert seg.sharded and seg.shard_fractions == (0.25, 0.5, 0.25, 0.0)
+    bounds = seg.shard_bounds(1001)
+    assert bounds[0][0] == 0 and bounds[-1][1] == 1001
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
+    assert [hi - lo for lo, hi in bounds] == [250, 501, 250, 0]
+    assert p.shard_shares("n0:1") == (pytest.approx(0.5), 1.0)  # ZeRO-1 keeps the whole gradients
+    z2 = _dp_plan(ZERO2, {"n0:0": 1.0, "n0:1": 2.0, "n1:0": 1.0, "n1:1": 0.0})
+    assert z2.shard_shares("n0:1") == (pytest.approx(0.5), pytest.approx(0.5))
+    assert _dp_plan(SyncOptions()).shard_shares("n0:1") == (1.0, 1.0)
+
+
+def test_a_sharded_plan_round_trips_and_a_hand_edited_share_is_refused(tmp_path: Path) -> None:
+    p = _dp_plan(ZERO2, {"n0:0": 4.0, "n0:1": 1.0, "n1:0": 1.0, "n1:1": 2.0})
+    path = tmp_path / "plan.json"
+    p.save(path)
+    data = json.loads(path.read_text())
+    assert data["sync"]["shard_weights"] == {"n0:0": 4.0, "n0:1": 1.0, "n1:0": 1.0, "n1:1": 2.0}
+    assert data["sync"]["segments"][0]["shard"] == "optimizer+gradients"
+    back = load_plan(path)
+    assert back.segments() == p.segments() and back.shard_weights == p.shard_weights
+    data["sync"]["segments"][0]["shard_fractions"] = [0.25, 0.25, 0.25, 0.25]
+    with pytest.raises(PlanError, match=r"sync.segments\[0\].shard_fractions: .* the stages and options give"):
+        parse_plan(data)
+    data = json.loads(path.read_text())
+    data["sync"]["shard_weights"]["n0:0"] = -1
+    with pytest.raises(PlanError, match=r"sync.shard_weights.n0:0: expected a finite number >= 0, got -1"):
+        parse_plan(data)
+
+
+@pytest.mark.parametrize("mode", ["wsp", "hybrid-ps", "daso", "local-sgd"])
+def test_relaxed_modes_refuse_sharding_in_one_line(mode: str) -> None:
+    with pytest.raises(SyncLayoutError, match=f"shard=optimizer shards the bsp mode's optimizer state; sync mode "
+                                              f"{mode} steps each replica's own optimizer"):
+        check_mode_options(mode, ZERO1, "--sync-option")
+
+
+def test_sharding_with_tp_stages_is_refused() -> None:
+    cluster = make_cluster({"n0": (A100, 2), "n1": (A100, 2)})
+    profile = build_gpt_profile(4, 256, 8, 128, 1000, precision="fp16")
+    with pytest.raises(PlannerError, match="no node of cluster"):
+        plan(cluster, profile, 8, PlannerOptions(tp=4, shard="optimizer"))
+    from tests.test_tp_planning import _tp_plan
+    with pytest.raises(PlanError, match="shard=optimizer with TP stages is not supported"):
+        _tp_plan([("n0:0", "n0:1")], [0, 6], sync_options=ZERO1)
+
+
+def test_the_memory_model_keeps_a_share_of_the_state_and_of_the_gradients() -> None:
+    n = 1e9  # bytes of fp32 parameters
+    assert estimate_weight_memory(n, 4, "adam") == 4 * n
+    assert estimate_weight_memory(n, 4, "adam", 0.25) == pytest.approx(2 * n + 0.5 * n)
+    assert estimate_weight_memory(n, 4, "adam", 0.25, 0.25) == pytest.approx(n + 0.25 * n + 0.5 * n)
+    profile = _profile()
+    end = profile.num_layers
+    plain = estimate_stage_memory(profile, 0, end, [], 4, 1, "adam")
+    z1 = estimate_stage_memory(profile, 0, end, [], 4, 1, "adam", state_share=0.25)
+    z2 = estimate_stage_memory(profile, 0, end, [], 4, 1, "adam", state_share=0.25, grad_share=0.25)
+    params = profile.param_bytes
+    assert plain - z1 == pytest.approx(0.75 * 2 * params, rel=0.01)
+    in_flight = min(0.75 * params, max(ZERO2_IN_FLIGHT_BYTES, max(x.param_bytes for x in profile.layers)))
+    assert z1 - z2 == pytest.approx(0.75 * params - in_flight, rel=0.01)
+
+
+def test_the_simulator_counts_a_devices_share_and_the_all_gather_after_the_step() -> None:
+    plain = _dp_plan(SyncOptions())
+    sharded = _dp_plan(ZERO1, {"n0:0": 3.0, "n0:1": 1.0, "n1:0": 1.0, "n1:1": 1.0})
+    dev = {d.name: d for d in plain.cluster.devices}
+    vw0, vw1 = sharded.virtual_workers[0], sharded.virtual_workers[1]
+    big = estimate_stage_costs(sharded, vw0, vw0.stages[0], dev["n0:0"])
+    small = estimate_stage_costs(sharded, vw1, vw1.stages[0], dev["n0:1"])
+    whole = estimate_stage_costs(plain, plain.virtual_workers[0], plain.virtual_workers[0].stages[0], dev["n0:0"])
+    state = 2 * plain.profile.param_bytes  # AdamW's m and v
+    assert whole.weights_bytes - big.weights_bytes == pytest.approx(state * 0.5, rel=1e-6)
+    assert whole.weights_bytes - small.weights_bytes == pytest.approx(state * (1 - 1 / 6), rel=1e-6)
+    assert big.optimizer_s > small.optimizer_s  # a larger shard to step, the same all-gather
+    assert simulate(sharded).iteration_s > 0
+
+
+@pytest.mark.slow
+def test_gpt2_xl_as_pure_dp_on_8_t4s_fits_only_with_zero2() -> None:
+    cluster = make_cluster({"a": ("T4", 4), "b": ("T4", 4)}, intra_link="pcie3", nic="10Gbit/s")
+    profile = build_profile("gpt2-xl")
+    opts = PlannerOptions(strategy="dp", max_tp=1, time_budget_s=20)
+    for mode in ("none", "optimizer"):
+        with pytest.raises(PlannerError, match="fits no arrangement"):
+            plan(cluster, profile, 64, replace(opts, shard=mode))
+    p = plan(cluster, profile, 64, replace(opts, shard="auto"))
+    assert p.sync_options.shard == "optimizer+gradients" and len(p.virtual_workers) == 8
+    assert p.options["shard_choice"]["chosen"] == "optimizer+gradients"
+    assert all(m.peak_bytes <= m.capacity_bytes for m in p.prediction.memory)
+    assert "sharded (optimizer+gradients, by memory)" in p.summary()
+
+
+def test_shards_are_sized_by_the_memory_each_stage_leaves_free() -> None:
+    cluster = make_cluster({"a": (A100, 1), "v": (V100, 1)}, nic="10Gbit/s")
+    profile = build_profile("gpt2-medium")
+    p = plan(cluster, profile, 16, PlannerOptions(strategy="dp", max_tp=1, shard="optimizer", time_budget_s=10))
+    share = {d: p.shard_shares(d)[0] for d in ("a:0", "v:0")}
+    assert share["a:0"] > 0.5 > share["v:0"] and share["a:0"] + share["v:0"] == pytest.approx(1.0)
+    by_speed = plan(cluster, profile, 16, PlannerOptions(strategy="dp", max_tp=1, time_budget_s=10,
+                                                         sync_options=SyncOptions(shard="optimizer",
+                                                                                  shard_by="speed")))
+    assert by_speed.shard_weights["a:0"] > by_speed.shard_weights["v:0"]
+    assert all(m.peak_bytes <= m.capacity_bytes for m in p.prediction.memory)
+
+
+def test_auto_plans_without_sharding_where_every_vw_is_one_plain_stage() -> None:
+    cluster = make_cluster({"n0": 2})
+    p = plan(cluster, _profile(), 8, PlannerOptions(strategy="dp", shard="auto", time_budget_s=5))
+    assert p.sync_options.shard == "none" and p.options["shard_choice"]["chosen"] == "none"
+
+
+def test_the_cli_refuses_shard_flags_that_disagree(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hetrain.cli import main
+    cluster = tmp_path / "c.toml"
+    cluster.write_text('name = "c"\n[[node]]\nname = "n0"\ndevices = [{ type = "cpu", count = 2 }]\n')
+    base = ["plan", "--cluster", str(cluster), "--model", "gpt-tiny", "--global-batch", "8", "--shard", "optimizer"]
+    assert main([*base, "--sync-option", "shard=none"]) != 0
+    assert "--shard optimizer and --sync-option shard=none disagree: give one" in capsys.readouterr().err
+    assert main([*base, "--sync", "wsp"]) != 0
+    assert "--shard optimizer: sharding is the bsp mode's; sync mode wsp" in capsys.readouterr().err
