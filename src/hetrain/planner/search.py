@@ -803,9 +803,10 @@ def plan_shards(cluster: Cluster, profile: ModelProfile, global_batch: int, opts
         first_error = None
         unsharded = found[0][1]
         if not any(len(vw.stages) > 1 or any(s.recompute for s in vw.stages) for vw in unsharded.virtual_workers):
-            return replace(unsharded, options={**unsharded.options, SHARD_KEY: {
-                "chosen": "none", "modes": {"none": _shard_row(unsharded)},
-                "note": "every VW is one stage without recompute: sharding would only add its all-gather"}})
+            return replace(unsharded, options={
+                **unsharded.options, REPORT_KEY: _total_report([unsharded], opts).to_dict(), SHARD_KEY: {
+                    "chosen": "none", "modes": {"none": _shard_row(unsharded)},
+                    "note": "every VW is one stage without recompute: sharding would only add its all-gather"}})
     for n, mode in enumerate(SHARD_MODES[1:]):
         if n > 0 and any(m != "none" for m, _ in found):
             break  # ZeRO-2 only where ZeRO-1 does not fit
@@ -822,7 +823,17 @@ def plan_shards(cluster: Cluster, profile: ModelProfile, global_batch: int, opts
     pool = simulated or found
     chosen, best = min(pool, key=lambda mp: _rank_key(opts, mp[1], bool(simulated)))
     choice.update({m: _shard_row(p) for m, p in found})
-    return replace(best, options={**best.options, SHARD_KEY: {"chosen": chosen, "modes": choice}})
+    return replace(best, options={**best.options, SHARD_KEY: {"chosen": chosen, "modes": choice},
+                                  REPORT_KEY: _total_report([p for _, p in found], opts).to_dict()})
+
+
+def _total_report(plans: Sequence[Plan], opts: PlannerOptions) -> PlannerReport:
+    """What the planner did over several plannings that shared one budget: their counts added up, the
+    last's reason to stop, and the whole budget."""
+    reports = [PlannerReport.from_dict(p.options[REPORT_KEY]) for p in plans]
+    return replace(reports[-1], time_budget_s=opts.time_budget_s,
+                   **{key: sum(getattr(r, key) for r in reports)
+                      for key in ("screened", "searched", "simulated", "simulations")})
 
 
 def _shard_row(p: Plan) -> dict[str, Any]:
