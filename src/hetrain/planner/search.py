@@ -67,6 +67,7 @@ from hetrain.plan import (
     DeviceMemory,
     Optimizer,
     Plan,
+    PlanError,
     Prediction,
     Schedule,
     Stage,
@@ -463,11 +464,14 @@ def _to_plan(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: Planne
 
 def _with_shards(plan: Plan, opts: PlannerOptions, c: Candidate) -> Plan:
     """``plan`` with its shards sized (``Plan.shard_weights``) and each stage's memory counted with its own
-    shares: by memory, a device's weight is the tensor budget its stage leaves free of everything but the
-    sharded state (Cephalo's rule); by speed, its peak FLOP/s."""
-    profile, cluster = plan.profile, plan.cluster
+    shares. By memory (Cephalo's rule), a device's weight is the tensor budget its stage leaves free of
+    everything but the sharded state, over what the whole sharded state of its stage would take: the largest
+    share it could hold alone, so that shares in proportion to the weights fit wherever any split of a segment
+    among its owners fits. By speed, its peak FLOP/s. Where the uneven shards do not fit (a stage in several
+    segments of unlike owners), even shares, which the search priced."""
+    profile = plan.profile
+    zero2 = opts.sync_options.shard == "optimizer+gradients"
     unsharded = replace(opts, sync_options=replace(opts.sync_options, shard="none"))
-    state_free = (0.0, 0.0 if opts.sync_options.shard == "optimizer+gradients" else 1.0)
     weights: dict[str, float] = {}
     for r, vw in zip(c.parts, plan.virtual_workers, strict=True):
         p = len(r.devices)
@@ -475,12 +479,27 @@ def _with_shards(plan: Plan, opts: PlannerOptions, c: Candidate) -> Plan:
             if opts.sync_options.shard_by == "speed":
                 weights[d.name] = d.peak_flops(profile.precision)
                 continue
-            other = estimate_stage_memory(profile, s.first_layer, s.end_layer, s.recompute, r.b,
-                                          in_flight(c.schedule, r.m, p, j), opts.optimizer,
-                                          reduce_copy=_reduce_copy(unsharded, len(c.parts)),
-                                          state_share=state_free[0], grad_share=state_free[1])
-            weights[d.name] = max(0.0, tensor_budget(profile, d) - other)
-    sized = replace(plan, shard_weights=weights)
+
+            def need(share: float, s: Any = s, r: PartitionResult = r, j: int = j) -> float:
+                return estimate_stage_memory(profile, s.first_layer, s.end_layer, s.recompute, r.b,
+                                             in_flight(c.schedule, r.m, p, j), opts.optimizer,
+                                             reduce_copy=_reduce_copy(unsharded, len(c.parts)),
+                                             state_share=share, grad_share=share if zero2 else 1.0)
+
+            other, whole = need(0.0), need(1.0)
+            weights[d.name] = max(0.0, tensor_budget(profile, d) - other) / max(whole - other, 1.0)
+    for shard_weights in (weights, {}):
+        try:
+            return _sharded_memory(replace(plan, shard_weights=shard_weights), opts, c)
+        except PlanError:
+            continue
+    raise PlannerError(f"the plan's stages fit with even shards of their state in the search, but not with the "
+                       f"shards of its segments' owners ({opts.sync_options.shard}); plan with --shard none")
+
+
+def _sharded_memory(sized: Plan, opts: PlannerOptions, c: Candidate) -> Plan:
+    """``sized`` with each stage's memory counted at its own shares (PlanError where one does not fit)."""
+    profile = sized.profile
     vws, memory = [], []
     for r, vw in zip(c.parts, sized.virtual_workers, strict=True):
         p = len(r.devices)
