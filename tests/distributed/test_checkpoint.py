@@ -29,6 +29,7 @@ from hetrain.runtime.state.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from hetrain.runtime.state.resume import ResumePoint, find_resume
 
 N_LAYERS = 8
 
@@ -369,6 +370,93 @@ def test_a_write_that_fails_for_another_cause_says_which(small_disk: Path) -> No
 
 
 # ---------------------------------------------------------------------------
+# resume: the newest intact checkpoint
+# ---------------------------------------------------------------------------
+
+SHA_DIFFERS = "is damaged: its SHA-256 differs from the manifest's"
+
+
+def damage(file: Path) -> None:
+    """Flip one byte in the middle of ``file``."""
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+def test_a_resume_passes_over_a_damaged_newest_checkpoint_naming_the_file_and_the_step(tmp_path):
+    tensors, state = stage(range(3))
+    assert find_resume(tmp_path / "nowhere") is None
+    for step in (10, 20):
+        save_checkpoint(tmp_path, step, tensors, state, {"step": step})
+    intact = find_resume(tmp_path)
+    assert intact == ResumePoint(20, tmp_path / "step-00000020") and intact.notice() is None
+
+    damage(tmp_path / "step-00000020" / "layers.1.pt")
+    resume = find_resume(tmp_path)
+    assert resume is not None and (resume.step, resume.path) == (10, tmp_path / "step-00000010")
+    assert resume.notice() == (f"passing over damaged checkpoint step 20 ({tmp_path / 'step-00000020' / 'layers.1.pt'} "
+                               f"{SHA_DIFFERS}); resuming from step 10, the newest intact checkpoint in {tmp_path}")
+    # asked for by name, or as the newest, the damaged checkpoint is refused as before: never loaded
+    for step in (20, None):
+        with pytest.raises(CheckpointError, match=rf"layers\.1\.pt {SHA_DIFFERS}"):
+            load_checkpoint(tmp_path, ["layers.1.weight"], step=step)
+    assert load_checkpoint(tmp_path, list(tensors), step=resume.step)[2] == {"step": 10}
+    assert (tmp_path / "step-00000020" / "layers.1.pt").is_file()  # left where it is, for a person to look at
+
+
+def test_with_every_checkpoint_damaged_a_resume_is_refused_in_one_line_naming_the_files(tmp_path):
+    tensors, state = stage(range(2))
+    for step in (10, 20, 30):
+        save_checkpoint(tmp_path, step, tensors, state, {"step": step})
+    damage(tmp_path / "step-00000030" / "layers.0.pt")
+    (tmp_path / "step-00000020" / "layers.1.pt").write_bytes(b"short")
+    (tmp_path / "step-00000010" / "manifest.json").write_text("{ not json")
+    with pytest.raises(CheckpointError) as refused:
+        find_resume(tmp_path)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith(f"no intact checkpoint to resume from in {tmp_path}: checkpoint step 30 "
+                              f"({tmp_path / 'step-00000030' / 'layers.0.pt'} {SHA_DIFFERS}), checkpoint step 20 "
+                              f"({tmp_path / 'step-00000020' / 'layers.1.pt'} is truncated or damaged: 5 bytes, the "
+                              f"manifest says "), message
+    assert f"checkpoint step 10 ({tmp_path / 'step-00000010' / 'manifest.json'} cannot be read: " in message
+    assert message.endswith("; move the damaged step directories aside to start from step 0, or put back intact "
+                            "copies of their files")
+
+    (tmp_path / "step-00000020" / "layers.1.pt").unlink()  # a missing file is damage too
+    with pytest.raises(CheckpointError, match=r"layers\.1\.pt is missing \(the manifest lists it, written by rank 0\)"):
+        find_resume(tmp_path)
+
+
+def test_ranks_share_the_check_and_resume_from_the_same_checkpoint(tmp_path, spawn, clean_env, free_port):
+    """Two ranks each hash half the files: a damaged file in rank 1's half sends both back to step 10."""
+    tensors, state = stage(range(N_LAYERS))
+    newest_damaged, all_damaged = tmp_path / "a", tmp_path / "b"
+    for directory in (newest_damaged, all_damaged):
+        for step in (10, 20):
+            save_checkpoint(directory, step, tensors, state, {"step": step})
+    damage(newest_damaged / "step-00000020" / "layers.7.pt")  # the 8th file: rank 1 checks it
+    for step in (10, 20):
+        damage(all_damaged / f"step-{step:08d}" / "layers.7.pt")
+    port = free_port()
+    ranks = [spawn([sys.executable, __file__, "resume", str(tmp_path)], rank_env(clean_env, r, 2, port))
+             for r in range(2)]
+    outputs = []
+    for r, p in enumerate(ranks):
+        stdout, stderr = p.communicate(timeout=60)
+        assert p.returncode == 0, f"rank {r}:\n{stdout}\n{stderr[-3000:]}"
+        outputs.append(stdout.splitlines())
+    assert outputs[0] == outputs[1]
+    resumed, notice, refused = outputs[0]
+    assert resumed == "a: step 10"
+    damaged = newest_damaged / "step-00000020" / "layers.7.pt"
+    assert notice.startswith(f"a: passing over damaged checkpoint step 20 ({damaged} {SHA_DIFFERS}); resuming from "
+                             "step 10"), notice
+    assert refused.startswith(f"b: no intact checkpoint to resume from in {all_damaged}: checkpoint step 20 ("), refused
+    assert "step-00000010/layers.7.pt" in refused
+
+
+# ---------------------------------------------------------------------------
 # Gloo ranks
 # ---------------------------------------------------------------------------
 
@@ -479,6 +567,20 @@ def _full_disk(directory: Path, rank: int) -> None:
         print(f"{s:.2f}", flush=True)
 
 
+def _resume(directory: Path) -> None:
+    """``find_resume`` of ``a`` (newest damaged), then of ``b`` (all damaged), then leave at once, as a refused run
+    does: rank 0, the store's host, only once rank 1 has read what it needs."""
+    resume = find_resume(directory / "a", timeout_s=20)
+    assert resume is not None
+    print(f"a: step {resume.step}\na: {resume.notice()}", flush=True)
+    try:
+        find_resume(directory / "b", timeout_s=20)
+    except CheckpointError as e:
+        print(f"b: {e}", flush=True)
+        os._exit(0)
+    os._exit(1)
+
+
 def _worker(mode: str, directory: Path) -> None:
     import torch.distributed as dist
 
@@ -490,6 +592,8 @@ def _worker(mode: str, directory: Path) -> None:
         dist.barrier()
         dist.destroy_process_group()
         return
+    if mode == "resume":
+        _resume(directory)
     if mode == "failures":
         tensors, state = stage(range(2))
         t0 = time.monotonic()

@@ -420,7 +420,7 @@ def write_failure(error: BaseException, directory: Path, step: int, rank: int, f
     else:
         reason = first_line(error)
     room = "" if free is None else f", {format_bytes(free)} free there"
-    complete = [s for s, _ in _complete_checkpoints(directory)]
+    complete = [s for s, _ in complete_checkpoints(directory)]
     kept = (f"the checkpoints there are untouched (the newest complete one: step {complete[-1]})" if complete else
             "no earlier complete checkpoint is there")
     return CheckpointWriteError(f"checkpoint step {step} could not be written to {directory / step_dir_name(step)}: "
@@ -530,7 +530,7 @@ def _prune(directory: Path, keep: int, current: int) -> None:
     Leftovers (``.step-N.tmp``, ``.replaced``, ``.deleting``) of steps after ``current`` stay: the other
     ranks, already released, might be writing the next save.
     """
-    complete = _complete_checkpoints(directory)
+    complete = complete_checkpoints(directory)
     kept = {step for step, _ in complete[-keep:]} | {current}
     doomed = [path for step, path in complete if step not in kept]
     for entry in directory.iterdir():
@@ -729,7 +729,9 @@ def _step_dirs(directory: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def _complete_checkpoints(directory: Path) -> list[tuple[int, Path]]:
+def complete_checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    """Every ``(step, path)`` in ``directory`` whose step directory has a manifest file, oldest first (whether
+    the manifest reads, and its files match it, is not asked)."""
     return [(s, p) for s, p in _step_dirs(directory) if (p / MANIFEST).is_file()]
 
 
@@ -741,7 +743,7 @@ def _find(directory: Path, step: int | None) -> Path:
         return latest[1]
     path = directory / step_dir_name(step)
     if not (path / MANIFEST).is_file():
-        steps = [s for s, _ in _complete_checkpoints(directory)]
+        steps = [s for s, _ in complete_checkpoints(directory)]
         have = f"complete checkpoints: steps {', '.join(map(str, steps))}" if steps else "no complete checkpoint"
         why = " (its directory has no manifest: the save was interrupted)" if path.is_dir() else ""
         raise CheckpointError(f"no complete checkpoint of step {step} in {directory}{why}; {have}"
@@ -776,18 +778,28 @@ def _read_manifest(path: Path, step: int | None) -> dict[str, Any]:
     return manifest
 
 
-def _read_layer_file(file: Path, expected: Mapping[str, Any] | None) -> dict[str, Any]:
-    if expected is None:
-        raise CheckpointError(f"{file.parent / MANIFEST} lists no entry for {file.name}")
+def check_file(file: Path, expected: Mapping[str, Any]) -> str | None:
+    """Whether ``file`` has the size and SHA-256 its manifest entry ``expected`` gives: None, or what is wrong
+    in one clause naming the file (``.../layers.1.pt is damaged: its SHA-256 differs from the manifest's``)."""
     try:
         size, digest = _digest(file)
     except FileNotFoundError:
-        raise CheckpointError(f"{file} is missing (the manifest lists it, written by rank "
-                              f"{expected.get('rank')})") from None
+        return f"{file} is missing (the manifest lists it, written by rank {expected.get('rank')})"
+    except OSError as e:
+        return f"{file} cannot be read: {e.strerror or e}"
     if size != expected["bytes"]:
-        raise CheckpointError(f"{file} is truncated or damaged: {size} bytes, the manifest says {expected['bytes']}")
+        return f"{file} is truncated or damaged: {size} bytes, the manifest says {expected['bytes']}"
     if digest != expected["sha256"]:
-        raise CheckpointError(f"{file} is damaged: its SHA-256 differs from the manifest's")
+        return f"{file} is damaged: its SHA-256 differs from the manifest's"
+    return None
+
+
+def _read_layer_file(file: Path, expected: Mapping[str, Any] | None) -> dict[str, Any]:
+    if expected is None:
+        raise CheckpointError(f"{file.parent / MANIFEST} lists no entry for {file.name}")
+    wrong = check_file(file, expected)
+    if wrong is not None:
+        raise CheckpointError(wrong)
     try:
         content = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:
