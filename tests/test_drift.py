@@ -214,15 +214,18 @@ def test_a_restart_takes_the_newest_drift_plan_of_its_plan_while_the_world_is_it
     ckpt = tmp_path / "ckpt"
     write_plan(drifted, ckpt, 4)
     world = ["n0:0", "n0:1", "n0:2"]
-    got = adopt_drift_plan(plan, world, ckpt)
+    got = adopt_drift_plan(plan, world, ckpt, 4)
     assert got is not None and got.digest == plan_digest(load_plan(ckpt / "plans" / "plan-step4.json"))
-    assert adopt_drift_plan(plan, ["n0:0", "n0:1"], ckpt) is None  # the world changed: plan.json's way
+    assert adopt_drift_plan(plan, ["n0:0", "n0:1"], ckpt, 4) is None  # the world changed: plan.json's way
     other = hetrain.plan(parse_cluster(cpus(3)), MLP, 32, optimizer="sgd")
-    assert adopt_drift_plan(other, world, ckpt) is None  # another plan.json
-    assert adopt_drift_plan(plan, world, None) is None
+    assert adopt_drift_plan(other, world, ckpt, 4) is None  # another plan.json
+    assert adopt_drift_plan(plan, world, None, 4) is None
+    assert adopt_drift_plan(plan, world, ckpt, 3) is None  # resumed from before the switch: not yet made
+    assert adopt_drift_plan(plan, world, ckpt, None) is None  # no checkpoint to resume from
     world_plan = hetrain.elastic.replan(plan, [hetrain.elastic.PresentDevice(d, "cpu") for d in world[:2]], 8).plan
     write_plan(world_plan, ckpt, 8)  # a newer plan made for a changed world: the drift plan is history
-    assert adopt_drift_plan(plan, world, ckpt) is None
+    assert adopt_drift_plan(plan, world, ckpt, 8) is None
+    assert adopt_drift_plan(plan, world, ckpt, 4) is not None  # resumed from step 4 (step 8 damaged, say)
 
 
 def test_hetrain_train_refuses_a_drill_it_cannot_run_and_a_drill_it_cannot_read(plan: Plan, tmp_path: Path,

@@ -1,15 +1,20 @@
 """Checkpoints: round trips, interrupted saves, pruning, errors; Gloo ranks save under one plan, load under another.
 
 The multi-process tests run this file as a script on each rank (``python test_checkpoint.py MODE DIR``).
+A full disk is a real one: a tmpfs of ``SMALL_DISK_BYTES`` mounted for the test (``small_disk``; skipped
+where mounting is not permitted).
 """
 
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import os
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +22,14 @@ import pytest
 import torch
 
 import hetrain.runtime.state.checkpoint as ckpt
-from hetrain.runtime.state.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from hetrain.runtime.state.checkpoint import (
+    CheckpointError,
+    CheckpointWriteError,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from hetrain.runtime.state.resume import ResumePoint, find_resume
 
 N_LAYERS = 8
 
@@ -134,11 +146,13 @@ def test_a_save_interrupted_while_writing_files_is_ignored(tmp_path, monkeypatch
         real_save(obj, f)
 
     monkeypatch.setattr(ckpt.torch, "save", failing_save)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(CheckpointWriteError, match=r"checkpoint step 20 could not be written to .*step-00000020: "
+                       r"disk full \(simulated\); rank 0 was writing layers\.2\.pt, .* free there; the checkpoints "
+                       r"there are untouched \(the newest complete one: step 10\)$"):
         save_checkpoint(tmp_path, 20, tensors, state, {"step": 20})
     monkeypatch.undo()
 
-    assert (tmp_path / ".step-00000020.tmp").is_dir()
+    assert list((tmp_path / ".step-00000020.tmp").iterdir()) == []  # the files written before are removed
     assert not (tmp_path / "step-00000020").exists()
     assert latest_checkpoint(tmp_path) == (10, tmp_path / "step-00000010")
     got, got_state, meta = load_checkpoint(tmp_path, list(tensors))
@@ -242,6 +256,207 @@ def test_bad_arguments_are_refused_before_anything_is_written(tmp_path):
 
 
 # ---------------------------------------------------------------------------
+# a full disk (a real, small file system)
+# ---------------------------------------------------------------------------
+
+SMALL_DISK_BYTES = 1 << 20
+BIG = 1 << 19  # float32 elements: 2 MiB, twice the disk
+
+
+def _mount(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["mount", *args], capture_output=True, text=True, check=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A tmpfs of ``SMALL_DISK_BYTES`` mounted at ``tmp_path / "disk"``, unmounted after the test."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = _mount("-t", "tmpfs", "-o", f"size={SMALL_DISK_BYTES}", "tmpfs", str(disk))
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a {SMALL_DISK_BYTES} B tmpfs here (needs root or CAP_SYS_ADMIN): "
+                    f"{mounted.stderr.strip() or mounted.returncode}")
+    try:
+        yield disk
+    finally:
+        if subprocess.run(["umount", str(disk)], capture_output=True, check=False).returncode != 0:
+            subprocess.run(["umount", "-l", str(disk)], capture_output=True, check=True)
+
+
+def fill(disk: Path) -> Path:
+    """Write a file on ``disk`` until it is full (ENOSPC); return it."""
+    filler = disk / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+    assert ckpt.free_bytes(disk) == 0
+    return filler
+
+
+def leftovers(directory: Path) -> list[str]:
+    """Every file under ``directory`` outside its complete step directories (a partial write, a hidden save)."""
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*")
+                  if p.is_file() and not p.relative_to(directory).parts[0].startswith("step-"))
+
+
+def test_a_full_disk_is_one_line_and_the_checkpoint_before_it_stays_whole(small_disk: Path) -> None:
+    tensors, state = stage(range(2))
+    save_checkpoint(small_disk, 10, tensors, state, {"step": 10})
+    manifest = (small_disk / "step-00000010" / "manifest.json").read_bytes()
+    free = ckpt.free_bytes(small_disk)
+    big = {**tensors, "layers.1.buffer": torch.zeros(BIG)}  # torch.save's zip writer fails: "unexpected pos"
+    with pytest.raises(CheckpointWriteError) as failed:
+        save_checkpoint(small_disk, 20, big, state, {"step": 20})
+    assert str(failed.value) == (
+        f"checkpoint step 20 could not be written to {small_disk / 'step-00000020'}: the disk is full (ENOSPC); "
+        "rank 0 was writing layers.1.pt, 0 B free there; the checkpoints there are untouched (the newest complete "
+        "one: step 10)")
+    assert failed.value.errno == errno.ENOSPC
+
+    assert latest_checkpoint(small_disk) == (10, small_disk / "step-00000010")
+    assert (small_disk / "step-00000010" / "manifest.json").read_bytes() == manifest
+    got, got_state, meta = load_checkpoint(small_disk, list(tensors))  # sizes and SHA-256 checked
+    assert_same(got, tensors)
+    assert_same(got_state, state)
+    assert meta == {"step": 10}
+    assert leftovers(small_disk) == []  # layers.0.pt of step 20 and the partial layers.1.pt are removed
+    assert ckpt.free_bytes(small_disk) == free
+    save_checkpoint(small_disk, 20, tensors, state, {"step": 20})  # room again: the next save goes through
+    assert sorted(p.name for p in small_disk.iterdir()) == ["step-00000010", "step-00000020"]
+
+
+def test_a_manifest_that_does_not_fit_is_named_and_nothing_is_renamed_into_place(small_disk: Path,
+                                                                                   monkeypatch) -> None:
+    tensors, state = stage(range(2))
+    save_checkpoint(small_disk, 10, tensors, state, {"step": 10})
+    write_manifest, filled = ckpt._write_manifest, []
+
+    def fill_then_write(path: Path, manifest: dict[str, Any]) -> None:  # the disk fills up just before
+        filled.append(fill(small_disk))
+        write_manifest(path, manifest)
+
+    monkeypatch.setattr(ckpt, "_write_manifest", fill_then_write)
+    with pytest.raises(CheckpointWriteError, match=r"^checkpoint step 20 could not be written to .*step-00000020: "
+                       r"the disk is full \(ENOSPC\); rank 0 was writing manifest\.json, 0 B free there; "):
+        save_checkpoint(small_disk, 20, tensors, state, {"step": 20})
+    filled[0].unlink()
+    assert latest_checkpoint(small_disk) == (10, small_disk / "step-00000010")
+    assert leftovers(small_disk) == []
+    assert load_checkpoint(small_disk, list(tensors))[2] == {"step": 10}
+
+
+def test_a_write_that_fails_for_another_cause_says_which(small_disk: Path) -> None:
+    tensors, state = stage(range(1))
+    save_checkpoint(small_disk, 10, tensors, state, {})
+    assert _mount("-o", "remount,ro", str(small_disk)).returncode == 0
+    with pytest.raises(CheckpointWriteError, match=r"^checkpoint step 20 could not be written to .*: read-only "
+                       r"file system \(EROFS\); rank 0 was writing \.step-00000020\.tmp, .*step 10\)$"):
+        save_checkpoint(small_disk, 20, tensors, state, {})
+    assert _mount("-o", "remount,rw", str(small_disk)).returncode == 0
+
+    # torch's zip writer without the OSError under it: a disk with no room left is taken for full, else its words
+    unexpected = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4480 vs 4432")
+    assert "0 B free" not in str(ckpt.write_failure(unexpected, small_disk, 20, 1, "layers.3.pt"))
+    assert ": [enforce fail at inline_container.cc:672] . unexpected pos 4480 vs 4432; rank 1 was writing " \
+        "layers.3.pt" in str(ckpt.write_failure(unexpected, small_disk, 20, 1, "layers.3.pt"))
+    fill(small_disk)
+    full = ckpt.write_failure(unexpected, small_disk, 20, 1, "layers.3.pt")
+    assert full.errno == errno.ENOSPC
+    assert ("the disk is full (ENOSPC) (no free space left after: [enforce fail at inline_container.cc:672] . "
+            "unexpected pos 4480 vs 4432); rank 1 was writing layers.3.pt, 0 B free there") in str(full)
+
+
+# ---------------------------------------------------------------------------
+# resume: the newest intact checkpoint
+# ---------------------------------------------------------------------------
+
+SHA_DIFFERS = "is damaged: its SHA-256 differs from the manifest's"
+
+
+def damage(file: Path) -> None:
+    """Flip one byte in the middle of ``file``."""
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+def test_a_resume_passes_over_a_damaged_newest_checkpoint_naming_the_file_and_the_step(tmp_path):
+    tensors, state = stage(range(3))
+    assert find_resume(tmp_path / "nowhere") is None
+    for step in (10, 20):
+        save_checkpoint(tmp_path, step, tensors, state, {"step": step})
+    intact = find_resume(tmp_path)
+    assert intact == ResumePoint(20, tmp_path / "step-00000020") and intact.notice() is None
+
+    damage(tmp_path / "step-00000020" / "layers.1.pt")
+    resume = find_resume(tmp_path)
+    assert resume is not None and (resume.step, resume.path) == (10, tmp_path / "step-00000010")
+    assert resume.notice() == (f"passing over damaged checkpoint step 20 ({tmp_path / 'step-00000020' / 'layers.1.pt'} "
+                               f"{SHA_DIFFERS}); resuming from step 10, the newest intact checkpoint in {tmp_path}")
+    # asked for by name, or as the newest, the damaged checkpoint is refused as before: never loaded
+    for step in (20, None):
+        with pytest.raises(CheckpointError, match=rf"layers\.1\.pt {SHA_DIFFERS}"):
+            load_checkpoint(tmp_path, ["layers.1.weight"], step=step)
+    assert load_checkpoint(tmp_path, list(tensors), step=resume.step)[2] == {"step": 10}
+    assert (tmp_path / "step-00000020" / "layers.1.pt").is_file()  # left where it is, for a person to look at
+
+
+def test_with_every_checkpoint_damaged_a_resume_is_refused_in_one_line_naming_the_files(tmp_path):
+    tensors, state = stage(range(2))
+    for step in (10, 20, 30):
+        save_checkpoint(tmp_path, step, tensors, state, {"step": step})
+    damage(tmp_path / "step-00000030" / "layers.0.pt")
+    (tmp_path / "step-00000020" / "layers.1.pt").write_bytes(b"short")
+    (tmp_path / "step-00000010" / "manifest.json").write_text("{ not json")
+    with pytest.raises(CheckpointError) as refused:
+        find_resume(tmp_path)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith(f"no intact checkpoint to resume from in {tmp_path}: checkpoint step 30 "
+                              f"({tmp_path / 'step-00000030' / 'layers.0.pt'} {SHA_DIFFERS}), checkpoint step 20 "
+                              f"({tmp_path / 'step-00000020' / 'layers.1.pt'} is truncated or damaged: 5 bytes, the "
+                              f"manifest says "), message
+    assert f"checkpoint step 10 ({tmp_path / 'step-00000010' / 'manifest.json'} cannot be read: " in message
+    assert message.endswith("; move the damaged step directories aside to start from step 0, or put back intact "
+                            "copies of their files")
+
+    (tmp_path / "step-00000020" / "layers.1.pt").unlink()  # a missing file is damage too
+    with pytest.raises(CheckpointError, match=r"layers\.1\.pt is missing \(the manifest lists it, written by rank 0\)"):
+        find_resume(tmp_path)
+
+
+def test_ranks_share_the_check_and_resume_from_the_same_checkpoint(tmp_path, spawn, clean_env, free_port):
+    """Two ranks each hash half the files: a damaged file in rank 1's half sends both back to step 10."""
+    tensors, state = stage(range(N_LAYERS))
+    newest_damaged, all_damaged = tmp_path / "a", tmp_path / "b"
+    for directory in (newest_damaged, all_damaged):
+        for step in (10, 20):
+            save_checkpoint(directory, step, tensors, state, {"step": step})
+    damage(newest_damaged / "step-00000020" / "layers.7.pt")  # the 8th file: rank 1 checks it
+    for step in (10, 20):
+        damage(all_damaged / f"step-{step:08d}" / "layers.7.pt")
+    port = free_port()
+    ranks = [spawn([sys.executable, __file__, "resume", str(tmp_path)], rank_env(clean_env, r, 2, port))
+             for r in range(2)]
+    outputs = []
+    for r, p in enumerate(ranks):
+        stdout, stderr = p.communicate(timeout=60)
+        assert p.returncode == 0, f"rank {r}:\n{stdout}\n{stderr[-3000:]}"
+        outputs.append(stdout.splitlines())
+    assert outputs[0] == outputs[1]
+    resumed, notice, refused = outputs[0]
+    assert resumed == "a: step 10"
+    damaged = newest_damaged / "step-00000020" / "layers.7.pt"
+    assert notice.startswith(f"a: passing over damaged checkpoint step 20 ({damaged} {SHA_DIFFERS}); resuming from "
+                             "step 10"), notice
+    assert refused.startswith(f"b: no intact checkpoint to resume from in {all_damaged}: checkpoint step 20 ("), refused
+    assert "step-00000010/layers.7.pt" in refused
+
+
+# ---------------------------------------------------------------------------
 # Gloo ranks
 # ---------------------------------------------------------------------------
 
@@ -299,12 +514,86 @@ def test_a_failing_rank_a_shared_file_and_a_missing_rank_are_named(tmp_path, spa
     assert not any(p.name.startswith("step-") for p in tmp_path.iterdir())
 
 
+def test_a_full_disk_stops_every_rank_with_the_same_named_cause(small_disk, spawn, clean_env, free_port):
+    """Two ranks on a 1 MiB disk: step 10 fits; at step 20 rank 1 overflows it, at 30 rank 0, at 40 both; 50 fits."""
+    port = free_port()
+    ranks = [spawn([sys.executable, __file__, "full_disk", str(small_disk)], rank_env(clean_env, r, 2, port))
+             for r in range(2)]
+    lines: dict[int, list[str]] = {}
+    for r, p in enumerate(ranks):
+        stdout, stderr = p.communicate(timeout=60)
+        assert p.returncode == 0, f"rank {r}:\n{stdout}\n{stderr[-3000:]}"
+        lines[r] = stdout.splitlines()
+    final = {step: small_disk / f"step-{step:08d}" for step in (20, 30, 40)}
+    full = "the disk is full (ENOSPC); rank {} was writing {}, 0 B free there; the checkpoints there are " \
+           "untouched (the newest complete one: step 10)"
+    rank1 = f"checkpoint step 20 could not be written to {final[20]}: {full.format(1, 'layers.4.pt')}"
+    rank0 = f"checkpoint step 30 could not be written to {final[30]}: {full.format(0, 'layers.0.pt')}"
+    assert lines[0][:2] == [f"20: rank 0 stops: {rank1}", f"30: {rank0}"], lines[0]
+    assert lines[1][:2] == [f"20: {rank1}", f"30: rank 1 stops: {rank0}"], lines[1]
+    for r in (0, 1):  # both overflow: each names its own file
+        assert lines[r][2] == (f"40: checkpoint step 40 could not be written to {final[40]}: "
+                               f"{full.format(r, f'layers.{4 * r}.pt')}"), lines[r]
+    told_s = [float(x) for x in lines[0][3:] + lines[1][3:]]
+    assert len(told_s) == 2 and max(told_s) < 5  # the rank that waited was told at once, not after timeout_s = 20
+
+    assert sorted(p.name for p in small_disk.iterdir()) == ["step-00000010", "step-00000050"]  # 50 cleared the rest
+    want, want_state = stage(range(N_LAYERS))
+    for step in (10, 50):
+        got, got_state, meta = load_checkpoint(small_disk, list(want), step=step)
+        assert_same(got, want)
+        assert_same(got_state, want_state)
+        assert meta == {"step": step}
+
+
+def _full_disk(directory: Path, rank: int) -> None:
+    """Each rank holds four layers; a big buffer in a rank's last layer overflows the disk."""
+    tensors, state = stage(range(4 * rank, 4 * rank + 4))
+    big = {**tensors, f"layers.{4 * rank}.buffer": torch.zeros(BIG)}
+    save_checkpoint(directory, 10, tensors, state, {"step": 10}, timeout_s=20)
+    told = []
+    for step, overflowing in ((20, {1}), (30, {0}), (40, {0, 1})):
+        mine = rank in overflowing
+        t0 = time.monotonic()
+        try:  # a rank that does not overflow writes nothing: it fails only by the other's failure, at the barrier
+            save_checkpoint(directory, step, big if mine else tensors, state, {"step": step},
+                            owned_names=None if mine else set(), timeout_s=20)
+        except CheckpointError as e:
+            print(f"{step}: {e}", flush=True)
+            if not mine:
+                told.append(time.monotonic() - t0)
+    save_checkpoint(directory, 50, tensors, state, {"step": 50}, timeout_s=20)
+    for s in told:
+        print(f"{s:.2f}", flush=True)
+
+
+def _resume(directory: Path) -> None:
+    """``find_resume`` of ``a`` (newest damaged), then of ``b`` (all damaged), then leave at once, as a refused run
+    does: rank 0, the store's host, only once rank 1 has read what it needs."""
+    resume = find_resume(directory / "a", timeout_s=20)
+    assert resume is not None
+    print(f"a: step {resume.step}\na: {resume.notice()}", flush=True)
+    try:
+        find_resume(directory / "b", timeout_s=20)
+    except CheckpointError as e:
+        print(f"b: {e}", flush=True)
+        os._exit(0)
+    os._exit(1)
+
+
 def _worker(mode: str, directory: Path) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     rank = dist.get_rank()
+    if mode == "full_disk":
+        _full_disk(directory, rank)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
+    if mode == "resume":
+        _resume(directory)
     if mode == "failures":
         tensors, state = stage(range(2))
         t0 = time.monotonic()

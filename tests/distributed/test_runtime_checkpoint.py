@@ -11,8 +11,9 @@ The fault (and the switch of plan) is injected by a wrapper script; the runtime
 knows nothing of it. SGD with momentum, so the optimizer state must survive too.
 
 And what a resume refuses or skips, in a world of one Gloo process: a checkpoint of
-other model settings (one line naming the tensor and both shapes), and one already at
-or past ``--steps`` (a notice that nothing is trained).
+other model settings (one line naming the tensor and both shapes), one already at
+or past ``--steps`` (a notice that nothing is trained), and a damaged newest checkpoint
+(passed over for the newest intact one, named; none intact: one line naming the files).
 """
 
 from __future__ import annotations
@@ -173,3 +174,38 @@ def test_resuming_at_or_past_the_steps_asked_for_says_nothing_is_trained(trained
                 f"--steps {steps}") in stdout, stdout
         assert "validation loss" not in stdout and not metrics.exists()  # nothing run, nothing logged
     assert latest_checkpoint(ckpt) == (RESUME_STEPS, ckpt / "step-00000002")
+
+
+def test_a_damaged_newest_checkpoint_is_passed_over_for_the_newest_intact_one(tmp_path: Path, spawn,
+                                                                               clean_env) -> None:
+    plan = factories.make_plan(make_cluster({"n0": 1}, name="cpu"), mlp_digits_profile(), [(["n0:0"], [0, 3], 8, 2)],
+                               optimizer="momentum")
+    plan.save(tmp_path / "plan.json")
+    ckpt = tmp_path / "ckpt"
+    status, _, stderr = train_one_rank(spawn, clean_env, tmp_path / "plan.json", ckpt, "--steps", "2",
+                                       "--checkpoint-every", "1")
+    assert status == 0, stderr[-3000:]
+    damaged = ckpt / "step-00000002" / "layers.1.pt"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+
+    status, stdout, stderr = train_one_rank(spawn, clean_env, tmp_path / "plan.json", ckpt, "--steps", "3",
+                                            "--checkpoint-every", "1")
+    assert status == 0, stderr[-3000:]
+    assert (f"hetrain: passing over damaged checkpoint step 2 ({damaged} is damaged: its SHA-256 differs from the "
+            f"manifest's); resuming from step 1, the newest intact checkpoint in {ckpt}") in stdout.splitlines(), stdout
+    assert "resuming at step 1" in stdout, stdout
+    assert load_manifest(ckpt, 2)["meta"]["step"] == 2  # written again, intact, on the way to step 3
+    assert latest_checkpoint(ckpt) == (3, ckpt / "step-00000003")
+
+    for step in (1, 2, 3):
+        (ckpt / f"step-{step:08d}" / "layers.0.pt").write_bytes(b"damaged")
+    status, stdout, stderr = train_one_rank(spawn, clean_env, tmp_path / "plan.json", ckpt, "--steps", "4")
+    assert status == 1, stdout + stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert errors[0].startswith(f"hetrain train: error: no intact checkpoint to resume from in {ckpt}: checkpoint "
+                                f"step 3 ({ckpt / 'step-00000003' / 'layers.0.pt'} is truncated or damaged: 7 bytes"), \
+        errors[0]
+    assert all(f"step-{step:08d}/layers.0.pt" in errors[0] for step in (1, 2, 3))

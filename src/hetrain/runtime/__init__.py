@@ -8,7 +8,8 @@
   ``clip``), ``record`` (``StepRecord``, what a step produced), ``lr_schedule``, ``evaluate``.
 - ``sync/``: data parallelism across VWs: ``allreduce`` (segments' gradients), ``modes`` (the relaxed modes),
   ``daso`` (DASO's adaptive period).
-- ``state/``: ``checkpoint``, ``stage_state`` (a stage's share and its resume), ``export``.
+- ``state/``: ``checkpoint``, ``resume`` (the newest intact checkpoint, the same on every rank), ``stage_state``
+  (a stage's share and its resume), ``export``.
 - ``lifecycle/``: ``job`` (start-up), ``roles``, ``restart`` (a changed world), ``drift_watch``, ``idle``,
   ``host_memory``.
 - ``report/``: ``metrics`` (Timeline, JSONL, TensorBoard, progress bar).

@@ -6,7 +6,7 @@
 Its options are ``TrainConfig``'s (``runtime.config``), on the command line or in a TOML file
 (``--config train.toml``); ``add_arguments`` and ``run`` are the command table's entry, and
 ``run_train(plan, model, config)`` is the same run from Python. Restarted by ``torchrun --max-restarts N``,
-a job resumes from the newest complete checkpoint in ``--checkpoint-dir`` by itself, under the plan it is
+a job resumes from the newest intact checkpoint in ``--checkpoint-dir`` by itself, under the plan it is
 given then; when the world it restarts on is not that plan's (a node left or joined, ``torchrun --nnodes
 MIN:MAX``), ``--replan auto`` re-plans it first (``runtime.lifecycle.restart``, docs/elastic.md).
 """

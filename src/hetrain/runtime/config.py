@@ -118,10 +118,10 @@ class PrecisionConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Where checkpoints go and how often; a run resumes from the newest complete one there."""
+    """Where checkpoints go and how often; a run resumes from the newest intact one there."""
 
     checkpoint_dir: str | None = option(None)
-    """write checkpoints here; resume from the newest"""
+    """write checkpoints here; resume from the newest intact one"""
     checkpoint_every: int = option(0, type=_STEPS)
     """steps between checkpoints (0: at the end)"""
 

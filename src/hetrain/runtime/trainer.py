@@ -28,7 +28,8 @@ Start-up (``job.build_job``): each rank reports its device ``<node>:<LOCAL_RANK>
 and the reports are all-gathered and matched to the plan (``roles``); every rank
 creates the same process groups in the same order; each used rank builds only
 its own layers (per-layer seeds). The Trainer then resumes from the newest
-complete checkpoint, if any, so ``torchrun --max-restarts N`` resumes by itself.
+intact checkpoint, if any (found once for every rank at start-up, ``state.resume``),
+so ``torchrun --max-restarts N`` resumes by itself.
 A rank whose device the plan leaves unused takes part in nothing after that (it
 waits, idle, only to join checkpoint writes, which are collective over the job).
 
@@ -69,7 +70,7 @@ from hetrain.runtime.lifecycle.job import (
 from hetrain.runtime.lifecycle.restart import ReplanPolicy, plan_path
 from hetrain.runtime.lifecycle.roles import Role
 from hetrain.runtime.report.metrics import MetricsLog, merge_timeline
-from hetrain.runtime.state.stage_state import checkpoint_meta, latest_step, restore_stage, resume_together, save_stage
+from hetrain.runtime.state.stage_state import checkpoint_meta, restore_stage, resume_together, save_stage
 from hetrain.runtime.step.actions import StepActions
 from hetrain.runtime.step.batches import MicroBatches, global_batches
 from hetrain.runtime.step.clip import GradClip, check_clip
@@ -129,7 +130,7 @@ class Trainer:
         config: the run's options (``runtime.config.TrainConfig``): the ones the Trainer reads are
             ``timeout_s``, ``seed``, ``optim`` (the plan's optimizer at ``lr``, with ``weight_decay``, the
             learning-rate schedule of each step, and ``clip_grad_norm``: clipping by the global norm over the
-            whole model, where the sync mode steps on a global sum), ``checkpoint`` (the newest complete
+            whole model, where the sync mode steps on a global sum), ``checkpoint`` (the newest intact
             checkpoint in ``checkpoint_dir`` is resumed from), ``logging`` (metrics rows, timeline, TensorBoard,
             progress bar, ``log_every``: the losses of this many steps summed over the ranks in one all-reduce
             while training goes on) and ``elastic`` (``replan``: a world whose devices are not the plan's is
@@ -189,7 +190,7 @@ class Trainer:
         layers_fn: LayersFn = functools.partial(_model_layers, model, config.seed)
         # collective (lifecycle.job)
         self.job = build_job(plan, layers_fn, optimizer_fn, model.loss_fn, config.timeout_s, model.tied,
-                             ReplanPolicy(config.elastic.replan, self.checkpoint_dir))
+                             ReplanPolicy(config.elastic.replan, self.checkpoint_dir), self.checkpoint_dir)
         plan = self.plan = self.job.plan  # re-made when the world changed (runtime.lifecycle.restart)
         job = self.job
         self.rank, self.world, self.device, self.reported = job.rank, job.world, job.device, job.reported
@@ -564,7 +565,8 @@ class Trainer:
             self._drift.checkpoint_s = time.perf_counter() - t0
 
     def _restore(self) -> None:
-        """Resume from the newest complete checkpoint, if any: the stage, its optimizer, the sync mode's state;
+        """Resume from the job's checkpoint (``Job.resume``: the newest intact one), if any: the stage, its optimizer,
+        the sync mode's state;
         with every other rank (``resume_together``: a rank that cannot, or that could not build its stage, is
         named by the others). Without a checkpoint directory the ranks only pass the start together."""
         resuming = self.checkpoint_dir is not None
@@ -574,12 +576,14 @@ class Trainer:
     def _restore_own(self) -> None:
         """This rank's share of ``_restore``."""
         assert self.checkpoint_dir is not None
+        resume = self.job.resume
+        if resume is None:  # no checkpoint yet
+            return
         if self.module is None or self.optimizer is None:  # unused rank: only the step
-            step = latest_step(self.checkpoint_dir)
-            self.step = self.step if step is None else step
+            self.step = resume.step
             return
         restored = restore_stage(self.checkpoint_dir, self.module, self.optimizer, self.role.device,
-                                 self.plan.optimizer)
+                                 self.plan.optimizer, resume.step)
         if restored is None:
             return
         self.step = int(restored.meta.get("step", restored.step))

@@ -6,6 +6,8 @@ the stage module, optimizer, sync, transport and executor)::
 
     1. join        init_distributed: the default process group (NCCL with CUDA, else Gloo)
     2. report      all_gather_object: every rank's device name "<node>:<LOCAL_RANK>"
+       (resume)    with a checkpoint directory: the newest intact checkpoint, the ranks sharing the check of
+                   its files (``runtime.state.resume``, collective); rank 0 names any newer one passed over
        (re-plan)   a world other than the plan's, re-planning on: a new plan (``runtime.lifecycle.restart``, collective)
     3. roles       build_roles: ranks matched to the plan's devices (pure, same result everywhere)
     4. schedule    build_schedule + validate (pure)
@@ -17,7 +19,7 @@ the stage module, optimizer, sync, transport and executor)::
                    (and TiedGrads, when the model ties layers' weights: the first pre-step hook, which the
                    Trainer installs with the others, ``runtime.step.hooks``)
 
-Steps 1, 2 and 6 are collective over the whole job: ``all_gather_object`` and
+Steps 1, 2 (with the resume and re-plan) and 6 are collective over the whole job: ``all_gather_object`` and
 every ``new_group`` call (even for a group the rank is not in) must be issued by
 every rank, in the same order, or ranks pair up the wrong calls and hang or get
 each other's groups. Step 5 must come in the same place on every rank too, because
@@ -32,6 +34,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,6 +49,7 @@ from hetrain.plan import Plan
 from hetrain.runtime.lifecycle.restart import ReplanPolicy, replan_world
 from hetrain.runtime.lifecycle.roles import Role, RoleError, build_roles, local_device_name, match_hosts, node_from_host
 from hetrain.runtime.report.metrics import Recorder
+from hetrain.runtime.state.resume import ResumePoint, find_resume
 from hetrain.runtime.step.executor import Executor, LossFn, StageModule
 from hetrain.runtime.step.p2p import Transport, early_receives
 from hetrain.runtime.step.tied import Tie, TiedGrads, build_tie_groups
@@ -176,6 +180,8 @@ class Job:
         stage: this rank's stage and its machinery; None on a rank the plan leaves unused.
         timeout_s: the longest any distributed wait may take.
         replanned: how ``plan`` was re-made for a changed world (``runtime.lifecycle.restart``); None: the plan given.
+        resume: the checkpoint every rank resumes from (``runtime.state.resume``); None: none (no checkpoint
+            directory, or no complete checkpoint in it).
     """
 
     plan: Plan
@@ -192,6 +198,7 @@ class Job:
     stage: StageParts | None
     timeout_s: float
     replanned: Replanned | None = None
+    resume: ResumePoint | None = None
 
     @property
     def report_rank(self) -> int:
@@ -272,21 +279,28 @@ def build_stage(plan: Plan, role: Role, device: torch.device, groups: Groups, ra
 
 def build_job(plan: Plan, layers_fn: LayersFn, optimizer_fn: OptimizerFn, loss_fn: LossFn,
               timeout_s: float = DEFAULT_TIMEOUT_S, tied: Sequence[Tie] = (),
-              replan: ReplanPolicy | None = None) -> Job:
+              replan: ReplanPolicy | None = None, checkpoint_dir: Path | None = None) -> Job:
     """Everything this rank needs to train ``plan``, built in the order of the module docstring.
 
     Call it on every rank of the job with the same plan: it is collective over the job. With
-    ``replan`` (mode ``auto``), a world other than the plan's gets a new plan (``Job.plan``).
+    ``replan`` (mode ``auto``), a world other than the plan's gets a new plan (``Job.plan``). With
+    ``checkpoint_dir``, the checkpoint to resume from is found once for every rank (``Job.resume``).
 
     Raises:
+        CheckpointError: every checkpoint in ``checkpoint_dir`` is damaged (one line naming the files).
         RoleError: the job could not be formed, or its processes do not match the plan's devices.
         ReplanError: re-planning a changed world failed (the model does not fit the devices present...).
         DeviceError: this rank's device cannot be used.
         ValueError: ``layers_fn`` returned the wrong number of layers.
     """
     rank, world, device, reported, from_hosts = join_job(timeout_s)  # 1, 2
+    resume = find_resume(checkpoint_dir, timeout_s) if checkpoint_dir is not None else None
+    notice = None if resume is None else resume.notice()
+    if notice is not None and rank == 0:
+        print(f"hetrain: {notice}", flush=True)
     reported, matched = match_hosts(plan, reported) if from_hosts else (reported, None)  # 3
-    reported, replanned = replan_world(plan, reported, rank, device, replan, from_hosts)
+    reported, replanned = replan_world(plan, reported, rank, device, replan, from_hosts,
+                                       None if resume is None else resume.step)
     if replanned is not None:
         plan = replanned.plan
     roles = build_roles(plan, reported)
@@ -313,5 +327,5 @@ def build_job(plan: Plan, layers_fn: LayersFn, optimizer_fn: OptimizerFn, loss_f
         health.linger(min(timeout_s, 3 * health.period_s + 2))  # the store's host: let the others read it
         raise
     return Job(plan, rank, world, device, reported, role, rank_of, actions, health, used_ranks, groups, stage,
-               timeout_s, replanned)
+               timeout_s, replanned, resume)
 

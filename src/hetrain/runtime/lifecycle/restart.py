@@ -13,7 +13,8 @@ know is there) and re-planning is on, every rank, in the same order::
                  and prints one line
 
 Every rank plans by itself (the planner is deterministic given its inputs); step 3 checks it.
-The Trainer then resumes from the newest checkpoint under the new plan: checkpoints hold
+The Trainer then resumes from the newest intact checkpoint (``runtime.state.resume``, found
+before re-planning: its step is the step re-planned at) under the new plan: checkpoints hold
 every layer under its global name, so any plan loads them (``runtime.state.stage_state``).
 
 A rank's device type: ``HETRAIN_DEVICE_TYPE`` when set (emulation), else a GPU's catalog name
@@ -50,7 +51,6 @@ from hetrain.elastic import (
 from hetrain.plan import Plan, load_plan
 from hetrain.runtime.config import REPLAN_MODES
 from hetrain.runtime.lifecycle.roles import device_name
-from hetrain.runtime.state.stage_state import latest_step
 
 
 @dataclass(frozen=True)
@@ -88,10 +88,9 @@ def plan_path(checkpoint_dir: Path, step: int) -> Path:
     return checkpoint_dir / "plans" / f"plan-step{step}.json"
 
 
-def newest_replanned(checkpoint_dir: Path) -> tuple[int, Path] | None:
-    """The newest plan re-made beside the checkpoint at a step the newest complete checkpoint has reached:
-    ``(step, CKPT/plans/plan-step{step}.json)``, or None."""
-    reached = latest_step(checkpoint_dir)
+def newest_replanned(checkpoint_dir: Path, reached: int | None) -> tuple[int, Path] | None:
+    """The newest plan re-made beside the checkpoint at a step the checkpoint resumed from has ``reached``:
+    ``(step, CKPT/plans/plan-step{step}.json)``, or None (also when ``reached`` is None: no checkpoint)."""
     found = []
     for path in (checkpoint_dir / "plans").glob("plan-step*.json"):
         tail = path.stem.removeprefix("plan-step")
@@ -100,17 +99,19 @@ def newest_replanned(checkpoint_dir: Path) -> tuple[int, Path] | None:
     return max(found) if found else None
 
 
-def adopt_drift_plan(plan: Plan, names: Sequence[str], checkpoint_dir: Path | None) -> Replanned | None:
+def adopt_drift_plan(plan: Plan, names: Sequence[str], checkpoint_dir: Path | None,
+                     reached: int | None) -> Replanned | None:
     """The drift plan a restarted job runs instead of ``plan`` (plan.json), or None.
 
-    It is the newest plan re-made beside the checkpoint (``newest_replanned``) when that plan was made on
+    It is the newest plan re-made beside the checkpoint at a step the checkpoint resumed from has ``reached``
+    (``newest_replanned``) when that plan was made on
     drift (``options.replan.kind == "drift"``) from this very ``plan`` (its ``base_digest``), and the devices
     reported are its devices. Else None: ``plan`` runs, re-planned as on any restart when the world changed
     (the drift's slowdown is then forgotten). Reads files only: the same on every rank of a shared directory.
     """
     if checkpoint_dir is None:
         return None
-    newest = newest_replanned(checkpoint_dir)
+    newest = newest_replanned(checkpoint_dir, reached)
     if newest is None:
         return None
     drifted = load_plan(newest[1])
@@ -147,7 +148,8 @@ def _gather(value: Any, world: int, what: str) -> list[Any]:
 
 
 def replan_world(plan: Plan, reported: Sequence[str], rank: int, device: torch.device,
-                 policy: ReplanPolicy | None, from_hosts: bool = False) -> tuple[list[str], Replanned | None]:
+                 policy: ReplanPolicy | None, from_hosts: bool = False,
+                 resumed: int | None = None) -> tuple[list[str], Replanned | None]:
     """Re-plan when the devices reported are not the plan's and the policy allows; collective over the job then.
 
     Args:
@@ -157,6 +159,7 @@ def replan_world(plan: Plan, reported: Sequence[str], rank: int, device: torch.d
         device: this rank's torch device.
         policy: None or mode ``off``: never re-plan (``roles.assign_ranks`` refuses a changed world).
         from_hosts: whether the nodes are host names (no ``HETRAIN_NODE``).
+        resumed: the step of the checkpoint the job resumes from (``runtime.state.resume``); None: none.
 
     Returns:
         (the device names, renamed when one host stands for a one-node plan's node; the new plan and what
@@ -170,7 +173,8 @@ def replan_world(plan: Plan, reported: Sequence[str], rank: int, device: torch.d
         return list(reported), None
     names = _one_host_as_node(plan, reported, from_hosts)
     world = len(names)
-    adopted = adopt_drift_plan(plan, names, policy.checkpoint_dir) if len(set(names)) == len(names) else None
+    adopted = (adopt_drift_plan(plan, names, policy.checkpoint_dir, resumed) if len(set(names)) == len(names)
+               else None)
     if adopted is not None:  # a drift switch's restart: its plan, which every rank read from the same file
         check_same_plan([str(d) for d in _gather(adopted.digest, world, "the drift plan's digest they read")])
         if rank == 0:
@@ -182,7 +186,7 @@ def replan_world(plan: Plan, reported: Sequence[str], rank: int, device: torch.d
         return list(reported), None
     types = _gather(local_device_type(device), world, "their device types")  # 1
     present = [PresentDevice(n, str(t)) for n, t in zip(names, types, strict=True)]
-    step = (latest_step(policy.checkpoint_dir) if policy.checkpoint_dir is not None else None) or 0
+    step = resumed or 0
     replanned: Replanned | None = None
     try:  # 2: a failure is shared in step 3, so that no rank waits for one that gave up
         replanned = replan(plan, present, step)

@@ -24,8 +24,11 @@ A save under torch.distributed is a collective over the default group::
                  fsync DIR, post "done"; then prune to the newest ``keep`` checkpoints
     other ranks  wait at most timeout_s for "done"; name rank 0 if it does not come
 
-A rank that fails posts its error in the store and every rank raises it. A crash at
-any point leaves either a hidden ``.step-N.tmp/`` (ignored, removed by the next save)
+A rank that fails posts its error in the store and every rank raises it. A write that
+fails (a full disk: ``OSError`` ENOSPC, or torch.save's zip writer's ``unexpected pos``
+after it) is one line on every rank naming the step, the directory, the cause, the rank
+and its file (``write_failure``); each rank removes the files it wrote for that save.
+A crash at any point leaves either a hidden ``.step-N.tmp/`` (ignored, removed by the next save)
 or a complete ``step-N/``; older checkpoints are deleted only after the new one is
 complete, and renamed to a hidden name before they are removed, so a crash while
 deleting never leaves a damaged directory that looks complete. Saving a step that
@@ -57,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import errno
 import hashlib
 import itertools
 import json
@@ -77,10 +81,12 @@ from hetrain.distributed.barrier import Barrier, BarrierError
 from hetrain.distributed.store import JobStore, StoreError
 from hetrain.distributed.work import first_line
 from hetrain.errors import RunError
+from hetrain.units import format_bytes
 
 __all__ = [
     "MANIFEST",
     "CheckpointError",
+    "CheckpointWriteError",
     "latest_checkpoint",
     "layer_file_name",
     "load_checkpoint",
@@ -103,6 +109,19 @@ _CHUNK_BYTES = 1 << 20
 
 class CheckpointError(RunError):
     """A checkpoint cannot be saved or loaded; the message names the step, file, name or rank."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A rank could not write its files of a checkpoint (the disk is full, ...): names the step, the directory,
+    the cause, the rank and its file (``write_failure``).
+
+    Attributes:
+        errno: the cause's error number (``errno.ENOSPC``: the disk is full), or None when none is known.
+    """
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
 
 
 def step_dir_name(step: int) -> str:
@@ -160,8 +179,10 @@ def save_checkpoint(
         The complete checkpoint's directory, on every rank once rank 0 has completed it.
 
     Raises:
-        CheckpointError: a rank failed or did not arrive within ``timeout_s`` (named), two ranks
-            wrote the same file, or a file is not visible to rank 0.
+        CheckpointWriteError: this rank could not write its files (the disk is full, ...): one line naming
+            the step, the directory, the cause (``ENOSPC``), the rank and its file (``write_failure``).
+        CheckpointError: another rank failed (its one line, on every rank) or did not arrive within
+            ``timeout_s`` (named), two ranks wrote the same file, or a file is not visible to rank 0.
         ValueError, TypeError: bad arguments (a name not in ``tensors``, meta not JSON-able, ...).
 
     Example:
@@ -175,11 +196,18 @@ def save_checkpoint(
         owned = set(tensors) if owned_names is None else set(owned_names)
         _check_save_arguments(step, tensors, optimizer_state, meta, owned, keep, timeout_s)
         tmp = directory / f".{step_dir_name(step)}.tmp"
-        report = _write_files(tmp, tensors, optimizer_state, owned)
+        report = _write_files(directory, step, rendezvous.rank, tensors, optimizer_state, owned)
+    except CheckpointWriteError as e:  # names its rank, step and cause already
+        rendezvous.abort(str(e))
+        raise
     except Exception as e:
         rendezvous.abort(f"rank {rendezvous.rank} failed to write its part of checkpoint step {step}: {e}")
         raise
-    reports = rendezvous.gather({"step": step, **report})
+    try:
+        reports = rendezvous.gather({"step": step, **report})
+    except CheckpointError:  # another rank failed: this rank's files are of no use, and take space
+        _discard(tmp, report["files"])
+        raise
     final = directory / step_dir_name(step)
     if reports is None:  # not rank 0
         rendezvous.wait_done()
@@ -228,29 +256,63 @@ def _check_save_arguments(step: int, tensors: Mapping[str, torch.Tensor],
         raise TypeError(f"meta must be JSON-able (str, int, float, bool, None, lists, dicts): {e}") from None
 
 
-def _write_files(tmp: Path, tensors: Mapping[str, torch.Tensor],
+def _write_files(directory: Path, step: int, rank: int, tensors: Mapping[str, torch.Tensor],
                  optimizer_state: Mapping[str, Mapping[str, Any]], owned: set[str]) -> dict[str, Any]:
-    """Write this rank's per-layer files into ``tmp``; return ``{"files": {file: {bytes, sha256, names}}}``."""
-    tmp.mkdir(parents=True, exist_ok=True)
+    """Write this rank's per-layer files into ``.step-N.tmp/``; return ``{"files": {file: {bytes, sha256, names}}}``.
+
+    Raises:
+        CheckpointWriteError: a file could not be written (the disk is full, ...); this rank's files of this
+            save are removed first.
+    """
+    tmp = directory / f".{step_dir_name(step)}.tmp"
+    files: dict[str, Any] = {}
+    file = tmp.name
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        for file, names in _files_of(owned).items():
+            files[file] = _write_layer_file(tmp / file, names, tensors, optimizer_state)
+        file = tmp.name
+        fsync_path(tmp)
+    except (OSError, _FailedWrite) as e:
+        _discard(tmp, files)
+        raise write_failure(e, directory, step, rank, file) from None
+    except BaseException:
+        _discard(tmp, files)
+        raise
+    return {"files": files}
+
+
+def _files_of(owned: set[str]) -> dict[str, list[str]]:
+    """The names ``owned`` by the file that holds them (``layer_file_name``)."""
     by_file: dict[str, list[str]] = {}
     for name in sorted(owned):
         by_file.setdefault(layer_file_name(name), []).append(name)
-    files: dict[str, Any] = {}
-    for file, names in by_file.items():
-        content: dict[str, Any] = {"tensors": {}, "optimizer_state": {}}
-        described: dict[str, Any] = {}
-        for name in names:
-            t = _portable(tensors[name], name)
-            content["tensors"][name] = t
-            state = optimizer_state.get(name) or {}
-            if state:
-                content["optimizer_state"][name] = {k: _portable(v, f"{name} / {k}") for k, v in state.items()}
-            described[name] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
-                               "optimizer_state": sorted(state)}
-        size, digest = _save_atomic(tmp / file, content)
-        files[file] = {"bytes": size, "sha256": digest, "names": described}
-    fsync_path(tmp)
-    return {"files": files}
+    return by_file
+
+
+def _write_layer_file(path: Path, names: list[str], tensors: Mapping[str, torch.Tensor],
+                      optimizer_state: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Write one layer file atomically; return its manifest entry ``{bytes, sha256, names}``."""
+    content: dict[str, Any] = {"tensors": {}, "optimizer_state": {}}
+    described: dict[str, Any] = {}
+    for name in names:
+        t = _portable(tensors[name], name)
+        content["tensors"][name] = t
+        state = optimizer_state.get(name) or {}
+        if state:
+            content["optimizer_state"][name] = {k: _portable(v, f"{name} / {k}") for k, v in state.items()}
+        described[name] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+                           "optimizer_state": sorted(state)}
+    size, digest = _save_atomic(path, content)
+    return {"bytes": size, "sha256": digest, "names": described}
+
+
+def _discard(tmp: Path, files: Iterable[str]) -> None:
+    """Remove this rank's ``files`` of a failed save from ``tmp`` (the hidden directory itself stays: another
+    rank may still be writing into it; the next save removes it)."""
+    for file in files:
+        with contextlib.suppress(OSError):
+            (tmp / file).unlink()
 
 
 def _portable(value: Any, where: str) -> Any:
@@ -280,22 +342,104 @@ def _part(path: Path) -> Path:
 def _save_atomic(path: Path, content: Any) -> tuple[int, str]:
     """``torch.save`` to a hidden temporary, fsync, rename onto ``path``; return (bytes, SHA-256)."""
     part = _part(path)
-    with open(part, "wb") as f:
-        torch.save(content, f)
-        f.flush()
-        os.fsync(f.fileno())
-    size, digest = _digest(part)
-    os.replace(part, path)
+    with _removed_on_failure(part):
+        with open(part, "wb") as f:
+            torch.save(content, f)
+            f.flush()
+            os.fsync(f.fileno())
+        size, digest = _digest(part)
+        os.replace(part, path)
     return size, digest
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
     part = _part(path)
-    with open(part, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(part, path)
+    with _removed_on_failure(part):
+        with open(part, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(part, path)
+
+
+class _FailedWrite(Exception):
+    """A temporary's write failed (``cause``); ``free_bytes``: the file system's free space measured before the
+    partial temporary was removed (None where it cannot be asked)."""
+
+    def __init__(self, cause: BaseException, free_bytes: int | None) -> None:
+        super().__init__(str(cause))
+        self.cause, self.free_bytes = cause, free_bytes
+
+
+@contextlib.contextmanager
+def _removed_on_failure(part: Path) -> Iterator[None]:
+    """Remove the temporary ``part`` when its write fails (half a file is of no use, and takes space); an
+    ``OSError`` or torch's ``RuntimeError`` comes out as ``_FailedWrite``, with the free space there was."""
+    try:
+        yield
+    except (OSError, RuntimeError) as e:  # RuntimeError: torch.save's zip writer, after a write failed under it
+        free = free_bytes(part.parent)
+        with contextlib.suppress(OSError):
+            part.unlink()
+        raise _FailedWrite(e, free) from e
+    except BaseException:
+        with contextlib.suppress(OSError):
+            part.unlink()
+        raise
+
+
+def free_bytes(path: Path) -> int | None:
+    """The bytes an unprivileged writer may still use on ``path``'s file system (``statvfs``), or None."""
+    try:
+        st = os.statvfs(path)
+    except (OSError, AttributeError):  # AttributeError: no statvfs (Windows)
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def write_failure(error: BaseException, directory: Path, step: int, rank: int, file: str,
+                  action: str = "writing") -> CheckpointWriteError:
+    """The one line that says why ``rank`` could not write (``action``) ``file`` of checkpoint ``step`` in
+    ``directory``.
+
+    The cause is the ``errno`` of the ``OSError`` in ``error``'s chain (torch.save's zip writer reports a failed
+    write as ``RuntimeError: ... unexpected pos N vs M``, the ``OSError`` in its context); without one, a file
+    system with no free space left is taken for full (ENOSPC), else ``error``'s own first line is given.
+    """
+    free = error.free_bytes if isinstance(error, _FailedWrite) else free_bytes(directory)
+    if isinstance(error, _FailedWrite):
+        error = error.cause
+    cause = _os_error(error)
+    code = cause.errno if cause is not None else errno.ENOSPC if free == 0 else None
+    if code == errno.ENOSPC:
+        reason = "the disk is full (ENOSPC)"
+        if cause is None:
+            reason += f" (no free space left after: {first_line(error)})"
+    elif code is not None:
+        reason = f"{os.strerror(code).lower()} ({errno.errorcode.get(code, code)})"
+    else:
+        reason = first_line(error)
+    room = "" if free is None else f", {format_bytes(free)} free there"
+    complete = [s for s, _ in complete_checkpoints(directory)]
+    kept = (f"the checkpoints there are untouched (the newest complete one: step {complete[-1]})" if complete else
+            "no earlier complete checkpoint is there")
+    return CheckpointWriteError(f"checkpoint step {step} could not be written to {directory / step_dir_name(step)}: "
+                                f"{reason}; rank {rank} was {action} {file}{room}; {kept}", code)
+
+
+def _os_error(error: BaseException) -> OSError | None:
+    """The first ``OSError`` with an ``errno`` in ``error``, its cause and its context, or None."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            return e
+        todo += [e.__cause__, e.__context__]
+    return None
 
 
 def _digest(path: Path) -> tuple[int, str]:
@@ -359,13 +503,19 @@ def _complete(directory: Path, tmp: Path, final: Path, step: int, reports: list[
         "tensors": dict(sorted(names.items(), key=lambda kv: _natural_key(kv[0]))),
         "meta": meta,
     }
-    _write_manifest(tmp / MANIFEST, manifest)
+    try:
+        _write_manifest(tmp / MANIFEST, manifest)
+    except _FailedWrite as e:
+        raise write_failure(e, directory, step, 0, MANIFEST) from None
     fsync_path(tmp)
     replaced = directory / f".{final.name}.replaced"
-    if final.exists():
-        _remove(replaced)
-        os.replace(final, replaced)
-    os.replace(tmp, final)
+    try:
+        if final.exists():
+            _remove(replaced)
+            os.replace(final, replaced)
+        os.replace(tmp, final)
+    except OSError as e:
+        raise write_failure(e, directory, step, 0, tmp.name, "renaming") from None
     fsync_path(directory)
     _remove(replaced)
 
@@ -380,7 +530,7 @@ def _prune(directory: Path, keep: int, current: int) -> None:
     Leftovers (``.step-N.tmp``, ``.replaced``, ``.deleting``) of steps after ``current`` stay: the other
     ranks, already released, might be writing the next save.
     """
-    complete = _complete_checkpoints(directory)
+    complete = complete_checkpoints(directory)
     kept = {step for step, _ in complete[-keep:]} | {current}
     doomed = [path for step, path in complete if step not in kept]
     for entry in directory.iterdir():
@@ -579,7 +729,9 @@ def _step_dirs(directory: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def _complete_checkpoints(directory: Path) -> list[tuple[int, Path]]:
+def complete_checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    """Every ``(step, path)`` in ``directory`` whose step directory has a manifest file, oldest first (whether
+    the manifest reads, and its files match it, is not asked)."""
     return [(s, p) for s, p in _step_dirs(directory) if (p / MANIFEST).is_file()]
 
 
@@ -591,7 +743,7 @@ def _find(directory: Path, step: int | None) -> Path:
         return latest[1]
     path = directory / step_dir_name(step)
     if not (path / MANIFEST).is_file():
-        steps = [s for s, _ in _complete_checkpoints(directory)]
+        steps = [s for s, _ in complete_checkpoints(directory)]
         have = f"complete checkpoints: steps {', '.join(map(str, steps))}" if steps else "no complete checkpoint"
         why = " (its directory has no manifest: the save was interrupted)" if path.is_dir() else ""
         raise CheckpointError(f"no complete checkpoint of step {step} in {directory}{why}; {have}"
@@ -626,18 +778,28 @@ def _read_manifest(path: Path, step: int | None) -> dict[str, Any]:
     return manifest
 
 
-def _read_layer_file(file: Path, expected: Mapping[str, Any] | None) -> dict[str, Any]:
-    if expected is None:
-        raise CheckpointError(f"{file.parent / MANIFEST} lists no entry for {file.name}")
+def check_file(file: Path, expected: Mapping[str, Any]) -> str | None:
+    """Whether ``file`` has the size and SHA-256 its manifest entry ``expected`` gives: None, or what is wrong
+    in one clause naming the file (``.../layers.1.pt is damaged: its SHA-256 differs from the manifest's``)."""
     try:
         size, digest = _digest(file)
     except FileNotFoundError:
-        raise CheckpointError(f"{file} is missing (the manifest lists it, written by rank "
-                              f"{expected.get('rank')})") from None
+        return f"{file} is missing (the manifest lists it, written by rank {expected.get('rank')})"
+    except OSError as e:
+        return f"{file} cannot be read: {e.strerror or e}"
     if size != expected["bytes"]:
-        raise CheckpointError(f"{file} is truncated or damaged: {size} bytes, the manifest says {expected['bytes']}")
+        return f"{file} is truncated or damaged: {size} bytes, the manifest says {expected['bytes']}"
     if digest != expected["sha256"]:
-        raise CheckpointError(f"{file} is damaged: its SHA-256 differs from the manifest's")
+        return f"{file} is damaged: its SHA-256 differs from the manifest's"
+    return None
+
+
+def _read_layer_file(file: Path, expected: Mapping[str, Any] | None) -> dict[str, Any]:
+    if expected is None:
+        raise CheckpointError(f"{file.parent / MANIFEST} lists no entry for {file.name}")
+    wrong = check_file(file, expected)
+    if wrong is not None:
+        raise CheckpointError(wrong)
     try:
         content = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:

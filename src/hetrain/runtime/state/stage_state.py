@@ -8,8 +8,9 @@ shapes as without TP, so a plan of any TP degree loads any checkpoint)::
     segment [0..3) owners (n0:0, n1:0)   ->  n0:0 writes layers.0..2, n1:0 writes none of them
     parameter-server shards              ->  their host writes ps.layers.{k}.… (``modes.PS_PREFIX``)
 
-Resuming loads this stage's names from the newest complete checkpoint, whatever
-plan wrote it, with the optimizer state of each parameter found there.
+Resuming loads this stage's names from the checkpoint the job resumes from (the newest
+intact one, ``runtime.state.resume``), whatever plan wrote it, with the optimizer state of
+each parameter found there.
 
 Example:
     >>> meta = checkpoint_meta(plan, step, loss)                                    # doctest: +SKIP
@@ -105,8 +106,8 @@ def latest_step(directory: Path) -> int | None:
 
 
 def restore_stage(directory: Path, module: nn.Module, optimizer: torch.optim.Optimizer,
-                  device: str, optimizer_name: str | None = None) -> Restored | None:
-    """Load this stage and its optimizer state from the newest complete checkpoint, if any.
+                  device: str, optimizer_name: str | None = None, step: int | None = None) -> Restored | None:
+    """Load this stage and its optimizer state from checkpoint ``step`` (default: the newest complete one), if any.
 
     Returns:
         The checkpoint's step and metadata; None when there is no checkpoint.
@@ -114,13 +115,16 @@ def restore_stage(directory: Path, module: nn.Module, optimizer: torch.optim.Opt
     Args:
         optimizer_name: the plan's optimizer (``Plan.optimizer``); a checkpoint that records another
             (``checkpoint_meta``) is refused, its state being of another kind (SGD's momentum, AdamW's moments).
+        step: the checkpoint to load: the job's (``Job.resume``, the newest intact one, the same on every rank).
+            None: the newest complete one, whose files are checked as they are read (a damaged one is refused).
 
     Raises:
         CheckpointError: the checkpoint lacks a tensor of this stage, or holds one (or its optimizer state)
             of another shape than the stage's (a model of other settings): names the checkpoint, the
             tensor and both shapes; or it was written under another optimizer.
     """
-    step = latest_step(directory)
+    if step is None:
+        step = latest_step(directory)
     if step is None:
         return None
     own = module.state_dict()
