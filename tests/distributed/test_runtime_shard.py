@@ -45,10 +45,12 @@ from factories import make_cluster
 from hetrain.cost import estimate_weight_memory
 from hetrain.data.datasets import iter_batches
 from hetrain.data.registry import build_datasets
+from hetrain.errors import InputError
 from hetrain.models.analytic import build_profile
 from hetrain.models.layers import LayerRange
 from hetrain.models.registry import build_layers, loss_fn
 from hetrain.plan import Plan
+from hetrain.runtime.sync.shard import check_shard
 from hetrain.runtime.trainer import build_optimizer_fn
 
 STEPS = 10
@@ -258,3 +260,12 @@ def test_reduces_overlap_the_backward(job: dict[str, dict[str, Any]]) -> None:
     """The buckets of sharded segments are reduced to their owners from the backward, as unsharded ones are."""
     for name in ("zero1", "zero2"):
         assert all(p["layouts"][0]["early"] > 0 for p in _parts(job[name])), name
+
+
+def test_sharding_a_model_that_ties_weights_is_refused() -> None:
+    """A tie sums its copies' gradients before the step; a sharded owner holds its range of the sums only."""
+    plan = CASES["zero1"]["plans"][0]
+    check_shard(plan, ())
+    check_shard(CASES["resume"]["plans"][0], (((0, "wte.weight"), (5, "head.weight")),))  # unsharded: fine
+    with pytest.raises(InputError, match=r"shard=optimizer: the model ties weights .* use shard=none"):
+        check_shard(plan, (((0, "wte.weight"), (5, "head.weight")),))
