@@ -30,7 +30,11 @@ measured from the tensors after the last step, which must be the memory model's
 from __future__ import annotations
 
 import json
+import os
+import signal
+import sys
 import textwrap
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -41,7 +45,7 @@ from test_runtime_equivalence import GPT, SMALL_BUCKETS
 from worker_ranks import run_worker_ranks
 
 import factories
-from factories import make_cluster
+from factories import make_cluster, mlp_digits_profile
 from hetrain.cost import estimate_weight_memory
 from hetrain.data.datasets import iter_batches
 from hetrain.data.registry import build_datasets
@@ -269,3 +273,32 @@ def test_sharding_a_model_that_ties_weights_is_refused() -> None:
     check_shard(CASES["resume"]["plans"][0], (((0, "wte.weight"), (5, "head.weight")),))  # unsharded: fine
     with pytest.raises(InputError, match=r"shard=optimizer: the model ties weights .* use shard=none"):
         check_shard(plan, (((0, "wte.weight"), (5, "head.weight")),))
+
+
+def test_a_stuck_owner_is_named_by_the_other_within_the_timeout(tmp_path, spawn, clean_env, free_port) -> None:
+    """Every wait of the reduces, the weight gather and the state gather is bounded and names the owners: an owner
+    that hangs (SIGSTOP) mid-training is named by the other within the timeout."""
+    timeout_s = 3.0
+    plan = factories.make_plan(make_cluster({"n0": 2}), mlp_digits_profile(),
+                               [(["n0:0"], [0, 3], 8, 1), (["n0:1"], [0, 3], 8, 1)], shard="optimizer+gradients")
+    replace(plan, shard_weights={"n0:0": 3, "n0:1": 1}).save(tmp_path / "plan.json")
+    args = [sys.executable, "-m", "hetrain.runtime.command", "--plan", str(tmp_path / "plan.json"),
+            "--model", "mlp-digits", "--data", "synthetic", "--steps", "1000000", "--no-progress",
+            "--metrics-out", str(tmp_path / "metrics.jsonl"), "--timeout-s", str(timeout_s)]
+    env = {**clean_env, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "HETRAIN_NODE": "n0"}
+    ranks = [spawn(args, {**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+    deadline = time.monotonic() + 60
+    metrics = tmp_path / "metrics.jsonl"
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):  # training is under way
+        assert time.monotonic() < deadline, "training did not start"
+        time.sleep(0.05)
+    stopped_at = time.monotonic()
+    os.kill(ranks[1].pid, signal.SIGSTOP)
+    try:
+        _, stderr = ranks[0].communicate(timeout=timeout_s + 20)
+        assert ranks[0].returncode == 1, stderr[-3000:]
+        assert time.monotonic() - stopped_at < timeout_s + 10
+        assert "rank 1 (n0:1)" in stderr and "within 3 s" in stderr, stderr[-3000:]
+    finally:
+        os.kill(ranks[1].pid, signal.SIGCONT)
