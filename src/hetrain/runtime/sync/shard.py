@@ -29,14 +29,16 @@ name (no weight decay on biases) sees only the 1-D shards: that is not supported
 
 Which collectives. Gloo (torch 2.13) runs ``reduce_scatter_tensor`` and
 ``all_gather_into_tensor`` for even parts only, so uneven shards would be padded to
-the largest; it has no uneven ``all_gather``. Measured on one host (Gloo, CPU,
-a 16 MB buffer cut 3:1 over 2 ranks; 8 MB cut 1:2:1 over 3), per iteration:
+the largest; it has no uneven ``all_gather``. The choice, by the bytes: one
+``reduce(dst=owner)`` per owner moves each range once, what a reduce-scatter moves,
+half an all-reduce's bytes on a ring (NCCL's reduce is a ring too); padding makes every
+rank move the largest range once per owner; an all-reduce would give every owner every
+sum. Measured on one host (``benchmarks/shard_collectives.py``, RESULTS.md "Uneven
+shards"; Gloo, CPU, a 16 MB buffer), ms per iteration:
 
-    all-reduce                         20.7 ms    28.9 ms
-    reduce(dst=owner) per owner        22.4 ms    18.5 ms    <- used
-    padded reduce_scatter              80.0 ms   262.3 ms
-    broadcast(src=owner) per owner     14.9 ms     9.8 ms    <- used
-    padded all_gather                  69.4 ms    58.3 ms
+    ranks, shares   all_reduce  reduce/owner  padded reduce_scatter  broadcast/owner  padded all_gather
+    2, 3:1             19.3        21.1             51.9                  7.7              37.7
+    3, 1:2:1           39.6        35.4             95.9                 15.7              64.1
 
 So gradients go by one ``reduce`` per owner of the bucket's part in its range, and
 weights come back by one ``broadcast`` per owner of its range: each owner's bytes
