@@ -61,8 +61,8 @@ transient, ``cost.estimate_stage_memory``).
 
 Checkpoints keep whole tensors and per-parameter optimizer state, as without sharding
 (``runtime.state.stage_state``): at a save, the owners send their ranges of the state to
-the segment's lead, which writes the layers; at a resume each owner cuts its range out of
-the per-parameter state. So a plan with other shards, or none, loads any checkpoint.
+the segment's lead, which writes the layers (it holds the segment's whole state for the
+save's duration); at a resume each owner cuts its range out of the per-parameter state. So a plan with other shards, or none, loads any checkpoint.
 
 Example:
     >>> shards = ShardedState(plan, sync, "n0:1", rank_of, health, timeout_s=300)   # doctest: +SKIP
