@@ -85,6 +85,7 @@ from hetrain.runtime.step.tied import check_tied
 from hetrain.runtime.sync.allreduce import GradientSync
 from hetrain.runtime.sync.daso import DasoAdaptation
 from hetrain.runtime.sync.modes import ModeSync
+from hetrain.runtime.sync.shard import check_shard
 from hetrain.runtime.tp import TPError, check_tp, full_state
 from hetrain.schedule import ActionKind
 from hetrain.timeline import Timeline
@@ -157,6 +158,7 @@ class Trainer:
         started_s = time.perf_counter()
         check_clip(plan, o.clip_grad_norm)  # before any process group: every rank refuses alike
         check_tied(plan, model.tied)
+        check_shard(plan, model.tied)
         check_tp(plan, model.tied)
         check_fp16(plan)
         check_precision(plan.precision, choose_device(int(os.environ.get("LOCAL_RANK", "0")))[1].type)

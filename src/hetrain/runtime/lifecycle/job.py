@@ -14,7 +14,8 @@ the stage module, optimizer, sync, transport and executor)::
     5. health      Health(rank, reported).start(): heartbeats; its store keys count instances
     6. groups      new_group: forward, backward (CUDA only), work; then segment groups (with TP: one per
                    owner set of each TP member), mode groups, tied-weight groups, TP groups
-    7. stage       used ranks only: layers (a TP stage's split by ``runtime.tp``), optimizer, GradientSync,
+    7. stage       used ranks only: layers (a TP stage's split by ``runtime.tp``), GradientSync, optimizer
+                   (over this rank's ranges where the plan shards a segment: ``runtime.sync.shard``),
                    Transport, Recorder, ModeSync, Executor
                    (and TiedGrads, when the model ties layers' weights: the first pre-step hook, which the
                    Trainer installs with the others, ``runtime.step.hooks``)
@@ -55,6 +56,7 @@ from hetrain.runtime.step.p2p import Transport, early_receives
 from hetrain.runtime.step.tied import Tie, TiedGrads, build_tie_groups
 from hetrain.runtime.sync.allreduce import GradientSync, SegmentGroups, build_segment_groups
 from hetrain.runtime.sync.modes import ModeSync, build_mode_groups
+from hetrain.runtime.sync.shard import ShardedOptimizer, ShardedState, is_sharded
 from hetrain.runtime.tp import build_tp_groups, build_tp_mesh, parallelize_stage, tp_stage_layers
 from hetrain.schedule import Action, build_schedule, validate
 
@@ -262,9 +264,14 @@ def build_stage(plan: Plan, role: Role, device: torch.device, groups: Groups, ra
     if stage.tp > 1:  # each layer split by its block type's rule over the stage's mesh (runtime.tp)
         mesh = build_tp_mesh(stage, rank_of, groups.tp[stage.device], device)
         parallelize_stage(by_index, names, where, mesh)
-    optimizer = optimizer_fn(list(module.parameters()))
     sync = GradientSync(plan, by_index, groups.segments, rank_of, health, timeout_s, tp_member=role.tp_rank)
     sync.broadcast_weights()  # replicas start equal, whatever the user's build function drew
+    optimizer: torch.optim.Optimizer
+    if is_sharded(plan):  # ZeRO: the optimizer steps this rank's ranges of the sharded segments (runtime.sync.shard)
+        shards = ShardedState(plan, sync, role.device, rank_of, health, timeout_s)
+        optimizer = ShardedOptimizer(optimizer_fn(shards.optimizer_params(module)), shards)
+    else:
+        optimizer = optimizer_fn(list(module.parameters()))
     transport = Transport(health, groups.forward, groups.backward, device, timeout_s, plan.precision)
     recorder = Recorder(role.device, device if device.type == "cuda" else None)
     modes = None

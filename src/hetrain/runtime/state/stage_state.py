@@ -10,7 +10,10 @@ shapes as without TP, so a plan of any TP degree loads any checkpoint)::
 
 Resuming loads this stage's names from the checkpoint the job resumes from (the newest
 intact one, ``runtime.state.resume``), whatever plan wrote it, with the optimizer state of
-each parameter found there.
+each parameter found there. Where the plan shards a segment's optimizer state (ZeRO,
+``runtime.sync.shard``) the lead still writes whole per-parameter state, gathered from the
+owners, and each owner cuts its range out of it on resume: sharded and unsharded plans load
+each other's checkpoints.
 
 Example:
     >>> meta = checkpoint_meta(plan, step, loss)                                    # doctest: +SKIP
@@ -39,6 +42,7 @@ from hetrain.runtime.state.checkpoint import (
     save_checkpoint,
     step_dir_name,
 )
+from hetrain.runtime.sync.shard import ShardedOptimizer
 from hetrain.runtime.tp import full_state, local_like
 
 if TYPE_CHECKING:
@@ -95,7 +99,10 @@ def save_stage(directory: Path, step: int, module: nn.Module, optimizer: torch.o
     """
     # a TP stage's split tensors gathered whole (every member of the group, in one order), as without TP
     tensors = {n: t.detach().cpu() for n, t in full_state(module.state_dict()).items()}
-    save_checkpoint(directory, step, {**tensors, **mode_tensors}, optimizer_state(module, optimizer), meta,
+    # sharded (ZeRO): the owners' ranges gathered on each segment's lead, whole per parameter (runtime.sync.shard)
+    states = (optimizer.state_by_name(module) if isinstance(optimizer, ShardedOptimizer)
+              else optimizer_state(module, optimizer))
+    save_checkpoint(directory, step, {**tensors, **mode_tensors}, states, meta,
                     owned_names=owned_names(plan, module, device) | set(mode_tensors), timeout_s=timeout_s)
 
 
@@ -146,6 +153,9 @@ def restore_stage(directory: Path, module: nn.Module, optimizer: torch.optim.Opt
                for k, v in state.items() if _per_element(k, v)]
     _check_shapes(f"checkpoint step {step} ({directory / step_dir_name(step)})", device, shapes)
     module.load_state_dict({n: local_like(tensors[n], own[n]) for n in names})  # a TP stage: its shards
+    if isinstance(optimizer, ShardedOptimizer):  # ZeRO: this rank's ranges cut out of the whole state
+        optimizer.load_state_by_name(module, saved_optimizer_state)
+        return Restored(step, meta)
     for name, p in params.items():
         if name in saved_optimizer_state:
             optimizer.state[p] = {k: (local_like(v, p) if _per_element(k, v) else

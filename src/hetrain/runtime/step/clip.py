@@ -7,6 +7,7 @@ once (``stage_state.owned_names``)::
 
     segment [0..2) owners (n0:0, n0:2)   ->  n0:0 adds the squares of its gradients, n0:2 adds nothing
     segment [2..4) owners (n0:1, n0:2)   ->  n0:1 adds them
+    sharded segment (ZeRO), owners j     ->  each adds the squares of its range [lo_j, hi_j), which it holds summed
     TP group (n0:0, n0:1) leads a segment ->  each adds its shards of the split matrices; n0:0 alone adds the
                                              parameters both hold whole (norms, replicated biases, embeddings)
 
@@ -86,6 +87,10 @@ class GradClip:
         # member t of a group leads its shards (``sync.segments``): every member counts its shards of a split
         # parameter, member 0 alone the parameters every member holds whole
         self._owned = [s for s, seg in enumerate(sync.segments) if seg.lead == device and s in sync.buffers]
+        # a sharded segment (ZeRO, runtime.sync.shard): every owner counts its own range, summed over the owners
+        self._shards = sync.shards
+        if self._shards is not None:
+            self._owned = [s for s in self._owned if not self._shards.covers(s)]
         self._tp_member = tp_member
         self.norm: torch.Tensor | None = None  # the last step's global norm before clipping
 
@@ -95,6 +100,8 @@ class GradClip:
         split = {id(f) for f in self._sync.split_flats}
         owned = [flat for s in self._owned for flat, _ in self._sync.buffers[s]
                  if self._tp_member == 0 or id(flat) in split]
+        if self._shards is not None:
+            owned += self._shards.owned_grads()
         # Σ ||g||² of the owned gradients, in float32 (as clip_grad_norm_ takes the norm of the norms)
         squares = torch.zeros(1, dtype=torch.float32, device=self._on)
         for flat in owned:

@@ -45,6 +45,9 @@ all-reduce and the broadcast from a background thread as soon as the reduce
 has landed, so that the later phases overlap the rest of the backward (and the
 next buckets) as the simulator has them, not wait for the ALLREDUCE_WAIT.
 
+A segment the plan shards (ZeRO, ``Segment.shard``) has its buckets reduced to their owners' ranges
+instead (``runtime.sync.shard``, which sets ``GradientSync.shards``).
+
 With the sync option ``reduce_dtype = "bf16"`` a bucket (or segment) is cast to
 bfloat16 when it is posted and every phase all-reduces the copy; ``wait`` (or
 ``allreduce``) copies the sum back into the fp32 gradients: half the bytes on
@@ -364,6 +367,9 @@ class GradientSync:
         self._pending: dict[tuple[int, int], int] = {}  # armed bucket -> parameters still without their gradient
         self._posted: dict[tuple[int, int], list[Any] | _Done] = {}  # bucket -> its works, or its chain's end
         self._chain: _Chain | None = None  # started with the first hierarchical all-reduce
+        # ZeRO: the sharded segments (``runtime.sync.shard.ShardedState`` sets it), whose buckets are reduced to
+        # their owners' ranges instead of all-reduced; None: no segment is sharded
+        self.shards: Any = None
 
     def broadcast_weights(self) -> None:
         """Give every owner of a shared segment its lowest-ranked owner's weights, as DistributedDataParallel
@@ -382,6 +388,8 @@ class GradientSync:
 
     def zero(self) -> None:
         """Zero every gradient of the stage (in place: ``.grad`` stay views of the buffers)."""
+        if self.shards is not None:  # ZeRO-2: the whole buffers get their memory back (runtime.sync.shard)
+            self.shards.alloc()
         for entries in self.buffers.values():
             for flat, placed in entries:
                 flat.zero_()
@@ -415,7 +423,9 @@ class GradientSync:
         pairs = self._to_wire(flats)
         sent = [w for _, w in pairs]
         h = self.hierarchical.get(seg.owners) if self.segment_hierarchical[s] else None
-        if h is None:
+        if self.shards is not None and self.shards.covers(s):  # ZeRO: each range reduced to its owner
+            self._wait_all(self.shards.reduce(s, pairs, what), s, what, sorted(self.rank_of[d] for d in seg.owners))
+        elif h is None:
             peers = sorted(self.rank_of[d] for d in seg.owners)
             group = self.groups[seg.owners]
             self._wait_all([dist.all_reduce(f, op=dist.ReduceOp.SUM, group=group, async_op=True) for f in sent],
@@ -505,6 +515,9 @@ class GradientSync:
             self._unpack[key] = pairs
         views = [w for _, w in pairs]
         owners = self.segments[s].owners
+        if self.shards is not None and self.shards.covers(s):  # ZeRO: each range reduced to its owner
+            self._posted[key] = self.shards.reduce(s, pairs, f"ALLREDUCE_START seg{s} bucket{b}")
+            return
         h = self.hierarchical.get(owners) if self.bucket_hierarchical.get(key) else None
         if h is not None:
             self._posted[key] = self._post_hierarchical(h, views, s, f"ALLREDUCE seg{s} bucket{b}")
