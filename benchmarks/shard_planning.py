@@ -4,7 +4,8 @@ with and without sharding (issue 35).
 For each cluster and model: the planner's best plan with ``--shard none`` and with ``--shard auto`` (which also
 plans ZeRO-1, and ZeRO-2 where ZeRO-1 does not fit, where the plan without could be memory-bound), both at TP 1
 (``--max-tp 1``) so that only sharding differs, each the best by the simulator among its 3 best candidates, with
-a time budget per planning. Clusters:
+a time budget per planning; pure data parallelism (``--strategy dp``) at one sample per device per iteration, the
+planner's choice (``auto``) at a global batch of 64. Clusters:
 
     t4-nodes      examples/clusters/t4-nodes.toml: 2 nodes of 4 T4 (16 GB), 10 Gbit/s
     cloud-mixed   examples/clusters/cloud-mixed.toml: 8 A100-40GB, 4 V100-16GB, 8 T4 on 100/25/10 Gbit/s
@@ -87,7 +88,8 @@ def main() -> int:
     for cname, cluster in clusters.items():
         for strategy in ("dp", "auto"):
             for name in MODELS:
-                rows.append(case(cluster, name, 64, strategy))
+                # pure DP: one sample per device (one micro-batch, where ZeRO-2 frees gradients bucket by bucket)
+                rows.append(case(cluster, name, cluster.num_devices if strategy == "dp" else 64, strategy))
                 lines.append(fmt(rows[-1]))
                 print(lines[-1], flush=True)
     summary = ["| cluster | strategy | largest model without sharding | with |", "|---|---|---|---|"]

@@ -570,7 +570,8 @@ def estimate_optimizer_step_memory(param_bytes: float, bytes_per_element: int, o
 
 def estimate_stage_memory(profile: ModelProfile, first: int, end: int, recompute: Sequence[int],
                           b: int, in_flight_count: int, optimizer: str, with_step: bool = True,
-                          reduce_copy: float = 0.0, state_share: float = 1.0, grad_share: float = 1.0) -> float:
+                          reduce_copy: float = 0.0, state_share: float = 1.0, grad_share: float = 1.0,
+                          micro_batches: int = 1) -> float:
     """Peak bytes of a stage holding layers ``[first, end)``.
 
     weights (``estimate_weight_memory``) + ``in_flight_count * b *`` activation
@@ -587,8 +588,11 @@ def estimate_stage_memory(profile: ModelProfile, first: int, end: int, recompute
     copies of its gradients, in the same transient (``estimate_optimizer_step_memory``).
 
     ``state_share``, ``grad_share``: the shares of the optimizer state and of the gradients the device keeps
-    (``estimate_weight_memory``). Under ZeRO-2 (``grad_share < 1``) a backward's gradients live until their
-    bucket is reduced to its owners: ``zero2_transient_bytes`` in the activation peak's transient.
+    (``estimate_weight_memory``). Under ZeRO-2 (``grad_share < 1``) a stage that runs one micro-batch per
+    iteration (``micro_batches``) holds its backward's gradients until their bucket is reduced to its owners:
+    ``zero2_transient_bytes`` in the activation peak's transient; one that runs several accumulates them whole
+    until its last backward (its owners' micro-batch counts differ, so they cannot reduce every micro-batch,
+    DeepSpeed's way): the whole gradients' unkept share.
     """
     layers = profile.layers
     rc = set(recompute)
@@ -610,7 +614,8 @@ def estimate_stage_memory(profile: ModelProfile, first: int, end: int, recompute
         transient += loss_transient * b
     weights = estimate_weight_memory(params, profile.bytes_per_element, optimizer, state_share, grad_share)
     if grad_share < 1.0 and b > 0:
-        transient += zero2_transient_bytes(params, max(x.param_bytes for x in layers[first:end]), grad_share)
+        transient += (zero2_transient_bytes(params, max(x.param_bytes for x in layers[first:end]), grad_share)
+                      if micro_batches <= 1 else (1.0 - grad_share) * params)
     peak = weights + in_flight_count * b * kept + transient
     if with_step:
         peak = max(peak, weights + estimate_optimizer_step_memory(params, profile.bytes_per_element, optimizer,

@@ -283,7 +283,7 @@ def partition(cluster: Cluster, profile: ModelProfile, devices: Sequence[Device]
               schedule: str, optimizer: str, allow_recompute: bool = True,
               max_caps: int = 64, cache: StageTableCache | None = None,
               full_recompute: bool = False, blocking: bool = False,
-              reduce_copy: float = 0.0, shares: tuple[float, float] = (1.0, 1.0)) -> PartitionResult | None:
+              reduce_copy: float = 0.0, shares: tuple[float, ...] = (1.0, 1.0)) -> PartitionResult | None:
     """Best cuts of the model over ``devices`` in this order; None if no cut fits memory.
 
     Every device gets at least one layer, so ``len(devices) <= L`` is required.
@@ -304,6 +304,8 @@ def partition(cluster: Cluster, profile: ModelProfile, devices: Sequence[Device]
     p = len(devices)
     if p == 0 or p > L:
         return None
+    if shares[1] < 1.0 and m > 1:  # ZeRO-2 over several micro-batches: whole gradients until the last backward
+        shares = (shares[0], shares[1], True)
     kinds, kind_of = build_kind_tables(profile, devices, b, optimizer, allow_recompute, cache, reduce_copy, shares)
     links = link_time_table(cluster, devices, build_model_arrays(profile, optimizer, reduce_copy, shares), b)
     n = np.array([in_flight(schedule, m, p, j) for j in range(p)], dtype=float)[:, None, None]

@@ -427,7 +427,7 @@ def _to_plan(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: Planne
             k, l = r.cuts[j], r.cuts[j + 1]
             mem = estimate_stage_memory(profile, k, l, r.recompute[j], r.b, in_flight(c.schedule, r.m, p, j),
                                         opts.optimizer, reduce_copy=_reduce_copy(opts, len(c.parts)),
-                                        state_share=shares[0], grad_share=shares[1])
+                                        state_share=shares[0], grad_share=shares[1], micro_batches=r.m)
             stages.append(Stage(d.name, k, l, r.recompute[j], r.forward_s[j], r.backward_s[j], mem))
             memory.append(DeviceMemory(d.name, estimate_device_memory(profile, d, mem), d.memory_bytes))
         vws.append(VirtualWorker(tuple(stages), mini, r.m, r.pipeline_s))
@@ -484,7 +484,8 @@ def _with_shards(plan: Plan, opts: PlannerOptions, c: Candidate) -> Plan:
                 return estimate_stage_memory(profile, s.first_layer, s.end_layer, s.recompute, r.b,
                                              in_flight(c.schedule, r.m, p, j), opts.optimizer,
                                              reduce_copy=_reduce_copy(unsharded, len(c.parts)),
-                                             state_share=share, grad_share=share if zero2 else 1.0)
+                                             state_share=share, grad_share=share if zero2 else 1.0,
+                                             micro_batches=r.m)
 
             other, whole = need(0.0), need(1.0)
             weights[d.name] = max(0.0, tensor_budget(profile, d) - other) / max(whole - other, 1.0)
@@ -509,7 +510,7 @@ def _sharded_memory(sized: Plan, opts: PlannerOptions, c: Candidate) -> Plan:
             mem = estimate_stage_memory(profile, s.first_layer, s.end_layer, s.recompute, r.b,
                                         in_flight(c.schedule, r.m, p, j), opts.optimizer,
                                         reduce_copy=_reduce_copy(opts, len(c.parts)), state_share=state_share,
-                                        grad_share=grad_share)
+                                        grad_share=grad_share, micro_batches=r.m)
             stages.append(replace(s, predicted_memory_bytes=mem))
             memory.append(DeviceMemory(d.name, estimate_device_memory(profile, d, mem), d.memory_bytes))
         vws.append(replace(vw, stages=tuple(stages)))
@@ -1110,7 +1111,7 @@ def _as_schedule(profile: ModelProfile, c: Candidate, opts: PlannerOptions, sche
             more = more or n > in_flight(c.schedule, r.m, p, j)
             need = estimate_stage_memory(profile, r.cuts[j], r.cuts[j + 1], r.recompute[j], r.b, n,
                                          opts.optimizer, reduce_copy=copies, state_share=state_share,
-                                         grad_share=grad_share)
+                                         grad_share=grad_share, micro_batches=r.m)
             if need > tensor_budget(profile, d):
                 return None
     return replace(c, schedule=schedule) if more else None

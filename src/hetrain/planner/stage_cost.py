@@ -140,14 +140,16 @@ def _range_max(values: np.ndarray) -> np.ndarray:
 
 
 def build_model_arrays(profile: ModelProfile, optimizer: str, reduce_copy: float = 0.0,
-                       shares: tuple[float, float] = (1.0, 1.0)) -> ModelArrays:
+                       shares: tuple[float, ...] = (1.0, 1.0)) -> ModelArrays:
     """The model's per-layer figures as arrays and range tables, cached on the profile. ``reduce_copy``: the
     16-bit gradient copies per gradient byte a stage holds at the end of the iteration where its gradients are
     all-reduced in bf16 (``SyncOptions.reduce_copy``; 0 in fp32, or where no other replica shares them): they
     count in ``step_table`` with the optimizer step's transient (``cost.estimate_optimizer_step_memory``).
     ``shares``: (optimizer state, gradients) a stage keeps where its owners shard them (``SyncOptions.shard``;
     ``cost.estimate_stage_memory``): under ZeRO-2 a backward's whole gradients are transient at the activation
-    peak, so ``weight_factor`` counts them there, and ``step_table`` does not."""
+    peak, so ``weight_factor`` counts them there, and ``step_table`` does not; a third element True: the stage
+    runs several micro-batches, and holds the whole gradients until its last backward
+    (``cost.estimate_stage_memory``'s ``micro_batches``)."""
     key = ("model_arrays", optimizer, reduce_copy, shares)
     cached = profile._cache.get(key)
     if cached is not None:
@@ -158,14 +160,15 @@ def build_model_arrays(profile: ModelProfile, optimizer: str, reduce_copy: float
     saved = np.array([x.saved_bytes_per_sample for x in layers], dtype=float)
     inputs = np.concatenate([[profile.input_bytes_per_sample], out[:-1]])
     # estimate_weight_memory is linear in parameter bytes: take its slope once.
-    state_share, grad_share = shares
+    state_share, grad_share = shares[0], shares[1]
+    whole_grads = len(shares) > 2 and bool(shares[2])
     held = estimate_weight_memory(1.0, profile.bytes_per_element, optimizer, state_share, grad_share)
     weight_factor = held
     # ZeRO-2: the gradients of the buckets not yet reduced to their owners, during a backward
     # (cost.zero2_transient_bytes: min of the range's unkept share and the in-flight buckets or its largest layer)
-    in_flight_grads = (np.minimum((1.0 - grad_share) * _range_table(_prefix(param)),
-                                  np.maximum(ZERO2_IN_FLIGHT_BYTES, _range_max(param)))
-                       if grad_share < 1.0 else 0.0)
+    unkept = (1.0 - grad_share) * _range_table(_prefix(param))
+    in_flight_grads = (0.0 if grad_share >= 1.0 else unkept if whole_grads else
+                       np.minimum(unkept, np.maximum(ZERO2_IN_FLIGHT_BYTES, _range_max(param))))
     useful = saved - inputs > 0
     L = len(layers)
     # The loss lives on the stage that ends at layer L (cost.estimate_stage_memory).
@@ -388,7 +391,7 @@ class KindTables:
 
 
 def device_key(dev: Device, b: int, optimizer: str, allow_recompute: bool,
-               reduce_copy: float = 0.0, shares: tuple[float, float] = (1.0, 1.0)) -> tuple[object, ...]:
+               reduce_copy: float = 0.0, shares: tuple[float, ...] = (1.0, 1.0)) -> tuple[object, ...]:
     """What a device's stage tables depend on, besides its in-flight count."""
     return (dev.type_name, dev.peak_fp32_flops, dev.peak_fp16_flops, dev.memory_bytes,
             dev.memory_bandwidth_bytes_per_s, b, optimizer, allow_recompute, reduce_copy, shares)
@@ -397,7 +400,7 @@ def device_key(dev: Device, b: int, optimizer: str, allow_recompute: bool,
 def build_kind_tables(profile: ModelProfile, devices: Sequence[Device], b: int, optimizer: str,
                       allow_recompute: bool, cache: StageTableCache | None,
                       reduce_copy: float = 0.0,
-                      shares: tuple[float, float] = (1.0, 1.0)) -> tuple[KindTables, list[int]]:
+                      shares: tuple[float, ...] = (1.0, 1.0)) -> tuple[KindTables, list[int]]:
     """Stacked tables of the distinct device kinds of ``devices``, and each position's kind (``reduce_copy``,
     ``shares``: ``build_model_arrays``)."""
     arrays = build_model_arrays(profile, optimizer, reduce_copy, shares)
@@ -488,7 +491,7 @@ def _add_recompute(costs: StageCosts, todo: np.ndarray) -> None:
 def build_stage_costs(profile: ModelProfile, devices: Sequence[Device], b: int, m: int, schedule: str,
                       optimizer: str, allow_recompute: bool = True,
                       cache: StageTableCache | None = None, reduce_copy: float = 0.0,
-                      shares: tuple[float, float] = (1.0, 1.0)) -> list[StageCosts]:
+                      shares: tuple[float, ...] = (1.0, 1.0)) -> list[StageCosts]:
     """Stage tables for each position ``j`` of a VW over ``devices`` (in that order; ``reduce_copy``,
     ``shares``: ``build_model_arrays``)."""
     arrays = build_model_arrays(profile, optimizer, reduce_copy, shares)

@@ -187,7 +187,7 @@ class VWEvaluator:
     exhaustive_orders: int = 120
     blocking: bool = False  # the runtime's transfers hold sender and receiver (sync option ``transfers``)
     reduce_copy: float = 0.0  # bf16 gradient copies per gradient byte at the step (partition; 0: none shared)
-    shares: tuple[float, float] = (1.0, 1.0)  # (optimizer state, gradients) a stage keeps where sharded
+    shares: tuple[float, ...] = (1.0, 1.0)  # (optimizer state, gradients) a stage keeps where sharded
     _orders: list[tuple[int, ...]] | None = None
     _cache: dict[tuple[int, int, bool], PartitionResult | None] = field(default_factory=dict)
     _coarse: dict[int, PartitionResult | None] = field(default_factory=dict)

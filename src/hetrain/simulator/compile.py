@@ -86,7 +86,7 @@ def estimate_stage_costs(plan: Plan, vw: VirtualWorker, stage: Stage, device: De
     profile = tp_rank_profile(plan.profile, stage.tp)
     first, end, rc = stage.first_layer, stage.end_layer, list(stage.recompute)
     state_share, grad_share = plan.shard_shares(stage.device)
-    shares = {"state_share": state_share, "grad_share": grad_share}
+    shares = {"state_share": state_share, "grad_share": grad_share, "micro_batches": len(vw.micro_batch_sizes)}
     weights = estimate_stage_memory(profile, first, end, rc, 0, 0, plan.optimizer, with_step=False, **shares)
     param_bytes = float(sum(profile.layers[i].param_bytes for i in stage.layers))
     per_size: dict[int, tuple[float, float, float, float]] = {}
