@@ -132,6 +132,41 @@ class _Shard:
         return self.flat_grad.numel()
 
 
+@dataclass
+class _Piece:
+    """One bucket's part of one ZeRO-2 flat buffer: elements ``[lo, hi)``, and the parameters with elements in it.
+
+    Attributes:
+        shard: the flat buffer's shard.
+        lo: the bucket's first element in the flat buffer.
+        hi: one past its last.
+        params: (parameter, its elements ``[a, b)`` in the flat buffer), for every parameter with elements in
+            ``[lo, hi)``.
+    """
+
+    shard: _Shard
+    lo: int
+    hi: int
+    params: list[tuple[nn.Parameter, int, int]]
+
+
+@dataclass
+class _InFlight:
+    """A ZeRO-2 bucket posted and not yet landed: its packed gradients and their reduces.
+
+    Attributes:
+        key: (segment, bucket).
+        sent: per piece, the bucket-sized temporary the reduces went from (the owner's sum lands in its range).
+        works: the reduces.
+        what: the action, for messages.
+    """
+
+    key: tuple[int, int]
+    sent: list[tuple[_Piece, torch.Tensor]]
+    works: list[Any]
+    what: object
+
+
 def check_shard(plan: Plan, tied: Sequence[Any]) -> None:
     """Refuse sharding a plan whose model ties weights across layers: a tie sums its copies' gradients before the
     step, and a sharded owner holds the sum of its range only.
@@ -194,6 +229,30 @@ class ShardedState:
                 self.shards.setdefault(s, []).append(
                     _Shard(s, flat_grad, flat_param, list(placed), spans, bounds, ranks, mine, param,
                            sync.groups[seg.owners], gradients))
+        # ZeRO-2: each bucket's pieces (one per flat buffer it has elements of), cut before the whole buffers go
+        self.pieces: dict[tuple[int, int], list[_Piece]] = {}
+        by_storage = {sh.flat_grad.untyped_storage().data_ptr(): sh for sh in self.entries() if sh.gradients}
+        for key, views in sync.bucket_views.items():
+            for view in views:
+                owner = by_storage.get(view.untyped_storage().data_ptr())
+                if owner is None:
+                    continue
+                first, end = int(view.storage_offset()), int(view.storage_offset()) + view.numel()
+                inside = [(q, a, b) for (q, _), (a, b) in zip(owner.placed, owner.spans, strict=True)
+                          if (a < end and b > first) or (a == b and first <= a < end)]  # GradientSync's rule
+                self.pieces.setdefault(key, []).append(_Piece(owner, first, end, inside))
+        # how many buckets need each ZeRO-2 parameter's gradient (2 where a bucket's bound cuts it, bucket_cut exact)
+        self._uses: dict[int, int] = {}
+        for pieces in self.pieces.values():
+            for q_id in {id(q) for piece in pieces for q, _, _ in piece.params}:
+                self._uses[q_id] = self._uses.get(q_id, 0) + 1
+        self._left: dict[int, int] = {}  # in this iteration: parameter -> buckets still to pack its gradient
+        self._in_flight: list[_InFlight] = []  # posted, not landed, in the order posted
+        for sh in self.entries():
+            if sh.gradients:  # no whole gradient buffer: autograd gives each parameter its own .grad
+                for q, _ in sh.placed:
+                    q.grad = None
+                sh.flat_grad.untyped_storage().resize_(0)
         self.steps = 0  # optimizer steps taken (for messages)
         sync.shards = self
 
@@ -202,6 +261,11 @@ class ShardedState:
     def covers(self, s: int) -> bool:
         """Whether segment ``s`` is sharded here (its gradients go to their owners, not to everyone)."""
         return s in self.shards
+
+    def sheds(self, s: int) -> bool:
+        """Whether segment ``s``'s gradients are ZeRO-2's here: no whole flat buffer, each bucket packed, reduced
+        to its owners and freed in the last backward (``post``, ``land``)."""
+        return any(sh.gradients for sh in self.shards.get(s, ()))
 
     def entries(self) -> list[_Shard]:
         return [sh for entries in self.shards.values() for sh in entries]
@@ -215,7 +279,12 @@ class ShardedState:
     def owned_grads(self) -> list[torch.Tensor]:
         """This rank's range of each sharded gradient buffer, summed over the owners once the iteration's
         reduces are waited for (before STEP): what it counts in the global norm (``runtime.step.clip``)."""
-        return [sh.flat_grad[sh.lo:sh.hi] for sh in self.entries()]
+        return [sh.param.grad if sh.gradients else sh.flat_grad[sh.lo:sh.hi] for sh in self.entries()]  # type: ignore[misc]
+
+    def shed_grads(self) -> list[torch.Tensor]:
+        """ZeRO-2: this rank's summed range of each segment's gradients, which the STEP reads (scaled by clipping
+        and by fp16's unscaling in place of the whole buffers: ``GradientSync.step_grads``)."""
+        return [sh.param.grad for sh in self.entries() if sh.gradients]  # type: ignore[misc]
 
     # --- the iteration -------------------------------------------------------------------------
 
@@ -238,26 +307,94 @@ class ShardedState:
                                                      sh.ranks, e) from None
         return works
 
-    def alloc(self) -> None:
-        """ZeRO-2: give the whole gradient buffers their memory again for the coming iteration (``zero`` zeroes
-        them and points the ``.grad`` back at them)."""
+    def begin(self) -> None:
+        """ZeRO-2, at an iteration's start: zero this rank's summed range, which the coming reduces fill; no
+        gradient is held whole (the parameters' ``.grad`` are None until the backward gives them one)."""
+        self._land_all()
         for sh in self.entries():
-            storage = sh.flat_grad.untyped_storage()
-            need = sh.numel * sh.flat_grad.element_size()
-            if sh.gradients and storage.nbytes() < need:
-                storage.resize_(need)
+            if sh.gradients:
+                assert sh.param.grad is not None
+                sh.param.grad.zero_()
+                for q, _ in sh.placed:
+                    q.grad = None
+        self._left = dict(self._uses)
+
+    def post(self, key: tuple[int, int], wire_dtype: torch.dtype | None, what: object) -> tuple[list[Any], int]:
+        """ZeRO-2: pack bucket ``key``'s gradients (its parameters' ``.grad``, accumulated over the iteration's
+        backwards; none: zeros) into a bucket-sized temporary in ``wire_dtype`` (None: theirs), free every
+        ``.grad`` no later bucket needs, and post one SUM-reduce per owner of its part in that owner's range.
+
+        The buckets posted before are landed first (``land``): during the backward a rank holds its range, the
+        bucket in flight, and the gradients of the parameters whose bucket is not complete yet.
+
+        Returns:
+            The reduces, and the bytes handed to them.
+        """
+        self._land_all()
+        sent: list[tuple[_Piece, torch.Tensor]] = []
+        for piece in self.pieces.get(key, ()):
+            sh = piece.shard
+            wire = torch.empty(piece.hi - piece.lo, dtype=sh.flat_grad.dtype if wire_dtype is None else wire_dtype,
+                               device=sh.flat_grad.device)  # (bucket elements,)
+            for q, a, b in piece.params:
+                lo, hi = max(a, piece.lo), min(b, piece.hi)
+                part = wire[lo - piece.lo:hi - piece.lo]
+                if q.grad is None:  # no gradient in this iteration (a parameter the loss does not use)
+                    part.zero_()
+                else:
+                    part.copy_(q.grad.reshape(-1)[lo - a:hi - a])
+            sent.append((piece, wire))
+        for q in {id(q): q for piece in self.pieces.get(key, ()) for q, _, _ in piece.params}.values():
+            self._left[id(q)] = self._left.get(id(q), 1) - 1
+            if self._left[id(q)] <= 0:
+                q.grad = None
+        works = []
+        for piece, wire in sent:
+            sh = piece.shard
+            for (lo, hi), rank in zip(sh.bounds, sh.ranks, strict=True):
+                a, b = max(lo, piece.lo), min(hi, piece.hi)
+                if a < b:
+                    try:
+                        works.append(dist.reduce(wire[a - piece.lo:b - piece.lo], dst=rank, op=dist.ReduceOp.SUM,
+                                                 group=sh.group, async_op=True))
+                    except RuntimeError as e:
+                        raise self.health.peer_error(f"{what}: the reduce to {self.health.name(rank)} failed",
+                                                     sh.ranks, e) from None
+        self._in_flight.append(_InFlight(key, sent, works, what))
+        return works, sum(w.numel() * w.element_size() for _, w in sent)
+
+    def land(self, key: tuple[int, int]) -> None:
+        """ZeRO-2: wait for bucket ``key``'s reduces (and those posted before it), at most ``timeout_s`` each,
+        naming the owners; add this rank's summed part into its range and free the temporaries."""
+        while any(f.key == key for f in self._in_flight):
+            self._land_first()
+
+    def temporaries(self) -> list[torch.Tensor]:
+        """ZeRO-2: the packed buckets in flight now (what a rank holds beyond its range and the parameters'
+        ``.grad`` during a backward: ``measure_weight_bytes`` does not see them)."""
+        return [wire for flight in self._in_flight for _, wire in flight.sent]
+
+    def _land_all(self) -> None:
+        while self._in_flight:
+            self._land_first()
+
+    def _land_first(self) -> None:
+        flight = self._in_flight[0]
+        ranks = sorted({r for piece, _ in flight.sent for r in piece.shard.ranks})
+        for work in flight.works:
+            self.health.wait(work, flight.what, ranks, self.timeout_s)
+        for piece, wire in flight.sent:
+            sh = piece.shard
+            a, b = max(sh.lo, piece.lo), min(sh.hi, piece.hi)
+            if a < b:
+                assert sh.param.grad is not None
+                sh.param.grad[a - sh.lo:b - sh.lo].add_(wire[a - piece.lo:b - piece.lo])  # the owner's sum
+        self._in_flight.pop(0)  # the temporaries go with it
 
     def settle(self) -> None:
-        """ZeRO-2, at STEP: keep this rank's range of the summed gradients in its own buffer, and free the
-        whole buffer (its views stay valid; ``alloc`` gives it memory again)."""
-        for sh in self.entries():
-            if not sh.gradients or sh.flat_grad.untyped_storage().nbytes() == 0:
-                continue
-            assert sh.param.grad is not None
-            sh.param.grad.copy_(sh.flat_grad[sh.lo:sh.hi])
-            for p, _ in sh.placed:
-                p.grad = None
-            sh.flat_grad.untyped_storage().resize_(0)
+        """ZeRO-2, at STEP: land whatever reduce is still in flight (the schedule's ALLREDUCE_WAITs have, as a
+        rule); this rank's range then holds the iteration's summed gradients."""
+        self._land_all()
 
     def gather(self) -> None:
         """After the step: every owner broadcasts its range of the weights to the others; waits for all, at most
