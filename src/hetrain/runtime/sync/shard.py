@@ -6,7 +6,7 @@ elements ``[lo_j, hi_j)`` of each of the segment's flat buffers
 (``Segment.shard_bounds``: sized by the plan's ``shard_weights``, so a device with
 more free memory keeps more)::
 
-    flat buffer of segment s (one per dtype; the parameters and their .grad are views of it)
+    flat buffer of segment s (one per dtype; the parameters are views of it, and under ZeRO-1 their .grad too)
     |<------ n0:0 keeps 3/4 ------>|<- n0:1: 1/4 ->|
     backward   each bucket's slice:  reduce(SUM, dst=n0:0) of its part in [lo_0, hi_0),
                                      reduce(SUM, dst=n0:1) of its part in [lo_1, hi_1)
@@ -15,7 +15,8 @@ more free memory keeps more)::
     after it   broadcast(src=owner j) of flat_param[lo_j:hi_j], for every j: all owners hold every weight
 
     optimizer              each owner holds: weights whole, gradients whole, state of its range
-    optimizer+gradients    weights whole, gradients of its range between iterations, state of its range
+    optimizer+gradients    weights whole, gradients of its range (+ the last backward's buckets in flight), state
+                           of its range
 
 Why our own code and not torch's: FSDP2 and ``ZeroRedundancyOptimizer`` cut even
 shards (or whole parameters); the plan's shards follow each owner's free memory,
@@ -46,28 +47,37 @@ once, no padding. Every collective goes to the segment's own group, posted in th
 same order on every owner (buckets in the schedule's order, owners in the segment's
 order), and every wait is at most ``timeout_s`` and names the owners.
 
-ZeRO-2 and micro-batches. A stage runs several micro-batches per iteration; their
-gradients accumulate locally in the whole flat buffer, as without sharding, and the
-buckets are reduced to their owners once, overlapped with the last backward (the
-bucket machinery of ``allreduce``). DeepSpeed's ZeRO-2 instead reduces every
-micro-batch's gradients and frees them, which multiplies the gradient traffic by the
-micro-batches; here the traffic is the unsharded run's and the whole buffer lives from
-the iteration's start to its STEP. At STEP each owner copies its range into a
-gradient buffer of its own and the whole buffer's storage is freed (``resize_(0)``:
-every view of it stays valid, and is given memory again at the next iteration's start).
-Between iterations a rank holds only its share of the gradients: what the memory model
-counts (``cost.estimate_weight_memory``'s ``grad_share``; the whole buffer is its
-transient, ``cost.estimate_stage_memory``).
+ZeRO-2 and micro-batches. A ZeRO-2 segment has no flat gradient buffer: its parameters' ``.grad`` are their
+own tensors. VWs run different numbers of micro-batches, so a reduce per micro-batch (DeepSpeed's way, which
+also multiplies the gradient traffic by the micro-batches) would have owners issue different numbers of
+collectives; the gradients of the earlier backwards accumulate in the ``.grad``, whole, and are reduced once,
+from the last backward, bucket by bucket (``post``, ``land``)::
+
+    last backward, bucket k complete (the hook of its last parameter's gradient):
+        land k-1      wait for its reduces; the owner adds its part into its fp32 range; its temporary freed
+        pack k        its parameters' .grad (their part in k) -> a bucket-sized temporary, in the wire dtype
+        free          each .grad no later bucket needs (a parameter a bucket's bound cuts is in several)
+        post k        reduce(SUM, dst=owner j) of its part in [lo_j, hi_j), for every j, in the owners' order
+    ALLREDUCE_WAIT    lands what is still in flight
+
+During the last backward a rank holds its range, one bucket in flight, and the ``.grad`` of the buckets not
+complete yet: with one micro-batch per iteration, never the gradients whole; with several, whole until the last
+backward, which frees them bucket by bucket. The memory model counts the last backward
+(``cost.estimate_weight_memory``'s ``grad_share``, plus ``cost.zero2_transient_bytes`` in
+``cost.estimate_stage_memory``). Landing k-1 before packing k keeps one bucket in flight while the next fills
+(DeepSpeed's double buffer); the wait is at most ``timeout_s`` and names the owners. Clipping and fp16's
+unscaling read this rank's range in place of the whole buffer (``GradientSync.step_grads``).
 
 Checkpoints keep whole tensors and per-parameter optimizer state, as without sharding
 (``runtime.state.stage_state``): at a save, the owners send their ranges of the state to
 the segment's lead, which writes the layers (it holds the segment's whole state for the
-save's duration); at a resume each owner cuts its range out of the per-parameter state. So a plan with other shards, or none, loads any checkpoint.
+save's duration); at a resume each owner cuts its range out of the per-parameter state. So a plan with other
+shards, or none, loads any checkpoint.
 
 Example:
     >>> shards = ShardedState(plan, sync, "n0:1", rank_of, health, timeout_s=300)   # doctest: +SKIP
     >>> optimizer = ShardedOptimizer(optimizer_fn(shards.optimizer_params(module)), shards)  # doctest: +SKIP
-    >>> optimizer.step()           # ZeRO-2's gradients settled, the ranges stepped, the weights gathered
+    >>> optimizer.step()           # ZeRO-2's last reduces landed, the ranges stepped, the weights gathered
 """
 
 from __future__ import annotations
@@ -95,7 +105,8 @@ class _Shard:
 
     Attributes:
         segment: the segment's index in ``GradientSync.segments``.
-        flat_grad: ``GradientSync``'s flat gradient buffer (the parameters' ``.grad`` are views of it).
+        flat_grad: ``GradientSync``'s flat gradient buffer (ZeRO-1: the parameters' ``.grad`` are views of it;
+            ZeRO-2: freed at the start, its shape and dtype alone are read).
         flat_param: the flat parameter buffer the parameters' data are views of.
         placed: (parameter, its gradient view), in the buffers' order.
         spans: each parameter's elements ``[a, b)`` in the flat buffers.
@@ -190,7 +201,7 @@ class ShardedState:
 
     Built after ``GradientSync`` (whose flat gradient buffers it cuts) and its start broadcast; attaches
     itself as ``sync.shards``, so that the segment and bucket all-reduces of sharded segments become reduces
-    to their owners, and ZeRO-2's whole gradient buffers get memory again at each iteration's start.
+    to their owners; frees ZeRO-2's whole gradient buffers for good (``post`` packs each bucket instead).
 
     Args:
         plan: the plan (its segments say who keeps which range).
@@ -241,7 +252,7 @@ class ShardedState:
                 inside = [(q, a, b) for (q, _), (a, b) in zip(owner.placed, owner.spans, strict=True)
                           if (a < end and b > first) or (a == b and first <= a < end)]  # GradientSync's rule
                 self.pieces.setdefault(key, []).append(_Piece(owner, first, end, inside))
-        # how many buckets need each ZeRO-2 parameter's gradient (2 where a bucket's bound cuts it, bucket_cut exact)
+        # how many buckets need each ZeRO-2 parameter's gradient (several where bucket bounds cut it: bucket_cut exact)
         self._uses: dict[int, int] = {}
         for pieces in self.pieces.values():
             for q_id in {id(q) for piece in pieces for q, _, _ in piece.params}:
@@ -481,7 +492,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """The user's optimizer over the unsharded parameters and this rank's ranges, with ZeRO's steps around its own.
 
     It shares the inner optimizer's ``param_groups`` and ``state`` (the learning-rate schedule sets them as
-    ever); ``step`` settles ZeRO-2's gradients, steps the inner optimizer, and gathers the weights.
+    ever); ``step`` lands ZeRO-2's last reduces, steps the inner optimizer, and gathers the weights.
 
     Args:
         inner: built over ``shards.optimizer_params(module)``.
@@ -497,7 +508,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """ZeRO-2's settle, the inner optimizer's step over the ranges, then every owner's weights to all."""
+        """ZeRO-2's last reduces landed, the inner optimizer's step over the ranges, then every owner's weights to
+        all."""
         self.shards.settle()
         loss = self.inner.step(closure)
         self.shards.steps += 1
