@@ -11,6 +11,7 @@ from hetrain.cluster import Link, parse_cluster
 from hetrain.cost import (
     LOSS_BACKWARD_OUTPUTS,
     LOSS_KEPT_OUTPUTS,
+    ZERO2_IN_FLIGHT_BYTES,
     allreduce_shape,
     estimate_allreduce,
     estimate_blocking_pipeline_time,
@@ -29,6 +30,7 @@ from hetrain.cost import (
     interpolate_measurements,
     loss_memory_per_sample,
     most_in_flight,
+    zero2_transient_bytes,
 )
 from hetrain.profile import DeviceFigures, LayerProfile, Measurement, ModelProfile
 
@@ -236,3 +238,14 @@ def test_the_blocking_pipeline_holds_each_stage_for_the_transfers_on_both_its_si
         estimate_blocking_pipeline_time([1.0, 2.0, 1.0], [0.5], 2)
     with pytest.raises(ValueError, match="micro-batch count must be >= 1, got 0"):
         estimate_blocking_pipeline_time([1.0], [], 0)
+
+
+def test_zero2_transient_is_two_buckets_or_the_largest_layer_at_most_the_unkept_share() -> None:
+    """Two DDP buckets by default, two of the plan's where given, the largest layer where it is larger; never more
+    than the gradients the owner does not keep."""
+    assert ZERO2_IN_FLIGHT_BYTES == 2 * 25 * 2**20
+    assert zero2_transient_bytes(1e9, 10e6, 0.25) == ZERO2_IN_FLIGHT_BYTES
+    assert zero2_transient_bytes(1e9, 80e6, 0.25) == 80e6
+    assert zero2_transient_bytes(1e9, 10e6, 0.25, bucket_bytes=1e6) == 10e6
+    assert zero2_transient_bytes(1e9, 1e6, 0.25, bucket_bytes=4e6) == 8e6
+    assert zero2_transient_bytes(1e9, 10e6, 0.996, bucket_bytes=4e6) == pytest.approx(4e6)

@@ -501,11 +501,15 @@ def estimate_weight_memory(param_bytes: float, bytes_per_element: int, optimizer
 ZERO2_IN_FLIGHT_BYTES = 2 * 25 * 2**20
 
 
-def zero2_transient_bytes(param_bytes: float, largest_layer_bytes: float, grad_share: float) -> float:
-    """The gradients a ZeRO-2 stage holds beyond its own share during a backward: the buckets not yet reduced
-    (``ZERO2_IN_FLIGHT_BYTES``, or the largest layer, a bucket ending on a layer boundary), at most the share
-    of the stage's gradients it does not keep."""
-    return min((1.0 - grad_share) * param_bytes, max(ZERO2_IN_FLIGHT_BYTES, largest_layer_bytes))
+def zero2_transient_bytes(param_bytes: float, largest_layer_bytes: float, grad_share: float,
+                          bucket_bytes: float | None = None) -> float:
+    """The gradients a ZeRO-2 stage holds beyond its own share during its last backward: the buckets not yet
+    reduced (two buckets: ``ZERO2_IN_FLIGHT_BYTES``, or ``2 * bucket_bytes`` where the plan's bucket size is
+    given; or the largest layer, a bucket ending on a layer boundary), at most the share of the stage's gradients
+    it does not keep. Earlier backwards of an iteration (several micro-batches) hold the gradients whole
+    (``runtime.sync.shard``)."""
+    in_flight = ZERO2_IN_FLIGHT_BYTES if bucket_bytes is None else 2 * bucket_bytes
+    return min((1.0 - grad_share) * param_bytes, max(in_flight, largest_layer_bytes))
 
 
 #: The share of a device's memory a plan leaves free: a plan never predicts a device more than

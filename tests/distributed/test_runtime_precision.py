@@ -66,6 +66,8 @@ WORKER = textwrap.dedent("""
     class Buffers:
         def __init__(self, flat):
             self.buffers = {0: [(flat, [])]}
+        def step_grads(self):
+            return [flat for entries in self.buffers.values() for flat, _ in entries]
     class Seeds:
         grad_scale = 0.0
     verdicts, scales, grads = [], [], []

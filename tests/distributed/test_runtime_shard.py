@@ -46,7 +46,7 @@ from worker_ranks import run_worker_ranks
 
 import factories
 from factories import make_cluster, mlp_digits_profile
-from hetrain.cost import estimate_weight_memory
+from hetrain.cost import estimate_weight_memory, zero2_transient_bytes
 from hetrain.data.datasets import iter_batches
 from hetrain.data.registry import build_datasets
 from hetrain.errors import InputError
@@ -72,6 +72,40 @@ WORKER = textwrap.dedent("""
     from hetrain.runtime.sync.shard import ShardedOptimizer, measure_weight_bytes
 
     torch.set_num_threads(1)
+
+
+    def watch_gradient_bytes(trainer):
+        # the most bytes of gradients alive at once during the backwards (each storage once): the parameters'
+        # .grad, this rank's summed ranges and the packed buckets in flight, measured from the tensors after
+        # every gradient's accumulation, and around each ZeRO-2 bucket's packing (while it holds both the
+        # bucket's .grad and its temporary)
+        shards = trainer.optimizer.shards
+        params = list(trainer.module.parameters()) + [sh.param for sh in shards.entries()]
+        peak = [0]
+
+        def alive(extra=()):
+            seen = {}
+            for t in [p.grad for p in params] + shards.temporaries() + list(extra):
+                if t is not None:
+                    st = t.untyped_storage()
+                    seen[(st.data_ptr(), id(st) if st.data_ptr() == 0 else 0)] = st.nbytes()
+            peak[0] = max(peak[0], sum(seen.values()))
+
+        post = shards.post
+
+        def watched_post(key, wire_dtype, what):
+            alive()  # the bucket's gradients, and the one in flight
+            held = [p.grad for p in params]  # alive until the packed temporary exists
+            out = post(key, wire_dtype, what)
+            alive(held)
+            return out
+
+        shards.post = watched_post
+        for p in trainer.module.parameters():  # after GradientSync's hooks: once a complete bucket is posted
+            p.register_post_accumulate_grad_hook(lambda _: alive())
+        return peak
+
+
     for case in json.load(open(sys.argv[1])):
         data = build_datasets("synthetic", "gpt-tiny", seed=0, synthetic_samples=256, **case["config"]).train
         history, starts, layouts = [], [], []
@@ -82,6 +116,9 @@ WORKER = textwrap.dedent("""
                                           checkpoint=CheckpointConfig(case["ckpt"]),
                                           logging=LoggingConfig(progress=False)))
             starts.append(trainer.step)
+            peak = [0]
+            if case.get("peak") and trainer.role.used:
+                peak = watch_gradient_bytes(trainer)
             history += trainer.fit(data, stop, seed=0)
             weights = trainer.state_dict()
             memory, shares = None, None
@@ -101,7 +138,10 @@ WORKER = textwrap.dedent("""
                         grad += (seg.shard_of(device) if seg.shard == "optimizer+gradients" else 1.0) * n / total
                 shares = {"state": state, "grad": grad, "param_bytes": 4 * total,
                           "sharded": isinstance(opt, ShardedOptimizer)}
-            layouts.append({"memory": memory, "shares": shares,
+            ranges = (sum(sh.param.numel() * sh.param.element_size() for sh in trainer.optimizer.shards.entries())
+                      if case.get("peak") and trainer.role.used else 0)
+            layouts.append({"memory": memory, "shares": shares, "peak": peak[0], "range_bytes": ranges,
+                            "largest_layer_bytes": 4 * max(numel.values()) if memory is not None else 0,
                             "early": trainer.sync.posted_early if trainer.role.used else 0})
             trainer.close()
         torch.save({"weights": weights, "history": history, "starts": starts, "layouts": layouts},
@@ -110,21 +150,27 @@ WORKER = textwrap.dedent("""
 
 
 def make_plan(vws: list[tuple[list[str], list[int], int, int]], shard: str, weights: dict[str, float],
-              precision: str = "fp32") -> Plan:
+              precision: str = "fp32", buckets: dict[str, Any] = SMALL_BUCKETS) -> Plan:
     """gpt-tiny (shrunk) on node n0 of 3 CPU devices, AdamW, bsp, small buckets, sharded by ``weights``."""
     profile = build_profile("gpt-tiny", hidden=GPT["hidden"], heads=GPT["heads"], seq_len=GPT["seq_len"])
     profile = replace(profile, precision=precision)
     plan = factories.make_plan(make_cluster({"n0": WORLD}), profile, vws, optimizer="adam", shard=shard,
-                               **SMALL_BUCKETS)
+                               **buckets)
     return replace(plan, shard_weights=weights) if shard != "none" else plan
 
 
 DP3 = [([D[0]], [0, 6], 6, 2), ([D[1]], [0, 6], 4, 1), ([D[2]], [0, 6], 2, 1)]
 HYBRID = [([D[0]], [0, 6], 6, 2), ([D[1], D[2]], [0, 3, 6], 6, 2)]
+ONE_MB = [([D[0]], [0, 6], 4, 1), ([D[1]], [0, 6], 2, 1), ([D[2]], [0, 6], 2, 1)]  # one micro-batch per iteration
 W121 = {D[0]: 1, D[1]: 2, D[2]: 1}
+# ~10 kB buckets cut inside the layers (gpt-tiny's blocks hold ~51 kB, its largest parameter 16 kB): 23 buckets,
+# and gradients that cross a bucket's bound
+TINY_BUCKETS = {"first_bucket_bytes": 10_000, "bucket_bytes": 10_000, "bucket_cut": "exact"}
 CASES: dict[str, dict[str, Any]] = {
     "zero1": {"plans": [make_plan(DP3, "optimizer", W121)], "stops": [STEPS]},
     "zero2": {"plans": [make_plan(HYBRID, "optimizer+gradients", {D[0]: 3, D[1]: 1, D[2]: 2})], "stops": [STEPS]},
+    "zero2-1mb": {"plans": [make_plan(ONE_MB, "optimizer+gradients", W121, buckets=TINY_BUCKETS)], "stops": [STEPS],
+                  "peak": True},
     "resume": {"plans": [make_plan(DP3, "none", {}), make_plan(DP3, "optimizer", {D[0]: 3, D[1]: 1, D[2]: 0}),
                          make_plan(HYBRID, "optimizer+gradients", W121), make_plan(DP3, "none", {})],
                "stops": [3, 6, 8, STEPS]},
@@ -132,7 +178,7 @@ CASES: dict[str, dict[str, Any]] = {
     "bf16-zero2": {"plans": [make_plan(HYBRID, "optimizer+gradients", {D[0]: 3, D[1]: 1, D[2]: 2}, "bf16")],
                    "stops": [STEPS]},
 }
-FP32 = ["zero1", "zero2", "resume"]
+FP32 = ["zero1", "zero2", "zero2-1mb", "resume"]
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +195,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
             paths.append(str(out / f"plan{k}.json"))
         specs[name] = {"plans": paths, "stops": c["stops"], "config": GPT, "lr": LR, "weight_decay": WEIGHT_DECAY,
                        "clip": CLIP, "out": str(out), "ckpt": str(out / "ckpt"),
-                       "global_batch": c["plans"][0].global_batch}
+                       "global_batch": c["plans"][0].global_batch, "peak": c.get("peak", False)}
     (root / "cases.json").write_text(json.dumps(list(specs.values())))
     (root / "worker.py").write_text(WORKER)
     run_worker_ranks(root, "n0", list(range(WORLD)), timeout_s=300)
@@ -242,6 +288,24 @@ def test_zero2_frees_the_whole_gradients(job: dict[str, dict[str, Any]]) -> None
     assert all(m["memory"]["grads"] == m["shares"]["param_bytes"] for m in z1)
 
 
+def test_zero2_gradients_are_transient_in_the_backward(job: dict[str, dict[str, Any]]) -> None:
+    """With one micro-batch per iteration a ZeRO-2 rank never holds its stage's gradients whole: at every moment
+    of the backward (measured from the tensors) it holds its own range plus at most the memory model's transient,
+    two buckets or the largest layer, which is less than the gradients it does not keep."""
+    plan = CASES["zero2-1mb"]["plans"][0]
+    bucket_bytes = plan.sync_options.bucket_bytes
+    for rank, part in enumerate(_parts(job["zero2-1mb"])):
+        layout = part["layouts"][0]
+        pb, share = layout["shares"]["param_bytes"], layout["shares"]["grad"]
+        mine = layout["range_bytes"]  # the gradients it keeps: its range
+        largest = layout["largest_layer_bytes"]
+        tight = mine + zero2_transient_bytes(pb, largest, share, bucket_bytes)
+        where = f"rank {rank} (share {share:.2f}): peak {layout['peak']} B of gradients"
+        assert tight < pb, f"{where}: the bound {tight:.0f} B would let the gradients be kept whole ({pb:.0f} B)"
+        assert mine < layout["peak"] <= tight, f"{where}, its range {mine} B, at most {tight:.0f} B"
+        assert layout["peak"] <= mine + zero2_transient_bytes(pb, largest, share), where
+
+
 def test_bf16_sharded_training_equals_unsharded(job: dict[str, dict[str, Any]]) -> None:
     """Under bf16 autocast the sharded run steps the fp32 master weights as the unsharded run of the same plan does."""
     def weights(name: str) -> dict[str, torch.Tensor]:
@@ -262,7 +326,7 @@ def test_bf16_sharded_training_equals_unsharded(job: dict[str, dict[str, Any]]) 
 
 def test_reduces_overlap_the_backward(job: dict[str, dict[str, Any]]) -> None:
     """The buckets of sharded segments are reduced to their owners from the backward, as unsharded ones are."""
-    for name in ("zero1", "zero2"):
+    for name in ("zero1", "zero2", "zero2-1mb"):
         assert all(p["layouts"][0]["early"] > 0 for p in _parts(job[name])), name
 
 

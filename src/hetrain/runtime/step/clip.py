@@ -96,7 +96,7 @@ class GradClip:
 
     def __call__(self, step: int) -> None:
         """Clip the gradients of step ``step`` (0-based, for messages) by the global norm."""
-        flats = [flat for entries in self._sync.buffers.values() for flat, _ in entries]
+        flats = self._sync.step_grads()  # ZeRO-2: this rank's range in place of the freed whole buffer
         split = {id(f) for f in self._sync.split_flats}
         owned = [flat for s in self._owned for flat, _ in self._sync.buffers[s]
                  if self._tp_member == 0 or id(flat) in split]

@@ -75,7 +75,7 @@ class LossScaling:
         self._executor.grad_scale = self.scaler.scale
 
     def __call__(self, step: int) -> bool:
-        flats = [flat for entries in self._sync.buffers.values() for flat, _ in entries]
+        flats = self._sync.step_grads()
         inverse = 1.0 / self.scaler.scale
         bad = torch.zeros(1, dtype=torch.float32, device=self._on)
         for flat in flats:

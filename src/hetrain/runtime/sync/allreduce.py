@@ -46,7 +46,9 @@ has landed, so that the later phases overlap the rest of the backward (and the
 next buckets) as the simulator has them, not wait for the ALLREDUCE_WAIT.
 
 A segment the plan shards (ZeRO, ``Segment.shard``) has its buckets reduced to their owners' ranges
-instead (``runtime.sync.shard``, which sets ``GradientSync.shards``).
+instead (``runtime.sync.shard``, which sets ``GradientSync.shards``). Under ZeRO-2 such a segment has no
+flat buffer: its parameters' ``.grad`` are their own tensors, and each bucket is packed, reduced and freed
+in the last backward (``ShardedState.post`` and ``land``).
 
 With the sync option ``reduce_dtype = "bf16"`` a bucket (or segment) is cast to
 bfloat16 when it is posted and every phase all-reduces the copy; ``wait`` (or
@@ -387,13 +389,27 @@ class GradientSync:
             self._wait_all(works, s, f"the start's broadcast of segment {s}'s weights", peers)
 
     def zero(self) -> None:
-        """Zero every gradient of the stage (in place: ``.grad`` stay views of the buffers)."""
-        if self.shards is not None:  # ZeRO-2: the whole buffers get their memory back (runtime.sync.shard)
-            self.shards.alloc()
-        for entries in self.buffers.values():
+        """Zero every gradient of the stage (in place: ``.grad`` stay views of the buffers; ZeRO-2's segments
+        have no whole buffer, and start the iteration with no ``.grad``: ``runtime.sync.shard``)."""
+        if self.shards is not None:
+            self.shards.begin()
+        for s, entries in self.buffers.items():
+            if self._sheds(s):
+                continue
             for flat, placed in entries:
                 flat.zero_()
                 self._repoint(placed, keep_value=False)
+
+    def _sheds(self, s: int) -> bool:
+        """Whether segment ``s``'s gradients are ZeRO-2's: packed, reduced and freed bucket by bucket, with no
+        whole flat buffer (``runtime.sync.shard.ShardedState.sheds``)."""
+        return self.shards is not None and bool(self.shards.sheds(s))
+
+    def step_grads(self) -> list[torch.Tensor]:
+        """The gradients the STEP reads, once the iteration's all-reduces are waited for (what clipping scales
+        and fp16 unscales): every flat buffer, and for a ZeRO-2 segment this rank's summed range instead."""
+        whole = [flat for s, entries in self.buffers.items() if not self._sheds(s) for flat, _ in entries]
+        return whole + (list(self.shards.shed_grads()) if self.shards is not None else [])
 
     @staticmethod
     def _repoint(placed: Sequence[tuple[nn.Parameter, torch.Tensor]], keep_value: bool = True) -> None:
@@ -416,6 +432,10 @@ class GradientSync:
         the plan's layout says so for the segment, else one flat all-reduce.
         """
         seg = self.segments[s]
+        if self._sheds(s):  # ZeRO-2: bucket by bucket, each packed, reduced to its owners and freed
+            for key in sorted(k for k in self.bucket_placed if k[0] == s):
+                self.wait(*key, what)
+            return
         flats = []
         for flat, placed in self.buffers.get(s, []):
             self._repoint(placed)
@@ -473,6 +493,10 @@ class GradientSync:
         if key not in self._posted:
             self.start(s, b)
         works = self._posted.pop(key)
+        if self._sheds(s):  # ZeRO-2: the owner's sum into its range, the bucket's temporary freed
+            self.shards.land(key)
+            self.calls["ring"] += 1
+            return
         if isinstance(works, _Done):
             self._wait_done(works, s, what, self.segments[s].owners)
         else:
@@ -509,6 +533,11 @@ class GradientSync:
     def _post(self, key: tuple[int, int]) -> None:
         """Post the (first phase of the) all-reduce of bucket ``key``, without waiting."""
         s, b = key
+        if self._sheds(s):  # ZeRO-2: packed from the parameters' .grad, which it frees (runtime.sync.shard)
+            works, sent = self.shards.post(key, self.wire_dtype, f"ALLREDUCE_START seg{s} bucket{b}")
+            self.wire_bytes += sent
+            self._posted[key] = works
+            return
         self._repoint(self.bucket_placed.get(key, ()))
         pairs = self._to_wire(self.bucket_views.get(key, []))
         if any(v is not w for v, w in pairs):

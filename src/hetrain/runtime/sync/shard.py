@@ -6,7 +6,7 @@ elements ``[lo_j, hi_j)`` of each of the segment's flat buffers
 (``Segment.shard_bounds``: sized by the plan's ``shard_weights``, so a device with
 more free memory keeps more)::
 
-    flat buffer of segment s (one per dtype; the parameters and their .grad are views of it)
+    flat buffer of segment s (one per dtype; the parameters are views of it, and under ZeRO-1 their .grad too)
     |<------ n0:0 keeps 3/4 ------>|<- n0:1: 1/4 ->|
     backward   each bucket's slice:  reduce(SUM, dst=n0:0) of its part in [lo_0, hi_0),
                                      reduce(SUM, dst=n0:1) of its part in [lo_1, hi_1)
@@ -15,7 +15,8 @@ more free memory keeps more)::
     after it   broadcast(src=owner j) of flat_param[lo_j:hi_j], for every j: all owners hold every weight
 
     optimizer              each owner holds: weights whole, gradients whole, state of its range
-    optimizer+gradients    weights whole, gradients of its range between iterations, state of its range
+    optimizer+gradients    weights whole, gradients of its range (+ the last backward's buckets in flight), state
+                           of its range
 
 Why our own code and not torch's: FSDP2 and ``ZeroRedundancyOptimizer`` cut even
 shards (or whole parameters); the plan's shards follow each owner's free memory,
@@ -46,28 +47,37 @@ once, no padding. Every collective goes to the segment's own group, posted in th
 same order on every owner (buckets in the schedule's order, owners in the segment's
 order), and every wait is at most ``timeout_s`` and names the owners.
 
-ZeRO-2 and micro-batches. A stage runs several micro-batches per iteration; their
-gradients accumulate locally in the whole flat buffer, as without sharding, and the
-buckets are reduced to their owners once, overlapped with the last backward (the
-bucket machinery of ``allreduce``). DeepSpeed's ZeRO-2 instead reduces every
-micro-batch's gradients and frees them, which multiplies the gradient traffic by the
-micro-batches; here the traffic is the unsharded run's and the whole buffer lives from
-the iteration's start to its STEP. At STEP each owner copies its range into a
-gradient buffer of its own and the whole buffer's storage is freed (``resize_(0)``:
-every view of it stays valid, and is given memory again at the next iteration's start).
-Between iterations a rank holds only its share of the gradients: what the memory model
-counts (``cost.estimate_weight_memory``'s ``grad_share``; the whole buffer is its
-transient, ``cost.estimate_stage_memory``).
+ZeRO-2 and micro-batches. A ZeRO-2 segment has no flat gradient buffer: its parameters' ``.grad`` are their
+own tensors. VWs run different numbers of micro-batches, so a reduce per micro-batch (DeepSpeed's way, which
+also multiplies the gradient traffic by the micro-batches) would have owners issue different numbers of
+collectives; the gradients of the earlier backwards accumulate in the ``.grad``, whole, and are reduced once,
+from the last backward, bucket by bucket (``post``, ``land``)::
+
+    last backward, bucket k complete (the hook of its last parameter's gradient):
+        land k-1      wait for its reduces; the owner adds its part into its fp32 range; its temporary freed
+        pack k        its parameters' .grad (their part in k) -> a bucket-sized temporary, in the wire dtype
+        free          each .grad no later bucket needs (a parameter a bucket's bound cuts is in several)
+        post k        reduce(SUM, dst=owner j) of its part in [lo_j, hi_j), for every j, in the owners' order
+    ALLREDUCE_WAIT    lands what is still in flight
+
+During the last backward a rank holds its range, one bucket in flight, and the ``.grad`` of the buckets not
+complete yet: with one micro-batch per iteration, never the gradients whole; with several, whole until the last
+backward, which frees them bucket by bucket. The memory model counts the last backward
+(``cost.estimate_weight_memory``'s ``grad_share``, plus ``cost.zero2_transient_bytes`` in
+``cost.estimate_stage_memory``). Landing k-1 before packing k keeps one bucket in flight while the next fills
+(DeepSpeed's double buffer); the wait is at most ``timeout_s`` and names the owners. Clipping and fp16's
+unscaling read this rank's range in place of the whole buffer (``GradientSync.step_grads``).
 
 Checkpoints keep whole tensors and per-parameter optimizer state, as without sharding
 (``runtime.state.stage_state``): at a save, the owners send their ranges of the state to
 the segment's lead, which writes the layers (it holds the segment's whole state for the
-save's duration); at a resume each owner cuts its range out of the per-parameter state. So a plan with other shards, or none, loads any checkpoint.
+save's duration); at a resume each owner cuts its range out of the per-parameter state. So a plan with other
+shards, or none, loads any checkpoint.
 
 Example:
     >>> shards = ShardedState(plan, sync, "n0:1", rank_of, health, timeout_s=300)   # doctest: +SKIP
     >>> optimizer = ShardedOptimizer(optimizer_fn(shards.optimizer_params(module)), shards)  # doctest: +SKIP
-    >>> optimizer.step()           # ZeRO-2's gradients settled, the ranges stepped, the weights gathered
+    >>> optimizer.step()           # ZeRO-2's last reduces landed, the ranges stepped, the weights gathered
 """
 
 from __future__ import annotations
@@ -95,7 +105,8 @@ class _Shard:
 
     Attributes:
         segment: the segment's index in ``GradientSync.segments``.
-        flat_grad: ``GradientSync``'s flat gradient buffer (the parameters' ``.grad`` are views of it).
+        flat_grad: ``GradientSync``'s flat gradient buffer (ZeRO-1: the parameters' ``.grad`` are views of it;
+            ZeRO-2: freed at the start, its shape and dtype alone are read).
         flat_param: the flat parameter buffer the parameters' data are views of.
         placed: (parameter, its gradient view), in the buffers' order.
         spans: each parameter's elements ``[a, b)`` in the flat buffers.
@@ -132,6 +143,41 @@ class _Shard:
         return self.flat_grad.numel()
 
 
+@dataclass
+class _Piece:
+    """One bucket's part of one ZeRO-2 flat buffer: elements ``[lo, hi)``, and the parameters with elements in it.
+
+    Attributes:
+        shard: the flat buffer's shard.
+        lo: the bucket's first element in the flat buffer.
+        hi: one past its last.
+        params: (parameter, its elements ``[a, b)`` in the flat buffer), for every parameter with elements in
+            ``[lo, hi)``.
+    """
+
+    shard: _Shard
+    lo: int
+    hi: int
+    params: list[tuple[nn.Parameter, int, int]]
+
+
+@dataclass
+class _InFlight:
+    """A ZeRO-2 bucket posted and not yet landed: its packed gradients and their reduces.
+
+    Attributes:
+        key: (segment, bucket).
+        sent: per piece, the bucket-sized temporary the reduces went from (the owner's sum lands in its range).
+        works: the reduces.
+        what: the action, for messages.
+    """
+
+    key: tuple[int, int]
+    sent: list[tuple[_Piece, torch.Tensor]]
+    works: list[Any]
+    what: object
+
+
 def check_shard(plan: Plan, tied: Sequence[Any]) -> None:
     """Refuse sharding a plan whose model ties weights across layers: a tie sums its copies' gradients before the
     step, and a sharded owner holds the sum of its range only.
@@ -155,7 +201,7 @@ class ShardedState:
 
     Built after ``GradientSync`` (whose flat gradient buffers it cuts) and its start broadcast; attaches
     itself as ``sync.shards``, so that the segment and bucket all-reduces of sharded segments become reduces
-    to their owners, and ZeRO-2's whole gradient buffers get memory again at each iteration's start.
+    to their owners; frees ZeRO-2's whole gradient buffers for good (``post`` packs each bucket instead).
 
     Args:
         plan: the plan (its segments say who keeps which range).
@@ -194,6 +240,30 @@ class ShardedState:
                 self.shards.setdefault(s, []).append(
                     _Shard(s, flat_grad, flat_param, list(placed), spans, bounds, ranks, mine, param,
                            sync.groups[seg.owners], gradients))
+        # ZeRO-2: each bucket's pieces (one per flat buffer it has elements of), cut before the whole buffers go
+        self.pieces: dict[tuple[int, int], list[_Piece]] = {}
+        by_storage = {sh.flat_grad.untyped_storage().data_ptr(): sh for sh in self.entries() if sh.gradients}
+        for key, views in sync.bucket_views.items():
+            for view in views:
+                owner = by_storage.get(view.untyped_storage().data_ptr())
+                if owner is None:
+                    continue
+                first, end = int(view.storage_offset()), int(view.storage_offset()) + view.numel()
+                inside = [(q, a, b) for (q, _), (a, b) in zip(owner.placed, owner.spans, strict=True)
+                          if (a < end and b > first) or (a == b and first <= a < end)]  # GradientSync's rule
+                self.pieces.setdefault(key, []).append(_Piece(owner, first, end, inside))
+        # how many buckets need each ZeRO-2 parameter's gradient (several where bucket bounds cut it: bucket_cut exact)
+        self._uses: dict[int, int] = {}
+        for pieces in self.pieces.values():
+            for q_id in {id(q) for piece in pieces for q, _, _ in piece.params}:
+                self._uses[q_id] = self._uses.get(q_id, 0) + 1
+        self._left: dict[int, int] = {}  # in this iteration: parameter -> buckets still to pack its gradient
+        self._in_flight: list[_InFlight] = []  # posted, not landed, in the order posted
+        for sh in self.entries():
+            if sh.gradients:  # no whole gradient buffer: autograd gives each parameter its own .grad
+                for q, _ in sh.placed:
+                    q.grad = None
+                sh.flat_grad.untyped_storage().resize_(0)
         self.steps = 0  # optimizer steps taken (for messages)
         sync.shards = self
 
@@ -202,6 +272,11 @@ class ShardedState:
     def covers(self, s: int) -> bool:
         """Whether segment ``s`` is sharded here (its gradients go to their owners, not to everyone)."""
         return s in self.shards
+
+    def sheds(self, s: int) -> bool:
+        """Whether segment ``s``'s gradients are ZeRO-2's here: no whole flat buffer, each bucket packed, reduced
+        to its owners and freed in the last backward (``post``, ``land``)."""
+        return any(sh.gradients for sh in self.shards.get(s, ()))
 
     def entries(self) -> list[_Shard]:
         return [sh for entries in self.shards.values() for sh in entries]
@@ -215,7 +290,12 @@ class ShardedState:
     def owned_grads(self) -> list[torch.Tensor]:
         """This rank's range of each sharded gradient buffer, summed over the owners once the iteration's
         reduces are waited for (before STEP): what it counts in the global norm (``runtime.step.clip``)."""
-        return [sh.flat_grad[sh.lo:sh.hi] for sh in self.entries()]
+        return [sh.param.grad if sh.gradients else sh.flat_grad[sh.lo:sh.hi] for sh in self.entries()]  # type: ignore[misc]
+
+    def shed_grads(self) -> list[torch.Tensor]:
+        """ZeRO-2: this rank's summed range of each segment's gradients, which the STEP reads (scaled by clipping
+        and by fp16's unscaling in place of the whole buffers: ``GradientSync.step_grads``)."""
+        return [sh.param.grad for sh in self.entries() if sh.gradients]  # type: ignore[misc]
 
     # --- the iteration -------------------------------------------------------------------------
 
@@ -238,26 +318,94 @@ class ShardedState:
                                                      sh.ranks, e) from None
         return works
 
-    def alloc(self) -> None:
-        """ZeRO-2: give the whole gradient buffers their memory again for the coming iteration (``zero`` zeroes
-        them and points the ``.grad`` back at them)."""
+    def begin(self) -> None:
+        """ZeRO-2, at an iteration's start: zero this rank's summed range, which the coming reduces fill; no
+        gradient is held whole (the parameters' ``.grad`` are None until the backward gives them one)."""
+        self._land_all()
         for sh in self.entries():
-            storage = sh.flat_grad.untyped_storage()
-            need = sh.numel * sh.flat_grad.element_size()
-            if sh.gradients and storage.nbytes() < need:
-                storage.resize_(need)
+            if sh.gradients:
+                assert sh.param.grad is not None
+                sh.param.grad.zero_()
+                for q, _ in sh.placed:
+                    q.grad = None
+        self._left = dict(self._uses)
+
+    def post(self, key: tuple[int, int], wire_dtype: torch.dtype | None, what: object) -> tuple[list[Any], int]:
+        """ZeRO-2: pack bucket ``key``'s gradients (its parameters' ``.grad``, accumulated over the iteration's
+        backwards; none: zeros) into a bucket-sized temporary in ``wire_dtype`` (None: theirs), free every
+        ``.grad`` no later bucket needs, and post one SUM-reduce per owner of its part in that owner's range.
+
+        The buckets posted before are landed first (``land``): during the backward a rank holds its range, the
+        bucket in flight, and the gradients of the parameters whose bucket is not complete yet.
+
+        Returns:
+            The reduces, and the bytes handed to them.
+        """
+        self._land_all()
+        sent: list[tuple[_Piece, torch.Tensor]] = []
+        for piece in self.pieces.get(key, ()):
+            sh = piece.shard
+            wire = torch.empty(piece.hi - piece.lo, dtype=sh.flat_grad.dtype if wire_dtype is None else wire_dtype,
+                               device=sh.flat_grad.device)  # (bucket elements,)
+            for q, a, b in piece.params:
+                lo, hi = max(a, piece.lo), min(b, piece.hi)
+                part = wire[lo - piece.lo:hi - piece.lo]
+                if q.grad is None:  # no gradient in this iteration (a parameter the loss does not use)
+                    part.zero_()
+                else:
+                    part.copy_(q.grad.reshape(-1)[lo - a:hi - a])
+            sent.append((piece, wire))
+        for q in {id(q): q for piece in self.pieces.get(key, ()) for q, _, _ in piece.params}.values():
+            self._left[id(q)] = self._left.get(id(q), 1) - 1
+            if self._left[id(q)] <= 0:
+                q.grad = None
+        works = []
+        for piece, wire in sent:
+            sh = piece.shard
+            for (lo, hi), rank in zip(sh.bounds, sh.ranks, strict=True):
+                a, b = max(lo, piece.lo), min(hi, piece.hi)
+                if a < b:
+                    try:
+                        works.append(dist.reduce(wire[a - piece.lo:b - piece.lo], dst=rank, op=dist.ReduceOp.SUM,
+                                                 group=sh.group, async_op=True))
+                    except RuntimeError as e:
+                        raise self.health.peer_error(f"{what}: the reduce to {self.health.name(rank)} failed",
+                                                     sh.ranks, e) from None
+        self._in_flight.append(_InFlight(key, sent, works, what))
+        return works, sum(w.numel() * w.element_size() for _, w in sent)
+
+    def land(self, key: tuple[int, int]) -> None:
+        """ZeRO-2: wait for bucket ``key``'s reduces (and those posted before it), at most ``timeout_s`` each,
+        naming the owners; add this rank's summed part into its range and free the temporaries."""
+        while any(f.key == key for f in self._in_flight):
+            self._land_first()
+
+    def temporaries(self) -> list[torch.Tensor]:
+        """ZeRO-2: the packed buckets in flight now (what a rank holds beyond its range and the parameters'
+        ``.grad`` during a backward: ``measure_weight_bytes`` does not see them)."""
+        return [wire for flight in self._in_flight for _, wire in flight.sent]
+
+    def _land_all(self) -> None:
+        while self._in_flight:
+            self._land_first()
+
+    def _land_first(self) -> None:
+        flight = self._in_flight[0]
+        ranks = sorted({r for piece, _ in flight.sent for r in piece.shard.ranks})
+        for work in flight.works:
+            self.health.wait(work, flight.what, ranks, self.timeout_s)
+        for piece, wire in flight.sent:
+            sh = piece.shard
+            a, b = max(sh.lo, piece.lo), min(sh.hi, piece.hi)
+            if a < b:
+                assert sh.param.grad is not None
+                sh.param.grad[a - sh.lo:b - sh.lo].add_(wire[a - piece.lo:b - piece.lo])  # the owner's sum
+        self._in_flight.pop(0)  # the temporaries go with it
 
     def settle(self) -> None:
-        """ZeRO-2, at STEP: keep this rank's range of the summed gradients in its own buffer, and free the
-        whole buffer (its views stay valid; ``alloc`` gives it memory again)."""
-        for sh in self.entries():
-            if not sh.gradients or sh.flat_grad.untyped_storage().nbytes() == 0:
-                continue
-            assert sh.param.grad is not None
-            sh.param.grad.copy_(sh.flat_grad[sh.lo:sh.hi])
-            for p, _ in sh.placed:
-                p.grad = None
-            sh.flat_grad.untyped_storage().resize_(0)
+        """ZeRO-2, at STEP: land whatever reduce is still in flight (the schedule's ALLREDUCE_WAITs have, as a
+        rule); this rank's range then holds the iteration's summed gradients."""
+        self._land_all()
 
     def gather(self) -> None:
         """After the step: every owner broadcasts its range of the weights to the others; waits for all, at most
@@ -344,7 +492,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """The user's optimizer over the unsharded parameters and this rank's ranges, with ZeRO's steps around its own.
 
     It shares the inner optimizer's ``param_groups`` and ``state`` (the learning-rate schedule sets them as
-    ever); ``step`` settles ZeRO-2's gradients, steps the inner optimizer, and gathers the weights.
+    ever); ``step`` lands ZeRO-2's last reduces, steps the inner optimizer, and gathers the weights.
 
     Args:
         inner: built over ``shards.optimizer_params(module)``.
@@ -360,7 +508,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """ZeRO-2's settle, the inner optimizer's step over the ranges, then every owner's weights to all."""
+        """ZeRO-2's last reduces landed, the inner optimizer's step over the ranges, then every owner's weights to
+        all."""
         self.shards.settle()
         loss = self.inner.step(closure)
         self.shards.steps += 1
