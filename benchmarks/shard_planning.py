@@ -85,7 +85,7 @@ def main() -> int:
               "|---|---|---|---:|---:|---|---:|---|---:|---:|")
     print(header, flush=True)
     lines, rows = [], []
-    for cname, cluster in clusters.items():
+    for _cname, cluster in clusters.items():
         for strategy in ("dp", "auto"):
             for name in MODELS:
                 # pure DP: one sample per device (one micro-batch, where ZeRO-2 frees gradients bucket by bucket)

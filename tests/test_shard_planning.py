@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -42,7 +43,7 @@ def test_shards_follow_the_weights_and_cover_every_element() -> None:
     assert seg.sharded and seg.shard_fractions == (0.25, 0.5, 0.25, 0.0)
     bounds = seg.shard_bounds(1001)
     assert bounds[0][0] == 0 and bounds[-1][1] == 1001
-    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
     assert [hi - lo for lo, hi in bounds] == [250, 501, 250, 0]
     assert p.shard_shares("n0:1") == (pytest.approx(0.5), 1.0)  # ZeRO-1 keeps the whole gradients
     z2 = _dp_plan(ZERO2, {"n0:0": 1.0, "n0:1": 2.0, "n1:0": 1.0, "n1:1": 0.0})

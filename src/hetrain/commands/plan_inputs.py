@@ -17,6 +17,7 @@ from hetrain.plan import PlanError
 from hetrain.planner import PlannerOptions
 from hetrain.profile import ModelProfile, ProfileError, load_profile
 from hetrain.sync_layout import SyncOptions, check_mode_options
+from hetrain.sync_mode import sync_mode
 
 if TYPE_CHECKING:  # numpy, imported where --time-model is given
     from hetrain.time_model import LayerTimeModel
@@ -194,7 +195,7 @@ def planner_options(args: argparse.Namespace) -> PlannerOptions:
         if shard != "auto":
             raise InputError(f"--shard {shard} and --sync-option shard={sync_options.shard} disagree: give one")
     elif shard is not None:
-        if shard not in ("auto", "none") and (args.sync or "bsp") != "bsp":
+        if shard not in ("auto", "none") and args.sync not in (None, "auto") and not sync_mode(args.sync).synchronous:
             raise InputError(f"--shard {shard}: sharding is the bsp mode's; sync mode {args.sync} steps each "
                              f"replica's own optimizer (use --sync bsp, or --shard none)")
         opts["shard"] = shard

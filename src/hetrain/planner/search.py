@@ -83,7 +83,7 @@ from hetrain.planner.sync import Scorer, choose_sync_mode, estimate_mode_sync_ti
 from hetrain.planner.vw import VWEvaluator, canonical_devices, vw_signature
 from hetrain.profile import ModelProfile
 from hetrain.sync_layout import SHARD_MODES, SyncOptions, check_mode_options, group_segments, modes_for
-from hetrain.sync_mode import SYNC_MODES, SyncModeName
+from hetrain.sync_mode import MODES, SYNC_MODES, SyncModeName, sync_mode
 from hetrain.units import format_bytes
 
 INF = float("inf")
@@ -480,7 +480,7 @@ def _with_shards(plan: Plan, opts: PlannerOptions, c: Candidate) -> Plan:
                 weights[d.name] = d.peak_flops(profile.precision)
                 continue
 
-            def need(share: float, s: Any = s, r: PartitionResult = r, j: int = j) -> float:
+            def need(share: float, s: Any = s, r: PartitionResult = r, j: int = j, p: int = p) -> float:
                 return estimate_stage_memory(profile, s.first_layer, s.end_layer, s.recompute, r.b,
                                              in_flight(c.schedule, r.m, p, j), opts.optimizer,
                                              reduce_copy=_reduce_copy(unsharded, len(c.parts)),
@@ -737,10 +737,7 @@ def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: Pl
         opts = replace(options, **kwargs)
     if opts.shard == "auto":
         return plan_shards(cluster, profile, global_batch, opts, score)
-    if opts.shard is not None:
-        opts = replace(opts, shard=None, sync_options=replace(opts.sync_options, shard=opts.shard))
-    if opts.sync_options.shard != "none" and (opts.tp or 1) == 1:
-        opts = replace(opts, max_tp=1)  # the runtime shards whole tensors: no TP stage with a sharded segment
+    opts = _shard_fixed(opts)
     degrees = tp_degrees(cluster, profile, opts)
     if degrees == [1]:
         return _plan_degree(cluster, profile, global_batch, opts, score, TimeBudget(opts.time_budget_s))
@@ -790,6 +787,25 @@ def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: Pl
                                   REPORT_KEY: total.to_dict()})
 
 
+def _shard_fixed(opts: PlannerOptions) -> PlannerOptions:
+    """``opts`` with a forced shard mode (``opts.shard``) moved into its sync options, and TP off where state is
+    sharded (the runtime shards whole tensors: no TP stage with a sharded segment), unless TP is forced."""
+    if opts.shard is not None:
+        opts = replace(opts, shard=None, sync_options=replace(opts.sync_options, shard=opts.shard))
+    if opts.sync_options.shard != "none" and (opts.tp or 1) == 1:
+        opts = replace(opts, max_tp=1)
+    return opts
+
+
+#: the synchronous mode, the one that runs TP stages and sharded state
+_SYNCHRONOUS = next(m.name for m in MODES if m.synchronous)
+
+
+def _may_run_bsp(opts: PlannerOptions) -> bool:
+    """Whether the plan may be synchronous: its mode is, or the planner picks it (``auto``)."""
+    return opts.sync == "auto" or sync_mode(opts.sync).synchronous
+
+
 #: the key of ``Plan.options`` that says what ``plan_shards`` planned with each shard mode
 SHARD_KEY = "shard_choice"
 
@@ -803,7 +819,7 @@ def plan_shards(cluster: Cluster, profile: ModelProfile, global_batch: int, opts
     Sharding is bsp's (``SyncOptions.shard``) and whole tensors' (no TP stage), so other modes, or a forced
     TP degree, plan without."""
     base = replace(opts, shard=None, sync_options=replace(opts.sync_options, shard="none"))
-    if opts.sync not in ("bsp", "auto") or (opts.tp or 1) > 1:
+    if not _may_run_bsp(opts) or (opts.tp or 1) > 1:
         return plan(cluster, profile, global_batch, base, score)
     start = time.perf_counter()
 
@@ -830,7 +846,7 @@ def plan_shards(cluster: Cluster, profile: ModelProfile, global_batch: int, opts
     for n, mode in enumerate(SHARD_MODES[1:]):
         if n > 0 and any(m != "none" for m, _ in found):
             break  # ZeRO-2 only where ZeRO-1 does not fit
-        sharded = replace(base, sync=opts.sync if opts.sync == "bsp" else "bsp", max_tp=1,
+        sharded = replace(base, sync=_SYNCHRONOUS, max_tp=1,
                           sync_options=replace(opts.sync_options, shard=mode), time_budget_s=left(1.0 / (2 - n)))
         try:
             found.append((mode, plan(cluster, profile, global_batch, sharded, score)))
@@ -892,7 +908,7 @@ def tp_degrees(cluster: Cluster, profile: ModelProfile, opts: PlannerOptions) ->
     """The TP degrees to plan at: ``opts.tp`` alone where given; else 1 and every power of two up to
     ``opts.max_tp`` that some node's devices of one type can form, where the profile has TP rules."""
     if opts.tp is not None:
-        if opts.tp > 1 and opts.sync not in ("bsp", "auto"):
+        if opts.tp > 1 and not _may_run_bsp(opts):
             raise PlannerError(f"--tp {opts.tp}: sync mode {opts.sync} does not run TP stages yet; use --sync bsp")
         if opts.tp > 1 and not profile.has_tp:
             raise PlannerError(f"--tp {opts.tp}: model {profile.name} has no layer with a TP rule (its profile's "
@@ -900,7 +916,7 @@ def tp_degrees(cluster: Cluster, profile: ModelProfile, opts: PlannerOptions) ->
         if opts.tp > 1 and not tp_groups_possible(cluster, opts.tp):
             raise PlannerError(f"--tp {opts.tp}: no node of cluster {cluster.name} has {opts.tp} devices of one type")
         return [opts.tp]
-    if not profile.has_tp or opts.sync not in ("bsp", "auto"):  # the runtime runs TP stages under bsp only
+    if not profile.has_tp or not _may_run_bsp(opts):  # the runtime runs TP stages under bsp only
         return [1]
     return [1] + [k for k in (2, 4, 8, 16) if k <= opts.max_tp and tp_groups_possible(cluster, k, every=not
                                                                                        opts.leave_out)]

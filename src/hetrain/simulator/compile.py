@@ -86,8 +86,13 @@ def estimate_stage_costs(plan: Plan, vw: VirtualWorker, stage: Stage, device: De
     profile = tp_rank_profile(plan.profile, stage.tp)
     first, end, rc = stage.first_layer, stage.end_layer, list(stage.recompute)
     state_share, grad_share = plan.shard_shares(stage.device)
-    shares = {"state_share": state_share, "grad_share": grad_share, "micro_batches": len(vw.micro_batch_sizes)}
-    weights = estimate_stage_memory(profile, first, end, rc, 0, 0, plan.optimizer, with_step=False, **shares)
+    m = len(vw.micro_batch_sizes)
+
+    def held(b: int, n: int) -> float:  # tensors held with n micro-batches of b in flight (b = 0: the weights)
+        return estimate_stage_memory(profile, first, end, rc, b, n, plan.optimizer, with_step=False,
+                                     state_share=state_share, grad_share=grad_share, micro_batches=m)
+
+    weights = held(0, 0)
     param_bytes = float(sum(profile.layers[i].param_bytes for i in stage.layers))
     per_size: dict[int, tuple[float, float, float, float]] = {}
     layer_times = {}
@@ -95,8 +100,7 @@ def estimate_stage_costs(plan: Plan, vw: VirtualWorker, stage: Stage, device: De
     for b in set(vw.micro_batch_sizes):
         f, g = estimate_layer_times(profile, device, b)
         layer_times[b] = (f, g)
-        held0 = estimate_stage_memory(profile, first, end, rc, b, 0, plan.optimizer, with_step=False, **shares)
-        held1 = estimate_stage_memory(profile, first, end, rc, b, 1, plan.optimizer, with_step=False, **shares)
+        held0, held1 = held(b, 0), held(b, 1)
         per_size[b] = (float(f[first:end].sum()) + overhead,
                        float(g[first:end].sum() + f[rc].sum()) + overhead,
                        held1 - held0, held0 - weights)
