@@ -155,7 +155,7 @@ class SegmentReducer:
                  wire_dtype: torch.dtype | None, count: Callable[[int], None]) -> None:
         self.calls = 0  # buckets all-reduced by the reducer
         self.rebuilt = False
-        self.ddp = DistributedDataParallel(nn.ModuleList(layers), process_group=group, broadcast_buffers=False,
+        self.ddp = DistributedDataParallel(nn.ModuleList(layers), process_group=group,
                                            bucket_cap_mb_list=list(caps_mb) or None, gradient_as_bucket_view=False)
 
         def counted(n: int) -> None:
