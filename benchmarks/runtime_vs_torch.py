@@ -65,9 +65,9 @@ from _vs_torch import (
     cpu_ms_per_step,
     cpu_quota_group,
     cpu_quota_problem,
-    rank_quota_groups,
     local_cluster,
     paired_ratio,
+    rank_quota_groups,
     run_rank,
 )
 from hetrain.emulate.cgroups import read_cpu_stat

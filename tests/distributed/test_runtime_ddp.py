@@ -60,7 +60,8 @@ WORKER = textwrap.dedent("""
         history = trainer.fit(data, 1, seed=0)
         first = trainer.sync.calls["ddp"]
         history += trainer.fit(data, case["steps"], seed=0)
-        layer_of = {id(p): k for k in range(trainer.module.first, trainer.module.end) for p in trainer.module[k].parameters()}
+        stage = trainer.module
+        layer_of = {id(p): k for k in range(stage.first, stage.end) for p in stage[k].parameters()}
         buckets = [sorted({layer_of[id(p)] for p in b.parameters()})
                    for r in trainer.sync.reducers.values() for b in r.ddp.reducer._get_zeros_like_grad_buckets()]
         torch.save({"weights": trainer.state_dict(), "losses": [h["loss"] for h in history],

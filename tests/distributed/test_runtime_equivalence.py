@@ -99,7 +99,8 @@ WORKER = textwrap.dedent("""
         history = trainer.fit(data, case["steps"], seed=0)
         torch.save({"weights": trainer.state_dict(), "history": history, "used": trainer.role.used,
                     "early": trainer.sync.posted_early if trainer.role.used else 0, "flushes": list(flushes),
-                    "ddp": dict(trainer.sync.calls, reducers=sorted(trainer.sync.reducers)) if trainer.role.used else {},
+                    "ddp": (dict(trainer.sync.calls, reducers=sorted(trainer.sync.reducers))
+                            if trainer.role.used else {}),
                     "early_receives": trainer.job.stage.executor.early_posts if trainer.role.used else 0,
                     "wire_bytes": trainer.sync.wire_bytes if trainer.role.used else 0,
                     "shared_numel": sum(f.numel() for s, entries in trainer.sync.buffers.items()

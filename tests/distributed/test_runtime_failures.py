@@ -96,8 +96,9 @@ def test_a_stuck_rank_is_named_after_the_timeout(tmp_path, spawn, clean_env, fre
 def dp_args(tmp_path: Path, timeout_s: float) -> list[str]:
     """Pure data parallelism of mlp-digits on n0:0 and n0:1: its one segment is a whole stage on both, which DDP's
     reducer all-reduces inside the backward (``runtime.sync.reducer``)."""
-    plan = make_plan(make_cluster({"n0": 2}), mlp_digits_profile(), [(["n0:0"], [0, 3], 8, 1), (["n0:1"], [0, 3], 8, 1)],
-                     first_bucket_bytes=20_000, bucket_bytes=60_000)
+    vws = [(["n0:0"], [0, 3], 8, 1), (["n0:1"], [0, 3], 8, 1)]
+    plan = make_plan(make_cluster({"n0": 2}), mlp_digits_profile(), vws, first_bucket_bytes=20_000,
+                     bucket_bytes=60_000)
     plan.save(tmp_path / "plan.json")
     return ["--plan", str(tmp_path / "plan.json"), "--model", "mlp-digits", "--data", "synthetic",
             "--steps", "1000000", "--metrics-out", str(tmp_path / "metrics.jsonl"), "--timeout-s", str(timeout_s),

@@ -8,6 +8,16 @@ partition the model differently::
     VW1   n0:2 [0..4)                   n0:3 [4..6)
     seg   0: [0..2) {n0:0, n0:2}   1: [2..4) {n0:1, n0:2}   2: [4..6) {n0:1, n0:3}
 
+Torch's engine first: a segment that is a whole stage on every owner, without
+TP, all-reduced over one flat ring, is plain data parallelism among its owners,
+and DistributedDataParallel's C++ reducer sums it inside the backward
+(``runtime.sync.reducer``; ``GradientSync.reducers``); this module keeps its
+flat buffers (``.grad`` stay their views) and lets ``arm`` / ``wait`` hand it to
+the reducer. Its own buckets remain for what DDP has no form for: a segment that
+splits a stage (owners whose stages cut the model at other layers, so that one
+rank's backward feeds several segments, each over its own group), a TP stage's
+shards, and the hierarchical all-reduce across nodes.
+
 One process group per distinct owner set, created in segment order on every
 rank (``new_group`` is collective over the whole job). A rank's gradients live
 in one flat buffer per (segment, dtype) that the parameters' ``.grad`` are views
@@ -79,7 +89,7 @@ from hetrain.distributed.health import Health, PeerError
 from hetrain.distributed.work import completed_within, first_line, is_timeout
 from hetrain.errors import RunError
 from hetrain.plan import Plan
-from hetrain.runtime.sync.reducer import SegmentReducer, bucket_caps_mb, reducer_segments
+from hetrain.runtime.sync.reducer import SegmentReducer, bucket_caps_mb, post_sum, reducer_segments
 from hetrain.sync_layout import Segment
 
 
@@ -368,24 +378,26 @@ class GradientSync:
             self.buffers[s] = entries
             for bucket in seg.buckets:
                 self.bucket_hierarchical[(s, bucket.index)] = bucket.algorithm == "hierarchical"
-        # segments that are a whole stage on every owner: DDP's reducer all-reduces them in the backward
-        # (runtime.sync.reducer); the others' buckets are posted by hooks on their parameters
-        self.reducers: dict[int, SegmentReducer] = {}
-        for s in sorted(reducer_segments(plan) if tp_member == 0 else ()):
-            if s in self.buffers:
-                self.reducers[s] = self._build_reducer(s, layers, bucket_elements.get(s, []))
+        # whole stages on every owner: DDP's reducer sums them in the backward (runtime.sync.reducer)
+        self.reducers: dict[int, SegmentReducer] = {
+            s: self._build_reducer(s, layers, bucket_elements.get(s, []))
+            for s in sorted(reducer_segments(plan) if tp_member == 0 else ()) if s in self.buffers}
         self._reduced: set[int] = set()  # segments whose reducer was armed for this iteration's last backward
-        for key, placed_params in self.bucket_placed.items():
-            if key[0] in self.reducers:
-                continue
-            for p, _ in placed_params:
-                p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, key))  # type: ignore[no-untyped-call]
+        self._hook_buckets()
         # the buckets armed for the coming backward, in the order they must be posted
         self._queue: list[tuple[int, int]] = []
         self._next = 0  # queue[:next] are posted
         self._pending: dict[tuple[int, int], int] = {}  # armed bucket -> parameters still without their gradient
         self._posted: dict[tuple[int, int], list[Any] | _Done] = {}  # bucket -> its works, or its chain's end
         self._chain: _Chain | None = None  # started with the first hierarchical all-reduce
+
+    def _hook_buckets(self) -> None:
+        """A post-accumulate-grad hook on every parameter of hetrain's own buckets (not of DDP's segments)."""
+        for key, placed_params in self.bucket_placed.items():
+            if key[0] in self.reducers:
+                continue
+            for p, _ in placed_params:
+                p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, key))  # type: ignore[no-untyped-call]
 
     def broadcast_weights(self) -> None:
         """Give every owner of a shared segment its lowest-ranked owner's weights, as DistributedDataParallel
@@ -444,7 +456,7 @@ class GradientSync:
         if h is None:
             peers = sorted(self.rank_of[d] for d in seg.owners)
             group = self.groups[seg.owners]
-            self._wait_all([dist.all_reduce(f, op=dist.ReduceOp.SUM, group=group, async_op=True) for f in sent],
+            self._wait_all([post_sum(f, group) for f in sent],
                            s, what, peers)
             self.calls["ring"] += 1
         else:
@@ -598,7 +610,7 @@ class GradientSync:
             return
         try:
             group = self.groups[owners]
-            works = [dist.all_reduce(v, op=dist.ReduceOp.SUM, group=group, async_op=True) for v in views]
+            works = [post_sum(v, group) for v in views]
         except RuntimeError as e:
             peers = sorted(self.rank_of[d] for d in owners)
             raise self.health.peer_error(self._failure(s, f"ALLREDUCE_START seg{s} bucket{b}", e), peers,
@@ -641,7 +653,7 @@ class GradientSync:
         if h.node_group is not None:
             return [dist.reduce(t, dst=h.leader, op=dist.ReduceOp.SUM, group=h.node_group, async_op=True)
                     for t in tensors]
-        return [dist.all_reduce(t, op=dist.ReduceOp.SUM, group=h.leaders_group, async_op=True) for t in tensors]
+        return [post_sum(t, h.leaders_group) for t in tensors]
 
     def _hierarchical_rest(self, h: Hierarchy, tensors: Sequence[torch.Tensor], first: Sequence[Any], s: int,
                            what: object) -> None:
@@ -652,8 +664,7 @@ class GradientSync:
         else:
             self._wait_all(first, s, what, list(h.node_ranks))
             if h.leaders_group is not None:
-                self._wait_all([dist.all_reduce(t, op=dist.ReduceOp.SUM, group=h.leaders_group, async_op=True)
-                                for t in tensors], s, what, list(h.leaders))
+                self._wait_all([post_sum(t, h.leaders_group) for t in tensors], s, what, list(h.leaders))
             self._wait_all([dist.broadcast(t, src=h.leader, group=h.bcast_group, async_op=True) for t in tensors],
                            s, what, list(h.node_ranks))
         self.calls["hierarchical"] += 1
