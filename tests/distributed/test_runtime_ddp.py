@@ -67,7 +67,11 @@ WORKER = textwrap.dedent("""
         torch.save({"weights": trainer.state_dict(), "losses": [h["loss"] for h in history],
                     "calls": dict(trainer.sync.calls), "first_calls": first, "reducers": sorted(trainer.sync.reducers),
                     "buckets": buckets, "wire_bytes": trainer.sync.wire_bytes,
-                    "numel": sum(p.numel() for p in trainer.module.parameters())},
+                    "numel": sum(p.numel() for p in trainer.module.parameters()),
+                    # the reducer's buckets are the gradients: every .grad a view of one of the stage's flat buffers
+                    "flat_numel": sum(f.numel() for entries in trainer.sync.buffers.values() for f, _ in entries),
+                    "grads_in_flats": all(any(p.grad._base is f for entries in trainer.sync.buffers.values()
+                                              for f, _ in entries) for p in trainer.module.parameters())},
                    f"{case['out']}/rank{trainer.rank}.pt")
         trainer.close()
 """)
@@ -147,3 +151,5 @@ def test_dp_through_ddps_reducer_equals_single_process_training(job: dict[str, d
         assert part["calls"]["ddp"] - part["first_calls"] == (STEPS - 1) * 3
         wire = {"fp32": 4, "bf16": 2}[plan.sync_options.reduce_dtype]
         assert part["wire_bytes"] == STEPS * part["numel"] * wire
+        # one copy of the gradients: the reducer's buckets, which clipping and the optimizer read as .grad
+        assert part["flat_numel"] == part["numel"] and part["grads_in_flats"]

@@ -382,6 +382,7 @@ class GradientSync:
         self.reducers: dict[int, SegmentReducer] = {
             s: self._build_reducer(s, layers, bucket_elements.get(s, []))
             for s in sorted(reducer_segments(plan) if tp_member == 0 else ()) if s in self.buffers}
+        self._take_buckets(self.reducers)
         self._reduced: set[int] = set()  # segments whose reducer was armed for this iteration's last backward
         self._hook_buckets()
         # the buckets armed for the coming backward, in the order they must be posted
@@ -390,6 +391,14 @@ class GradientSync:
         self._pending: dict[tuple[int, int], int] = {}  # armed bucket -> parameters still without their gradient
         self._posted: dict[tuple[int, int], list[Any] | _Done] = {}  # bucket -> its works, or its chain's end
         self._chain: _Chain | None = None  # started with the first hierarchical all-reduce
+
+    def _take_buckets(self, segments: Sequence[int] | Mapping[int, Any]) -> None:
+        """Make the reducer's buckets the flat buffers of ``segments`` (its gradients are views of them); its own
+        bucket slices of the old buffers go (an ALLREDUCE_START it did not arm sums the whole segment)."""
+        for s in segments:
+            self.buffers[s] = self.reducers[s].buffers()
+            for key in [k for k in self.bucket_views if k[0] == s]:
+                del self.bucket_views[key], self.bucket_placed[key]
 
     def _hook_buckets(self) -> None:
         """A post-accumulate-grad hook on every parameter of hetrain's own buckets (not of DDP's segments)."""
@@ -486,7 +495,8 @@ class GradientSync:
             elif s not in self._reduced:
                 self._reduced.add(s)
                 try:
-                    self.reducers[s].prepare()
+                    if self.reducers[s].prepare():  # re-cut: new buckets, the gradients moved into them
+                        self._take_buckets([s])
                 except RuntimeError as e:  # its re-cut of the buckets is a collective of the owners
                     raise self.health.peer_error(self._failure(s, f"the re-cut of segment {s}'s DDP buckets", e),
                                                  self._peers(s), e) from None
@@ -499,6 +509,10 @@ class GradientSync:
         """Post bucket ``b`` of segment ``s`` now if the backward has not (with every armed bucket before it)."""
         key = (s, b)
         if key in self._posted or s in self._reduced:
+            return
+        if s in self.reducers:  # not armed by a backward (a schedule written by hand): the whole segment, now
+            self.allreduce(s, f"ALLREDUCE_START seg{s} bucket{b}")
+            self._reduced.add(s)
             return
         q = self._queue
         if key in q[self._next:]:

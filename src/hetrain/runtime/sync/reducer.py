@@ -20,10 +20,13 @@ What matches DDP, and what hetrain adds:
   ``backward_maybe_with_nosync`` does) arms the reducer for the iteration's last
   backward only; the backwards before it accumulate into ``.grad`` untouched
   (the reducer's hooks return at once when not armed).
-- ``gradient_as_bucket_view`` is off (DDP's default): the reducer copies each
-  gradient into its bucket and the sum back, so ``.grad`` stay the views of
-  GradientSync's flat buffers that clipping, fp16's unscaling, checkpoints and
-  the optimizer read.
+- ``gradient_as_bucket_view`` is on: the reducer's buckets are the gradients
+  (each ``.grad`` a view of its bucket), so the stage holds one copy of them
+  and no gradient is copied into a bucket and back (DDP's default copies both
+  ways). GradientSync's flat buffers of the segment are then the reducer's
+  buckets (``buffers``, read again after the re-cut below): clipping, fp16's
+  unscaling, the gradient zeroing and the optimizer read them as they read
+  hetrain's own.
 - The comm hook sums (``sum_hook``): DDP averages by default, and c10d's builtin
   ``ALLREDUCE`` hook divides by the group's size too (torch 2.13); hetrain's
   losses are scaled by samples / global batch, so the sum is the mean gradient.
@@ -170,9 +173,10 @@ class SegmentReducer:
                  wire_dtype: torch.dtype | None, count: Callable[[int], None]) -> None:
         self.calls = 0  # buckets all-reduced by the reducer
         self.rebuilt = False
+        self.params = [p for layer in layers for p in layer.parameters() if p.requires_grad]
         self.ddp = DistributedDataParallel(nn.ModuleList(layers), process_group=group,
                                            bucket_cap_mb_list=list(caps_mb) or None,  # type: ignore[arg-type]  # MiB, int() of x 2**20
-                                           gradient_as_bucket_view=False)
+                                           gradient_as_bucket_view=True)
 
         def counted(n: int) -> None:
             self.calls += 1
@@ -181,15 +185,32 @@ class SegmentReducer:
         hook = bf16_sum_hook if wire_dtype == torch.bfloat16 else sum_hook
         self.ddp.register_comm_hook((group, counted), hook)
 
-    def prepare(self) -> None:
+    def prepare(self) -> bool:
         """Arm the reducer for the coming backward (the iteration's last on this stage): it all-reduces each
         bucket as its gradients are final, and finishes within that backward. Re-cuts the buckets once, before
         the second armed backward, in the order the first one produced the gradients (a collective of the
-        group: the owners agree on the cut)."""
+        group: the owners agree on the cut; the gradients so far move to the new buckets). Returns whether it
+        re-cut them now (``buffers`` are then new)."""
         reducer = self.ddp.reducer
+        recut = False
         if not self.rebuilt:
-            self.rebuilt = reducer._rebuild_buckets()
+            self.rebuilt = recut = reducer._rebuild_buckets()
         reducer.prepare_for_backward([])
+        return recut
+
+    def buffers(self) -> list[tuple[torch.Tensor, list[tuple[nn.Parameter, torch.Tensor]]]]:
+        """The reducer's buckets as GradientSync's flat buffers: ``[(bucket, [(param, its .grad: a view of
+        it)])]``, in the parameters' order. Every parameter's ``.grad`` is a view of its bucket from the
+        reducer's start (it re-points a gradient that exists, and GradientSync made them all)."""
+        out: dict[int, tuple[torch.Tensor, list[tuple[nn.Parameter, torch.Tensor]]]] = {}
+        for p in self.params:
+            g = p.grad
+            base = g._base if g is not None else None
+            if g is None or base is None:
+                raise RuntimeError(f"internal error: a parameter of shape {tuple(p.shape)} has no gradient that "
+                                   "is a view of DDP's bucket")
+            out.setdefault(id(base), (base, []))[1].append((p, g))
+        return list(out.values())
 
     def check(self) -> None:
         """Raise RuntimeError if the armed backward did not finish the reduction (a parameter got no gradient)."""
