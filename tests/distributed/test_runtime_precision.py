@@ -5,7 +5,8 @@ mini-batches and cuts; and again cut alike, so that DDP's reducer sums every seg
 trains 6 steps under autocast with clipping; one process trains the whole model
 under autocast on the same global batches. bf16 rounds differently with other
 micro-batches and with activations sent in bf16 between stages, so the two agree to
-bf16's precision, not to fp32's: each step's loss within 1% and the weights within 2%, where fp32 training of the same plan is 1e-5 away (``test_runtime_clip_lr``).
+bf16's precision, not to fp32's: each step's loss within 1% and the weights within
+2%, where fp32 training of the same plan is 1e-5 away (``test_runtime_clip_lr``).
 The run is checked to be bf16 at all: its losses are further from fp32 training than
 rounding of fp32 would make them, and its stages sent bfloat16 activations.
 
