@@ -153,3 +153,57 @@ def test_dp_through_ddps_reducer_equals_single_process_training(job: dict[str, d
         assert part["wire_bytes"] == STEPS * part["numel"] * wire
         # one copy of the gradients: the reducer's buckets, which clipping and the optimizer read as .grad
         assert part["flat_numel"] == part["numel"] and part["grads_in_flats"]
+
+
+UNUSED_WORKER = textwrap.dedent("""
+    import json, sys, torch
+    from torch import nn
+    from hetrain.data.registry import build_datasets
+    from hetrain.errors import RunError
+    from hetrain.models.user import ModelSource, resolve_model
+    from hetrain.plan import load_plan
+    from hetrain.runtime import Trainer, build_optimizer_fn
+    from hetrain.runtime.config import LoggingConfig, TrainConfig
+
+    torch.set_num_threads(1)
+    case = json.load(open(sys.argv[1]))
+    mlp = resolve_model("mlp-digits")
+
+    def layers(first, end):  # layer 1 gets a parameter its forward never uses
+        out = mlp.build_layers(first, end)
+        for k, layer in zip(range(first, end), out):
+            if k == 1:
+                layer.register_parameter("unused", nn.Parameter(torch.zeros(3)))
+        return out
+
+    model = ModelSource.of_layers(layers, mlp.loss_fn, mlp.num_layers)
+    trainer = Trainer(model, load_plan(case["plan"]), TrainConfig(timeout_s=5, logging=LoggingConfig(progress=False)),
+                      optimizer_fn=build_optimizer_fn("sgd", 0.1))
+    data = build_datasets("synthetic", "mlp-digits", seed=0, synthetic_samples=64).train
+    try:
+        trainer.fit(data, 2, seed=0)
+        message = None
+    except RunError as e:
+        message = str(e)
+    json.dump({"message": message}, open(f"{case['out']}/rank{trainer.rank}.json", "w"))
+    trainer.close()
+""")
+
+
+def test_a_parameter_without_gradient_is_refused_before_the_step(tmp_path: Path) -> None:
+    """DDP's reducer waits for every parameter of its segment: one that takes no part in the forward leaves the
+    reduction unfinished, which the ALLREDUCE_WAIT refuses in one line, on every owner, before the optimizer
+    steps on gradients not summed."""
+    from factories import mlp_digits_profile
+
+    plan = factories.make_plan(make_cluster({"n0": 2}), mlp_digits_profile(),
+                               [(["n0:0"], [0, 3], 8, 1), (["n0:1"], [0, 3], 8, 1)])
+    assert reducer_segments(plan) == {0}
+    plan.save(tmp_path / "plan.json")
+    (tmp_path / "cases.json").write_text(json.dumps({"plan": str(tmp_path / "plan.json"), "out": str(tmp_path)}))
+    (tmp_path / "worker.py").write_text(UNUSED_WORKER)
+    run_worker_ranks(tmp_path, "n0", [0, 1])
+    for r in range(2):
+        message = json.loads((tmp_path / f"rank{r}.json").read_text())["message"]
+        assert message is not None and "\n" not in message, message
+        assert "ALLREDUCE_WAIT seg0 bucket0 (step 0): a parameter of layers [0, 3) got no gradient" in message

@@ -86,7 +86,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hetrain.distributed.health import Health, PeerError
-from hetrain.distributed.work import completed_within, first_line, is_timeout
+from hetrain.distributed.work import completed_within, is_timeout
 from hetrain.errors import RunError
 from hetrain.plan import Plan
 from hetrain.runtime.sync.reducer import SegmentReducer, bucket_caps_mb, post_sum, reducer_segments
@@ -583,10 +583,12 @@ class GradientSync:
         """Refuse a reduction that DDP's reducer left unfinished: a parameter of the segment got no gradient."""
         try:
             self.reducers[s].check()
-        except RuntimeError as e:
-            raise RunError(f"{what}: a parameter of segment {s} got no gradient in the iteration's last backward, "
-                           f"and DistributedDataParallel's reducer, which sums this segment, waits for every one "
-                           f"({first_line(e)})") from None
+        except RuntimeError:
+            raise RunError(f"{what}: a parameter of layers [{self.segments[s].first_layer}, "
+                           f"{self.segments[s].end_layer}) got no gradient in the iteration's last backward, and "
+                           "DistributedDataParallel's reducer, which sums these layers (a whole stage on every "
+                           "owner), waits for every one: a layer's parameters must all take part in its forward"
+                           ) from None
 
     def _peers(self, s: int) -> list[int]:
         return sorted(self.rank_of[d] for d in self.segments[s].owners)
