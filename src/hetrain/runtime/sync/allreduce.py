@@ -382,9 +382,8 @@ class GradientSync:
         self.reducers: dict[int, SegmentReducer] = {
             s: self._build_reducer(s, layers, bucket_elements.get(s, []))
             for s in sorted(reducer_segments(plan) if tp_member == 0 else ()) if s in self.buffers}
-        self._take_buckets(self.reducers)
         self._reduced: set[int] = set()  # segments whose reducer was armed for this iteration's last backward
-        self._hook_buckets()
+        self._place_buckets()
         # the buckets armed for the coming backward, in the order they must be posted
         self._queue: list[tuple[int, int]] = []
         self._next = 0  # queue[:next] are posted
@@ -400,8 +399,10 @@ class GradientSync:
             for key in [k for k in self.bucket_views if k[0] == s]:
                 del self.bucket_views[key], self.bucket_placed[key]
 
-    def _hook_buckets(self) -> None:
-        """A post-accumulate-grad hook on every parameter of hetrain's own buckets (not of DDP's segments)."""
+    def _place_buckets(self) -> None:
+        """DDP's segments take the reducer's buckets as their flat buffers; every parameter of hetrain's own
+        buckets gets a post-accumulate-grad hook."""
+        self._take_buckets(self.reducers)
         for key, placed_params in self.bucket_placed.items():
             if key[0] in self.reducers:
                 continue
