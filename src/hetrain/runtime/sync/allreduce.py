@@ -556,7 +556,7 @@ class GradientSync:
         """What to raise for ``e``, raised by a backward that armed DDP's reducer (``what``: the B action): a
         PeerError naming the owners of the reducer's segments where ``e`` is a failed or timed-out all-reduce,
         else ``e`` itself."""
-        if not self._reduced or not _is_comm_error(e):
+        if not self._reduced or isinstance(e, PeerError) or not _is_comm_error(e):
             return e
         s = min(self._reduced)
         return self.health.peer_error(self._failure(s, f"{what}: the all-reduce of segment {s} (DDP's reducer)", e),
