@@ -445,6 +445,34 @@ def cpu_quota_problem(cpus: float, host_cpus: int) -> str | None:
 
 
 @contextlib.contextmanager
+def rank_quota_groups(ranks: int, cpus: float, period_s: float = QUOTA_PERIOD_S) -> Iterator[list[Path]]:
+    """One cgroup per rank, each with a quota of ``cpus`` CPUs, as the emulator gives each device its own
+    (``hetrain.emulate.cgroups``); yields their ``cgroup.procs`` files, rank by rank. Each rank joins its own at its
+    start (``join_cgroup``), before it starts a thread, so that every thread it makes (Gloo's too) is held in its
+    quota; this process stays outside. The cgroups are removed at the end (the ranks have exited by then).
+
+    Raises:
+        QuotaError: no cgroup hierarchy with a cpu controller, or not writable (not root).
+    """
+    from hetrain.emulate.cgroups import create_device_cgroup, find_cpu_cgroups, remove_run_dir, run_dir
+
+    root, why = find_cpu_cgroups()
+    if root is None:
+        raise QuotaError(f"cannot hold the ranks in CPU quotas: {why}")
+    run_id = secrets.token_hex(3)
+    try:
+        procs = [create_device_cgroup(root, run_id, f"rank{r}", cpus, period_s) for r in range(ranks)]
+    except OSError as e:
+        remove_run_dir(run_dir(root, run_id))
+        raise QuotaError(f"cannot hold the ranks in CPU quotas in {root.describe()}: "
+                         f"{e.filename}: {e.strerror}") from None
+    try:
+        yield procs
+    finally:
+        remove_run_dir(run_dir(root, run_id))
+
+
+@contextlib.contextmanager
 def cpu_quota_group(cpus: float, period_s: float = QUOTA_PERIOD_S) -> Iterator[Path]:
     """This process, and every process and thread it starts inside the block, under a quota of ``cpus`` CPUs.
 

@@ -30,6 +30,13 @@ and writes its own section, "Runtime vs torch, CPU-throttled (CPUS CPUs)":
 
     sudo -E .venv/bin/python benchmarks/runtime_vs_torch.py --cpu-quota 1.2 --blocks 12 --cases 1f1b dp
 
+With ``--rank-quota CPUS`` each rank's threads are held in a quota of their own instead, as the emulator
+holds each device's (one cgroup per rank, joined by the rank at its start, Gloo's threads included): a
+host whose every rank has its own CPU as the bottleneck. Its section is "Runtime vs torch, each rank under
+its own CPU quota (CPUS CPUs)":
+
+    sudo -E .venv/bin/python benchmarks/runtime_vs_torch.py --rank-quota 0.6 --cases dp --blocks 30
+
 The ranks' code is in ``_vs_torch`` (shared with ``emulated_vs_torch.py``).
 """
 
@@ -60,12 +67,17 @@ from _vs_torch import (
     cpu_quota_problem,
     local_cluster,
     paired_ratio,
+    rank_quota_groups,
     run_rank,
 )
 from hetrain.emulate.cgroups import read_cpu_stat
 
 
 def worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> None:
+    if args.rank_procs:  # into this rank's own CPU quota before any thread starts (--rank-quota)
+        from hetrain.emulate.rankwrap import join_cgroup
+
+        join_cgroup(args.rank_procs[rank], os.getpid())
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.ranks), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), HETRAIN_NODE="n0")
     run_rank(args, local_cluster(args.ranks), out_path, teardown=False)
@@ -99,10 +111,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--cpu-quota", type=float, metavar="CPUS",
                         help="run every thread of every rank (Gloo's included) under one CPU quota of this many "
                              "CPUs, e.g. 1.2 (a cgroup: needs root and the cpu controller)")
+    parser.add_argument("--rank-quota", type=float, metavar="CPUS",
+                        help="hold each rank's threads (Gloo's included) in a CPU quota of its own of this many "
+                             "CPUs, e.g. 0.6, as the emulator holds each device's (cgroups: root)")
     add_bucket_arguments(parser)
     parser.add_argument("--no-write", action="store_true", help="do not write benchmarks/RESULTS.md")
     args = parser.parse_args()
     args.config = {k: json.loads(v) for k, _, v in (item.partition("=") for item in args.config)}
+    if args.cpu_quota is not None and args.rank_quota is not None:
+        parser.error("--cpu-quota (one quota for the run) and --rank-quota (one per rank) exclude each other")
+    args.rank_procs = []
     if args.global_batch % args.ranks or args.global_batch < args.micro_batches:
         parser.error("the global batch must divide among the ranks and hold the micro-batches")
     return args
@@ -111,8 +129,8 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     name = Path(__file__).name
-    if args.cpu_quota is not None:
-        problem = cpu_quota_problem(args.cpu_quota, os.cpu_count() or 1)
+    for quota in (args.cpu_quota, args.rank_quota):
+        problem = None if quota is None else cpu_quota_problem(quota, os.cpu_count() or 1)
         if problem:
             print(f"{name}: {problem}", file=sys.stderr)
             return 2
@@ -121,19 +139,23 @@ def main() -> int:
         port = s.getsockname()[1]
     out_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".runtime_vs_torch.json")
     load_before = os.getloadavg()[0]
-    throttled = "" if args.cpu_quota is None else f", all under a quota of {args.cpu_quota:g} CPUs"
+    throttled = ("" if args.cpu_quota is None else f", all under a quota of {args.cpu_quota:g} CPUs") + (
+        "" if args.rank_quota is None else f", each rank under its own quota of {args.rank_quota:g} CPUs")
     throttled_s = None
     try:
         with contextlib.ExitStack() as stack:
             if args.cpu_quota is not None:
                 group = stack.enter_context(cpu_quota_group(args.cpu_quota))
+            if args.rank_quota is not None:
+                args.rank_procs = [str(p) for p in stack.enter_context(rank_quota_groups(args.ranks, args.rank_quota))]
             print(f"{args.model}, {args.ranks} Gloo ranks, global batch {args.global_batch}, {args.micro_batches} "
                   f"micro-batches; {args.blocks} blocks of {args.block_steps} steps per runtime, taking "
                   f"turns{throttled}", flush=True)
             mp.spawn(worker, args=(args, port, out_path), nprocs=args.ranks, join=True)
-            if args.cpu_quota is not None:
-                stat = read_cpu_stat(group)
-                throttled_s = stat.get("throttled_time", stat.get("throttled_usec", 0) * 1000) / 1e9
+            stats = ([read_cpu_stat(group)] if args.cpu_quota is not None else
+                     [read_cpu_stat(Path(p).parent) for p in args.rank_procs])
+            if stats:
+                throttled_s = sum(st.get("throttled_time", st.get("throttled_usec", 0) * 1000) / 1e9 for st in stats)
     except QuotaError as e:
         print(f"{name}: {e}", file=sys.stderr)
         return 1
@@ -166,6 +188,13 @@ def main() -> int:
                       f"({args.cpu_quota * QUOTA_PERIOD_S * 1e3:g} ms per {QUOTA_PERIOD_S * 1e3:g} ms period), "
                       f"made and removed by the script; it was throttled {throttled_s:.1f} s in all.")
         print(quota_note.strip())
+    if args.rank_quota is not None:
+        quota_note = (f" Each rank's threads (Gloo's included: {sum(moved for moved, _ in saved['threads'])} of them "
+                      f"outside their rank's cgroup at the end) ran under a cgroup CPU quota of their own of "
+                      f"{args.rank_quota:g} CPUs ({args.rank_quota * QUOTA_PERIOD_S * 1e3:g} ms per "
+                      f"{QUOTA_PERIOD_S * 1e3:g} ms period), as the emulator holds each device's, made and removed "
+                      f"by the script; the ranks were throttled {throttled_s:.1f} s in all.")
+        print(quota_note.strip())
     if not args.no_write:
         command = "python benchmarks/runtime_vs_torch.py " + " ".join(sys.argv[1:])
         config = ", ".join(f"{k}={v}" for k, v in args.config.items()) or "preset"
@@ -182,8 +211,9 @@ def main() -> int:
                  "in brackets). The host's load average was "
                  f"{load_before:.1f} before and {load_after:.1f} after: where other jobs share the CPUs, absolute "
                  "samples/s move from row to row with their load; read the ratio within a row.")
-        title = ("Runtime vs torch" if args.cpu_quota is None
-                 else f"Runtime vs torch, CPU-throttled ({args.cpu_quota:g} CPUs)")
+        title = ("Runtime vs torch" if args.cpu_quota is None and args.rank_quota is None
+                 else f"Runtime vs torch, CPU-throttled ({args.cpu_quota:g} CPUs)" if args.cpu_quota is not None
+                 else f"Runtime vs torch, each rank under its own CPU quota ({args.rank_quota:g} CPUs)")
         write_section(title, command.strip(), table, notes)
     return 0
 

@@ -31,6 +31,7 @@ from _vs_torch import (  # noqa: E402
     ddp_bucket_caps_mb,
     local_cluster,
     paired_ratio,
+    rank_quota_groups,
     thread_group,
 )
 from hetrain.emulate.cgroups import estimate_quota, find_cpu_cgroups  # noqa: E402
@@ -188,6 +189,20 @@ def test_cpu_quota_group_holds_children_and_is_removed() -> None:
         assert group.name == "run" and group.parent.name.startswith("hetrain-emu-")
     assert not group.exists() and not group.parent.exists()
     assert cpu_cgroup_of(Path("/proc/self/cgroup").read_text()) == home
+
+
+def test_rank_quota_groups_hold_each_rank_apart_and_are_removed() -> None:
+    _cgroups_or_skip()
+    home = cpu_cgroup_of(Path("/proc/self/cgroup").read_text())
+    with rank_quota_groups(2, 0.5) as procs:
+        assert [p.parent.name for p in procs] == ["rank0", "rank1"] and procs[0].parent.parent == procs[1].parent.parent
+        # a rank joins its own at its start: every thread it makes is held there
+        joined = subprocess.run([sys.executable, "-c", "import os, sys; open(sys.argv[1], 'w').write(str(os.getpid()));"
+                                 "print(open('/proc/self/cgroup').read())", str(procs[1])],
+                                capture_output=True, text=True, check=True)
+        assert cpu_cgroup_of(joined.stdout).endswith(f"/{procs[1].parent.parent.name}/rank1")
+        assert cpu_cgroup_of(Path("/proc/self/cgroup").read_text()) == home  # this process stays outside
+    assert not procs[0].parent.parent.exists()
 
 
 def test_emulated_rows_read_a_jobs_result() -> None:

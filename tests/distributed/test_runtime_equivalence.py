@@ -16,6 +16,9 @@ or three buckets overlapped with the last backward; ``adamw`` keeps the default 
     pp4-eager     the same under 1F1B-eager (one more warm-up forward on every stage but the last)
     pp3-mlp       mlp-digits on 3 stages, 1F1B
     two-vws       VW0 [0,2)+[2,6), mini-batch 6 in 3; VW1 [0,4)+[4,6), mini-batch 4 in 2
+    2x2           VW0 [0,2)+[2,6), mini-batch 6 in 3; VW1 the same cut, mini-batch 4 in 2: every segment a whole
+                  stage on each owner, all-reduced by DDP's reducer (``runtime.sync.reducer``), as dp-uneven's
+    2x2-bf16      2x2, its gradients all-reduced in bf16 by the reducer's hook
     dp-exact      dp-uneven, its buckets cut at their size inside layers (``bucket_cut`` exact)
     two-vws-exact two-vws, the same
     two-vws-bf16  two-vws-exact, its gradients all-reduced in bf16 (``reduce_dtype``): relative error <= 2e-2,
@@ -47,6 +50,7 @@ from hetrain.models.analytic import build_profile
 from hetrain.models.layers import LayerRange
 from hetrain.models.registry import build_layers, loss_fn
 from hetrain.plan import Plan
+from hetrain.runtime.sync.reducer import reducer_segments
 from hetrain.runtime.trainer import build_optimizer_fn
 from hetrain.schedule import ActionKind, build_schedule
 from hetrain.simulator import simulate
@@ -95,6 +99,8 @@ WORKER = textwrap.dedent("""
         history = trainer.fit(data, case["steps"], seed=0)
         torch.save({"weights": trainer.state_dict(), "history": history, "used": trainer.role.used,
                     "early": trainer.sync.posted_early if trainer.role.used else 0, "flushes": list(flushes),
+                    "ddp": (dict(trainer.sync.calls, reducers=sorted(trainer.sync.reducers))
+                            if trainer.role.used else {}),
                     "early_receives": trainer.job.stage.executor.early_posts if trainer.role.used else 0,
                     "wire_bytes": trainer.sync.wire_bytes if trainer.role.used else 0,
                     "shared_numel": sum(f.numel() for s, entries in trainer.sync.buffers.items()
@@ -117,6 +123,7 @@ def make_plan(model: str, vws: list[tuple[list[str], list[int], int, int]], sche
 
 D = [f"n0:{k}" for k in range(WORLD)]
 TWO_VWS = [([D[0], D[1]], [0, 2, 6], 6, 3), ([D[2], D[3]], [0, 4, 6], 4, 2)]
+TWO_BY_TWO = [([D[0], D[1]], [0, 2, 6], 6, 3), ([D[2], D[3]], [0, 2, 6], 4, 2)]
 CASES: dict[str, dict[str, Any]] = {
     "dp-uneven": {"plan": make_plan("gpt-tiny", [([D[0]], [0, 6], 5, 2), ([D[1]], [0, 6], 3, 1),
                                                  ([D[2]], [0, 6], 2, 1), ([D[3]], [0, 6], 2, 2)])},
@@ -126,6 +133,9 @@ CASES: dict[str, dict[str, Any]] = {
     "pp3-mlp": {"plan": make_plan("mlp-digits", [(D[:3], [0, 1, 2, 3], 16, 4)], options=AT_RECV),
                 "model": "mlp-digits", "lr": 0.2},
     "two-vws": {"plan": make_plan("gpt-tiny", TWO_VWS, options=AT_RECV)},
+    "2x2": {"plan": make_plan("gpt-tiny", TWO_BY_TWO)},
+    "2x2-bf16": {"plan": make_plan("gpt-tiny", TWO_BY_TWO, options={**SMALL_BUCKETS, "reduce_dtype": "bf16"}),
+                 "tolerance": 2e-2},
     # buckets cut at their size inside layers and parameters (bucket_cut "exact", as DistributedDataParallel)
     "dp-exact": {"plan": make_plan("gpt-tiny", [([D[0]], [0, 6], 5, 2), ([D[1]], [0, 6], 3, 1),
                                                 ([D[2]], [0, 6], 2, 1), ([D[3]], [0, 6], 2, 2)], options=EXACT)},
@@ -244,10 +254,17 @@ def test_weights_after_three_steps_equal_single_process_training(job: dict[str, 
     used = [p for p in parts if p["used"]]
     assert len(used) == len(plan.devices_used)
     schedule = build_schedule(plan)
+    whole = reducer_segments(plan)  # segments that are one whole stage on every owner: DDP's reducer sums them
     for r, part in enumerate(parts):  # every bucket's all-reduce was posted from the backward, not at its START
         if part["used"]:
-            starts = sum(a.kind is ActionKind.ALLREDUCE_START for a in schedule[D[r]])
-            assert part["early"] == STEPS * starts, (D[r], part["early"], starts)
+            starts = [a for a in schedule[D[r]] if a.kind is ActionKind.ALLREDUCE_START]
+            own = sum(a.segment not in whole for a in starts)
+            assert part["early"] == STEPS * own, (D[r], part["early"], own)
+            mine = sorted({a.segment for a in starts} & whole)
+            assert part["ddp"]["reducers"] == mine, (D[r], part["ddp"])
+            # the reducer ran at least one bucket per step, and hetrain's own path none of its segments
+            assert (part["ddp"]["ddp"] >= STEPS) == bool(mine), (D[r], part["ddp"])
+            assert part["ddp"]["ring"] == STEPS * own, (D[r], part["ddp"])
     early = plan.sync_options.early_receives == "always"
     for r, part in enumerate(parts):  # receives posted ahead where the plan says so, and only there: each stage
         # with a neighbour posts all but its first receive of each direction ahead (the first waits for a header)
@@ -272,7 +289,7 @@ def test_weights_after_three_steps_equal_single_process_training(job: dict[str, 
 def test_an_unused_rank_idles_and_holds_nothing(job: dict[str, Any]) -> None:
     idle = torch.load(Path(job["recompute"]["out"]) / "rank3.pt")
     assert idle == {"weights": {}, "history": [], "used": False, "early": 0, "flushes": [], "early_receives": 0,
-                    "wire_bytes": 0, "shared_numel": 0}
+                    "wire_bytes": 0, "shared_numel": 0, "ddp": {}}
 
 
 def test_the_measured_timeline_lines_up_with_the_simulated_one(job: dict[str, Any]) -> None:

@@ -93,6 +93,58 @@ def test_a_stuck_rank_is_named_after_the_timeout(tmp_path, spawn, clean_env, fre
         os.kill(ranks[2].pid, signal.SIGCONT)
 
 
+def dp_args(tmp_path: Path, timeout_s: float) -> list[str]:
+    """Pure data parallelism of mlp-digits on n0:0 and n0:1: its one segment is a whole stage on both, which DDP's
+    reducer all-reduces inside the backward (``runtime.sync.reducer``)."""
+    vws = [(["n0:0"], [0, 3], 8, 1), (["n0:1"], [0, 3], 8, 1)]
+    plan = make_plan(make_cluster({"n0": 2}), mlp_digits_profile(), vws, first_bucket_bytes=20_000,
+                     bucket_bytes=60_000)
+    plan.save(tmp_path / "plan.json")
+    return ["--plan", str(tmp_path / "plan.json"), "--model", "mlp-digits", "--data", "synthetic",
+            "--steps", "1000000", "--metrics-out", str(tmp_path / "metrics.jsonl"), "--timeout-s", str(timeout_s),
+            "--no-progress"]
+
+
+#: how the survivor names a DP peer that failed during the reducer's all-reduce (most of a DP step), or, where the
+#: death fell elsewhere (the step's loss sum), the wait that met it
+REDUCER_FAILED = "(DDP's reducer) among rank 0 (n0:0), rank 1 (n0:1) "
+PEER_WAIT = ("rank 1 (n0:1) failed or closed its connection", "no answer from rank 1 (n0:1)")
+
+
+def test_a_killed_dp_peer_is_named_from_the_reducers_all_reduce(tmp_path, spawn, clean_env, free_port):
+    timeout_s = 10.0
+    ranks = start_ranks(spawn, clean_env, free_port(), 2, dp_args(tmp_path, timeout_s))
+    wait_for_lines(tmp_path / "metrics.jsonl", 3, 60)
+    killed_at = time.monotonic()
+    os.kill(ranks[1].pid, signal.SIGKILL)
+    _, stderr = ranks[0].communicate(timeout=timeout_s + 20)
+    assert ranks[0].returncode == 1, stderr[-3000:]
+    assert time.monotonic() - killed_at < timeout_s + 10
+    assert "hetrain train: error: rank 0 (n0:0): " in stderr, stderr[-3000:]
+    assert f"{REDUCER_FAILED}failed" in stderr or any(k in stderr for k in PEER_WAIT), stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+
+
+def test_a_stuck_dp_peer_is_named_from_the_reducers_all_reduce_after_the_timeout(tmp_path, spawn, clean_env,
+                                                                                  free_port):
+    timeout_s = 3.0
+    ranks = start_ranks(spawn, clean_env, free_port(), 2, dp_args(tmp_path, timeout_s))
+    wait_for_lines(tmp_path / "metrics.jsonl", 3, 60)
+    stopped_at = time.monotonic()
+    os.kill(ranks[1].pid, signal.SIGSTOP)  # it hangs (its heartbeat stops too)
+    try:
+        _, stderr = ranks[0].communicate(timeout=timeout_s + 20)
+        waited = time.monotonic() - stopped_at
+        assert ranks[0].returncode == 1, stderr[-3000:]
+        assert timeout_s - 0.5 < waited < timeout_s + 10, waited
+        assert "hetrain train: error: rank 0 (n0:0): " in stderr, stderr[-3000:]
+        assert f"{REDUCER_FAILED}did not finish within 3 s" in stderr or PEER_WAIT[1] in stderr, stderr[-3000:]
+        assert "rank 1 (n0:1): silent for" in stderr, stderr[-3000:]
+        assert "Traceback" not in stderr, stderr[-3000:]
+    finally:
+        os.kill(ranks[1].pid, signal.SIGCONT)
+
+
 def test_ranks_on_a_node_the_plan_does_not_know_are_told_what_the_plan_expects(tmp_path, spawn, clean_env,
                                                                                  free_port):
     plan = pipeline_plan(2)

@@ -1,11 +1,12 @@
 """Mixed precision on 4 Gloo ranks: bf16 training tracks one process's bf16, and fp16's loss scaler agrees.
 
 bf16 (``hetrain.amp``): a hybrid plan of gpt-tiny (two VWs of two stages, unequal
-mini-batches and cuts) trains 6 steps under autocast with clipping; one process trains
-the whole model under autocast on the same global batches. bf16 rounds differently
-with other micro-batches and with activations sent in bf16 between stages, so the two
-agree to bf16's precision, not to fp32's: each step's loss within 1% and the weights
-within 2%, where fp32 training of the same plan is 1e-5 away (``test_runtime_clip_lr``).
+mini-batches and cuts; and again cut alike, so that DDP's reducer sums every segment)
+trains 6 steps under autocast with clipping; one process trains the whole model
+under autocast on the same global batches. bf16 rounds differently with other
+micro-batches and with activations sent in bf16 between stages, so the two agree to
+bf16's precision, not to fp32's: each step's loss within 1% and the weights within
+2%, where fp32 training of the same plan is 1e-5 away (``test_runtime_clip_lr``).
 The run is checked to be bf16 at all: its losses are further from fp32 training than
 rounding of fp32 would make them, and its stages sent bfloat16 activations.
 
@@ -22,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_runtime_equivalence import GPT, TWO_VWS, make_plan
+from test_runtime_equivalence import GPT, TWO_BY_TWO, TWO_VWS, make_plan
 from worker_ranks import run_worker_ranks
 
 from hetrain.data.datasets import iter_batches
@@ -89,10 +90,11 @@ WORKER = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(scope="module")
-def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+# two-vws: VWs cut apart, hetrain's own buckets; 2x2: cut alike, every segment summed by DDP's reducer
+@pytest.fixture(scope="module", params=["two-vws", "2x2"])
+def job(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("bf16")
-    plan = make_plan("gpt-tiny", TWO_VWS)
+    plan = make_plan("gpt-tiny", TWO_VWS if request.param == "two-vws" else TWO_BY_TWO)
     plan = replace(plan, profile=replace(plan.profile, precision="bf16"))
     plan.save(root / "plan.json")
     spec = {"plan": str(root / "plan.json"), "config": GPT, "lr": LR, "clip": CLIP, "steps": STEPS,

@@ -12,8 +12,9 @@ actions need::
     SEND_B i   post input_grads[i] to stage j - 1
     ALLREDUCE s, STEP   after every B: sum segment s among its owners; wait for the sends, optimizer step
     ALLREDUCE_START s b the ALLREDUCE_STARTs after a B are armed before it runs: each bucket's all-reduce is
-                        posted from the backward, once its gradients are final (GradientSync's hooks)
-    ALLREDUCE_WAIT s b  wait for the bucket's all-reduce
+                        posted from the backward, once its gradients are final (GradientSync's hooks; for a
+                        segment that is a whole stage, DDP's reducer: runtime.sync.reducer)
+    ALLREDUCE_WAIT s b  wait for the bucket's all-reduce (a DDP segment's finished within the backward)
 
 The last stage's loss of micro-batch ``i`` counts as ``loss_fn(out, target) * n_i / N``
 (``loss_fn`` a mean over the micro-batch, ``n_i`` its samples, ``N`` the global
@@ -342,19 +343,28 @@ class Executor:
         if arm is not None:  # the bucket all-reduces that start during this backward
             self.sync.arm(arm)
         with amp.no_autocast(self.device, self.precision):
-            if self.role.is_last:
-                torch.autograd.backward([self.losses.pop(i)], [self._seeds[i]])
-            else:
-                outs, _ = flatten(self.outputs.pop(i))
-                grads = self.grads.pop(i)
-                pairs = [(outs[k], g) for k, g in zip(grad_slots(outs), grads, strict=True) if outs[k].requires_grad]
-                if pairs:
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            try:
+                self._run_backward(i)
+            except RuntimeError as e:  # a DDP reducer's all-reduce runs inside it: a failed peer is named
+                failure = e if arm is None else self.sync.backward_failure(e, self._where(a))
+                if failure is e:
+                    raise
+                raise failure from None
         if not self.role.is_first:
             tensors = self.inputs.pop(i)
             grads_in = [tensors[k].grad for k in grad_slots(tensors)]
             self.input_grads[i] = [g if g is not None else torch.zeros_like(tensors[k])
                                    for k, g in zip(grad_slots(tensors), grads_in, strict=True)]
+
+    def _run_backward(self, i: int) -> None:
+        if self.role.is_last:
+            torch.autograd.backward([self.losses.pop(i)], [self._seeds[i]])
+        else:
+            outs, _ = flatten(self.outputs.pop(i))
+            grads = self.grads.pop(i)
+            pairs = [(outs[k], g) for k, g in zip(grad_slots(outs), grads, strict=True) if outs[k].requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
     # --- communication ---------------------------------------------------------------
 

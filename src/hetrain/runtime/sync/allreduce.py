@@ -8,6 +8,16 @@ partition the model differently::
     VW1   n0:2 [0..4)                   n0:3 [4..6)
     seg   0: [0..2) {n0:0, n0:2}   1: [2..4) {n0:1, n0:2}   2: [4..6) {n0:1, n0:3}
 
+Torch's engine first: a segment that is a whole stage on every owner, without
+TP, all-reduced over one flat ring, is plain data parallelism among its owners,
+and DistributedDataParallel's C++ reducer sums it inside the backward
+(``runtime.sync.reducer``; ``GradientSync.reducers``); this module keeps its
+flat buffers (``.grad`` stay their views) and lets ``arm`` / ``wait`` hand it to
+the reducer. Its own buckets remain for what DDP has no form for: a segment that
+splits a stage (owners whose stages cut the model at other layers, so that one
+rank's backward feeds several segments, each over its own group), a TP stage's
+shards, and the hierarchical all-reduce across nodes.
+
 One process group per distinct owner set, created in segment order on every
 rank (``new_group`` is collective over the whole job). A rank's gradients live
 in one flat buffer per (segment, dtype) that the parameters' ``.grad`` are views
@@ -82,7 +92,9 @@ from torch.distributed.tensor import DTensor
 
 from hetrain.distributed.health import Health, PeerError
 from hetrain.distributed.work import completed_within, is_timeout
+from hetrain.errors import RunError
 from hetrain.plan import Plan
+from hetrain.runtime.sync.reducer import SegmentReducer, bucket_caps_mb, post_sum, reducer_segments
 from hetrain.sync_layout import Segment
 
 
@@ -267,6 +279,13 @@ def _element_at(x: float, starts: Mapping[int, int]) -> int:
 WIRE_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
 
 
+def _is_comm_error(e: BaseException) -> bool:
+    """Whether an error raised through a backward comes from a collective (Gloo's or NCCL's failure or timeout),
+    not from a layer's backward."""
+    text = str(e).lower()
+    return any(w in text for w in ("gloo", "nccl", "connection", "timed out", "timeout", "socket", "peer"))
+
+
 def _from_wire(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Copy each all-reduced wire tensor back into the gradients it was cast from (``GradientSync._to_wire``)."""
     for grad, wire in pairs:
@@ -308,8 +327,9 @@ class GradientSync:
         self.groups = dict(groups)
         # owner set -> this rank's part in its hierarchical all-reduce, where the plan says so
         self.hierarchical: dict[tuple[str, ...], Hierarchy] = dict(getattr(groups, "hierarchical", {}))
-        self.calls = {"ring": 0, "hierarchical": 0}  # all-reduces run (segments or buckets), by algorithm
-        self.posted_early = 0  # buckets posted during the backward, before their ALLREDUCE_START
+        # all-reduces run (segments or buckets), by algorithm; "ddp": buckets all-reduced by DDP's reducer
+        self.calls = {"ring": 0, "hierarchical": 0, "ddp": 0}
+        self.posted_early = 0  # buckets of its own posted during the backward, before their ALLREDUCE_START
         # the dtype gradients travel in where it is not theirs (sync option reduce_dtype), and what went out
         self.wire_dtype: torch.dtype | None = WIRE_DTYPES[plan.sync_options.reduce_dtype]
         self.wire_bytes = 0  # bytes this rank handed to its gradient all-reduces (once per all-reduce, all phases)
@@ -321,6 +341,8 @@ class GradientSync:
         self.bucket_placed: dict[tuple[int, int], list[tuple[nn.Parameter, torch.Tensor]]] = {}
         self.bucket_hierarchical: dict[tuple[int, int], bool] = {}
         self.segment_hierarchical = [seg.algorithm == "hierarchical" for seg in self.segments]
+        # (segment) -> each bucket's [lo, hi) in its flat buffer, for DDP's caps (a segment of one dtype)
+        bucket_elements: dict[int, list[tuple[int, int]]] = {}
         for s, seg in enumerate(self.segments):
             if not any(k in layers for k in range(seg.first_layer, seg.end_layer)):
                 continue
@@ -350,6 +372,7 @@ class GradientSync:
                 entries.append((flat, placed))
                 for bucket in seg.buckets:
                     lo, hi = (_element_at(x, starts) for x in bucket.bounds)
+                    bucket_elements.setdefault(s, []).append((lo, hi))
                     # its parameters: every one with an element in [lo, hi) (an empty one: at lo or after); where
                     # the bucket's bound falls inside a parameter (bucket_cut "exact"), it is in both buckets
                     inside = [n for n, (a, b) in enumerate(spans) if (a < hi and b > lo) or (a == b and lo <= a < hi)]
@@ -360,9 +383,12 @@ class GradientSync:
             self.buffers[s] = entries
             for bucket in seg.buckets:
                 self.bucket_hierarchical[(s, bucket.index)] = bucket.algorithm == "hierarchical"
-        for key, placed_params in self.bucket_placed.items():
-            for p, _ in placed_params:
-                p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, key))  # type: ignore[no-untyped-call]
+        # whole stages on every owner: DDP's reducer sums them in the backward (runtime.sync.reducer)
+        self.reducers: dict[int, SegmentReducer] = {
+            s: self._build_reducer(s, layers, bucket_elements.get(s, []))
+            for s in sorted(reducer_segments(plan) if tp_member == 0 else ()) if s in self.buffers}
+        self._reduced: set[int] = set()  # segments whose reducer was armed for this iteration's last backward
+        self._place_buckets()
         # the buckets armed for the coming backward, in the order they must be posted
         self._queue: list[tuple[int, int]] = []
         self._next = 0  # queue[:next] are posted
@@ -373,6 +399,24 @@ class GradientSync:
         # their owners' ranges instead of all-reduced; None: no segment is sharded
         self.shards: Any = None
 
+    def _take_buckets(self, segments: Sequence[int] | Mapping[int, Any]) -> None:
+        """Make the reducer's buckets the flat buffers of ``segments`` (its gradients are views of them); its own
+        bucket slices of the old buffers go (an ALLREDUCE_START it did not arm sums the whole segment)."""
+        for s in segments:
+            self.buffers[s] = self.reducers[s].buffers()
+            for key in [k for k in self.bucket_views if k[0] == s]:
+                del self.bucket_views[key], self.bucket_placed[key]
+
+    def _place_buckets(self) -> None:
+        """DDP's segments take the reducer's buckets as their flat buffers; every parameter of hetrain's own
+        buckets gets a post-accumulate-grad hook."""
+        self._take_buckets(self.reducers)
+        for key, placed_params in self.bucket_placed.items():
+            if key[0] in self.reducers:
+                continue
+            for p, _ in placed_params:
+                p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, key))  # type: ignore[no-untyped-call]
+
     def broadcast_weights(self) -> None:
         """Give every owner of a shared segment its lowest-ranked owner's weights, as DistributedDataParallel
         does at its start: replicas then start equal even where a user's build function is not deterministic
@@ -380,7 +424,7 @@ class GradientSync:
         segment order; waits at most ``timeout_s``, naming the peers."""
         for s, entries in self.buffers.items():
             seg = self.segments[s]
-            if not seg.shared:
+            if not seg.shared or s in self.reducers:  # DDP's constructor broadcast those
                 continue
             peers = sorted(self.rank_of[d] for d in seg.owners)
             group = self.groups[seg.owners]
@@ -390,7 +434,8 @@ class GradientSync:
 
     def zero(self) -> None:
         """Zero every gradient of the stage (in place: ``.grad`` stay views of the buffers; ZeRO-2's segments
-        have no whole buffer, and start the iteration with no ``.grad``: ``runtime.sync.shard``)."""
+        have no whole buffer, and start the iteration with no ``.grad``: ``runtime.sync.shard``); a new iteration."""
+        self._reduced.clear()
         if self.shards is not None:
             self.shards.begin()
         for s, entries in self.buffers.items():
@@ -431,6 +476,9 @@ class GradientSync:
         Hierarchical (reduce to node leaders, all-reduce among them, broadcast) where
         the plan's layout says so for the segment, else one flat all-reduce.
         """
+        if s in self._reduced:  # DDP's reducer summed it in the last backward
+            self._check_reduced(s, what)
+            return
         seg = self.segments[s]
         if self._sheds(s):  # ZeRO-2: bucket by bucket, each packed, reduced to its owners and freed
             for key in sorted(k for k in self.bucket_placed if k[0] == s):
@@ -448,7 +496,7 @@ class GradientSync:
         elif h is None:
             peers = sorted(self.rank_of[d] for d in seg.owners)
             group = self.groups[seg.owners]
-            self._wait_all([dist.all_reduce(f, op=dist.ReduceOp.SUM, group=group, async_op=True) for f in sent],
+            self._wait_all([post_sum(f, group) for f in sent],
                            s, what, peers)
             self.calls["ring"] += 1
         else:
@@ -456,7 +504,10 @@ class GradientSync:
         _from_wire(pairs)
 
     def close(self) -> None:
-        """Stop the background thread of the hierarchical all-reduces (if one was started)."""
+        """Stop the background thread of the hierarchical all-reduces (if one was started); take DDP's hooks off."""
+        for r in self.reducers.values():
+            r.close()
+        self.reducers.clear()
         if self._chain is not None:
             self._chain.close()
             self._chain = None
@@ -465,8 +516,22 @@ class GradientSync:
 
     def arm(self, buckets: Sequence[tuple[int, int]]) -> None:
         """Post the all-reduces of ``buckets`` ((segment, bucket) pairs), in this order, during the coming
-        backward, each once every parameter of it has received its gradient."""
-        self._queue = list(buckets)
+        backward, each once every parameter of it has received its gradient. A segment that DDP's reducer
+        all-reduces is armed as a whole: its reducer posts its own buckets during the backward."""
+        own = []
+        for key in buckets:
+            s = key[0]
+            if s not in self.reducers:
+                own.append(key)
+            elif s not in self._reduced:
+                self._reduced.add(s)
+                try:
+                    if self.reducers[s].prepare():  # re-cut: new buckets, the gradients moved into them
+                        self._take_buckets([s])
+                except RuntimeError as e:  # its re-cut of the buckets is a collective of the owners
+                    raise self.health.peer_error(self._failure(s, f"the re-cut of segment {s}'s DDP buckets", e),
+                                                 self._peers(s), e) from None
+        self._queue = own
         self._next = 0
         self._pending = {key: len(self.bucket_placed.get(key, ())) for key in self._queue}
         self._post_ready()
@@ -474,7 +539,11 @@ class GradientSync:
     def start(self, s: int, b: int) -> None:
         """Post bucket ``b`` of segment ``s`` now if the backward has not (with every armed bucket before it)."""
         key = (s, b)
-        if key in self._posted:
+        if key in self._posted or s in self._reduced:
+            return
+        if s in self.reducers:  # not armed by a backward (a schedule written by hand): the whole segment, now
+            self.allreduce(s, f"ALLREDUCE_START seg{s} bucket{b}")
+            self._reduced.add(s)
             return
         q = self._queue
         if key in q[self._next:]:
@@ -489,6 +558,9 @@ class GradientSync:
 
     def wait(self, s: int, b: int, what: object) -> None:
         """Wait for bucket ``b`` of segment ``s`` (posting it first if needed), at most ``timeout_s``."""
+        if s in self._reduced:  # the reducer finished it within the backward
+            self._check_reduced(s, what)
+            return
         key = (s, b)
         if key not in self._posted:
             self.start(s, b)
@@ -507,10 +579,54 @@ class GradientSync:
     def landed(self, s: int, b: int, timeout_s: float = 0.0) -> bool:
         """Whether bucket ``b`` of segment ``s``, posted and not yet waited for, has finished all its
         phases by itself within ``timeout_s`` (no wait needed to drive it)."""
+        if s in self._reduced:
+            return True
         works = self._posted[(s, b)]
         if isinstance(works, _Done):
             return works.event.wait(timeout_s)
         return completed_within(works, timeout_s)
+
+    def backward_failure(self, e: RuntimeError, what: object) -> BaseException:
+        """What to raise for ``e``, raised by a backward that armed DDP's reducer (``what``: the B action): a
+        PeerError naming the owners of the reducer's segments where ``e`` is a failed or timed-out all-reduce,
+        else ``e`` itself."""
+        if not self._reduced or isinstance(e, PeerError) or not _is_comm_error(e):
+            return e
+        s = min(self._reduced)
+        return self.health.peer_error(self._failure(s, f"{what}: the all-reduce of segment {s} (DDP's reducer)", e),
+                                      sorted({r for k in self._reduced for r in self._peers(k)}), e)
+
+    def _build_reducer(self, s: int, layers: Mapping[int, nn.Module],
+                       elements: Sequence[tuple[int, int]]) -> SegmentReducer:
+        """DDP's reducer over segment ``s`` (collective over its owners: DDP checks the parameters' shapes and
+        broadcasts the lowest-ranked owner's weights)."""
+        seg = self.segments[s]
+        mine = [layers[k] for k in range(seg.first_layer, seg.end_layer)]
+        caps = bucket_caps_mb(mine, elements) if len(self.buffers[s]) == 1 else []  # one dtype: the plan's cut
+        try:
+            return SegmentReducer(mine, self.groups[seg.owners], caps, self.wire_dtype, self._count_wire)
+        except RuntimeError as e:
+            raise self.health.peer_error(self._failure(s, f"the start of segment {s}'s DDP reducer", e),
+                                         self._peers(s), e) from None
+
+    def _count_wire(self, n: int) -> None:
+        """DDP's comm hook: one bucket of ``n`` bytes handed to the all-reduce."""
+        self.calls["ddp"] += 1
+        self.wire_bytes += n
+
+    def _check_reduced(self, s: int, what: object) -> None:
+        """Refuse a reduction that DDP's reducer left unfinished: a parameter of the segment got no gradient."""
+        try:
+            self.reducers[s].check()
+        except RuntimeError:
+            raise RunError(f"{what}: a parameter of layers [{self.segments[s].first_layer}, "
+                           f"{self.segments[s].end_layer}) got no gradient in the iteration's last backward, and "
+                           "DistributedDataParallel's reducer, which sums these layers (a whole stage on every "
+                           "owner), waits for every one: a layer's parameters must all take part in its forward"
+                           ) from None
+
+    def _peers(self, s: int) -> list[int]:
+        return sorted(self.rank_of[d] for d in self.segments[s].owners)
 
     def _grad_ready(self, key: tuple[int, int], param: torch.Tensor) -> None:
         """Post-accumulate-grad hook of every parameter of bucket ``key``."""
@@ -553,7 +669,7 @@ class GradientSync:
             return
         try:
             group = self.groups[owners]
-            works = [dist.all_reduce(v, op=dist.ReduceOp.SUM, group=group, async_op=True) for v in views]
+            works = [post_sum(v, group) for v in views]
         except RuntimeError as e:
             peers = sorted(self.rank_of[d] for d in owners)
             raise self.health.peer_error(self._failure(s, f"ALLREDUCE_START seg{s} bucket{b}", e), peers,
@@ -596,7 +712,7 @@ class GradientSync:
         if h.node_group is not None:
             return [dist.reduce(t, dst=h.leader, op=dist.ReduceOp.SUM, group=h.node_group, async_op=True)
                     for t in tensors]
-        return [dist.all_reduce(t, op=dist.ReduceOp.SUM, group=h.leaders_group, async_op=True) for t in tensors]
+        return [post_sum(t, h.leaders_group) for t in tensors]
 
     def _hierarchical_rest(self, h: Hierarchy, tensors: Sequence[torch.Tensor], first: Sequence[Any], s: int,
                            what: object) -> None:
@@ -607,8 +723,7 @@ class GradientSync:
         else:
             self._wait_all(first, s, what, list(h.node_ranks))
             if h.leaders_group is not None:
-                self._wait_all([dist.all_reduce(t, op=dist.ReduceOp.SUM, group=h.leaders_group, async_op=True)
-                                for t in tensors], s, what, list(h.leaders))
+                self._wait_all([post_sum(t, h.leaders_group) for t in tensors], s, what, list(h.leaders))
             self._wait_all([dist.broadcast(t, src=h.leader, group=h.bcast_group, async_op=True) for t in tensors],
                            s, what, list(h.node_ranks))
         self.calls["hierarchical"] += 1
