@@ -82,7 +82,7 @@ def test_sharding_with_tp_stages_is_refused() -> None:
     with pytest.raises(PlannerError, match="no node of cluster"):
         plan(cluster, profile, 8, PlannerOptions(tp=4, shard="optimizer"))
     from tests.test_tp_planning import _tp_plan
-    with pytest.raises(PlanError, match="shard=optimizer with TP stages is not supported"):
+    with pytest.raises(SyncLayoutError, match="shard=optimizer with TP stages is not supported"):
         _tp_plan([("n0:0", "n0:1")], [0, 6], sync_options=ZERO1)
 
 

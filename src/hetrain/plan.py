@@ -278,11 +278,8 @@ class Plan:
         validate_plan(self)
         object.__setattr__(self, "sync_mode", sync_mode(self.sync))
         stages = [[(s.device, s.first_layer, s.end_layer) for s in vw.stages] for vw in self.virtual_workers]
-        try:
-            layout = build_sync_layout(self.cluster, self.profile, stages, self.sync, self.sync_options,
-                                       self.layer_tp_degrees() if self.max_tp > 1 else None, self.shard_weights)
-        except SyncLayoutError as e:
-            raise PlanError(str(e)) from None
+        layout = build_sync_layout(self.cluster, self.profile, stages, self.sync, self.sync_options,
+                                   self.layer_tp_degrees() if self.max_tp > 1 else None, self.shard_weights)
         object.__setattr__(self, "layout", layout)
 
     # --- derived views -----------------------------------------------------
