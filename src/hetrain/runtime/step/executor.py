@@ -358,11 +358,14 @@ class Executor:
 
     def _run_backward(self, i: int) -> None:
         if self.role.is_last:
-            torch.autograd.backward([self.losses.pop(i)], [self._seeds[i]])
+            loss = self.losses.pop(i)
+            self.sync.before_backward([loss])
+            torch.autograd.backward([loss], [self._seeds[i]])
         else:
             outs, _ = flatten(self.outputs.pop(i))
             grads = self.grads.pop(i)
             pairs = [(outs[k], g) for k, g in zip(grad_slots(outs), grads, strict=True) if outs[k].requires_grad]
+            self.sync.before_backward([o for o, _ in pairs])
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 

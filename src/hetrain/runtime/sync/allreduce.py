@@ -388,6 +388,7 @@ class GradientSync:
             s: self._build_reducer(s, layers, bucket_elements.get(s, []))
             for s in sorted(reducer_segments(plan) if tp_member == 0 else ()) if s in self.buffers}
         self._reduced: set[int] = set()  # segments whose reducer was armed for this iteration's last backward
+        self._to_prepare: list[int] = []  # of those, the reducers to arm once the backward's roots are known
         self._place_buckets()
         # the buckets armed for the coming backward, in the order they must be posted
         self._queue: list[tuple[int, int]] = []
@@ -525,8 +526,9 @@ class GradientSync:
                 own.append(key)
             elif s not in self._reduced:
                 self._reduced.add(s)
+                self._to_prepare.append(s)
                 try:
-                    if self.reducers[s].prepare():  # re-cut: new buckets, the gradients moved into them
+                    if self.reducers[s].recut():  # new buckets, the gradients moved into them
                         self._take_buckets([s])
                 except RuntimeError as e:  # its re-cut of the buckets is a collective of the owners
                     raise self.health.peer_error(self._failure(s, f"the re-cut of segment {s}'s DDP buckets", e),
@@ -535,6 +537,13 @@ class GradientSync:
         self._next = 0
         self._pending = {key: len(self.bucket_placed.get(key, ())) for key in self._queue}
         self._post_ready()
+
+    def before_backward(self, roots: Sequence[torch.Tensor]) -> None:
+        """The armed backward is about to run from ``roots``: arm the DDP reducers ``arm`` took (each walks the
+        graph from ``roots`` for the parameters it will not reach)."""
+        for s in self._to_prepare:
+            self.reducers[s].prepare(roots)
+        self._to_prepare.clear()
 
     def start(self, s: int, b: int) -> None:
         """Post bucket ``b`` of segment ``s`` now if the backward has not (with every armed bucket before it)."""

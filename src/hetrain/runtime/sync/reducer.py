@@ -16,10 +16,16 @@ What matches DDP, and what hetrain adds:
 - DDP's module is a ``ModuleList`` of the stage's layers (the very modules the
   stage runs); its forward is never called: the stage runs its layers itself,
   as ``torch.distributed.pipelining`` runs a DDP-wrapped stage under ``no_sync``.
-  ``prepare()`` (``Reducer.prepare_for_backward``, as pipelining's
+  ``prepare(roots)`` (``Reducer.prepare_for_backward``, as pipelining's
   ``backward_maybe_with_nosync`` does) arms the reducer for the iteration's last
-  backward only; the backwards before it accumulate into ``.grad`` untouched
-  (the reducer's hooks return at once when not armed).
+  backward only, from that backward's roots (the executor calls it through
+  ``GradientSync.before_backward``); the backwards before it accumulate into
+  ``.grad`` untouched (the reducer's hooks return at once when not armed).
+- ``find_unused_parameters`` is on: a parameter the last backward does not reach
+  (an MoE expert no token was routed to, a branch the batch did not take) is
+  marked ready with a zero gradient, the reducer walking the autograd graph from
+  the roots once per iteration, in C++: the sum hetrain's own path posts for a
+  bucket whose hooks did not all fire.
 - ``gradient_as_bucket_view`` is on: the reducer's buckets are the gradients
   (each ``.grad`` a view of its bucket), so the stage holds one copy of them
   and no gradient is copied into a bucket and back (DDP's default copies both
@@ -38,23 +44,21 @@ What matches DDP, and what hetrain adds:
   bucket 0 the last layers), by giving DDP each bucket's bytes as its cap
   (``bucket_cap_mb_list``). DDP cuts between two parameters: where the plan
   cuts inside a parameter (``bucket_cut = "exact"``), the parameter goes whole
-  to the bucket of the later layers. The reducer walks parameters in their
-  registration order for its first iteration's buckets and re-cuts them once,
-  after that first synced backward, in the order the gradients arrived
-  (``Reducer._rebuild_buckets``, which DDP's forward calls): from the second
-  iteration on the buckets are the plan's wherever gradients arrive in reverse
-  layer order, which they do in a chain of layers. The first iteration's cut
-  differs (the caps applied from the first layers on).
+  to the bucket of the later layers. The reducer cuts once, walking the
+  parameters in registration order (layer order), so the caps go in that
+  order (the first layers' bucket first); it never re-cuts where it looks for
+  unused parameters (``Reducer._rebuild_buckets`` returns False): the plan's
+  buckets from the first iteration on.
 - The weights start equal: DDP's constructor broadcasts the parameters and
   buffers from the group's lowest rank (``GradientSync.broadcast_weights`` does
   the other segments).
 - Errors: a peer that dies or hangs during the reducer's all-reduce makes the
   backward raise (Gloo's operation fails, or times out after the segment
   group's timeout); ``GradientSync.backward_failure`` turns that into the
-  project's PeerError naming the segment's owners. A parameter that got no
-  gradient in the last backward leaves the reducer unfinished; ``check``
-  refuses it in one line at the first ALLREDUCE_WAIT, before the optimizer
-  steps on gradients not summed.
+  project's PeerError naming the segment's owners. A reduction left
+  unfinished all the same (a backward that did not run from the roots it was
+  armed with) is refused by ``check`` in one line at the first ALLREDUCE_WAIT,
+  before the optimizer steps on gradients not summed.
 
 Own code remains for the segments DDP cannot run: those that split stages,
 TP shards, hierarchical all-reduces (GradientSync).
@@ -175,9 +179,15 @@ class SegmentReducer:
         self.calls = 0  # buckets all-reduced by the reducer
         self.rebuilt = False
         self.params = [p for layer in layers for p in layer.parameters() if p.requires_grad]
+        # find_unused_parameters: a parameter the last backward does not reach (an MoE expert no token was routed
+        # to, a branch the batch did not take) is marked ready with a zero gradient, as hetrain's own path posts
+        # a bucket whose hooks did not all fire: the reducer walks the autograd graph from the backward's roots
         self.ddp = DistributedDataParallel(nn.ModuleList(layers), process_group=group,
-                                           bucket_cap_mb_list=list(caps_mb) or None,  # type: ignore[arg-type]  # MiB, int() of x 2**20
-                                           gradient_as_bucket_view=True)
+                                           # the first cut walks the parameters forwards, its caps in that order (the
+                                           # reducer never re-cuts where it finds unused parameters): the plan's buckets
+                                           # from the first iteration
+                                           bucket_cap_mb_list=list(reversed(caps_mb)) or None,  # type: ignore[arg-type]  # MiB, int() of x 2**20
+                                           gradient_as_bucket_view=True, find_unused_parameters=True)
 
         def counted(n: int) -> None:
             self.calls += 1
@@ -186,18 +196,21 @@ class SegmentReducer:
         hook = bf16_sum_hook if wire_dtype == torch.bfloat16 else sum_hook
         self.ddp.register_comm_hook((group, counted), hook)
 
-    def prepare(self) -> bool:
-        """Arm the reducer for the coming backward (the iteration's last on this stage): it all-reduces each
-        bucket as its gradients are final, and finishes within that backward. Re-cuts the buckets once, before
-        the second armed backward, in the order the first one produced the gradients (a collective of the
-        group: the owners agree on the cut; the gradients so far move to the new buckets). Returns whether it
-        re-cut them now (``buffers`` are then new)."""
-        reducer = self.ddp.reducer
+    def recut(self) -> bool:
+        """Before the coming armed backward: re-cut the buckets once, before the second armed backward, in the
+        order the first one produced the gradients (a collective of the group: the owners agree on the cut;
+        the gradients so far move to the new buckets). Returns whether it re-cut them now (``buffers`` are then
+        new)."""
         recut = False
         if not self.rebuilt:
-            self.rebuilt = recut = reducer._rebuild_buckets()
-        reducer.prepare_for_backward([])
+            self.rebuilt = recut = self.ddp.reducer._rebuild_buckets()
         return recut
+
+    def prepare(self, roots: Sequence[torch.Tensor]) -> None:
+        """Arm the reducer for the backward from ``roots`` (the iteration's last on this stage): it all-reduces
+        each bucket as its gradients are final, the parameters ``roots`` do not reach with zeros, and finishes
+        within that backward."""
+        self.ddp.reducer.prepare_for_backward(list(roots))
 
     def buffers(self) -> list[tuple[torch.Tensor, list[tuple[nn.Parameter, torch.Tensor]]]]:
         """The reducer's buckets as GradientSync's flat buffers: ``[(bucket, [(param, its .grad: a view of
