@@ -68,7 +68,7 @@ def test_local_placement_puts_the_shard_on_the_node_with_most_owners() -> None:
     assert [place_ps_shard(owners, nodes, s, "local") for s in range(4)] == ["b:0", "b:1", "b:0", "b:1"]
     # a tie between nodes goes round-robin over the nodes, then over the chosen node's owners
     assert [place_ps_shard(["a:0", "b:0"], ["a", "b"], s, "local") for s in range(2)] == ["a:0", "b:0"]
-    with pytest.raises(ValueError, match="placement must be one of local, round-robin, got 'nearby'"):
+    with pytest.raises(ValueError, match="placement must be one of sharded, local, round-robin, got 'nearby'"):
         place_ps_shard(owners, nodes, 0, "nearby")
 
 
@@ -89,10 +89,10 @@ def test_local_placement_costs_less_than_round_robin_when_the_majority_node_host
 def test_sync_options_are_parsed_and_checked() -> None:
     assert SyncOptions.from_items(["staleness=0", "period=8", "placement=round-robin"]) == \
         SyncOptions(staleness=0, period=8, placement="round-robin")
-    for item, words in [("speed=3", ["unknown key 'speed'", "placement=local|round-robin"]),
+    for item, words in [("speed=3", ["unknown key 'speed'", "placement=sharded|local|round-robin"]),
                         ("period=0", ["period must be in [1, 100000]", "got 0"]),
                         ("staleness=two", ["staleness must be an integer in [0, 1000]", "got 'two'"]),
-                        ("placement=far", ["placement must be one of local, round-robin", "got 'far'"]),
+                        ("placement=far", ["placement must be one of sharded, local, round-robin", "got 'far'"]),
                         ("period", ["expected KEY=VALUE"])]:
         with pytest.raises(ValueError) as e:
             SyncOptions.from_items([item])

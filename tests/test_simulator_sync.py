@@ -72,16 +72,18 @@ def test_a_single_iteration_is_replayed_for_bsp() -> None:
     assert dataclasses.replace(plan, sync="local-sgd").sync == "local-sgd"
 
 
-def test_pulls_occupy_the_network_from_the_shard_host_back() -> None:
-    plan = dp_plan("wsp", staleness=1)
+@pytest.mark.parametrize("placement, hosts, remote", [("local", "n0:0", 3), ("sharded", "n0:0,n1:0", 6)])
+def test_pulls_occupy_the_network_from_the_shard_hosts_back(placement: str, hosts: str, remote: int) -> None:
+    plan = dp_plan("wsp", staleness=1, placement=placement)
+    assert ",".join(x.host for x in plan.segments()[0].ps_shards) == hosts
     r = simulate(plan, iterations=12)
     pulls = [(name, e) for name, evs in r.timeline.links.items() for e in evs if e.kind == "pull"]
     assert pulls and all(e.end_s > e.start_s for _, e in pulls)
-    host = plan.segments()[0].ps_host
-    # every other owner gets the global weights back once per wave (the first D waves need none)
-    # (a transfer across nodes holds two links, the NICs out and in: one event on each, same label and start)
-    transfers = {(e.label, e.start_s) for _, e in pulls if e.label.startswith(f"PULL seg0 {host}->")}
-    assert len(transfers) == 3 * (12 - 1)
+    # every owner gets each shard it does not host back once per wave (the first D waves need none): one host,
+    # the 3 other owners; sharded over n0:0 and n1:0, the hosts one each and n0:1, n1:1 two (a transfer
+    # across nodes holds two links, the NICs out and in: one event on each, same label and start)
+    transfers = {(e.label, e.start_s) for _, e in pulls if e.label.startswith(f"PULL seg0 {hosts}->")}
+    assert len(transfers) == remote * (12 - 1)
 
 
 def three_vw_plan(placement: str) -> Plan:
@@ -92,7 +94,7 @@ def three_vw_plan(placement: str) -> Plan:
 
 def test_local_placement_keeps_traffic_on_the_node_and_is_faster() -> None:
     local, robin = three_vw_plan("local"), three_vw_plan("round-robin")
-    assert local.segments()[0].ps_host == "n1:0" and robin.segments()[0].ps_host == "n0:0"
+    assert local.segments()[0].ps_shards[0].host == "n1:0" and robin.segments()[0].ps_shards[0].host == "n0:0"
 
     def nic_busy_s(plan: Plan) -> float:
         r = simulate(plan, iterations=12)

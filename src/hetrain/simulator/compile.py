@@ -58,6 +58,7 @@ from hetrain.simulator.ops import (
     Push,
     Recv,
     Send,
+    ShardTransfer,
 )
 from hetrain.sync_layout import Bucket, backward_after
 
@@ -557,20 +558,30 @@ class _Compiler:
         return Collective(cid, str(a))
 
     def _push_or_pull(self, a: SegmentSync, dev: _Device) -> Op:
-        """``PUSH`` to / ``PULL`` from the segment's parameter-server shard (one p2p of the segment's bytes)."""
+        """``PUSH`` to / ``PULL`` from the segment's parameter-server shards: to each shard's host, a p2p of the
+        shard's range of the segment's bytes (none where the device hosts the shard)."""
         s, name = a.segment, dev.name
         seg = self.segments[s]
-        host = seg.ps_host
-        if host is None:
-            raise ScheduleError(f"{a} on {name}: segment {s} has no parameter-server host under sync {self.plan.sync}")
-        here, there = self.cluster_index[name], self.cluster_index[host]
-        duration_s = estimate_p2p_time(seg.param_bytes, self.cluster.link(here, there)) if host != name else 0.0
-        if a.kind is K.PUSH:
-            links = edge_links(self.cluster, here, there, self.res) if host != name else ()
-            return Push((s, dev.wave), f"PUSH seg{s} {name}->{host}", duration_s, links, len(seg.owners))
-        back = edge_links(self.cluster, there, here, self.res) if host != name else ()  # the shard's broadcast to it
+        if not seg.ps_shards:
+            raise ScheduleError(f"{a} on {name}: segment {s} has no parameter-server shards under sync "
+                                f"{self.plan.sync}")
+        here = self.cluster_index[name]
+        push = a.kind is K.PUSH
+        parts = []
+        for k, shard in enumerate(seg.ps_shards):
+            if shard.host == name:
+                parts.append(ShardTransfer(k, 0.0, ()))
+                continue
+            there = self.cluster_index[shard.host]
+            duration_s = estimate_p2p_time(shard.fraction * seg.param_bytes, self.cluster.link(here, there))
+            links = edge_links(self.cluster, here, there, self.res) if push else edge_links(self.cluster, there,
+                                                                                              here, self.res)
+            parts.append(ShardTransfer(k, duration_s, links))
+        hosts = ",".join(x.host for x in seg.ps_shards)
+        if push:
+            return Push((s, dev.wave), f"PUSH seg{s} {name}->{hosts}", tuple(parts), len(seg.owners))
         dev.pulled = True
-        return Pull((s, dev.wave - self.staleness), f"PULL seg{s} {host}->{name}", duration_s, back)
+        return Pull((s, dev.wave - self.staleness), f"PULL seg{s} {hosts}->{name}", tuple(parts))
 
 
 def _bucket_final_s(bucket: Bucket, i: int, dev: _Device) -> float:

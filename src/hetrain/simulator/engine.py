@@ -91,10 +91,10 @@ class Replayed:
 
 @dataclass
 class _Shard:
-    """A parameter-server shard's wave: pushes arrived so far and the latest arrival."""
+    """A segment's wave at its parameter-server shards: pushes arrived so far and each shard's latest arrival."""
 
     pushes: int = 0
-    latest_s: float = 0.0
+    latest_s: list[float] | None = None
 
 
 def run_program(program: Program) -> Replayed:
@@ -137,7 +137,7 @@ class _Engine:
         self.posted_waiters: dict[int, list[int]] = {}
         # parameter server: (segment, wave) -> its pushes; when the shard holds every owner's update; who waits
         self.shards: dict[tuple[int, int], _Shard] = {}
-        self.ready: dict[tuple[int, int], float] = {}
+        self.ready: dict[tuple[int, int], list[float]] = {}  # per shard, when it holds every owner's update
         self.pull_waiters: dict[tuple[int, int], list[int]] = {}
         self.waits_since: dict[int, float] = {}
         self.on_event: tuple[Callable[[float, int], None], ...] = (
@@ -364,21 +364,26 @@ class _Engine:
         return _NEXT
 
     def _push(self, t: float, d: int, op: Push) -> Flow:
-        """Sends the update to the shard and goes on; the shard's wave is ready once every owner's has arrived."""
-        start, end = occupy(self.free_at, op.links, t, op.duration_s)
-        for r in op.links:
-            self.link_events[r].append(Event(start, end, "push", op.label))
+        """Sends each shard its range of the update and goes on; the wave is ready at each shard once every
+        owner's range has arrived there."""
         shard = self.shards.setdefault(op.wave, _Shard())
+        if shard.latest_s is None:
+            shard.latest_s = [0.0] * len(op.parts)
+        for part in op.parts:
+            start, end = occupy(self.free_at, part.links, t, part.duration_s)
+            for r in part.links:
+                self.link_events[r].append(Event(start, end, "push", op.label))
+            shard.latest_s[part.shard] = max(shard.latest_s[part.shard], end)
         shard.pushes += 1
-        shard.latest_s = max(shard.latest_s, end)
         if shard.pushes == op.owners:
             self.ready[op.wave] = shard.latest_s
             for w in self.pull_waiters.pop(op.wave, []):
-                self._wake(shard.latest_s, _DEVICE_READY, w)
+                self._wake(max(shard.latest_s), _DEVICE_READY, w)
         return _NEXT
 
     def _pull(self, t: float, d: int, op: Pull) -> Flow:
-        """Waits for the shard's weights of ``op.wave``, which travel back on the host's links once ready."""
+        """Waits for every shard's weights of ``op.wave``, which travel back on each host's links once that shard
+        is ready."""
         if op.wave[1] < 0:
             return _NEXT
         if op.wave not in self.ready:
@@ -386,10 +391,13 @@ class _Engine:
             self.waits_since[d] = min(self.waits_since.get(d, t), t)
             return _BLOCKED
         since = self.waits_since.pop(d, t)
-        start, arrive = occupy(self.free_at, op.links, self.ready[op.wave], op.duration_s)
-        for r in op.links:
-            self.link_events[r].append(Event(start, arrive, "pull", op.label))
-        end = max(t, arrive)
+        ready = self.ready[op.wave]
+        end = t
+        for part in op.parts:
+            start, arrive = occupy(self.free_at, part.links, ready[part.shard], part.duration_s)
+            for r in part.links:
+                self.link_events[r].append(Event(start, arrive, "pull", op.label))
+            end = max(end, arrive)
         if end > since:
             self.events[d].append(Event(since, end, "sync", op.label))
             self.sync[d] += end - since

@@ -16,8 +16,8 @@ index into ``Program.collectives``), so every owner's operation names the same o
     AVERAGE_MERGE                AverageMerge   waits until that average has ended
     ALLREDUCE_START              BucketStart    nothing (its Backward starts the bucket's all-reduce)
     ALLREDUCE_WAIT               BucketWait     waits until the bucket's all-reduce has ended
-    PUSH                         Push           sends its update to the segment's shard and goes on
-    PULL                         Pull           waits for the shard's weights of an earlier wave
+    PUSH                         Push           sends each shard of the segment its range of the update, goes on
+    PULL                         Pull           waits for every shard's weights of an earlier wave
     STEP                         OptimizerStep  computes for duration_s
 """
 
@@ -92,19 +92,25 @@ class BucketWait(NamedTuple):
     label: str
 
 
+class ShardTransfer(NamedTuple):
+    """One parameter-server shard's part of a push or a pull: its range of the segment, to or from its host."""
+
+    shard: int  # its index in ``Segment.ps_shards``
+    duration_s: float  # 0 where the device hosts the shard
+    links: tuple[int, ...]  # () where the device hosts the shard
+
+
 class Push(NamedTuple):
     wave: tuple[int, int]  # (segment, wave)
     label: str
-    duration_s: float
-    links: tuple[int, ...]
-    owners: int  # pushes the shard waits for
+    parts: tuple[ShardTransfer, ...]  # one per shard of the segment, each its range to its host
+    owners: int  # pushes each shard waits for
 
 
 class Pull(NamedTuple):
     wave: tuple[int, int]  # (segment, wave) whose weights it takes; wave < 0: none yet, nothing to wait for
     label: str
-    duration_s: float
-    links: tuple[int, ...]  # the shard's links back to the device
+    parts: tuple[ShardTransfer, ...]  # one per shard, each its range back from its host
 
 
 class OptimizerStep(NamedTuple):
