@@ -14,7 +14,9 @@ from hetrain.models.analytic import build_profile
 from hetrain.plan import Plan
 from hetrain.planner.sync import (
     estimate_mode_staleness,
+    estimate_mode_sync_time,
     estimate_ps_time,
+    estimate_ps_traffic,
     estimate_sync_time,
     estimate_time_to_accuracy,
 )
@@ -81,6 +83,33 @@ def test_local_placement_costs_less_than_round_robin_when_the_majority_node_host
     robin = estimate_ps_time(c, prof, layouts, "round-robin")
     # round-robin: both old devices cross the 10 Gbit/s NIC; local: one crosses it, the other uses PCIe
     assert local < 0.6 * robin, (local, robin)
+
+
+def test_sharded_servers_load_every_nic_a_quarter_as_much_as_one_host_by_hand() -> None:
+    """Eight one-stage VWs on four nodes of two devices (1 GB/s NICs, no latency), 400 MB of parameters.
+
+    One host (n0:0): the six owners on other nodes push 400 MB each into n0's NIC, 2.4 s, and pull it back out,
+    2.4 s. A shard per node, 100 MB each: every NIC sends its two owners' three remote ranges (0.6 s) and
+    its shard's range to the six remote owners (0.6 s), and takes as much in: 0.6 s of pushes, 0.6 s of pulls,
+    1.2 s on the busiest NIC each way."""
+    from factories import A100, link, make_cluster, make_profile
+
+    cluster = make_cluster({f"n{k}": (A100, 2) for k in range(4)}, intra_link=link(1e11, 0.0), nic=link(1e9, 0.0))
+    profile = make_profile(4, param_bytes=1e8)
+    layouts = [[(d, 0, 4)] for d in range(8)]
+    local = estimate_ps_traffic(cluster, profile, layouts, "local")
+    assert (local.push_s, local.pull_s, local.busiest_s) == pytest.approx((2.4, 2.4, 2.4))
+    sharded = estimate_ps_traffic(cluster, profile, layouts, "sharded")
+    assert (sharded.push_s, sharded.pull_s, sharded.busiest_s) == pytest.approx((0.6, 0.6, 1.2))
+    assert estimate_ps_time(cluster, profile, layouts) == pytest.approx(1.2)  # sharded is the default
+    # wsp: (D + 1) waves hold a round trip and a wave's compute, and a wave at least the busiest NIC's load
+    options = SyncOptions(staleness=1, placement="sharded")
+    for compute_s, want in [(0.1, max((1.2 - 0.1) / 2, 1.2 - 0.1)), (0.5, 0.7), (2.0, 0.0)]:
+        got = estimate_mode_sync_time(cluster, profile, layouts, "wsp", options, compute_s)
+        assert got == pytest.approx(want), compute_s
+    one_host = estimate_mode_sync_time(cluster, profile, layouts, "wsp", SyncOptions(staleness=1, placement="local"),
+                                       0.5)
+    assert one_host == pytest.approx(max((4.8 - 0.5) / 2, 2.4 - 0.5))
 
 
 # --- --sync-option --------------------------------------------------------------------------------------

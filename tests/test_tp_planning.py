@@ -157,8 +157,8 @@ def test_a_plan_with_tp_groups_round_trips_and_reads_older_plans(tmp_path: Path)
     old = _tp_plan([("n0:0",), ("n1:0",)], [0, 3, 6]).to_dict()
     old["format_version"] = 2  # a plan of the format before TP reads as it is
     assert parse_plan(old).max_tp == 1
-    old["format_version"] = 4
-    with pytest.raises(PlanError, match="format_version: 4 is not supported"):
+    old["format_version"] = 6
+    with pytest.raises(PlanError, match="format_version: 6 is not supported"):
         parse_plan(old)
 
 

@@ -255,6 +255,48 @@ def estimate_p2p_time(num_bytes: float, link: Link) -> float:
     return link.latency_s + num_bytes / link.bandwidth_bytes_per_s
 
 
+#: a link resource the parameter-server exchange loads: ``("out", node)`` / ``("in", node)``, a node's NIC each way
+#: (full duplex); ``("pair", a, b)``, the link from device index a to b on one node (``simulator.links`` names them)
+LinkKey = tuple[str, ...] | tuple[str, int, int]
+
+
+def estimate_ps_loads(cluster: Cluster, owners: Sequence[int], shards: Sequence[tuple[int, float]],
+                      num_bytes: float) -> tuple[dict[LinkKey, float], dict[LinkKey, float]]:
+    """Seconds each link resource carries in one wave's pushes, and in its pulls, of a segment of ``num_bytes``
+    whose parameter server is cut into ``shards`` (host device index, fraction) among ``owners`` (device indices).
+
+    Every owner but a shard's host sends the host the shard's range of its update (``fraction * bytes``,
+    ``estimate_p2p_time`` over their link) and gets the range's global weights back: a star per shard, the
+    textbook parameter server (Li et al., OSDI 2014). A transfer between nodes loads the sender's NIC out and
+    the receiver's NIC in; one inside a node, its pair of devices. Where the NICs share their transfers fairly,
+    the pushes take the busiest resource's push seconds, the pulls its pull seconds.
+
+    Example:
+        >>> from hetrain.cluster import parse_cluster
+        >>> c = parse_cluster({"name": "x", "node": [{"name": n, "devices": [{"type": "cpu", "count": 1}],
+        ...                    "nic": {"bandwidth_bytes_per_s": 1e9, "latency_s": 0.0}} for n in "ab"]})
+        >>> push, pull = estimate_ps_loads(c, [0, 1], [(0, 0.5), (1, 0.5)], 2e9)
+        >>> push[("out", "a")], pull[("out", "a")]
+        (1.0, 1.0)
+    """
+    push: dict[LinkKey, float] = {}
+    pull: dict[LinkKey, float] = {}
+
+    def carry(load: dict[LinkKey, float], a: int, b: int, size: float) -> None:
+        t = estimate_p2p_time(size, cluster.link(a, b))
+        na, nb = cluster.devices[a].node, cluster.devices[b].node
+        keys: list[LinkKey] = [("pair", a, b)] if na == nb else [("out", na), ("in", nb)]
+        for key in keys:
+            load[key] = load.get(key, 0.0) + t
+
+    for host, fraction in shards:
+        for d in owners:
+            if d != host:
+                carry(push, d, host, fraction * num_bytes)
+                carry(pull, host, d, fraction * num_bytes)
+    return push, pull
+
+
 def estimate_ring_allreduce_time(num_bytes: float, p: int, bandwidth_bytes_per_s: float,
                                  latency_s: float) -> float:
     """Ring all-reduce of ``num_bytes`` over ``p`` members.

@@ -22,11 +22,13 @@ import numpy as np
 
 from hetrain.cluster import Cluster
 from hetrain.cost import (
+    LinkKey,
     allreduce_shape,
     estimate_allreduce,
     estimate_allreduce_time,
     estimate_layer_times,
     estimate_p2p_time,
+    estimate_ps_loads,
     estimate_samples_to_accuracy_factor,
 )
 from hetrain.plan import Plan
@@ -248,8 +250,8 @@ def estimate_ps_traffic(cluster: Cluster, profile: ModelProfile, layouts: Sequen
 
     Segment s's parameter server is cut into shards as ``place_ps_shards`` places them (``Segment.ps_shards``):
     every owner but a shard's host pushes the shard's range of its update to the host and pulls the range's
-    global weights back, ``latency + f bytes / bandwidth`` each way. A transfer between nodes holds the
-    sender's NIC out and the receiver's NIC in; each resource carries its transfers one after another.
+    global weights back, ``latency + f bytes / bandwidth`` each way (``cost.estimate_ps_loads``). A transfer
+    between nodes loads the sender's NIC out and the receiver's NIC in; the segments' loads add up per resource.
     Sharded by NIC bandwidth, the one-host server's ``(n - 1) bytes`` through one NIC become about
     ``(n - 1) bytes / nodes`` through each::
 
@@ -258,26 +260,18 @@ def estimate_ps_traffic(cluster: Cluster, profile: ModelProfile, layouts: Sequen
                    n3 ──┘
     """
     nic_of = {n.name: n.nic.bandwidth_bytes_per_s for n in cluster.nodes}
-    push: dict[tuple[Any, ...], float] = {}
-    pull: dict[tuple[Any, ...], float] = {}
-
-    def carry(load: dict[tuple[Any, ...], float], a: int, b: int, num_bytes: float) -> None:
-        t = estimate_p2p_time(num_bytes, cluster.link(a, b))
-        na, nb = cluster.devices[a].node, cluster.devices[b].node
-        for r in ([("pair", a, b)] if na == nb else [("out", na), ("in", nb)]):
-            load[r] = load.get(r, 0.0) + t
-
+    push: dict[LinkKey, float] = {}
+    pull: dict[LinkKey, float] = {}
     for s, (first, end, owners) in enumerate(build_segments(profile.num_layers, layouts)):
         if len(owners) < 2:
             continue
         num_bytes = sum(profile.layers[i].param_bytes for i in range(first, end))
         in_order = sorted(owners)
-        for host, fraction in place_ps_shards(in_order, [cluster.devices[d].node for d in in_order], nic_of, s,
-                                              placement):
-            for d in owners:
-                if d != host:
-                    carry(push, d, host, fraction * num_bytes)
-                    carry(pull, host, d, fraction * num_bytes)
+        shards = place_ps_shards(in_order, [cluster.devices[d].node for d in in_order], nic_of, s, placement)
+        seg_push, seg_pull = estimate_ps_loads(cluster, in_order, shards, num_bytes)
+        for total, part in ((push, seg_push), (pull, seg_pull)):
+            for key, t in part.items():
+                total[key] = total.get(key, 0.0) + t
     both = {r: push.get(r, 0.0) + pull.get(r, 0.0) for r in push.keys() | pull.keys()}
     return PsTraffic(max(push.values(), default=0.0), max(pull.values(), default=0.0),
                      max(both.values(), default=0.0))
@@ -304,12 +298,15 @@ def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Se
         bsp        S, less what the buckets hide behind the last backward
         local-sgd  S / k                              (parameters averaged every k iterations, blocking)
         daso       L + max(0, S - (k - 1) compute) / k   (global average every k, hidden behind k - 1 iterations)
-        hybrid-ps  L + max(0, P - D compute, W - a compute) / a   (one push per a iterations, D waves of slack)
-        wsp        max(0, P - D compute, W - compute)            (one push per wave, D waves of slack)
+        hybrid-ps  L + max(0, (P - D a compute) / (D + 1), W - a compute) / a   (a push per a iterations)
+        wsp        max(0, (P - D compute) / (D + 1), W - compute)              (a push per wave)
 
     ``P`` is one wave's round trip to the sharded parameter servers (pushes, then pulls, each on its busiest
-    link: ``estimate_ps_traffic``), ``W`` what the busiest link carries per wave: however much slack D gives,
-    the links must carry one wave's traffic per push period.
+    link: ``estimate_ps_traffic``), ``W`` what the busiest link carries per wave. A wave is pushed when its
+    compute ends, and the pull of wave k gates the compute of wave k + D + 1, so D + 1 waves span one round
+    trip and one wave's compute: ``(D + 1) wave >= P + compute``, the waves overlapping on the links (the pulls
+    of one with the pushes of the next); however much slack D gives, the links carry one wave's traffic per
+    wave, ``wave >= W``. With D = 0 a wave waits for its whole round trip.
 
     Warm-up and cool-down iterations of DASO (blocking) are not counted: they are a fixed cost per run.
     """
@@ -320,7 +317,9 @@ def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Se
     every = rules.period(options)
     if rules.parameter_servers:  # P: one wave's pushes and pulls; the links carry one wave per push period
         ps = estimate_ps_traffic(cluster, profile, layouts, options.placement)
-        hidden_s = max(0.0, ps.round_trip_s - rules.overlap_iterations(options) * compute_s,
+        # wave k's pull gates the compute of wave k + D + 1: (D + 1) waves hold one round trip and a wave's compute
+        d = rules.overlap_iterations(options)
+        hidden_s = max(0.0, (ps.round_trip_s - d * every * compute_s) / (d + 1),
                        ps.busiest_s - every * compute_s) / every
     else:  # S: the whole segments all-reduced (an average of the weights moves their bytes)
         exchange_s = estimate_sync_time(cluster, profile, layouts)

@@ -42,7 +42,7 @@ from hetrain.schedule import (
     Transfer,
 )
 from hetrain.schedule.templates import TO_NEXT
-from hetrain.simulator.links import LinkResources, allreduce_phases, edge_links
+from hetrain.simulator.links import LinkResources, allreduce_phases, edge_links, ps_phases
 from hetrain.simulator.ops import (
     AverageMerge,
     AverageStart,
@@ -58,7 +58,6 @@ from hetrain.simulator.ops import (
     Push,
     Recv,
     Send,
-    ShardTransfer,
 )
 from hetrain.sync_layout import Bucket, backward_after
 
@@ -558,30 +557,32 @@ class _Compiler:
         return Collective(cid, str(a))
 
     def _push_or_pull(self, a: SegmentSync, dev: _Device) -> Op:
-        """``PUSH`` to / ``PULL`` from the segment's parameter-server shards: to each shard's host, a p2p of the
-        shard's range of the segment's bytes (none where the device hosts the shard)."""
+        """``PUSH`` joins the segment's exchange with its parameter-server shards of this wave, ``PULL`` waits
+        for the exchange of wave ``wave - D`` (``links.ps_phases``: the pushes, then the weights back). The
+        exchange starts when the last owner pushes, as the runtime's reduce to each shard ends only then."""
         s, name = a.segment, dev.name
         seg = self.segments[s]
         if not seg.ps_shards:
             raise ScheduleError(f"{a} on {name}: segment {s} has no parameter-server shards under sync "
                                 f"{self.plan.sync}")
-        here = self.cluster_index[name]
-        push = a.kind is K.PUSH
-        parts = []
-        for k, shard in enumerate(seg.ps_shards):
-            if shard.host == name:
-                parts.append(ShardTransfer(k, 0.0, ()))
-                continue
-            there = self.cluster_index[shard.host]
-            duration_s = estimate_p2p_time(shard.fraction * seg.param_bytes, self.cluster.link(here, there))
-            links = edge_links(self.cluster, here, there, self.res) if push else edge_links(self.cluster, there,
-                                                                                              here, self.res)
-            parts.append(ShardTransfer(k, duration_s, links))
         hosts = ",".join(x.host for x in seg.ps_shards)
-        if push:
-            return Push((s, dev.wave), f"PUSH seg{s} {name}->{hosts}", tuple(parts), len(seg.owners))
+        if a.kind is K.PUSH:
+            return Push(self._ps_exchange(s, dev.wave), f"PUSH seg{s} {name}->{hosts}")
         dev.pulled = True
-        return Pull((s, dev.wave - self.staleness), f"PULL seg{s} {hosts}->{name}", tuple(parts))
+        wave = dev.wave - self.staleness
+        return Pull(self._ps_exchange(s, wave) if wave >= 0 else -1, f"PULL seg{s} {hosts}->{name}")
+
+    def _ps_exchange(self, s: int, wave: int) -> int:
+        """The number of segment ``s``'s exchange with its shards in ``wave``; costed when first named."""
+        key = (K.PUSH, s, (), wave)
+        if key not in self.cids:
+            seg = self.segments[s]
+            owners = [self.cluster_index[o] for o in seg.owners]
+            shards = [(self.cluster_index[x.host], x.fraction) for x in seg.ps_shards]
+            self.cids[key] = len(self.collectives)
+            self.collectives.append(CollectiveSpec(ps_phases(self.cluster, owners, shards, seg.param_bytes, self.res),
+                                                   [self.index[o] for o in seg.owners], f"PS seg{s} wave{wave}"))
+        return self.cids[key]
 
 
 def _bucket_final_s(bucket: Bucket, i: int, dev: _Device) -> float:

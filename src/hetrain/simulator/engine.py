@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 from hetrain.schedule import ScheduleError, validate
 from hetrain.simulator.compile import Program
-from hetrain.simulator.links import occupy
+from hetrain.simulator.links import occupy, occupy_each
 from hetrain.simulator.ops import (
     AverageMerge,
     AverageStart,
@@ -89,14 +89,6 @@ class Replayed:
     max_in_flight: list[int]  # micro-batches whose activations were held at once
 
 
-@dataclass
-class _Shard:
-    """A segment's wave at its parameter-server shards: pushes arrived so far and each shard's latest arrival."""
-
-    pushes: int = 0
-    latest_s: list[float] | None = None
-
-
 def run_program(program: Program) -> Replayed:
     """Replay ``program``; raises ScheduleError (with ``validate``'s grid where it finds one) if it stalls."""
     return _Engine(program).run()
@@ -135,10 +127,6 @@ class _Engine:
         self.posted_end: dict[int, float] = {}  # posted averages and bucket all-reduces: end (-1 while running)
         self.bucket_owners_ready: dict[int, int] = {}  # bucket all-reduce -> owners whose gradients of it are final
         self.posted_waiters: dict[int, list[int]] = {}
-        # parameter server: (segment, wave) -> its pushes; when the shard holds every owner's update; who waits
-        self.shards: dict[tuple[int, int], _Shard] = {}
-        self.ready: dict[tuple[int, int], list[float]] = {}  # per shard, when it holds every owner's update
-        self.pull_waiters: dict[tuple[int, int], list[int]] = {}
         self.waits_since: dict[int, float] = {}
         self.on_event: tuple[Callable[[float, int], None], ...] = (
             self._device_ready, self._phase_done, self._bucket_ready)
@@ -204,9 +192,14 @@ class _Engine:
             self._end_collective(t, s)
             return
         phase = spec.phases[k]
-        start, end = occupy(self.free_at, phase.links, t, phase.duration_s)
-        for r in phase.links:
-            self.link_events[r].append(Event(start, end, "allreduce", f"{spec.label} {phase.name}"))
+        if phase.holds_s is None:
+            start, end = occupy(self.free_at, phase.links, t, phase.duration_s)
+            for r in phase.links:
+                self.link_events[r].append(Event(start, end, phase.kind, f"{spec.label} {phase.name}"))
+        else:
+            start, end = occupy_each(self.free_at, phase.links, t, phase.holds_s)
+            for r, hold_s in zip(phase.links, phase.holds_s, strict=True):
+                self.link_events[r].append(Event(start, start + hold_s, phase.kind, f"{spec.label} {phase.name}"))
         if k == 0:
             self.sync_start[s] = start
         self.phase_of[s] = k + 1
@@ -364,44 +357,22 @@ class _Engine:
         return _NEXT
 
     def _push(self, t: float, d: int, op: Push) -> Flow:
-        """Sends each shard its range of the update and goes on; the wave is ready at each shard once every
-        owner's range has arrived there."""
-        shard = self.shards.setdefault(op.wave, _Shard())
-        if shard.latest_s is None:
-            shard.latest_s = [0.0] * len(op.parts)
-        for part in op.parts:
-            start, end = occupy(self.free_at, part.links, t, part.duration_s)
-            for r in part.links:
-                self.link_events[r].append(Event(start, end, "push", op.label))
-            shard.latest_s[part.shard] = max(shard.latest_s[part.shard], end)
-        shard.pushes += 1
-        if shard.pushes == op.owners:
-            self.ready[op.wave] = shard.latest_s
-            for w in self.pull_waiters.pop(op.wave, []):
-                self._wake(max(shard.latest_s), _DEVICE_READY, w)
+        """Joins the wave's exchange with the segment's shards and goes on; the last owner starts it."""
+        if self._arrive(d, op.collective):
+            self.posted_end[op.collective] = -1.0
+            self._start_collective(t, op.collective)
         return _NEXT
 
     def _pull(self, t: float, d: int, op: Pull) -> Flow:
-        """Waits for every shard's weights of ``op.wave``, which travel back on each host's links once that shard
-        is ready."""
-        if op.wave[1] < 0:
+        """Holds the device until the exchange of the wave it takes has ended; the time held counts as sync."""
+        if op.collective < 0:
             return _NEXT
-        if op.wave not in self.ready:
-            self.pull_waiters.setdefault(op.wave, []).append(d)
-            self.waits_since[d] = min(self.waits_since.get(d, t), t)
+        if self.posted_end.get(op.collective, -1.0) < 0:
+            self.posted_waiters.setdefault(op.collective, []).append(d)
+            self.waits_since.setdefault(d, t)
             return _BLOCKED
         since = self.waits_since.pop(d, t)
-        ready = self.ready[op.wave]
-        end = t
-        for part in op.parts:
-            start, arrive = occupy(self.free_at, part.links, ready[part.shard], part.duration_s)
-            for r in part.links:
-                self.link_events[r].append(Event(start, arrive, "pull", op.label))
-            end = max(end, arrive)
-        if end > since:
-            self.events[d].append(Event(since, end, "sync", op.label))
-            self.sync[d] += end - since
-        if end > t:
-            self._wake(end, _DEVICE_READY, d)
-            return _LATER
+        if t > since:
+            self.events[d].append(Event(since, t, "sync", op.label))
+            self.sync[d] += t - since
         return _NEXT

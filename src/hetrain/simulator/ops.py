@@ -16,8 +16,8 @@ index into ``Program.collectives``), so every owner's operation names the same o
     AVERAGE_MERGE                AverageMerge   waits until that average has ended
     ALLREDUCE_START              BucketStart    nothing (its Backward starts the bucket's all-reduce)
     ALLREDUCE_WAIT               BucketWait     waits until the bucket's all-reduce has ended
-    PUSH                         Push           sends each shard of the segment its range of the update, goes on
-    PULL                         Pull           waits for every shard's weights of an earlier wave
+    PUSH                         Push           joins its wave's exchange with the segment's shards, goes on
+    PULL                         Pull           waits until the exchange of an earlier wave has ended
     STEP                         OptimizerStep  computes for duration_s
 """
 
@@ -92,25 +92,14 @@ class BucketWait(NamedTuple):
     label: str
 
 
-class ShardTransfer(NamedTuple):
-    """One parameter-server shard's part of a push or a pull: its range of the segment, to or from its host."""
-
-    shard: int  # its index in ``Segment.ps_shards``
-    duration_s: float  # 0 where the device hosts the shard
-    links: tuple[int, ...]  # () where the device hosts the shard
-
-
 class Push(NamedTuple):
-    wave: tuple[int, int]  # (segment, wave)
+    collective: int  # the segment's exchange with its shards of this wave (``links.ps_phases``)
     label: str
-    parts: tuple[ShardTransfer, ...]  # one per shard of the segment, each its range to its host
-    owners: int  # pushes each shard waits for
 
 
 class Pull(NamedTuple):
-    wave: tuple[int, int]  # (segment, wave) whose weights it takes; wave < 0: none yet, nothing to wait for
+    collective: int  # the exchange of the wave whose weights it takes; -1: none yet, nothing to wait for
     label: str
-    parts: tuple[ShardTransfer, ...]  # one per shard, each its range back from its host
 
 
 class OptimizerStep(NamedTuple):
@@ -124,7 +113,8 @@ Op: TypeAlias = (Forward | Backward | Send | Recv | Collective | AverageStart | 
 
 
 class CollectiveSpec(NamedTuple):
-    """One all-reduce (or average) among ``owners`` (device numbers of the replay), run as ``phases``."""
+    """One all-reduce (or average, or parameter-server exchange) among ``owners`` (device numbers of the replay),
+    run as ``phases``."""
 
     phases: list[Phase]
     owners: list[int]
