@@ -281,19 +281,38 @@ def estimate_ps_loads(cluster: Cluster, owners: Sequence[int], shards: Sequence[
     """
     push: dict[LinkKey, float] = {}
     pull: dict[LinkKey, float] = {}
-
-    def carry(load: dict[LinkKey, float], a: int, b: int, size: float) -> None:
-        t = estimate_p2p_time(size, cluster.link(a, b))
-        na, nb = cluster.devices[a].node, cluster.devices[b].node
-        keys: list[LinkKey] = [("pair", a, b)] if na == nb else [("out", na), ("in", nb)]
-        for key in keys:
-            load[key] = load.get(key, 0.0) + t
-
+    by_node: dict[str, list[int]] = {}
+    for d in owners:
+        by_node.setdefault(cluster.devices[d].node, []).append(d)
+    names = list(by_node)
+    reps = np.array([members[0] for members in by_node.values()])  # another node's owners cross the same NICs
+    counts = np.array([len(members) for members in by_node.values()], dtype=float)
+    # (node of the owners, NIC out or in) -> seconds, per direction of the exchange
+    nics = {"push": np.zeros((len(names), 2)), "pull": np.zeros((len(names), 2))}
     for host, fraction in shards:
-        for d in owners:
+        size = fraction * num_bytes
+        home = names.index(cluster.devices[host].node)
+        for d in by_node[names[home]]:  # each mate on the host's node over its own pair of devices
             if d != host:
-                carry(push, d, host, fraction * num_bytes)
-                carry(pull, host, d, fraction * num_bytes)
+                push[("pair", d, host)] = push.get(("pair", d, host), 0.0) + estimate_p2p_time(
+                    size, cluster.link(d, host))
+                pull[("pair", host, d)] = pull.get(("pair", host, d), 0.0) + estimate_p2p_time(
+                    size, cluster.link(host, d))
+        if size <= 0:
+            continue
+        # latency + bytes / bandwidth (estimate_p2p_time) of every other node's owners, to the host and back
+        there = counts * (cluster.latency_s[reps, host] + size / cluster.bandwidth_bytes_per_s[reps, host])
+        back = counts * (cluster.latency_s[host, reps] + size / cluster.bandwidth_bytes_per_s[host, reps])
+        there[home] = back[home] = 0.0
+        nics["push"][:, 0] += there  # out of each owner's node
+        nics["push"][home, 1] += there.sum()  # into the host's
+        nics["pull"][home, 0] += back.sum()
+        nics["pull"][:, 1] += back
+    for load, seconds in ((push, nics["push"]), (pull, nics["pull"])):
+        for k, node in enumerate(names):
+            for side, way in enumerate(("out", "in")):
+                if seconds[k, side] > 0:
+                    load[(way, node)] = float(seconds[k, side])
     return push, pull
 
 
