@@ -42,7 +42,7 @@ from hetrain.schedule import (
     Transfer,
 )
 from hetrain.schedule.templates import TO_NEXT
-from hetrain.simulator.links import LinkResources, allreduce_phases, edge_links, ps_phases
+from hetrain.simulator.links import LinkResources, Phase, allreduce_phases, edge_links, ps_phases
 from hetrain.simulator.ops import (
     AverageMerge,
     AverageStart,
@@ -278,6 +278,7 @@ class _Compiler:
         self.cids: dict[tuple[ActionKind, int, tuple[object, ...], int], int] = {}
         self.collectives: list[CollectiveSpec] = []
         self.last_start: dict[tuple[int, int], int] = {}  # (device, segment) -> iteration of its AVERAGE_START
+        self.exchange_phases: dict[int, list[Phase]] = {}  # segment -> its parameter-server exchange's phases
         self.p2p_cache: dict[tuple[int, int, float], tuple[float, tuple[int, ...]]] = {}
         self.labels: dict[tuple[str, int, int], list[str]] = {}  # "jFi" strings, shared by devices of equal (j, m)
         # devices alike (the same stage of equal VWs on the same kind of device) share their costs and compute ops
@@ -577,11 +578,14 @@ class _Compiler:
         key = (K.PUSH, s, (), wave)
         if key not in self.cids:
             seg = self.segments[s]
-            owners = [self.cluster_index[o] for o in seg.owners]
-            shards = [(self.cluster_index[x.host], x.fraction) for x in seg.ps_shards]
+            phases = self.exchange_phases.get(s)
+            if phases is None:  # the same every wave
+                owners = [self.cluster_index[o] for o in seg.owners]
+                shards = [(self.cluster_index[x.host], x.fraction) for x in seg.ps_shards]
+                phases = self.exchange_phases[s] = ps_phases(self.cluster, owners, shards, seg.param_bytes, self.res)
             self.cids[key] = len(self.collectives)
-            self.collectives.append(CollectiveSpec(ps_phases(self.cluster, owners, shards, seg.param_bytes, self.res),
-                                                   [self.index[o] for o in seg.owners], f"PS seg{s} wave{wave}"))
+            members = [self.index[o] for o in seg.owners]
+            self.collectives.append(CollectiveSpec(phases, members, f"PS seg{s} wave{wave}"))
         return self.cids[key]
 
 
