@@ -39,6 +39,7 @@ runs that comparison.
 
     sudo -E .venv/bin/python benchmarks/convergence.py            # the RESULTS.md section
     sudo -E .venv/bin/python benchmarks/convergence.py --quick    # smoke: a few steps, writes nothing
+    sudo -E .venv/bin/python benchmarks/convergence.py --runs wsp # bsp-dp and wsp only: their own section
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ count = 2
 """
 
 
+RUN_NAMES = ("bsp-dp", "bsp-hybrid", "wsp", "hybrid-ps", "daso", "local-sgd", "wsp-hybrid")
 Curve = list[tuple[float, float]]  # (training time s, validation loss), in step order
 
 
@@ -112,6 +114,16 @@ def time_to(curve: Curve, target: float) -> float | None:
     return None
 
 
+def _servers(runs: dict[str, Any]) -> str:
+    """How each run's parameter servers are placed: its segments' shards, host and fraction."""
+    out = []
+    for name, p in runs.items():
+        shards = {tuple((x.host, round(x.fraction, 3)) for x in seg.ps_shards) for seg in p.segments() if seg.ps_shards}
+        if shards:
+            out.append(f"{name} {p.sync_options.placement} {'; '.join(str(list(x)) for x in sorted(shards))}")
+    return ", ".join(out) or "none"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=150)
@@ -128,6 +140,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="smoke run: 12 steps, eval every 4, 2 batches; no RESULTS.md")
     ap.add_argument("--out-dir", default="out/convergence")
     ap.add_argument("--no-write", action="store_true", help="do not write RESULTS.md")
+    ap.add_argument("--runs", nargs="+", choices=RUN_NAMES, default=None,
+                    help="only these runs (and bsp-dp, the baseline); their table is its own RESULTS.md section")
     ap.add_argument("--reuse", action="store_true",
                     help="tabulate the metrics already in --out-dir instead of training again")
     args = ap.parse_args()
@@ -156,7 +170,9 @@ def main() -> int:
     cluster = parse_cluster(nominal)
     gb = args.global_batch
     if args.reuse:
-        dp, best = (load_plan(out / f"plan-{name}.json") for name in ("bsp-dp", "bsp-hybrid"))
+        dp = load_plan(out / "plan-bsp-dp.json")
+        hybrid = out / "plan-bsp-hybrid.json"
+        best = load_plan(hybrid) if hybrid.exists() else dp  # absent where --runs left the hybrid runs out
     else:
         # the demo's planning path: gpt-tiny profiled on each emulated device type, the links
         # discovered, micro-batches of 4 or more (hetrain.demo.build_plans)
@@ -173,6 +189,8 @@ def main() -> int:
     # HetPipe's own pairing: WSP across VWs that are pipelines (the planner's best plan), where only
     # one VW's pushes and pulls of each segment cross a slow NIC instead of every replica's
     runs["wsp-hybrid"] = repredict_sync(best, "wsp", opts)
+    if args.runs:
+        runs = {name: p for name, p in runs.items() if name == "bsp-dp" or name in args.runs}
     rows: dict[str, list[dict[str, Any]]] = {}
     settings = parse_emulation_settings(nominal.get("emulation"))
     if args.reuse:
@@ -253,7 +271,8 @@ def main() -> int:
         ax.set_title("gpt-tiny on Shakespeare, emulated 2 x 2 heterogeneous cluster")
         ax.legend()
         fig.tight_layout()
-        fig.savefig((out if args.no_write else Path(__file__).resolve().parent) / "convergence.png", dpi=120)
+        fig.savefig((out if args.no_write or args.runs else Path(__file__).resolve().parent) / "convergence.png",
+                    dpi=120)
     except ImportError:
         print("matplotlib missing: no plot", file=sys.stderr)
     if not args.no_write:
@@ -263,14 +282,18 @@ def main() -> int:
                  "time at the last step, evaluation and job start-up excluded (every rank finishes the step before "
                  "an evaluation, which costs the asynchronous modes their lead at that point). Time to target: "
                  f"linear between the evaluations around the first crossing. Sync options: {opts}; "
-                 f"{args.optimizer}, lr {args.lr:g}. Plot: benchmarks/convergence.png. One run per mode, on a "
+                 f"{args.optimizer}, lr {args.lr:g}.{'' if args.runs else ' Plot: benchmarks/convergence.png.'} "
+                 "One run per mode, on a "
                  "shared 2-core host: "
                  "differences of a few percent are noise. The papers report 49% faster convergence for HetPipe's "
-                 "WSP (Park et al., ATC 2020) and 34% less training time for DASO (Coquelin et al. 2022).")
-        write_section("Convergence: time to a target loss per sync mode (emulated)",
+                 "WSP (Park et al., ATC 2020) and 34% less training time for DASO (Coquelin et al. 2022). "
+                 f"Parameter servers: {_servers(runs)}.")
+        chosen = f" --runs {' '.join(args.runs)}" if args.runs else ""
+        write_section("Convergence: time to a target loss per sync mode (emulated)"
+                      + (f", {', '.join(runs)}" if args.runs else ""),
                       f"sudo -E .venv/bin/python benchmarks/convergence.py --steps {args.steps} --eval-every "
                       f"{args.eval_every} --eval-batches {args.eval_batches} --optimizer {args.optimizer} "
-                      f"--lr {args.lr:g}", table, notes)
+                      f"--lr {args.lr:g}{chosen}", table, notes)
     return 0
 
 

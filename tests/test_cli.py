@@ -98,7 +98,7 @@ def test_bad_sync_option_names_the_key_the_value_and_what_is_allowed(capsys) -> 
     assert "unknown key 'lag'" in err and "staleness=N" in err and "Traceback" not in err
     assert main([*base, "--sync", "wsp", "--sync-option", "placement=nearest"]) == 2
     err = capsys.readouterr().err
-    assert "placement must be one of local, round-robin, got 'nearest'" in err
+    assert "placement must be one of sharded, local, round-robin, got 'nearest'" in err
 
 
 def test_train_runs_the_plan_as_it_is() -> None:

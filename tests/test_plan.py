@@ -137,7 +137,7 @@ def test_the_simulate_command_refuses_an_unknown_key_in_one_line(tmp_path: Path,
 
 @pytest.mark.parametrize("mode", ["bsp", "wsp", "hybrid-ps", "daso", "local-sgd"])
 def test_every_key_the_writer_emits_loads_back(tmp_path: Path, small_plan, mode: str) -> None:
-    """Each mode writes different segment keys (buckets, ps_host, local_groups); recompute and memory figures
+    """Each mode writes different segment keys (buckets, ps_shards, local_groups); recompute and memory figures
     are written too: all of it loads."""
     stage = small_plan.virtual_workers[0].stages[0]
     vw = replace(small_plan.virtual_workers[0], stages=(replace(stage, recompute=(stage.first_layer,)),

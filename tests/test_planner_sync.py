@@ -14,7 +14,9 @@ from hetrain.models.analytic import build_profile
 from hetrain.plan import Plan
 from hetrain.planner.sync import (
     estimate_mode_staleness,
+    estimate_mode_sync_time,
     estimate_ps_time,
+    estimate_ps_traffic,
     estimate_sync_time,
     estimate_time_to_accuracy,
 )
@@ -68,7 +70,7 @@ def test_local_placement_puts_the_shard_on_the_node_with_most_owners() -> None:
     assert [place_ps_shard(owners, nodes, s, "local") for s in range(4)] == ["b:0", "b:1", "b:0", "b:1"]
     # a tie between nodes goes round-robin over the nodes, then over the chosen node's owners
     assert [place_ps_shard(["a:0", "b:0"], ["a", "b"], s, "local") for s in range(2)] == ["a:0", "b:0"]
-    with pytest.raises(ValueError, match="placement must be one of local, round-robin, got 'nearby'"):
+    with pytest.raises(ValueError, match="placement must be one of sharded, local, round-robin, got 'nearby'"):
         place_ps_shard(owners, nodes, 0, "nearby")
 
 
@@ -83,16 +85,43 @@ def test_local_placement_costs_less_than_round_robin_when_the_majority_node_host
     assert local < 0.6 * robin, (local, robin)
 
 
+def test_sharded_servers_load_every_nic_a_quarter_as_much_as_one_host_by_hand() -> None:
+    """Eight one-stage VWs on four nodes of two devices (1 GB/s NICs, no latency), 400 MB of parameters.
+
+    One host (n0:0): the six owners on other nodes push 400 MB each into n0's NIC, 2.4 s, and pull it back out,
+    2.4 s. A shard per node, 100 MB each: every NIC sends its two owners' three remote ranges (0.6 s) and
+    its shard's range to the six remote owners (0.6 s), and takes as much in: 0.6 s of pushes, 0.6 s of pulls,
+    1.2 s on the busiest NIC each way."""
+    from factories import A100, link, make_cluster, make_profile
+
+    cluster = make_cluster({f"n{k}": (A100, 2) for k in range(4)}, intra_link=link(1e11, 0.0), nic=link(1e9, 0.0))
+    profile = make_profile(4, param_bytes=1e8)
+    layouts = [[(d, 0, 4)] for d in range(8)]
+    local = estimate_ps_traffic(cluster, profile, layouts, "local")
+    assert (local.push_s, local.pull_s, local.busiest_s) == pytest.approx((2.4, 2.4, 2.4))
+    sharded = estimate_ps_traffic(cluster, profile, layouts, "sharded")
+    assert (sharded.push_s, sharded.pull_s, sharded.busiest_s) == pytest.approx((0.6, 0.6, 1.2))
+    assert estimate_ps_time(cluster, profile, layouts) == pytest.approx(1.2)  # sharded is the default
+    # wsp: (D + 1) waves hold a round trip and a wave's compute, and a wave at least the busiest NIC's load
+    options = SyncOptions(staleness=1, placement="sharded")
+    for compute_s, want in [(0.1, max((1.2 - 0.1) / 2, 1.2 - 0.1)), (0.5, 0.7), (2.0, 0.0)]:
+        got = estimate_mode_sync_time(cluster, profile, layouts, "wsp", options, compute_s)
+        assert got == pytest.approx(want), compute_s
+    one_host = estimate_mode_sync_time(cluster, profile, layouts, "wsp", SyncOptions(staleness=1, placement="local"),
+                                       0.5)
+    assert one_host == pytest.approx(max((4.8 - 0.5) / 2, 2.4 - 0.5))
+
+
 # --- --sync-option --------------------------------------------------------------------------------------
 
 
 def test_sync_options_are_parsed_and_checked() -> None:
     assert SyncOptions.from_items(["staleness=0", "period=8", "placement=round-robin"]) == \
         SyncOptions(staleness=0, period=8, placement="round-robin")
-    for item, words in [("speed=3", ["unknown key 'speed'", "placement=local|round-robin"]),
+    for item, words in [("speed=3", ["unknown key 'speed'", "placement=sharded|local|round-robin"]),
                         ("period=0", ["period must be in [1, 100000]", "got 0"]),
                         ("staleness=two", ["staleness must be an integer in [0, 1000]", "got 'two'"]),
-                        ("placement=far", ["placement must be one of local, round-robin", "got 'far'"]),
+                        ("placement=far", ["placement must be one of sharded, local, round-robin", "got 'far'"]),
                         ("period", ["expected KEY=VALUE"])]:
         with pytest.raises(ValueError) as e:
             SyncOptions.from_items([item])
@@ -162,3 +191,22 @@ def test_bsp_closed_form_and_simulator_agree_on_a_data_parallel_plan() -> None:
     sim = simulate(p)
     assert p.prediction.sync_s > 0
     assert p.prediction.iteration_s == pytest.approx(sim.iteration_s, rel=0.15)
+
+
+def test_sharded_servers_keep_wsp_and_hybrid_ps_at_least_at_bsp_on_four_10gbe_nodes() -> None:
+    """benchmarks/ps_sharding.py's case (gpt2-small, batch 256, 8 DP VWs on four 10 GbE nodes): with one host
+    per segment WSP's exchange through one NIC makes it slower than BSP; sharded over the nodes, WSP and
+    hybrid-ps are predicted at least as fast as BSP on the same VWs, by the closed form and the simulator."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from ps_sharding import measure
+
+    rows = {(mode, placement): (closed, simulated) for mode, placement, closed, simulated in measure()}
+    bsp = rows[("bsp", "-")]
+    assert rows[("wsp", "local")][0] < bsp[0] and rows[("wsp", "local")][1] < bsp[1]
+    for mode in ("wsp", "hybrid-ps"):
+        closed, simulated = rows[(mode, "sharded")]
+        assert closed >= bsp[0] and simulated >= bsp[1], (mode, rows)
+        assert closed > rows[(mode, "local")][0] and simulated > rows[(mode, "local")][1]

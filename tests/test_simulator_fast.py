@@ -75,7 +75,7 @@ def random_plan(seed: int) -> Plan:
     options = SyncOptions(staleness=rng.randint(0, 2), period=rng.randint(1, 4), aggregate=rng.randint(1, 3),
                           bucket_bytes=rng.choice([1e6, 25 * 2**20]), first_bucket_bytes=rng.choice([1e5, 2**20]),
                           allreduce=rng.choice(["auto", "ring"]), transfers=rng.choice(["overlap", "blocking"]),
-                          placement=rng.choice(["local", "round-robin"]))
+                          placement=rng.choice(["sharded", "local", "round-robin"]))
     return make_plan(cluster, profile, vws, schedule=SCHEDULES[seed // len(MODES) % 2], sync=MODES[seed % len(MODES)],
                      optimizer=rng.choice(["sgd", "adam"]), strategy="hybrid", formation="random", sync_options=options)
 

@@ -72,16 +72,43 @@ def test_a_single_iteration_is_replayed_for_bsp() -> None:
     assert dataclasses.replace(plan, sync="local-sgd").sync == "local-sgd"
 
 
-def test_pulls_occupy_the_network_from_the_shard_host_back() -> None:
-    plan = dp_plan("wsp", staleness=1)
+@pytest.mark.parametrize("placement, senders", [
+    ("local", {"n0 NIC out", "n0:0->n0:1"}),
+    ("sharded", {"n0 NIC out", "n1 NIC out", "n0:0->n0:1", "n1:0->n1:1"}),
+])
+def test_pulls_occupy_the_links_from_the_shard_hosts_back(placement: str, senders: set[str]) -> None:
+    plan = dp_plan("wsp", staleness=1, placement=placement)
     r = simulate(plan, iterations=12)
-    pulls = [(name, e) for name, evs in r.timeline.links.items() for e in evs if e.kind == "pull"]
-    assert pulls and all(e.end_s > e.start_s for _, e in pulls)
-    host = plan.segments()[0].ps_host
-    # every other owner gets the global weights back once per wave (the first D waves need none)
-    # (a transfer across nodes holds two links, the NICs out and in: one event on each, same label and start)
-    transfers = {(e.label, e.start_s) for _, e in pulls if e.label.startswith(f"PULL seg0 {host}->")}
-    assert len(transfers) == 3 * (12 - 1)
+    pulls = {name: [e for e in evs if e.kind == "pull"] for name, evs in r.timeline.links.items()}
+    # the weights go back from the hosts only: one host's NIC and intra-node link, or every node's
+    assert {name for name, evs in pulls.items() if evs and "NIC in" not in name} == senders
+    for name in senders:  # every wave's weights go back once its pushes are in, pulled or not (as the runtime)
+        assert [e.label for e in pulls[name]] == [f"PS seg0 wave{c} pull" for c in range(12)]
+        assert all(e.end_s > e.start_s for e in pulls[name])
+
+
+def four_nodes_plan(sync: str, **options: int | str) -> Plan:
+    """Eight one-stage VWs on four nodes of two devices, 1 GB/s NICs, 400 MB of parameters: the exchange
+    outlasts the compute."""
+    cluster = make_cluster({f"n{k}": (A100, 2) for k in range(4)}, intra_link=link(1e11, 1e-6),
+                           nic=link(1e9, 1e-5), name="four")
+    devices = [f"n{k}:{j}" for k in range(4) for j in range(2)]
+    return make_plan(cluster, profile(1e8), replicas(devices, 4, 4), sync=sync, **options)
+
+
+@pytest.mark.parametrize("sync", ["wsp", "hybrid-ps"])
+def test_sharded_servers_spread_the_exchange_and_the_closed_form_follows(sync: str) -> None:
+    """One host takes every other owner's 400 MB through its NIC; a shard per node takes a quarter from each.
+    The simulator replays both within 10% of the closed form (``planner.sync.estimate_mode_sync_time``)."""
+    from hetrain.planner.sync import repredict_sync
+
+    seen = {}
+    for placement in ("local", "sharded"):
+        plan = four_nodes_plan(sync, staleness=1, placement=placement, aggregate=1)
+        closed = repredict_sync(plan, sync, plan.sync_options).prediction.iteration_s
+        seen[placement] = simulate(plan, iterations=12).iteration_s
+        assert seen[placement] == pytest.approx(closed, rel=0.1), (placement, seen[placement], closed)
+    assert seen["sharded"] < 0.5 * seen["local"], seen
 
 
 def three_vw_plan(placement: str) -> Plan:
@@ -92,7 +119,7 @@ def three_vw_plan(placement: str) -> Plan:
 
 def test_local_placement_keeps_traffic_on_the_node_and_is_faster() -> None:
     local, robin = three_vw_plan("local"), three_vw_plan("round-robin")
-    assert local.segments()[0].ps_host == "n1:0" and robin.segments()[0].ps_host == "n0:0"
+    assert local.segments()[0].ps_shards[0].host == "n1:0" and robin.segments()[0].ps_shards[0].host == "n0:0"
 
     def nic_busy_s(plan: Plan) -> float:
         r = simulate(plan, iterations=12)

@@ -14,7 +14,16 @@ from hetrain.errors import InputError
 from hetrain.models.analytic import build_profile
 from hetrain.plan import DeviceMemory, Plan, PlanError, Stage, VirtualWorker, parse_plan
 from hetrain.schedule import ActionKind, build_schedule
-from hetrain.sync_layout import SyncLayoutError, SyncOptions, cut_buckets, cut_buckets_exact, group_segments
+from hetrain.sync_layout import (
+    PsShard,
+    SyncLayoutError,
+    SyncOptions,
+    cut_bounds,
+    cut_buckets,
+    cut_buckets_exact,
+    group_segments,
+    place_ps_shards,
+)
 
 
 def two_by_two(nic: str = "100Mbit/s") -> Cluster:
@@ -91,10 +100,12 @@ def test_each_mode_records_only_what_it_uses() -> None:
     layer_bytes = [x.param_bytes for x in bsp.profile.layers]
     cuts = cut_buckets(layer_bytes, 0, 6, 20_000, 60_000)
     assert [(b.first_layer, b.end_layer, b.param_bytes) for b in seg.buckets] == cuts and len(cuts) > 2
-    assert seg.ps_host is None and not seg.local_groups
+    assert not seg.ps_shards and not seg.local_groups
     # 100 Mbit/s between nodes, 100 Gbit/s inside: every all-reduce goes hierarchical
     assert seg.algorithm == "hierarchical" and {b.algorithm for b in seg.buckets} == {"hierarchical"}
-    assert wsp.segments()[0].ps_host in {"n0:0", "n0:1", "n1:0", "n1:1"} and not wsp.segments()[0].buckets
+    # one shard per node, even halves (equal NICs), kept by owner s mod 2 of each node: n0:0 and n1:0
+    assert wsp.segments()[0].ps_shards == (PsShard("n0:0", 0.5), PsShard("n1:0", 0.5))
+    assert not wsp.segments()[0].buckets
     assert daso.segments()[0].local_groups == (("n0:0", "n0:1"), ("n1:0", "n1:1"))
     ring = dp_plan("bsp", allreduce="ring", **small)
     assert {b.algorithm for b in ring.segments()[0].buckets} == {"ring"}
@@ -112,21 +123,25 @@ def test_the_sync_section_round_trips() -> None:
     data = json.loads(json.dumps(plan.to_dict()))
     section = data["sync"]
     assert section["mode"] == "hybrid-ps" and section["options"]["staleness"] == 2
-    assert section["segments"][0]["ps_host"] and section["segments"][0]["local_groups"]
+    assert section["segments"][0]["ps_shards"] == [{"host": "n0:0", "fraction": 0.5},
+                                                   {"host": "n1:0", "fraction": 0.5}]
+    assert section["segments"][0]["local_groups"]
     back = parse_plan(data)
     assert back.layout == plan.layout and back.sync_options == plan.sync_options
 
 
 @pytest.mark.parametrize("field, value, words", [
-    ("ps_host", "n1:1", "sync.segments[0].ps_host: 'n1:1'"),
+    ("ps_shards", [{"host": "n0:0", "fraction": 1.0}], "sync.segments[0].ps_shards: [{'host': 'n0:0'"),
+    ("ps_shards", [{"host": "n0:1", "fraction": 0.5}, {"host": "n1:0", "fraction": 0.5}],
+     "sync.segments[0].ps_shards: [{'host': 'n0:1'"),
+    ("ps_shards", [{"host": "n0:0", "fraction": 0.6}, {"host": "n1:0", "fraction": 0.4}],
+     "sync.segments[0].ps_shards: [{'host': 'n0:0', 'fraction': 0.6}"),
     ("owners", ["n0:0", "n0:1"], "sync.segments[0].owners"),
     ("algorithm", "ring", "sync.segments[0].algorithm: 'ring'"),
     ("layers", [0, 5], "sync.segments[0].layers"),
 ])
 def test_a_hand_edited_layout_is_refused_naming_the_segment(field: str, value: Any, words: str) -> None:
     data = json.loads(json.dumps(dp_plan("wsp").to_dict()))
-    if data["sync"]["segments"][0][field] == value:
-        value = "n0:0" if field == "ps_host" else value
     data["sync"]["segments"][0][field] = value
     with pytest.raises(PlanError) as e:
         parse_plan(data)
@@ -147,7 +162,7 @@ def test_a_missing_segment_is_refused() -> None:
     ({"staleness": True}, "staleness must be an integer"),
     ({"staleness": "2"}, None),  # a string that parses is read as the number
     ({"bucket_bytes": -1}, "bucket_bytes must be in [1, "),
-    ({"placement": "far"}, "placement must be one of local, round-robin, got 'far'"),
+    ({"placement": "far"}, "placement must be one of sharded, local, round-robin, got 'far'"),
     ({"lag": 2}, "unknown option 'lag'"),
     ({"period": 10**400}, "period must be an integer in [1, 100000]"),  # too large for a float: still one line
     ({"period": [4]}, "period must be an integer"),
@@ -185,8 +200,9 @@ def test_a_stage_that_does_not_fit_its_device_is_refused_with_the_numbers() -> N
 def test_with_sync_makes_the_layout_anew() -> None:
     plan = dp_plan("bsp")
     wsp = plan.with_sync("wsp", SyncOptions(placement="round-robin"))
-    assert wsp.sync == "wsp" and wsp.segments()[0].ps_host is not None and not wsp.segments()[0].buckets
-    assert plan.segments()[0].buckets and plan.segments()[0].ps_host is None
+    assert wsp.sync == "wsp" and wsp.segments()[0].ps_shards == (PsShard("n0:0", 1.0),)
+    assert not wsp.segments()[0].buckets
+    assert plan.segments()[0].buckets and not plan.segments()[0].ps_shards
 
 
 def test_the_transfers_option_is_overlap_by_default_and_checked() -> None:
@@ -195,3 +211,70 @@ def test_the_transfers_option_is_overlap_by_default_and_checked() -> None:
     assert SyncOptions.from_mapping({"transfers": "blocking"}).to_dict()["transfers"] == "blocking"
     with pytest.raises(SyncLayoutError, match="transfers must be one of overlap, blocking, got 'sometimes'"):
         SyncOptions.from_items(["transfers=sometimes"])
+
+
+# --- sharded parameter servers ---------------------------------------------------------------------------------
+
+
+def test_a_parameter_server_has_one_shard_per_node_sized_by_its_nic() -> None:
+    owners = ["a:0", "a:1", "b:0", "c:0", "c:1"]
+    nodes = ["a", "a", "b", "c", "c"]
+    nic = {"a": 10e9, "b": 2.5e9, "c": 12.5e9}
+    # one shard per node, in the nodes' order; within a node, owner s mod k keeps it
+    assert place_ps_shards(owners, nodes, nic, 0) == (("a:0", 0.4), ("b:0", 0.1), ("c:0", 0.5))
+    assert place_ps_shards(owners, nodes, nic, 1) == (("a:1", 0.4), ("b:0", 0.1), ("c:1", 0.5))
+    # owners all on one node keep one shard; the one-host placements keep theirs
+    assert place_ps_shards(["a:0", "a:1"], ["a", "a"], nic, 3) == (("a:1", 1.0),)
+    assert place_ps_shards(owners, nodes, nic, 0, "local") == (("a:0", 1.0),)
+    assert place_ps_shards(owners, nodes, nic, 1, "round-robin") == (("a:1", 1.0),)
+    with pytest.raises(SyncLayoutError, match="placement must be one of sharded, local, round-robin, got 'near'"):
+        place_ps_shards(owners, nodes, nic, 0, "near")
+
+
+def test_shards_cut_the_flat_weights_into_contiguous_ranges() -> None:
+    assert cut_bounds([0.4, 0.1, 0.5], 10) == [(0, 4), (4, 5), (5, 10)]
+    assert cut_bounds([1.0], 7) == [(0, 7)]
+    bounds = cut_bounds([0.333333333, 0.333333333, 0.333333334], 1000)
+    assert bounds[0][0] == 0 and bounds[-1][1] == 1000 and all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
+
+
+def uneven_nics() -> Cluster:
+    """Three nodes: two devices on a 10 Gbit/s NIC, two on 10, one on 20 Gbit/s."""
+    node = [{"name": name, "devices": [{"type": "cpu", "count": count}], "intra_link": "100Gbit/s", "nic": nic}
+            for name, count, nic in (("n0", 2, "10Gbit/s"), ("n1", 2, "10Gbit/s"), ("n2", 1, "20Gbit/s"))]
+    return parse_cluster({"name": "uneven", "node": node})
+
+
+def test_a_plan_shards_each_segment_over_its_owners_nodes_and_round_trips() -> None:
+    devices = ("n0:0", "n0:1", "n1:0", "n1:1", "n2:0")
+    plan = make_plan(uneven_nics(), build_profile("gpt-tiny"), replicas(devices, 6, 5), sync="wsp")
+    (seg,) = plan.segments()
+    assert seg.ps_shards == (PsShard("n0:0", 0.25), PsShard("n1:0", 0.25), PsShard("n2:0", 0.5))
+    numel = 1001
+    assert seg.ps_bounds(numel) == [(0, 250), (250, 500), (500, 1001)]
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert data["format_version"] == 5
+    back = parse_plan(data)
+    assert back.layout == plan.layout
+    # pipelines: a segment whose owners share one node keeps one shard (segment s: owner s mod 2 of the node)
+    vws = (VirtualWorker((Stage("n0:0", 0, 3), Stage("n1:0", 3, 6)), 4, 2),
+           VirtualWorker((Stage("n0:1", 0, 3), Stage("n1:1", 3, 6)), 4, 2))
+    pp = make_plan(uneven_nics(), build_profile("gpt-tiny"), vws, sync="hybrid-ps")
+    assert [seg.ps_shards for seg in pp.segments()] == [(PsShard("n0:0", 1.0),), (PsShard("n1:1", 1.0),)]
+
+
+def test_a_plan_of_format_4_loads_with_its_one_host_servers() -> None:
+    """Format 4 kept each segment's server on one owner (``ps_host``), placed by ``placement``, default local:
+    such a plan loads as it was made; one whose host does not follow from its stages is refused."""
+    plan = dp_plan("wsp", placement="local")
+    data = json.loads(json.dumps(plan.to_dict()))
+    data["format_version"] = 4
+    row = data["sync"]["segments"][0]
+    host = row.pop("ps_shards")[0]["host"]
+    row["ps_host"] = host
+    del data["sync"]["options"]["placement"]  # the default then was local
+    old = parse_plan(data)
+    assert old.sync_options.placement == "local" and old.segments()[0].ps_shards == (PsShard(host, 1.0),)
+    row["ps_host"] = "n1:1"
+    with pytest.raises(PlanError, match=r"sync.segments\[0\].ps_shards: \[\{'host': 'n1:1'.*hetrain plan --from"):
+        parse_plan(data)

@@ -255,6 +255,67 @@ def estimate_p2p_time(num_bytes: float, link: Link) -> float:
     return link.latency_s + num_bytes / link.bandwidth_bytes_per_s
 
 
+#: a link resource the parameter-server exchange loads: ``("out", node)`` / ``("in", node)``, a node's NIC each way
+#: (full duplex); ``("pair", a, b)``, the link from device index a to b on one node (``simulator.links`` names them)
+LinkKey = tuple[str, ...] | tuple[str, int, int]
+
+
+def estimate_ps_loads(cluster: Cluster, owners: Sequence[int], shards: Sequence[tuple[int, float]],
+                      num_bytes: float) -> tuple[dict[LinkKey, float], dict[LinkKey, float]]:
+    """Seconds each link resource carries in one wave's pushes, and in its pulls, of a segment of ``num_bytes``
+    whose parameter server is cut into ``shards`` (host device index, fraction) among ``owners`` (device indices).
+
+    Every owner but a shard's host sends the host the shard's range of its update (``fraction * bytes``,
+    ``estimate_p2p_time`` over their link) and gets the range's global weights back: a star per shard, the
+    textbook parameter server (Li et al., OSDI 2014). A transfer between nodes loads the sender's NIC out and
+    the receiver's NIC in; one inside a node, its pair of devices. Where the NICs share their transfers fairly,
+    the pushes take the busiest resource's push seconds, the pulls its pull seconds.
+
+    Example:
+        >>> from hetrain.cluster import parse_cluster
+        >>> c = parse_cluster({"name": "x", "node": [{"name": n, "devices": [{"type": "cpu", "count": 1}],
+        ...                    "nic": {"bandwidth_bytes_per_s": 1e9, "latency_s": 0.0}} for n in "ab"]})
+        >>> push, pull = estimate_ps_loads(c, [0, 1], [(0, 0.5), (1, 0.5)], 2e9)
+        >>> push[("out", "a")], pull[("out", "a")]
+        (1.0, 1.0)
+    """
+    push: dict[LinkKey, float] = {}
+    pull: dict[LinkKey, float] = {}
+    by_node: dict[str, list[int]] = {}
+    for d in owners:
+        by_node.setdefault(cluster.devices[d].node, []).append(d)
+    names = list(by_node)
+    reps = np.array([members[0] for members in by_node.values()])  # another node's owners cross the same NICs
+    counts = np.array([len(members) for members in by_node.values()], dtype=float)
+    # (node of the owners, NIC out or in) -> seconds, per direction of the exchange
+    nics = {"push": np.zeros((len(names), 2)), "pull": np.zeros((len(names), 2))}
+    for host, fraction in shards:
+        size = fraction * num_bytes
+        home = names.index(cluster.devices[host].node)
+        for d in by_node[names[home]]:  # each mate on the host's node over its own pair of devices
+            if d != host:
+                push[("pair", d, host)] = push.get(("pair", d, host), 0.0) + estimate_p2p_time(
+                    size, cluster.link(d, host))
+                pull[("pair", host, d)] = pull.get(("pair", host, d), 0.0) + estimate_p2p_time(
+                    size, cluster.link(host, d))
+        if size <= 0:
+            continue
+        # latency + bytes / bandwidth (estimate_p2p_time) of every other node's owners, to the host and back
+        there = counts * (cluster.latency_s[reps, host] + size / cluster.bandwidth_bytes_per_s[reps, host])
+        back = counts * (cluster.latency_s[host, reps] + size / cluster.bandwidth_bytes_per_s[host, reps])
+        there[home] = back[home] = 0.0
+        nics["push"][:, 0] += there  # out of each owner's node
+        nics["push"][home, 1] += there.sum()  # into the host's
+        nics["pull"][home, 0] += back.sum()
+        nics["pull"][:, 1] += back
+    for load, seconds in ((push, nics["push"]), (pull, nics["pull"])):
+        for k, node in enumerate(names):
+            for side, way in enumerate(("out", "in")):
+                if seconds[k, side] > 0:
+                    load[(way, node)] = float(seconds[k, side])
+    return push, pull
+
+
 def estimate_ring_allreduce_time(num_bytes: float, p: int, bandwidth_bytes_per_s: float,
                                  latency_s: float) -> float:
     """Ring all-reduce of ``num_bytes`` over ``p`` members.

@@ -62,8 +62,10 @@ SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "1f1b-eager")
 OPTIMIZERS: tuple[str, ...] = OPTIMIZER_NAMES  # profile.OPTIMIZER_NAMES: one vocabulary
 #: 2: the ``"sync"`` section holds the mode, its typed options and the sync layout (was the mode's name);
 #: 3: a stage may run on a TP group (``"tp_group"``). A version 2 plan reads as it is (every stage on one device).
-FORMAT_VERSION = 4
-READABLE_VERSIONS = (2, 3, 4)
+#: 5: a segment's parameter server is sharded (``ps_shards``, sync option ``placement = "sharded"``, the new
+#: default; was one ``ps_host``). A version 2-4 plan reads as it was laid out (``_sync_section_as_v5``).
+FORMAT_VERSION = 5
+READABLE_VERSIONS = (2, 3, 4, 5)
 #: the largest TP degree a stage may have (the devices of one node; DGX-class nodes hold 8, a few 16)
 MAX_TP = 16
 
@@ -684,6 +686,33 @@ def upgrade_plan_data(data: Mapping[str, Any]) -> dict[str, Any]:
     return {**data, "format_version": FORMAT_VERSION, "sync": sync, "options": options}
 
 
+def _sync_section_as_v5(sync: Mapping[str, Any]) -> dict[str, Any]:
+    """A format_version 2-4 ``"sync"`` section as version 5 has it, laid out as it was made.
+
+    Those versions kept each segment's parameter server on one owner (``"ps_host": DEV``), placed by the
+    ``placement`` option, whose default was ``"local"``: a row's ``ps_host`` reads as one shard
+    ``"ps_shards": [{"host": DEV, "fraction": 1.0}]``, and options without ``placement`` get ``"local"``. The
+    plan then runs as before; ``hetrain plan --from PLAN --sync-option placement=sharded -o NEW`` re-plans it
+    with sharded servers.
+    """
+    out = dict(sync)
+    options = out.get("options", {})
+    if isinstance(options, Mapping) and "placement" not in options:
+        out["options"] = {**options, "placement": "local"}
+    rows = out.get("segments")
+    if isinstance(rows, list):
+        out["segments"] = [_one_ps_shard(row) for row in rows]
+    return out
+
+
+def _one_ps_shard(row: Any) -> Any:
+    """A format_version 2-4 segment row with ``"ps_host": DEV`` as ``"ps_shards": [{"host": DEV, "fraction": 1.0}]``."""
+    if not isinstance(row, Mapping) or "ps_host" not in row:
+        return row
+    shard = {"host": row["ps_host"], "fraction": 1.0}
+    return {**{k: v for k, v in row.items() if k != "ps_host"}, "ps_shards": [shard]}
+
+
 def parse_plan(data: Mapping[str, Any], check_layout: bool = True) -> Plan:
     """Build a Plan from its JSON dict, validating it.
 
@@ -704,6 +733,8 @@ def parse_plan(data: Mapping[str, Any], check_layout: bool = True) -> Plan:
                         f"{', '.join(map(str, READABLE_VERSIONS))})")
     check_known_keys(data, PLAN_KEYS, "", "a plan")
     sync = require_object(data, "sync", "", PlanError)
+    if version < 5:
+        sync = _sync_section_as_v5(sync)
     check_known_keys(sync, SYNC_SECTION_KEYS, "sync", "the sync section")
     try:
         cluster = parse_cluster(require_object(data, "cluster", "", PlanError))

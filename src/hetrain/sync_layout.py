@@ -13,7 +13,7 @@ it. Pure Python, no torch::
 
     bsp        each segment's gradients in buckets (last layers first), each bucket
                all-reduced by "ring" or "hierarchical", whichever the cost model finds cheaper
-    wsp        each segment's parameter-server shard on one of its owners (``ps_host``)
+    wsp        each segment's parameter server, sharded across its owners' nodes (``ps_shards``)
     hybrid-ps  the same, plus the owners of a segment on one node (``local_groups``)
     daso       node-local groups, and a whole-segment average (``algorithm``)
     local-sgd  a whole-segment average (``algorithm``)
@@ -21,6 +21,13 @@ it. Pure Python, no torch::
 Example:
     >>> SyncOptions.from_items(["period=8", "placement=round-robin"]).period
     8
+
+A segment's parameter server is sharded as a parameter server usually is (Li et al., OSDI 2014): one
+shard per node that holds an owner, each a contiguous range of the segment's flat weights sized by the
+node's NIC bandwidth, so every node's NIC carries a share of the pushes and pulls instead of one NIC
+carrying them all (``place_ps_shards``). This is hetrain's own code because the shards are uneven: torch
+has no sharded parameter server, and its even shardings (FSDP, ``reduce_scatter``) would let the slowest
+NIC set the pace.
 """
 
 from __future__ import annotations
@@ -41,8 +48,10 @@ from hetrain.errors import InputError
 from hetrain.profile import ModelProfile
 from hetrain.sync_mode import MODES, SYNC_MODES, SyncModeError, sync_mode
 
-#: where a segment's parameter-server shard lives; the first is the default
-PLACEMENTS: tuple[str, ...] = ("local", "round-robin")
+#: where a segment's parameter server lives; the first is the default: ``sharded`` across the owners' nodes
+#: (by NIC bandwidth), or all of it on one owner (``local``: on the node with the most owners; ``round-robin``:
+#: owner s mod n), the layouts of plans before format_version 5
+PLACEMENTS: tuple[str, ...] = ("sharded", "local", "round-robin")
 #: ``allreduce`` option: the cheaper of ring and hierarchical per all-reduce, or always the flat ring
 ALLREDUCE_CHOICES: tuple[str, ...] = ("auto", "ring")
 #: ``transfers`` option: a stage-to-stage transfer overlaps compute (hetrain's runtime: ``isend``, ``irecv``
@@ -108,7 +117,8 @@ _BOUNDS: dict[str, _Bound] = {
     "aggregate": _Bound(int, 1, 100_000, help="iterations aggregated into one push (hybrid-ps)", modes=("hybrid-ps",)),
     "warmup": _Bound(int, 0, 10**9, help="first iterations of daso that average globally, blocking", modes=("daso",)),
     "cooldown": _Bound(int, 0, 10**9, help="last iterations of daso that do the same", modes=("daso",)),
-    "placement": _Bound(str, choices=PLACEMENTS, help="where a segment's parameter-server shard lives",
+    "placement": _Bound(str, choices=PLACEMENTS, help="where a segment's parameter server lives: sharded across "
+                        "its owners' nodes, or on one owner (local, round-robin)",
                         modes=("wsp", "hybrid-ps")),
     "bucket_bytes": _Bound(float, 1, 2**40, help="gradient bucket size (bsp)", modes=("bsp",)),
     "first_bucket_bytes": _Bound(float, 1, 2**40, help="the first (last layers') bucket's size (bsp)",
@@ -140,7 +150,10 @@ class SyncOptions:
         aggregate: iterations of ``hybrid-ps`` whose updates are aggregated into one push.
         warmup: first iterations of ``daso`` that average globally every iteration, blocking.
         cooldown: last iterations of ``daso`` that do the same.
-        placement: where a segment's parameter-server shard lives: ``local`` or ``round-robin``.
+        placement: where a segment's parameter server lives: ``sharded`` (the default: one shard per node that
+            holds an owner, sized by the node's NIC bandwidth, ``place_ps_shards``), or all of it on one owner,
+            ``local`` (on the node with the most owners) or ``round-robin`` (owner s mod n): what plans before
+            format_version 5 did, kept so that they load as they were made and for comparison.
         bucket_bytes: gradient bucket size of ``bsp`` (DistributedDataParallel's 25 MiB).
         first_bucket_bytes: the first bucket's (DistributedDataParallel's 1 MiB).
         bucket_cut: ``layer`` (a bucket ends on a layer boundary, so it holds at least its size: the first
@@ -369,6 +382,44 @@ class Bucket:
 
 
 @dataclass(frozen=True)
+class PsShard:
+    """One shard of a segment's parameter server: the owner that keeps it and its share of the segment.
+
+    A segment's shards cut its flat weight vector (its layers' parameters in order) into contiguous ranges,
+    in the order of ``Segment.ps_shards``: shard k keeps elements ``[F_k, F_k+1)``, F the running sum of the
+    fractions (``Segment.ps_bounds``).
+
+    Attributes:
+        host: the owner whose process keeps the shard: it reduces the owners' updates of its range and
+            broadcasts the range's global weights back.
+        fraction: its share of the segment's elements (the shards' fractions sum to 1).
+    """
+
+    host: str
+    fraction: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"host": self.host, "fraction": self.fraction}
+
+
+def cut_bounds(fractions: Sequence[float], numel: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` of each share of a flat buffer of ``numel`` elements cut by ``fractions`` (in order, summing
+    to 1), rounded to whole elements; the last ends at ``numel``.
+
+    Example:
+        >>> cut_bounds([0.5, 0.25, 0.25], 10)
+        [(0, 5), (5, 8), (8, 10)]
+    """
+    edges = [0]
+    acc = 0.0
+    for f in fractions[:-1]:
+        acc += f
+        edges.append(min(numel, round(acc * numel)))
+    edges.append(numel)
+    return list(itertools.pairwise(edges))
+
+
+@dataclass(frozen=True)
 class Segment:
     """Consecutive layers with the same owners; synchronised among those owners.
 
@@ -379,7 +430,8 @@ class Segment:
         param_bytes: bytes of its parameters (and of its gradients).
         algorithm: of an all-reduce of the whole segment among its owners (``"none"`` with one owner).
         buckets: its gradient buckets under ``bsp``, last layers first.
-        ps_host: the owner that keeps its parameter-server shard (``wsp``, ``hybrid-ps``).
+        ps_shards: its parameter server's shards (``wsp``, ``hybrid-ps``): one per node that holds an owner
+            under ``placement = "sharded"``, one on one owner otherwise (``place_ps_shards``).
         local_groups: its owners grouped by node, groups of two or more (``hybrid-ps``, ``daso``).
         shard: what its owners shard (``SyncOptions.shard``; ``"none"`` with one owner).
         shard_fractions: with ``shard``, the share of the segment's elements each owner keeps (in ``owners``'
@@ -393,7 +445,7 @@ class Segment:
     param_bytes: float = 0.0
     algorithm: str = "none"
     buckets: tuple[Bucket, ...] = ()
-    ps_host: str | None = None
+    ps_shards: tuple[PsShard, ...] = ()
     local_groups: tuple[tuple[str, ...], ...] = ()
     shard: str = SHARD_MODES[0]
     shard_fractions: tuple[float, ...] = ()
@@ -411,13 +463,17 @@ class Segment:
 
     def shard_bounds(self, numel: int) -> list[tuple[int, int]]:
         """Per owner, the elements ``[lo, hi)`` of a flat buffer of ``numel`` elements it keeps."""
-        edges = [0]
-        acc = 0.0
-        for f in self.shard_fractions[:-1]:
-            acc += f
-            edges.append(min(numel, round(acc * numel)))
-        edges.append(numel)
-        return list(itertools.pairwise(edges))
+        return cut_bounds(self.shard_fractions, numel)
+
+    @property
+    def parameter_servers(self) -> bool:
+        """Whether its owners push to and pull from parameter-server shards (``wsp``, ``hybrid-ps``)."""
+        return bool(self.ps_shards)
+
+    def ps_bounds(self, numel: int) -> list[tuple[int, int]]:
+        """Per parameter-server shard, in ``ps_shards``' order, the elements ``[lo, hi)`` of the segment's flat
+        weights (``numel`` elements) it keeps."""
+        return cut_bounds([x.fraction for x in self.ps_shards], numel)
 
     @property
     def shared(self) -> bool:
@@ -483,8 +539,8 @@ class SyncLayout:
                 row["buckets"] = [{"layers": [b.first_layer, b.end_layer], "param_bytes": b.param_bytes,
                                    "algorithm": b.algorithm, **({} if b.span is None else {"span": list(b.span)})}
                                   for b in seg.buckets]
-            if seg.ps_host is not None:
-                row["ps_host"] = seg.ps_host
+            if seg.ps_shards:
+                row["ps_shards"] = [x.to_dict() for x in seg.ps_shards]
             if seg.local_groups:
                 row["local_groups"] = [list(g) for g in seg.local_groups]
             if seg.sharded:
@@ -620,6 +676,40 @@ def place_ps_shard(owners: Sequence[T], nodes: Sequence[str], s: int, placement:
     raise SyncLayoutError(f"sync option placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
 
 
+def place_ps_shards(owners: Sequence[T], nodes: Sequence[str], nic_bandwidth: Mapping[str, float], s: int,
+                    placement: str = PLACEMENTS[0]) -> tuple[tuple[T, float], ...]:
+    """(host, fraction) of each parameter-server shard of segment ``s``, in the order they cut its weights.
+
+    ``owners`` in device order, ``nodes[q]`` the node of ``owners[q]``, ``nic_bandwidth`` per node its NIC's
+    bytes/s.
+
+    - ``sharded``: one shard per node that holds an owner, in the order the nodes first appear among the
+      owners, each as large as the node's share of the owners' nodes' NIC bandwidth: a parameter server
+      sharded over the servers (Li et al., OSDI 2014, Sec. 4), so that a wave's pushes and pulls cross every
+      node's NIC, each NIC carrying in proportion to what it can move (HetPipe likewise runs one server per
+      node, Park et al., ATC 2020, Sec. 5). Within a node, the owner ``s mod k`` of its k owners keeps the
+      shard, which spreads segments over a node's devices. Owners all on one node: one shard.
+    - ``local`` and ``round-robin``: one shard, the whole segment, on the owner ``place_ps_shard`` picks.
+
+    Example:
+        >>> place_ps_shards(["a:0", "a:1", "b:0"], ["a", "a", "b"], {"a": 3.0, "b": 1.0}, 1)
+        (('a:1', 0.75), ('b:0', 0.25))
+        >>> place_ps_shards(["a:0", "a:1", "b:0"], ["a", "a", "b"], {"a": 3.0, "b": 1.0}, 1, "local")
+        (('a:1', 1.0),)
+    """
+    if placement != "sharded":
+        return ((place_ps_shard(owners, nodes, s, placement), 1.0),)
+    if not owners:
+        raise SyncLayoutError(f"segment {s} has no owners to host its parameter-server shards")
+    by_node: dict[str, list[T]] = {}
+    for o, n in zip(owners, nodes, strict=True):
+        by_node.setdefault(n, []).append(o)
+    weights = [float(nic_bandwidth[n]) for n in by_node]
+    total = sum(weights)
+    shares = [round(w / total, 9) if total > 0 else round(1.0 / len(weights), 9) for w in weights]
+    return tuple((members[s % len(members)], share) for members, share in zip(by_node.values(), shares, strict=True))
+
+
 def build_sync_layout(cluster: Cluster, profile: ModelProfile, stages: Sequence[Sequence[tuple[str, int, int]]],
                       mode: str, options: SyncOptions, tp_degrees: Sequence[int] | None = None,
                       shard_weights: Mapping[str, float] | None = None) -> SyncLayout:
@@ -647,6 +737,7 @@ def build_sync_layout(cluster: Cluster, profile: ModelProfile, stages: Sequence[
     wire = options.reduce_wire
     index = {d.name: d.index for d in cluster.devices}
     node_of = {d.name: d.node for d in cluster.devices}
+    nic_of = {n.name: n.nic.bandwidth_bytes_per_s for n in cluster.nodes}
     layer_bytes = [float(x.param_bytes) for x in profile.layers]
     if tp_degrees is not None:
         layer_bytes = [float(tp_rank_profile(profile, k).layers[i].param_bytes) for i, k in enumerate(tp_degrees)]
@@ -671,8 +762,8 @@ def build_sync_layout(cluster: Cluster, profile: ModelProfile, stages: Sequence[
                                                  for b, (k, l, size) in enumerate(cuts)))
             if rules.parameter_servers:
                 in_order = sorted(owners, key=index.__getitem__)
-                seg = replace(seg, ps_host=place_ps_shard(in_order, [node_of[o] for o in in_order], s,
-                                                          options.placement))
+                shards = place_ps_shards(in_order, [node_of[o] for o in in_order], nic_of, s, options.placement)
+                seg = replace(seg, ps_shards=tuple(PsShard(h, f) for h, f in shards))
             if rules.local_mean:
                 by_node: dict[str, list[str]] = {}
                 for o in owners:

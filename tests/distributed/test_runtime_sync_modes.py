@@ -4,12 +4,16 @@ One job of 4 processes runs every case in turn, each with its own Trainer::
 
     case            plan                                              checked against
     wsp-d0          mlp-digits, two pipelines cut differently, D = 0  single-process SGD: the same weights (BSP's)
+                    (each segment's server in two shards, one per node: the default placement, sharded)
+    wsp-d0-dp       linreg, 4 one-stage VWs, D = 0, two shards        the bsp case's weights
+    hybrid-ps-d0    the same, hybrid-ps, aggregate 1, D = 0           the bsp case's weights
     wsp-d1-slow     linreg, 4 one-stage VWs, D = 1, n1:1 slowed       no rank more than D = 1 wave ahead
-                    (shard placed round-robin; the other PS cases use the default, local)
+                    (server on one host, round-robin; the other PS cases use the default, sharded)
     local-sgd       linreg, 4 one-stage VWs, average every 4 steps    BSP's loss on the convex problem
     hybrid-ps       linreg, all-reduce in the node, PS between nodes  BSP's loss
     daso            linreg, local every step, global every 4 steps    BSP's loss
     *-ckpt          wsp, hybrid-ps, daso: checkpoint, resume          the shards' weights, DASO's k restored
+    wsp-ckpt-one    wsp sharded: checkpoint; resume on one host       the same weights, under another sharding
 
 ``linreg`` is one Linear(8 -> 1) layer under mean squared error on fixed
 synthetic data: convex, so every mode should get near BSP's loss in a few dozen steps.
@@ -90,7 +94,7 @@ WORKER = textwrap.dedent("""
             data = build_datasets("synthetic", case["model"], seed=0, synthetic_samples=256).train
             model = resolve_model(case["model"])
         ckpt = case["out"] + "/ckpt" if case.get("resume_to") else None
-        def build():
+        def build(plan=plan):
             t = Trainer(model, plan, TrainConfig(timeout_s=60, checkpoint=CheckpointConfig(ckpt),
                                                  logging=LoggingConfig(progress=False)),
                         optimizer_fn=build_optimizer_fn("sgd", case["lr"]))
@@ -100,12 +104,14 @@ WORKER = textwrap.dedent("""
         trainer = build()
         history = trainer.fit(data, case["steps"], seed=0)
         result = {"weights": trainer.state_dict(), "history": history, "stats": trainer.sync_stats}
+        def shards(trainer):  # "s:k" -> (lo, hi, the global weights of that range) of each shard the rank hosts
+            return {f"{s}:{k}": (sh.lo, sh.hi, sh.weights.clone()) for (s, k), sh in trainer.modes.shards.items()}
         if case.get("resume_to"):  # a second Trainer resumes from the checkpoint the first wrote at its end
-            result["shards"] = {s: sh.weights.clone() for s, sh in trainer.modes.shards.items()}
+            result["shards"] = shards(trainer)
             trainer.close()
-            trainer = build()
+            trainer = build(load_plan(case["resume_plan"]) if case.get("resume_plan") else plan)
             result["resumed"] = {"step": trainer.step, "period": trainer.daso_period,
-                                 "shards": {s: sh.weights.clone() for s, sh in trainer.modes.shards.items()},
+                                 "shards": shards(trainer),
                                  "base": {s: b.clone() for s, b in trainer.modes.base.items()}}
             data = linreg_data(case["resume_to"], plan.global_batch)
             result["resumed"]["history"] = trainer.fit(data, case["resume_to"], seed=0)
@@ -131,6 +137,8 @@ CASES: dict[str, dict[str, Any]] = {
     "wsp-d0": {"plan": make_plan("mlp-digits", "wsp", [([D[0], D[1]], [0, 1, 3], 10, 2),
                                                        ([D[2], D[3]], [0, 2, 3], 6, 3)], staleness=0),
                "model": "mlp-digits", "lr": 0.2, "steps": 3},
+    "wsp-d0-dp": {"plan": make_plan("linreg", "wsp", DP4, staleness=0)},
+    "hybrid-ps-d0": {"plan": make_plan("linreg", "hybrid-ps", DP4, aggregate=1, staleness=0)},
     "wsp-d1-slow": {"plan": make_plan("linreg", "wsp", DP4, staleness=1, placement="round-robin"), "slow": D[3],
                     "steps": 12},
     "bsp": {"plan": make_plan("linreg", "bsp", DP4)},
@@ -145,6 +153,8 @@ CASES: dict[str, dict[str, Any]] = {
     "wsp-ckpt": {"plan": make_plan("linreg", "wsp", DP4, staleness=1), "slow": D[3], "steps": 5, "resume_to": 8},
     "hybrid-ps-ckpt": {"plan": make_plan("linreg", "hybrid-ps", DP4, aggregate=3, staleness=1), "steps": 7,
                        "resume_to": 9},
+    "wsp-ckpt-one": {"plan": make_plan("linreg", "wsp", DP4, staleness=1), "steps": 5, "resume_to": 8,
+                     "resume_plan": make_plan("linreg", "wsp", DP4, staleness=1, placement="local")},
     "daso-ckpt": {"plan": make_plan("linreg", "daso", DP4, period=2, warmup=1, cooldown=0), "steps": 30,
                   "resume_to": 32},
 }
@@ -158,9 +168,12 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         out = root / name
         out.mkdir()
         c["plan"].save(out / "plan.json")
+        if "resume_plan" in c:
+            c["resume_plan"].save(out / "resume_plan.json")
         specs[name] = {"plan": str(out / "plan.json"), "model": c.get("model", "linreg"), "lr": c.get("lr", 0.1),
                        "steps": c.get("steps", LINREG_STEPS), "out": str(out), "slow": c.get("slow"),
-                       "resume_to": c.get("resume_to")}
+                       "resume_to": c.get("resume_to"),
+                       "resume_plan": str(out / "resume_plan.json") if "resume_plan" in c else None}
     (root / "cases.json").write_text(json.dumps(list(specs.values())))
     (root / "worker.py").write_text(WORKER)
     run_worker_ranks(root, NODES, [r % 2 for r in range(WORLD)])
@@ -195,6 +208,25 @@ def test_wsp_with_no_staleness_gives_bsp_weights(job: dict[str, Any]) -> None:
         assert [h["loss"] for h in part["history"]] == pytest.approx(losses, rel=1e-5)
     worst = max(((got[k] - want[k]).norm() / want[k].norm()).item() for k in want)
     assert worst <= 1e-5, f"worst relative error {worst:.2e}"
+
+
+def test_the_wsp_and_hybrid_ps_servers_are_sharded_over_both_nodes() -> None:
+    for case in ("wsp-d0", "wsp-d0-dp", "hybrid-ps-d0", "wsp-ckpt", "hybrid-ps-ckpt"):
+        for seg in CASES[case]["plan"].segments():
+            nodes = {x.host.split(":")[0] for x in seg.ps_shards}
+            assert nodes == {"n0", "n1"} and [x.fraction for x in seg.ps_shards] == [0.5, 0.5], (case, seg)
+
+
+@pytest.mark.parametrize("case", ["wsp-d0-dp", "hybrid-ps-d0"])
+def test_sharded_servers_with_no_staleness_give_bsp_weights(job: dict[str, Any], case: str) -> None:
+    """Four one-stage VWs over two nodes, each segment's server in a shard per node: with D = 0 (and hybrid-ps
+    pushing every iteration) every rank ends each step on the weights BSP's SGD gives, step for step."""
+    bsp = parts(job["bsp"])
+    for part, want in zip(parts(job[case]), bsp, strict=True):
+        assert [h["loss"] for h in part["history"]] == pytest.approx([h["loss"] for h in want["history"]],
+                                                                      rel=1e-5, abs=1e-7)
+        for key, value in want["weights"].items():
+            torch.testing.assert_close(part["weights"][key], value, rtol=1e-5, atol=1e-6)
 
 
 def test_no_worker_runs_more_than_d_waves_ahead(job: dict[str, Any]) -> None:
@@ -288,11 +320,11 @@ def test_a_shard_whose_worker_disappears_names_it(tmp_path: Path, spawn: Any, cl
     _, err = ranks[0].communicate(timeout=60)
     assert ranks[0].returncode != 0
     assert time.monotonic() - started < 40
-    assert "parameter-server shard of segment 0" in err, err[-3000:]
+    assert "parameter-server shard 0 of segment 0" in err, err[-3000:]
     assert "n0:1" in err, err[-3000:]
 
 
-@pytest.mark.parametrize("case", ["wsp-ckpt", "hybrid-ps-ckpt"])
+@pytest.mark.parametrize("case", ["wsp-ckpt", "hybrid-ps-ckpt", "wsp-ckpt-one"])
 def test_parameter_server_weights_survive_a_checkpoint(job: dict[str, Any], case: str) -> None:
     spec = job[case]
     step = CASES[case]["steps"]
@@ -303,16 +335,23 @@ def test_parameter_server_weights_survive_a_checkpoint(job: dict[str, Any], case
     saved, _, _ = load_checkpoint(ckpt, names, step)
     saved_flat = torch.cat([saved[n].reshape(-1) for n in names])
     results = parts(spec)
-    hosts = [r for r in results if r["shards"]]
-    assert len(hosts) == 1 and list(hosts[0]["shards"]) == [0]  # one segment, one shard, on one rank
-    torch.testing.assert_close(hosts[0]["shards"][0], saved_flat, rtol=0, atol=0)
+
+    # the shards, one per node, together hold the saved weights: each its range
+    hosted = sorted((v for r in results for v in r["shards"].values()), key=lambda x: x[0])
+    assert [(lo, hi) for lo, hi, _ in hosted] == [(0, 4), (4, 9)]
+    for lo, hi, weights in hosted:
+        torch.testing.assert_close(weights, saved_flat[lo:hi], rtol=0, atol=0)
+    # resumed under the same plan, or one whose server is on one host: the shards and every owner's base
+    # (what its next push is measured from) hold the saved weights
+    resumed = sorted((v for r in results for v in r["resumed"]["shards"].values()), key=lambda x: x[0])
+    assert [(lo, hi) for lo, hi, _ in resumed] == ([(0, 9)] if case == "wsp-ckpt-one" else [(0, 4), (4, 9)])
+    for lo, hi, weights in resumed:
+        torch.testing.assert_close(weights, saved_flat[lo:hi], rtol=0, atol=0)
     for r in results:
-        resumed = r["resumed"]
-        assert resumed["step"] == step
-        # the host's shard and every owner's base (what its next push is measured from) hold the saved weights
-        for weights in [*resumed["shards"].values(), *resumed["base"].values()]:
+        assert r["resumed"]["step"] == step
+        for weights in r["resumed"]["base"].values():
             torch.testing.assert_close(weights, saved_flat, rtol=0, atol=0)
-        assert [h["step"] for h in resumed["history"]] == list(range(step + 1, CASES[case]["resume_to"] + 1))
+        assert [h["step"] for h in r["resumed"]["history"]] == list(range(step + 1, CASES[case]["resume_to"] + 1))
     # a checkpoint completes every wave in flight: the saved local weights are the global ones
     local, _, _ = load_checkpoint(ckpt, ["layers.0.weight", "layers.0.bias"], step)
     torch.testing.assert_close(torch.cat([local["layers.0.weight"].reshape(-1), local["layers.0.bias"]]),

@@ -22,11 +22,13 @@ import numpy as np
 
 from hetrain.cluster import Cluster
 from hetrain.cost import (
+    LinkKey,
     allreduce_shape,
     estimate_allreduce,
     estimate_allreduce_time,
     estimate_layer_times,
     estimate_p2p_time,
+    estimate_ps_loads,
     estimate_samples_to_accuracy_factor,
 )
 from hetrain.plan import Plan
@@ -48,7 +50,7 @@ from hetrain.sync_layout import (
     cut_buckets,
     cut_buckets_exact,
     modes_for,
-    place_ps_shard,
+    place_ps_shards,
 )
 from hetrain.sync_layout import group_segments as build_segments
 from hetrain.sync_mode import sync_mode
@@ -220,23 +222,66 @@ def estimate_local_sync_time(cluster: Cluster, profile: ModelProfile, layouts: S
     return max(per_device.values(), default=0.0)
 
 
-def estimate_ps_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout],
-                     placement: str = SyncOptions.placement) -> float:
-    """Seconds one wave's pushes and pulls keep the busiest parameter-server host's links busy.
+@dataclass(frozen=True)
+class PsTraffic:
+    """What one wave's pushes and pulls put on the links (``estimate_ps_traffic``).
 
-    Segment s's shard is on the owner ``place_ps_shard`` picks (``Segment.ps_host``); every
-    other owner pushes the segment's bytes to it and pulls them back: ``2 (latency + bytes / bandwidth)``
-    each, one after another on the host's link.
+    Attributes:
+        push_s: seconds the busiest link resource carries pushes.
+        pull_s: seconds the busiest link resource carries pulls.
+        busiest_s: seconds the busiest link resource carries both: the least a wave occupies the links.
     """
-    per_host: dict[int, float] = {}
+
+    push_s: float = 0.0
+    pull_s: float = 0.0
+    busiest_s: float = 0.0
+
+    @property
+    def round_trip_s(self) -> float:
+        """One wave's exchange: every push arrived, then every pull back (a shard broadcasts once it holds every
+        owner's update). At least ``busiest_s``."""
+        return self.push_s + self.pull_s
+
+
+def estimate_ps_traffic(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout],
+                        placement: str = SyncOptions.placement) -> PsTraffic:
+    """One wave's pushes and pulls on the link resources the simulator models (``simulator.links``): each
+    node's NIC out and NIC in (full duplex), and each ordered pair of devices in a node.
+
+    Segment s's parameter server is cut into shards as ``place_ps_shards`` places them (``Segment.ps_shards``):
+    every owner but a shard's host pushes the shard's range of its update to the host and pulls the range's
+    global weights back, ``latency + f bytes / bandwidth`` each way (``cost.estimate_ps_loads``). A transfer
+    between nodes loads the sender's NIC out and the receiver's NIC in; the segments' loads add up per resource.
+    Sharded by NIC bandwidth, the one-host server's ``(n - 1) bytes`` through one NIC become about
+    ``(n - 1) bytes / nodes`` through each::
+
+        one host:  n1 ──┐                    sharded:  n1 ◄──► n0 ◄──► n2
+                   n2 ──┼──► n0 NIC in                 each NIC: its node's pushes out and its shard's pulls out
+                   n3 ──┘
+    """
+    nic_of = {n.name: n.nic.bandwidth_bytes_per_s for n in cluster.nodes}
+    push: dict[LinkKey, float] = {}
+    pull: dict[LinkKey, float] = {}
     for s, (first, end, owners) in enumerate(build_segments(profile.num_layers, layouts)):
         if len(owners) < 2:
             continue
-        host = place_ps_shard(owners, [cluster.devices[d].node for d in owners], s, placement)
         num_bytes = sum(profile.layers[i].param_bytes for i in range(first, end))
-        t = sum(2 * estimate_p2p_time(num_bytes, cluster.link(d, host)) for d in owners if d != host)
-        per_host[host] = per_host.get(host, 0.0) + t
-    return max(per_host.values(), default=0.0)
+        in_order = sorted(owners)
+        shards = place_ps_shards(in_order, [cluster.devices[d].node for d in in_order], nic_of, s, placement)
+        seg_push, seg_pull = estimate_ps_loads(cluster, in_order, shards, num_bytes)
+        for total, part in ((push, seg_push), (pull, seg_pull)):
+            for key, t in part.items():
+                total[key] = total.get(key, 0.0) + t
+    both = {r: push.get(r, 0.0) + pull.get(r, 0.0) for r in push.keys() | pull.keys()}
+    return PsTraffic(max(push.values(), default=0.0), max(pull.values(), default=0.0),
+                     max(both.values(), default=0.0))
+
+
+def estimate_ps_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout],
+                     placement: str = SyncOptions.placement) -> float:
+    """Seconds of one wave's exchange with the parameter servers: its pushes on the busiest link, then its
+    pulls on the busiest link (``estimate_ps_traffic``'s ``round_trip_s``)."""
+    return estimate_ps_traffic(cluster, profile, layouts, placement).round_trip_s
 
 
 def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout], mode: str,
@@ -253,8 +298,15 @@ def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Se
         bsp        S, less what the buckets hide behind the last backward
         local-sgd  S / k                              (parameters averaged every k iterations, blocking)
         daso       L + max(0, S - (k - 1) compute) / k   (global average every k, hidden behind k - 1 iterations)
-        hybrid-ps  L + max(0, P - D compute) / a      (one push per a iterations, D waves of slack)
-        wsp        max(0, P - D compute)              (one push per wave, D waves of slack)
+        hybrid-ps  L + max(0, (P - D a compute) / (D + 1), W - a compute) / a   (a push per a iterations)
+        wsp        max(0, (P - D compute) / (D + 1), W - compute)              (a push per wave)
+
+    ``P`` is one wave's round trip to the sharded parameter servers (pushes, then pulls, each on its busiest
+    link: ``estimate_ps_traffic``), ``W`` what the busiest link carries per wave. A wave is pushed when its
+    compute ends, and the pull of wave k gates the compute of wave k + D + 1, so D + 1 waves span one round
+    trip and one wave's compute: ``(D + 1) wave >= P + compute``, the waves overlapping on the links (the pulls
+    of one with the pushes of the next); however much slack D gives, the links carry one wave's traffic per
+    wave, ``wave >= W``. With D = 0 a wave waits for its whole round trip.
 
     Warm-up and cool-down iterations of DASO (blocking) are not counted: they are a fixed cost per run.
     """
@@ -262,11 +314,16 @@ def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Se
     if rules.synchronous:
         return estimate_sync_time(cluster, profile, layouts, hide_s, options.bucket_bytes, traffic,
                                   options.first_bucket_bytes, options.bucket_cut, options.reduce_wire)
-    if rules.parameter_servers:  # P: one wave's pushes and pulls
-        exchange_s = estimate_ps_time(cluster, profile, layouts, options.placement)
+    every = rules.period(options)
+    if rules.parameter_servers:  # P: one wave's pushes and pulls; the links carry one wave per push period
+        ps = estimate_ps_traffic(cluster, profile, layouts, options.placement)
+        # wave k's pull gates the compute of wave k + D + 1: (D + 1) waves hold one round trip and a wave's compute
+        d = rules.overlap_iterations(options)
+        hidden_s = max(0.0, (ps.round_trip_s - d * every * compute_s) / (d + 1),
+                       ps.busiest_s - every * compute_s) / every
     else:  # S: the whole segments all-reduced (an average of the weights moves their bytes)
         exchange_s = estimate_sync_time(cluster, profile, layouts)
-    hidden_s = max(0.0, exchange_s - rules.overlap_iterations(options) * compute_s) / rules.period(options)
+        hidden_s = max(0.0, exchange_s - rules.overlap_iterations(options) * compute_s) / every
     if not rules.local_mean:
         return hidden_s
     return estimate_local_sync_time(cluster, profile, layouts) + hidden_s

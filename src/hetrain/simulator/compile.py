@@ -42,7 +42,7 @@ from hetrain.schedule import (
     Transfer,
 )
 from hetrain.schedule.templates import TO_NEXT
-from hetrain.simulator.links import LinkResources, allreduce_phases, edge_links
+from hetrain.simulator.links import LinkResources, Phase, allreduce_phases, edge_links, ps_phases
 from hetrain.simulator.ops import (
     AverageMerge,
     AverageStart,
@@ -282,6 +282,7 @@ class _Compiler:
         self.cids: dict[tuple[ActionKind, int, tuple[object, ...], int], int] = {}
         self.collectives: list[CollectiveSpec] = []
         self.last_start: dict[tuple[int, int], int] = {}  # (device, segment) -> iteration of its AVERAGE_START
+        self.exchange_phases: dict[int, list[Phase]] = {}  # segment -> its parameter-server exchange's phases
         self.p2p_cache: dict[tuple[int, int, float], tuple[float, tuple[int, ...]]] = {}
         self.labels: dict[tuple[str, int, int], list[str]] = {}  # "jFi" strings, shared by devices of equal (j, m)
         # devices alike (the same stage of equal VWs on the same kind of device) share their costs and compute ops
@@ -561,20 +562,35 @@ class _Compiler:
         return Collective(cid, str(a))
 
     def _push_or_pull(self, a: SegmentSync, dev: _Device) -> Op:
-        """``PUSH`` to / ``PULL`` from the segment's parameter-server shard (one p2p of the segment's bytes)."""
+        """``PUSH`` joins the segment's exchange with its parameter-server shards of this wave, ``PULL`` waits
+        for the exchange of wave ``wave - D`` (``links.ps_phases``: the pushes, then the weights back). The
+        exchange starts when the last owner pushes, as the runtime's reduce to each shard ends only then."""
         s, name = a.segment, dev.name
         seg = self.segments[s]
-        host = seg.ps_host
-        if host is None:
-            raise ScheduleError(f"{a} on {name}: segment {s} has no parameter-server host under sync {self.plan.sync}")
-        here, there = self.cluster_index[name], self.cluster_index[host]
-        duration_s = estimate_p2p_time(seg.param_bytes, self.cluster.link(here, there)) if host != name else 0.0
+        if not seg.ps_shards:
+            raise ScheduleError(f"{a} on {name}: segment {s} has no parameter-server shards under sync "
+                                f"{self.plan.sync}")
+        hosts = ",".join(x.host for x in seg.ps_shards)
         if a.kind is K.PUSH:
-            links = edge_links(self.cluster, here, there, self.res) if host != name else ()
-            return Push((s, dev.wave), f"PUSH seg{s} {name}->{host}", duration_s, links, len(seg.owners))
-        back = edge_links(self.cluster, there, here, self.res) if host != name else ()  # the shard's broadcast to it
+            return Push(self._ps_exchange(s, dev.wave), f"PUSH seg{s} {name}->{hosts}")
         dev.pulled = True
-        return Pull((s, dev.wave - self.staleness), f"PULL seg{s} {host}->{name}", duration_s, back)
+        wave = dev.wave - self.staleness
+        return Pull(self._ps_exchange(s, wave) if wave >= 0 else -1, f"PULL seg{s} {hosts}->{name}")
+
+    def _ps_exchange(self, s: int, wave: int) -> int:
+        """The number of segment ``s``'s exchange with its shards in ``wave``; costed when first named."""
+        key = (K.PUSH, s, (), wave)
+        if key not in self.cids:
+            seg = self.segments[s]
+            phases = self.exchange_phases.get(s)
+            if phases is None:  # the same every wave
+                owners = [self.cluster_index[o] for o in seg.owners]
+                shards = [(self.cluster_index[x.host], x.fraction) for x in seg.ps_shards]
+                phases = self.exchange_phases[s] = ps_phases(self.cluster, owners, shards, seg.param_bytes, self.res)
+            self.cids[key] = len(self.collectives)
+            members = [self.index[o] for o in seg.owners]
+            self.collectives.append(CollectiveSpec(phases, members, f"PS seg{s} wave{wave}"))
+        return self.cids[key]
 
 
 def _bucket_final_s(bucket: Bucket, i: int, dev: _Device) -> float:

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 from hetrain.schedule import ScheduleError, validate
 from hetrain.simulator.compile import Program
-from hetrain.simulator.links import occupy
+from hetrain.simulator.links import occupy, occupy_each
 from hetrain.simulator.ops import (
     AverageMerge,
     AverageStart,
@@ -89,14 +89,6 @@ class Replayed:
     max_in_flight: list[int]  # micro-batches whose activations were held at once
 
 
-@dataclass
-class _Shard:
-    """A parameter-server shard's wave: pushes arrived so far and the latest arrival."""
-
-    pushes: int = 0
-    latest_s: float = 0.0
-
-
 def run_program(program: Program) -> Replayed:
     """Replay ``program``; raises ScheduleError (with ``validate``'s grid where it finds one) if it stalls."""
     return _Engine(program).run()
@@ -135,10 +127,6 @@ class _Engine:
         self.posted_end: dict[int, float] = {}  # posted averages and bucket all-reduces: end (-1 while running)
         self.bucket_owners_ready: dict[int, int] = {}  # bucket all-reduce -> owners whose gradients of it are final
         self.posted_waiters: dict[int, list[int]] = {}
-        # parameter server: (segment, wave) -> its pushes; when the shard holds every owner's update; who waits
-        self.shards: dict[tuple[int, int], _Shard] = {}
-        self.ready: dict[tuple[int, int], float] = {}
-        self.pull_waiters: dict[tuple[int, int], list[int]] = {}
         self.waits_since: dict[int, float] = {}
         self.on_event: tuple[Callable[[float, int], None], ...] = (
             self._device_ready, self._phase_done, self._bucket_ready)
@@ -204,9 +192,14 @@ class _Engine:
             self._end_collective(t, s)
             return
         phase = spec.phases[k]
-        start, end = occupy(self.free_at, phase.links, t, phase.duration_s)
-        for r in phase.links:
-            self.link_events[r].append(Event(start, end, "allreduce", f"{spec.label} {phase.name}"))
+        if phase.holds_s is None:
+            start, end = occupy(self.free_at, phase.links, t, phase.duration_s)
+            for r in phase.links:
+                self.link_events[r].append(Event(start, end, phase.kind, f"{spec.label} {phase.name}"))
+        else:
+            start, end = occupy_each(self.free_at, phase.links, t, phase.holds_s)
+            for r, hold_s in zip(phase.links, phase.holds_s, strict=True):
+                self.link_events[r].append(Event(start, start + hold_s, phase.kind, f"{spec.label} {phase.name}"))
         if k == 0:
             self.sync_start[s] = start
         self.phase_of[s] = k + 1
@@ -364,36 +357,22 @@ class _Engine:
         return _NEXT
 
     def _push(self, t: float, d: int, op: Push) -> Flow:
-        """Sends the update to the shard and goes on; the shard's wave is ready once every owner's has arrived."""
-        start, end = occupy(self.free_at, op.links, t, op.duration_s)
-        for r in op.links:
-            self.link_events[r].append(Event(start, end, "push", op.label))
-        shard = self.shards.setdefault(op.wave, _Shard())
-        shard.pushes += 1
-        shard.latest_s = max(shard.latest_s, end)
-        if shard.pushes == op.owners:
-            self.ready[op.wave] = shard.latest_s
-            for w in self.pull_waiters.pop(op.wave, []):
-                self._wake(shard.latest_s, _DEVICE_READY, w)
+        """Joins the wave's exchange with the segment's shards and goes on; the last owner starts it."""
+        if self._arrive(d, op.collective):
+            self.posted_end[op.collective] = -1.0
+            self._start_collective(t, op.collective)
         return _NEXT
 
     def _pull(self, t: float, d: int, op: Pull) -> Flow:
-        """Waits for the shard's weights of ``op.wave``, which travel back on the host's links once ready."""
-        if op.wave[1] < 0:
+        """Holds the device until the exchange of the wave it takes has ended; the time held counts as sync."""
+        if op.collective < 0:
             return _NEXT
-        if op.wave not in self.ready:
-            self.pull_waiters.setdefault(op.wave, []).append(d)
-            self.waits_since[d] = min(self.waits_since.get(d, t), t)
+        if self.posted_end.get(op.collective, -1.0) < 0:
+            self.posted_waiters.setdefault(op.collective, []).append(d)
+            self.waits_since.setdefault(d, t)
             return _BLOCKED
         since = self.waits_since.pop(d, t)
-        start, arrive = occupy(self.free_at, op.links, self.ready[op.wave], op.duration_s)
-        for r in op.links:
-            self.link_events[r].append(Event(start, arrive, "pull", op.label))
-        end = max(t, arrive)
-        if end > since:
-            self.events[d].append(Event(since, end, "sync", op.label))
-            self.sync[d] += end - since
-        if end > t:
-            self._wake(end, _DEVICE_READY, d)
-            return _LATER
+        if t > since:
+            self.events[d].append(Event(since, t, "sync", op.label))
+            self.sync[d] += t - since
         return _NEXT

@@ -17,20 +17,25 @@ from typing import NamedTuple
 
 from hetrain.cluster import Cluster
 from hetrain.cost import (
+    LinkKey,
     allreduce_shape,
     estimate_allreduce,
     estimate_hierarchical_allreduce_time,
+    estimate_ps_loads,
     estimate_ring_allreduce_time,
 )
 from hetrain.timeline import Event
 
 
 class Phase(NamedTuple):
-    """One phase of an all-reduce: it holds ``links`` for ``duration_s``; ``name`` says which phase."""
+    """One phase of a collective: it holds ``links`` for ``duration_s``; ``name`` says which phase, ``kind`` what
+    the links' timeline rows call it."""
 
     duration_s: float
     links: tuple[int, ...]
     name: str
+    kind: str = "allreduce"
+    holds_s: tuple[float, ...] | None = None  # per link, how long the phase holds it (None: ``duration_s`` each)
 
 
 class LinkResources:
@@ -69,6 +74,18 @@ def occupy(free_at: list[float], links: Sequence[int], t: float, duration_s: flo
     for r in links:
         free_at[r] = end
     return start, end
+
+
+def occupy_each(free_at: list[float], links: Sequence[int], t: float, holds_s: Sequence[float]) -> tuple[float, float]:
+    """``occupy`` where link ``links[i]`` is held for ``holds_s[i]`` only: from the first moment at or after ``t``
+    when all are free; returns (start, start + the longest hold)."""
+    start = t
+    for r in links:
+        if free_at[r] > start:
+            start = free_at[r]
+    for r, hold_s in zip(links, holds_s, strict=True):
+        free_at[r] = start + hold_s
+    return start, start + max(holds_s, default=0.0)
 
 
 def edge_links(cluster: Cluster, a: int, b: int, res: LinkResources) -> tuple[int, ...]:
@@ -127,3 +144,23 @@ def _phase_links(cluster: Cluster, order: Sequence[int], res: LinkResources,
     intra_ids = tuple(r for members in by_node.values() for r in ring_links(cluster, members, res))
     nic_ids = tuple(r for node in by_node for r in (res.id(f"{node} NIC out"), res.id(f"{node} NIC in")))
     return intra_ids, nic_ids
+
+
+def ps_phases(cluster: Cluster, owners: Sequence[int], shards: Sequence[tuple[int, float]], num_bytes: float,
+              res: LinkResources) -> list[Phase]:
+    """One wave of a segment's parameter-server exchange (``cost.estimate_ps_loads``) as two phases: the
+    owners' pushes to the shards, then the shards' weights back, each holding every resource it loads for the
+    busiest one's seconds. The replay's transfers are one at a time per resource, in the order asked for; the
+    pushes of many owners to many shards go at once (the runtime posts them together and the network shares
+    its NICs among them), so they are one phase rather than a queue of transfers. Each resource is held for its
+    own load only, so that a fast intra-node link is not held as long as the busiest NIC."""
+    push, pull = estimate_ps_loads(cluster, owners, shards, num_bytes)
+    return [Phase(max(load.values()), tuple(res.id(_resource_name(cluster, key)) for key in load), name, name,
+                  tuple(load.values())) for load, name in ((push, "push"), (pull, "pull")) if load]
+
+
+def _resource_name(cluster: Cluster, key: LinkKey) -> str:
+    """The resource name of a ``cost.LinkKey`` (``edge_links``' names)."""
+    if key[0] == "pair":
+        return f"{cluster.devices[int(key[1])].name}->{cluster.devices[int(key[2])].name}"
+    return f"{key[1]} NIC {key[0]}"

@@ -16,8 +16,8 @@ index into ``Program.collectives``), so every owner's operation names the same o
     AVERAGE_MERGE                AverageMerge   waits until that average has ended
     ALLREDUCE_START              BucketStart    nothing (its Backward starts the bucket's all-reduce)
     ALLREDUCE_WAIT               BucketWait     waits until the bucket's all-reduce has ended
-    PUSH                         Push           sends its update to the segment's shard and goes on
-    PULL                         Pull           waits for the shard's weights of an earlier wave
+    PUSH                         Push           joins its wave's exchange with the segment's shards, goes on
+    PULL                         Pull           waits until the exchange of an earlier wave has ended
     STEP                         OptimizerStep  computes for duration_s
 """
 
@@ -93,18 +93,13 @@ class BucketWait(NamedTuple):
 
 
 class Push(NamedTuple):
-    wave: tuple[int, int]  # (segment, wave)
+    collective: int  # the segment's exchange with its shards of this wave (``links.ps_phases``)
     label: str
-    duration_s: float
-    links: tuple[int, ...]
-    owners: int  # pushes the shard waits for
 
 
 class Pull(NamedTuple):
-    wave: tuple[int, int]  # (segment, wave) whose weights it takes; wave < 0: none yet, nothing to wait for
+    collective: int  # the exchange of the wave whose weights it takes; -1: none yet, nothing to wait for
     label: str
-    duration_s: float
-    links: tuple[int, ...]  # the shard's links back to the device
 
 
 class OptimizerStep(NamedTuple):
@@ -118,7 +113,8 @@ Op: TypeAlias = (Forward | Backward | Send | Recv | Collective | AverageStart | 
 
 
 class CollectiveSpec(NamedTuple):
-    """One all-reduce (or average) among ``owners`` (device numbers of the replay), run as ``phases``."""
+    """One all-reduce (or average, or parameter-server exchange) among ``owners`` (device numbers of the replay),
+    run as ``phases``."""
 
     phases: list[Phase]
     owners: list[int]

@@ -13,17 +13,29 @@ layers of that segment held by this rank (a flat vector per segment)::
     PUSH s              this wave's update (parameters now - at the last pull) to the shard of s
     PULL s              the global weights of wave c - D or newer, plus this worker's own newer updates
 
-Parameter servers (``wsp``, ``hybrid-ps``): segment s's shard lives in a thread
-on one of its owners (round-robin over the owners, by segment index), with a
-process group of the segment's owners to itself. Per wave c the shard thread
-reduces the owners' weighted updates to its rank (its own worker hands its
-update over through a queue), adds them to the global weights and broadcasts
-them; workers post their reduce and the broadcast's receive without waiting,
-so a worker waits only at a PULL that needs wave c - D (the staleness bound
-D, HetPipe's Wave Synchronous Parallel, Park et al. ATC 2020, Sec. 4)::
+Parameter servers (``wsp``, ``hybrid-ps``): segment s's server is cut into the
+plan's shards (``Segment.ps_shards``: one per node that holds an owner, each a
+contiguous range of the segment's flat weights sized by its node's NIC
+bandwidth). Shard k lives in a thread of its host, with a process group of the
+segment's owners to itself. Per wave c each shard thread reduces the owners'
+weighted updates of its range to its rank (its own worker hands its range over
+through a queue), adds them to the range's global weights and broadcasts them;
+workers post, for every shard they do not host, the reduce of their range and
+the broadcast's receive without waiting, so a worker waits only at a PULL that
+needs wave c - D (the staleness bound D, HetPipe's Wave Synchronous Parallel,
+Park et al. ATC 2020, Sec. 4). Each range's reduce and broadcast cross the
+NIC of its own host's node, so no one NIC carries the whole segment::
 
-    owner A (host)  worker ──queue──► shard thread: reduce(c) ─► w += Σ ─► broadcast(c) ──queue──► worker
-    owner B         worker: post reduce(c), post broadcast(c) ....................... wait at PULL c + D
+    owner A (host of shard 0)  worker ──queue──► shard 0 thread: reduce(c)[r0] ─► w0 += Σ ─► broadcast(c)[r0]
+                               worker: post reduce(c)[r1], post broadcast(c)[r1]
+    owner B (host of shard 1)  worker ──queue──► shard 1 thread: reduce(c)[r1] ─► w1 += Σ ─► broadcast(c)[r1]
+                               worker: post reduce(c)[r0], post broadcast(c)[r0] ......... wait at PULL c + D
+
+One process group per shard: a rank's shard thread and its worker each post to
+their own groups, so the collectives of one group come in one order on every
+rank. hetrain's own code, because the shards are uneven (by NIC bandwidth) and
+the staleness is bounded per wave: torch has neither a parameter server nor an
+uneven sharding of one.
 """
 
 from __future__ import annotations
@@ -49,7 +61,8 @@ from hetrain.runtime.sync.allreduce import GradientSync
 from hetrain.schedule import ActionKind, SegmentSync
 
 K = ActionKind
-#: checkpoint names of a parameter-server shard's global weights: ``ps.layers.3.weight`` (one file per layer)
+#: checkpoint names of a parameter server's global weights: ``ps.layers.3.weight`` (one file per parameter, whatever
+#: the shards: a plan with other shards reads them back)
 PS_PREFIX = "ps."
 _instances = itertools.count()  # store keys per ModeSync: trainers are built in the same order on every rank
 #: seconds a parameter-server shard's reduce and broadcast of one wave may stay in flight. A VW may run up to
@@ -59,28 +72,28 @@ _instances = itertools.count()  # store keys per ModeSync: trainers are built in
 PS_IN_FLIGHT_S = 24 * 3600.0
 
 
-def build_mode_groups(plan: Plan, rank_of: Mapping[str, int], timeout_s: float) -> dict[tuple[str, int], Any]:
-    """The process groups of ``plan.sync`` that this rank is in, keyed by (purpose, segment), as the plan's
-    sync layout has them.
+def build_mode_groups(plan: Plan, rank_of: Mapping[str, int], timeout_s: float) -> dict[tuple[Any, ...], Any]:
+    """The process groups of ``plan.sync`` that this rank is in, keyed by (purpose, segment[, shard]), as the
+    plan's sync layout has them.
 
     ``("local", s)``: the owners of s on this rank's node (``Segment.local_groups``: ``hybrid-ps``, ``daso``);
-    ``("ps", s)``: all owners of s, for its parameter-server shard (``Segment.ps_host`` set: ``wsp``,
-    ``hybrid-ps``). Collective over the job: every rank creates every group, in segment order.
+    ``("ps", s, k)``: all owners of s, for shard k of its parameter server (``Segment.ps_shards``: ``wsp``,
+    ``hybrid-ps``). Collective over the job: every rank creates every group, in segment and shard order.
     """
     me = dist.get_rank()
     timeout = timedelta(seconds=timeout_s)
-    out: dict[tuple[str, int], Any] = {}
+    out: dict[tuple[Any, ...], Any] = {}
     for s, seg in enumerate(plan.segments()):
         for members in seg.local_groups:  # in the layout's node order, the same on every rank
             ranks = sorted(rank_of[o] for o in members)
             group = dist.new_group(ranks, timeout=timeout)
             if me in ranks:
                 out[("local", s)] = group
-        if seg.ps_host is not None:
+        for k in range(len(seg.ps_shards)):
             ranks = sorted(rank_of[o] for o in seg.owners)
             group = dist.new_group(ranks, timeout=timedelta(seconds=max(timeout_s, PS_IN_FLIGHT_S)))
             if me in ranks:
-                out[("ps", s)] = group
+                out[("ps", s, k)] = group
     return out
 
 
@@ -97,12 +110,14 @@ def _assign(params: Sequence[nn.Parameter], flat: torch.Tensor) -> None:
 
 
 class _Shard(threading.Thread):
-    """The parameter-server shard of one segment: global weights, one reduce and one broadcast per wave."""
+    """Shard k of segment s's parameter server: the global weights of elements ``[lo, hi)`` of the segment's
+    flat weights, one reduce and one broadcast of them per wave."""
 
-    def __init__(self, s: int, initial: torch.Tensor, group: Any, host_rank: int, timeout_s: float) -> None:
-        super().__init__(name=f"hetrain-ps-seg{s}", daemon=True)
-        self.s = s
-        self.weights = initial.clone()
+    def __init__(self, s: int, k: int, lo: int, hi: int, initial: torch.Tensor, group: Any, host_rank: int,
+                 timeout_s: float) -> None:
+        super().__init__(name=f"hetrain-ps-seg{s}-shard{k}", daemon=True)
+        self.s, self.k, self.lo, self.hi = s, k, lo, hi
+        self.weights = initial[lo:hi].clone()
         self.group = group
         self.host_rank = host_rank
         self.timeout = timedelta(seconds=timeout_s)
@@ -119,12 +134,13 @@ class _Shard(threading.Thread):
                 if update is None:
                     return
                 work = dist.reduce(update, dst=self.host_rank, group=self.group, async_op=True)
-                wait_work(work, f"the reduce of wave {self.waves} of segment {self.s}", self.peers, self.timeout_s)
+                wait_work(work, f"the reduce of wave {self.waves} of segment {self.s} shard {self.k}", self.peers,
+                          self.timeout_s)
                 self.weights += update
                 out = self.weights.clone()
                 work = dist.broadcast(out, src=self.host_rank, group=self.group, async_op=True)
-                wait_work(work, f"the broadcast of wave {self.waves} of segment {self.s}", self.peers,
-                          self.timeout_s)
+                wait_work(work, f"the broadcast of wave {self.waves} of segment {self.s} shard {self.k}",
+                          self.peers, self.timeout_s)
                 self.results.put((self.waves, out))
                 self.waves += 1
         except BaseException as e:  # handed to the worker, which names the peers
@@ -146,7 +162,7 @@ class ModeSync:
     """
 
     def __init__(self, plan: Plan, device: str, sync: GradientSync, seg_groups: Mapping[tuple[str, ...], Any],
-                 mode_groups: Mapping[tuple[str, int], Any], rank_of: Mapping[str, int], health: Health,
+                 mode_groups: Mapping[tuple[Any, ...], Any], rank_of: Mapping[str, int], health: Health,
                  timeout_s: float) -> None:
         self.plan = plan
         self.device = device
@@ -179,41 +195,47 @@ class ModeSync:
             # weighted by the node
             self.push_weight[s] = (node_samples / n / len(mates)) if self.mode.local_mean else self.share
         self.node_shared = set(plan.layout.local_segments(device))
-        # parameter servers
+        # parameter servers: per segment s, its shards k (``Segment.ps_shards``), each elements bounds[s][k]
         self.wave = 0
-        self.shards: dict[int, _Shard] = {}
-        self.pending: dict[int, deque[tuple[int, Any, Any, torch.Tensor]]] = {}  # s -> (wave, reduce, bcast, buf)
-        self.own: dict[int, dict[int, torch.Tensor]] = {}  # s -> wave -> own update not yet in the global weights
-        self.global_wave: dict[int, int] = {}  # s -> newest wave of global weights applied
-        self.base: dict[int, torch.Tensor] = {}  # s -> parameters at the last pull
+        self.bounds: dict[int, list[tuple[int, int]]] = {}  # s -> [lo, hi) of each shard
+        self.shards: dict[tuple[int, int], _Shard] = {}  # (s, k) -> the shard this rank hosts
+        # (s, k) -> (wave, reduce, bcast, buf) posted to a shard another rank hosts
+        self.pending: dict[tuple[int, int], deque[tuple[int, Any, Any, torch.Tensor]]] = {}
+        self.own: dict[int, dict[int, torch.Tensor]] = {}  # s -> wave -> own update not yet in every shard's weights
+        self.global_wave: dict[tuple[int, int], int] = {}  # (s, k) -> newest wave of its global weights on hand
+        self.global_weights: dict[tuple[int, int], torch.Tensor] = {}  # (s, k) -> those weights
+        self.base: dict[int, torch.Tensor] = {}  # s -> parameters at the last push or pull
         self.max_lead_waves = 0
         self.lead_checks = 0
         self._key = f"sync{next(_instances)}"
         if self.mode.parameter_servers:
             for s, ps in self.params.items():
-                if ("ps", s) not in self.mode_groups:
+                if ("ps", s, 0) not in self.mode_groups:
                     continue
                 self.base[s] = _flat(ps)
                 self.own[s] = {}
-                self.global_wave[s] = -1
-                host = self._host(s)
-                if host == device:
-                    shard = _Shard(s, self.base[s], self.mode_groups[("ps", s)], rank_of[host],
-                                   max(timeout_s, PS_IN_FLIGHT_S))
-                    shard.start()
-                    self.shards[s] = shard
-                else:
-                    self.pending[s] = deque()
+                self.bounds[s] = self.segments[s].ps_bounds(self.base[s].numel())
+                for k, (lo, hi) in enumerate(self.bounds[s]):
+                    self.global_wave[(s, k)] = -1
+                    self.global_weights[(s, k)] = self.base[s][lo:hi].clone()
+                    host = self._host(s, k)
+                    if host == device:
+                        shard = _Shard(s, k, lo, hi, self.base[s], self.mode_groups[("ps", s, k)], rank_of[host],
+                                       max(timeout_s, PS_IN_FLIGHT_S))
+                        shard.start()
+                        self.shards[(s, k)] = shard
+                    else:
+                        self.pending[(s, k)] = deque()
         self.clock_ranks = sorted({rank_of[o] for s in self.base for o in self.segments[s].owners})
         # daso
         self.started: dict[int, tuple[int, Any, torch.Tensor]] = {}  # s -> (iteration, work, buffer)
 
-    def _host(self, s: int) -> str:
-        """The device that keeps segment ``s``'s parameter-server shard (the plan's ``Segment.ps_host``)."""
-        host = self.segments[s].ps_host
-        if host is None:
-            raise RunError(f"segment {s} has no parameter-server host under sync {self.plan.sync}")
-        return host
+    def _host(self, s: int, k: int) -> str:
+        """The device that keeps shard ``k`` of segment ``s``'s parameter server (the plan's ``Segment.ps_shards``)."""
+        shards = self.segments[s].ps_shards
+        if k >= len(shards):
+            raise RunError(f"segment {s} has no parameter-server shard {k} under sync {self.plan.sync}")
+        return shards[k].host
 
     # --- dispatch ------------------------------------------------------------------
 
@@ -289,7 +311,7 @@ class ModeSync:
     # --- parameter servers -------------------------------------------------------------
 
     def _push(self, s: int) -> None:
-        """Post this wave's update of segment s (weighted by its share) to the shard."""
+        """Post this wave's update of segment s (weighted by its share) to its shards, each its range."""
         if s not in self.base:
             return
         now = _flat(self.params[s])
@@ -298,60 +320,79 @@ class ModeSync:
         self.own[s][self.wave] = update
         self._publish_clock(self.wave + 1)  # waves whose compute this rank has finished
         weighted = update * self.push_weight[s]
-        if s in self.shards:
-            self.shards[s].updates.put(weighted)
-        else:
-            group = self.mode_groups[("ps", s)]
-            host = self.rank_of[self._host(s)]
-            reduce = dist.reduce(weighted, dst=host, group=group, async_op=True)
-            got = torch.empty_like(weighted)
+        for k, (lo, hi) in enumerate(self.bounds[s]):
+            part = weighted[lo:hi]  # a contiguous view: each range goes to one collective only
+            if (s, k) in self.shards:
+                self.shards[(s, k)].updates.put(part)
+                continue
+            group = self.mode_groups[("ps", s, k)]
+            host = self.rank_of[self._host(s, k)]
+            reduce = dist.reduce(part, dst=host, group=group, async_op=True)
+            got = torch.empty_like(part)
             bcast = dist.broadcast(got, src=host, group=group, async_op=True)
-            self.pending[s].append((self.wave, reduce, bcast, got))
+            self.pending[(s, k)].append((self.wave, reduce, bcast, got))
 
-    def _pull(self, s: int, where: object) -> None:
-        """Take the newest global weights of s on hand, waiting for wave ``wave - D`` at least."""
-        if s not in self.base:
-            return
-        need = self.wave - self.opts.staleness
+    def _newest(self, s: int, k: int, need: int, where: object) -> tuple[int, torch.Tensor] | None:
+        """Shard k of segment s's newest global weights on hand that this rank has not taken yet, waiting for
+        wave ``need`` at least; None where nothing newer has come and nothing is needed."""
         newest: tuple[int, torch.Tensor] | None = None
-        host = self._host(s)
-        if s in self.shards:
-            shard = self.shards[s]
+        host = self._host(s, k)
+        shard = self.shards.get((s, k))
+        if shard is not None:
             while True:
-                block = (newest[0] if newest is not None else self.global_wave[s]) < need
+                block = (newest[0] if newest is not None else self.global_wave[(s, k)]) < need
                 try:
                     got = shard.results.get(timeout=self.timeout_s) if block else shard.results.get_nowait()
                 except queue.Empty:
                     if block:
                         raise self.health.peer_error(
-                            f"{where}: the parameter-server shard of segment {s} on {self.device} got no update "
-                            f"of wave {need} from every owner within {self.timeout_s:g} s", self._peers(s)) from None
+                            f"{where}: the parameter-server shard {k} of segment {s} on {self.device} got no "
+                            f"update of wave {need} from every owner within {self.timeout_s:g} s",
+                            self._peers(s)) from None
                     break
                 if isinstance(got, BaseException):
                     raise self.health.peer_error(
-                        f"{where}: the parameter-server shard of segment {s} on {self.device} lost a worker "
+                        f"{where}: the parameter-server shard {k} of segment {s} on {self.device} lost a worker "
                         f"(reduce or broadcast of wave {shard.waves} failed or timed out, {self.timeout_s:g} s)",
                         self._peers(s), got) from None
                 newest = got
-        else:
-            pending = self.pending[s]
-            while pending and (pending[0][0] <= need or pending[0][2].is_completed()):
-                wave, reduce, bcast, got_buf = pending.popleft()
-                for work in (reduce, bcast):
-                    self.health.wait(work, f"{where}: pushing to / pulling from the parameter-server shard of "
-                                           f"segment {s} on {host} (wave {wave})", self._peers(s), self.timeout_s)
-                newest = (wave, got_buf)
-        if newest is not None:
-            wave, weights = newest
-            self.global_wave[s] = wave
-            own = self.own[s]
-            for c in [c for c in own if c <= wave]:
-                del own[c]
-            local = weights.clone()
-            for update in own.values():  # own updates the global weights do not hold yet
-                local += update
-            _assign(self.params[s], local)
-            self.base[s] = local
+            return newest
+        pending = self.pending[(s, k)]
+        while pending and (pending[0][0] <= need or pending[0][2].is_completed()):
+            wave, reduce, bcast, got_buf = pending.popleft()
+            for work in (reduce, bcast):
+                self.health.wait(work, f"{where}: pushing to / pulling from the parameter-server shard {k} of "
+                                       f"segment {s} on {host} (wave {wave})", self._peers(s), self.timeout_s)
+            newest = (wave, got_buf)
+        return newest
+
+    def _pull(self, s: int, where: object) -> None:
+        """Take the newest global weights of s on hand from each of its shards, waiting for wave ``wave - D``
+        at least; add this worker's own updates that a shard's weights do not hold yet."""
+        if s not in self.base:
+            return
+        need = self.wave - self.opts.staleness
+        fresh = False
+        for k in range(len(self.bounds[s])):
+            newest = self._newest(s, k, need, where)
+            if newest is not None:
+                self.global_wave[(s, k)], self.global_weights[(s, k)] = newest
+                fresh = True
+        if not fresh:
+            return
+        own = self.own[s]
+        waves = [self.global_wave[(s, k)] for k in range(len(self.bounds[s]))]
+        for c in [c for c in own if c <= min(waves)]:
+            del own[c]
+        local = torch.empty_like(self.base[s])
+        for k, (lo, hi) in enumerate(self.bounds[s]):
+            part = local[lo:hi]
+            part.copy_(self.global_weights[(s, k)])
+            for c, update in own.items():  # own updates this shard's global weights do not hold yet
+                if c > waves[k]:
+                    part += update[lo:hi]
+        _assign(self.params[s], local)
+        self.base[s] = local
 
     def _publish_clock(self, completed: int) -> None:
         """Tell the other workers how many waves this rank has computed (at its push, before any wait)."""
@@ -388,7 +429,7 @@ class ModeSync:
             self.opts = replace(self.opts, staleness=0)
             self.wave -= 1  # the last wave pushed
             for s in self.base:
-                if self.wave >= 0 and self.global_wave[s] < self.wave:
+                if self.wave >= 0 and min(self.global_wave[(s, k)] for k in range(len(self.bounds[s]))) < self.wave:
                     drift = _flat(self.params[s]) - self.base[s]  # local steps since the last push: kept
                     self._pull(s, where)
                     _assign(self.params[s], self.base[s] + drift)
@@ -409,13 +450,16 @@ class ModeSync:
     # --- checkpoints -------------------------------------------------------------------
 
     def checkpoint_state(self, module: nn.Module, where: object) -> dict[str, torch.Tensor]:
-        """Bring the mode to a state a checkpoint can hold, and return the shards this rank hosts.
+        """Bring the mode to a state a checkpoint can hold, and return the parameter servers' weights this rank
+        writes.
 
         Every owner does this at the same step: where pushes come every few iterations (``hybrid-ps``) it
-        first pushes its local steps since the last push (one extra wave), then every owner waits until the
-        global weights hold all pushed waves (as at the end of training) and a DASO average in flight is merged. The
-        shards' global weights come back under ``ps.<parameter name>`` (``PS_PREFIX``), one file per
-        layer, written by the shard's host.
+        first pushes its local steps since the last push (one extra wave), then every owner waits until every
+        shard's global weights hold all pushed waves (as at the end of training) and a DASO average in flight is
+        merged. Every owner of a segment then holds its whole global weights (each shard's range, as its host
+        broadcast them); the host of the segment's first shard returns them under ``ps.<parameter name>``
+        (``PS_PREFIX``), one file per parameter, whatever the shards, so that a plan sharded otherwise reads
+        them back (``restore_state``).
         """
         if self.mode.parameter_servers and not self.mode.same_every_iteration and self.base:
             for s in sorted(self.base, reverse=True):
@@ -424,19 +468,23 @@ class ModeSync:
         self._drain(where)
         name_of = {id(p): n for n, p in module.named_parameters()}
         out: dict[str, torch.Tensor] = {}
-        for s, shard in self.shards.items():
+        for s, weights in self.base.items():
+            if self._host(s, 0) != self.device:
+                continue
             offset = 0
             for p in self.params[s]:
-                out[PS_PREFIX + name_of[id(p)]] = shard.weights[offset:offset + p.numel()].view_as(p).detach().cpu()
+                out[PS_PREFIX + name_of[id(p)]] = weights[offset:offset + p.numel()].view_as(p).detach().cpu()
                 offset += p.numel()
         return out
 
     def restore_state(self, module: nn.Module, directory: str | Path, step: int) -> list[int]:
-        """After the module's weights are loaded from checkpoint ``step``: the shards' global weights from it.
+        """After the module's weights are loaded from checkpoint ``step``: the parameter servers' global weights
+        from it.
 
-        Every owner of a segment reads them (its base for the next push); its host also puts them in
-        its shard. A checkpoint without them (written under another mode or plan) leaves the global
-        weights equal to the loaded ones. Returns the segments whose shard state was found.
+        Every owner of a segment reads them (its base for the next push, and each shard's weights on hand);
+        each shard's host also puts its range in its shard. A checkpoint without them (written under another
+        mode) leaves the global weights equal to the loaded ones. Returns the segments whose server state was
+        found.
         """
         if not self.base:
             return []
@@ -453,8 +501,10 @@ class ModeSync:
                 weights = torch.cat([tensors[n].reshape(-1) for n in names]).to(weights)
                 found.append(s)
             self.base[s] = weights.clone()
-            if s in self.shards:
-                self.shards[s].weights.copy_(weights)
+            for k, (lo, hi) in enumerate(self.bounds[s]):
+                self.global_weights[(s, k)] = weights[lo:hi].clone()
+                if (s, k) in self.shards:
+                    self.shards[(s, k)].weights.copy_(weights[lo:hi])
         return found
 
     def close(self) -> None:
