@@ -31,7 +31,7 @@ from hetrain.planner.search import DEFAULT_TIME_BUDGET_S
 from hetrain.planning import plan_families, plan_with_simulator, simulated_iteration_s
 from hetrain.profile import ModelProfile
 from hetrain.sync_layout import SHARD_MODES, SYNC_OPTION_HELP, SyncOptions, check_mode_options
-from hetrain.sync_mode import SYNC_MODES
+from hetrain.sync_mode import SYNC_MODES, sync_mode
 
 _positive = number_at_least(0.0, inclusive=False)
 
@@ -119,12 +119,19 @@ def _replan_from(args: argparse.Namespace) -> Plan:
     old = load_plan(args.from_plan, check_layout=False, upgrade=True)
     options = SyncOptions.from_items(args.sync_options, old.sync_options)
     mode = args.sync or old.sync  # under auto, an option of any mode auto considers is the user's to give
+    if "shard" not in options.given and args.sync is not None and not _synchronous(args.sync):
+        options = replace(options, shard=SHARD_MODES[0])  # a relaxed mode (or auto's choice among them) shards none
     check_mode_options(mode, options, f"--from {args.from_plan} --sync {mode}")
     if args.sync == "auto":
         base = repredict_sync(old, "bsp", options, simulated_iteration_s)
         return choose_sync_mode(base, args.staleness_penalty, float(base.options.get("target_samples", 1e6)),
                                 base.options.get("critical_batch"), simulated_iteration_s)
     return repredict_sync(old, args.sync or old.sync, options, simulated_iteration_s)
+
+
+def _synchronous(mode: str) -> bool:
+    """Whether ``mode`` is the synchronous mode (``auto``, which may pick another, is not)."""
+    return mode != "auto" and sync_mode(mode).synchronous
 
 
 @dataclass(frozen=True)

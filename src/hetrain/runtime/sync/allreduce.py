@@ -342,6 +342,27 @@ class GradientSync:
         self.bucket_hierarchical: dict[tuple[int, int], bool] = {}
         self.segment_hierarchical = [seg.algorithm == "hierarchical" for seg in self.segments]
         # (segment) -> each bucket's [lo, hi) in its flat buffer, for DDP's caps (a segment of one dtype)
+        bucket_elements = self._lay_out(layers)
+        # whole stages on every owner: DDP's reducer sums them in the backward (runtime.sync.reducer)
+        self.reducers: dict[int, SegmentReducer] = {
+            s: self._build_reducer(s, layers, bucket_elements.get(s, []))
+            for s in sorted(reducer_segments(plan) if tp_member == 0 else ()) if s in self.buffers}
+        self._reduced: set[int] = set()  # segments whose reducer was armed for this iteration's last backward
+        self._to_prepare: list[int] = []  # of those, the reducers to arm once the backward's roots are known
+        self._place_buckets()
+        # the buckets armed for the coming backward, in the order they must be posted
+        self._queue: list[tuple[int, int]] = []
+        self._next = 0  # queue[:next] are posted
+        self._pending: dict[tuple[int, int], int] = {}  # armed bucket -> parameters still without their gradient
+        self._posted: dict[tuple[int, int], list[Any] | _Done] = {}  # bucket -> its works, or its chain's end
+        self._chain: _Chain | None = None  # started with the first hierarchical all-reduce
+        # ZeRO: the sharded segments (``runtime.sync.shard.ShardedState`` sets it), whose buckets are reduced to
+        # their owners' ranges instead of all-reduced; None: no segment is sharded
+        self.shards: Any = None
+
+    def _lay_out(self, layers: Mapping[int, nn.Module]) -> dict[int, list[tuple[int, int]]]:
+        """Make each segment's flat buffers per dtype (the parameters' ``.grad`` views of them) and its buckets'
+        slices; returns, per segment, each bucket's ``[lo, hi)`` in its flat buffer (DDP's caps)."""
         bucket_elements: dict[int, list[tuple[int, int]]] = {}
         for s, seg in enumerate(self.segments):
             if not any(k in layers for k in range(seg.first_layer, seg.end_layer)):
@@ -383,22 +404,7 @@ class GradientSync:
             self.buffers[s] = entries
             for bucket in seg.buckets:
                 self.bucket_hierarchical[(s, bucket.index)] = bucket.algorithm == "hierarchical"
-        # whole stages on every owner: DDP's reducer sums them in the backward (runtime.sync.reducer)
-        self.reducers: dict[int, SegmentReducer] = {
-            s: self._build_reducer(s, layers, bucket_elements.get(s, []))
-            for s in sorted(reducer_segments(plan) if tp_member == 0 else ()) if s in self.buffers}
-        self._reduced: set[int] = set()  # segments whose reducer was armed for this iteration's last backward
-        self._to_prepare: list[int] = []  # of those, the reducers to arm once the backward's roots are known
-        self._place_buckets()
-        # the buckets armed for the coming backward, in the order they must be posted
-        self._queue: list[tuple[int, int]] = []
-        self._next = 0  # queue[:next] are posted
-        self._pending: dict[tuple[int, int], int] = {}  # armed bucket -> parameters still without their gradient
-        self._posted: dict[tuple[int, int], list[Any] | _Done] = {}  # bucket -> its works, or its chain's end
-        self._chain: _Chain | None = None  # started with the first hierarchical all-reduce
-        # ZeRO: the sharded segments (``runtime.sync.shard.ShardedState`` sets it), whose buckets are reduced to
-        # their owners' ranges instead of all-reduced; None: no segment is sharded
-        self.shards: Any = None
+        return bucket_elements
 
     def _take_buckets(self, segments: Sequence[int] | Mapping[int, Any]) -> None:
         """Make the reducer's buckets the flat buffers of ``segments`` (its gradients are views of them); its own
