@@ -470,6 +470,13 @@ def estimate_allreduce_time(cluster: Cluster, devices: Sequence[int], num_bytes:
     return estimate_allreduce(num_bytes, allreduce_shape(cluster, devices))[0]
 
 
+def estimate_shard_gather_time(cluster: Cluster, devices: Sequence[int], num_bytes: float) -> float:
+    """Seconds in which the owners ``devices`` of a sharded segment of ``num_bytes`` hand each other their updated
+    shards after the optimizer step: an all-gather, half a ring all-reduce's bytes on the same links (the
+    gradients' reduce-scatter is the other half, priced with the buckets: ``SyncOptions.reduce_wire``)."""
+    return 0.5 * estimate_allreduce_time(cluster, devices, num_bytes)
+
+
 # ---------------------------------------------------------------------------
 # pipeline
 # ---------------------------------------------------------------------------

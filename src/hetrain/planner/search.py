@@ -44,13 +44,13 @@ from typing import Any, Literal, cast
 from hetrain.cluster import Cluster, tp_cluster, tp_groups_of_node
 from hetrain.cost import (
     MEMORY_MARGIN_FRACTION,
-    estimate_allreduce_time,
     estimate_device_memory,
     estimate_iteration_overhead,
     estimate_layer_times,
     estimate_optimizer_step_memory,
     estimate_optimizer_time,
     estimate_samples_to_accuracy_factor,
+    estimate_shard_gather_time,
     estimate_stage_memory,
     estimate_weight_memory,
     in_flight,
@@ -301,7 +301,7 @@ def shard_gather_s(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Se
     for first, end, owners in group_segments(profile.num_layers, layouts):
         if len(owners) < 2:
             continue
-        t = 0.5 * estimate_allreduce_time(cluster, list(owners), sum(x.param_bytes for x in profile.layers[first:end]))
+        t = estimate_shard_gather_time(cluster, list(owners), sum(x.param_bytes for x in profile.layers[first:end]))
         for d in owners:
             out[d] = out.get(d, 0.0) + t
     return out

@@ -17,12 +17,12 @@ import numpy as np
 from hetrain.cluster import Cluster, Device, share_link
 from hetrain.cost import (
     estimate_action_overhead,
-    estimate_allreduce_time,
     estimate_iteration_overhead,
     estimate_layer_times,
     estimate_optimizer_step_memory,
     estimate_optimizer_time,
     estimate_p2p_time,
+    estimate_shard_gather_time,
     estimate_stage_memory,
     tp_rank_profile,
 )
@@ -126,7 +126,7 @@ def _shard_gather_s(plan: Plan, stage: Stage) -> float:
     if plan.sync_options.shard == "none":
         return 0.0
     index = {d.name: d.index for d in plan.cluster.devices}
-    return sum(0.5 * estimate_allreduce_time(plan.cluster, [index[o] for o in seg.owners], seg.param_bytes)
+    return sum(estimate_shard_gather_time(plan.cluster, [index[o] for o in seg.owners], seg.param_bytes)
                for seg in plan.segments() if seg.sharded and stage.device in seg.owners)
 
 
