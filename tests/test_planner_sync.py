@@ -74,42 +74,45 @@ def test_local_placement_puts_the_shard_on_the_node_with_most_owners() -> None:
         place_ps_shard(owners, nodes, 0, "nearby")
 
 
-def test_local_placement_costs_less_than_round_robin_when_the_majority_node_hosts() -> None:
+def test_a_nodes_owners_push_through_its_nic_once() -> None:
     # three one-stage VWs: one on the fast node, two on the old one; one segment owned by all three
     c = cloud()
     prof = build_profile("resnet50")
     layouts = [[(0, 0, prof.num_layers)], [(2, 0, prof.num_layers)], [(3, 0, prof.num_layers)]]
-    local = estimate_ps_time(c, prof, layouts, "local")
-    robin = estimate_ps_time(c, prof, layouts, "round-robin")
-    # round-robin: both old devices cross the 10 Gbit/s NIC; local: one crosses it, the other uses PCIe
-    assert local < 0.6 * robin, (local, robin)
+    local = estimate_ps_traffic(c, prof, layouts, "local")
+    robin = estimate_ps_traffic(c, prof, layouts, "round-robin")
+    # local: the host on the old node, the fast node's one owner crosses; round-robin: the host on the fast
+    # node, the old node's two owners sum their updates over PCIe and cross the 10 Gbit/s NIC once
+    one_range = prof.param_bytes / c.nodes[1].nic.bandwidth_bytes_per_s
+    assert robin.push_s == pytest.approx(local.push_s, rel=0.01)
+    assert robin.push_s == pytest.approx(one_range, rel=0.05), (robin, one_range)
 
 
 def test_sharded_servers_load_every_nic_a_quarter_as_much_as_one_host_by_hand() -> None:
     """Eight one-stage VWs on four nodes of two devices (1 GB/s NICs, no latency), 400 MB of parameters.
 
-    One host (n0:0): the six owners on other nodes push 400 MB each into n0's NIC, 2.4 s, and pull it back out,
-    2.4 s. A shard per node, 100 MB each: every NIC sends its two owners' three remote ranges (0.6 s) and
-    its shard's range to the six remote owners (0.6 s), and takes as much in: 0.6 s of pushes, 0.6 s of pulls,
-    1.2 s on the busiest NIC each way."""
+    One host (n0:0): each other node's two owners sum their updates in the node, and one of them pushes the
+    400 MB into n0's NIC: 1.2 s in, and the weights back out, 1.2 s. A shard per node, 100 MB each: every NIC
+    sends its node's three remote ranges (0.3 s) and its shard's range to the three other nodes (0.3 s), and
+    takes as much in: 0.3 s of pushes, 0.3 s of pulls, 0.6 s on the busiest NIC each way."""
     from factories import A100, link, make_cluster, make_profile
 
     cluster = make_cluster({f"n{k}": (A100, 2) for k in range(4)}, intra_link=link(1e11, 0.0), nic=link(1e9, 0.0))
     profile = make_profile(4, param_bytes=1e8)
     layouts = [[(d, 0, 4)] for d in range(8)]
     local = estimate_ps_traffic(cluster, profile, layouts, "local")
-    assert (local.push_s, local.pull_s, local.busiest_s) == pytest.approx((2.4, 2.4, 2.4))
+    assert (local.push_s, local.pull_s, local.busiest_s) == pytest.approx((1.2, 1.2, 1.2))
     sharded = estimate_ps_traffic(cluster, profile, layouts, "sharded")
-    assert (sharded.push_s, sharded.pull_s, sharded.busiest_s) == pytest.approx((0.6, 0.6, 1.2))
-    assert estimate_ps_time(cluster, profile, layouts) == pytest.approx(1.2)  # sharded is the default
+    assert (sharded.push_s, sharded.pull_s, sharded.busiest_s) == pytest.approx((0.3, 0.3, 0.6))
+    assert estimate_ps_time(cluster, profile, layouts) == pytest.approx(0.6)  # sharded is the default
     # wsp: (D + 1) waves hold a round trip and a wave's compute, and a wave at least the busiest NIC's load
     options = SyncOptions(staleness=1, placement="sharded")
-    for compute_s, want in [(0.1, max((1.2 - 0.1) / 2, 1.2 - 0.1)), (0.5, 0.7), (2.0, 0.0)]:
+    for compute_s, want in [(0.1, max((0.6 - 0.1) / 2, 0.6 - 0.1)), (0.5, 0.1), (2.0, 0.0)]:
         got = estimate_mode_sync_time(cluster, profile, layouts, "wsp", options, compute_s)
         assert got == pytest.approx(want), compute_s
     one_host = estimate_mode_sync_time(cluster, profile, layouts, "wsp", SyncOptions(staleness=1, placement="local"),
                                        0.5)
-    assert one_host == pytest.approx(max((4.8 - 0.5) / 2, 2.4 - 0.5))
+    assert one_host == pytest.approx(max((2.4 - 0.5) / 2, 1.2 - 0.5))
 
 
 # --- --sync-option --------------------------------------------------------------------------------------
@@ -209,4 +212,7 @@ def test_sharded_servers_keep_wsp_and_hybrid_ps_at_least_at_bsp_on_four_10gbe_no
     for mode in ("wsp", "hybrid-ps"):
         closed, simulated = rows[(mode, "sharded")]
         assert closed >= bsp[0] and simulated >= bsp[1], (mode, rows)
-        assert closed > rows[(mode, "local")][0] and simulated > rows[(mode, "local")][1]
+        assert closed >= rows[(mode, "local")][0] and simulated >= rows[(mode, "local")][1]
+    # WSP pushes every iteration, so one host's NIC is its bound; hybrid-ps pushes every ``aggregate``
+    # iterations and hides either placement behind compute
+    assert rows[("wsp", "sharded")][0] > 1.5 * rows[("wsp", "local")][0], rows

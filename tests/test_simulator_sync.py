@@ -73,14 +73,15 @@ def test_a_single_iteration_is_replayed_for_bsp() -> None:
 
 
 @pytest.mark.parametrize("placement, senders", [
-    ("local", {"n0 NIC out", "n0:0->n0:1"}),
-    ("sharded", {"n0 NIC out", "n1 NIC out", "n0:0->n0:1", "n1:0->n1:1"}),
+    ("local", {"n0 NIC out", "n0:0->n0:1", "n1:0->n1:1"}),
+    ("sharded", {"n0 NIC out", "n1 NIC out", "n0:0->n0:1", "n1:0->n1:1", "n0:1->n0:0"}),
 ])
 def test_pulls_occupy_the_links_from_the_shard_hosts_back(placement: str, senders: set[str]) -> None:
     plan = dp_plan("wsp", staleness=1, placement=placement)
     r = simulate(plan, iterations=12)
     pulls = {name: [e for e in evs if e.kind == "pull"] for name, evs in r.timeline.links.items()}
-    # the weights go back from the hosts only: one host's NIC and intra-node link, or every node's
+    # the weights go back from the hosts through their NICs, and inside each node from the node's leader of
+    # the shard (the host, else ``cost.ps_node_leader``: shard k to the node's owner k mod 2) to its mate
     assert {name for name, evs in pulls.items() if evs and "NIC in" not in name} == senders
     for name in senders:  # every wave's weights go back once its pushes are in, pulled or not (as the runtime)
         assert [e.label for e in pulls[name]] == [f"PS seg0 wave{c} pull" for c in range(12)]
@@ -117,7 +118,10 @@ def three_vw_plan(placement: str) -> Plan:
                      placement=placement)
 
 
-def test_local_placement_keeps_traffic_on_the_node_and_is_faster() -> None:
+def test_a_nodes_owners_cross_its_nic_once_wherever_the_server_is() -> None:
+    """Local puts the server on n1 (two owners), round-robin on n0 (one). n1's two owners sum their updates in
+    the node and cross its NIC once (``cost.estimate_ps_loads``), so either way one segment's range crosses
+    each way per wave: the NICs are as busy, where two separate pushes from n1 would double round-robin's."""
     local, robin = three_vw_plan("local"), three_vw_plan("round-robin")
     assert local.segments()[0].ps_shards[0].host == "n1:0" and robin.segments()[0].ps_shards[0].host == "n0:0"
 
@@ -125,7 +129,7 @@ def test_local_placement_keeps_traffic_on_the_node_and_is_faster() -> None:
         r = simulate(plan, iterations=12)
         return sum(e.end_s - e.start_s for name, evs in r.timeline.links.items() if "NIC" in name for e in evs)
 
-    assert nic_busy_s(local) < 0.6 * nic_busy_s(robin)
-    assert simulate(local).samples_per_s > simulate(robin).samples_per_s
+    assert nic_busy_s(robin) == pytest.approx(nic_busy_s(local), rel=0.05)
+    assert simulate(local).samples_per_s == pytest.approx(simulate(robin).samples_per_s, rel=0.05)
     with pytest.raises(ValueError, match="placement must be one of"):
         dataclasses.replace(local, sync_options=SyncOptions(placement="far"))

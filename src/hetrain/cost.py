@@ -260,22 +260,43 @@ def estimate_p2p_time(num_bytes: float, link: Link) -> float:
 LinkKey = tuple[str, ...] | tuple[str, int, int]
 
 
+def ps_node_leader(members: Sequence[int], host: int, k: int) -> int:
+    """The owner that carries shard ``k``'s traffic across its node's NIC: the shard's host on the host's node,
+    else the node's owners (device indices) in device order, the ``k mod count``-th, so that a node's shards
+    spread over its devices. The runtime (``runtime.sync.modes``) and ``estimate_ps_loads`` both use it.
+
+    Example:
+        >>> ps_node_leader([4, 2], host=2, k=1), ps_node_leader([4, 2], host=0, k=1)
+        (2, 4)
+    """
+    if host in members:
+        return host
+    ordered = sorted(members)
+    return ordered[k % len(ordered)]
+
+
 def estimate_ps_loads(cluster: Cluster, owners: Sequence[int], shards: Sequence[tuple[int, float]],
                       num_bytes: float) -> tuple[dict[LinkKey, float], dict[LinkKey, float]]:
     """Seconds each link resource carries in one wave's pushes, and in its pulls, of a segment of ``num_bytes``
     whose parameter server is cut into ``shards`` (host device index, fraction) among ``owners`` (device indices).
 
-    Every owner but a shard's host sends the host the shard's range of its update (``fraction * bytes``,
-    ``estimate_p2p_time`` over their link) and gets the range's global weights back: a star per shard, the
-    textbook parameter server (Li et al., OSDI 2014). A transfer between nodes loads the sender's NIC out and
-    the receiver's NIC in; one inside a node, its pair of devices. Where the NICs share their transfers fairly,
-    the pushes take the busiest resource's push seconds, the pulls its pull seconds.
+    A node's updates cross its NIC once per shard: its owners first sum the shard's range of their updates at
+    the node's leader for that shard (``ps_node_leader``; over their pair of devices in the node), which sends
+    the sum to the shard's host (``fraction * bytes``, ``estimate_p2p_time`` over their link) and gets the
+    range's global weights back, then hands them on inside the node. Across nodes that is the textbook
+    parameter server (Li et al., OSDI 2014), one pusher per node as HetPipe has one VW per node (Park et al.,
+    ATC 2020) and as Kim et al.'s hybrid server reduces inside the node first. Pushing each owner separately
+    would carry a node's ``owners x`` the bytes through its NIC. A transfer between nodes loads the sender's
+    NIC out and the receiver's NIC in; one inside a node, its pair of devices. Where the NICs share their
+    transfers fairly, the pushes take the busiest resource's push seconds, the pulls its pull seconds. The
+    in-node sums run before the NIC's transfer of the same range; they are counted in the same phase because
+    an in-node link moves the range many times faster than the NIC.
 
     Example:
         >>> from hetrain.cluster import parse_cluster
-        >>> c = parse_cluster({"name": "x", "node": [{"name": n, "devices": [{"type": "cpu", "count": 1}],
+        >>> c = parse_cluster({"name": "x", "node": [{"name": n, "devices": [{"type": "cpu", "count": 2}],
         ...                    "nic": {"bandwidth_bytes_per_s": 1e9, "latency_s": 0.0}} for n in "ab"]})
-        >>> push, pull = estimate_ps_loads(c, [0, 1], [(0, 0.5), (1, 0.5)], 2e9)
+        >>> push, pull = estimate_ps_loads(c, [0, 1, 2, 3], [(0, 0.5), (2, 0.5)], 2e9)
         >>> push[("out", "a")], pull[("out", "a")]
         (1.0, 1.0)
     """
@@ -285,34 +306,48 @@ def estimate_ps_loads(cluster: Cluster, owners: Sequence[int], shards: Sequence[
     for d in owners:
         by_node.setdefault(cluster.devices[d].node, []).append(d)
     names = list(by_node)
-    reps = np.array([members[0] for members in by_node.values()])  # another node's owners cross the same NICs
-    counts = np.array([len(members) for members in by_node.values()], dtype=float)
-    # (node of the owners, NIC out or in) -> seconds, per direction of the exchange
+    sizes = np.array([fraction * num_bytes for _, fraction in shards], dtype=float)
+    hosts = np.array([host for host, _ in shards], dtype=int)
+    homes = np.array([names.index(cluster.devices[host].node) for host, _ in shards], dtype=int)
+    lat, bw = cluster.latency_s, cluster.bandwidth_bytes_per_s
+    # (node, NIC out or in) -> seconds, per direction of the exchange
     nics = {"push": np.zeros((len(names), 2)), "pull": np.zeros((len(names), 2))}
-    for host, fraction in shards:
-        size = fraction * num_bytes
-        home = names.index(cluster.devices[host].node)
-        for d in by_node[names[home]]:  # each mate on the host's node over its own pair of devices
-            if d != host:
-                push[("pair", d, host)] = push.get(("pair", d, host), 0.0) + estimate_p2p_time(
-                    size, cluster.link(d, host))
-                pull[("pair", host, d)] = pull.get(("pair", host, d), 0.0) + estimate_p2p_time(
-                    size, cluster.link(host, d))
-        if size <= 0:
+
+    def add(load: dict[LinkKey, float], key: LinkKey, seconds: float) -> None:
+        if seconds > 0:
+            load[key] = load.get(key, 0.0) + float(seconds)
+
+    for q, node in enumerate(names):
+        members = np.array(sorted(by_node[node]), dtype=int)
+        away = (homes != q) & (sizes > 0)  # shards hosted on another node: this node's leader crosses the NICs
+        position = np.arange(len(shards)) % len(members)  # ps_node_leader's choice, for every shard at once
+        leaders = members[position]
+        there = np.where(away, lat[leaders, hosts] + sizes / bw[leaders, hosts], 0.0)
+        back = np.where(away, lat[hosts, leaders] + sizes / bw[hosts, leaders], 0.0)
+        nics["push"][q, 0] += there.sum()
+        np.add.at(nics["push"][:, 1], homes, there)
+        np.add.at(nics["pull"][:, 0], homes, back)
+        nics["pull"][q, 1] += back.sum()
+        if len(members) < 2:
             continue
-        # latency + bytes / bandwidth (estimate_p2p_time) of every other node's owners, to the host and back
-        there = counts * (cluster.latency_s[reps, host] + size / cluster.bandwidth_bytes_per_s[reps, host])
-        back = counts * (cluster.latency_s[host, reps] + size / cluster.bandwidth_bytes_per_s[host, reps])
-        there[home] = back[home] = 0.0
-        nics["push"][:, 0] += there  # out of each owner's node
-        nics["push"][home, 1] += there.sum()  # into the host's
-        nics["pull"][home, 0] += back.sum()
-        nics["pull"][:, 1] += back
+        # the node's sums at each leader, and the weights handed back: (count, bytes) per leader position
+        count = np.bincount(position[away], minlength=len(members))
+        volume = np.bincount(position[away], weights=sizes[away], minlength=len(members))
+        for j, leader in enumerate(members):
+            for d in members:
+                if d != leader and count[j]:
+                    add(push, ("pair", int(d), int(leader)), count[j] * lat[d, leader] + volume[j] / bw[d, leader])
+                    add(pull, ("pair", int(leader), int(d)), count[j] * lat[leader, d] + volume[j] / bw[leader, d])
+        for k in np.flatnonzero((homes == q) & (sizes > 0)):  # shards this node hosts: the sum at their host
+            host = int(hosts[k])
+            for d in members:
+                if d != host:
+                    add(push, ("pair", int(d), host), lat[d, host] + sizes[k] / bw[d, host])
+                    add(pull, ("pair", host, int(d)), lat[host, d] + sizes[k] / bw[host, d])
     for load, seconds in ((push, nics["push"]), (pull, nics["pull"])):
-        for k, node in enumerate(names):
+        for q, node in enumerate(names):
             for side, way in enumerate(("out", "in")):
-                if seconds[k, side] > 0:
-                    load[(way, node)] = float(seconds[k, side])
+                add(load, (way, node), seconds[q, side])
     return push, pull
 
 

@@ -103,9 +103,12 @@ WORKER = textwrap.dedent("""
             return t
         trainer = build()
         history = trainer.fit(data, case["steps"], seed=0)
-        result = {"weights": trainer.state_dict(), "history": history, "stats": trainer.sync_stats}
+        result = {"weights": trainer.state_dict(), "history": history, "stats": trainer.sync_stats,
+                  "carries": sorted((f"{s}:{k}", sh.hosting) for (s, k), sh in trainer.modes.shards.items())
+                  if trainer.modes is not None else []}
         def shards(trainer):  # "s:k" -> (lo, hi, the global weights of that range) of each shard the rank hosts
-            return {f"{s}:{k}": (sh.lo, sh.hi, sh.weights.clone()) for (s, k), sh in trainer.modes.shards.items()}
+            return {f"{s}:{k}": (sh.lo, sh.hi, sh.weights.clone()) for (s, k), sh in trainer.modes.shards.items()
+                    if sh.hosting}  # not the relays, which pass another node's sums on
         if case.get("resume_to"):  # a second Trainer resumes from the checkpoint the first wrote at its end
             result["shards"] = shards(trainer)
             trainer.close()
@@ -222,6 +225,9 @@ def test_sharded_servers_with_no_staleness_give_bsp_weights(job: dict[str, Any],
     """Four one-stage VWs over two nodes, each segment's server in a shard per node: with D = 0 (and hybrid-ps
     pushing every iteration) every rank ends each step on the weights BSP's SGD gives, step for step."""
     bsp = parts(job["bsp"])
+    # per shard one host, and on the other node a relay that sums that node's two updates and crosses once
+    carried = sorted(c for part in parts(job[case]) for c in part["carries"])
+    assert carried == [("0:0", False), ("0:0", True), ("0:1", False), ("0:1", True)], carried
     for part, want in zip(parts(job[case]), bsp, strict=True):
         assert [h["loss"] for h in part["history"]] == pytest.approx([h["loss"] for h in want["history"]],
                                                                       rel=1e-5, abs=1e-7)

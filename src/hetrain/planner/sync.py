@@ -249,11 +249,11 @@ def estimate_ps_traffic(cluster: Cluster, profile: ModelProfile, layouts: Sequen
     node's NIC out and NIC in (full duplex), and each ordered pair of devices in a node.
 
     Segment s's parameter server is cut into shards as ``place_ps_shards`` places them (``Segment.ps_shards``):
-    every owner but a shard's host pushes the shard's range of its update to the host and pulls the range's
-    global weights back, ``latency + f bytes / bandwidth`` each way (``cost.estimate_ps_loads``). A transfer
-    between nodes loads the sender's NIC out and the receiver's NIC in; the segments' loads add up per resource.
-    Sharded by NIC bandwidth, the one-host server's ``(n - 1) bytes`` through one NIC become about
-    ``(n - 1) bytes / nodes`` through each::
+    each node's owners sum the shard's range of their updates at the node's leader for the shard, which pushes
+    the sum to the host and pulls the range's global weights back, ``latency + f bytes / bandwidth`` each way
+    (``cost.estimate_ps_loads``). A transfer between nodes loads the sender's NIC out and the receiver's NIC
+    in; the segments' loads add up per resource. Sharded by NIC bandwidth, the one-host server's
+    ``(nodes - 1) bytes`` through one NIC become about ``(nodes - 1) bytes / nodes`` through each::
 
         one host:  n1 ──┐                    sharded:  n1 ◄──► n0 ◄──► n2
                    n2 ──┼──► n0 NIC in                 each NIC: its node's pushes out and its shard's pulls out

@@ -16,26 +16,32 @@ layers of that segment held by this rank (a flat vector per segment)::
 Parameter servers (``wsp``, ``hybrid-ps``): segment s's server is cut into the
 plan's shards (``Segment.ps_shards``: one per node that holds an owner, each a
 contiguous range of the segment's flat weights sized by its node's NIC
-bandwidth). Shard k lives in a thread of its host, with a process group of the
-segment's owners to itself. Per wave c each shard thread reduces the owners'
-weighted updates of its range to its rank (its own worker hands its range over
-through a queue), adds them to the range's global weights and broadcasts them;
-workers post, for every shard they do not host, the reduce of their range and
-the broadcast's receive without waiting, so a worker waits only at a PULL that
-needs wave c - D (the staleness bound D, HetPipe's Wave Synchronous Parallel,
-Park et al. ATC 2020, Sec. 4). Each range's reduce and broadcast cross the
-NIC of its own host's node, so no one NIC carries the whole segment::
+bandwidth). Shard k lives in a thread of its host. A node's updates cross its
+NIC once per shard: per shard, each node has a leader (the host on the host's
+node, else ``cost.ps_node_leader``), and a leader with owners beside it on its
+node runs a relay thread. Per wave c the host's thread sums its node's weighted
+updates of its range (a reduce inside the node), then the other nodes' sums (a
+reduce among the leaders), adds them to the range's global weights and
+broadcasts them to the leaders, which hand them on inside their nodes; a relay
+does the same steps for its node without keeping weights. Workers hand their
+range to a thread of their own rank through a queue, or post the reduce and the
+broadcast's receive to their leader (or, alone on a node, to the host) without
+waiting, so a worker waits only at a PULL that needs wave c - D (the staleness
+bound D, HetPipe's Wave Synchronous Parallel, Park et al. ATC 2020, Sec. 4).
+Each range crosses the NIC of its host's node, and each node's NIC once, as
+HetPipe's one VW per node and Kim et al.'s in-node reduce do::
 
-    owner A (host of shard 0)  worker ──queue──► shard 0 thread: reduce(c)[r0] ─► w0 += Σ ─► broadcast(c)[r0]
-                               worker: post reduce(c)[r1], post broadcast(c)[r1]
-    owner B (host of shard 1)  worker ──queue──► shard 1 thread: reduce(c)[r1] ─► w1 += Σ ─► broadcast(c)[r1]
-                               worker: post reduce(c)[r0], post broadcast(c)[r0] ......... wait at PULL c + D
+    node 0 (hosts shard 0)  owner A: worker ──queue──► shard 0: reduce in node ─► reduce among leaders ─► w0 += Σ
+                                                        ─► broadcast to leaders ─► broadcast in node
+                            owner B: worker: post reduce(c)[r0] to A, post broadcast(c)[r0] from A
+    node 1 (hosts shard 1)  owner C: worker ──queue──► relay of shard 0 for node 1: the same steps, no weights
+                            owner D: worker ──queue──► shard 1 ...
 
-One process group per shard: a rank's shard thread and its worker each post to
-their own groups, so the collectives of one group come in one order on every
-rank. hetrain's own code, because the shards are uneven (by NIC bandwidth) and
-the staleness is bounded per wave: torch has neither a parameter server nor an
-uneven sharding of one.
+Per shard one process group of its leaders and one per node of the node's
+owners: a rank's threads and its worker each post to their own groups, so the
+collectives of one group come in one order on every rank. hetrain's own code,
+because the shards are uneven (by NIC bandwidth) and the staleness is bounded
+per wave: torch has neither a parameter server nor an uneven sharding of one.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hetrain.cost import ps_node_leader
 from hetrain.distributed.health import Health, PeerError
 from hetrain.distributed.work import wait_work
 from hetrain.errors import RunError
@@ -72,16 +79,37 @@ _instances = itertools.count()  # store keys per ModeSync: trainers are built in
 PS_IN_FLIGHT_S = 24 * 3600.0
 
 
+def ps_routes(plan: Plan, s: int, k: int) -> tuple[str, dict[str, list[str]], dict[str, str]]:
+    """Shard ``k`` of segment ``s``'s parameter server: its host, each node's owners (in node order, as the
+    owners first name the nodes) and each node's leader for the shard (``cost.ps_node_leader``, which the
+    cost model prices)."""
+    seg = plan.segments()[s]
+    index = {d.name: q for q, d in enumerate(plan.cluster.devices)}
+    node_of = {d.name: d.node for d in plan.cluster.devices}
+    host = seg.ps_shards[k].host
+    members: dict[str, list[str]] = {}
+    for o in sorted(seg.owners, key=index.__getitem__):
+        members.setdefault(node_of[o], []).append(o)
+    leaders = {}
+    for node, mates in members.items():
+        leader = ps_node_leader([index[o] for o in mates], index[host], k)
+        leaders[node] = plan.cluster.devices[leader].name
+    return host, members, leaders
+
+
 def build_mode_groups(plan: Plan, rank_of: Mapping[str, int], timeout_s: float) -> dict[tuple[Any, ...], Any]:
     """The process groups of ``plan.sync`` that this rank is in, keyed by (purpose, segment[, shard]), as the
     plan's sync layout has them.
 
     ``("local", s)``: the owners of s on this rank's node (``Segment.local_groups``: ``hybrid-ps``, ``daso``);
-    ``("ps", s, k)``: all owners of s, for shard k of its parameter server (``Segment.ps_shards``: ``wsp``,
-    ``hybrid-ps``). Collective over the job: every rank creates every group, in segment and shard order.
+    for shard k of s's parameter server (``Segment.ps_shards``: ``wsp``, ``hybrid-ps``), ``("ps", s, k)``:
+    its leaders, one per node (``ps_routes``), where there are two or more, and ``("psl", s, k)``: the
+    owners of s on this rank's node, where there are two or more. Collective over the job: every rank creates
+    every group, in segment and shard order.
     """
     me = dist.get_rank()
     timeout = timedelta(seconds=timeout_s)
+    in_flight = timedelta(seconds=max(timeout_s, PS_IN_FLIGHT_S))
     out: dict[tuple[Any, ...], Any] = {}
     for s, seg in enumerate(plan.segments()):
         for members in seg.local_groups:  # in the layout's node order, the same on every rank
@@ -90,10 +118,15 @@ def build_mode_groups(plan: Plan, rank_of: Mapping[str, int], timeout_s: float) 
             if me in ranks:
                 out[("local", s)] = group
         for k in range(len(seg.ps_shards)):
-            ranks = sorted(rank_of[o] for o in seg.owners)
-            group = dist.new_group(ranks, timeout=timedelta(seconds=max(timeout_s, PS_IN_FLIGHT_S)))
-            if me in ranks:
-                out[("ps", s, k)] = group
+            _, by_node, leaders = ps_routes(plan, s, k)
+            sets = [(("ps", s, k), sorted(rank_of[o] for o in leaders.values()))]
+            sets += [(("psl", s, k), sorted(rank_of[o] for o in mates)) for mates in by_node.values()]
+            for key, ranks in sets:
+                if len(ranks) < 2:
+                    continue
+                group = dist.new_group(ranks, timeout=in_flight)
+                if me in ranks:
+                    out[key] = group
     return out
 
 
@@ -110,22 +143,30 @@ def _assign(params: Sequence[nn.Parameter], flat: torch.Tensor) -> None:
 
 
 class _Shard(threading.Thread):
-    """Shard k of segment s's parameter server: the global weights of elements ``[lo, hi)`` of the segment's
-    flat weights, one reduce and one broadcast of them per wave."""
+    """Shard k of segment s's parameter server as this rank carries it: elements ``[lo, hi)`` of the segment's
+    flat weights. Per wave: the sum of this node's updates (``local``, the node's owners, to this rank), then
+    of every node's sums (``cross``, the leaders, to the host), the weights after them from the host to the
+    leaders, then inside the node. The host (``hosting``) keeps the range's global weights and adds each
+    wave's sum; a relay (another node's leader) passes the sums on and the weights back."""
 
-    def __init__(self, s: int, k: int, lo: int, hi: int, initial: torch.Tensor, group: Any, host_rank: int,
-                 timeout_s: float) -> None:
+    def __init__(self, s: int, k: int, lo: int, hi: int, initial: torch.Tensor, local: Any, cross: Any,
+                 host_rank: int, hosting: bool, timeout_s: float) -> None:
         super().__init__(name=f"hetrain-ps-seg{s}-shard{k}", daemon=True)
         self.s, self.k, self.lo, self.hi = s, k, lo, hi
+        self.hosting = hosting
         self.weights = initial[lo:hi].clone()
-        self.group = group
+        self.local, self.cross = local, cross
         self.host_rank = host_rank
-        self.timeout = timedelta(seconds=timeout_s)
+        self.me = dist.get_rank()
         self.timeout_s = timeout_s
         self.updates: queue.Queue[torch.Tensor | None] = queue.Queue()
         self.results: queue.Queue[tuple[int, torch.Tensor] | BaseException] = queue.Queue()
         self.waves = 0
-        self.peers = dist.get_process_group_ranks(group)
+        self.role = "parameter-server shard" if hosting else "relay to the parameter-server shard"
+
+    def _wait(self, work: Any, what: str, group: Any) -> None:
+        wait_work(work, f"the {what} of wave {self.waves} of segment {self.s} shard {self.k}",
+                  dist.get_process_group_ranks(group), self.timeout_s)
 
     def run(self) -> None:
         try:
@@ -133,14 +174,23 @@ class _Shard(threading.Thread):
                 update = self.updates.get()
                 if update is None:
                     return
-                work = dist.reduce(update, dst=self.host_rank, group=self.group, async_op=True)
-                wait_work(work, f"the reduce of wave {self.waves} of segment {self.s} shard {self.k}", self.peers,
-                          self.timeout_s)
-                self.weights += update
-                out = self.weights.clone()
-                work = dist.broadcast(out, src=self.host_rank, group=self.group, async_op=True)
-                wait_work(work, f"the broadcast of wave {self.waves} of segment {self.s} shard {self.k}",
-                          self.peers, self.timeout_s)
+                if self.local is not None:
+                    self._wait(dist.reduce(update, dst=self.me, group=self.local, async_op=True),
+                               "reduce inside the node", self.local)
+                if self.cross is not None:
+                    self._wait(dist.reduce(update, dst=self.host_rank, group=self.cross, async_op=True),
+                               "reduce among the nodes", self.cross)
+                if self.hosting:
+                    self.weights += update
+                    out = self.weights.clone()
+                else:
+                    out = torch.empty_like(update)
+                if self.cross is not None:
+                    self._wait(dist.broadcast(out, src=self.host_rank, group=self.cross, async_op=True),
+                               "broadcast among the nodes", self.cross)
+                if self.local is not None:
+                    self._wait(dist.broadcast(out, src=self.me, group=self.local, async_op=True),
+                               "broadcast inside the node", self.local)
                 self.results.put((self.waves, out))
                 self.waves += 1
         except BaseException as e:  # handed to the worker, which names the peers
@@ -198,7 +248,8 @@ class ModeSync:
         # parameter servers: per segment s, its shards k (``Segment.ps_shards``), each elements bounds[s][k]
         self.wave = 0
         self.bounds: dict[int, list[tuple[int, int]]] = {}  # s -> [lo, hi) of each shard
-        self.shards: dict[tuple[int, int], _Shard] = {}  # (s, k) -> the shard this rank hosts
+        self.shards: dict[tuple[int, int], _Shard] = {}  # (s, k) -> the shard this rank hosts or relays
+        self.routes: dict[tuple[int, int], tuple[Any, int]] = {}  # (s, k) -> (group, rank) this worker posts to
         # (s, k) -> (wave, reduce, bcast, buf) posted to a shard another rank hosts
         self.pending: dict[tuple[int, int], deque[tuple[int, Any, Any, torch.Tensor]]] = {}
         self.own: dict[int, dict[int, torch.Tensor]] = {}  # s -> wave -> own update not yet in every shard's weights
@@ -210,7 +261,7 @@ class ModeSync:
         self._key = f"sync{next(_instances)}"
         if self.mode.parameter_servers:
             for s, ps in self.params.items():
-                if ("ps", s, 0) not in self.mode_groups:
+                if not self.segments[s].ps_shards:
                     continue
                 self.base[s] = _flat(ps)
                 self.own[s] = {}
@@ -218,13 +269,17 @@ class ModeSync:
                 for k, (lo, hi) in enumerate(self.bounds[s]):
                     self.global_wave[(s, k)] = -1
                     self.global_weights[(s, k)] = self.base[s][lo:hi].clone()
-                    host = self._host(s, k)
-                    if host == device:
-                        shard = _Shard(s, k, lo, hi, self.base[s], self.mode_groups[("ps", s, k)], rank_of[host],
+                    host, _, leaders = ps_routes(plan, s, k)
+                    node = node_of[device]
+                    local, cross = self.mode_groups.get(("psl", s, k)), self.mode_groups.get(("ps", s, k))
+                    if leaders[node] == device and (host == device or local is not None):
+                        shard = _Shard(s, k, lo, hi, self.base[s], local, cross, rank_of[host], host == device,
                                        max(timeout_s, PS_IN_FLIGHT_S))
                         shard.start()
                         self.shards[(s, k)] = shard
-                    else:
+                    else:  # post to the node's leader, or, alone on the node, to the host among the leaders
+                        root = rank_of[host] if leaders[node] == device else rank_of[leaders[node]]
+                        self.routes[(s, k)] = (cross if leaders[node] == device else local, root)
                         self.pending[(s, k)] = deque()
         self.clock_ranks = sorted({rank_of[o] for s in self.base for o in self.segments[s].owners})
         # daso
@@ -325,11 +380,10 @@ class ModeSync:
             if (s, k) in self.shards:
                 self.shards[(s, k)].updates.put(part)
                 continue
-            group = self.mode_groups[("ps", s, k)]
-            host = self.rank_of[self._host(s, k)]
-            reduce = dist.reduce(part, dst=host, group=group, async_op=True)
+            group, root = self.routes[(s, k)]
+            reduce = dist.reduce(part, dst=root, group=group, async_op=True)
             got = torch.empty_like(part)
-            bcast = dist.broadcast(got, src=host, group=group, async_op=True)
+            bcast = dist.broadcast(got, src=root, group=group, async_op=True)
             self.pending[(s, k)].append((self.wave, reduce, bcast, got))
 
     def _newest(self, s: int, k: int, need: int, where: object) -> tuple[int, torch.Tensor] | None:
@@ -346,13 +400,13 @@ class ModeSync:
                 except queue.Empty:
                     if block:
                         raise self.health.peer_error(
-                            f"{where}: the parameter-server shard {k} of segment {s} on {self.device} got no "
+                            f"{where}: the {shard.role} {k} of segment {s} on {self.device} got no "
                             f"update of wave {need} from every owner within {self.timeout_s:g} s",
                             self._peers(s)) from None
                     break
                 if isinstance(got, BaseException):
                     raise self.health.peer_error(
-                        f"{where}: the parameter-server shard {k} of segment {s} on {self.device} lost a worker "
+                        f"{where}: the {shard.role} {k} of segment {s} on {self.device} lost a worker "
                         f"(reduce or broadcast of wave {shard.waves} failed or timed out, {self.timeout_s:g} s)",
                         self._peers(s), got) from None
                 newest = got
@@ -503,7 +557,7 @@ class ModeSync:
             self.base[s] = weights.clone()
             for k, (lo, hi) in enumerate(self.bounds[s]):
                 self.global_weights[(s, k)] = weights[lo:hi].clone()
-                if (s, k) in self.shards:
+                if (s, k) in self.shards and self.shards[(s, k)].hosting:
                     self.shards[(s, k)].weights.copy_(weights[lo:hi])
         return found
 
@@ -513,4 +567,4 @@ class ModeSync:
                 shard.updates.put(None)
 
 
-__all__ = ["PS_PREFIX", "ModeSync", "PeerError", "build_mode_groups"]
+__all__ = ["PS_PREFIX", "ModeSync", "PeerError", "build_mode_groups", "ps_routes"]
