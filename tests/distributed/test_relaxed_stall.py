@@ -74,6 +74,12 @@ WORKER = textwrap.dedent("""
         json.dump({"starts": starts, "stalled": stalled, "error": error, "losses": [h["loss"] for h in history],
                    "stats": trainer.sync_stats}, f)
     sys.stdout.flush(); sys.stderr.flush()
+    if error is None:  # rank 0 holds the store (torchrun's agent would): it waits until the peer is done with it
+        import torch.distributed as dist
+        try:
+            dist.barrier()
+        except Exception:
+            pass
     os._exit(0 if error is None else 1)   # a job with a failed peer cannot tear down its process group cleanly
 """)
 

@@ -53,7 +53,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -102,9 +102,10 @@ def build_mode_groups(plan: Plan, rank_of: Mapping[str, int], timeout_s: float) 
     plan's sync layout has them.
 
     ``("local", s)``: the owners of s on this rank's node (``Segment.local_groups``: ``hybrid-ps``, ``daso``);
-    for shard k of s's parameter server (``Segment.ps_shards``: ``wsp``, ``hybrid-ps``), ``("ps", s, k)``:
-    its leaders, one per node (``ps_routes``), where there are two or more, and ``("psl", s, k)``: the
-    owners of s on this rank's node, where there are two or more. Collective over the job: every rank creates
+    for shard k of s's parameter server (``Segment.ps_shards``: ``wsp``, ``hybrid-ps``), ``("ps", s, k)``
+    and ``("psb", s, k)``: its leaders, one per node (``ps_routes``), for the reduces and for the broadcasts,
+    where there are two or more, and ``("psl", s, k)`` and ``("pslb", s, k)``: the owners of s on this
+    rank's node, where there are two or more. Collective over the job: every rank creates
     every group, in segment and shard order.
     """
     me = dist.get_rank()
@@ -119,8 +120,9 @@ def build_mode_groups(plan: Plan, rank_of: Mapping[str, int], timeout_s: float) 
                 out[("local", s)] = group
         for k in range(len(seg.ps_shards)):
             _, by_node, leaders = ps_routes(plan, s, k)
-            sets = [(("ps", s, k), sorted(rank_of[o] for o in leaders.values()))]
-            sets += [(("psl", s, k), sorted(rank_of[o] for o in mates)) for mates in by_node.values()]
+            sets = [((purpose, s, k), sorted(rank_of[o] for o in leaders.values())) for purpose in ("ps", "psb")]
+            sets += [((purpose, s, k), sorted(rank_of[o] for o in mates))
+                     for mates in by_node.values() for purpose in ("psl", "pslb")]
             for key, ranks in sets:
                 if len(ranks) < 2:
                     continue
@@ -142,58 +144,119 @@ def _assign(params: Sequence[nn.Parameter], flat: torch.Tensor) -> None:
             offset += p.numel()
 
 
-class _Shard(threading.Thread):
-    """Shard k of segment s's parameter server as this rank carries it: elements ``[lo, hi)`` of the segment's
-    flat weights. Per wave: the sum of this node's updates (``local``, the node's owners, to this rank), then
-    of every node's sums (``cross``, the leaders, to the host), the weights after them from the host to the
-    leaders, then inside the node. The host (``hosting``) keeps the range's global weights and adds each
-    wave's sum; a relay (another node's leader) passes the sums on and the weights back."""
+class _Groups(NamedTuple):
+    """The process groups one shard's exchange runs on at this rank: its reduces and its broadcasts each on
+    groups of their own, so that a wave's reduce need not wait behind the last wave's broadcast."""
 
-    def __init__(self, s: int, k: int, lo: int, hi: int, initial: torch.Tensor, local: Any, cross: Any,
-                 host_rank: int, hosting: bool, timeout_s: float) -> None:
-        super().__init__(name=f"hetrain-ps-seg{s}-shard{k}", daemon=True)
+    local_reduce: Any  # the owners on this rank's node (None: alone on it)
+    local_bcast: Any
+    cross_reduce: Any  # the shard's leaders, one per node (None: all owners on one node)
+    cross_bcast: Any
+
+
+class _Shard:
+    """Shard k of segment s's parameter server as this rank carries it: elements ``[lo, hi)`` of the segment's
+    flat weights. Per wave: the sum of this node's updates (to this rank), then of every node's sums (to the
+    host); the weights after them from the host to the leaders, then inside the node. The host (``hosting``)
+    keeps the range's global weights and adds each wave's sum; a relay (another node's leader) passes the
+    sums on and the weights back.
+
+    Two threads: one sums, one hands the weights back, each on its own process groups, so wave c + 1's sums
+    go out while wave c's weights come back. A NIC is full duplex: one thread for both would leave it idle
+    one way while the other works, and make a wave's round trip, not its busiest direction, the pace of the
+    exchange. Between nodes the sums and the weights go point to point, each leader's to the host and back
+    (a star, as ``cost.estimate_ps_loads`` prices it): Gloo's ``reduce`` is a ring reduce-scatter and a
+    gather to the root, which also sends half the range from the root back to the others, into the NIC
+    direction that carries the other shards' weights. Inside a node, Gloo's reduce and broadcast (the
+    loopback or the in-node link)."""
+
+    def __init__(self, s: int, k: int, lo: int, hi: int, initial: torch.Tensor, groups: _Groups,
+                 host_rank: int, leader_ranks: Sequence[int], hosting: bool, timeout_s: float) -> None:
         self.s, self.k, self.lo, self.hi = s, k, lo, hi
+        self.others = [r for r in leader_ranks if r != host_rank]  # the leaders the host exchanges with
         self.hosting = hosting
         self.weights = initial[lo:hi].clone()
-        self.local, self.cross = local, cross
+        self.groups = groups
         self.host_rank = host_rank
         self.me = dist.get_rank()
         self.timeout_s = timeout_s
         self.updates: queue.Queue[torch.Tensor | None] = queue.Queue()
+        self.summed: queue.Queue[torch.Tensor | None] = queue.Queue()
         self.results: queue.Queue[tuple[int, torch.Tensor] | BaseException] = queue.Queue()
-        self.waves = 0
+        self.waves = 0  # waves whose weights came back
         self.role = "parameter-server shard" if hosting else "relay to the parameter-server shard"
+        self.threads = [threading.Thread(target=self._sum, name=f"hetrain-ps-seg{s}-shard{k}-sum", daemon=True),
+                        threading.Thread(target=self._hand_back, name=f"hetrain-ps-seg{s}-shard{k}-back",
+                                         daemon=True)]
 
-    def _wait(self, work: Any, what: str, group: Any) -> None:
-        wait_work(work, f"the {what} of wave {self.waves} of segment {self.s} shard {self.k}",
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def join(self, timeout: float) -> None:
+        for t in self.threads:
+            t.join(timeout=timeout)
+
+    def is_alive(self) -> bool:
+        return any(t.is_alive() for t in self.threads)
+
+    def _wait(self, work: Any, what: str, group: Any, wave: int) -> None:
+        wait_work(work, f"the {what} of wave {wave} of segment {self.s} shard {self.k}",
                   dist.get_process_group_ranks(group), self.timeout_s)
 
-    def run(self) -> None:
+    def _sum(self) -> None:
+        g = self.groups
+        wave = 0
         try:
             while True:
                 update = self.updates.get()
                 if update is None:
                     return
-                if self.local is not None:
-                    self._wait(dist.reduce(update, dst=self.me, group=self.local, async_op=True),
-                               "reduce inside the node", self.local)
-                if self.cross is not None:
-                    self._wait(dist.reduce(update, dst=self.host_rank, group=self.cross, async_op=True),
-                               "reduce among the nodes", self.cross)
+                if g.local_reduce is not None:
+                    self._wait(dist.reduce(update, dst=self.me, group=g.local_reduce, async_op=True),
+                               "reduce inside the node", g.local_reduce, wave)
+                if g.cross_reduce is not None and self.hosting:
+                    got = [torch.empty_like(update) for _ in self.others]
+                    works = [dist.irecv(buf, src=r, group=g.cross_reduce)
+                             for buf, r in zip(got, self.others, strict=True)]
+                    for work in works:
+                        self._wait(work, "sums from the other nodes", g.cross_reduce, wave)
+                    for buf in got:
+                        update += buf
+                elif g.cross_reduce is not None:
+                    self._wait(dist.isend(update, dst=self.host_rank, group=g.cross_reduce),
+                               "sum sent to the host", g.cross_reduce, wave)
                 if self.hosting:
                     self.weights += update
-                    out = self.weights.clone()
+                    self.summed.put(self.weights.clone())
                 else:
-                    out = torch.empty_like(update)
-                if self.cross is not None:
-                    self._wait(dist.broadcast(out, src=self.host_rank, group=self.cross, async_op=True),
-                               "broadcast among the nodes", self.cross)
-                if self.local is not None:
-                    self._wait(dist.broadcast(out, src=self.me, group=self.local, async_op=True),
-                               "broadcast inside the node", self.local)
+                    self.summed.put(torch.empty_like(update))
+                wave += 1
+        except BaseException as e:  # handed to the worker, which names the peers
+            self.results.put(e)
+        finally:
+            self.summed.put(None)
+
+    def _hand_back(self) -> None:
+        g = self.groups
+        try:
+            while True:
+                out = self.summed.get()
+                if out is None:
+                    return
+                if g.cross_bcast is not None and self.hosting:
+                    works = [dist.isend(out, dst=r, group=g.cross_bcast) for r in self.others]
+                    for work in works:
+                        self._wait(work, "weights sent to the other nodes", g.cross_bcast, self.waves)
+                elif g.cross_bcast is not None:
+                    self._wait(dist.irecv(out, src=self.host_rank, group=g.cross_bcast),
+                               "weights from the host", g.cross_bcast, self.waves)
+                if g.local_bcast is not None:
+                    self._wait(dist.broadcast(out, src=self.me, group=g.local_bcast, async_op=True),
+                               "broadcast inside the node", g.local_bcast, self.waves)
                 self.results.put((self.waves, out))
                 self.waves += 1
-        except BaseException as e:  # handed to the worker, which names the peers
+        except BaseException as e:
             self.results.put(e)
 
 
@@ -249,7 +312,8 @@ class ModeSync:
         self.wave = 0
         self.bounds: dict[int, list[tuple[int, int]]] = {}  # s -> [lo, hi) of each shard
         self.shards: dict[tuple[int, int], _Shard] = {}  # (s, k) -> the shard this rank hosts or relays
-        self.routes: dict[tuple[int, int], tuple[Any, int]] = {}  # (s, k) -> (group, rank) this worker posts to
+        # (s, k) -> (reduce group, broadcast group, rank, point to point) this worker posts to
+        self.routes: dict[tuple[int, int], tuple[Any, Any, int, bool]] = {}
         # (s, k) -> (wave, reduce, bcast, buf) posted to a shard another rank hosts
         self.pending: dict[tuple[int, int], deque[tuple[int, Any, Any, torch.Tensor]]] = {}
         self.own: dict[int, dict[int, torch.Tensor]] = {}  # s -> wave -> own update not yet in every shard's weights
@@ -271,15 +335,19 @@ class ModeSync:
                     self.global_weights[(s, k)] = self.base[s][lo:hi].clone()
                     host, _, leaders = ps_routes(plan, s, k)
                     node = node_of[device]
-                    local, cross = self.mode_groups.get(("psl", s, k)), self.mode_groups.get(("ps", s, k))
-                    if leaders[node] == device and (host == device or local is not None):
-                        shard = _Shard(s, k, lo, hi, self.base[s], local, cross, rank_of[host], host == device,
+                    groups = _Groups(*(self.mode_groups.get((p, s, k)) for p in ("psl", "pslb", "ps", "psb")))
+                    if leaders[node] == device and (host == device or groups.local_reduce is not None):
+                        shard = _Shard(s, k, lo, hi, self.base[s], groups, rank_of[host],
+                                       [rank_of[o] for o in leaders.values()], host == device,
                                        max(timeout_s, PS_IN_FLIGHT_S))
                         shard.start()
                         self.shards[(s, k)] = shard
-                    else:  # post to the node's leader, or, alone on the node, to the host among the leaders
-                        root = rank_of[host] if leaders[node] == device else rank_of[leaders[node]]
-                        self.routes[(s, k)] = (cross if leaders[node] == device else local, root)
+                    elif leaders[node] == device:  # alone on its node: straight to the host, point to point
+                        self.routes[(s, k)] = (groups.cross_reduce, groups.cross_bcast, rank_of[host], True)
+                        self.pending[(s, k)] = deque()
+                    else:  # to the node's leader
+                        self.routes[(s, k)] = (groups.local_reduce, groups.local_bcast, rank_of[leaders[node]],
+                                               False)
                         self.pending[(s, k)] = deque()
         self.clock_ranks = sorted({rank_of[o] for s in self.base for o in self.segments[s].owners})
         # daso
@@ -380,10 +448,14 @@ class ModeSync:
             if (s, k) in self.shards:
                 self.shards[(s, k)].updates.put(part)
                 continue
-            group, root = self.routes[(s, k)]
-            reduce = dist.reduce(part, dst=root, group=group, async_op=True)
+            reduce_group, bcast_group, root, p2p = self.routes[(s, k)]
             got = torch.empty_like(part)
-            bcast = dist.broadcast(got, src=root, group=group, async_op=True)
+            if p2p:
+                reduce = dist.isend(part, dst=root, group=reduce_group)
+                bcast = dist.irecv(got, src=root, group=bcast_group)
+            else:
+                reduce = dist.reduce(part, dst=root, group=reduce_group, async_op=True)
+                bcast = dist.broadcast(got, src=root, group=bcast_group, async_op=True)
             self.pending[(s, k)].append((self.wave, reduce, bcast, got))
 
     def _newest(self, s: int, k: int, need: int, where: object) -> tuple[int, torch.Tensor] | None:
