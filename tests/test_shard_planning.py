@@ -16,7 +16,7 @@ from hetrain.plan import PlanError, load_plan, parse_plan
 from hetrain.planner.search import PlannerError, PlannerOptions, plan
 from hetrain.simulator import simulate
 from hetrain.simulator.compile import estimate_stage_costs
-from hetrain.sync_layout import SyncLayoutError, SyncOptions, check_mode_options, shard_fractions
+from hetrain.sync_layout import SHARD_MODES, SyncLayoutError, SyncOptions, check_mode_options, shard_fractions
 
 ZERO1 = SyncOptions(shard="optimizer")
 ZERO2 = SyncOptions(shard="optimizer+gradients")
@@ -67,6 +67,72 @@ def test_a_sharded_plan_round_trips_and_a_hand_edited_share_is_refused(tmp_path:
     data["sync"]["shard_weights"]["n0:0"] = -1
     with pytest.raises(PlanError, match=r"sync.shard_weights.n0:0: expected a finite number >= 0, got -1"):
         parse_plan(data)
+
+
+def _mixed_plan(modes: tuple[str, ...] = ("optimizer+gradients", "none", "optimizer")):  # type: ignore[no-untyped-def]
+    """Two VWs cut at layers 2 and 4 and a third whole: segments [0, 2) {n0:0, n0:2, n1:0}, [2, 4) {n0:1, n0:2, n1:0}
+    and [4, 6) {n0:1, n0:2, n1:1}, sharded as ``modes`` says."""
+    cluster = make_cluster({"n0": 3, "n1": 2})
+    profile = _profile()
+    vws = [(["n0:0", "n0:1"], [0, 2, 6], 4, 2), (["n1:0", "n1:1"], [0, 4, 6], 4, 2), (["n0:2"], [0, 6], 4, 1)]
+    p = make_plan(cluster, profile, vws, optimizer="adam", shard=max(modes, key=SHARD_MODES.index))
+    return replace(p, segment_shards=modes, shard_weights={"n0:0": 1.0, "n0:1": 2.0, "n1:0": 3.0, "n1:1": 1.0,
+                                                            "n0:2": 2.0})
+
+
+def test_segments_shard_as_the_plan_says_each_its_own_way(tmp_path: Path) -> None:
+    """A plan whose segments shard differently: each segment's mode, its wire bytes, each device's shares; it
+    round-trips through plan.json and the simulator compiles and replays it."""
+    p = _mixed_plan()
+    segs = p.segments()
+    assert [(s.first_layer, s.end_layer) for s in segs] == [(0, 2), (2, 4), (4, 6)]
+    assert [s.shard for s in segs] == ["optimizer+gradients", "none", "optimizer"]
+    assert p.layout.mixed_shards and p.sync_options.shard == "optimizer+gradients"
+    assert segs[1].shard_fractions == () and segs[2].shard_fractions == pytest.approx((2 / 5, 2 / 5, 1 / 5))
+    # n0:0 holds [0, 2) only, ZeRO-2 at 1 / (1 + 3 + 2); n1:0 holds [0, 4): a share of [0, 2), [2, 4) whole
+    layers = p.profile.layers
+    size = [sum(x.param_bytes for x in layers[a:b]) for a, b in ((0, 2), (2, 4))]
+    assert p.shard_shares("n0:0") == (pytest.approx(1 / 6), pytest.approx(1 / 6))
+    share = 3 / 6
+    want = (share * size[0] + size[1]) / (size[0] + size[1])
+    assert p.shard_shares("n1:0") == (pytest.approx(want), pytest.approx(want))
+    # n0:2 holds every segment: ZeRO-2 in the first, whole in the second, ZeRO-1 in the third
+    assert p.shard_shares("n0:2")[1] > p.shard_shares("n0:2")[0]
+    assert [p.layout.wire_bytes(1.0, s) for s in segs] == [0.5, 1.0, 0.5]
+    path = tmp_path / "plan.json"
+    p.save(path)
+    data = json.loads(path.read_text())
+    assert data["sync"]["segment_shards"] == ["optimizer+gradients", "none", "optimizer"]
+    assert [row.get("shard", "none") for row in data["sync"]["segments"]] == data["sync"]["segment_shards"]
+    back = load_plan(path)
+    assert back.segments() == segs and back.segment_shards == p.segment_shards
+    assert "shard per segment: [0, 2) optimizer+gradients; [2, 4) none; [4, 6) optimizer" in back.summary()
+    sim = simulate(back)
+    assert sim.iteration_s > 0
+    uniform = simulate(replace(back, segment_shards=()))  # every segment ZeRO-2: less memory on n0:1's stage
+    assert sim.devices["n0:1"].peak_memory_bytes > uniform.devices["n0:1"].peak_memory_bytes
+
+
+def test_per_segment_modes_that_do_not_fit_the_segments_are_refused(tmp_path: Path) -> None:
+    p = _mixed_plan()
+    with pytest.raises(SyncLayoutError, match=r"sync.segment_shards: 2 modes for the 3 segments the stages give"):
+        replace(p, segment_shards=("optimizer", "none"))
+    with pytest.raises(SyncLayoutError, match=r"the most any segment shards is optimizer, the sync option shard is "
+                                              r"optimizer\+gradients; they must agree"):
+        replace(p, segment_shards=("optimizer", "none", "optimizer"))
+    with pytest.raises(SyncLayoutError, match=r"sync.segment_shards\[1\]: 'zero3' is not a shard mode"):
+        replace(p, segment_shards=("optimizer+gradients", "zero3", "none"))
+    one = make_plan(make_cluster({"n0": 2}), _profile(), [(["n0:0", "n0:1"], [0, 3, 6], 4, 2)], shard="optimizer")
+    with pytest.raises(SyncLayoutError, match=r"sync.segment_shards\[0\]: optimizer, but segment 0 \(layers \[0, 3\)\) "
+                                              r"has one owner, n0:0: nothing to shard; use none"):
+        replace(one, segment_shards=("optimizer", "none"))
+    p.save(tmp_path / "plan.json")
+    data = json.loads((tmp_path / "plan.json").read_text())
+    data["sync"]["segment_shards"] = "optimizer"
+    with pytest.raises(PlanError, match=r"sync.segment_shards: expected a list of shard modes, one per segment"):
+        parse_plan(data)
+    # another shard option lays every shared segment out at it
+    assert [s.shard for s in p.with_sync(options=ZERO1).segments()] == ["optimizer"] * 3
 
 
 @pytest.mark.parametrize("mode", ["wsp", "hybrid-ps", "daso", "local-sgd"])
