@@ -279,10 +279,15 @@ class Plan:
     layout: SyncLayout = field(init=False, repr=False, compare=False)
     #: the sync mode's rules (``hetrain.sync_mode``), looked up from ``sync`` when the plan is built
     sync_mode: SyncMode = field(init=False, repr=False, compare=False)
+    #: device -> (VW index, stage index) of the stage it runs (``stage_of``), made once: the planner asks it of
+    #: every device, thousands of them, for each per-segment shard mode it tries (``planner.shards``)
+    _stage_index: Mapping[str, tuple[int, int]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         validate_plan(self)
         object.__setattr__(self, "sync_mode", sync_mode(self.sync))
+        object.__setattr__(self, "_stage_index", {d: (v, j) for v, vw in enumerate(self.virtual_workers)
+                                                  for j, s in enumerate(vw.stages) for d in s.devices})
         stages = [[(s.device, s.first_layer, s.end_layer) for s in vw.stages] for vw in self.virtual_workers]
         layout = build_sync_layout(self.cluster, self.profile, stages, self.sync, self.sync_options,
                                    self.layer_tp_degrees() if self.max_tp > 1 else None, self.shard_weights,
@@ -365,11 +370,10 @@ class Plan:
 
     def stage_of(self, device: str) -> tuple[int, int]:
         """(VW index, stage index) of the stage ``device`` runs (its device, or a member of its TP group)."""
-        for v, vw in enumerate(self.virtual_workers):
-            for j, s in enumerate(vw.stages):
-                if s.device == device or device in s.tp_group:
-                    return v, j
-        raise PlanError(f"device {device} holds no stage in this plan")
+        found = self._stage_index.get(device)
+        if found is None:
+            raise PlanError(f"device {device} holds no stage in this plan")
+        return found
 
     # --- (de)serialisation ---------------------------------------------------
 

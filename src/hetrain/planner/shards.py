@@ -42,7 +42,12 @@ FITS_UNSHARDED = "fits unsharded"
 ONE_OWNER = "one owner: nothing to shard"
 
 
-def stage_memory(plan: Plan, device: str, share: float | None = None) -> float:
+#: stage memory already counted, by everything it depends on (``stage_memory``): the VWs of a large cluster repeat
+#: a few stage shapes, and ``lighten_segments`` counts every stage several times per segment
+Memo = dict[tuple[Any, ...], float]
+
+
+def stage_memory(plan: Plan, device: str, share: float | None = None, memo: Memo | None = None) -> float:
     """Peak tensor bytes of ``device``'s stage at its shares of the plan's sharded segments
     (``Plan.shard_shares``; ``share``: at that share of each of them instead), as the search counts a stage."""
     v, j = plan.stage_of(device)
@@ -50,59 +55,68 @@ def stage_memory(plan: Plan, device: str, share: float | None = None) -> float:
     s = vw.stages[j]
     state_share, grad_share = plan.shard_shares(device, share)
     copies = plan.sync_options.reduce_copy if len(plan.virtual_workers) > 1 else 0.0
-    return estimate_stage_memory(plan.profile, s.first_layer, s.end_layer, s.recompute, vw.micro_batch_size,
-                                 in_flight(plan.schedule, vw.micro_batches, len(vw.stages), j), plan.optimizer,
-                                 reduce_copy=copies, state_share=state_share, grad_share=grad_share,
+    n = in_flight(plan.schedule, vw.micro_batches, len(vw.stages), j)
+    key = (id(plan.profile), plan.optimizer, s.first_layer, s.end_layer, s.recompute, vw.micro_batch_size, n,
+           vw.micro_batches, copies, state_share, grad_share)
+    if memo is not None and key in memo:
+        return memo[key]
+    need = estimate_stage_memory(plan.profile, s.first_layer, s.end_layer, s.recompute, vw.micro_batch_size, n,
+                                 plan.optimizer, reduce_copy=copies, state_share=state_share, grad_share=grad_share,
                                  micro_batches=vw.micro_batches)
+    if memo is not None:
+        memo[key] = need
+    return need
 
 
-def with_memory(plan: Plan) -> Plan:
+def with_memory(plan: Plan, memo: Memo | None = None) -> Plan:
     """``plan`` with each stage's memory, and each device's, counted at its own shares.
 
     Raises:
         PlanError: a stage that does not fit its device (``plan.validate_plan``).
     """
     vws, memory = [], []
+    devices = {d.name: d for d in plan.cluster.devices}
     for vw in plan.virtual_workers:
         stages = []
         for s in vw.stages:
-            mem = stage_memory(plan, s.device)
+            mem = stage_memory(plan, s.device, memo=memo)
             stages.append(replace(s, predicted_memory_bytes=mem))
-            d = plan.cluster.device(s.device)
+            d = devices[s.device]
             memory.append(DeviceMemory(s.device, estimate_device_memory(plan.profile, d, mem), d.memory_bytes))
         vws.append(replace(vw, stages=tuple(stages)))
     return replace(plan, virtual_workers=tuple(vws), prediction=replace(plan.prediction, memory=tuple(memory)))
 
 
-def shard_weights(plan: Plan) -> dict[str, float]:
+def shard_weights(plan: Plan, memo: Memo | None = None) -> dict[str, float]:
     """Device -> what sizes its shards (``Plan.shard_weights``). By memory (Cephalo's rule), the tensor budget its
     stage leaves free of everything but its sharded state, over what the whole sharded state of its stage would
     take: the largest share it could hold alone, so that shares in proportion to the weights fit wherever any
     split of a segment among its owners fits. By speed (``shard_by``), its peak FLOP/s."""
     weights: dict[str, float] = {}
+    devices = {d.name: d for d in plan.cluster.devices}
     for vw in plan.virtual_workers:
         for s in vw.stages:
-            d = plan.cluster.device(s.device)
+            d = devices[s.device]
             if plan.sync_options.shard_by == "speed":
                 weights[d.name] = d.peak_flops(plan.profile.precision)
                 continue
-            other, whole = stage_memory(plan, d.name, 0.0), stage_memory(plan, d.name, 1.0)
+            other, whole = stage_memory(plan, d.name, 0.0, memo), stage_memory(plan, d.name, 1.0, memo)
             weights[d.name] = max(0.0, tensor_budget(plan.profile, d) - other) / max(whole - other, 1.0)
     return weights
 
 
-def size_shards(plan: Plan) -> Plan | None:
+def size_shards(plan: Plan, memo: Memo | None = None) -> Plan | None:
     """``plan`` with its shards sized (``shard_weights``) and each stage's memory counted at its own shares;
     where the uneven shards do not fit (a stage in several segments of unlike owners), even shares, which the
     search priced; None where neither fits. Unsharded: its memory counted."""
     if plan.sync_options.shard == SHARD_MODES[0]:
         try:
-            return with_memory(replace(plan, shard_weights={}))
+            return with_memory(replace(plan, shard_weights={}), memo)
         except PlanError:
             return None
-    for weights in (shard_weights(plan), {}):
+    for weights in (shard_weights(plan, memo), {}):
         try:
-            return with_memory(replace(plan, shard_weights=weights))
+            return with_memory(replace(plan, shard_weights=weights), memo)
         except PlanError:
             continue
     return None
@@ -126,6 +140,7 @@ def lighten_segments(plan: Plan) -> tuple[Plan, list[dict[str, Any]]]:
     mode and why. Segments are taken in order, each with the ones after it still at the plan's modes."""
     modes = list(plan.layout.segment_shards)
     budget = {d.name: tensor_budget(plan.profile, d) for d in plan.cluster.devices}
+    memo: Memo = {}
     rows: list[dict[str, Any]] = []
     for s, seg in enumerate(plan.segments()):
         row = {"segment": s, "layers": [seg.first_layer, seg.end_layer], "shard": seg.shard}
@@ -134,7 +149,7 @@ def lighten_segments(plan: Plan) -> tuple[Plan, list[dict[str, Any]]]:
             row["why"] = ONE_OWNER
             continue
         for mode in SHARD_MODES[:SHARD_MODES.index(seg.shard)]:
-            trial = size_shards(with_segment_shards(plan, (*modes[:s], mode, *modes[s + 1:])))
+            trial = size_shards(with_segment_shards(plan, (*modes[:s], mode, *modes[s + 1:])), memo)
             if trial is not None and _fits(trial, plan, budget):
                 plan, modes[s] = trial, mode
                 break
@@ -168,7 +183,7 @@ def reprice(plan: Plan) -> Plan:
     optimizer_s = 0.0
     for vw in plan.virtual_workers:
         for s in vw.stages:
-            d = cluster.device(s.device)
+            d = cluster.devices[index[s.device]]
             param_bytes = sum(profile.layers[i].param_bytes for i in s.layers)
             optimizer_s = max(optimizer_s, estimate_optimizer_time(
                 plan.shard_shares(s.device)[0] * param_bytes, profile.bytes_per_element, d, plan.optimizer, profile)
