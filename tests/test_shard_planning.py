@@ -288,6 +288,7 @@ def test_each_segment_takes_the_lightest_mode_its_owners_fit() -> None:
     # b's owners step their whole state and gather nothing; their gradients travel whole
     assert [lighter.layout.wire_bytes(1.0, s) for s in lighter.segments()] == [0.5, 1.0]
     assert lighter.shard_shares("b:0") == (1.0, 1.0) and lighter.shard_weights["a:0"] > 0
+    assert set(lighter.shard_weights) == {"a:0", "a:1"}  # b's stages size no shard
     # where every segment's owners have room, none is sharded; where none fits, the plan's modes stay
     assert lighten_segments(big)[0].sync_options.shard == "none"
     tight = _two_segment_plan(_memory_for(big.profile, device, stage_memory(p, "a:0")))

@@ -91,12 +91,15 @@ def shard_weights(plan: Plan, memo: Memo | None = None) -> dict[str, float]:
     """Device -> what sizes its shards (``Plan.shard_weights``). By memory (Cephalo's rule), the tensor budget its
     stage leaves free of everything but its sharded state, over what the whole sharded state of its stage would
     take: the largest share it could hold alone, so that shares in proportion to the weights fit wherever any
-    split of a segment among its owners fits. By speed (``shard_by``), its peak FLOP/s."""
+    split of a segment among its owners fits. By speed (``shard_by``), its peak FLOP/s. A device whose stage is in
+    no sharded segment has none (``shard_fractions`` would read it as 0)."""
     weights: dict[str, float] = {}
     devices = {d.name: d for d in plan.cluster.devices}
     for vw in plan.virtual_workers:
         for s in vw.stages:
             d = devices[s.device]
+            if plan.shard_shares(d.name, 0.0)[0] >= 1.0:
+                continue  # nothing of its stage is sharded: its weight would size no shard
             if plan.sync_options.shard_by == "speed":
                 weights[d.name] = d.peak_flops(plan.profile.precision)
                 continue
