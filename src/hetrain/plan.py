@@ -339,7 +339,7 @@ class Plan:
         segment counts at its own mode: its state where sharded, its gradients too under ZeRO-2.
 
         ``share``: the share of each sharded segment of its stage it would keep in place of its own (what the
-        planner weighs shards by: ``planner.shards.size_shards``)."""
+        planner weighs shards by: ``planner.shards.shard_weights``)."""
         if self.sync_options.shard == "none":
             return (1.0, 1.0)
         v, j = self.stage_of(device)
