@@ -2,7 +2,8 @@
 with and without sharding (issue 35).
 
 For each cluster and model: the planner's best plan with ``--shard none`` and with ``--shard auto`` (which also
-plans ZeRO-1, and ZeRO-2 where ZeRO-1 does not fit, where the plan without could be memory-bound), both at TP 1
+plans ZeRO-1, and ZeRO-2 where ZeRO-1 does not fit, where the plan without could be memory-bound, then shards
+each segment only as far as its owners need: "optimizer in 1 of 4 segments" in the shape column), both at TP 1
 (``--max-tp 1``) so that only sharding differs, each the best by the simulator among its 3 best candidates, with
 a time budget per planning; pure data parallelism (``--strategy dp``) at one sample per device per iteration, the
 planner's choice (``auto``) at a global batch of 64. Clusters:
@@ -53,8 +54,19 @@ def case(cluster: hetrain.Cluster, name: str, batch: int, strategy: str) -> dict
         row[f"{key}_plan_s"] = time.perf_counter() - start
         row[key] = batch / simulate(p).iteration_s
         row[f"{key}_shape"] = (f"{len(p.virtual_workers)} VW x {max(len(vw.stages) for vw in p.virtual_workers)} st"
-                               + (f", {p.sync_options.shard}" if p.sync_options.shard != "none" else ""))
+                               + shard_label(p))
     return row
+
+
+def shard_label(p: hetrain.Plan) -> str:
+    """``, optimizer`` where every shared segment shards alike; ``, optimizer in 1 of 4 segments`` where the
+    planner chose per segment (``Plan.segment_shards``)."""
+    if p.sync_options.shard == "none":
+        return ""
+    if not p.layout.mixed_shards:
+        return f", {p.sync_options.shard}"
+    shared = [seg for seg in p.segments() if seg.shared]
+    return f", {p.sync_options.shard} in {sum(seg.sharded for seg in shared)} of {len(shared)} segments"
 
 
 def fmt(row: dict[str, object]) -> str:

@@ -85,7 +85,7 @@ STAGE_KEYS = frozenset({"device", "tp_group", "layers", "recompute", "predicted_
 PREDICTION_KEYS = frozenset({"iteration_s", "samples_per_s", "pipeline_s", "sync_s", "optimizer_s",
                              "simulated_iteration_s", "time_to_accuracy_s", "memory"})
 DEVICE_MEMORY_KEYS = frozenset({"device", "peak_bytes", "capacity_bytes"})
-SYNC_SECTION_KEYS = frozenset({"mode", "options", "segments", "shard_weights"})
+SYNC_SECTION_KEYS = frozenset({"mode", "options", "segments", "shard_weights", "segment_shards"})
 
 
 def check_known_keys(data: Mapping[str, Any], known: frozenset[str] | set[str], where: str, what: str) -> None:
@@ -272,16 +272,26 @@ class Plan:
     #: with ``sync_options.shard``: device -> what sizes its shards of the segments it owns (the bytes its stage
     #: leaves free, or its speed: ``sync_options.shard_by``); plan.json's ``sync.shard_weights``
     shard_weights: Mapping[str, float] = field(default_factory=dict)
+    #: per segment (``layout.segments``' order), what its owners shard, where the planner chose it per segment
+    #: (``planner.shards``): the most of them is ``sync_options.shard``; empty: every shared segment shards as
+    #: ``sync_options.shard`` says. plan.json's ``sync.segment_shards``
+    segment_shards: tuple[str, ...] = ()
     layout: SyncLayout = field(init=False, repr=False, compare=False)
     #: the sync mode's rules (``hetrain.sync_mode``), looked up from ``sync`` when the plan is built
     sync_mode: SyncMode = field(init=False, repr=False, compare=False)
+    #: device -> (VW index, stage index) of the stage it runs (``stage_of``), made once: the planner asks it of
+    #: every device, thousands of them, for each per-segment shard mode it tries (``planner.shards``)
+    _stage_index: Mapping[str, tuple[int, int]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         validate_plan(self)
         object.__setattr__(self, "sync_mode", sync_mode(self.sync))
+        object.__setattr__(self, "_stage_index", {d: (v, j) for v, vw in enumerate(self.virtual_workers)
+                                                  for j, s in enumerate(vw.stages) for d in s.devices})
         stages = [[(s.device, s.first_layer, s.end_layer) for s in vw.stages] for vw in self.virtual_workers]
         layout = build_sync_layout(self.cluster, self.profile, stages, self.sync, self.sync_options,
-                                   self.layer_tp_degrees() if self.max_tp > 1 else None, self.shard_weights)
+                                   self.layer_tp_degrees() if self.max_tp > 1 else None, self.shard_weights,
+                                   self.segment_shards)
         object.__setattr__(self, "layout", layout)
 
     # --- derived views -----------------------------------------------------
@@ -323,37 +333,47 @@ class Plan:
         """
         return self.layout.segments
 
-    def shard_shares(self, device: str) -> tuple[float, float]:
+    def shard_shares(self, device: str, share: float | None = None) -> tuple[float, float]:
         """(optimizer state, gradients): the shares of its stage's state and gradients ``device`` keeps between
-        iterations, over the stage's parameter bytes (1, 1 where nothing is sharded; ``Segment.shard_of``)."""
+        iterations, over the stage's parameter bytes (1, 1 where nothing is sharded; ``Segment.shard_of``). Each
+        segment counts at its own mode: its state where sharded, its gradients too under ZeRO-2.
+
+        ``share``: the share of each sharded segment of its stage it would keep in place of its own (what the
+        planner weighs shards by: ``planner.shards.shard_weights``)."""
         if self.sync_options.shard == "none":
             return (1.0, 1.0)
         v, j = self.stage_of(device)
         stage = self.virtual_workers[v].stages[j]
         layers = self.profile.layers
-        total = kept = 0.0
+        total = state = grad = 0.0
         for seg in self.layout.segments:
             lo, hi = max(seg.first_layer, stage.first_layer), min(seg.end_layer, stage.end_layer)
             if lo >= hi:
                 continue
             size = float(sum(x.param_bytes for x in layers[lo:hi]))
+            mine = 1.0
+            if seg.sharded and stage.device in seg.owners:
+                mine = seg.shard_of(stage.device) if share is None else share
             total += size
-            kept += size * (seg.shard_of(stage.device) if stage.device in seg.owners else 1.0)
-        state = kept / total if total > 0 else 1.0
-        return (state, state if self.sync_options.shard == "optimizer+gradients" else 1.0)
+            state += size * mine
+            grad += size * (mine if seg.shard == "optimizer+gradients" else 1.0)
+        return (state / total, grad / total) if total > 0 else (1.0, 1.0)
 
     def with_sync(self, mode: str | None = None, options: SyncOptions | None = None) -> Plan:
         """This plan under another sync mode or options: the layout is made anew, the prediction kept
-        (``planner.sync.repredict_sync`` re-predicts it)."""
-        return replace(self, sync=mode or self.sync, sync_options=options or self.sync_options)  # type: ignore[arg-type]
+        (``planner.sync.repredict_sync`` re-predicts it). The per-segment shard modes stay where the options
+        shard as they did; under another ``shard`` option every shared segment shards as it says."""
+        options = options or self.sync_options
+        segment_shards = self.segment_shards if options.shard == self.sync_options.shard else ()
+        return replace(self, sync=mode or self.sync, sync_options=options,  # type: ignore[arg-type]
+                       segment_shards=segment_shards)
 
     def stage_of(self, device: str) -> tuple[int, int]:
         """(VW index, stage index) of the stage ``device`` runs (its device, or a member of its TP group)."""
-        for v, vw in enumerate(self.virtual_workers):
-            for j, s in enumerate(vw.stages):
-                if s.device == device or device in s.tp_group:
-                    return v, j
-        raise PlanError(f"device {device} holds no stage in this plan")
+        found = self._stage_index.get(device)
+        if found is None:
+            raise PlanError(f"device {device} holds no stage in this plan")
+        return found
 
     # --- (de)serialisation ---------------------------------------------------
 
@@ -364,7 +384,8 @@ class Plan:
             "global_batch": self.global_batch,
             "schedule": self.schedule,
             "sync": {**self.layout.to_dict(),
-                     **({"shard_weights": dict(self.shard_weights)} if self.sync_options.shard != "none" else {})},
+                     **({"shard_weights": dict(self.shard_weights)} if self.sync_options.shard != "none" else {}),
+                     **({"segment_shards": list(self.segment_shards)} if self.segment_shards else {})},
             "optimizer": self.optimizer,
             "strategy": self.strategy,
             "formation": self.formation,
@@ -385,6 +406,34 @@ class Plan:
         tmp = p.with_name(p.name + ".tmp")
         tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
         tmp.replace(p)
+
+    def _shard_lines(self) -> list[str]:
+        """The summary's lines on sharding: each device's share, each segment's mode where they differ, and
+        what the planner compared (``options["shard_choice"]``, ``planner.search.plan_shards``)."""
+        lines = []
+        if self.sync_options.shard != "none":
+            shares = ", ".join(f"{d} {self.shard_shares(d)[0]:.0%}" for d in self.devices_used)
+            how = f"per segment, at most {self.sync_options.shard}" if self.layout.mixed_shards \
+                else self.sync_options.shard
+            lines.append(f"  sharded ({how}, by {self.sync_options.shard_by}): each device keeps this share of its "
+                         f"stage's optimizer state: {shares}")
+        shard_choice = self.options.get("shard_choice")
+        if not isinstance(shard_choice, Mapping):
+            shard_choice = {}
+        if self.layout.mixed_shards:  # each shared segment's mode, and why where the planner said
+            why = {tuple(r["layers"]): r.get("why") for r in shard_choice.get("segments", ())
+                   if isinstance(r, Mapping) and isinstance(r.get("layers"), list)}
+            lines.append("  shard per segment: " + "; ".join(
+                f"[{seg.first_layer}, {seg.end_layer}) {seg.shard}"
+                + (f" ({reason})" if (reason := why.get((seg.first_layer, seg.end_layer))) else "")
+                for seg in self.layout.segments if seg.shared))
+        if isinstance(shard_choice.get("modes"), Mapping):
+            rows = []
+            for mode, row in shard_choice["modes"].items():
+                t = row.get("simulated_iteration_s") or row.get("iteration_s") if isinstance(row, Mapping) else None
+                rows.append(f"shard {mode}: {format_time(t)}" if t else f"shard {mode}: no plan")
+            lines.append(f"  planned with {'; '.join(rows)}; chose shard {shard_choice.get('chosen')}")
+        return lines
 
     def summary(self) -> str:
         """A readable table: VWs, stages, batch split, prediction and memory."""
@@ -432,17 +481,7 @@ class Plan:
                 rows.append(f"TP {k}: {format_time(t)}" if t else f"TP {k}: cannot beat it" if pruned
                             else f"TP {k}: not planned within the time budget" if skipped else f"TP {k}: no plan")
             lines.append(f"  planned at {'; '.join(rows)}; chose TP {tp_choice.get('chosen')}")
-        if self.sync_options.shard != "none":
-            shares = ", ".join(f"{d} {self.shard_shares(d)[0]:.0%}" for d in self.devices_used)
-            lines.append(f"  sharded ({self.sync_options.shard}, by {self.sync_options.shard_by}): each device keeps "
-                         f"this share of its stage's optimizer state: {shares}")
-        shard_choice = self.options.get("shard_choice")
-        if isinstance(shard_choice, Mapping) and isinstance(shard_choice.get("modes"), Mapping):
-            rows = []
-            for mode, row in shard_choice["modes"].items():
-                t = row.get("simulated_iteration_s") or row.get("iteration_s") if isinstance(row, Mapping) else None
-                rows.append(f"shard {mode}: {format_time(t)}" if t else f"shard {mode}: no plan")
-            lines.append(f"  planned with {'; '.join(rows)}; chose shard {shard_choice.get('chosen')}")
+        lines += self._shard_lines()
         learned = self.options.get("time_model")
         if isinstance(learned, Mapping) and learned.get("types"):
             lines.append(f"  layer times for {', '.join(map(str, learned['types']))} from the learned model "
@@ -673,6 +712,14 @@ def _shard_weights_from(raw: Any, cluster: Cluster) -> dict[str, float]:
     return out
 
 
+def _segment_shards_from(raw: Any) -> tuple[str, ...]:
+    """``sync.segment_shards``: a list of shard modes, one per segment (checked against the segments by
+    ``sync_layout.check_segment_shards`` when the plan is laid out)."""
+    if not isinstance(raw, list) or not all(isinstance(x, str) for x in raw):
+        raise PlanError(f"sync.segment_shards: expected a list of shard modes, one per segment, got {show(raw)}")
+    return tuple(raw)
+
+
 def upgrade_plan_data(data: Mapping[str, Any]) -> dict[str, Any]:
     """A format_version 1 plan dict as version 2: its mode and the sync options it kept among its ``options``
     move into the ``"sync"`` section (whose layout ``parse_plan(check_layout=False)`` then makes anew).
@@ -769,6 +816,7 @@ def parse_plan(data: Mapping[str, Any], check_layout: bool = True) -> Plan:
         options=dict(require_object(data, "options", "", PlanError, {})),
         sync_options=sync_options,
         shard_weights=_shard_weights_from(sync.get("shard_weights", {}), cluster),
+        segment_shards=_segment_shards_from(sync.get("segment_shards", [])),
     )
     if check_layout:
         try:

@@ -180,6 +180,8 @@ class SyncOptions:
             (ZeRO-1: each owner keeps the optimizer state of its part only, steps it, and hands the updated
             weights to the others) or ``optimizer+gradients`` (ZeRO-2: each owner also keeps only its part of
             the gradients, which every backward reduces to it). Shards are uneven: ``Segment.shard_fractions``.
+            Where a plan shards its segments alike, every shared segment's mode; where it chooses per segment
+            (``Plan.segment_shards``), the most any segment shards, so that ``none`` still says that nothing is.
             The relaxed modes refuse it: their replicas step their own optimizers on their own gradients
             (local-sgd, daso) or on a parameter server's (wsp, hybrid-ps), so no replica's state is another's.
         shard_by: what sizes an owner's shard: ``memory`` (in proportion to the bytes its stage leaves free,
@@ -219,8 +221,13 @@ class SyncOptions:
         """Bytes a gradient reduction moves per byte of fp32 gradient, against a ring all-reduce of it: half in
         bf16 (``reduce_dtype``), and half again where the owners shard (``shard``): the gradients are
         reduce-scattered, half a ring all-reduce's bytes, and the updated weights all-gathered after the step,
-        the other half (``planner.search.shard_gather_s``)."""
-        return REDUCE_WIRE[self.reduce_dtype] * (0.5 if self.shard != SHARD_MODES[0] else 1.0)
+        the other half (``planner.search.shard_gather_s``). A segment's own: ``wire_for``."""
+        return self.wire_for(self.shard)
+
+    def wire_for(self, shard: str) -> float:
+        """``reduce_wire`` of a segment whose owners shard as ``shard`` says (``Segment.shard``): a plan that
+        shards some segments and not others moves half the bytes for the first only."""
+        return REDUCE_WIRE[self.reduce_dtype] * (0.5 if shard != SHARD_MODES[0] else 1.0)
 
     @property
     def reduce_copy(self) -> float:
@@ -495,10 +502,21 @@ class SyncLayout:
     options: SyncOptions
     segments: tuple[Segment, ...]
 
-    def wire_bytes(self, num_bytes: float) -> float:
-        """Bytes an all-reduce of ``num_bytes`` of gradients moves: ``options.reduce_wire`` of them (half in bf16,
-        which only bsp's gradient all-reduces take: ``check_mode_options``)."""
-        return num_bytes * self.options.reduce_wire
+    def wire_bytes(self, num_bytes: float, segment: Segment) -> float:
+        """Bytes a reduction of ``num_bytes`` of ``segment``'s gradients moves: ``options.wire_for`` its shard mode
+        (half in bf16, which only bsp's gradient all-reduces take: ``check_mode_options``; half again where its
+        owners shard it)."""
+        return num_bytes * self.options.wire_for(segment.shard)
+
+    @property
+    def segment_shards(self) -> tuple[str, ...]:
+        """Each segment's shard mode (``Segment.shard``), in order."""
+        return tuple(seg.shard for seg in self.segments)
+
+    @property
+    def mixed_shards(self) -> bool:
+        """Whether its shared segments differ in what their owners shard (``Plan.segment_shards``)."""
+        return len({seg.shard for seg in self.segments if seg.shared}) > 1
 
     def owned_segments(self, device: str) -> list[int]:
         """The segments ``device`` synchronises: those it holds with at least one other device."""
@@ -712,12 +730,16 @@ def place_ps_shards(owners: Sequence[T], nodes: Sequence[str], nic_bandwidth: Ma
 
 def build_sync_layout(cluster: Cluster, profile: ModelProfile, stages: Sequence[Sequence[tuple[str, int, int]]],
                       mode: str, options: SyncOptions, tp_degrees: Sequence[int] | None = None,
-                      shard_weights: Mapping[str, float] | None = None) -> SyncLayout:
+                      shard_weights: Mapping[str, float] | None = None,
+                      segment_shards: Sequence[str] = ()) -> SyncLayout:
     """Every sync decision for VWs whose stages are ``stages`` (per VW, ``(device, first, end)`` per stage).
 
     ``shard_weights``: with ``options.shard``, device -> what sizes its shards (``shard_fractions``): each
     owner of a segment keeps the share ``w / sum(w)`` of its owners' weights (equal shares where none is given,
     or none is positive).
+
+    ``segment_shards``: per segment, what its owners shard (``Plan.segment_shards``, checked by
+    ``check_segment_shards``); empty: every shared segment shards as ``options.shard`` says.
 
     ``tp_degrees``: per layer, the TP degree it runs at (the same in every VW: ``plan.validate_plan``); a
     segment's owners are then the stages' first devices, and its bytes one TP rank's: rank j of each owner's
@@ -734,7 +756,9 @@ def build_sync_layout(cluster: Cluster, profile: ModelProfile, stages: Sequence[
     except SyncModeError as e:
         raise SyncLayoutError(str(e)) from None
     _check_runnable(mode, options)  # not the options a user gave: the planner lays out every mode with them
-    wire = options.reduce_wire
+    groups = group_segments(profile.num_layers, stages)
+    if segment_shards:
+        check_segment_shards(segment_shards, groups, options.shard)
     index = {d.name: d.index for d in cluster.devices}
     node_of = {d.name: d.node for d in cluster.devices}
     nic_of = {n.name: n.nic.bandwidth_bytes_per_s for n in cluster.nodes}
@@ -742,13 +766,15 @@ def build_sync_layout(cluster: Cluster, profile: ModelProfile, stages: Sequence[
     if tp_degrees is not None:
         layer_bytes = [float(tp_rank_profile(profile, k).layers[i].param_bytes) for i, k in enumerate(tp_degrees)]
     segments = []
-    for s, (first, end, owners) in enumerate(group_segments(profile.num_layers, stages)):
+    for s, (first, end, owners) in enumerate(groups):
         num_bytes = float(sum(layer_bytes[first:end]))
         seg = Segment(first, end, owners, num_bytes)
+        shard = segment_shards[s] if segment_shards else options.shard
+        wire = options.wire_for(shard if rules.synchronous else SHARD_MODES[0])
         if seg.shared:
             shape = allreduce_shape(cluster, [index[o] for o in owners])
 
-            def algorithm(size: float, shape: Any = shape) -> str:  # priced on the bytes that travel
+            def algorithm(size: float, shape: Any = shape, wire: float = wire) -> str:  # on the bytes that travel
                 return estimate_allreduce(size * wire, shape, options.allreduce)[1]
 
             seg = replace(seg, algorithm=algorithm(num_bytes))
@@ -769,10 +795,34 @@ def build_sync_layout(cluster: Cluster, profile: ModelProfile, stages: Sequence[
                 for o in owners:
                     by_node.setdefault(node_of[o], []).append(o)
                 seg = replace(seg, local_groups=tuple(tuple(g) for n, g in sorted(by_node.items()) if len(g) > 1))
-            if rules.synchronous and options.shard != SHARD_MODES[0]:
-                seg = replace(seg, shard=options.shard, shard_fractions=shard_fractions(owners, shard_weights))
+            if rules.synchronous and shard != SHARD_MODES[0]:
+                seg = replace(seg, shard=shard, shard_fractions=shard_fractions(owners, shard_weights))
         segments.append(seg)
     return SyncLayout(mode, options, tuple(segments))
+
+
+def check_segment_shards(modes: Sequence[str], groups: Sequence[tuple[int, int, tuple[T, ...]]], most: str) -> None:
+    """Refuse per-segment shard modes (``Plan.segment_shards``) that do not fit the segments ``groups``
+    (``group_segments``): one per segment, each a shard mode, ``none`` on a segment of one owner (nothing to
+    shard), and the most of them ``most`` (the ``shard`` option: the most any segment shards).
+
+    Raises:
+        SyncLayoutError: naming the segment and the mode.
+    """
+    where = "sync.segment_shards"
+    if len(modes) != len(groups):
+        raise SyncLayoutError(f"{where}: {len(modes)} modes for the {len(groups)} segments the stages give; "
+                              f"give one per segment")
+    for s, (mode, (first, end, owners)) in enumerate(zip(modes, groups, strict=True)):
+        if mode not in SHARD_MODES:
+            raise SyncLayoutError(f"{where}[{s}]: {mode!r} is not a shard mode ({', '.join(SHARD_MODES)})")
+        if mode != SHARD_MODES[0] and len(owners) < 2:
+            raise SyncLayoutError(f"{where}[{s}]: {mode}, but segment {s} (layers [{first}, {end})) has one owner, "
+                                  f"{owners[0]}: nothing to shard; use none")
+    top = max(modes, key=SHARD_MODES.index)
+    if top != most:
+        raise SyncLayoutError(f"{where}: the most any segment shards is {top}, the sync option shard is {most}; "
+                              f"they must agree (the option says the most any segment shards)")
 
 
 def shard_fractions(owners: Sequence[str], weights: Mapping[str, float] | None) -> tuple[float, ...]:

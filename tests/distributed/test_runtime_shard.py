@@ -13,6 +13,7 @@ sum in another order moves it by ~1e-5 of its norm in an unsharded bsp run alike
     zero1     3 VWs of one stage, mini-batches 6 (in 2), 4, 2                 optimizer            1:2:1
     zero2     VW0 n0:0 [0,6); VW1 n0:1 [0,3) + n0:2 [3,6) (segments           optimizer+gradients  3:1:2
               [0,3) {n0:0,n0:1} and [3,6) {n0:0,n0:2} split stages)
+    mixed     zero2's, segment [0,3) ZeRO-2 and [3,6) not sharded             per segment          3:1:2
     resume    a checkpoint at every change of plan: none (steps 1-3) -> zero1 3:1:0 ... (4-6)
               -> zero2 1:2:1 (7-8) -> none (9-10)
     bf16-*    zero2's plan under bf16 autocast, sharded and not (fp32 master weights, gradients and
@@ -150,13 +151,15 @@ WORKER = textwrap.dedent("""
 
 
 def make_plan(vws: list[tuple[list[str], list[int], int, int]], shard: str, weights: dict[str, float],
-              precision: str = "fp32", buckets: dict[str, Any] = SMALL_BUCKETS) -> Plan:
-    """gpt-tiny (shrunk) on node n0 of 3 CPU devices, AdamW, bsp, small buckets, sharded by ``weights``."""
+              precision: str = "fp32", buckets: dict[str, Any] = SMALL_BUCKETS,
+              segment_shards: tuple[str, ...] = ()) -> Plan:
+    """gpt-tiny (shrunk) on node n0 of 3 CPU devices, AdamW, bsp, small buckets, sharded by ``weights`` (each
+    segment as ``segment_shards`` says, where given)."""
     profile = build_profile("gpt-tiny", hidden=GPT["hidden"], heads=GPT["heads"], seq_len=GPT["seq_len"])
     profile = replace(profile, precision=precision)
     plan = factories.make_plan(make_cluster({"n0": WORLD}), profile, vws, optimizer="adam", shard=shard,
                                **buckets)
-    return replace(plan, shard_weights=weights) if shard != "none" else plan
+    return replace(plan, shard_weights=weights, segment_shards=segment_shards) if shard != "none" else plan
 
 
 DP3 = [([D[0]], [0, 6], 6, 2), ([D[1]], [0, 6], 4, 1), ([D[2]], [0, 6], 2, 1)]
@@ -169,6 +172,9 @@ TINY_BUCKETS = {"first_bucket_bytes": 10_000, "bucket_bytes": 10_000, "bucket_cu
 CASES: dict[str, dict[str, Any]] = {
     "zero1": {"plans": [make_plan(DP3, "optimizer", W121)], "stops": [STEPS]},
     "zero2": {"plans": [make_plan(HYBRID, "optimizer+gradients", {D[0]: 3, D[1]: 1, D[2]: 2})], "stops": [STEPS]},
+    # n0:0's stage is in both segments: ZeRO-2 in [0, 3), none in [3, 6)
+    "mixed": {"plans": [make_plan(HYBRID, "optimizer+gradients", {D[0]: 3, D[1]: 1, D[2]: 2},
+                                  segment_shards=("optimizer+gradients", "none"))], "stops": [STEPS]},
     "zero2-1mb": {"plans": [make_plan(ONE_MB, "optimizer+gradients", W121, buckets=TINY_BUCKETS)], "stops": [STEPS],
                   "peak": True},
     "resume": {"plans": [make_plan(DP3, "none", {}), make_plan(DP3, "optimizer", {D[0]: 3, D[1]: 1, D[2]: 0}),
@@ -178,7 +184,7 @@ CASES: dict[str, dict[str, Any]] = {
     "bf16-zero2": {"plans": [make_plan(HYBRID, "optimizer+gradients", {D[0]: 3, D[1]: 1, D[2]: 2}, "bf16")],
                    "stops": [STEPS]},
 }
-FP32 = ["zero1", "zero2", "zero2-1mb", "resume"]
+FP32 = ["zero1", "zero2", "zero2-1mb", "mixed", "resume"]
 
 
 @pytest.fixture(scope="module")
@@ -326,7 +332,7 @@ def test_bf16_sharded_training_equals_unsharded(job: dict[str, dict[str, Any]]) 
 
 def test_reduces_overlap_the_backward(job: dict[str, dict[str, Any]]) -> None:
     """The buckets of sharded segments are reduced to their owners from the backward, as unsharded ones are."""
-    for name in ("zero1", "zero2", "zero2-1mb"):
+    for name in ("zero1", "zero2", "zero2-1mb", "mixed"):
         assert all(p["layouts"][0]["early"] > 0 for p in _parts(job[name])), name
 
 

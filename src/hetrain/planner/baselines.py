@@ -68,7 +68,7 @@ def even_split_plan(base: Plan, predict: Predict, device_order: Sequence[str] | 
         first = end
     vw = VirtualWorker(tuple(stages), base.global_batch, min(m, base.global_batch))
     draft = replace(base, virtual_workers=(vw,), strategy="pp", formation="even-split",
-                    schedule=torch_schedule(base.schedule),
+                    schedule=torch_schedule(base.schedule), segment_shards=(),  # other stages, other segments
                     prediction=replace(base.prediction, memory=()))
     return predict(draft)
 
@@ -82,7 +82,7 @@ def even_dp_plan(base: Plan, predict: Predict) -> Plan:
     vws = []
     for dev, share in zip(devices, split_evenly(base.global_batch, len(devices)), strict=True):
         vws.append(VirtualWorker((_stage(base, dev, 0, n, share),), share, 1))
-    draft = replace(base, virtual_workers=tuple(vws), strategy="dp", formation="even-batch",
+    draft = replace(base, virtual_workers=tuple(vws), strategy="dp", formation="even-batch", segment_shards=(),
                     prediction=replace(base.prediction, memory=()),
                     sync_options=replace(base.sync_options, allreduce="ring"))  # DDP's flat ring, never hierarchical
     return predict(draft)

@@ -67,7 +67,6 @@ from hetrain.plan import (
     DeviceMemory,
     Optimizer,
     Plan,
-    PlanError,
     Prediction,
     Schedule,
     Stage,
@@ -77,6 +76,7 @@ from hetrain.planner.budget import PlannerReport, TimeBudget
 from hetrain.planner.formation import Formation, build_formations
 from hetrain.planner.partition import PartitionResult, partition
 from hetrain.planner.robust import DRAWS, SEED, has_spread, rank_robust
+from hetrain.planner.shards import lighten_segments, reprice, size_shards
 from hetrain.planner.sharing import estimate_pipeline_traffic, estimate_shared_pipeline_times
 from hetrain.planner.stage_cost import StageTableCache
 from hetrain.planner.sync import Scorer, choose_sync_mode, estimate_mode_sync_time
@@ -155,8 +155,9 @@ class PlannerOptions:
         tp: plan every stage at this TP degree (``hetrain plan --tp K``, as ``strategy`` forces a family).
         shard: ``"auto"``: also plan with the optimizer state sharded among each segment's owners (ZeRO-1, then
             ZeRO-2 where ZeRO-1 does not fit), where the plan without could be memory-bound (it does not fit, or
-            it pipelines or recomputes), and keep the best (``plan_shards``); a shard mode: plan with it
-            (``SyncOptions.shard``); None: as ``sync_options`` says.
+            it pipelines or recomputes), then shard each segment at the lightest mode its owners fit where that
+            is not slower, and keep the best (``plan_shards``); a shard mode: plan with it for every shared
+            segment (``SyncOptions.shard``); None: as ``sync_options`` says.
     """
 
     strategy: Literal["auto", "dp", "pp", "hybrid"] = "auto"
@@ -459,62 +460,16 @@ def _to_plan(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: Planne
         strategy=c.formation.strategy, formation=c.formation.name, cluster=cluster, profile=profile,
         options=options, sync_options=opts.sync_options,
     )
-    return _with_shards(plan, opts, c) if opts.sync_options.shard != "none" and len(c.parts) > 1 else plan
+    return _with_shards(plan) if opts.sync_options.shard != "none" and len(c.parts) > 1 else plan
 
 
-def _with_shards(plan: Plan, opts: PlannerOptions, c: Candidate) -> Plan:
-    """``plan`` with its shards sized (``Plan.shard_weights``) and each stage's memory counted with its own
-    shares. By memory (Cephalo's rule), a device's weight is the tensor budget its stage leaves free of
-    everything but the sharded state, over what the whole sharded state of its stage would take: the largest
-    share it could hold alone, so that shares in proportion to the weights fit wherever any split of a segment
-    among its owners fits. By speed, its peak FLOP/s. Where the uneven shards do not fit (a stage in several
-    segments of unlike owners), even shares, which the search priced."""
-    profile = plan.profile
-    zero2 = opts.sync_options.shard == "optimizer+gradients"
-    unsharded = replace(opts, sync_options=replace(opts.sync_options, shard="none"))
-    weights: dict[str, float] = {}
-    for r, vw in zip(c.parts, plan.virtual_workers, strict=True):
-        p = len(r.devices)
-        for j, (d, s) in enumerate(zip(r.devices, vw.stages, strict=True)):
-            if opts.sync_options.shard_by == "speed":
-                weights[d.name] = d.peak_flops(profile.precision)
-                continue
-
-            def need(share: float, s: Any = s, r: PartitionResult = r, j: int = j, p: int = p) -> float:
-                return estimate_stage_memory(profile, s.first_layer, s.end_layer, s.recompute, r.b,
-                                             in_flight(c.schedule, r.m, p, j), opts.optimizer,
-                                             reduce_copy=_reduce_copy(unsharded, len(c.parts)),
-                                             state_share=share, grad_share=share if zero2 else 1.0,
-                                             micro_batches=r.m)
-
-            other, whole = need(0.0), need(1.0)
-            weights[d.name] = max(0.0, tensor_budget(profile, d) - other) / max(whole - other, 1.0)
-    for shard_weights in (weights, {}):
-        try:
-            return _sharded_memory(replace(plan, shard_weights=shard_weights), opts, c)
-        except PlanError:
-            continue
-    raise PlannerError(f"the plan's stages fit with even shards of their state in the search, but not with the "
-                       f"shards of its segments' owners ({opts.sync_options.shard}); plan with --shard none")
-
-
-def _sharded_memory(sized: Plan, opts: PlannerOptions, c: Candidate) -> Plan:
-    """``sized`` with each stage's memory counted at its own shares (PlanError where one does not fit)."""
-    profile = sized.profile
-    vws, memory = [], []
-    for r, vw in zip(c.parts, sized.virtual_workers, strict=True):
-        p = len(r.devices)
-        stages = []
-        for j, (d, s) in enumerate(zip(r.devices, vw.stages, strict=True)):
-            state_share, grad_share = sized.shard_shares(d.name)
-            mem = estimate_stage_memory(profile, s.first_layer, s.end_layer, s.recompute, r.b,
-                                        in_flight(c.schedule, r.m, p, j), opts.optimizer,
-                                        reduce_copy=_reduce_copy(opts, len(c.parts)), state_share=state_share,
-                                        grad_share=grad_share, micro_batches=r.m)
-            stages.append(replace(s, predicted_memory_bytes=mem))
-            memory.append(DeviceMemory(d.name, estimate_device_memory(profile, d, mem), d.memory_bytes))
-        vws.append(replace(vw, stages=tuple(stages)))
-    return replace(sized, virtual_workers=tuple(vws), prediction=replace(sized.prediction, memory=tuple(memory)))
+def _with_shards(plan: Plan) -> Plan:
+    """``plan`` with its shards sized and each stage's memory counted at its own shares (``shards.size_shards``)."""
+    sized = size_shards(plan)
+    if sized is None:
+        raise PlannerError(f"the plan's stages fit with even shards of their state in the search, but not with the "
+                           f"shards of its segments' owners ({plan.sync_options.shard}); plan with --shard none")
+    return sized
 
 
 def _explain_no_fit(cluster: Cluster, profile: ModelProfile, opts: PlannerOptions) -> str:
@@ -814,8 +769,10 @@ def plan_shards(cluster: Cluster, profile: ModelProfile, global_batch: int, opts
                 score: Scorer | None) -> Plan:
     """``plan`` without sharding, then, where that plan could be memory-bound (none fits, or it pipelines or
     recomputes, which memory may have forced), with the optimizer state sharded (ZeRO-1), and with the
-    gradients too (ZeRO-2) where ZeRO-1 does not fit; the best by the simulator where it simulated them, else
-    by the closed forms. The budget is shared: half to the plan without, the rest to the others in turn.
+    gradients too (ZeRO-2) where ZeRO-1 does not fit; the sharded plan then with each segment at the lightest
+    mode its owners fit, where that is not slower (``_per_segment``); the best by the simulator where it
+    simulated them, else by the closed forms. The budget is shared: half to the plan without, the rest to the
+    others in turn.
     Sharding is bsp's (``SyncOptions.shard``) and whole tensors' (no TP stage), so other modes, or a forced
     TP degree, plan without."""
     base = replace(opts, shard=None, sync_options=replace(opts.sync_options, shard="none"))
@@ -855,12 +812,65 @@ def plan_shards(cluster: Cluster, profile: ModelProfile, global_batch: int, opts
     if not found:
         assert first_error is not None
         raise first_error
+    records: dict[str, dict[str, Any]] = {}
+    for k, (mode, p) in enumerate(found):  # the sharded planning's plan, each segment at its lightest mode
+        if mode != "none":
+            p, records[mode] = _per_segment(opts, p, score, left(1.0))
+            found[k] = (mode, p)
     simulated = [(m, p) for m, p in found if p.prediction.simulated_iteration_s is not None]
     pool = simulated or found
     chosen, best = min(pool, key=lambda mp: _rank_key(opts, mp[1], bool(simulated)))
-    choice.update({m: _shard_row(p) for m, p in found})
-    return replace(best, options={**best.options, SHARD_KEY: {"chosen": chosen, "modes": choice},
+    choice.update({m: {**_shard_row(p), **({"per_segment": records[m]["per_segment"]}
+                                          if "per_segment" in records.get(m, {}) else {})} for m, p in found})
+    segments = {"segments": records[chosen]["segments"]} if chosen in records else {}
+    return replace(best, options={**best.options, SHARD_KEY: {"chosen": chosen, "modes": choice, **segments},
                                   REPORT_KEY: _total_report([p for _, p in found], opts).to_dict()})
+
+
+def _per_segment(opts: PlannerOptions, p: Plan, score: Scorer | None,
+                 left_s: float | None) -> tuple[Plan, dict[str, Any]]:
+    """``p``, a sharded planning's plan, with each segment at the lightest shard mode under which its owners fit
+    (``shards.lighten_segments``: sharding costs an all-gather on the critical path and a larger optimizer step
+    where an owner steps more than its share), where that plan is not slower by the objective (``_rank_key``):
+    by the simulator where ``p`` was simulated (one simulation more, while the budget lasts), else by both plans'
+    closed forms at their own shards (``shards.reprice``). And the record: ``segments``, each segment's mode in
+    the plan returned and why; ``per_segment``, the two plans' times and whether the per-segment one was kept."""
+    lighter, rows = lighten_segments(p)
+    if lighter.layout.segment_shards == p.layout.segment_shards:
+        return p, {"segments": rows}
+    simulate = score is not None and p.prediction.simulated_iteration_s is not None
+    if simulate and left_s is not None and left_s <= 0:
+        return p, {"segments": _kept_uniform(rows, p, "not tried: the time budget was spent"),
+                   "per_segment": {"kept": False}}
+    refined = reprice(lighter)
+    uniform = p if simulate else reprice(p)  # closed forms compared alike: each at its own shards
+    if simulate:
+        assert score is not None
+        refined = replace(refined, prediction=replace(refined.prediction, simulated_iteration_s=score(refined)))
+        p, refined = _one_more_simulation(p), _one_more_simulation(refined)
+    kept = _rank_key(opts, refined, simulate) <= _rank_key(opts, uniform, simulate)
+    times = {"kept": kept, "iteration_s": refined.prediction.iteration_s,
+             "simulated_iteration_s": refined.prediction.simulated_iteration_s,
+             "uniform_iteration_s": uniform.prediction.iteration_s,
+             "uniform_simulated_iteration_s": p.prediction.simulated_iteration_s}
+    if kept:
+        return refined, {"segments": rows, "per_segment": times}
+    return p, {"segments": _kept_uniform(rows, p, "the plan with per-segment modes was slower"), "per_segment": times}
+
+
+def _kept_uniform(rows: list[dict[str, Any]], p: Plan, why: str) -> list[dict[str, Any]]:
+    """``lighten_segments``' rows as ``p`` keeps its segments: a segment whose owners would fit a lighter mode
+    says so, and why it was not taken."""
+    modes = p.layout.segment_shards
+    return [row if row["shard"] == modes[row["segment"]] else
+            {**row, "shard": modes[row["segment"]], "why": f"{row['why']}, but kept {modes[row['segment']]}: {why}"}
+            for row in rows]
+
+
+def _one_more_simulation(p: Plan) -> Plan:
+    """``p`` with one more call of the scoring function in its planner report."""
+    report = PlannerReport.from_dict(p.options[REPORT_KEY])
+    return replace(p, options={**p.options, REPORT_KEY: replace(report, simulations=report.simulations + 1).to_dict()})
 
 
 def _total_report(plans: Sequence[Plan], opts: PlannerOptions) -> PlannerReport:

@@ -64,7 +64,7 @@ def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequenc
                        bucket_bytes: float = SyncOptions.bucket_bytes,
                        traffic: PipelineTraffic | None = None,
                        first_bucket_bytes: float = SyncOptions.first_bucket_bytes,
-                       bucket_cut: str = SyncOptions.bucket_cut, wire: float = 1.0) -> float:
+                       bucket_cut: str = SyncOptions.bucket_cut, wire: float | Sequence[float] = 1.0) -> float:
     """Seconds of BSP gradient all-reduce left after the backward pass: the busiest device's, or the busiest
     shared link's.
 
@@ -97,7 +97,9 @@ def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequenc
     Where every all-reduce has its links to itself the per-device form is the largest.
 
     ``wire`` is the bytes each all-reduce moves per byte of gradient (``SyncOptions.reduce_wire``: 0.5 where
-    they travel in bf16); buckets are cut on the gradients' own bytes, as the runtime cuts its fp32 buffer.
+    they travel in bf16); or per segment (in ``group_segments``' order: ``SyncOptions.wire_for`` its shard mode)
+    where a plan shards some segments and not others. Buckets are cut on the gradients' own bytes, as the runtime
+    cuts its fp32 buffer.
     """
     lead_s = traffic.lead_s if traffic is not None else hide_s
     per_device: dict[int, float] = {}
@@ -105,17 +107,19 @@ def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequenc
     tail: dict[int, float] = {}
     jobs: list[SegmentJob] = []
     layer_bytes = [x.param_bytes for x in profile.layers]
-    for first, end, owners in build_segments(profile.num_layers, layouts):
+    for s, (first, end, owners) in enumerate(build_segments(profile.num_layers, layouts)):
         if len(owners) < 2:
             continue
+        seg_wire = wire if isinstance(wire, float | int) else wire[s]
         num_bytes = sum(profile.layers[i].param_bytes for i in range(first, end))
-        t = estimate_allreduce_time(cluster, owners, num_bytes * wire)
-        job = SegmentJob(owners, num_bytes * wire)
+        t = estimate_allreduce_time(cluster, owners, num_bytes * seg_wire)
+        job = SegmentJob(owners, num_bytes * seg_wire)
         if traffic is not None and t > 0:  # the planner's BSP estimate: bucket by bucket, as the plan cuts them
             cut = cut_buckets_exact if bucket_cut == "exact" else cut_buckets
             cuts = cut(layer_bytes, first, end, first_bucket_bytes, bucket_bytes)
-            job, t = _bucketed_job(cluster, profile, job, first, end, num_bytes, cuts, bucket_cut == "exact", wire)
-        last = t if num_bytes <= bucket_bytes else estimate_allreduce_time(cluster, owners, bucket_bytes * wire)
+            job, t = _bucketed_job(cluster, profile, job, first, end, num_bytes, cuts, bucket_cut == "exact",
+                                   seg_wire)
+        last = t if num_bytes <= bucket_bytes else estimate_allreduce_time(cluster, owners, bucket_bytes * seg_wire)
         for d in owners:
             per_device[d] = per_device.get(d, 0.0) + t
             by_device.setdefault(d, []).append((len(jobs), t))
@@ -287,12 +291,14 @@ def estimate_ps_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[
 def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout], mode: str,
                             options: SyncOptions, compute_s: float,
                             hide_s: Mapping[int, float] | None = None,
-                            traffic: PipelineTraffic | None = None) -> float:
+                            traffic: PipelineTraffic | None = None, segment_shards: Sequence[str] = ()) -> float:
     """Seconds of synchronisation per iteration under sync mode ``mode`` (closed forms; docs/sync.md).
 
     ``compute_s`` is the iteration's pipeline and optimizer time, what asynchronous traffic can hide behind;
     ``hide_s`` per device the backward its BSP gradient buckets overlap, ``traffic`` how long before the
-    pipeline's end that backward starts and the transfers on the links (``estimate_sync_time``).
+    pipeline's end that backward starts and the transfers on the links (``estimate_sync_time``);
+    ``segment_shards`` each segment's shard mode where they differ (``Plan.segment_shards``; empty: every
+    segment's is ``options.shard``).
     With ``S`` the BSP all-reduce, ``L`` the node-local all-reduce, ``P`` one wave's push and pull traffic::
 
         bsp        S, less what the buckets hide behind the last backward
@@ -312,8 +318,9 @@ def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Se
     """
     rules = sync_mode(mode)
     if rules.synchronous:
+        wire = [options.wire_for(m) for m in segment_shards] if segment_shards else options.reduce_wire
         return estimate_sync_time(cluster, profile, layouts, hide_s, options.bucket_bytes, traffic,
-                                  options.first_bucket_bytes, options.bucket_cut, options.reduce_wire)
+                                  options.first_bucket_bytes, options.bucket_cut, wire)
     every = rules.period(options)
     if rules.parameter_servers:  # P: one wave's pushes and pulls; the links carry one wave per push period
         ps = estimate_ps_traffic(cluster, profile, layouts, options.placement)
@@ -500,12 +507,13 @@ def repredict_sync(plan: Plan, mode: str, options: SyncOptions, score: Scorer | 
     traffic = plan_traffic(plan)
     pr = plan.prediction
     compute_s = pr.pipeline_s + pr.optimizer_s
+    new = plan.with_sync(mode, options)
     table = {}
     for m in modes_for(options):  # every mode's closed form, as the planner records them (docs/sync.md)
-        s = estimate_mode_sync_time(plan.cluster, plan.profile, layouts, m, options, compute_s, hide, traffic)
+        s = estimate_mode_sync_time(plan.cluster, plan.profile, layouts, m, options, compute_s, hide, traffic,
+                                    new.segment_shards)
         table[m] = {"sync_s": s, "iteration_s": compute_s + s,
                     "samples_per_s": plan.global_batch / (compute_s + s) if compute_s + s > 0 else 0.0}
-    new = plan.with_sync(mode, options)
     prediction = replace(pr, sync_s=table[mode]["sync_s"], iteration_s=table[mode]["iteration_s"],
                          samples_per_s=table[mode]["samples_per_s"],
                          simulated_iteration_s=score(new) if score is not None else None)

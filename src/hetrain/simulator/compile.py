@@ -511,9 +511,10 @@ class _Compiler:
         key = (a.kind, a.segment, a.bucket, it)
         op = self.bucket_ops.get(key)
         if op is None:
-            bucket = self.segments[a.segment].buckets[a.bucket]
+            seg = self.segments[a.segment]
+            bucket = seg.buckets[a.bucket]
             cid = self._collective_id((K.ALLREDUCE_START, a.segment, (a.bucket,), it),
-                                      self.segments[a.segment].owners, self.plan.layout.wire_bytes(bucket.param_bytes),
+                                      seg.owners, self.plan.layout.wire_bytes(bucket.param_bytes, seg),
                                       bucket.algorithm,
                                       f"ALLREDUCE seg{a.segment} bucket{a.bucket}")
             op = self.bucket_ops[key] = (BucketStart(cid, str(a), bucket) if a.kind is K.ALLREDUCE_START
@@ -553,7 +554,7 @@ class _Compiler:
             started = self.last_start[(dev.d, s)]
         algorithm = seg.algorithm if len(members) == len(seg.owners) else "ring"  # within one node: the ring
         cid = self._collective_id((kind, s, tuple(members), started), members,
-                                  self.plan.layout.wire_bytes(seg.param_bytes), algorithm,
+                                  self.plan.layout.wire_bytes(seg.param_bytes, seg), algorithm,
                                   f"{k.value if k in COLLECTIVE_KINDS else 'AVERAGE'} seg{s}")
         if k is K.AVERAGE_START:
             return AverageStart(cid, str(a))
