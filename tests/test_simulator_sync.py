@@ -74,14 +74,14 @@ def test_a_single_iteration_is_replayed_for_bsp() -> None:
 
 @pytest.mark.parametrize("placement, senders", [
     ("local", {"n0 NIC out", "n0:0->n0:1", "n1:0->n1:1"}),
-    ("sharded", {"n0 NIC out", "n1 NIC out", "n0:0->n0:1", "n1:0->n1:1", "n0:1->n0:0"}),
+    ("sharded", {"n0 NIC out", "n1 NIC out", "n0:0->n0:1", "n1:0->n1:1", "n0:1->n0:0", "n1:1->n1:0"}),
 ])
 def test_pulls_occupy_the_links_from_the_shard_hosts_back(placement: str, senders: set[str]) -> None:
     plan = dp_plan("wsp", staleness=1, placement=placement)
     r = simulate(plan, iterations=12)
     pulls = {name: [e for e in evs if e.kind == "pull"] for name, evs in r.timeline.links.items()}
     # the weights go back from the hosts through their NICs, and inside each node from the node's leader of
-    # the shard (the host, else ``cost.ps_node_leader``: shard k to the node's owner k mod 2) to its mate
+    # the shard (the host, else ``cost.ps_node_leader``: the owner after the node's host) to its mate
     assert {name for name, evs in pulls.items() if evs and "NIC in" not in name} == senders
     for name in senders:  # every wave's weights go back once its pushes are in, pulled or not (as the runtime)
         assert [e.label for e in pulls[name]] == [f"PS seg0 wave{c} pull" for c in range(12)]

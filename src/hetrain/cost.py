@@ -260,19 +260,27 @@ def estimate_p2p_time(num_bytes: float, link: Link) -> float:
 LinkKey = tuple[str, ...] | tuple[str, int, int]
 
 
-def ps_node_leader(members: Sequence[int], host: int, k: int) -> int:
-    """The owner that carries shard ``k``'s traffic across its node's NIC: the shard's host on the host's node,
-    else the node's owners (device indices) in device order, the ``k mod count``-th, so that a node's shards
-    spread over its devices. The runtime (``runtime.sync.modes``) and ``estimate_ps_loads`` both use it.
+def ps_node_leader(members: Sequence[int], hosts: Sequence[int], k: int) -> int:
+    """The owner that carries shard ``k``'s traffic across its node's NIC, of a segment whose shards live on
+    ``hosts`` (device indices, in shard order), on a node whose owners are ``members``: the shard's host on
+    the host's node; elsewhere the node's owners in device order take the shards it does not host in turn,
+    starting after the owner that hosts the node's own shard, so that one device does not both keep a shard
+    and relay every other (its CPU threads and its link into the node carry both). The runtime
+    (``runtime.sync.modes``) and ``estimate_ps_loads`` both use it.
 
     Example:
-        >>> ps_node_leader([4, 2], host=2, k=1), ps_node_leader([4, 2], host=0, k=1)
-        (2, 4)
+        >>> ps_node_leader([2, 3], hosts=[0, 2], k=0), ps_node_leader([2, 3], hosts=[0, 2], k=1)
+        (3, 2)
+        >>> ps_node_leader([0, 1], hosts=[0, 2], k=1)
+        1
     """
-    if host in members:
-        return host
+    if hosts[k] in members:
+        return hosts[k]
     ordered = sorted(members)
-    return ordered[k % len(ordered)]
+    own = [ordered.index(h) for h in hosts if h in members]
+    away = [j for j, h in enumerate(hosts) if h not in members]
+    start = own[0] + 1 if own else 0
+    return ordered[(start + away.index(k)) % len(ordered)]
 
 
 def estimate_ps_loads(cluster: Cluster, owners: Sequence[int], shards: Sequence[tuple[int, float]],
@@ -320,7 +328,10 @@ def estimate_ps_loads(cluster: Cluster, owners: Sequence[int], shards: Sequence[
     for q, node in enumerate(names):
         members = np.array(sorted(by_node[node]), dtype=int)
         away = (homes != q) & (sizes > 0)  # shards hosted on another node: this node's leader crosses the NICs
-        position = np.arange(len(shards)) % len(members)  # ps_node_leader's choice, for every shard at once
+        # ps_node_leader's choice for every shard at once: the away shards in turn, after the node's host
+        own = np.flatnonzero(np.isin(members, hosts))
+        start = int(own[0]) + 1 if len(own) else 0
+        position = (start + np.cumsum(homes != q) - 1) % len(members)
         leaders = members[position]
         there = np.where(away, lat[leaders, hosts] + sizes / bw[leaders, hosts], 0.0)
         back = np.where(away, lat[hosts, leaders] + sizes / bw[hosts, leaders], 0.0)

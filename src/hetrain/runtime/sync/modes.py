@@ -90,9 +90,10 @@ def ps_routes(plan: Plan, s: int, k: int) -> tuple[str, dict[str, list[str]], di
     members: dict[str, list[str]] = {}
     for o in sorted(seg.owners, key=index.__getitem__):
         members.setdefault(node_of[o], []).append(o)
+    hosts = [index[x.host] for x in seg.ps_shards]
     leaders = {}
     for node, mates in members.items():
-        leader = ps_node_leader([index[o] for o in mates], index[host], k)
+        leader = ps_node_leader([index[o] for o in mates], hosts, k)
         leaders[node] = plan.cluster.devices[leader].name
     return host, members, leaders
 
