@@ -218,13 +218,13 @@ def main() -> int:
             print("\n".join(rows[-len(args.cases):]), flush=True)
     table = "\n".join(rows)
     notes = run_notes(args, load0, time.perf_counter() - start)
-    return finish(args, failed, "emulated_vs_torch.py", section_title(args.cases), table, notes)
+    return finish(args, failed, "emulated_vs_torch.py", section_title(args.cases, args.isolate_comm), table, notes)
 
 
-def section_title(cases: list[str]) -> str:
-    """RESULTS.md's section of a run of ``cases``: the default cases' own, else one named after them (a run of
-    one case does not replace the section of all)."""
-    title = "Runtime vs torch, emulated (isolate_comm on and off)"
+def section_title(cases: list[str], isolate: list[str]) -> str:
+    """RESULTS.md's section of a run of ``cases`` under ``isolate`` (isolate_comm on, off): the default run's own,
+    else one named after what ran (a run of one case does not replace the section of all)."""
+    title = f"Runtime vs torch, emulated (isolate_comm {' and '.join(isolate)})"
     return title if list(cases) == list(CASES[:3]) else f"{title}: {', '.join(cases)}"
 
 

@@ -225,8 +225,9 @@ def test_emulated_rows_read_a_jobs_result() -> None:
 def test_a_run_of_other_cases_writes_a_section_of_its_own() -> None:
     from emulated_vs_torch import section_title
 
-    assert section_title(["dp", "1f1b", "hybrid"]) == "Runtime vs torch, emulated (isolate_comm on and off)"
-    assert section_title(["hybrid"]) == "Runtime vs torch, emulated (isolate_comm on and off): hybrid"
+    assert section_title(["dp", "1f1b", "hybrid"], ["on", "off"]) == \
+        "Runtime vs torch, emulated (isolate_comm on and off)"
+    assert section_title(["hybrid"], ["off"]) == "Runtime vs torch, emulated (isolate_comm off): hybrid"
 
 
 @pytest.mark.parametrize(("argv", "message"), [
