@@ -36,7 +36,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hetrain.baselines import build_ddp_step, build_pipelining_step, even_bounds
+from hetrain.baselines import (
+    build_ddp_step,
+    build_hybrid_step,
+    build_pipelining_step,
+    even_bounds,
+    interleaved_replicas,
+)
 from hetrain.cluster import Cluster, parse_cluster
 from hetrain.models.registry import build_layers, layer_names, num_layers, sample_batch
 from hetrain.models.user import resolve_model
@@ -49,13 +55,21 @@ from hetrain.runtime.step.p2p import flatten
 from hetrain.sync_layout import REDUCE_DTYPES, SyncOptions
 
 LR = 0.01
-CASES = ("1f1b", "gpipe", "dp", "1f1b-eager")
+CASES = ("1f1b", "gpipe", "dp", "1f1b-eager", "hybrid")
 #: the torch runtime each case is compared with: ``1f1b-eager`` (hetrain's 1F1B with one more micro-batch in
-#: flight on every stage but the last) against torch's Schedule1F1B, which has no such schedule
+#: flight on every stage but the last) against torch's Schedule1F1B, which has no such schedule; ``hybrid``
+#: against Schedule1F1B per replica with every stage under DistributedDataParallel (``build_hybrid_step``)
 TORCH_NAMES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "dp": "DistributedDataParallel",
-               "1f1b-eager": "Schedule1F1B"}
+               "1f1b-eager": "Schedule1F1B", "hybrid": "pipelining + DistributedDataParallel"}
 #: the torch.distributed.pipelining schedule of each pipeline case (``hetrain.baselines``' names)
 TORCH_SCHEDULES = {case: torch_schedule(case) for case in CASES if case != "dp"}
+#: the hybrid case: data-parallel replicas (VWs), each a pipeline over ``ranks / HYBRID_REPLICAS`` ranks, and the
+#: micro-batches of each (``args.hybrid_micro_batches`` where set); 2 x 2 with 4 micro-batches of 4 samples is
+#: the plan hetrain's planner makes for the emulated network scenario (emulated_speedup.py: "hybrid: 2 + 2")
+HYBRID_REPLICAS = 2
+HYBRID_MICRO_BATCHES = 4
+#: how long either runtime's collectives and transfers wait (hetrain's Trainer; torch's hybrid's process groups)
+TIMEOUT_S = 120
 #: the CFS period of ``cpu_quota_group`` (the hand-made throttled runs of RESULTS.md used 100 ms too)
 QUOTA_PERIOD_S = 0.100
 
@@ -72,16 +86,25 @@ def local_cluster(ranks: int) -> Cluster:
 
 def build_plan(case: str, args: argparse.Namespace, layers: int, cluster: Cluster) -> Plan:
     """The plan both runtimes follow on ``cluster``'s devices, in its order (rank k: device k): one pipeline
-    over every device with the layers split evenly, or one single-stage VW per device with the batch split
-    evenly. Its all-reduces: ``args.allreduce`` where set (``ring``, as DistributedDataParallel; ``auto``:
-    hierarchical across nodes where the sync layout finds it cheaper), else ``auto``; its buckets:
-    ``sync_options``."""
+    over every device with the layers split evenly; or one single-stage VW per device with the batch split
+    evenly (``dp``); or ``hybrid``: ``HYBRID_REPLICAS`` VWs, each a pipeline over its devices with the layers
+    split evenly and an equal share of the batch, stage j of VW v on device ``j * HYBRID_REPLICAS + v``
+    (``interleaved_replicas``: each stage's replicas on one node, each pipeline across the nodes). Its
+    all-reduces: ``args.allreduce`` where set (``ring``, as DistributedDataParallel; ``auto``: hierarchical
+    across nodes where the sync layout finds it cheaper), else ``auto``; its buckets: ``sync_options``."""
     devices = [d.name for d in cluster.devices]
     p = len(devices)
     if case == "dp":
         share = args.global_batch // p
         vws = tuple(VirtualWorker((Stage(d, 0, layers),), share, 1) for d in devices)
         strategy = "dp"
+    elif case == "hybrid":
+        replicas = interleaved_replicas(p, HYBRID_REPLICAS)
+        b = even_bounds(layers, len(replicas[0]))
+        m = hybrid_micro_batches(args)
+        vws = tuple(VirtualWorker(tuple(Stage(devices[r], b[j], b[j + 1]) for j, r in enumerate(ranks)),
+                                  args.global_batch // HYBRID_REPLICAS, m) for ranks in replicas)
+        strategy = "hybrid"
     else:
         b = even_bounds(layers, p)
         vws = (VirtualWorker(tuple(Stage(d, b[j], b[j + 1]) for j, d in enumerate(devices)), args.global_batch,
@@ -97,9 +120,15 @@ def build_plan(case: str, args: argparse.Namespace, layers: int, cluster: Cluste
     profile = ModelProfile(args.model, tuple(LayerProfile(name, size, out, 0, 0) for name, size, out in
                                              zip(layer_names(args.model, **args.config), sizes, outputs,
                                                  strict=True)), 0)
-    return Plan(args.model, args.global_batch, "1f1b" if case == "dp" else case, "bsp", "sgd", vws,  # type: ignore[arg-type]
+    return Plan(args.model, args.global_batch, "1f1b" if case in ("dp", "hybrid") else case, "bsp", "sgd", vws,  # type: ignore[arg-type]
                 Prediction(0, 0, 0, 0, 0), strategy, "manual", cluster, profile,
                 sync_options=sync_options(args))
+
+
+def hybrid_micro_batches(args: argparse.Namespace) -> int:
+    """The micro-batches of each pipeline of the hybrid case: ``args.hybrid_micro_batches``, else
+    ``HYBRID_MICRO_BATCHES``."""
+    return int(vars(args).get("hybrid_micro_batches") or HYBRID_MICRO_BATCHES)
 
 
 def output_bytes_per_sample(model: str, layers: list[torch.nn.Module], config: dict[str, object]) -> list[float]:
@@ -207,7 +236,8 @@ def build_hetrain(case: str, args: argparse.Namespace, layers: int, batch: Batch
     """``run(k)``: k more steps of hetrain's Trainer."""
     plan = build_plan(case, args, layers, cluster)
     trainer = Trainer(resolve_model(args.model, **args.config), plan,
-                      TrainConfig(timeout_s=120, logging=LoggingConfig(progress=False, log_every=args.block_steps)),
+                      TrainConfig(timeout_s=TIMEOUT_S,
+                                  logging=LoggingConfig(progress=False, log_every=args.block_steps)),
                       optimizer_fn=build_optimizer_fn("sgd", LR))
     data = itertools.repeat(batch)
 
@@ -222,13 +252,19 @@ def build_torch(case: str, args: argparse.Namespace, layers: int, batch: Batch,
     """``run(k)``: k more steps of torch's pipelining schedule, or of DistributedDataParallel
     (``hetrain.baselines``, the same runners the emulated speed-up benchmark launches); DDP's buckets its
     own (``args.ddp_buckets`` ``torch``, the default: 1 MiB first, then 25 MiB, cut between parameters) or
-    hetrain's (``hetrain``: ``ddp_bucket_caps_mb``); its gradients all-reduced in ``args.reduce_dtype``."""
+    hetrain's (``hetrain``: ``ddp_bucket_caps_mb``); its gradients all-reduced in ``args.reduce_dtype``. ``hybrid``:
+    ``build_hybrid_step`` on ``build_plan``'s VWs (Schedule1F1B per VW, every stage under DDP's defaults), its
+    process groups waiting ``TIMEOUT_S`` as hetrain's Trainer here."""
     opt_fn = build_optimizer_fn("sgd", LR)
     if case == "dp":
         ddp_options = ({"bucket_cap_mb_list": ddp_bucket_caps_mb(args, layers, cluster)}
                        if vars(args).get("ddp_buckets", "torch") == "hetrain" else {})
         step, _ = build_ddp_step(args.model, args.config, args.global_batch, opt_fn, seed=0,
                                  reduce_dtype=vars(args).get("reduce_dtype", "fp32"), **ddp_options)
+    elif case == "hybrid":
+        step, _ = build_hybrid_step(args.model, args.config, hybrid_micro_batches(args),
+                                    interleaved_replicas(len(cluster.devices), HYBRID_REPLICAS), opt_fn, seed=0,
+                                    timeout_s=TIMEOUT_S, schedule=TORCH_SCHEDULES[case])
     else:
         step, _ = build_pipelining_step(args.model, args.config, args.micro_batches, TORCH_SCHEDULES[case], opt_fn,
                                         seed=0)

@@ -18,8 +18,24 @@ same processes on the same partition and timed in blocks taking turns (ABBA):
             their size inside a layer as DDP's, ``--bucket-cut layer``: on layer boundaries)
     1f1b    one pipeline over the 4 devices, layers split evenly, 1F1B, the same micro-batches:
             hetrain's Trainer vs torch.distributed.pipelining Schedule1F1B
-    1f1b-eager  the same pipeline, hetrain under 1F1B-eager (one more micro-batch in flight on every stage
-            but the last) vs Schedule1F1B (not in the default cases)
+    hybrid  2 data-parallel replicas (VWs), each a 2-stage pipeline, layers split evenly (for gpt-tiny the
+            cut 0-2 | 3-5 of hetrain's own plan for the network scenario), 1F1B, ``--hybrid-micro-batches`` (4,
+            the plan's) per VW of half the batch: hetrain's Trainer (its DP sync through DDP's reducer, each
+            segment a whole stage: runtime.sync.reducer) vs torch.distributed.pipelining's Schedule1F1B per VW
+            with every stage under DistributedDataParallel (hetrain.baselines.build_hybrid_step)
+    1f1b-eager  the same pipeline as 1f1b, hetrain under 1F1B-eager (one more micro-batch in flight on every
+            stage but the last) vs Schedule1F1B (not in the default cases)
+
+Which devices form a hybrid VW: stage j of VW v is device ``2j + v`` in the cluster's order
+(``baselines.interleaved_replicas``), so VW 0 is fast:0 -> slow:0 and VW 1 fast:1 -> slow:1: each pipeline
+crosses the NIC with its activations, each stage's two replicas all-reduce inside a node. It is the pairing
+hetrain's planner chose for the network scenario ("hybrid: 2 + 2"), and the one a hand-made torch hybrid
+gets from the usual rank layouts: Megatron-LM's default order puts data parallelism inside pipeline
+parallelism (ranks 0, 1 one stage's replicas, pipelines 0 -> 2 and 1 -> 3), as torchtitan's device mesh
+does with ``pp`` its outermost dimension. The other choice, a pipeline inside each node and DDP across the
+nodes, would put each stage's gradients (1.6 MB for gpt-tiny, every step) on the 50 Mbit/s NIC instead
+of the activations of its micro-batches (0.5 MB per VW and direction); either way both runtimes run the
+same partition, which is what is compared.
 
 Reported per scenario x isolate_comm x case: samples/s of each (median block), hetrain / torch (median
 over adjacent pairs of blocks, quartiles), CPU ms per step by thread (main, Python threads, native)
@@ -42,14 +58,23 @@ from pathlib import Path
 from typing import NoReturn
 
 from _emulated import can_emulate, finish
-from _vs_torch import TORCH_NAMES, add_bucket_arguments, cpu_ms_per_step, paired_ratio, run_rank, thread_group
+from _vs_torch import (
+    HYBRID_MICRO_BATCHES,
+    HYBRID_REPLICAS,
+    TORCH_NAMES,
+    add_bucket_arguments,
+    cpu_ms_per_step,
+    paired_ratio,
+    run_rank,
+    thread_group,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-CASES = ("dp", "1f1b", "1f1b-eager")
+CASES = ("dp", "1f1b", "hybrid", "1f1b-eager")
 THREADS = ("main", "python", "native")
 
 
@@ -85,6 +110,7 @@ def run_job(name: str, isolate: str, args: argparse.Namespace, worker: str = __f
                                                "first_bucket_bytes", "bucket_cut", "early_receives",
                                                "reduce_dtype")}
     rank_args["both_dtypes"] = getattr(args, "both_dtypes", False)
+    rank_args["hybrid_micro_batches"] = getattr(args, "hybrid_micro_batches", HYBRID_MICRO_BATCHES)
     config = out / "config.json"
     config.write_text(json.dumps({"args": rank_args, "cluster_toml": text, "result": str(result.resolve())}))
     log_path = out / "job.log"
@@ -130,14 +156,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
     parser.add_argument("--isolate-comm", nargs="+", choices=("on", "off"), default=["on", "off"],
                         help="emulate with isolate_comm on, off or both (default both)")
-    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES[:2]),
-                        help="what to compare (default dp and 1f1b)")
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES[:3]),
+                        help="what to compare (default dp, 1f1b and hybrid)")
     parser.add_argument("--allreduce", choices=("ring", "auto"), default="ring",
                         help="hetrain's all-reduces: ring, as DistributedDataParallel's (default), or auto: "
                              "hierarchical across the nodes where its sync layout finds that cheaper")
     parser.add_argument("--model", default="gpt-tiny", help="reference model (default gpt-tiny)")
     parser.add_argument("--global-batch", type=int, default=32)
     parser.add_argument("--micro-batches", type=int, default=8, help="of the 1f1b pipeline (default 8)")
+    parser.add_argument("--hybrid-micro-batches", type=int, default=HYBRID_MICRO_BATCHES,
+                        help=f"of each of the hybrid's {HYBRID_REPLICAS} pipelines (default {HYBRID_MICRO_BATCHES})")
     parser.add_argument("--blocks", type=int, default=8, help="timed blocks per runtime and case (default 8)")
     parser.add_argument("--block-steps", type=int, default=3, help="steps per timed block (default 3)")
     parser.add_argument("--warmup", type=int, default=20,
@@ -161,6 +189,10 @@ def parse_args() -> argparse.Namespace:
     if args.global_batch % 4 or args.global_batch < args.micro_batches:
         parser.error(f"--global-batch {args.global_batch} must divide among the 4 devices and hold the "
                      f"--micro-batches {args.micro_batches}")
+    m = args.hybrid_micro_batches
+    if "hybrid" in args.cases and (m < 1 or args.global_batch % (HYBRID_REPLICAS * m)):
+        parser.error(f"--global-batch {args.global_batch} must split into {HYBRID_REPLICAS} pipelines of "
+                     f"--hybrid-micro-batches {m} equal micro-batches")
     args.config = {}
     return args
 
@@ -185,31 +217,48 @@ def main() -> int:
             rows += table_rows(name, isolate, saved, args)
             print("\n".join(rows[-len(args.cases):]), flush=True)
     table = "\n".join(rows)
-    took = time.perf_counter() - start
+    notes = run_notes(args, load0, time.perf_counter() - start)
+    return finish(args, failed, "emulated_vs_torch.py", section_title(args.cases, args.isolate_comm), table, notes)
+
+
+def section_title(cases: list[str], isolate: list[str]) -> str:
+    """RESULTS.md's section of a run of ``cases`` under ``isolate`` (isolate_comm on, off): the default run's own,
+    else one named after what ran (a run of one case does not replace the section of all)."""
+    title = f"Runtime vs torch, emulated (isolate_comm {' and '.join(isolate)})"
+    return title if list(cases) == list(CASES[:3]) else f"{title}: {', '.join(cases)}"
+
+
+def run_notes(args: argparse.Namespace, load0: float, took: float) -> str:
+    """The notes under the table: what each case of the run was, how it was timed, the host's load."""
     allreduce = ("ring, as DistributedDataParallel's" if args.allreduce == "ring" else
                  "auto: hierarchical across the nodes where its sync layout finds that cheaper, against "
                  "DistributedDataParallel's one ring")
     cut = ("inside layers at their size (bucket_cut exact), as DDP cuts between two parameters"
            if args.bucket_cut == "exact" else "on layer boundaries (bucket_cut layer)")
     cut += ", DDP given the same cuts" if args.ddp_buckets == "hetrain" else ""
-    notes = (f"{args.model}, global batch {args.global_batch}, SGD, fixed batch; the 1f1b pipeline over the 4 devices "
-             f"in the cluster's order (fast:0, fast:1, slow:0, slow:1), layers split evenly, {args.micro_batches} "
-             f"micro-batches; dp: {args.global_batch // 4} samples per device; hetrain's all-reduces {allreduce}; "
-             f"hetrain's buckets cut {cut}. "
-             f"Both runtimes built in the same 4 "
-             f"rank processes of one emulated job per scenario and isolate_comm; per case {args.warmup} warm-up "
-             f"steps each, then {args.blocks} timed blocks of {args.block_steps} steps each, taking turns (ABBA); "
-             "samples/s from the median block; ratio = median over pairs of blocks of torch's time / hetrain's "
-             "(> 1: hetrain faster). CPU ms/step summed over the 4 ranks (a throttled rank's CPU time is what its "
-             "quota let it run); 'Python threads' are hetrain's heartbeat and all-reduce chain; 'native' are "
-             "Gloo's and torch's. 'Threads outside the quota': threads other than the main one that sat in "
-             "another cgroup than the main thread at the end, over the 4 ranks (isolate_comm on: all of them; "
-             "off: none). The host has 2 cores shared with other work: absolute samples/s move with its load "
-             f"(load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end), read the ratio "
-             f"within a row; few blocks, so the quartiles are wide. Took {took:.0f} s.")
-    return finish(args, failed, "emulated_vs_torch.py", "Runtime vs torch, emulated (isolate_comm on and off)",
-                  table, notes)
-
+    m = args.hybrid_micro_batches
+    what = {"1f1b": f"the 1f1b pipeline over the 4 devices in the cluster's order (fast:0, fast:1, slow:0, slow:1), "
+                    f"layers split evenly, {args.micro_batches} micro-batches",
+            "dp": f"dp: {args.global_batch // 4} samples per device; hetrain's all-reduces {allreduce}; hetrain's "
+                  f"buckets cut {cut}",
+            "hybrid": f"hybrid: 2 VWs, fast:0 -> slow:0 and fast:1 -> slow:1, layers split evenly, 1F1B, {m} "
+                      f"micro-batches of {args.global_batch // HYBRID_REPLICAS // m} samples per VW; hetrain's DP "
+                      "sync through DDP's reducer (each segment a whole stage), torch's every stage under "
+                      "DistributedDataParallel (its defaults), Schedule1F1B per VW"}
+    what["1f1b-eager"] = what["1f1b"].replace("the 1f1b", "the 1f1b-eager", 1)
+    return (f"{args.model}, global batch {args.global_batch}, SGD, fixed batch; "
+            + "; ".join(what[c] for c in args.cases) + ". "
+            "Both runtimes built in the same 4 "
+            f"rank processes of one emulated job per scenario and isolate_comm; per case {args.warmup} warm-up "
+            f"steps each, then {args.blocks} timed blocks of {args.block_steps} steps each, taking turns (ABBA); "
+            "samples/s from the median block; ratio = median over pairs of blocks of torch's time / hetrain's "
+            "(> 1: hetrain faster). CPU ms/step summed over the 4 ranks (a throttled rank's CPU time is what its "
+            "quota let it run); 'Python threads' are hetrain's heartbeat and all-reduce chain; 'native' are "
+            "Gloo's and torch's. 'Threads outside the quota': threads other than the main one that sat in "
+            "another cgroup than the main thread at the end, over the 4 ranks (isolate_comm on: all of them; "
+            "off: none). The host has 2 cores shared with other work: absolute samples/s move with its load "
+            f"(load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end), read the ratio "
+            f"within a row; few blocks, so the quartiles are wide. Took {took:.0f} s.")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -5,6 +5,8 @@ Side by side in one run, on CPU Gloo ranks of this machine (one torch thread eac
     pipeline, 1F1B    hetrain Trainer   vs  torch.distributed.pipelining PipelineStage + Schedule1F1B
     pipeline, GPipe   hetrain Trainer   vs  PipelineStage + ScheduleGPipe
     pure DP           hetrain Trainer   vs  DistributedDataParallel
+    hybrid            hetrain Trainer   vs  Schedule1F1B per pipeline, each stage under DistributedDataParallel
+                      (2 pipelines over --ranks 4 or more; not among the default cases)
 
 Both data-parallel runtimes all-reduce the gradients in buckets (1 MiB first, then
 25 MiB, last layers first) posted during the backward as the buckets' gradients are
@@ -58,6 +60,7 @@ import torch.multiprocessing as mp
 from _results import write_section
 from _vs_torch import (
     CASES,
+    HYBRID_REPLICAS,
     QUOTA_PERIOD_S,
     TORCH_NAMES,
     QuotaError,
@@ -107,7 +110,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=20,
                         help="untimed steps per runtime and case (default 20: a process's heap grows through its "
                              "first steps, faulting pages in, and the runtime that warms up first would pay it)")
-    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES), help="what to compare (default all)")
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=[c for c in CASES if c != "hybrid"],
+                        help="what to compare (default all but hybrid, which needs --ranks 4 or more)")
     parser.add_argument("--cpu-quota", type=float, metavar="CPUS",
                         help="run every thread of every rank (Gloo's included) under one CPU quota of this many "
                              "CPUs, e.g. 1.2 (a cgroup: needs root and the cpu controller)")
@@ -123,6 +127,9 @@ def parse_args() -> argparse.Namespace:
     args.rank_procs = []
     if args.global_batch % args.ranks or args.global_batch < args.micro_batches:
         parser.error("the global batch must divide among the ranks and hold the micro-batches")
+    if "hybrid" in args.cases and (args.ranks < 2 * HYBRID_REPLICAS or args.ranks % HYBRID_REPLICAS):
+        parser.error(f"hybrid: {HYBRID_REPLICAS} pipelines of 2 or more stages each need --ranks a multiple of "
+                     f"{HYBRID_REPLICAS}, at least {2 * HYBRID_REPLICAS}")
     return args
 
 
@@ -169,7 +176,9 @@ def main() -> int:
             "gpipe": f"pipeline of {args.ranks} stages, GPipe, {args.micro_batches} micro-batches",
             "dp": f"data parallel, {args.ranks} replicas",
             "1f1b-eager": f"pipeline of {args.ranks} stages, hetrain 1F1B-eager vs torch 1F1B, "
-                          f"{args.micro_batches} micro-batches"}
+                          f"{args.micro_batches} micro-batches",
+            "hybrid": f"{HYBRID_REPLICAS} pipelines of {args.ranks // HYBRID_REPLICAS} stages, 1F1B, each stage under "
+                      "DDP"}
     rows = ["| comparison | hetrain samples/s | torch samples/s | torch runtime | hetrain / torch (paired blocks: "
             "median, quartiles) |", "|---|---:|---:|---|---:|"]
     samples = args.global_batch * args.block_steps

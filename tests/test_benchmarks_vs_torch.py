@@ -222,10 +222,19 @@ def test_emulated_rows_read_a_jobs_result() -> None:
         "4.0 / 0.0 | 100.0 / 200.0 | 39 of 40 |"]
 
 
+def test_a_run_of_other_cases_writes_a_section_of_its_own() -> None:
+    from emulated_vs_torch import section_title
+
+    assert section_title(["dp", "1f1b", "hybrid"], ["on", "off"]) == \
+        "Runtime vs torch, emulated (isolate_comm on and off)"
+    assert section_title(["hybrid"], ["off"]) == "Runtime vs torch, emulated (isolate_comm off): hybrid"
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--global-batch", "30"], "--global-batch 30 must divide among the 4 devices"),
     (["--global-batch", "4", "--micro-batches", "8"], "hold the --micro-batches 8"),
     (["--blocks", "0"], "--blocks must be >= 1, got 0"),
+    (["--global-batch", "36", "--cases", "hybrid"], "must split into 2 pipelines of --hybrid-micro-batches 4 equal"),
 ])
 @pytest.mark.slow  # starts the benchmark script
 def test_emulated_script_refuses_bad_options(argv: list[str], message: str) -> None:
@@ -255,6 +264,40 @@ def test_the_benchmark_plans_carry_each_layers_measured_output_bytes() -> None:
     assert [(s.first_layer, s.end_layer) for s in eager.virtual_workers[0].stages] == \
         [(s.first_layer, s.end_layer) for s in plan.virtual_workers[0].stages]
     assert (TORCH_SCHEDULES["1f1b-eager"], TORCH_NAMES["1f1b-eager"]) == ("1f1b", "Schedule1F1B")
+
+
+def test_the_hybrid_case_is_the_network_scenarios_plan_shape_with_ddp_syncing_whole_stages() -> None:
+    """hybrid: 2 VWs of 2 stages, stage j of VW v on device 2j + v (fast:0 -> slow:0, fast:1 -> slow:1), layers
+    0-2 | 3-5 (the even split, the cut of the planner's 2 + 2 plan for that scenario), half the batch and 4
+    micro-batches each; each stage's segment owned by its two replicas, a whole stage on both, so hetrain's
+    runtime all-reduces it through DDP's reducer, as torch's hybrid does."""
+    import argparse
+
+    from emulated_speedup import SCENARIOS
+    from hetrain.baselines import interleaved_replicas
+    from hetrain.cluster import parse_cluster
+    from hetrain.runtime.sync.reducer import reducer_segments
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        import tomli as tomllib
+    cluster = parse_cluster(tomllib.loads(SCENARIOS["network"]))
+    args = argparse.Namespace(model="gpt-tiny", config={}, global_batch=32, micro_batches=8, allreduce="ring")
+    plan = build_plan("hybrid", args, 6, cluster)
+    assert [[(s.device, s.first_layer, s.end_layer) for s in vw.stages] for vw in plan.virtual_workers] == [
+        [("fast:0", 0, 3), ("slow:0", 3, 6)], [("fast:1", 0, 3), ("slow:1", 3, 6)]]
+    assert [(vw.mini_batch, vw.micro_batches) for vw in plan.virtual_workers] == [(16, 4), (16, 4)]
+    assert (plan.schedule, plan.strategy, plan.sync) == ("1f1b", "hybrid", "bsp")
+    assert [seg.owners for seg in plan.segments()] == [("fast:0", "fast:1"), ("slow:0", "slow:1")]
+    assert reducer_segments(plan) == frozenset({0, 1})
+    # torch's side runs the same ranks (rank k: device k of the cluster)
+    devices = [d.name for d in cluster.devices]
+    assert [[devices[r] for r in ranks] for ranks in interleaved_replicas(4, 2)] == \
+        [[s.device for s in vw.stages] for vw in plan.virtual_workers]
+    assert TORCH_NAMES["hybrid"] == "pipelining + DistributedDataParallel" and TORCH_SCHEDULES["hybrid"] == "1f1b"
+    more = build_plan("hybrid", argparse.Namespace(**{**vars(args), "hybrid_micro_batches": 8}), 6, cluster)
+    assert [vw.micro_batches for vw in more.virtual_workers] == [8, 8]
 
 
 def _launch_bound(*argv: str) -> subprocess.CompletedProcess[str]:

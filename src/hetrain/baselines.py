@@ -21,6 +21,13 @@ data, global batch and optimizer that ``hetrain train`` runs a plan with::
     rank      0          1          2          3
            [L0..L2] -> [L3..L5] -> [L6..L7] -> [L8..L9]      (10 layers, p = 4)
 
+A hand-made hybrid of the two (``build_hybrid_step``, the runtime-vs-torch benchmark's ``hybrid`` case;
+not a command): ``d`` data-parallel replicas, each a ``torch.distributed.pipelining`` pipeline over its
+ranks, each stage's module wrapped in ``DistributedDataParallel`` over the same stage of every replica
+(``PipelineStage`` runs a DDP module under ``no_sync`` and arms its reducer for the last backward only)::
+
+    replicas [[0, 2], [1, 3]]   pipelines 0 -> 2 and 1 -> 3; DDP over {0, 1} (stage 0) and {2, 3} (stage 1)
+
 Every rank draws the same global batches (``iter_batches(train, global_batch, data_seed)``),
 as hetrain's Trainer does, and builds its layers from the same per-layer seeds, so a
 baseline starts from the same weights and sees the same samples as a plan.
@@ -160,17 +167,107 @@ def build_pipelining_step(model: str, config: dict[str, Any], micro_batches: int
     def step(batch: Any) -> torch.Tensor:
         x, y = batch
         opt.zero_grad()
-        losses: list[torch.Tensor] = []
-        if rank == 0 and p == 1:
-            runner.step(x, target=y, losses=losses)
-        elif rank == 0:
-            runner.step(x)
-        elif rank == p - 1:
-            runner.step(target=y, losses=losses)
-        else:
-            runner.step()
+        losses = _schedule_step(runner, rank, p, x, y)
         opt.step()
         return torch.stack(losses).mean().detach() if losses else torch.zeros((), device=device)
+
+    return step, module
+
+
+def _schedule_step(runner: Any, stage: int, stages: int, x: Any, y: Any) -> list[torch.Tensor]:
+    """One step of a pipelining schedule on this rank's stage ``stage`` of ``stages``: the first stage feeds the
+    inputs, the last the targets; the last stage's micro-batch losses (none elsewhere)."""
+    losses: list[torch.Tensor] = []
+    if stages == 1:
+        runner.step(x, target=y, losses=losses)
+    elif stage == 0:
+        runner.step(x)
+    elif stage == stages - 1:
+        runner.step(target=y, losses=losses)
+    else:
+        runner.step()
+    return losses
+
+
+def interleaved_replicas(world: int, replicas: int) -> list[list[int]]:
+    """The ranks of each of ``replicas`` pipelines over ``world`` ranks, stage order, the replica index varying
+    fastest: stage ``j`` of replica ``v`` is rank ``j * replicas + v``. Megatron-LM's default rank order (data
+    parallel inside pipeline parallel) and torchtitan's device mesh (``pp`` its outermost dimension) lay ranks
+    out so; with the ranks in node order, each stage's replicas sit side by side (on one node, where it holds
+    ``replicas`` devices) and each pipeline spans the nodes.
+
+    >>> interleaved_replicas(4, 2)
+    [[0, 2], [1, 3]]
+    """
+    if replicas < 1 or world % replicas:
+        raise BaselineError(f"{world} ranks do not split into {replicas} pipelines of equal length")
+    return [list(range(v, world, replicas)) for v in range(replicas)]
+
+
+def _find_rank(replicas: Sequence[Sequence[int]], rank: int, world: int) -> tuple[int, int]:
+    """``(replica, stage)`` of ``rank``; refuses replicas of unequal lengths, or that do not hold every rank of
+    the ``world`` once."""
+    if len({len(r) for r in replicas}) != 1 or sorted(r for ranks in replicas for r in ranks) != list(range(world)):
+        raise BaselineError(f"replicas {[list(r) for r in replicas]} must be pipelines of equal length that hold "
+                            f"each of the {world} ranks once")
+    return next((v, list(ranks).index(rank)) for v, ranks in enumerate(replicas) if rank in ranks)
+
+
+def build_hybrid_step(model: str, config: dict[str, Any], micro_batches: int, replicas: Sequence[Sequence[int]],
+                      optimizer: Callable[..., Any], seed: int, timeout_s: float, schedule: str = "1f1b",
+                      bounds: Sequence[int] | None = None,
+                      ) -> tuple[Callable[[Any], torch.Tensor], nn.Module]:
+    """``step(global_batch) -> loss``: one step of this rank's stage of a hand-made torch hybrid; the stage.
+
+    ``replicas[v]``: the ranks of pipeline ``v`` in stage order (``interleaved_replicas``; every rank in one).
+    Replica ``v`` trains on the ``v``-th of ``len(replicas)`` equal parts of the global batch, cut into
+    ``micro_batches`` by ``schedule`` (``Schedule1F1B`` or ``ScheduleGPipe``) over a process group of its
+    ranks; every stage's module (layers ``bounds[j]:bounds[j + 1]``, default ``even_bounds``) is wrapped in
+    ``DistributedDataParallel`` (its defaults) over a group of that stage's ranks of every replica.
+    ``PipelineStage`` runs a DDP module's forwards and all but the last backward under ``no_sync``, and arms
+    its reducer (``prepare_for_backward``) for the last one: DDP averages over the replicas inside that
+    backward, the schedule divides by ``micro_batches`` after it, the global batch's mean gradient. Every group
+    is made with a timeout of ``timeout_s``, the wait of its collectives and transfers. The returned loss is
+    the replica's mean (the last stage's; zero elsewhere). A global batch that does not split into equal
+    micro-batches of equal parts is refused (BaselineError)."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.nn.parallel import DistributedDataParallel
+
+    from hetrain.data.sharding import batch_length, shard_batch
+    from hetrain.models.layers import LayerRange
+    from hetrain.models.registry import build_layers, loss_fn, num_layers
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    v, j = _find_rank(replicas, rank, world)
+    d, p = len(replicas), len(replicas[0])
+    wait = timedelta(seconds=timeout_s)
+    # new_group is a collective of the whole job: every rank makes every group, in the same order
+    pipes = [dist.new_group(list(ranks), timeout=wait) for ranks in replicas]
+    dps = [dist.new_group([ranks[k] for ranks in replicas], timeout=wait) for k in range(p)]
+    b = list(bounds) if bounds is not None else even_bounds(num_layers(model, **config), p)
+    module = LayerRange(build_layers(model, b[j], b[j + 1], seed=seed, **config), b[j])
+    ddp = DistributedDataParallel(module, process_group=dps[j])
+    stage = PipelineStage(ddp, j, p, torch.device("cpu"), group=pipes[v])
+    schedule_cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+    runner = schedule_cls(stage, micro_batches, loss_fn=loss_fn(model))
+    opt = optimizer(list(module.parameters()))
+
+    def step(batch: Any) -> torch.Tensor:
+        n = batch_length(batch)
+        if n % (d * micro_batches):
+            raise BaselineError(f"a global batch of {n} does not split into {d} replicas of {micro_batches} equal "
+                                "micro-batches")
+        x, y = shard_batch(batch, [n // d] * d, v)
+        opt.zero_grad()
+        # the stage runs every forward under no_sync already; the step under it too keeps the one forward it does
+        # not (torch 2.13's shape inference, the first step's, through the DDP module) from arming the reducer
+        # for the first backward: that backward would all-reduce, and the next forward fail DDP's bucket rebuild
+        # ("rebuilt parameter indices size is not same as original model parameters size"). The last backward
+        # is armed by the stage itself (prepare_for_backward), inside or outside no_sync.
+        with ddp.no_sync():
+            losses = _schedule_step(runner, j, p, x, y)
+        opt.step()
+        return torch.stack(losses).mean().detach() if losses else torch.zeros(())
 
     return step, module
 

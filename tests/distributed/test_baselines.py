@@ -3,20 +3,24 @@
 Each trains a small gpt-tiny 2 SGD steps on synthetic data and writes its per-step
 rows; the weights of every rank after those steps equal single-process training on
 the same global batches (relative error <= 1e-5), so the baselines train the model
-the plans train, with the same data and optimizer.
+the plans train, with the same data and optimizer. The hand-made hybrid of the two
+(``build_hybrid_step``: 2 pipelines of 2 stages, each stage under DDP) is held to the
+same on 4 ranks, each running this file as its script (``hybrid_rank``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 
-from hetrain.baselines import BaselineError, even_bounds
+from hetrain.baselines import BaselineError, even_bounds, interleaved_replicas
 from hetrain.data.datasets import iter_batches
 from hetrain.data.registry import build_datasets
 from hetrain.models.layers import LayerRange
@@ -110,8 +114,63 @@ def test_pipelining_baseline_trains_like_one_process(tmp_path: Path, clean_env, 
     assert_close(got, want, "pipelining")
 
 
+def hybrid_rank(out: Path) -> None:
+    """One rank of the hybrid's check (torchrun's environment): ``STEPS`` steps of ``build_hybrid_step`` on 2
+    pipelines of 2 stages, 2 micro-batches each, then the stage's weights to ``out/rank{r}.pt``."""
+    import torch.distributed as dist
+
+    from hetrain.baselines import build_hybrid_step
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    step, module = build_hybrid_step("gpt-tiny", GPT, 2, interleaved_replicas(4, 2),
+                                     lambda params: torch.optim.SGD(params, lr=LR), seed=0, timeout_s=60)
+    data = build_datasets("synthetic", "gpt-tiny", seed=0, **GPT).train
+    for _, batch in zip(range(STEPS), iter_batches(data, BATCH, 0), strict=False):
+        step(batch)
+    torch.save(module.state_dict(), out / f"rank{dist.get_rank()}.pt")
+    dist.monitored_barrier(timeout=timedelta(seconds=60), wait_all_ranks=True)  # every file written
+    sys.stdout.flush()
+    os._exit(0)  # skip the group's C++ teardown, which can abort at exit (hetrain.baselines)
+
+
+@pytest.mark.slow  # starts 4 processes
+def test_hybrid_baseline_trains_like_one_process(tmp_path: Path, clean_env, free_port, spawn) -> None:
+    """2 pipelines (ranks 0 -> 2, 1 -> 3), each on half of every global batch, stages under DDP over {0, 1} and
+    {2, 3}: both replicas end where one process does on the whole batches, so DDP averaged the stages' gradients
+    over the replicas (without it each replica would follow its half) and the schedule over the micro-batches."""
+    env = {**clean_env, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2] / "src"),
+                                                       clean_env.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "4",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", "0",
+           str(Path(__file__).resolve()), "hybrid-rank", str(tmp_path)]
+    p = spawn(cmd, env)
+    try:
+        _, err = p.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the hybrid baseline did not finish in 240 s")
+    assert p.returncode == 0, f"the hybrid baseline exited {p.returncode}:\n{err[-4000:]}"
+    want = reference_weights()
+    for v, (first, last) in enumerate(interleaved_replicas(4, 2)):
+        got = {**torch.load(tmp_path / f"rank{first}.pt"), **torch.load(tmp_path / f"rank{last}.pt")}
+        assert set(got) == set(want)  # the replica's two stages hold every layer between them, once
+        assert_close(got, want, f"hybrid replica {v} (ranks {first}, {last})")
+
+
+def test_interleaved_replicas() -> None:
+    assert interleaved_replicas(4, 2) == [[0, 2], [1, 3]]
+    assert interleaved_replicas(6, 3) == [[0, 3], [1, 4], [2, 5]]
+    assert interleaved_replicas(4, 1) == [[0, 1, 2, 3]]
+    with pytest.raises(BaselineError, match="4 ranks do not split into 3 pipelines"):
+        interleaved_replicas(4, 3)
+
+
 def test_even_bounds() -> None:
     assert even_bounds(10, 4) == [0, 3, 6, 8, 10]
     assert even_bounds(4, 4) == [0, 1, 2, 3, 4]
     with pytest.raises(BaselineError, match="3 layers into 4 stages"):
         even_bounds(3, 4)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["hybrid-rank"]:
+    hybrid_rank(Path(sys.argv[2]))
