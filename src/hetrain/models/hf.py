@@ -117,9 +117,12 @@ def cut_causal_lm(model: nn.Module, config: Any, name: str, split_points: Sequen
     if not points:
         raise SpecError(f"{name}: {type(model).__name__} has no repeated blocks to cut at; give --split-points")
     length = min(8, _positions_bound(config))
-    # the graph is decided by transformers' code for this class and config: traced once, kept (trace.save_cut)
-    key = cut_key("hf", type(model).__qualname__, config.to_json_string(use_diff=False), transformers.__version__,
-                  ",".join(points), str(not split_points), str(length))
+    # the graph is decided by transformers' code for this class and config: traced once, kept (trace.save_cut);
+    # not by where the config was read from (_name_or_path), or the same model in another directory is traced again
+    described = json.loads(config.to_json_string(use_diff=False))
+    described.pop("_name_or_path", None)
+    key = cut_key("hf", type(model).__qualname__, json.dumps(described, sort_keys=True),
+                  transformers.__version__, ",".join(points), str(not split_points), str(length))
     cut = load_cut(key, model)
     if cut is None:
         cut = trace_cut(model, (example_ids(config, 2, length),), points, what=name, call=hf_forward,
