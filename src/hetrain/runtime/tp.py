@@ -35,48 +35,46 @@ any other layer type without a rule, is refused by name in a stage of TP > 1.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeGuard
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from hetrain.errors import InputError
 from hetrain.models import hf_blocks
 from hetrain.models.spec import SpecError
 from hetrain.plan import Plan, Stage
 
+# torch.distributed.tensor (DTensor and its TP styles) is imported where a TP stage is parallelised, not here:
+# about a second of CPU at every rank's start (it brings sympy), for the ranks of a plan without TP too
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+
 
 class TPError(InputError):
     """A plan's TP stage that hetrain does not run: a block type without a rule, or a feature that TP lacks."""
 
 
-class FusedColwiseParallel(ColwiseParallel):
-    """ColwiseParallel for a fused projection of ``parts`` equal outputs (QKV: 3): each rank gets its columns of
-    every part (a ``_StridedShard``, torch's placement for a shard of shards), so ``chunk(parts)`` of the local
-    output gives its heads of q, k and v. torch's own ColwiseParallel would give rank 0 all of q and half of k."""
-
-    def __init__(self, parts: int) -> None:
-        super().__init__(output_layouts=_StridedShard(-1, split_factor=parts))
-        self.parts = parts
-
-    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        for pname, param in module.named_parameters():
-            shard = distribute_tensor(param, device_mesh, [_StridedShard(0, split_factor=self.parts)],
-                                      src_data_rank=self.src_data_rank)
-            module.register_parameter(pname, nn.Parameter(shard, requires_grad=param.requires_grad))
+def is_dtensor(t: object) -> TypeGuard[DTensor]:
+    """Whether ``t`` is a DTensor, without importing torch's DTensor package: there is none before it is imported."""
+    package = sys.modules.get("torch.distributed.tensor")
+    return package is not None and isinstance(t, package.DTensor)
 
 
-Rule = Callable[[nn.Module, int], dict[str, ParallelStyle]]
+Rule: TypeAlias = "Callable[[nn.Module, int], dict[str, ParallelStyle]]"
 
 
 def _gpt_block(block: nn.Module, k: int) -> dict[str, ParallelStyle]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from hetrain.runtime.tp_styles import FusedColwiseParallel
+
     heads = int(block.attn.heads)  # type: ignore[union-attr, arg-type]  # models.gpt.Block's attention
     _require_divisible(block, "attention heads", heads, k)
     return {"attn.qkv": FusedColwiseParallel(3), "attn.proj": RowwiseParallel(),
@@ -84,6 +82,8 @@ def _gpt_block(block: nn.Module, k: int) -> dict[str, ParallelStyle]:
 
 
 def _hf_decoder(layer: nn.Module, k: int) -> dict[str, ParallelStyle]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
     assert isinstance(layer, hf_blocks.BlockModule)  # a traced block's module form (tp_stage_layers)
     decoder, path = layer.decoder, layer.form.path
     config: Any = decoder.get_submodule("self_attn").config  # transformers' attention keeps its config
@@ -232,6 +232,8 @@ def parallelize_stage(layers: Mapping[int, nn.Module], names: Sequence[str], whe
     Raises:
         TPError: a layer of a type without a rule (``check_rules``), before any layer is changed.
     """
+    from torch.distributed.tensor.parallel import parallelize_module
+
     k = mesh.size()
     check_rules(layers, names, where, k)
     for layer in layers.values():
@@ -242,17 +244,18 @@ def parallelize_stage(layers: Mapping[int, nn.Module], names: Sequence[str], whe
 
 def full_state(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``tensors`` with every DTensor gathered whole (``full_tensor``: collective over its mesh, in this order)."""
-    return {n: (t.full_tensor() if isinstance(t, DTensor) else t) for n, t in tensors.items()}
+    return {n: (t.full_tensor() if is_dtensor(t) else t) for n, t in tensors.items()}
 
 
 def local_like(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """This rank's part of the whole tensor ``whole`` where ``like`` is a DTensor (its placements, cut locally: no
     collective); ``whole`` itself otherwise."""
-    if not isinstance(like, DTensor):
+    if not is_dtensor(like):
         return whole
+    from torch.distributed.tensor import distribute_tensor  # imported already: ``like`` is a DTensor
+
     return distribute_tensor(whole.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
 
 
-__all__ = ["RULES", "WHOLE", "FusedColwiseParallel", "TPError", "block_type", "build_tp_groups", "build_tp_mesh",
-           "check_rules", "check_tp",
-           "full_state", "local_like", "parallelize_stage", "tp_stage_layers"]
+__all__ = ["RULES", "WHOLE", "TPError", "block_type", "build_tp_groups", "build_tp_mesh", "check_rules", "check_tp",
+           "full_state", "is_dtensor", "local_like", "parallelize_stage", "tp_stage_layers"]

@@ -88,13 +88,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from hetrain.distributed.health import Health, PeerError
 from hetrain.distributed.work import completed_within, is_timeout
 from hetrain.errors import RunError
 from hetrain.plan import Plan
 from hetrain.runtime.sync.reducer import SegmentReducer, bucket_caps_mb, post_sum, reducer_segments
+from hetrain.runtime.tp import is_dtensor
 from hetrain.sync_layout import Segment
 
 
@@ -147,18 +147,20 @@ def member_segments(plan: Plan, t: int) -> tuple[Segment, ...]:
 
 def is_split(p: torch.Tensor) -> bool:
     """Whether ``p`` is a TP-split parameter (a DTensor sharded on its mesh), whose gradient is a shard."""
-    return isinstance(p, DTensor) and any(not pl.is_replicate() for pl in p.placements)
+    return is_dtensor(p) and any(not pl.is_replicate() for pl in p.placements)
 
 
 def local_of(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds of ``t``: a DTensor's local part (its shard, or its whole replica), else ``t``."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def grad_view(p: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
     """``p``'s gradient over ``view`` (a slice of a flat buffer): a DTensor of ``p``'s placements over it where
     ``p`` is a DTensor, so that autograd accumulates into the buffer."""
-    if isinstance(p, DTensor):
+    if is_dtensor(p):
+        from torch.distributed.tensor import DTensor  # imported already: ``p`` is one
+
         local = view.view(p.to_local().shape)
         return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                   stride=p.stride())
