@@ -524,9 +524,9 @@ class ModeSync:
         an upper bound on the true lead, and the PULL's wait keeps it at most D. Nothing crosses the network
         for it: the clocks this replaced (a store write at each push, a read of every owner's clock at each
         wave) put a store round trip on the critical path of every wave, and over a slow link shared with
-        the exchange those waited behind the wave's bytes (0.2 s of a 0.58 s wave at 100 Mbit/s, RESULTS,
-        "Convergence of WSP"). ``tests/distributed/test_relaxed_stall.py`` checks the bound by the clock:
-        no step starts further ahead of a stalled worker than D allows.
+        the exchange those waited behind the wave's bytes (0.2 s of a 0.58 s wave at 100 Mbit/s; RESULTS,
+        "WSP without the store on its critical path"). ``tests/distributed/test_relaxed_stall.py`` checks the
+        bound by the clock: no step starts further ahead of a stalled worker than D allows.
         """
         if not self.base:
             return
