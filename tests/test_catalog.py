@@ -18,6 +18,8 @@ from hetrain.catalog import (
 REQUIRED_TYPES = [
     "V100-16GB", "V100-32GB", "A100-40GB", "A100-80GB", "H100", "H200", "L4", "T4", "A10",
     "RTX2060", "RTX2080", "RTX3090", "RTX4090", "TITAN-V", "TITAN-RTX", "P4000", "cpu",
+    # cards users own that profiles of fit-time-model named (issue 36)
+    "A10G", "L40S", "RTX-A6000", "H100-PCIe", "H100-NVL", "P40", "P100", "V100-PCIe-16GB", "V100-PCIe-32GB",
 ]
 REQUIRED_PRESETS = [
     "pcie3", "pcie4", "pcie5", "nvlink2", "nvlink3", "nvlink4",
@@ -68,6 +70,34 @@ def test_published_figures() -> None:
     assert p4000.peak_fp16_flops == p4000.peak_fp32_flops
 
 
+#: (type, fp32, fp16, bf16 TFLOPS, memory GiB, bandwidth GB/s) as the sources in catalog's docstring give them
+NEWER_FIGURES = [
+    ("A10G", 35.0, 70.0, 70.0, 24, 600), ("L40S", 91.6, 362.05, 362.05, 48, 864),
+    ("RTX-A6000", 38.7, 154.85, 154.85, 48, 768), ("H100-PCIe", 51.0, 756.5, 756.5, 80, 2000),
+    ("H100-NVL", 60.0, 835.5, 835.5, 94, 3900), ("P40", 12.0, 12.0, 12.0, 24, 346),
+    ("P100", 9.3, 18.7, 9.3, 16, 732), ("V100-PCIe-16GB", 14.0, 112.0, 14.0, 16, 900),
+]
+
+
+@pytest.mark.parametrize(("name", "fp32", "fp16", "bf16", "memory_gib", "bandwidth_gb_s"), NEWER_FIGURES)
+def test_newer_cards_figures(name: str, fp32: float, fp16: float, bf16: float, memory_gib: float,
+                             bandwidth_gb_s: float) -> None:
+    t = lookup_device_type(name)
+    got = (t.peak_flops("fp32") / 1e12, t.peak_flops("fp16") / 1e12, t.peak_flops("bf16") / 1e12,
+           t.memory_bytes / 2**30, t.memory_bandwidth_bytes_per_s / 1e9)
+    assert got == pytest.approx((fp32, fp16, bf16, memory_gib, bandwidth_gb_s), rel=1e-12)
+
+
+def test_newer_cards_parse_in_a_cluster_file() -> None:
+    from hetrain.cluster import parse_cluster
+
+    names = [n for n, *_ in NEWER_FIGURES]
+    cluster = parse_cluster({"node": [{"name": "n", "devices": [{"type": n} for n in names],
+                                       "intra_link": "pcie4"}]})
+    assert [d.type_name for d in cluster.devices] == names
+    assert [d.peak_fp16_flops for d in cluster.devices] == [lookup_device_type(n).peak_fp16_flops for n in names]
+
+
 def test_peak_flops_by_precision() -> None:
     t4 = DEVICE_TYPES["T4"]
     assert t4.peak_flops("fp32") == t4.peak_fp32_flops
@@ -95,7 +125,8 @@ def test_default_latencies() -> None:
     ("written", "name"),
     [("A100-40GB", "A100-40GB"), ("a100-40gb", "A100-40GB"), ("A100", "A100-40GB"), ("V100", "V100-16GB"),
      ("TITAN V", "TITAN-V"), ("titanrtx", "TITAN-RTX"), ("Quadro P4000", "P4000"), ("CPU", "cpu"),
-     ("RTX-2060", "RTX2060")],
+     ("RTX-2060", "RTX2060"), ("RTX A6000", "RTX-A6000"), ("H100 NVL", "H100-NVL"), ("h100 pcie", "H100-PCIe"),
+     ("V100 PCIe", "V100-PCIe-16GB"), ("Tesla P40", "P40"), ("a10g", "A10G")],
 )
 def test_lookup_accepts_aliases_and_any_case(written: str, name: str) -> None:
     assert lookup_device_type(written).name == name

@@ -16,7 +16,7 @@ from hetrain.catalog import (
     DEVICE_TYPES,
     LINK_PRESETS,
 )
-from hetrain.cluster import Cluster, ClusterError, Link, load_cluster, parse_cluster
+from hetrain.cluster import Cluster, ClusterError, Link, load_cluster, parse_cluster, parse_device_type
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -496,3 +496,20 @@ def test_bad_cpu_share(share: float) -> None:
 def test_unknown_device_name_lookup() -> None:
     with pytest.raises(ClusterError, match=r"no device 'fast:9' in cluster 'lab'; devices are fast:0"):
         cluster_of(TWO_NODES).device("fast:9")
+
+
+def test_a_device_spec_is_a_cluster_files_device_entry() -> None:
+    """``--device-spec``: a catalog name (quoted or not) or an inline table, with the cluster file's checks."""
+    a10g = parse_device_type("A10G")
+    assert (a10g.name, a10g.peak_fp16_flops, a10g.source) == ("A10G", DEVICE_TYPES["A10G"].peak_fp16_flops,
+                                                              "--device-spec")
+    assert parse_device_type('"a10g"') == a10g
+    custom = parse_device_type('{ type = "P40x", tflops = 12, tflops_fp16 = 12.5, memory = "24GB", '
+                               'memory_bandwidth = "346GB/s" }', "--device-spec")
+    assert (custom.peak_fp32_flops, custom.peak_fp16_flops, custom.memory_bytes,
+            custom.memory_bandwidth_bytes_per_s) == (12e12, 12.5e12, 24e9, 346e9)
+    with pytest.raises(ClusterError, match=r"^--device-spec '\{ type = P40x \}': neither a type name in quotes nor a "
+                                           r"TOML inline table .*; for example \{ type = \"P40\", tflops = 10\.0"):
+        parse_device_type("{ type = P40x }")
+    with pytest.raises(ClusterError, match=r"'P40x' \(not in the catalog\) is missing memory_bandwidth"):
+        parse_device_type('{ type = "P40x", tflops = 12, memory = "24GB" }')

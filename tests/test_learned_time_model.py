@@ -22,7 +22,7 @@ from hetrain.cli import main
 from hetrain.cluster import Device
 from hetrain.cost import estimate_layer_time, estimate_layer_times
 from hetrain.plan import load_plan
-from hetrain.profile import ModelProfile, load_profile
+from hetrain.profile import DeviceFigures, ModelProfile, load_profile
 from hetrain.time_model import (
     TimeModelError,
     TypeFigures,
@@ -228,3 +228,97 @@ def test_planning_with_a_model_imports_neither_sklearn_nor_torch(tmp_path: Path)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "layer times for T4 from the learned model" in done.stdout
+
+
+def _renamed(profile: ModelProfile, old: str, new: str, figures: DeviceFigures | None) -> ModelProfile:
+    """The profile with ``old``'s measurements filed under ``new`` (in place: the samples keep their order),
+    its ``measured_on`` entry ``figures`` (None: none)."""
+    layers = tuple(dataclasses.replace(x, measured=tuple((new if t == old else t, ms) for t, ms in x.measured))
+                   for x in profile.layers)
+    measured_on = tuple((t, f) for t, f in profile.measured_on if t != old)
+    return dataclasses.replace(profile, layers=layers,
+                               measured_on=measured_on + (((new, figures),) if figures is not None else ()))
+
+
+def _t4_rows(profile: ModelProfile) -> np.ndarray:
+    fig = TypeFigures.of_catalog("T4", profile.precision)
+    assert fig is not None
+    return np.vstack([layer_features(profile, i, fig, b)[0] for i in range(profile.num_layers) for b in (1, 4)])
+
+
+TITAN_RTX_SPEC = '{ type = "MyGPU", tflops = 16.3, tflops_fp16 = 130, memory = "24GiB", memory_bandwidth = "672GB/s" }'
+
+
+def test_fit_learns_from_a_custom_type_the_cluster_file_describes(tmp_path: Path, capsys) -> None:
+    """The Titan RTX's measurements under a name the catalog lacks ("MyGPU"), its figures in a cluster file:
+    learned from, said so, and the model is the one fitted with the Titan RTX in the catalog. Without the
+    cluster file it is left out with its reason, and so is a type with no figures anywhere."""
+    opt = load_profile(OPT)
+    titan = opt.figures_of("TITAN-RTX")
+    custom = _renamed(_renamed(opt, "TITAN-RTX", "MyGPU", titan), "RTX2080Ti", "OldGPU", None)
+    profile_path, model_path, cluster = tmp_path / "p.json", tmp_path / "m.json", tmp_path / "c.toml"
+    custom.save(profile_path)
+    cluster.write_text(f'[[node]]\nname = "a"\ndevices = [{TITAN_RTX_SPEC}, "A100-40GB"]\n')
+    assert main(["fit-time-model", "--profiles", str(profile_path), "--cluster", str(cluster),
+                 "-o", str(model_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"  MyGPU: used: figures from cluster file {cluster}\n" in out
+    assert "  A100-40GB: used: figures from the catalog (A100-40GB [A100])\n" in out
+    assert ("  OldGPU: left out: its peak fp32 TFLOPS is unknown (not in the catalog, not in its profile); add it "
+            "to the cluster file (--cluster) or --device-spec\n") in out
+    model = load_time_model(model_path)
+    assert "MyGPU" in model.trained_on and "OldGPU" not in model.trained_on and len(model.trained_on) == 6
+    assert [t for t, _ in model.left_out] == ["OldGPU"]
+    assert {t: f for t, f, _ in model.type_figures}["MyGPU"] == TypeFigures.of_catalog("TITAN-RTX", "fp32")
+    # the same samples as with the Titan RTX known to the catalog: the same model
+    reference = fit_time_model([_renamed(opt, "RTX2080Ti", "OldGPU", None)])
+    np.testing.assert_allclose(model.predict(_t4_rows(opt)), reference.predict(_t4_rows(opt)), rtol=1e-9)
+    # without the cluster file: MyGPU's fp32 profile records no fp16 peak
+    fit = fit_time_model([custom])
+    assert "MyGPU" not in fit.trained_on
+    assert dict(fit.left_out)["MyGPU"] == (
+        "its peak fp16 TFLOPS is unknown (not in the catalog; profile 'OPT-350M' records its fp32 peak and memory "
+        "bandwidth only); add it to the cluster file (--cluster) or --device-spec with tflops_fp16")
+
+
+def test_fit_learns_from_a_custom_type_its_fp16_profile_describes() -> None:
+    """In an fp16 profile, measured_on's peak is the fp16 peak: the type's figures are all there."""
+    opt = dataclasses.replace(load_profile(OPT), precision="fp16")
+    custom = _renamed(opt, "TITAN-RTX", "MyGPU", DeviceFigures(130e12, 672e9))
+    model = fit_time_model([custom])
+    assert "MyGPU" in model.trained_on and model.left_out == ()
+    source = {t: why for t, _, why in model.type_figures}["MyGPU"]
+    assert source.startswith("figures from profile 'OPT-350M' (measured_on: fp16 peak 130 TFLOPS")
+    np.testing.assert_allclose(model.predict(_t4_rows(opt)), fit_time_model([opt]).predict(_t4_rows(opt)), rtol=1e-9)
+
+
+def test_device_spec_describes_a_custom_type_and_a_custom_reference_predicts(tmp_path: Path, capsys) -> None:
+    """--device-spec gives the figures; a profile measured on the custom type predicts another type through
+    the model's recorded figures, as the catalog type it stands for does. A bad spec is one line."""
+    opt = load_profile(OPT)
+    custom = _renamed(opt, "TITAN-RTX", "MyGPU", None)
+    path, model_path = tmp_path / "p.json", tmp_path / "m.json"
+    custom.save(path)
+    assert main(["fit-time-model", "--profiles", str(path), "--device-spec", TITAN_RTX_SPEC,
+                 "-o", str(model_path)]) == 0
+    assert "  MyGPU: used: figures from --device-spec\n" in capsys.readouterr().out
+    model = load_time_model(model_path)
+    only_custom = _without(custom, "V100-16GB")
+    only_titan = _without(opt, "V100-16GB")
+    for t, _ in opt.measured_on:
+        if t not in ("TITAN-RTX", "V100-16GB"):
+            only_custom, only_titan = _without(only_custom, t), _without(only_titan, t)
+    v100 = TypeFigures.of_catalog("V100-16GB", "fp32")
+    assert v100 is not None
+    learned, _ = apply_time_model(only_custom, [_device("V100-16GB")], model)
+    for i in range(opt.num_layers):
+        ms = learned.layers[i].measurements("V100-16GB")
+        assert ms and all(m.source == "learned" for m in ms)
+        for m in ms:
+            expected = predict_layer_time(model.predict, only_titan, i, v100, m.micro_batch, model.reference_power)
+            assert (m.forward_s, m.backward_s) == pytest.approx(expected, rel=1e-12)
+    assert main(["fit-time-model", "--profiles", str(path), "--device-spec", '{ type = "MyGPU", tflops = 16.3 }',
+                 "-o", str(model_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "--device-spec" in err and "'MyGPU' (not in the catalog) is missing memory and memory_bandwidth" in err

@@ -153,7 +153,15 @@ def test_layers_keep_their_mode():
     ("NVIDIA GeForce RTX 3090", 25.4e9, "RTX3090"),
     ("Tesla T4", 15.8e9, "T4"),
     ("Quadro P4000", 8.5e9, "P4000"),
-    ("NVIDIA A10G", 24e9, None),
+    ("NVIDIA A10G", 24e9, "A10G"),
+    ("NVIDIA H100 PCIe", 85.0e9, "H100-PCIe"),
+    ("NVIDIA H100 NVL", 100.0e9, "H100-NVL"),
+    ("Tesla V100-PCIE-16GB", 17.0e9, "V100-PCIe-16GB"),
+    ("NVIDIA L40S", 48.3e9, "L40S"),
+    ("NVIDIA RTX A6000", 51.0e9, "RTX-A6000"),
+    ("Tesla P40", 24.0e9, "P40"),
+    ("Tesla P100-PCIE-16GB", 17.1e9, "P100"),
+    ("Tesla P100-SXM2-16GB", 17.1e9, None),  # 10.6 TFLOPS, not the PCIe card's 9.3
     ("NVIDIA GeForce RTX 3090 Ti", 25.4e9, None),
 ])
 def test_gpu_names_map_to_catalog(name, memory, expected):

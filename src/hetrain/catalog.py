@@ -33,6 +33,21 @@ Sources (vendor datasheets and whitepapers):
   [GA100WP] NVIDIA A100 Tensor Core GPU architecture whitepaper, 2020: "new BF16 ... Tensor Core
            operations" of the third-generation tensor core, which Volta and Turing lack.
   [P4000]  NVIDIA Quadro P4000 datasheet, 2017 (Pascal GP104: no tensor cores).
+  [A10G]   NVIDIA A10G (GA102, AWS EC2 G5 instances): NVIDIA publishes no datasheet; the figures AWS and
+           NVIDIA give for G5 (24 GB GDDR6, 600 GB/s, 35 TFLOPS fp32, 70 dense fp16/bf16 tensor TFLOPS),
+           as compiled in "NVIDIA A10 vs A10G for ML model inference" (baseten.co, 2023).
+  [L40S]   NVIDIA L40S datasheet, 2023 (dense = half the sparse figure: 362.05 of 733 TFLOPS).
+  [A6000]  NVIDIA RTX A6000 datasheet, 2021: 38.7 TFLOPS fp32, 309.7 tensor TFLOPS with sparsity
+           (dense: half); professional Ampere runs fp32 accumulate at the full rate.
+  [H100PCIe] NVIDIA H100 Tensor Core GPU datasheet, 2023, H100 PCIe column (dense = half the sparse
+           1,513 TFLOPS), 2.0 TB/s HBM2e.
+  [H100NVL] NVIDIA H100 Tensor Core GPU datasheet, 2023, H100 NVL column, per GPU (dense = half the
+           sparse 1,671 TFLOPS), 94 GB HBM3 at 3.9 TB/s.
+  [P40]    NVIDIA Tesla P40 datasheet, 2016 (Pascal GP102: no tensor cores, fp16 at 1/64 rate: frameworks
+           run half precision at the fp32 rate).
+  [P100]   NVIDIA Tesla P100 PCIe datasheet, 2016: 9.3 TFLOPS fp32, 18.7 fp16 (packed half2, no tensor
+           cores, no bf16), 16 GB HBM2 at 732 GB/s.
+  [V100PCIe] NVIDIA Tesla V100 datasheet (PCIe column), 2018: 14 TFLOPS fp32, 112 tensor TFLOPS, 900 GB/s.
   [CPU]    nominal figures for one CPU process in emulation: about one AVX2 core
            (2 FMA units x 8 fp32 lanes x 2 FLOP x ~3 GHz ~ 96 GFLOP/s peak) and a
            share of DDR4 bandwidth. Emulated devices are re-scaled by measurement.
@@ -186,6 +201,16 @@ DEVICE_TYPES: dict[str, DeviceType] = {
         _d("TITAN-V", 14.9, 110.0, 12 * GiB, 653, "TITANV", bf16_tflops=14.9),
         _d("TITAN-RTX", 16.3, 130.0, 24 * GiB, 672, "TITANRTX", bf16_tflops=16.3),
         _d("P4000", 5.3, 5.3, 8 * GiB, 243, "P4000"),
+        _d("A10G", 35.0, 70.0, 24 * GiB, 600, "A10G"),
+        _d("L40S", 91.6, 362.05, 48 * GiB, 864, "L40S"),
+        _d("RTX-A6000", 38.7, 154.85, 48 * GiB, 768, "A6000"),
+        _d("H100-PCIe", 51.0, 756.5, 80 * GiB, 2000, "H100PCIe"),
+        _d("H100-NVL", 60.0, 835.5, 94 * GiB, 3900, "H100NVL"),
+        # Pascal and Volta PCIe: no bf16 tensor cores, bf16 at the fp32 rate ([V100WP], [GA100WP])
+        _d("P40", 12.0, 12.0, 24 * GiB, 346, "P40", bf16_tflops=12.0),
+        _d("P100", 9.3, 18.7, 16 * GiB, 732, "P100", bf16_tflops=9.3),
+        _d("V100-PCIe-16GB", 14.0, 112.0, 16 * GiB, 900, "V100PCIe", bf16_tflops=14.0),
+        _d("V100-PCIe-32GB", 14.0, 112.0, 32 * GiB, 900, "V100PCIe", bf16_tflops=14.0),
         _d("cpu", 0.096, 0.096, 16 * GiB, 20, "CPU"),
     ]
 }
@@ -198,6 +223,12 @@ DEVICE_ALIASES: dict[str, str] = {
     "TITANRTX": "TITAN-RTX", "TITAN RTX": "TITAN-RTX", "Quadro-P4000": "P4000",
     "QuadroP4000": "P4000", "Quadro P4000": "P4000", "CPU": "cpu",
     "GH-96": "GH200", "GH200-96GB": "GH200", "A100-40": "A100-40GB", "A100-80": "A100-80GB", "V100-16": "V100-16GB",
+    "RTX A6000": "RTX-A6000", "RTXA6000": "RTX-A6000", "A6000": "RTX-A6000", "L40S-48GB": "L40S",
+    "H100 PCIe": "H100-PCIe", "H100PCIe": "H100-PCIe", "H100 NVL": "H100-NVL", "H100NVL": "H100-NVL",
+    "Tesla P40": "P40", "Tesla P100": "P100", "P100-16GB": "P100", "P100-PCIe": "P100",
+    # the names ``hetrain profile`` gave these cards before the catalog knew them (the driver's, dashed)
+    "Tesla-P40": "P40", "Tesla-P100-PCIE-16GB": "P100",
+    "V100-PCIe": "V100-PCIe-16GB", "V100 PCIe": "V100-PCIe-16GB",
 }
 
 LINK_PRESETS: dict[str, LinkPreset] = {

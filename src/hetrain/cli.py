@@ -7,7 +7,7 @@
     hetrain compare predicted.json measured.json [--gantt both.png]
     hetrain calibrate plan.json metrics.jsonl [--warmup N] [-o profile.json]
     hetrain profile --model NAME|MODULE:FUNCTION|hf:DIR [--data SPEC] [--seq-len T] [--micro-batch 1,2,4,8] [-o P]
-    hetrain fit-time-model --profiles P1.json P2.json ... [-o time_model.json]
+    hetrain fit-time-model --profiles P1.json P2.json ... [--cluster C.toml] [--device-spec SPEC] [-o M.json]
     torchrun --nproc-per-node N --no-python hetrain discover -o cluster.toml
     hetrain export --checkpoint D --to-hf OUT [--step N] [--model hf:DIR]  (or --to-safetensors FILE)
     hetrain emulate run CLUSTER.toml -- COMMAND...  (also up, down, status)

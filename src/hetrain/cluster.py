@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -39,9 +40,15 @@ from typing import Any
 
 import numpy as np
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib  # type: ignore[import-not-found, unused-ignore]
+
 from hetrain.catalog import (
     DEFAULT_INTER_NODE_LATENCY_S,
     DEFAULT_INTRA_NODE_LATENCY_S,
+    DeviceType,
     lookup_device_type,
     lookup_link_preset,
     peak_flops_for,
@@ -485,6 +492,33 @@ def _parse_device_spec(spec: Any, where: str) -> tuple[dict[str, Any], int]:
             raise ClusterError(f"{where}: cpu_share must be a number in (0, 64], got {show(share)}")
         figures["cpu_share"] = float(share)
     return figures, count
+
+
+def parse_device_type(text: str, where: str = "--device-spec") -> DeviceType:
+    """A device type from the text of one cluster-file ``devices`` entry: a catalog name, or a TOML inline
+    table with a custom type's figures (the catalog's for the fields it leaves out, if it is a catalog type).
+    The result's ``source`` is ``where``.
+
+    Raises:
+        ClusterError: not TOML, or a field a cluster file would refuse (named, with ``where``).
+
+    Example:
+        >>> t = parse_device_type('{ type = "Foo", tflops = 12, memory = "24GB", memory_bandwidth = "346GB/s" }')
+        >>> t.name, t.peak_fp32_flops / 1e12, t.peak_fp16_flops / 1e12, t.source
+        ('Foo', 12.0, 12.0, '--device-spec')
+    """
+    bare = text.strip()
+    if not bare.startswith(("{", '"', "'")):
+        return parse_device_type(json.dumps(bare), where)
+    try:
+        spec: Any = tomllib.loads(f"spec = {bare}")["spec"]
+    except tomllib.TOMLDecodeError as e:
+        raise ClusterError(f"{where} {text!r}: neither a type name in quotes nor a TOML inline table ({e}); for "
+                           f"example {_custom_example({'type': 'P40'}, list(_EXAMPLE_FIGURES))}") from None
+    figures, _ = _parse_device_spec(spec, f"{where} {text!r}")
+    return DeviceType(figures["type_name"], figures["peak_fp32_flops"], figures["peak_fp16_flops"],
+                      figures["memory_bytes"], figures["memory_bandwidth_bytes_per_s"], where,
+                      figures.get("peak_bf16_flops"))
 
 
 def parse_cluster(data: Mapping[str, Any], name: str = "cluster") -> Cluster:

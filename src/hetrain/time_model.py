@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from hetrain.catalog import lookup_device_type
+from hetrain.catalog import DeviceType, lookup_device_type
 from hetrain.cluster import Device
 from hetrain.cost import _roofline_layer, interpolate_measurements
 from hetrain.errors import InputError
@@ -89,13 +89,20 @@ class TypeFigures:
         return TypeFigures(device.peak_flops(precision), device.peak_fp16_flops, device.memory_bandwidth_bytes_per_s)
 
     @staticmethod
+    def of_type(t: DeviceType, precision: str) -> TypeFigures:
+        return TypeFigures(t.peak_flops(precision), t.peak_fp16_flops, t.memory_bandwidth_bytes_per_s)
+
+    @staticmethod
     def of_catalog(type_name: str, precision: str) -> TypeFigures | None:
         """The catalog's figures of ``type_name``, or None for a type the catalog does not know."""
         try:
-            t = lookup_device_type(type_name)
+            return TypeFigures.of_type(lookup_device_type(type_name), precision)
         except KeyError:
             return None
-        return TypeFigures(t.peak_flops(precision), t.peak_fp16_flops, t.memory_bandwidth_bytes_per_s)
+
+    def to_dict(self) -> dict[str, float]:
+        return {"peak_flops": self.peak_flops, "peak_fp16_flops": self.peak_fp16_flops,
+                "memory_bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s}
 
 
 def type_distance(a: TypeFigures, b: TypeFigures) -> float:
@@ -170,6 +177,10 @@ class LayerTimeModel:
         reference_power: how much nearer references weigh (``reference_weights``); 0: all alike.
         sklearn_version: the scikit-learn that fitted it (a record; the file needs none to be read).
         path: the file it was read from ("" if built in memory).
+        type_figures: per type it was trained on, the figures it learned that type with and where they
+            came from (the catalog, a cluster file, ``--device-spec``, a profile); empty in files written
+            before it was recorded.
+        left_out: per measured type it was not trained on, why (its figures unknown).
     """
 
     init: float
@@ -180,6 +191,8 @@ class LayerTimeModel:
     reference_power: float = 0.0
     sklearn_version: str = ""
     path: str = ""
+    type_figures: tuple[tuple[str, TypeFigures, str], ...] = ()
+    left_out: tuple[tuple[str, str], ...] = ()
 
     @cached_property
     def _packed(self) -> tuple[np.ndarray, ...]:
@@ -212,6 +225,8 @@ class LayerTimeModel:
         return {"format": FORMAT, "format_version": FORMAT_VERSION, "kind": "gradient_boosted_trees",
                 "features": list(FEATURES), "precision": self.precision, "trained_on": list(self.trained_on),
                 "reference_power": self.reference_power,
+                "type_figures": {t: {**f.to_dict(), "source": why} for t, f, why in self.type_figures},
+                "left_out": dict(self.left_out),
                 "sklearn_version": self.sklearn_version, "init": self.init, "learning_rate": self.learning_rate,
                 "trees": [{"left": list(t.left), "right": list(t.right), "feature": list(t.feature),
                            "threshold": list(t.threshold), "value": list(t.value)} for t in self.trees]}
@@ -258,6 +273,24 @@ def _tree_from(raw: Any, where: str) -> Tree:
     return Tree(left, right, feature, threshold, value)
 
 
+def _type_records(data: Mapping[str, Any], path: str) -> tuple[tuple[tuple[str, TypeFigures, str], ...],
+                                                                 tuple[tuple[str, str], ...]]:
+    """The optional ``type_figures`` and ``left_out`` of a time model file (absent in older files: empty)."""
+    used: list[tuple[str, TypeFigures, str]] = []
+    recorded = _field(data, "type_figures", path, Mapping) if "type_figures" in data else {}
+    for t, raw in recorded.items():
+        where = f"{path}: type_figures[{t!r}]"
+        if not isinstance(raw, Mapping):
+            raise TimeModelError(f"{where}: expected an object, got {type(raw).__name__}")
+        values = [float(_field(raw, k, where, (int, float))) for k in ("peak_flops", "peak_fp16_flops",
+                                                                        "memory_bandwidth_bytes_per_s")]
+        if not all(math.isfinite(v) and v > 0 for v in values):
+            raise TimeModelError(f"{where}: the figures {values} must be finite and > 0")
+        used.append((str(t), TypeFigures(*values), str(_field(raw, "source", where, str))))
+    left = _field(data, "left_out", path, Mapping) if "left_out" in data else {}
+    return tuple(used), tuple((str(t), str(why)) for t, why in left.items())
+
+
 def parse_time_model(data: Any, path: str = "time model") -> LayerTimeModel:
     """A LayerTimeModel from its JSON dict; TimeModelError names ``path`` and the field."""
     if not isinstance(data, Mapping):
@@ -278,10 +311,12 @@ def parse_time_model(data: Any, path: str = "time model") -> LayerTimeModel:
     power = float(_field(data, "reference_power", path, (int, float))) if "reference_power" in data else 0.0
     if not (math.isfinite(power) and power >= 0):
         raise TimeModelError(f"{path}: field 'reference_power' is {power}; it must be finite and >= 0")
+    used, left = _type_records(data, path)
     return LayerTimeModel(init=init, learning_rate=rate, trees=trees,
                           trained_on=tuple(str(t) for t in _field(data, "trained_on", path, list)),
                           precision=str(_field(data, "precision", path, str)), reference_power=power,
-                          sklearn_version=str(data.get("sklearn_version", "")), path=path)
+                          sklearn_version=str(data.get("sklearn_version", "")), path=path,
+                          type_figures=used, left_out=left)
 
 
 def load_time_model(path: str | Path) -> LayerTimeModel:
@@ -305,16 +340,18 @@ def _measured_only(layer: LayerProfile) -> list[tuple[str, tuple[Measurement, ..
 
 
 def predict_layer_time(predict: Predictor, profile: ModelProfile, i: int, figures: TypeFigures,
-                       b: int, reference_power: float = 0.0) -> tuple[float, float]:
+                       b: int, reference_power: float = 0.0,
+                       known: Mapping[str, TypeFigures] | None = None) -> tuple[float, float]:
     """Forward and backward seconds of layer ``i`` at micro-batch ``b`` on a type with ``figures``.
 
-    From every measured type of the layer that the catalog knows (its figures are needed for g):
+    From every measured type of the layer whose figures are known (g needs them): in ``known`` (a model's
+    ``type_figures``: types it was trained on, custom ones too) or else in the catalog,
     ``t_R(b) * roof_T / roof_R * exp(g_T - g_R)``, averaged in log space with ``reference_weights`` at
     ``reference_power``. No such reference: the learned time straight from the roofline, ``roof_T * exp(g_T)``.
     """
     here, roof_here = layer_features(profile, i, figures, b)
     refs = [(ms, fig) for t, ms in _measured_only(profile.layers[i])
-            if (fig := TypeFigures.of_catalog(t, profile.precision)) is not None]
+            if (fig := (known or {}).get(t) or TypeFigures.of_catalog(t, profile.precision)) is not None]
     feats = [layer_features(profile, i, fig, b) for _, fig in refs]
     g = predict(np.vstack([here, *(f for f, _ in feats)])).reshape(-1, 2)  # rows: this type, then each reference
     if not refs:
@@ -350,13 +387,14 @@ def apply_time_model(profile: ModelProfile, devices: Sequence[Device],
             targets.setdefault(d.type_name, TypeFigures.of_device(d, profile.precision))
     if not targets:
         return profile, ()
+    known = {t: f for t, f, _ in model.type_figures}
     layers = []
     for i, layer in enumerate(profile.layers):
         sizes = sorted({m.micro_batch for _, ms in _measured_only(layer) for m in ms}) or [1]
         measured = [(t, ms) for t, ms in layer.measured if t not in targets]
         for type_name, fig in targets.items():
             measured.append((type_name, tuple(
-                Measurement(b, *predict_layer_time(model.predict, profile, i, fig, b, model.reference_power),
+                Measurement(b, *predict_layer_time(model.predict, profile, i, fig, b, model.reference_power, known),
                             source=LEARNED_SOURCE)
                 for b in sizes)))
         layers.append(replace(layer, measured=tuple(measured)))

@@ -78,10 +78,18 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # report them, e.g. "NVIDIA A100-SXM4-40GB", "Tesla V100-SXM2-16GB", "NVIDIA GeForce RTX 3090".
 _GPU_NAMES: tuple[tuple[str, str | tuple[str, str, float]], ...] = (
     (r"\bH200\b", "H200"),
+    (r"\bH100 PCIe\b", "H100-PCIe"),
+    (r"\bH100 NVL\b", "H100-NVL"),
     (r"\bH100\b", "H100"),
     (r"\bA100\b", ("A100-40GB", "A100-80GB", 60e9)),  # (small, large, memory threshold)
+    (r"\bV100-PCIE\b", ("V100-PCIe-16GB", "V100-PCIe-32GB", 24e9)),
     (r"\bV100\b", ("V100-16GB", "V100-32GB", 24e9)),
+    (r"\bA10G\b", "A10G"),
     (r"\bA10\b", "A10"),
+    (r"\bL40S\b", "L40S"),
+    (r"\bRTX A6000$", "RTX-A6000"),
+    (r"\bP40$", "P40"),
+    (r"\bP100-PCIE-16GB$", "P100"),
     (r"\bL4\b", "L4"),
     (r"\bT4\b", "T4"),
     (r"\bRTX 2060$", "RTX2060"),
@@ -98,7 +106,7 @@ def match_device_type(gpu_name: str, memory_bytes: float) -> str | None:
     """The catalog name for a GPU as ``torch.cuda.get_device_name`` reports it, or None.
 
     Memory tells variants apart (A100 40 GB / 80 GB). A model the catalog lacks
-    (an "A10G", an "RTX 3090 Ti") gives None rather than a near miss.
+    (an "RTX 3090 Ti", a P100 SXM2) gives None rather than a near miss.
 
     Example:
         >>> match_device_type("NVIDIA A100-SXM4-80GB", 85e9)
