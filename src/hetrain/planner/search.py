@@ -499,9 +499,36 @@ def _explain_no_fit(cluster: Cluster, profile: ModelProfile, opts: PlannerOption
         f"({min(profile.num_layers, len(mems))} devices, at most one stage per layer). Its largest layer "
         f"{biggest_layer.name!r} alone needs {format_bytes(layer_need)}; the largest device has "
         f"{format_bytes(mems[0])} for tensors (its memory less the runtime's footprint and a "
-        f"{MEMORY_MARGIN_FRACTION:.0%} margin).{_copies_hint(profile, opts)}{_gpipe_hint(opts)} Add devices, use a "
+        f"{MEMORY_MARGIN_FRACTION:.0%} margin).{_copies_hint(profile, opts)}{_gpipe_hint(opts)}"
+        f"{_data_parallel_need(cluster, profile, opts)} Add devices, use a "
         f"smaller model{'' if opts.optimizer == 'sgd' else ', or --optimizer sgd'}."
     )
+
+
+def _data_parallel_need(cluster: Cluster, profile: ModelProfile, opts: PlannerOptions) -> str:
+    """With ``--strategy dp``: a sentence with what pure data parallelism needs on each device (the whole model's
+    parameters, gradients and optimizer state, and one sample's activations with every layer recomputed), what
+    it would need with ZeRO-2 over every device, and which devices fall short of the former, by type."""
+    if opts.strategy != "dp":
+        return ""
+    layers, n = profile.num_layers, cluster.num_devices
+    recompute = tuple(range(layers)) if opts.allow_recompute else ()
+
+    def need(share: float) -> float:  # one stage of every layer, one sample in flight, a ``share`` of its state
+        return estimate_stage_memory(profile, 0, layers, recompute, 1, 1, opts.optimizer,
+                                     reduce_copy=_reduce_copy(opts, n), state_share=share, grad_share=share)
+    whole, zero2 = need(1.0), need(1.0 / n)
+    short: dict[str, list[float]] = {}  # device type -> each short device's tensor budget
+    for d in cluster.devices:
+        if (room := tensor_budget(profile, d)) < whole:
+            short.setdefault(d.type_name, []).append(room)
+    devices = ", ".join(f"{len(rooms)} x {t} ({format_bytes(max(0.0, max(rooms)))} for tensors)"
+                        for t, rooms in short.items())
+    return (f" Pure data parallelism (--strategy dp) holds the whole model on each device: it needs at least "
+            f"{format_bytes(whole)} per device ({format_bytes(profile.param_bytes)} of weights with their gradients "
+            f"and {opts.optimizer} state, and one sample's activations{' recomputed' if recompute else ''}); "
+            f"with the state and gradients sharded over all {n} devices (ZeRO-2, --shard optimizer+gradients), "
+            f"at least {format_bytes(zero2)}. Short of {format_bytes(whole)}: {devices or 'none'}.")
 
 
 def _gpipe_hint(opts: PlannerOptions) -> str:
