@@ -568,6 +568,13 @@ def _copies_hint(profile: ModelProfile, opts: PlannerOptions) -> str:
             f"whole model); reduce_dtype fp32 needs none.")
 
 
+def _no_arrangement(strategy: str, num_layers: int, num_devices: int) -> str:
+    """Why ``strategy`` has no formation of ``num_devices`` devices for ``num_layers`` layers."""
+    return (f"strategy {strategy!r} has no arrangement for {num_layers} layers on {num_devices} devices: every stage "
+            f"needs at least one layer" + (", so a pure pipeline can use at most one device per layer"
+                                           if strategy == "pp" else ""))
+
+
 def _check_batch_fills_vws(cluster: Cluster, formations: Sequence[Formation], global_batch: int,
                            opts: PlannerOptions) -> None:
     """Refuse a global batch smaller than the fewest VWs of any formation: every VW needs a sample."""
@@ -594,11 +601,7 @@ def _search(cluster: Cluster, profile: ModelProfile, global_batch: int, opts: Pl
     formations = build_formations(cluster, profile.num_layers, opts.strategy, profile.precision,
                                   opts.exhaustive_devices)
     if not formations:
-        raise PlannerError(
-            f"strategy {opts.strategy!r} has no arrangement for {profile.num_layers} layers on "
-            f"{cluster.num_devices} devices: every stage needs at least one layer"
-            + (", so a pure pipeline can use at most one device per layer" if opts.strategy == "pp" else "")
-        )
+        raise PlannerError(_no_arrangement(opts.strategy, profile.num_layers, cluster.num_devices))
     _check_batch_fills_vws(cluster, formations, global_batch, opts)
     # GPipe and 1F1B share the closed-form time, and 1F1B holds min(m, p - j) <= m
     # micro-batches per stage, so under "auto" 1F1B dominates; GPipe when asked.
@@ -740,6 +743,9 @@ def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: Pl
         if found and left is not None and seconds_per_device is not None and seconds_per_device * count > left:
             skipped.append(k)  # its screening and exact search, which always run, would not fit what is left
             continue
+        if opts.strategy == "pp" and count > profile.num_layers:  # known without building the groups' cluster
+            errors.append((k, PlannerError(_no_arrangement("pp", profile.num_layers, count))))  # (seconds at 4096)
+            continue
         groups = tp_cluster(cluster, k)
         share = TimeBudget(None if left is None else max(0.0, left) / (2 if n == 0 else len(degrees) - n))  # TP 1: half
         if found:  # a degree none of whose candidates could beat the best so far stops after screening
@@ -759,7 +765,12 @@ def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: Pl
     if not found:
         raise errors[0][1] if len(errors) == 1 else PlannerError(
             "; ".join(f"at TP {k}: {e}" for k, e in errors))
-    found = _simulate_degrees(found, opts, score, start)
+    return _chosen_degree(_simulate_degrees(found, opts, score, start), errors, pruned, skipped, opts)
+
+
+def _chosen_degree(found: list[tuple[int, Plan]], errors: list[tuple[int, PlannerError]],
+                   pruned: list[tuple[int, PlannerError]], skipped: list[int], opts: PlannerOptions) -> Plan:
+    """The best degree's plan, recording each degree's outcome (``TP_KEY``) and every planning's counts."""
     best_k, best = _best_degree(found, opts)
     choice: dict[str, dict[str, Any]] = {
         str(k): {"iteration_s": p.prediction.iteration_s, "simulated_iteration_s": p.prediction.simulated_iteration_s}
