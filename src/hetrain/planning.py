@@ -161,7 +161,7 @@ class Compared:
     """``hetrain plan``'s planning: the plan, the pure families it is compared with, and the seconds each took.
 
     Attributes:
-        plan: the best plan (``plan_with_simulator``), recording the whole time budget (a re-plan is given it).
+        plan: the best plan (``plan_with_simulator``), recording the whole time budget, the one the user gave.
         families: each pure family's best plan or why it has none (``plan_families``).
         plan_s: seconds the plan took.
         families_s: seconds the families took.
@@ -182,9 +182,9 @@ def plan_and_compare(cluster: Cluster, profile: ModelProfile, global_batch: int,
     """The plan and the pure families within one time budget, ``options.time_budget_s``: the plan in
     ``PLAN_SHARE`` of it, the families (under the plan's sync mode, simulated where it is) in what is left.
 
-    The plan records the whole budget, in its planner options and report, so that a re-plan is given it
-    (``elastic.planner_options_of``). Each planning's chosen plan is simulated whatever the budget left, so
-    ``took_s`` can exceed it (``budget.format_budget_overrun`` says by what).
+    The plan records the whole budget, the one the user gave, in its planner options and report. Each
+    planning's chosen plan is simulated whatever the budget left, so ``took_s`` can exceed it
+    (``budget.format_budget_overrun`` says by what).
     """
     budget_s = options.time_budget_s
     start = time.perf_counter()
