@@ -20,7 +20,14 @@ from hetrain.cost import estimate_stage_memory, in_flight, tensor_budget, tp_ran
 from hetrain.errors import InputError
 from hetrain.plan import Plan, load_plan
 from hetrain.planner import PlannerOptions, plan, search
-from hetrain.planner.budget import ESTIMATE_HEADROOM, PlannerReport, TimeBudget, format_planner_report, simulation_size
+from hetrain.planner.budget import (
+    ESTIMATE_HEADROOM,
+    PlannerReport,
+    TimeBudget,
+    format_budget_overrun,
+    format_planner_report,
+    simulation_size,
+)
 from hetrain.planner.search import REPORT_KEY, SIMULATE_AT_LEAST, candidate_plans
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,17 +95,40 @@ def test_the_clock_lets_the_first_simulation_start_then_estimates_by_plan_size()
     assert TimeBudget(None).fits([p] * 1000)
 
 
-@pytest.mark.slow  # plans and simulates many candidates
-def test_a_tiny_budget_simulates_nothing_and_a_large_one_simulates_the_best_few() -> None:
+def test_a_budget_too_small_for_any_simulation_still_simulates_the_chosen_plan() -> None:
+    """A plan the simulator has not checked is not a plan: with no budget left after the search, the closed
+    forms' best is simulated all the same (one simulation, counted, its seconds recorded), and nothing else."""
     cluster, profile = _instance()
     counted, calls = _counting(hetrain.simulated_iteration_s)
     tiny = plan(cluster, profile, 64, leave_out=False, score=counted, time_budget_s=0.0)
-    assert calls == [] and tiny.prediction.simulated_iteration_s is None
-    assert _report(tiny) == PlannerReport(7, 1, 0, 0, "time budget", 0.0)  # the best screened searched exactly
+    assert len(calls) == 1 and calls[0].virtual_workers == tiny.virtual_workers
+    assert tiny.prediction.simulated_iteration_s == pytest.approx(hetrain.simulate(tiny).iteration_s)
+    report = _report(tiny)
+    assert report.past_budget_s is not None and report.past_budget_s > 0
+    assert report == PlannerReport(7, 1, 1, 1, "time budget", 0.0, report.past_budget_s)  # the best screened
+    assert "; the chosen plan simulated past it in " in format_planner_report(report)
     closed = plan(cluster, profile, 64, leave_out=False, simulate_top_k=0, refine_top_k=1,
-                  time_budget_s=0.0)  # nothing past it
-    assert tiny.to_dict() == {**closed.to_dict(), "options": tiny.to_dict()["options"]}  # the closed forms' best
+                  time_budget_s=0.0)  # nothing past it, and no simulation asked for: the closed forms' best alone
+    assert closed.prediction.simulated_iteration_s is None and REPORT_KEY in closed.options
+    assert tiny.to_dict() == {**closed.to_dict(), "options": tiny.to_dict()["options"],
+                              "prediction": tiny.to_dict()["prediction"]}  # the closed forms' best, simulated
+    assert "past_budget_s" not in _report(closed).to_dict()  # recorded only where set: the same file each run
 
+
+def test_hetrain_plan_simulates_its_chosen_plan_on_every_path_under_a_zero_budget() -> None:
+    """``hetrain.plan`` with its defaults (the plan without a node, sharding, every TP degree): the plan returned
+    is simulated, and under ``--sync auto`` the mode the closed forms chose is simulated too."""
+    cluster, profile = _instance()
+    for sync in ("bsp", "auto"):
+        made = hetrain.plan(cluster, profile, 64, sync=sync, time_budget_s=0.0)
+        assert made.prediction.simulated_iteration_s == pytest.approx(hetrain.simulate(made).iteration_s), sync
+        assert _report(made).past_budget_s is not None, sync
+
+
+@pytest.mark.slow  # plans and simulates many candidates
+def test_a_large_budget_simulates_the_best_few() -> None:
+    cluster, profile = _instance()
+    counted, calls = _counting(hetrain.simulated_iteration_s)
     large = plan(cluster, profile, 64, leave_out=False, score=counted, time_budget_s=None)
     report = _report(large)
     assert report.simulated >= SIMULATE_AT_LEAST + 1 and report.simulations == len(calls) == report.simulated
@@ -168,14 +198,27 @@ def test_sync_auto_counts_the_simulations_of_every_mode_where_they_fit() -> None
     assert p.options["sync_choice"]["modes"][0]["simulated"]
     calls.clear()
     p = plan(cluster, profile, 64, leave_out=False, score=counted, sync="auto", time_budget_s=0.0)
-    assert calls == [] and _report(p).simulations == 0
     assert not p.options["sync_choice"]["modes"][0]["simulated"]  # the closed forms chose the mode
+    # bsp's plan simulated past the budget, and the chosen mode's where it is another (bsp's reused)
+    assert len(calls) == _report(p).simulations == (1 if p.sync == "bsp" else 2)
+    assert p.prediction.simulated_iteration_s == pytest.approx(hetrain.simulate(p).iteration_s)
 
 
 def test_the_report_reads_as_the_issue_asks() -> None:
     text = format_planner_report(PlannerReport(18432, 40, 12, 12, "time budget", 10.0), 9.1)
     assert text.startswith("screened 18,432, searched 40, simulated 12 in 9.1 s (time budget 10 s;")
     assert "13 simulations" in format_planner_report(PlannerReport(7, 3, 4, 13, "closed form", None))
+
+
+def test_a_budget_not_met_is_one_line_with_what_it_took() -> None:
+    assert format_budget_overrun(10.0, 8.1, 4.2, 2.1) == \
+        "time budget 10 s: took 12.3 s (the plan 8.1 s, the chosen plan's simulation alone 2.1 s; the comparison " \
+        "rows 4.2 s)"
+    assert format_budget_overrun(10.0, 12.0, 0.5) == "time budget 10 s: took 12.5 s (the plan 12.0 s; the " \
+        "comparison rows 0.5 s)"
+    assert format_budget_overrun(10.0, 6.0, 3.9) == "" and format_budget_overrun(None, 60.0, 60.0) == ""
+    report = PlannerReport(7, 1, 1, 1, "time budget", 0.0, 0.25)
+    assert PlannerReport.from_dict(json.loads(json.dumps(report.to_dict()))) == report
 
 
 def test_candidate_plans_are_the_search_in_its_order() -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from hetrain.cli import main
 from hetrain.cluster import load_cluster
-from hetrain.cost import runtime_footprint
+from hetrain.cost import runtime_footprint, tensor_budget
 from hetrain.models.analytic import build_profile
 from hetrain.units import format_bytes
 
@@ -45,3 +45,33 @@ def test_of_devices_that_differ_the_largest_is_named(tmp_path, capsys) -> None:
 def test_a_device_without_room_offers_nothing_rather_than_a_negative_amount(tmp_path, capsys) -> None:
     _, line = plan_error(tmp_path, '{type="T4", memory="1MB", count=2}, {type="T4", memory="1GB"}', "mlp", capsys)
     assert "the largest any arrangement offers is 47.6 MB (3 devices" in line, line  # the 1 GB device's room only
+
+
+def test_a_forced_data_parallel_plan_that_fits_nowhere_names_its_need_per_device_and_the_devices_short(
+        tmp_path, capsys) -> None:
+    """gpt2-medium on 8 and 6 GB cards, neither TP nor sharding: a pipeline fits, pure data parallelism
+    (--strategy dp) does not. The refusal says what dp needs on each device, what ZeRO-2 over every device would,
+    and which devices fall short, by type, in one line."""
+    cluster = tmp_path / "small8.toml"
+    cluster.write_text('name = "small8"\n[[node]]\nname = "n1"\nnic = "25Gbit/s"\n'
+                       'devices = [{type="RTX2080", count=4}]\n[[node]]\nname = "n2"\nnic = "25Gbit/s"\n'
+                       'devices = [{type="RTX2080", count=2}, {type="RTX2060", count=2}]\n')
+    args = ["plan", "--cluster", str(cluster), "--model", "gpt2-medium", "--global-batch", "8", "--time-budget", "0",
+            "--max-tp", "1", "--shard", "none"]
+    capsys.readouterr()
+    assert main([*args, "--strategy", "pp"]) == 0  # the model fits these devices, as a pipeline
+    capsys.readouterr()
+    assert main([*args, "--strategy", "dp"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    line = lines[0]
+    need = re.search(r"Pure data parallelism \(--strategy dp\) holds the whole model on each device: it needs at "
+                     r"least ([0-9.]+) GB per device \(", line)
+    assert need, line
+    profile, devices = build_profile("gpt2-medium"), load_cluster(cluster).devices
+    rooms = {d.type_name: tensor_budget(profile, d) for d in devices}  # what a card has for tensors
+    assert float(need.group(1)) * 1e9 > max(rooms.values())
+    assert re.search(r"with the state and gradients sharded over all 8 devices \(ZeRO-2, --shard "
+                     r"optimizer\+gradients\), at least [0-9.]+ [GM]B\.", line), line
+    assert f"Short of {need.group(1)} GB: 6 x RTX2080 ({format_bytes(rooms['RTX2080'])} for tensors), 2 x RTX2060 " \
+        f"({format_bytes(rooms['RTX2060'])} for tensors)." in line, line

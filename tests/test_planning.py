@@ -7,10 +7,13 @@ from pathlib import Path
 import pytest
 
 import hetrain
+from hetrain.cli import main
 from hetrain.cluster import load_cluster, parse_cluster
 from hetrain.models.analytic import build_mlp_profile, build_profile
 from hetrain.planner import PlannerError, PlannerOptions
-from hetrain.planning import PLANNER_KEY, plan_families, plan_with_simulator
+from hetrain.planner.budget import PlannerReport
+from hetrain.planner.search import REPORT_KEY
+from hetrain.planning import PLANNER_KEY, plan_and_compare, plan_families, plan_with_simulator
 from hetrain.simulator import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,3 +57,30 @@ def test_a_family_that_fits_nowhere_says_why_and_raises_when_required() -> None:
     assert dp.plan is None and isinstance(dp.error, PlannerError)
     with pytest.raises(PlannerError):
         dp.required()
+
+
+def test_the_plan_and_its_families_share_one_time_budget_and_the_plan_records_the_whole() -> None:
+    """``hetrain plan``'s planning: the plan in PLAN_SHARE of the budget, the families in what is left, each half
+    of it at most; every row simulated; the plan records the whole budget, which a re-plan is given."""
+    compared = plan_and_compare(load_cluster(CLUSTER), build_profile("mlp"), 16, PlannerOptions(time_budget_s=4.0))
+    best, (dp, pp) = compared.plan, compared.families
+    assert best.options[PLANNER_KEY]["time_budget_s"] == 4.0
+    assert PlannerReport.from_dict(best.options[REPORT_KEY]).time_budget_s == 4.0
+    left = 4.0 - compared.plan_s
+    assert dp.required().options[PLANNER_KEY]["time_budget_s"] <= left / 2 + 1e-9
+    assert pp.required().options[PLANNER_KEY]["time_budget_s"] <= left
+    assert all(p.prediction.simulated_iteration_s for p in (best, dp.required(), pp.required()))
+    assert compared.took_s == compared.plan_s + compared.families_s
+
+
+def test_hetrain_plan_past_its_budget_simulates_every_row_and_says_what_it_took(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--cluster", str(CLUSTER), "--model", "mlp", "--global-batch", "16",
+                 "--time-budget", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted against the pure families on the same cluster (simulated):" in out  # every row simulated
+    over = [line for line in out.splitlines() if line.startswith("time budget 0 s: took ")]
+    assert len(over) == 1 and "(the plan " in over[0] and "the chosen plan's simulation alone " in over[0] \
+        and "; the comparison rows " in over[0], over
+    planner = next(line for line in out.splitlines() if line.startswith("planner: "))
+    assert "(time budget 0 s; simulation stopped by the time budget; the chosen plan simulated past it in " in planner

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from hetrain.cluster import Cluster, ClusterError, parse_cluster
+from hetrain.device_groups import describe_devices
 from hetrain.errors import InputError
 from hetrain.fields import (
     MAX_DEVICES,
@@ -469,8 +470,9 @@ class Plan:
             lines.append("  TP groups: " + "; ".join(f"{s.device} = {s.tp_group[0]} .. {s.tp_group[-1]} ({s.tp})"
                                                      for s in groups[:8])
                          + (f"; ... {len(groups) - 8} more" if len(groups) > 8 else ""))
-        if self.unused_devices:
-            lines.append(f"  unused devices: {', '.join(self.unused_devices)}")
+        if unused := self.unused_devices:  # by node and type: a plan on 4096 devices may leave a thousand unused
+            lines.append(f"  unused: {len(unused)} device{'s' if len(unused) > 1 else ''} — "
+                         f"{describe_devices(self.cluster, unused)}")
         tp_choice = self.options.get("tp_choice")
         if isinstance(tp_choice, Mapping) and isinstance(tp_choice.get("degrees"), Mapping):
             rows = []

@@ -11,6 +11,14 @@ that the plan can be re-made as it was (``elastic.planner_options_of``)::
           │
           └─ the same options, strategy forced to dp, then pp ──► FamilyPlan x 2      plan_families
 
+``hetrain plan`` does both within one time budget (``plan_and_compare``)::
+
+    |<------------------------------ time_budget_s ------------------------------>|
+    | the plan: PLAN_SHARE of it                   | dp: half what is left | pp: the rest |
+
+Each planning's chosen plan is simulated whatever is left of its share (``PlannerReport.past_budget_s``): the
+budget is exceeded by what that takes, and ``hetrain plan`` says so (``budget.format_budget_overrun``).
+
 Used by ``hetrain.plan``, ``hetrain plan`` (the plan and its comparison with the pure families),
 ``elastic.replan_on_cluster`` (a restart on other devices, and ``drift``'s slowed cluster) and the demo.
 Pure Python, no torch.
@@ -27,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
@@ -34,6 +43,8 @@ from hetrain.cluster import Cluster
 from hetrain.plan import Plan
 from hetrain.planner import PlannerError, PlannerOptions
 from hetrain.planner import plan as planner_plan
+from hetrain.planner.budget import PlannerReport
+from hetrain.planner.search import REPORT_KEY
 from hetrain.profile import ModelProfile
 from hetrain.simulator import simulate
 
@@ -122,14 +133,68 @@ class FamilyPlan:
 def plan_families(cluster: Cluster, profile: ModelProfile, global_batch: int,
                   options: PlannerOptions) -> list[FamilyPlan]:
     """Each pure family (``FAMILIES``: dp, then pp) planned with ``options``, its strategy forced and no other
-    global batch tried: what a plan is compared with (``hetrain plan``'s table, the demo's runs)."""
+    global batch tried: what a plan is compared with (``hetrain plan``'s table, the demo's runs). They share
+    ``options.time_budget_s``: each has what is left of it over the families left to plan."""
     out = []
-    for strategy, label in FAMILIES:
+    start = time.perf_counter()
+    for n, (strategy, label) in enumerate(FAMILIES):
+        budget_s = options.time_budget_s
+        if budget_s is not None:
+            budget_s = max(0.0, budget_s - (time.perf_counter() - start)) / (len(FAMILIES) - n)
         try:
-            found = plan_with_simulator(cluster, profile, global_batch,
-                                        replace(options, strategy=strategy, global_batch_choices=()))
+            found = plan_with_simulator(cluster, profile, global_batch, replace(
+                options, strategy=strategy, global_batch_choices=(), time_budget_s=budget_s))
         except PlannerError as e:
             out.append(FamilyPlan(strategy, label, None, e))
             continue
         out.append(FamilyPlan(strategy, label, found))
     return out
+
+
+#: the share of ``hetrain plan``'s time budget the plan is made in; the comparison rows (each pure family's best
+#: plan, simulated) have what is left, however little (their screening, exact search and one simulation always run)
+PLAN_SHARE = 0.7
+
+
+@dataclass(frozen=True)
+class Compared:
+    """``hetrain plan``'s planning: the plan, the pure families it is compared with, and the seconds each took.
+
+    Attributes:
+        plan: the best plan (``plan_with_simulator``), recording the whole time budget, the one the user gave.
+        families: each pure family's best plan or why it has none (``plan_families``).
+        plan_s: seconds the plan took.
+        families_s: seconds the families took.
+    """
+
+    plan: Plan
+    families: list[FamilyPlan]
+    plan_s: float
+    families_s: float
+
+    @property
+    def took_s(self) -> float:
+        return self.plan_s + self.families_s
+
+
+def plan_and_compare(cluster: Cluster, profile: ModelProfile, global_batch: int,
+                     options: PlannerOptions) -> Compared:
+    """The plan and the pure families within one time budget, ``options.time_budget_s``: the plan in
+    ``PLAN_SHARE`` of it, the families (under the plan's sync mode, simulated where it is) in what is left.
+
+    The plan records the whole budget, the one the user gave, in its planner options and report. Each
+    planning's chosen plan is simulated whatever the budget left, so ``took_s`` can exceed it
+    (``budget.format_budget_overrun`` says by what).
+    """
+    budget_s = options.time_budget_s
+    start = time.perf_counter()
+    share = None if budget_s is None else PLAN_SHARE * budget_s
+    best = plan_with_simulator(cluster, profile, global_batch, replace(options, time_budget_s=share))
+    plan_s = time.perf_counter() - start
+    report = replace(PlannerReport.from_dict(best.options[REPORT_KEY]), time_budget_s=budget_s)
+    best = record_planner_options(replace(best, options={**best.options, REPORT_KEY: report.to_dict()}), options)
+    left = None if budget_s is None else max(0.0, budget_s - plan_s)
+    simulate = 1 if best.prediction.simulated_iteration_s else 0
+    families = plan_families(cluster, profile, global_batch,
+                             replace(options, sync=best.sync, simulate_top_k=simulate, time_budget_s=left))
+    return Compared(best, families, plan_s, time.perf_counter() - start - plan_s)

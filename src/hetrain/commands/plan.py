@@ -4,15 +4,15 @@ with the planner's report, against the pure families and with every sync mode's 
     hetrain plan --cluster C.toml --model gpt2-medium --global-batch 512 [-o plan.json] [--json]
     hetrain plan --from plan.json --sync daso --sync-option period=8 [-o daso.json]
 
-The planner runs once for the plan (``planning.plan_with_simulator``), and once for each pure family it is
-compared with (``planning.plan_families``); the tables read what the plan records.
+The planner runs once for the plan, and once for each pure family it is compared with, all within one time
+budget (``planning.plan_and_compare``); the tables read what the plan records. Where the chosen plans'
+simulations (which always run) took it past the budget, one line says what it took.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import time
 from dataclasses import dataclass, replace
 
 from hetrain.arguments import int_between, micro_batch_sizes, number_at_least
@@ -28,8 +28,7 @@ from hetrain.fields import MAX_GLOBAL_BATCH, MAX_SEQ_LEN, check_output_path
 from hetrain.plan import MAX_TP, SCHEDULES, Plan, PlanError
 from hetrain.planner import PlannerOptions
 from hetrain.planner.search import DEFAULT_TIME_BUDGET_S
-from hetrain.planning import plan_families, plan_with_simulator, simulated_iteration_s
-from hetrain.profile import ModelProfile
+from hetrain.planning import FamilyPlan, plan_and_compare, plan_families, simulated_iteration_s
 from hetrain.sync_layout import SHARD_MODES, SYNC_OPTION_HELP, SyncOptions, check_mode_options
 from hetrain.sync_mode import SYNC_MODES, sync_mode
 
@@ -136,14 +135,14 @@ def _synchronous(mode: str) -> bool:
 
 @dataclass(frozen=True)
 class _Planned:
-    """What ``hetrain plan`` prints: the plan, the cluster and profile it was made for, the planner options the
-    pure families are planned with, and the seconds the planning took (None for a ``--from`` plan)."""
+    """What ``hetrain plan`` prints: the plan, the cluster it was made for, the pure families it is compared with,
+    and the seconds the plan and the families took (None for a ``--from`` plan)."""
 
     plan: Plan
     cluster: Cluster
-    profile: ModelProfile
-    options: PlannerOptions
+    families: list[FamilyPlan]
     planning_s: float | None
+    families_s: float | None = None
 
 
 def _plan_anew(args: argparse.Namespace) -> _Planned:
@@ -158,28 +157,29 @@ def _plan_anew(args: argparse.Namespace) -> _Planned:
         from hetrain.time_model import apply_time_model
 
         profile, learned = apply_time_model(profile, cluster.devices, load_time_model_file(args.time_model))
-    options = planner_options(args)
-    start_s = time.perf_counter()
-    result = plan_with_simulator(cluster, profile, args.global_batch, options)
-    planning_s = time.perf_counter() - start_s
+    compared = plan_and_compare(cluster, profile, args.global_batch, planner_options(args))
+    result = compared.plan
     if learned:
         result = replace(result, options={**result.options,
                                           "time_model": {"file": args.time_model, "types": list(learned)}})
-    return _Planned(result, cluster, profile, options, planning_s)
+    return _Planned(result, cluster, compared.families, compared.plan_s, compared.families_s)
 
 
 def _planned(args: argparse.Namespace) -> _Planned:
-    """The plan made anew, or ``--from``'s re-predicted (its families planned with its optimizer and sync)."""
+    """The plan made anew, or ``--from``'s re-predicted (its families planned with its optimizer and sync,
+    simulated as the plan is)."""
     if not args.from_plan:
         return _plan_anew(args)
     result = _replan_from(args)
-    options = PlannerOptions(sync=result.sync, optimizer=result.optimizer, sync_options=result.sync_options)
-    return _Planned(result, result.cluster, result.profile, options, None)
+    options = PlannerOptions(sync=result.sync, optimizer=result.optimizer, sync_options=result.sync_options,
+                             simulate_top_k=1 if result.prediction.simulated_iteration_s else 0)
+    return _Planned(result, result.cluster, plan_families(result.cluster, result.profile, result.global_batch,
+                                                          options), None)
 
 
 def run(args: argparse.Namespace) -> int:
     """Plan (or re-predict ``--from``), write ``-o``, print the plan and its comparisons (or them as JSON)."""
-    from hetrain.planner.budget import PlannerReport, format_planner_report
+    from hetrain.planner.budget import PlannerReport, format_budget_overrun, format_planner_report
     from hetrain.planner.robust import format_confidence
     from hetrain.planner.search import REPORT_KEY
 
@@ -189,20 +189,21 @@ def run(args: argparse.Namespace) -> int:
     result, planning_s = planned.plan, planned.planning_s
     if args.output:
         result.save(args.output)
-    # the families compared under the plan's sync mode (the one --sync auto chose, if so), simulated as the plan was
-    simulate = 1 if result.prediction.simulated_iteration_s else 0
-    families = plan_families(planned.cluster, planned.profile, result.global_batch,
-                             replace(planned.options, sync=result.sync, simulate_top_k=simulate))
-    rows = comparison_rows(result, families)
+    rows = comparison_rows(result, planned.families)
     if args.json:
         print(json.dumps({"plan": result.to_dict() if not args.output else args.output,
-                          "comparison": rows, "planning_s": planning_s}, indent=1))
+                          "comparison": rows, "planning_s": planning_s, "comparison_s": planned.families_s},
+                         indent=1))
         return 0
     print(planned.cluster.summary())
     print()
     print(result.summary())
     if planning_s is not None and REPORT_KEY in result.options:  # what this planning did (not a --from plan's)
-        print("planner: " + format_planner_report(PlannerReport.from_dict(result.options[REPORT_KEY]), planning_s))
+        report = PlannerReport.from_dict(result.options[REPORT_KEY])
+        print("planner: " + format_planner_report(report, planning_s))
+        if over := format_budget_overrun(report.time_budget_s, planning_s, planned.families_s or 0.0,
+                                         report.past_budget_s):
+            print(over)
     if sure := format_confidence(result):
         print(sure)
     print()

@@ -8,10 +8,14 @@ ones' estimated cost fits in what is left::
     | screen + exact search | sim 1 | sim 2 | sim 3 | ... | sim k |  next: est > left, stop
                                  ^ always, where any budget is left (its cost is unknown)
 
+    | screen + exact search, past the budget ......................... | sim of the closed forms' best |
+                                                  ^ no budget left: the chosen plan is simulated all the same
+
 A simulation's cost is taken as proportional to its plan's size (``simulation_size``: the
 forward and backward of every stage and micro-batch, and each device's sync), at the
 dearest rate per unit of size seen so far. The estimate can only be wrong about the
-one simulation it lets start, so the budget is exceeded by at most one simulation.
+one simulation it lets start, so the budget is exceeded by at most one simulation: that one,
+or the chosen plan's where the search left no budget for any (``PlannerReport.past_budget_s``).
 
 ``PlannerReport`` is what the planner did ("screened 18,432, searched 40, simulated 12"),
 recorded in ``Plan.options["planner_report"]``; the elapsed seconds are the caller's to
@@ -112,6 +116,10 @@ class PlannerReport:
         stopped_by: why no more candidates were simulated: ``"time budget"``, ``"simulate_top_k"``,
             ``"closed form"`` (no candidate left could win), ``"all candidates"``, ``"no scoring function"``.
         time_budget_s: the budget it was given (None: no limit).
+        past_budget_s: the seconds the chosen plan's simulation took where the budget had stopped the simulations
+            before it (the chosen plan is always simulated, ``search._simulated_past_budget``); None where it was
+            simulated within the budget (or not at all: no scoring function, ``simulate_top_k=0``). Recorded
+            only where set, so that a plan made within its budget is the same data on every run.
     """
 
     screened: int
@@ -120,15 +128,20 @@ class PlannerReport:
     simulations: int
     stopped_by: str
     time_budget_s: float | None
+    past_budget_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if self.past_budget_s is None:
+            del out["past_budget_s"]
+        return out
 
     @staticmethod
     def from_dict(data: Mapping[str, Any]) -> PlannerReport:
         return PlannerReport(int(data["screened"]), int(data["searched"]), int(data["simulated"]),
                              int(data["simulations"]), str(data["stopped_by"]),
-                             None if data.get("time_budget_s") is None else float(data["time_budget_s"]))
+                             None if data.get("time_budget_s") is None else float(data["time_budget_s"]),
+                             None if data.get("past_budget_s") is None else float(data["past_budget_s"]))
 
 
 def format_planner_report(report: PlannerReport, elapsed_s: float | None = None) -> str:
@@ -147,4 +160,27 @@ def format_planner_report(report: PlannerReport, elapsed_s: float | None = None)
     why = {"time budget": "the time budget", "simulate_top_k": "simulate_top_k",
            "closed form": "the closed form (no candidate left could win)", "all candidates": "the last candidate",
            "no scoring function": "having no scoring function"}.get(report.stopped_by, report.stopped_by)
-    return f"{text} ({budget}; simulation stopped by {why})"
+    past = "" if report.past_budget_s is None else \
+        f"; the chosen plan simulated past it in {report.past_budget_s:.1f} s"
+    return f"{text} ({budget}; simulation stopped by {why}{past})"
+
+
+def format_budget_overrun(budget_s: float | None, plan_s: float, rows_s: float,
+                          past_budget_s: float | None = None) -> str:
+    """One line where ``hetrain plan`` took longer than its time budget, saying what it took: the plan (and of it
+    the chosen plan's simulation past the budget, where it ran one) and the comparison rows; "" within it:
+    ``time budget 10 s: took 12.3 s (the plan 8.1 s, the chosen plan's simulation alone 2.1 s; the comparison
+    rows 4.2 s)``.
+
+    Example:
+        >>> format_budget_overrun(10.0, 8.1, 4.2, 2.1).startswith("time budget 10 s: took 12.3 s (the plan 8.1 s")
+        True
+        >>> format_budget_overrun(10.0, 5.0, 1.0)
+        ''
+    """
+    took_s = plan_s + rows_s
+    if budget_s is None or took_s <= budget_s:
+        return ""
+    past = "" if past_budget_s is None else f", the chosen plan's simulation alone {past_budget_s:.1f} s"
+    return f"time budget {budget_s:g} s: took {took_s:.1f} s (the plan {plan_s:.1f} s{past}; " \
+           f"the comparison rows {rows_s:.1f} s)"

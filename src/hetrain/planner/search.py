@@ -26,7 +26,10 @@ Within a time budget (``PlannerOptions.time_budget_s``, ``hetrain plan --time-bu
 
 Screening always runs, and the exact search of at least the best screened candidate (no plan
 without them); the first simulation runs whenever any budget is left, so the budget is
-exceeded by at most one simulation's misestimate. Where the budget cuts the simulations
+exceeded by at most one simulation's misestimate. Where the search spent the budget before the
+first simulation, the chosen plan (the closed forms' best) is simulated all the same: a plan the
+simulator has not checked is not a plan (``_simulated_past_budget``; only ``simulate_top_k=0`` or
+no scoring function leave it unchecked). Where the budget cuts the simulations
 short, which candidates were simulated depends on the machine's speed, and so may the plan.
 The plan records what was done in ``options["planner_report"]`` (``format_planner_report``).
 """
@@ -144,7 +147,8 @@ class PlannerOptions:
             SIMULATE_AT_LEAST where it allows, at most SIMULATE_AT_MOST, and none past the first that the closed
             form says cannot win (PLAUSIBLE_FRACTION).
         time_budget_s: seconds the planning may take: screening and the exact search always run, then
-            simulations while the next one's estimated cost fits (module docstring); None: no limit.
+            simulations while the next one's estimated cost fits, and the chosen plan's simulation whatever is
+            left (module docstring); None: no limit.
         robust_draws: where the profile has spreads, score those candidates on this many profiles drawn within
             them too, and prefer the best worst case among the plans within the fastest's spread
             (``planner.robust``; 0: off).
@@ -495,9 +499,36 @@ def _explain_no_fit(cluster: Cluster, profile: ModelProfile, opts: PlannerOption
         f"({min(profile.num_layers, len(mems))} devices, at most one stage per layer). Its largest layer "
         f"{biggest_layer.name!r} alone needs {format_bytes(layer_need)}; the largest device has "
         f"{format_bytes(mems[0])} for tensors (its memory less the runtime's footprint and a "
-        f"{MEMORY_MARGIN_FRACTION:.0%} margin).{_copies_hint(profile, opts)}{_gpipe_hint(opts)} Add devices, use a "
+        f"{MEMORY_MARGIN_FRACTION:.0%} margin).{_copies_hint(profile, opts)}{_gpipe_hint(opts)}"
+        f"{_data_parallel_need(cluster, profile, opts)} Add devices, use a "
         f"smaller model{'' if opts.optimizer == 'sgd' else ', or --optimizer sgd'}."
     )
+
+
+def _data_parallel_need(cluster: Cluster, profile: ModelProfile, opts: PlannerOptions) -> str:
+    """With ``--strategy dp``: a sentence with what pure data parallelism needs on each device (the whole model's
+    parameters, gradients and optimizer state, and one sample's activations with every layer recomputed), what
+    it would need with ZeRO-2 over every device, and which devices fall short of the former, by type."""
+    if opts.strategy != "dp":
+        return ""
+    layers, n = profile.num_layers, cluster.num_devices
+    recompute = tuple(range(layers)) if opts.allow_recompute else ()
+
+    def need(share: float) -> float:  # one stage of every layer, one sample in flight, a ``share`` of its state
+        return estimate_stage_memory(profile, 0, layers, recompute, 1, 1, opts.optimizer,
+                                     reduce_copy=_reduce_copy(opts, n), state_share=share, grad_share=share)
+    whole, zero2 = need(1.0), need(1.0 / n)
+    short: dict[str, list[float]] = {}  # device type -> each short device's tensor budget
+    for d in cluster.devices:
+        if (room := tensor_budget(profile, d)) < whole:
+            short.setdefault(d.type_name, []).append(room)
+    devices = ", ".join(f"{len(rooms)} x {t} ({format_bytes(max(0.0, max(rooms)))} for tensors)"
+                        for t, rooms in short.items())
+    return (f" Pure data parallelism (--strategy dp) holds the whole model on each device: it needs at least "
+            f"{format_bytes(whole)} per device ({format_bytes(profile.param_bytes)} of weights with their gradients "
+            f"and {opts.optimizer} state, and one sample's activations{' recomputed' if recompute else ''}); "
+            f"with the state and gradients sharded over all {n} devices (ZeRO-2, --shard optimizer+gradients), "
+            f"at least {format_bytes(zero2)}. Short of {format_bytes(whole)}: {devices or 'none'}.")
 
 
 def _gpipe_hint(opts: PlannerOptions) -> str:
@@ -537,6 +568,13 @@ def _copies_hint(profile: ModelProfile, opts: PlannerOptions) -> str:
             f"whole model); reduce_dtype fp32 needs none.")
 
 
+def _no_arrangement(strategy: str, num_layers: int, num_devices: int) -> str:
+    """Why ``strategy`` has no formation of ``num_devices`` devices for ``num_layers`` layers."""
+    return (f"strategy {strategy!r} has no arrangement for {num_layers} layers on {num_devices} devices: every stage "
+            f"needs at least one layer" + (", so a pure pipeline can use at most one device per layer"
+                                           if strategy == "pp" else ""))
+
+
 def _check_batch_fills_vws(cluster: Cluster, formations: Sequence[Formation], global_batch: int,
                            opts: PlannerOptions) -> None:
     """Refuse a global batch smaller than the fewest VWs of any formation: every VW needs a sample."""
@@ -563,11 +601,7 @@ def _search(cluster: Cluster, profile: ModelProfile, global_batch: int, opts: Pl
     formations = build_formations(cluster, profile.num_layers, opts.strategy, profile.precision,
                                   opts.exhaustive_devices)
     if not formations:
-        raise PlannerError(
-            f"strategy {opts.strategy!r} has no arrangement for {profile.num_layers} layers on "
-            f"{cluster.num_devices} devices: every stage needs at least one layer"
-            + (", so a pure pipeline can use at most one device per layer" if opts.strategy == "pp" else "")
-        )
+        raise PlannerError(_no_arrangement(opts.strategy, profile.num_layers, cluster.num_devices))
     _check_batch_fills_vws(cluster, formations, global_batch, opts)
     # GPipe and 1F1B share the closed-form time, and 1F1B holds min(m, p - j) <= m
     # micro-batches per stage, so under "auto" 1F1B dominates; GPipe when asked.
@@ -675,8 +709,9 @@ def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: Pl
 
     Returns:
         The best Plan by the objective: by ``score`` among the closed form's best candidates that were
-        simulated within ``time_budget_s`` (at most ``simulate_top_k``) where a scorer is given. Its
-        ``options["planner_report"]`` says what was done (``planner.budget.PlannerReport``).
+        simulated within ``time_budget_s`` (at most ``simulate_top_k``) where a scorer is given, and simulated
+        itself whatever the budget left (unless ``simulate_top_k=0``). Its ``options["planner_report"]`` says
+        what was done (``planner.budget.PlannerReport``).
 
     Raises:
         PlannerError: no arrangement fits, or the batch is too small; the message has the numbers.
@@ -708,6 +743,9 @@ def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: Pl
         if found and left is not None and seconds_per_device is not None and seconds_per_device * count > left:
             skipped.append(k)  # its screening and exact search, which always run, would not fit what is left
             continue
+        if opts.strategy == "pp" and count > profile.num_layers:  # known without building the groups' cluster
+            errors.append((k, PlannerError(_no_arrangement("pp", profile.num_layers, count))))  # (seconds at 4096)
+            continue
         groups = tp_cluster(cluster, k)
         share = TimeBudget(None if left is None else max(0.0, left) / (2 if n == 0 else len(degrees) - n))  # TP 1: half
         if found:  # a degree none of whose candidates could beat the best so far stops after screening
@@ -727,7 +765,12 @@ def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: Pl
     if not found:
         raise errors[0][1] if len(errors) == 1 else PlannerError(
             "; ".join(f"at TP {k}: {e}" for k, e in errors))
-    found = _simulate_degrees(found, opts, score, start)
+    return _chosen_degree(_simulate_degrees(found, opts, score, start), errors, pruned, skipped, opts)
+
+
+def _chosen_degree(found: list[tuple[int, Plan]], errors: list[tuple[int, PlannerError]],
+                   pruned: list[tuple[int, PlannerError]], skipped: list[int], opts: PlannerOptions) -> Plan:
+    """The best degree's plan, recording each degree's outcome (``TP_KEY``) and every planning's counts."""
     best_k, best = _best_degree(found, opts)
     choice: dict[str, dict[str, Any]] = {
         str(k): {"iteration_s": p.prediction.iteration_s, "simulated_iteration_s": p.prediction.simulated_iteration_s}
@@ -736,7 +779,7 @@ def plan(cluster: Cluster, profile: ModelProfile, global_batch: int, options: Pl
     choice.update({str(k): {"pruned": str(e)} for k, e in pruned})
     choice.update({str(k): {"skipped": "its search would not fit the time budget left"} for k in skipped})
     reports = [PlannerReport.from_dict(p.options[REPORT_KEY]) for _, p in found]
-    total = replace(reports[0], simulations=sum(r.simulations for r in reports),
+    total = replace(reports[0], simulations=sum(r.simulations for r in reports), past_budget_s=_past_budget_s(best),
                     **{key: sum(getattr(r, key) for r in reports) for key in ("screened", "searched", "simulated")})
     return replace(best, options={**best.options, TP_KEY: {"chosen": best_k, "degrees": choice},
                                   REPORT_KEY: total.to_dict()})
@@ -797,7 +840,7 @@ def plan_shards(cluster: Cluster, profile: ModelProfile, global_batch: int, opts
         unsharded = found[0][1]
         if not any(len(vw.stages) > 1 or any(s.recompute for s in vw.stages) for vw in unsharded.virtual_workers):
             return replace(unsharded, options={
-                **unsharded.options, REPORT_KEY: _total_report([unsharded], opts).to_dict(), SHARD_KEY: {
+                **unsharded.options, REPORT_KEY: _total_report([unsharded], opts, unsharded).to_dict(), SHARD_KEY: {
                     "chosen": "none", "modes": {"none": _shard_row(unsharded)},
                     "note": "every VW is one stage without recompute: sharding would only add its all-gather"}})
     for n, mode in enumerate(SHARD_MODES[1:]):
@@ -824,7 +867,7 @@ def plan_shards(cluster: Cluster, profile: ModelProfile, global_batch: int, opts
                                           if "per_segment" in records.get(m, {}) else {})} for m, p in found})
     segments = {"segments": records[chosen]["segments"]} if chosen in records else {}
     return replace(best, options={**best.options, SHARD_KEY: {"chosen": chosen, "modes": choice, **segments},
-                                  REPORT_KEY: _total_report([p for _, p in found], opts).to_dict()})
+                                  REPORT_KEY: _total_report([p for _, p in found], opts, best).to_dict()})
 
 
 def _per_segment(opts: PlannerOptions, p: Plan, score: Scorer | None,
@@ -873,13 +916,18 @@ def _one_more_simulation(p: Plan) -> Plan:
     return replace(p, options={**p.options, REPORT_KEY: replace(report, simulations=report.simulations + 1).to_dict()})
 
 
-def _total_report(plans: Sequence[Plan], opts: PlannerOptions) -> PlannerReport:
+def _total_report(plans: Sequence[Plan], opts: PlannerOptions, chosen: Plan) -> PlannerReport:
     """What the planner did over several plannings that shared one budget: their counts added up, the
-    last's reason to stop, and the whole budget."""
+    last's reason to stop, the whole budget, and the ``chosen`` plan's simulation past it."""
     reports = [PlannerReport.from_dict(p.options[REPORT_KEY]) for p in plans]
-    return replace(reports[-1], time_budget_s=opts.time_budget_s,
+    return replace(reports[-1], time_budget_s=opts.time_budget_s, past_budget_s=_past_budget_s(chosen),
                    **{key: sum(getattr(r, key) for r in reports)
                       for key in ("screened", "searched", "simulated", "simulations")})
+
+
+def _past_budget_s(p: Plan) -> float | None:
+    """The seconds ``p``'s own planning simulated it past its budget (``PlannerReport.past_budget_s``)."""
+    return PlannerReport.from_dict(p.options[REPORT_KEY]).past_budget_s
 
 
 def _shard_row(p: Plan) -> dict[str, Any]:
@@ -987,7 +1035,7 @@ def _plan_degree(cluster: Cluster, profile: ModelProfile, global_batch: int, opt
         if _iteration_s(alt) < (1 - LEAVE_OUT_GAIN) * _iteration_s(best):
             best = replace(alt, cluster=cluster, options={**alt.options, "left_out": sorted(drop)})
     # every planning's candidates together, the whole cluster's and those without nodes; the budget's calls
-    total = replace(reports[0], simulations=budget.simulations,
+    total = replace(reports[0], simulations=budget.simulations, past_budget_s=_past_budget_s(best),
                     **{k: sum(getattr(r, k) for r in reports) for k in ("screened", "searched", "simulated")})
     return replace(best, options={**best.options, REPORT_KEY: total.to_dict()})
 
@@ -1047,17 +1095,40 @@ def _plan_within(cluster: Cluster, profile: ModelProfile, global_batch: int, opt
         by_simulation = score is not None and opts.simulate_top_k != 0 and budget.fits([base] * modes)
         chosen = choose_sync_mode(base, opts.staleness_penalty, opts.target_samples, opts.critical_batch,
                                   budget.timed(score) if by_simulation and score is not None else None)
-        counts = {**base.options[REPORT_KEY], "simulations": budget.simulations}
-        return replace(chosen, options={**chosen.options, REPORT_KEY: counts})
+        report = PlannerReport.from_dict(base.options[REPORT_KEY])
+        if chosen.prediction.simulated_iteration_s is None and base.prediction.simulated_iteration_s is not None:
+            # the closed forms chose the mode: the chosen plan simulated all the same (bsp's is the base's)
+            assert score is not None
+            if chosen.sync == base.sync:
+                chosen = replace(chosen, prediction=replace(
+                    chosen.prediction, simulated_iteration_s=base.prediction.simulated_iteration_s))
+            else:
+                chosen, mode_s = _simulated_past_budget(chosen, score, budget)
+                report = replace(report, past_budget_s=(report.past_budget_s or 0.0) + mode_s)
+        report = replace(report, simulations=budget.simulations)
+        return replace(chosen, options={**chosen.options, REPORT_KEY: report.to_dict()})
     found, screened, searched = _search(cluster, profile, global_batch, opts, budget)
     plans, stopped_by = _simulate_best(cluster, profile, found, opts, score, budget)
-    simulated = len(plans)
+    simulated, past_s = len(plans), None
     if plans and score is not None:
         plans = _rank_simulated(plans, opts, budget.timed(score), budget)
-    else:  # the closed forms' best
+    else:  # the closed forms' best; simulated all the same where the budget stopped the simulations before it
         plans = [_to_plan(cluster, profile, found[0], opts)]
-    report = PlannerReport(screened, searched, simulated, budget.simulations, stopped_by, opts.time_budget_s)
+        if score is not None and stopped_by == "time budget":
+            plans[0], past_s = _simulated_past_budget(plans[0], score, budget)
+            simulated = 1
+    report = PlannerReport(screened, searched, simulated, budget.simulations, stopped_by, opts.time_budget_s,
+                           past_s)
     return replace(plans[0], options={**plans[0].options, REPORT_KEY: report.to_dict()})
+
+
+def _simulated_past_budget(p: Plan, score: Scorer, budget: TimeBudget) -> tuple[Plan, float]:
+    """``p``, the chosen plan, simulated though the budget stopped the simulations before it (a plan the simulator
+    has not checked is not a plan: its closed form can be off by 2x at 4096 devices); and the seconds it took
+    (``PlannerReport.past_budget_s``). Counted among the budget's simulations."""
+    start = budget.clock()
+    seconds = budget.timed(score)(p)
+    return replace(p, prediction=replace(p.prediction, simulated_iteration_s=seconds)), budget.clock() - start
 
 
 def _simulate_best(cluster: Cluster, profile: ModelProfile, found: list[Candidate], opts: PlannerOptions,
