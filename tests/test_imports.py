@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hetrain.errors", "hetrain.units", "hetrain.version", "hetrain.fields", "hetrain.arguments", "hetrain.options",
      "hetrain.sync_mode", "hetrain.cli"),
     ("hetrain.catalog",),
-    ("hetrain.cluster",),
+    ("hetrain.cluster", "hetrain.device_groups"),
     ("hetrain.profile",),
     ("hetrain.cost", "hetrain.time_model", "hetrain.fit", "hetrain.profile_combine"),
     ("hetrain.sync_layout",),
