@@ -24,7 +24,7 @@ typecheck: $(VENV)/.installed
 	$(VENV)/bin/mypy
 
 unit: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 test: lint typecheck unit
 
