@@ -197,9 +197,10 @@ class _Engine:
             for r in phase.links:
                 self.link_events[r].append(Event(start, end, phase.kind, f"{spec.label} {phase.name}"))
         else:
-            start, end = occupy_each(self.free_at, phase.links, t, phase.holds_s)
-            for r, hold_s in zip(phase.links, phase.holds_s, strict=True):
-                self.link_events[r].append(Event(start, start + hold_s, phase.kind, f"{spec.label} {phase.name}"))
+            spans = occupy_each(self.free_at, phase.links, t, phase.holds_s)
+            for r, (begin, finish) in zip(phase.links, spans, strict=True):
+                self.link_events[r].append(Event(begin, finish, phase.kind, f"{spec.label} {phase.name}"))
+            start, end = min(b for b, _ in spans), max(f for _, f in spans)
         if k == 0:
             self.sync_start[s] = start
         self.phase_of[s] = k + 1

@@ -76,16 +76,24 @@ def occupy(free_at: list[float], links: Sequence[int], t: float, duration_s: flo
     return start, end
 
 
-def occupy_each(free_at: list[float], links: Sequence[int], t: float, holds_s: Sequence[float]) -> tuple[float, float]:
-    """``occupy`` where link ``links[i]`` is held for ``holds_s[i]`` only: from the first moment at or after ``t``
-    when all are free; returns (start, start + the longest hold)."""
-    start = t
-    for r in links:
-        if free_at[r] > start:
-            start = free_at[r]
+def occupy_each(free_at: list[float], links: Sequence[int], t: float,
+                holds_s: Sequence[float]) -> list[tuple[float, float]]:
+    """Reserve each of ``links`` for its own ``holds_s[i]``, from the first moment at or after ``t`` when that
+    link is free; returns each link's (start, end).
+
+    A parameter-server phase is many collectives posted at once, each moving its bytes as soon as the
+    resources it crosses let it: a NIC whose other direction, or whose own queue, is still busy with an
+    earlier wave delays only its own part of the phase, not the parts on free links. Waiting for every link
+    to be free at once would serialise a wave's pushes behind the previous wave's pulls on the host's NIC
+    (they share the node's NIC out and in, in opposite shares), which the runtime, whose reduces and
+    broadcasts run in their own threads and groups on a full-duplex NIC, does not do: on cloud-mixed under
+    wsp that put the replay at 1.6x the closed form (benchmarks/closed_form_modes.py)."""
+    spans = []
     for r, hold_s in zip(links, holds_s, strict=True):
+        start = max(t, free_at[r])
         free_at[r] = start + hold_s
-    return start, start + max(holds_s, default=0.0)
+        spans.append((start, start + hold_s))
+    return spans
 
 
 def edge_links(cluster: Cluster, a: int, b: int, res: LinkResources) -> tuple[int, ...]:
