@@ -303,7 +303,7 @@ def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Se
 
         bsp        S, less what the buckets hide behind the last backward
         local-sgd  S / k                              (parameters averaged every k iterations, blocking)
-        daso       L + max(0, S - (k - 1) compute) / k   (global average every k, hidden behind k - 1 iterations)
+        daso       L + max(0, S - compute) / k           (global average every k, merged after the next iteration)
         hybrid-ps  L + max(0, (P - D a compute) / (D + 1), W - a compute) / a   (a push per a iterations)
         wsp        max(0, (P - D compute) / (D + 1), W - compute)              (a push per wave)
 
