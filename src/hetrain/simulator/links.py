@@ -7,7 +7,10 @@ Resources are named and numbered on first use::
 
 A resource carries one transfer at a time, in the order transfers ask for it
 (FIFO; ``occupy``). All transfers leaving one node share its NIC out, all
-entering it share its NIC in (full duplex).
+entering it share its NIC in (full duplex). A parameter-server phase runs in
+the background: the phases queue among themselves (``occupy_each`` on
+``shared_until``), and a transfer or an all-reduce that meets one shares the
+link with it, half each (``share``), rather than waiting for its end.
 """
 
 from __future__ import annotations
@@ -94,6 +97,27 @@ def occupy_each(free_at: list[float], links: Sequence[int], t: float,
         free_at[r] = start + hold_s
         spans.append((start, start + hold_s))
     return spans
+
+
+def share(shared_until: list[float], links: Sequence[int], start: float, duration_s: float) -> tuple[float, list[int]]:
+    """A transfer of ``duration_s`` from ``start`` on ``links``, some of which a parameter-server phase holds in
+    the background until ``shared_until[r]``: while both run, each gets half the link (TCP's fair share, as
+    the runtime's p2p and its shards' collectives, in groups and threads of their own, get on one NIC), so the
+    transfer takes ``min(duration, left)`` longer and so does the phase on that link. Returns the transfer's
+    end and the links whose phase it delayed (their ``shared_until`` moved on).
+
+        link r:  phase ████████████░░░░         left = shared_until[r] - start
+                 transfer     ▒▒▒▒▒▒            both at half rate: each later by min(duration, left)
+    """
+    longer_s, delayed = 0.0, []
+    for r in links:
+        left = shared_until[r] - start
+        if left > 0:
+            both = duration_s if duration_s < left else left
+            shared_until[r] += both
+            delayed.append(r)
+            longer_s = max(longer_s, both)
+    return start + duration_s + longer_s, delayed
 
 
 def edge_links(cluster: Cluster, a: int, b: int, res: LinkResources) -> tuple[int, ...]:
