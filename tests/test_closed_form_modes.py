@@ -32,12 +32,13 @@ def test_closed_form_agrees_with_the_replay_on_pipetorch(mode: str) -> None:
     assert got == pytest.approx(1.0, abs=0.1), (mode, got)
 
 
-@pytest.mark.parametrize("mode", ["wsp", "daso"])
+@pytest.mark.parametrize("mode", ["wsp", "hybrid-ps", "daso"])
 def test_closed_form_agrees_with_the_replay_where_the_exchange_outlasts_the_compute(mode: str) -> None:
     # twenty 1-device VWs, a 100 Gbit/s node among 25 and 10 Gbit/s ones: the exchange outlasts an iteration.
     # wsp: the A100 node's NIC carries a wave's pushes in and the previous wave's pulls out at once (0.62 when a
     # push waited for both directions to be free); daso: the posted average hides behind one iteration, not k - 1
-    # (the closed form was 0.81 of the replay)
+    # (the closed form was 0.81 of the replay); hybrid-ps: the round trip hides behind the local all-reduces as
+    # well as the compute (1.10 when the closed form added them)
     got = ratio("cloud-mixed", "gpt2-medium", 512, mode)
     assert got == pytest.approx(1.0, abs=0.1), (mode, got)
 

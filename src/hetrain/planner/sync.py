@@ -320,8 +320,8 @@ def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Se
 
         bsp        S, less what the buckets hide behind the last backward
         local-sgd  S / k                              (parameters averaged every k iterations, blocking)
-        daso       L + max(0, S - compute) / k           (global average every k, merged after the next iteration)
-        hybrid-ps  L + max(0, (P - D a compute) / (D + 1), W - a compute) / a   (a push per a iterations)
+        daso       L + max(0, S - (compute + L)) / k     (global average every k, merged after the next iteration)
+        hybrid-ps  L + max(0, (P - D a (compute + L)) / (D + 1), W - a (compute + L)) / a   (a push per a iterations)
         wsp        max(0, (P - D compute) / (D + 1), W - compute)              (a push per wave)
 
     ``P`` is one wave's round trip to the sharded parameter servers (pushes, then pulls, each on its busiest
@@ -340,19 +340,20 @@ def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Se
         return estimate_sync_time(cluster, profile, layouts, hide_s, options.bucket_bytes, traffic,
                                   options.first_bucket_bytes, options.bucket_cut, wire)
     every = rules.period(options)
+    # L: every iteration's node-local all-reduce, before the step; the exchange across nodes hides behind it too
+    local_s = estimate_local_sync_time(cluster, profile, layouts) if rules.local_mean else 0.0
+    busy_s = compute_s + local_s
     if rules.parameter_servers:  # P: one wave's pushes and pulls; the links carry one wave per push period
         ps = estimate_ps_traffic(cluster, profile, layouts, options.placement,
                                  pipeline_nic_loads(cluster, traffic, every))
         # wave k's pull gates the compute of wave k + D + 1: (D + 1) waves hold one round trip and a wave's compute
         d = rules.overlap_iterations(options)
-        hidden_s = max(0.0, (ps.round_trip_s - d * every * compute_s) / (d + 1),
-                       ps.busiest_s - every * compute_s) / every
+        hidden_s = max(0.0, (ps.round_trip_s - d * every * busy_s) / (d + 1),
+                       ps.busiest_s - every * busy_s) / every
     else:  # S: the whole segments all-reduced (an average of the weights moves their bytes)
         exchange_s = estimate_sync_time(cluster, profile, layouts)
-        hidden_s = max(0.0, exchange_s - rules.overlap_iterations(options) * compute_s) / every
-    if not rules.local_mean:
-        return hidden_s
-    return estimate_local_sync_time(cluster, profile, layouts) + hidden_s
+        hidden_s = max(0.0, exchange_s - rules.overlap_iterations(options) * busy_s) / every
+    return local_s + hidden_s
 
 
 # ---------------------------------------------------------------------------
