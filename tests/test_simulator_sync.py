@@ -133,3 +133,24 @@ def test_a_nodes_owners_cross_its_nic_once_wherever_the_server_is() -> None:
     assert simulate(local).samples_per_s == pytest.approx(simulate(robin).samples_per_s, rel=0.05)
     with pytest.raises(ValueError, match="placement must be one of"):
         dataclasses.replace(local, sync_options=SyncOptions(placement="far"))
+
+
+def test_the_prediction_replays_daso_past_its_blocking_warm_up_and_cool_down() -> None:
+    """A long run's steady iterations (``schedule.steady_sync_state``): the warm-up and the cool-down average
+    blocking, a cost per run that the closed form leaves out; ``iterations=n`` still replays a whole run of n."""
+    slow = dataclasses.replace(dp_plan("daso", period=4), cluster=two_nodes(2e8))
+    never = slow.with_sync("daso", dataclasses.replace(slow.sync_options, warmup=0, cooldown=0))
+    steady = simulate(slow).iteration_s
+    assert steady == pytest.approx(simulate(never).iteration_s, rel=1e-9)  # whole periods, each start merged
+    assert simulate(slow, iterations=12).iteration_s > 1.2 * steady
+
+
+def test_a_transfer_shares_a_link_with_a_parameter_server_phase_half_each() -> None:
+    from hetrain.simulator.links import share
+
+    # a phase holds link 0 until t = 10: a 2 s transfer from t = 4 runs at half rate, both end 2 s later
+    until = [10.0, 0.0]
+    assert share(until, (0, 1), 4.0, 2.0) == (8.0, [0]) and until == [12.0, 0.0]
+    # the phase has 1 s left: 1 s shared (2 s of time), then the transfer's last second alone
+    until = [5.0]
+    assert share(until, (0,), 4.0, 2.0) == (7.0, [0]) and until == [6.0]

@@ -21,7 +21,7 @@ EXPECTED = {
     "bsp": (True, False, False, False, False, False, 1, 0, True),
     "wsp": (False, True, False, False, False, False, 1, 3, True),
     "hybrid-ps": (False, True, False, True, False, False, 7, 3, False),
-    "daso": (False, False, True, True, True, True, 5, 4, False),
+    "daso": (False, False, True, True, True, True, 5, 1, False),
     "local-sgd": (False, False, True, False, False, False, 5, 0, False),
 }
 

@@ -134,11 +134,13 @@ class SyncMode:
 
     def overlap_iterations(self, options: PeriodOptions) -> int:
         """Iterations of compute the exchange across VWs may hide behind (docs/sync.md's closed forms): D for
-        parameter servers (D waves of slack), k - 1 for a posted average (started every k iterations), 0 for a
-        blocking one; bsp's bucket all-reduces hide behind the backward instead."""
+        parameter servers (D waves of slack), 1 for a posted average (started after one iteration's step and
+        merged, waited for, after the next one's: ``schedule.build_sync_actions``, the runtime's
+        ``_average_merge``; whatever the period k), 0 for a blocking one; bsp's bucket all-reduces hide behind
+        the backward instead."""
         if self.parameter_servers:
             return options.staleness
-        return self.period(options) - 1 if self.posted else 0
+        return 1 if self.posted else 0
 
 
 #: every sync mode, in the order plans and the command line list them

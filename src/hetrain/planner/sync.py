@@ -247,8 +247,19 @@ class PsTraffic:
         return self.push_s + self.pull_s
 
 
+def pipeline_nic_loads(cluster: Cluster, traffic: PipelineTraffic | None, every: int = 1) -> dict[LinkKey, float]:
+    """Seconds the pipelines' transfers hold each NIC in ``every`` iterations (``PipelineTraffic``'s NIC
+    resources: node k's NIC out is k, its NIC in ``nodes + k``), keyed as ``cost.estimate_ps_loads`` keys them."""
+    if traffic is None:
+        return {}
+    n = len(cluster.nodes)
+    return {("out", cluster.nodes[r].name) if r < n else ("in", cluster.nodes[r - n].name): every * float(t)
+            for r, t in zip(traffic.resources, traffic.duration_s, strict=True)}
+
+
 def estimate_ps_traffic(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout],
-                        placement: str = SyncOptions.placement) -> PsTraffic:
+                        placement: str = SyncOptions.placement,
+                        pipeline_s: Mapping[LinkKey, float] | None = None) -> PsTraffic:
     """One wave's pushes and pulls on the link resources the simulator models (``simulator.links``): each
     node's NIC out and NIC in (full duplex), and each ordered pair of devices in a node.
 
@@ -262,6 +273,11 @@ def estimate_ps_traffic(cluster: Cluster, profile: ModelProfile, layouts: Sequen
         one host:  n1 ──┐                    sharded:  n1 ◄──► n0 ◄──► n2
                    n2 ──┼──► n0 NIC in                 each NIC: its node's pushes out and its shard's pulls out
                    n3 ──┘
+
+    ``pipeline_s`` (``pipeline_nic_loads``): what the pipelines' transfers put on each NIC in one wave's
+    iterations. They share the NICs with the pushes and pulls, so they count in the busiest link's seconds
+    (``busiest_s``), not in the round trip: on pipetorch's 2-stage VWs under wsp the NIC that hosts a shard
+    carried 0.24 s of activations beside 1.53 s of pushes and pulls per wave (benchmarks/closed_form_modes.py).
     """
     nic_of = {n.name: n.nic.bandwidth_bytes_per_s for n in cluster.nodes}
     push: dict[LinkKey, float] = {}
@@ -276,7 +292,8 @@ def estimate_ps_traffic(cluster: Cluster, profile: ModelProfile, layouts: Sequen
         for total, part in ((push, seg_push), (pull, seg_pull)):
             for key, t in part.items():
                 total[key] = total.get(key, 0.0) + t
-    both = {r: push.get(r, 0.0) + pull.get(r, 0.0) for r in push.keys() | pull.keys()}
+    pipeline_s = pipeline_s or {}
+    both = {r: push.get(r, 0.0) + pull.get(r, 0.0) + pipeline_s.get(r, 0.0) for r in push.keys() | pull.keys()}
     return PsTraffic(max(push.values(), default=0.0), max(pull.values(), default=0.0),
                      max(both.values(), default=0.0))
 
@@ -303,12 +320,13 @@ def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Se
 
         bsp        S, less what the buckets hide behind the last backward
         local-sgd  S / k                              (parameters averaged every k iterations, blocking)
-        daso       L + max(0, S - (k - 1) compute) / k   (global average every k, hidden behind k - 1 iterations)
-        hybrid-ps  L + max(0, (P - D a compute) / (D + 1), W - a compute) / a   (a push per a iterations)
+        daso       L + max(0, S - (compute + L)) / k     (global average every k, merged after the next iteration)
+        hybrid-ps  L + max(0, (P - D a (compute + L)) / (D + 1), W - a (compute + L)) / a   (a push per a iterations)
         wsp        max(0, (P - D compute) / (D + 1), W - compute)              (a push per wave)
 
     ``P`` is one wave's round trip to the sharded parameter servers (pushes, then pulls, each on its busiest
-    link: ``estimate_ps_traffic``), ``W`` what the busiest link carries per wave. A wave is pushed when its
+    link: ``estimate_ps_traffic``), ``W`` what the busiest link carries per wave, the pipelines' transfers
+    through it included (they share it: ``simulator.links.share``). A wave is pushed when its
     compute ends, and the pull of wave k gates the compute of wave k + D + 1, so D + 1 waves span one round
     trip and one wave's compute: ``(D + 1) wave >= P + compute``, the waves overlapping on the links (the pulls
     of one with the pushes of the next); however much slack D gives, the links carry one wave's traffic per
@@ -322,18 +340,20 @@ def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Se
         return estimate_sync_time(cluster, profile, layouts, hide_s, options.bucket_bytes, traffic,
                                   options.first_bucket_bytes, options.bucket_cut, wire)
     every = rules.period(options)
+    # L: every iteration's node-local all-reduce, before the step; the exchange across nodes hides behind it too
+    local_s = estimate_local_sync_time(cluster, profile, layouts) if rules.local_mean else 0.0
+    busy_s = compute_s + local_s
     if rules.parameter_servers:  # P: one wave's pushes and pulls; the links carry one wave per push period
-        ps = estimate_ps_traffic(cluster, profile, layouts, options.placement)
+        ps = estimate_ps_traffic(cluster, profile, layouts, options.placement,
+                                 pipeline_nic_loads(cluster, traffic, every))
         # wave k's pull gates the compute of wave k + D + 1: (D + 1) waves hold one round trip and a wave's compute
         d = rules.overlap_iterations(options)
-        hidden_s = max(0.0, (ps.round_trip_s - d * every * compute_s) / (d + 1),
-                       ps.busiest_s - every * compute_s) / every
+        hidden_s = max(0.0, (ps.round_trip_s - d * every * busy_s) / (d + 1),
+                       ps.busiest_s - every * busy_s) / every
     else:  # S: the whole segments all-reduced (an average of the weights moves their bytes)
         exchange_s = estimate_sync_time(cluster, profile, layouts)
-        hidden_s = max(0.0, exchange_s - rules.overlap_iterations(options) * compute_s) / every
-    if not rules.local_mean:
-        return hidden_s
-    return estimate_local_sync_time(cluster, profile, layouts) + hidden_s
+        hidden_s = max(0.0, exchange_s - rules.overlap_iterations(options) * busy_s) / every
+    return local_s + hidden_s
 
 
 # ---------------------------------------------------------------------------

@@ -112,6 +112,7 @@ from hetrain.schedule.sync import (
     is_daso_blocking,
     is_global_sync,
     owned_segments,
+    steady_sync_state,
 )
 from hetrain.schedule.templates import DeviceRole, ScheduleTemplates, fill_peers
 from hetrain.schedule.validator import validate
@@ -123,5 +124,5 @@ __all__ = [
     "advance_sync_state", "build_schedule", "build_schedule_templates", "build_sync_actions", "fill_peers",
     "format_grid", "gpipe", "initial_sync_state", "is_daso_blocking", "is_global_sync",
     "one_f_one_b", "one_f_one_b_eager", "owned_segments", "parse_action", "parse_schedule", "schedule_to_dict",
-    "validate",
+    "steady_sync_state", "validate",
 ]

@@ -10,7 +10,7 @@ docs/sync.md describes each mode.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hetrain.plan import Plan
 from hetrain.schedule.actions import Action, ActionKind, BucketSync, SegmentSync, Step
@@ -70,6 +70,24 @@ class SyncState:
 def initial_sync_state(plan: Plan) -> SyncState:
     """The state before iteration 0: the plan's period, nothing pending."""
     return SyncState(0, plan.sync_options.period, False)
+
+
+def steady_sync_state(plan: Plan) -> SyncState:
+    """The state of a long run's first steady iteration: past a posted mode's blocking warm-up (DASO's), which
+    with its cool-down is a cost per run, not per iteration. The simulator's prediction starts here and runs no
+    cool-down, as the closed form counts neither (``planner.sync.estimate_mode_sync_time``); before it, the
+    4 blocking iterations of 12 replayed put DASO 15-20% above its closed form (benchmarks/closed_form_modes.py).
+    It starts just after a period's merge, so that whole periods from there hold each average they start and
+    its merge (for k = 1 the last merge falls after them)::
+
+        k = 4, warm-up 2:   0 1 | 2 3S 4M | 5 6 7S 8M 9 10 11S 12M ...     S: AVERAGE_START, M: AVERAGE_MERGE
+                       blocking ^          ^ the steady replay starts here
+    """
+    start = initial_sync_state(plan)
+    if not plan.sync_mode.posted:
+        return start
+    i = plan.sync_options.warmup
+    return replace(start, iteration=i + (1 - i) % start.period)
 
 
 def is_global_sync(plan: Plan, state: SyncState) -> bool:

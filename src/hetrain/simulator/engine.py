@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 from hetrain.schedule import ScheduleError, validate
 from hetrain.simulator.compile import Program
-from hetrain.simulator.links import occupy, occupy_each
+from hetrain.simulator.links import occupy, occupy_each, share
 from hetrain.simulator.ops import (
     AverageMerge,
     AverageStart,
@@ -103,6 +103,12 @@ class _Engine:
         self.ops = program.ops
         self.collectives = program.collectives
         self.free_at, self.link_events = program.links.free_at, program.links.events
+        # parameter-server phases, in the background (``links.share``): per link, when the last one queued on it
+        # ends and which collective it belongs to; per collective, when its running phase ends once shared
+        self.shares = any(ph.holds_s is not None for c in program.collectives for ph in c.phases)
+        self.shared_until = [0.0] * len(self.free_at)
+        self.shared_by = [-1] * len(self.free_at)
+        self.phase_end: dict[int, float] = {}
         self.queue: list[Wake] = [Wake(0.0, d, _DEVICE_READY, d) for d in range(n)]
         self.seq = itertools.count(n)
         self.pc = [0] * n  # per device: its next operation
@@ -185,7 +191,12 @@ class _Engine:
             self._start_collective(t, s)
 
     def _phase_done(self, t: float, s: int) -> None:
-        """Collective ``s``'s phase ended at ``t`` (or it starts): run its next phase, or end it."""
+        """Collective ``s``'s phase ended at ``t`` (or it starts): run its next phase, or end it. A background
+        phase that transfers shared its links with ends later (``links.share``): wait for that first."""
+        later = self.phase_end.pop(s, t)
+        if later > t:
+            self._wake(later, _PHASE_DONE, s)
+            return
         k = self.phase_of[s]
         spec = self.collectives[s]
         if k == len(spec.phases):
@@ -193,17 +204,36 @@ class _Engine:
             return
         phase = spec.phases[k]
         if phase.holds_s is None:
-            start, end = occupy(self.free_at, phase.links, t, phase.duration_s)
+            start, end = self._take(phase.links, t, phase.duration_s)
             for r in phase.links:
                 self.link_events[r].append(Event(start, end, phase.kind, f"{spec.label} {phase.name}"))
-        else:
-            start, end = occupy_each(self.free_at, phase.links, t, phase.holds_s)
-            for r, hold_s in zip(phase.links, phase.holds_s, strict=True):
-                self.link_events[r].append(Event(start, start + hold_s, phase.kind, f"{spec.label} {phase.name}"))
+        else:  # in the background: queued behind the phases before it, beside the transfers (links.share)
+            spans = occupy_each(self.shared_until, phase.links, t, phase.holds_s)
+            for r, (begin, finish) in zip(phase.links, spans, strict=True):
+                self.link_events[r].append(Event(begin, finish, phase.kind, f"{spec.label} {phase.name}"))
+                self.shared_by[r] = s
+            start, end = min(b for b, _ in spans), max(f for _, f in spans)
         if k == 0:
             self.sync_start[s] = start
         self.phase_of[s] = k + 1
         self._wake(end, _PHASE_DONE, s)
+
+    def _take(self, links: tuple[int, ...], t: float, duration_s: float) -> tuple[float, float]:
+        """``occupy`` the links (FIFO), sharing them with the background phases it meets (``links.share``)."""
+        start, end = occupy(self.free_at, links, t, duration_s)
+        if self.shares:
+            end, delayed = share(self.shared_until, links, start, duration_s)
+            self._delay(delayed)
+            for r in links:
+                self.free_at[r] = end
+        return start, end
+
+    def _delay(self, delayed: list[int]) -> None:
+        """The background phases on links ``delayed`` end later: as late as their links now say."""
+        for r in delayed:
+            s = self.shared_by[r]
+            if self.shared_until[r] > self.phase_end.get(s, 0.0):
+                self.phase_end[s] = self.shared_until[r]
 
     def _start_collective(self, t: float, s: int) -> None:
         self.phase_of[s] = 0
@@ -271,7 +301,7 @@ class _Engine:
 
         A blocking transfer holds the sender until it ends; the receiver is held for its duration from
         when both it has reached its ``RECV`` and the transfer has started (``_recv``)."""
-        start, end = occupy(self.free_at, op.links, t, op.duration_s)
+        start, end = self._take(op.links, t, op.duration_s)
         for r in op.links:
             self.link_events[r].append(_new(Event, (start, end, op.kind, op.label, op.micro_batch)))
         receiver = self.receivers.pop(op.key, None)

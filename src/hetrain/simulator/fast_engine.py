@@ -32,6 +32,7 @@ from collections import deque
 
 from hetrain.simulator.compile import Program
 from hetrain.simulator.engine import _BUCKET_READY, _DEVICE_READY, _PHASE_DONE, EventKind, Flow, Replayed, _Engine
+from hetrain.simulator.links import share
 from hetrain.simulator.ops import Backward, BucketStart, BucketWait, Forward, Recv, Send
 from hetrain.timeline import Event
 
@@ -72,6 +73,7 @@ class _FastEngine(_Engine):
         events, curves, memory, busy = self.events, self.curves, self.memory, self.busy
         in_flight, max_in_flight = self.in_flight, self.max_in_flight
         free_at, link_events = self.free_at, self.link_events
+        shares, shared_until = self.shares, self.shared_until
         arrivals, receivers, blocking_sent = self.arrivals, self.receivers, self.blocking_sent
         on_op, on_event = self.on_op, self.on_event
         last_backward = self.last_backward
@@ -150,6 +152,9 @@ class _FastEngine(_Engine):
                         if free_at[r] > start:
                             start = free_at[r]
                     end = start + duration_s
+                    if shares:  # beside the parameter servers' background phases (links.share)
+                        end, delayed = share(shared_until, links, start, duration_s)
+                        self._delay(delayed)
                     for r in links:
                         free_at[r] = end
                     if links:

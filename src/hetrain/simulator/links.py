@@ -7,7 +7,10 @@ Resources are named and numbered on first use::
 
 A resource carries one transfer at a time, in the order transfers ask for it
 (FIFO; ``occupy``). All transfers leaving one node share its NIC out, all
-entering it share its NIC in (full duplex).
+entering it share its NIC in (full duplex). A parameter-server phase runs in
+the background: the phases queue among themselves (``occupy_each`` on
+``shared_until``), and a transfer or an all-reduce that meets one shares the
+link with it, half each (``share``), rather than waiting for its end.
 """
 
 from __future__ import annotations
@@ -76,16 +79,45 @@ def occupy(free_at: list[float], links: Sequence[int], t: float, duration_s: flo
     return start, end
 
 
-def occupy_each(free_at: list[float], links: Sequence[int], t: float, holds_s: Sequence[float]) -> tuple[float, float]:
-    """``occupy`` where link ``links[i]`` is held for ``holds_s[i]`` only: from the first moment at or after ``t``
-    when all are free; returns (start, start + the longest hold)."""
-    start = t
-    for r in links:
-        if free_at[r] > start:
-            start = free_at[r]
+def occupy_each(free_at: list[float], links: Sequence[int], t: float,
+                holds_s: Sequence[float]) -> list[tuple[float, float]]:
+    """Reserve each of ``links`` for its own ``holds_s[i]``, from the first moment at or after ``t`` when that
+    link is free; returns each link's (start, end).
+
+    A parameter-server phase is many collectives posted at once, each moving its bytes as soon as the
+    resources it crosses let it: a NIC whose other direction, or whose own queue, is still busy with an
+    earlier wave delays only its own part of the phase, not the parts on free links. Waiting for every link
+    to be free at once would serialise a wave's pushes behind the previous wave's pulls on the host's NIC
+    (they share the node's NIC out and in, in opposite shares), which the runtime, whose reduces and
+    broadcasts run in their own threads and groups on a full-duplex NIC, does not do: on cloud-mixed under
+    wsp that put the replay at 1.6x the closed form (benchmarks/closed_form_modes.py)."""
+    spans = []
     for r, hold_s in zip(links, holds_s, strict=True):
+        start = max(t, free_at[r])
         free_at[r] = start + hold_s
-    return start, start + max(holds_s, default=0.0)
+        spans.append((start, start + hold_s))
+    return spans
+
+
+def share(shared_until: list[float], links: Sequence[int], start: float, duration_s: float) -> tuple[float, list[int]]:
+    """A transfer of ``duration_s`` from ``start`` on ``links``, some of which a parameter-server phase holds in
+    the background until ``shared_until[r]``: while both run, each gets half the link (TCP's fair share, as
+    the runtime's p2p and its shards' collectives, in groups and threads of their own, get on one NIC), so the
+    transfer takes ``min(duration, left)`` longer and so does the phase on that link. Returns the transfer's
+    end and the links whose phase it delayed (their ``shared_until`` moved on).
+
+        link r:  phase ████████████░░░░         left = shared_until[r] - start
+                 transfer     ▒▒▒▒▒▒            both at half rate: each later by min(duration, left)
+    """
+    longer_s, delayed = 0.0, []
+    for r in links:
+        left = shared_until[r] - start
+        if left > 0:
+            both = duration_s if duration_s < left else left
+            shared_until[r] += both
+            delayed.append(r)
+            longer_s = max(longer_s, both)
+    return start + duration_s + longer_s, delayed
 
 
 def edge_links(cluster: Cluster, a: int, b: int, res: LinkResources) -> tuple[int, ...]:

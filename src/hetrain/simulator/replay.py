@@ -13,6 +13,7 @@ from hetrain.schedule import (
     build_schedule,
     build_schedule_templates,
     initial_sync_state,
+    steady_sync_state,
     validate,
 )
 from hetrain.simulator.compile import compile_program
@@ -43,13 +44,15 @@ def build_schedules(plan: Plan, n: int) -> list[Schedule]:
     return out
 
 
-def build_schedule_templates_of(plan: Plan, n: int) -> list[ScheduleTemplates]:
+def build_schedule_templates_of(plan: Plan, n: int, steady: bool = False) -> list[ScheduleTemplates]:
     """``build_schedules(plan, n)`` as templates (``schedule.build_schedule_templates``): what ``simulate``
-    compiles, each distinct device role's Actions built once rather than once per device."""
-    state, out = initial_sync_state(plan), []
+    compiles, each distinct device role's Actions built once rather than once per device. ``steady``: n iterations
+    from the middle of a long run instead (``schedule.steady_sync_state``, no cool-down)."""
+    state, out = (steady_sync_state(plan) if steady else initial_sync_state(plan)), []
+    steps = None if steady else n
     for _ in range(n):
-        out.append(build_schedule_templates(plan, state, n))
-        state = advance_sync_state(plan, state, n)
+        out.append(build_schedule_templates(plan, state, steps))
+        state = advance_sync_state(plan, state, steps)
     return out
 
 
@@ -63,7 +66,10 @@ def simulate(plan: Plan, schedule: Schedule | None = None, iterations: int | Non
         schedule: the Actions of one iteration to replay; by default ``build_schedules(plan, n)``
             (built as its templates, ``build_schedule_templates_of``).
             A schedule passed in is validated first and replayed once.
-        iterations: how many iterations to replay (default ``simulated_iterations(plan)``).
+        iterations: replay the first ``iterations`` of a run that long, DASO's blocking warm-up and cool-down
+            included (what the runtime runs in as many steps); default: ``simulated_iterations(plan)`` of a long
+            run's steady middle (``schedule.steady_sync_state``), the per-iteration figure the closed form
+            predicts and the planner ranks by.
         reference: replay with the reference engine (``engine.run_program``, one call per operation)
             rather than ``fast_engine.run_program_fast``; the same result, slower: for tests that compare them.
 
@@ -82,7 +88,8 @@ def simulate(plan: Plan, schedule: Schedule | None = None, iterations: int | Non
     try:
         if schedule is None:
             n = simulated_iterations(plan) if iterations is None else iterations
-            schedules: list[Schedule] | list[ScheduleTemplates] = build_schedule_templates_of(plan, n)
+            schedules: list[Schedule] | list[ScheduleTemplates] = build_schedule_templates_of(
+                plan, n, steady=iterations is None)
         else:
             validate(schedule, plan)
             schedules = [schedule]
