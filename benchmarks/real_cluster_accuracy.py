@@ -128,6 +128,9 @@ BEFORE = replace(DEEPSPEED, transfers="overlap", fixed_bytes_per_gpu=0.0, alloca
 NO_REBUILD = replace(DEEPSPEED, rebuild_bytes_per_s=0.0)
 #: DeepSpeed with pipe_partitioned / grad_partitioned off: each TP rank sends the whole tensor, nothing to rebuild
 WHOLE_TENSORS = replace(DEEPSPEED, partitioned_transfers=False, rebuild_bytes_per_s=0.0)
+#: DeepSpeed with none of its fitted constants: what ``fit`` fits them from
+UNFITTED = replace(DEEPSPEED, fixed_bytes_per_gpu=0.0, allocator_fraction=0.0, iteration_overhead_s=0.0,
+                   rebuild_bytes_per_s=0.0)
 
 
 def convert_all(data_dir: str, runtime: DeepSpeedRuntime) -> tuple[list[MeasuredPlan], list[str]]:
@@ -177,7 +180,8 @@ def _timed(data_dir: str, base: DeepSpeedRuntime, groups: set[str] | None
 
 
 def fit(data_dir: str, groups: set[str] | None = None, verbose: bool = True,
-        timed: dict[float, list[tuple[str, str, float, float]]] | None = None) -> Fitted:
+        timed: dict[float, list[tuple[str, str, float, float]]] | None = None,
+        scored: list[Scored] | None = None) -> Fitted:
     """Fit the runtime's constants on the plans of ``groups`` (None: every group) and, where ``verbose``, print
     how well the time constant holds out plan by plan.
 
@@ -185,12 +189,12 @@ def fit(data_dir: str, groups: set[str] | None = None, verbose: bool = True,
     allocator share) * tensors per GPU`` (``UNFITTED_MEMORY`` where ``groups`` has none). Time: the receiver's
     rebuild throughput (``REBUILD_GRID_BYTES_PER_S``) that minimises the mean over groups of the time MAPE, then
     the fixed cost per iteration, from 0 to 200 ms by 1 ms, the same way. Leave one plan out: each plan
-    predicted with the throughput fitted on the others. ``timed``: ``_timed``'s table, to share between fits.
+    predicted with the throughput fitted on the others. ``timed``: ``_timed``'s table, and ``scored``: the plans
+    scored with ``UNFITTED`` (the memory fit's tensors), to share between fits.
     """
-    base = replace(DEEPSPEED, fixed_bytes_per_gpu=0.0, allocator_fraction=0.0, iteration_overhead_s=0.0,
-                   rebuild_bytes_per_s=0.0)
-    runs, _ = convert_all(data_dir, base)
-    scored = score(runs)
+    base = UNFITTED
+    if scored is None:
+        scored = score(convert_all(data_dir, base)[0])
     mem = [(s.tensor_peak_per_gpu_bytes, s.run.measured_max_mem_bytes) for s in scored
            if s.run.memory_reliable and (groups is None or s.run.group in groups)]
     if len(mem) >= 2:
@@ -228,15 +232,13 @@ def fit(data_dir: str, groups: set[str] | None = None, verbose: bool = True,
 def leave_one_group_out(data_dir: str) -> list[tuple[str, dict[str, float | str | int]]]:
     """Each group scored with the constants fitted on the others only (the headline), beside the same group
     scored with the constants fitted on every group (in-sample), and the constants each fit chose."""
-    base = replace(DEEPSPEED, fixed_bytes_per_gpu=0.0, allocator_fraction=0.0, iteration_overhead_s=0.0,
-                   rebuild_bytes_per_s=0.0)
-    table_all = _timed(data_dir, base, None)
-    runs, _ = convert_all(data_dir, base)
-    groups = list(dict.fromkeys(r.group for r in runs))
-    every = fit(data_dir, None, verbose=False, timed=table_all)
+    table_all = _timed(data_dir, UNFITTED, None)
+    scored = score(convert_all(data_dir, UNFITTED)[0])
+    groups = list(dict.fromkeys(s.run.group for s in scored))
+    every = fit(data_dir, None, verbose=False, timed=table_all, scored=scored)
     rows: list[tuple[str, dict[str, float | str | int]]] = []
     for g in groups:
-        held = fit(data_dir, set(groups) - {g}, verbose=False, timed=table_all)
+        held = fit(data_dir, set(groups) - {g}, verbose=False, timed=table_all, scored=scored)
         for label, f in ((f"held out ({_describe(held)})", held), (f"in-sample ({_describe(every)})", every)):
             here = [s for s in score(convert_all(data_dir, f.runtime)[0]) if s.run.group == g]
             (row,) = group_rows(here)

@@ -133,7 +133,12 @@ def training_set(profiles: Sequence[ModelProfile], exclude: Sequence[str] = (),
     Raises:
         ProfileError: profiles in different precisions, or no measured time to train on.
     """
-    figures = {c.type_name: c.figures for c in choose_types(profiles, declared, exclude) if c.figures is not None}
+    return _training_rows(profiles, choose_types(profiles, declared, exclude))
+
+
+def _training_rows(profiles: Sequence[ModelProfile], choices: Sequence[TypeChoice]) -> tuple[np.ndarray, np.ndarray]:
+    """``training_set`` of the types ``choices`` gives figures for."""
+    figures = {c.type_name: c.figures for c in choices if c.figures is not None}
     xs: list[np.ndarray] = []
     ys: list[float] = []
     for profile in profiles:
@@ -150,7 +155,7 @@ def training_set(profiles: Sequence[ModelProfile], exclude: Sequence[str] = (),
                         xs.append(rows[d])
                         ys.append(math.log(max(seconds, MIN_TIME_S) / max(float(roof[d]), 1e-12)))
     if not xs:
-        left = "; ".join(c.line() for c in choose_types(profiles, declared, exclude))
+        left = "; ".join(c.line() for c in choices)
         raise ProfileError(f"no measured layer times on a device type with known figures: nothing to fit the time "
                            f"model on ({left or 'no measured type'})")
     return np.array(xs), np.array(ys)
@@ -197,11 +202,18 @@ def fit_time_model(profiles: Sequence[ModelProfile], exclude: Sequence[str] = ()
     Raises:
         ProfileError: profiles in different precisions, or nothing to fit on.
     """
+    return _fit(profiles, exclude, reference_power, declared)[0]
+
+
+def _fit(profiles: Sequence[ModelProfile], exclude: Sequence[str], reference_power: float,
+         declared: Mapping[str, DeviceType] | None) -> tuple[LayerTimeModel, int]:
+    """``fit_time_model``, and how many layer times (forward and backward each) it was fitted on."""
     import sklearn
     from sklearn.ensemble import GradientBoostingRegressor
 
     precision = _precision(profiles)
-    x, y = training_set(profiles, exclude, declared)
+    choices = choose_types(profiles, declared, exclude)
+    x, y = _training_rows(profiles, choices)
     est = GradientBoostingRegressor(**TREES).fit(x, y)
     trees = []
     for stage in est.estimators_[:, 0]:
@@ -210,12 +222,13 @@ def fit_time_model(profiles: Sequence[ModelProfile], exclude: Sequence[str] = ()
                           feature=tuple(int(v) for v in t.feature), threshold=tuple(float(v) for v in t.threshold),
                           value=tuple(float(v) for v in t.value[:, 0, 0])))
     init = float(np.ravel(est.init_.predict(x[:1]))[0])
-    choices = choose_types(profiles, declared, exclude)
-    return LayerTimeModel(init=init, learning_rate=float(est.learning_rate), trees=tuple(trees),
-                          trained_on=tuple(c.type_name for c in choices if c.figures is not None),
-                          precision=precision, reference_power=reference_power, sklearn_version=sklearn.__version__,
-                          type_figures=tuple((c.type_name, c.figures, c.why) for c in choices if c.figures is not None),
-                          left_out=tuple((c.type_name, c.why) for c in choices if c.figures is None))
+    model = LayerTimeModel(init=init, learning_rate=float(est.learning_rate), trees=tuple(trees),
+                           trained_on=tuple(c.type_name for c in choices if c.figures is not None),
+                           precision=precision, reference_power=reference_power, sklearn_version=sklearn.__version__,
+                           type_figures=tuple((c.type_name, c.figures, c.why) for c in choices
+                                              if c.figures is not None),
+                           left_out=tuple((c.type_name, c.why) for c in choices if c.figures is None))
+    return model, len(x)
 
 
 def load_declared_types(cluster_paths: Sequence[str] = (), device_specs: Sequence[str] = ()) -> dict[str, DeviceType]:
@@ -249,13 +262,11 @@ def run_fit_command(profile_paths: Sequence[str], output: str, cluster_paths: Se
     their figures came from) and which it left out and why, one line per type."""
     profiles = [load_profile(p) for p in profile_paths]
     declared = load_declared_types(cluster_paths, device_specs)
-    model = fit_time_model(profiles, declared=declared)
+    model, samples = _fit(profiles, (), REFERENCE_POWER, declared)
     model.save(output)
-    x, _ = training_set(profiles, declared=declared)
-    print(f"hetrain fit-time-model: {len(model.trees)} trees on {len(x)} measured layer times of "
+    print(f"hetrain fit-time-model: {len(model.trees)} trees on {samples} measured layer times of "
           f"{len(model.trained_on)} device types ({model.precision}) -> {output}", file=sys.stdout)
-    for t, _, why in model.type_figures:
-        print(f"  {t}: used: {why}", file=sys.stdout)
-    for t, why in model.left_out:
-        print(f"  {t}: left out: {why}", file=sys.stdout)
+    for choice in [TypeChoice(t, f, why) for t, f, why in model.type_figures] + \
+            [TypeChoice(t, None, why) for t, why in model.left_out]:
+        print(f"  {choice.line()}", file=sys.stdout)
     return 0
