@@ -23,7 +23,7 @@ import torch.distributed as dist
 from hetrain.distributed.barrier import Barrier, BarrierError
 from hetrain.distributed.health import Health, Heartbeat, beat_counter, read_beat
 from hetrain.distributed.store import JobStore, attempt_prefix
-from hetrain.distributed.work import PeerError, WaitError, completed_within, wait_work
+from hetrain.distributed.work import PeerError, WaitError, completed_within, is_connection_loss, wait_work
 
 
 @pytest.fixture
@@ -161,6 +161,8 @@ def test_health_names_ranks_by_device_and_describes_them(server):
     assert "  rank 2 (n1:0): silent for" in text and "at step 4: RECV_F mb2" in text
     assert "  rank 1 (n0:1) reported: rank 1 (n0:1): a bad batch" in text
     assert isinstance(error, PeerError)
+    # a posted error names its rank before a silent one does
+    assert healths[0].failed_peer(1.0) == "rank 1 (n0:1) failed: rank 1 (n0:1): a bad batch"
     healths[1].stop()
 
 
@@ -231,7 +233,47 @@ def test_wait_work_names_the_peers_it_waited_on(spawn, clean_env, free_port):
     assert lines[5] == "no answer from rank 2 within 1 s, waiting at RECV from rank 2"
 
 
+def test_a_send_to_a_dead_peer_raises_at_once_and_the_health_names_the_peer(spawn, clean_env, free_port):
+    """Gloo raises when a send to a peer that died is posted, not at its wait, so ``wait_work`` never sees it:
+    the trainer asks ``Health.failed_peer`` who died (rank 1 exits without posting; its beat stops)."""
+    port = free_port()
+    ranks = [spawn([sys.executable, __file__, "dies"], rank_env(clean_env, r, 2, port)) for r in range(2)]
+    stdout, stderr = ranks[0].communicate(timeout=60)
+    assert ranks[0].returncode == 0, stderr[-3000:]
+    lines = stdout.splitlines()
+    assert lines[0] == "connection loss True", stdout
+    assert lines[1].startswith("rank 1 (n0:1) failed or stopped: silent for "), stdout
+    assert lines[1].endswith(", at step 3: SEND_F 0->1 mb0"), stdout
+    assert lines[2] == "timeout is a connection loss False", stdout
+
+
+def _dies() -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    rank = dist.get_rank()
+    health = Health(rank, ["n0:0", "n0:1"], period_s=0.2)
+    health.doing = (3, "SEND_F 0->1 mb0")
+    health.start()
+    x = torch.ones(4)
+    wait_work(dist.all_reduce(x, async_op=True), "the first all-reduce", [0, 1], 10.0)
+    if rank == 1:
+        time.sleep(0.5)  # a beat or two
+        os._exit(17)
+    time.sleep(1.0)
+    try:
+        wait_work(dist.isend(x, 1), "SEND_F 0->1 mb0", [1], 5.0)
+        print("connection loss False (the send went through)", flush=True)
+    except RuntimeError as e:  # raw Gloo: "Connection closed by peer" / "reset by peer"
+        print(f"connection loss {is_connection_loss(e) and not isinstance(e, WaitError)}", flush=True)
+    print(health.failed_peer(5.0), flush=True)
+    print(f"timeout is a connection loss {is_connection_loss(RuntimeError('Timed out waiting 5000ms'))}", flush=True)
+    health.stop()
+    os._exit(0)
+
+
 def _worker(mode: str) -> None:
+    if mode == "dies":
+        _dies()
     assert mode == "wait"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))

@@ -214,6 +214,36 @@ class Health:
 
         poll(all_told, grace_s)
 
+    def failed_peer(self, grace_s: float) -> str | None:
+        """After this rank's connection to a peer broke: which peer failed, waiting at most ``grace_s`` for
+        one to post its error or fall silent (a killed process posts nothing; its beat stops).
+
+        Returns ``"rank 1 (n0:1) failed: <its error>"`` / ``"rank 1 (n0:1) failed or stopped: silent for
+        2.6 s, at step 7: FWD 1"``, or None when every peer still beats and none posted an error.
+        """
+        if self.store is None:
+            return None
+        stale_s = 2.5 * self.period_s
+        found: list[str] = []
+
+        def culprit() -> bool:
+            errors = self.posted_errors()
+            if errors:
+                r = min(errors)
+                found.append(f"{self.name(r)} failed: {errors[r].splitlines()[0]}")
+                return True
+            beats = self._beats() or {}
+            silent = sorted((r for r, beat in beats.items() if r != self.rank and beat.age_s > stale_s),
+                            key=lambda r: -beats[r].age_s)
+            if silent:
+                r = silent[0]
+                found.append(f"{self.name(r)} failed or stopped: silent for {beats[r].age_s:.1f} s, "
+                             f"at {beats[r].doing}")
+            return bool(silent)
+
+        poll(culprit, grace_s)
+        return found[-1] if found else None
+
     def describe(self, ranks: Sequence[int], stale_s: float, max_lines: int = 8) -> str:
         """What ``ranks`` and every silent rank last reported, and the errors other ranks posted.
 

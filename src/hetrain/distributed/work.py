@@ -73,6 +73,21 @@ def is_timeout(e: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
+def is_connection_loss(e: BaseException) -> bool:
+    """Whether ``e`` is a torch.distributed error that says a peer's connection broke (Gloo's "Connection
+    reset by peer" / "closed by peer" when posting to a peer that died, NCCL's remote errors): the peer
+    failed, not this rank's model. Timeouts are not connection losses."""
+    import torch.distributed as dist
+
+    text = str(e).lower()
+    if is_timeout(e):
+        return False
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(e, RuntimeError) and any(
+        k in text for k in ("connection reset", "connection closed", "closed by peer", "broken pipe", "gloo/transport"))
+
+
 def wait_work(work: Any, what: object, peers: Sequence[int], timeout_s: float, *, name: NameFn = rank_name) -> None:
     """Wait for ``work`` (a ``torch.distributed`` Work handle) at most ``timeout_s``.
 

@@ -52,6 +52,7 @@ from torch import nn
 
 from hetrain.amp import check_precision
 from hetrain.distributed.device import choose_device
+from hetrain.distributed.work import PeerError, first_line, is_connection_loss
 from hetrain.errors import HetrainError, RunError
 from hetrain.models.user import ModelSource, describe_error
 from hetrain.plan import Plan, plan_fingerprint
@@ -298,7 +299,7 @@ class Trainer:
         except Exception as e:
             # the user's model, loss or data: one line naming the step and the layer; hetrain's own errors as they are
             failure = e if isinstance(e, HetrainError) and not isinstance(e, LayerFailure) else \
-                RunError(self._describe_failure(e))
+                self._peer_failure(e) or RunError(self._describe_failure(e))
             self.health.post_error(str(failure))
             self.health.linger(min(self.timeout_s, 3 * self.health.period_s + 2))
             if failure is e:
@@ -309,6 +310,16 @@ class Trainer:
                 log.close()
         self._events.post({"kind": "done"})
         return out
+
+    def _peer_failure(self, e: BaseException) -> PeerError | None:
+        """A PeerError naming the peer that failed, when ``e`` is a broken connection (posting to a peer that
+        died raises at once, before any wait could name it); None for any other error."""
+        if not is_connection_loss(e):
+            return None
+        culprit = self.health.failed_peer(min(self.timeout_s, 3 * self.health.period_s + 2))
+        if culprit is None:
+            return None
+        return PeerError(f"step {self.step} on {self.health.name(self.rank)}: {culprit}\n  cause: {first_line(e)}")
 
     def _describe_failure(self, e: BaseException) -> str:
         """What failed during step ``self.step`` (counted from 0, as the peers name it) on this rank, in one
