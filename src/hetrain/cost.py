@@ -590,7 +590,7 @@ OPTIMIZER_STATE_PER_PARAM = {"sgd": 0, "momentum": 1, "adam": 2}
 
 
 def estimate_weight_memory(param_bytes: float, bytes_per_element: int, optimizer: str, state_share: float = 1.0,
-                           grad_share: float = 1.0) -> float:
+                           grad_share: float = 1.0, grad_bytes_per_element: int = 4) -> float:
     """Parameters + gradients + optimizer state (+ the 16-bit copy of the weights under mixed precision).
 
     ``param_bytes`` are fp32 (``LayerProfile.param_bytes``): training keeps the parameters, their
@@ -603,11 +603,16 @@ def estimate_weight_memory(param_bytes: float, bytes_per_element: int, optimizer
     Sharded among a segment's owners (``SyncOptions.shard``), a device keeps ``state_share`` of the optimizer
     state (ZeRO-1) and, under ``optimizer+gradients``, ``grad_share`` of the gradients between backwards
     (ZeRO-2; the backward's own gradients are transient: ``estimate_stage_memory``).
+
+    ``grad_bytes_per_element``: the bytes of a gradient as the runtime keeps it (``ModelProfile.grad_bytes_per_element``):
+    4 (hetrain's runtime), or 2 for a runtime with 16-bit gradients and fp32 master weights (DeepSpeed's fp16,
+    ``mixed_precision = "master-weights"``): its fp32 master weights, 16-bit weights, 16-bit gradients and Adam's m
+    and v are 4 + 2 + 2 + 8 = 16 bytes per parameter, ZeRO's count.
     """
     n_params = param_bytes / 4
     state = 4 * OPTIMIZER_STATE_PER_PARAM[optimizer] * n_params * state_share
     cast_copy = bytes_per_element * n_params if bytes_per_element < 4 else 0.0
-    return param_bytes * (1.0 + grad_share) + state + cast_copy
+    return param_bytes * (1.0 + grad_share * grad_bytes_per_element / 4) + state + cast_copy
 
 
 #: ZeRO-2's gradients in flight during a backward: two of DistributedDataParallel's 25 MiB buckets (one being
@@ -730,7 +735,8 @@ def estimate_stage_memory(profile: ModelProfile, first: int, end: int, recompute
         loss_kept, loss_transient = loss_memory_per_sample(profile)
         kept += loss_kept
         transient += loss_transient * b
-    weights = estimate_weight_memory(params, profile.bytes_per_element, optimizer, state_share, grad_share)
+    weights = estimate_weight_memory(params, profile.bytes_per_element, optimizer, state_share, grad_share,
+                                     profile.grad_bytes_per_element)
     if grad_share < 1.0 and b > 0:
         transient += (zero2_transient_bytes(params, max(x.param_bytes for x in layers[first:end]), grad_share)
                       if micro_batches <= 1 else (1.0 - grad_share) * params)
@@ -767,7 +773,9 @@ def estimate_optimizer_time(param_bytes: float, bytes_per_element: int, device: 
             fig = _device_figures(profile, type_name)
             if rate is not None and fig is not None:
                 return rate * param_bytes * fig[1] / device.memory_bandwidth_bytes_per_s
-    return 2 * estimate_weight_memory(param_bytes, bytes_per_element, optimizer) / device.memory_bandwidth_bytes_per_s
+    grad_bpe = 4 if profile is None else profile.grad_bytes_per_element
+    return 2 * estimate_weight_memory(param_bytes, bytes_per_element, optimizer,
+                                      grad_bytes_per_element=grad_bpe) / device.memory_bandwidth_bytes_per_s
 
 
 # ---------------------------------------------------------------------------

@@ -43,6 +43,10 @@ from hetrain.fields import (
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 Precision = Literal["fp32", "fp16", "bf16"]
+#: how the runtime that trains the model keeps its weights and gradients under 16-bit compute
+#: (``ModelProfile.mixed_precision``); the first is hetrain's own
+MIXED_PRECISIONS = ("autocast", "master-weights")
+MixedPrecision = Literal["autocast", "master-weights"]
 FORMAT_VERSION = 2
 #: The optimizers: one vocabulary for the plan, the cost model (``cost.OPTIMIZER_STATE_PER_PARAM``), the
 #: profiler and the runtime. ``adam`` is Adam with decoupled weight decay (``torch.optim.AdamW``, the same as
@@ -288,6 +292,13 @@ class ModelProfile:
             work per action is the host's, and it wanders with the host; a plan of many small
             micro-batches is exposed to it more than one of few large ones. The planner draws it
             once per draw, for every type alike (``planner.robust``). A type without a figure: none known.
+        mixed_precision: how the runtime that trains the model keeps weights and gradients under 16-bit compute
+            (``precision`` fp16 or bf16; under fp32 the two agree). ``autocast`` (hetrain's runtime, ``hetrain.amp``):
+            fp32 parameters and gradients and a 16-bit copy of the weights, gradients all-reduced as fp32.
+            ``master-weights`` (DeepSpeed's and Megatron-LM's fp16 / bf16 mixed precision, NVIDIA apex O2): 16-bit
+            weights and gradients beside fp32 master weights and optimizer state, gradients all-reduced in 16 bits
+            (Rajbhandari et al., ZeRO, 2020, sec. 3.1: 2 + 2 + 12 bytes per parameter under Adam). Describes runs of
+            another runtime (``hetrain.imports``): hetrain's runtime refuses to run it (``runtime.command``).
         tp_efficiency: where a layer's time on a rank of a TP group is estimated (no ``measured_tp``), the
             fraction of the ideal 1/k speed-up its split part reaches: k-times narrower matrix multiplies run
             below the whole one's rate. 0.9 by default: Megatron-LM keeps 77% of one GPU's rate at TP 8 with
@@ -310,6 +321,7 @@ class ModelProfile:
     action_overhead_spread_s: tuple[tuple[str, float], ...] = ()
     split_points: tuple[str, ...] = ()
     tp_efficiency: float = 0.9
+    mixed_precision: MixedPrecision = "autocast"
     #: 1 for a model's profile; k for what one rank of a TP group of k holds (``cost.tp_rank_profile``),
     #: which the planner and the simulator cost and never save
     tp_degree: int = field(default=1, compare=False)
@@ -353,6 +365,8 @@ class ModelProfile:
                                    f"got {fraction!r}")
         if not 0 < self.tp_efficiency <= 1:
             raise ProfileError(f"tp_efficiency must be in (0, 1], got {self.tp_efficiency}")
+        if self.mixed_precision not in MIXED_PRECISIONS:
+            raise ProfileError(f"mixed_precision must be one of {MIXED_PRECISIONS}, got {self.mixed_precision!r}")
         if self.seq_len is not None and not 1 <= self.seq_len <= MAX_SEQ_LEN:
             raise ProfileError(f"seq_len must be in [1, {MAX_SEQ_LEN}], got {self.seq_len}")
 
@@ -368,6 +382,18 @@ class ModelProfile:
     def bytes_per_element(self) -> int:
         """Bytes of one element of compute: 4 under fp32, 2 under bf16 / fp16 (parameters are fp32 always)."""
         return 4 if self.precision == "fp32" else 2
+
+    @property
+    def grad_bytes_per_element(self) -> int:
+        """Bytes of one gradient element as the runtime keeps and all-reduces it: 4 (fp32) under ``autocast``, the
+        precision of compute's under ``master-weights`` (``mixed_precision``)."""
+        return self.bytes_per_element if self.mixed_precision == "master-weights" else 4
+
+    @property
+    def gradient_wire(self) -> float:
+        """Bytes a gradient all-reduce moves per byte of (fp32) ``param_bytes``: 1, or 0.5 where the runtime keeps
+        16-bit gradients (``grad_bytes_per_element``)."""
+        return self.grad_bytes_per_element / 4
 
     def figures_of(self, type_name: str) -> DeviceFigures | None:
         for t, f in self.measured_on:
@@ -461,6 +487,8 @@ class ModelProfile:
             out["action_overhead_spread_s"] = dict(self.action_overhead_spread_s)
         if self.tp_efficiency != 0.9:
             out["tp_efficiency"] = self.tp_efficiency
+        if self.mixed_precision != MIXED_PRECISIONS[0]:
+            out["mixed_precision"] = self.mixed_precision
         return out
 
     def sent_bytes_per_sample(self, i: int) -> float:
@@ -493,7 +521,7 @@ class ModelProfile:
 PROFILE_KEYS = frozenset({
     "format_version", "name", "precision", "compute_efficiency", "input_bytes_per_sample", "layers", "measured_on",
     "optimizer_step_s_per_byte", "action_overhead_s", "iteration_overhead_s", "memory_footprint", "seq_len",
-    "common_spread", "action_overhead_spread_s", "split_points", "tp_efficiency"})
+    "common_spread", "action_overhead_spread_s", "split_points", "tp_efficiency", "mixed_precision"})
 LAYER_KEYS = frozenset({"name", "param_bytes", "output_bytes_per_sample", "saved_bytes_per_sample",
                         "forward_flops_per_sample", "measured", "tp", "measured_tp"})
 TP_KEYS = frozenset({"split_param_bytes", "split_flops_per_sample", "split_saved_bytes_per_sample",
@@ -626,6 +654,8 @@ def parse_profile(data: Mapping[str, Any]) -> ModelProfile:
                                                   "action_overhead_spread_s"),
         split_points=_parse_split_points(data.get("split_points", [])),
         tp_efficiency=require_number(data, "tp_efficiency", "", ProfileError, 0.9, positive=True, most=1),
+        mixed_precision=require_str(data, "mixed_precision", "", ProfileError,  # type: ignore[arg-type]
+                                    MIXED_PRECISIONS[0], choices=MIXED_PRECISIONS),
     )
 
 

@@ -501,12 +501,15 @@ class SyncLayout:
     mode: str
     options: SyncOptions
     segments: tuple[Segment, ...]
+    #: bytes a gradient all-reduce moves per byte of (fp32) gradient as the runtime keeps them: the profile's
+    #: ``ModelProfile.gradient_wire`` (0.5 where the runtime keeps 16-bit gradients); derived, not written
+    gradient_wire: float = 1.0
 
     def wire_bytes(self, num_bytes: float, segment: Segment) -> float:
         """Bytes a reduction of ``num_bytes`` of ``segment``'s gradients moves: ``options.wire_for`` its shard mode
         (half in bf16, which only bsp's gradient all-reduces take: ``check_mode_options``; half again where its
-        owners shard it)."""
-        return num_bytes * self.options.wire_for(segment.shard)
+        owners shard it), times ``gradient_wire``."""
+        return num_bytes * self.options.wire_for(segment.shard) * self.gradient_wire
 
     @property
     def segment_shards(self) -> tuple[str, ...]:
@@ -770,7 +773,7 @@ def build_sync_layout(cluster: Cluster, profile: ModelProfile, stages: Sequence[
         num_bytes = float(sum(layer_bytes[first:end]))
         seg = Segment(first, end, owners, num_bytes)
         shard = segment_shards[s] if segment_shards else options.shard
-        wire = options.wire_for(shard if rules.synchronous else SHARD_MODES[0])
+        wire = options.wire_for(shard if rules.synchronous else SHARD_MODES[0]) * profile.gradient_wire
         if seg.shared:
             shape = allreduce_shape(cluster, [index[o] for o in owners])
 
@@ -798,7 +801,7 @@ def build_sync_layout(cluster: Cluster, profile: ModelProfile, stages: Sequence[
             if rules.synchronous and shard != SHARD_MODES[0]:
                 seg = replace(seg, shard=shard, shard_fractions=shard_fractions(owners, shard_weights))
         segments.append(seg)
-    return SyncLayout(mode, options, tuple(segments))
+    return SyncLayout(mode, options, tuple(segments), profile.gradient_wire)
 
 
 def check_segment_shards(modes: Sequence[str], groups: Sequence[tuple[int, int, tuple[T, ...]]], most: str) -> None:

@@ -478,7 +478,8 @@ def _with_shards(plan: Plan) -> Plan:
 
 def _explain_no_fit(cluster: Cluster, profile: ModelProfile, opts: PlannerOptions) -> str:
     """Smallest memory the model needs vs the largest any arrangement offers."""
-    weights = estimate_weight_memory(profile.param_bytes, profile.bytes_per_element, opts.optimizer)
+    weights = estimate_weight_memory(profile.param_bytes, profile.bytes_per_element, opts.optimizer,
+                                     grad_bytes_per_element=profile.grad_bytes_per_element)
     # one sample, every layer recomputed: each layer keeps only its input
     acts = profile.input_bytes_per_sample + sum(x.output_bytes_per_sample for x in profile.layers[:-1])
     step = estimate_optimizer_step_memory(profile.param_bytes, profile.bytes_per_element, opts.optimizer)
@@ -489,8 +490,8 @@ def _explain_no_fit(cluster: Cluster, profile: ModelProfile, opts: PlannerOption
     offer = sum(max(0.0, m) for m in mems[: profile.num_layers])  # a device with no room offers nothing
     biggest_layer = max(profile.layers, key=lambda x: x.param_bytes)
     big, bpe = biggest_layer.param_bytes, profile.bytes_per_element
-    layer_need = estimate_weight_memory(big, bpe, opts.optimizer) + estimate_optimizer_step_memory(big, bpe,
-                                                                                                 opts.optimizer)
+    layer_need = (estimate_weight_memory(big, bpe, opts.optimizer, grad_bytes_per_element=profile.grad_bytes_per_element)
+                  + estimate_optimizer_step_memory(big, bpe, opts.optimizer))
     return (
         f"{profile.name} fits no arrangement of cluster {cluster.name!r}: it needs at least "
         f"{format_bytes(need)} (parameters, gradients and {opts.optimizer} state of "

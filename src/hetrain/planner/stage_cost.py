@@ -162,7 +162,8 @@ def build_model_arrays(profile: ModelProfile, optimizer: str, reduce_copy: float
     # estimate_weight_memory is linear in parameter bytes: take its slope once.
     state_share, grad_share = shares[0], shares[1]
     whole_grads = len(shares) > 2 and bool(shares[2])
-    held = estimate_weight_memory(1.0, profile.bytes_per_element, optimizer, state_share, grad_share)
+    held = estimate_weight_memory(1.0, profile.bytes_per_element, optimizer, state_share, grad_share,
+                                  profile.grad_bytes_per_element)
     weight_factor = held
     # ZeRO-2: the gradients of the buckets not yet reduced to their owners, during a backward
     # (cost.zero2_transient_bytes: min of the range's unkept share and the in-flight buckets or its largest layer)

@@ -336,7 +336,9 @@ def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Se
     """
     rules = sync_mode(mode)
     if rules.synchronous:
-        wire = [options.wire_for(m) for m in segment_shards] if segment_shards else options.reduce_wire
+        # the gradients travel as the runtime keeps them (ModelProfile.gradient_wire: half where they are 16-bit)
+        g = profile.gradient_wire
+        wire = [g * options.wire_for(m) for m in segment_shards] if segment_shards else g * options.reduce_wire
         return estimate_sync_time(cluster, profile, layouts, hide_s, options.bucket_bytes, traffic,
                                   options.first_bucket_bytes, options.bucket_cut, wire)
     every = rules.period(options)

@@ -206,6 +206,10 @@ def check_plan_precision(plan: Plan, precision: str | None, plan_path: str) -> N
     if precision is not None and precision != plan.precision:
         raise InputError(f"--precision {precision}: {plan_path} was planned for {plan.precision} (its memory and "
                          f"time predictions hold for that); re-plan with hetrain plan --precision {precision}")
+    if plan.profile.mixed_precision != "autocast":
+        raise InputError(f"{plan_path}: its profile's mixed_precision is {plan.profile.mixed_precision!r} (another "
+                         f"runtime's 16-bit weights and gradients, hetrain.imports); hetrain's runtime trains with "
+                         f"'autocast' only: re-plan from a profile of this model")
     check_fp16(plan, plan_path)
     check_precision(plan.precision, choose_device(int(os.environ.get("LOCAL_RANK", "0")))[1].type, plan_path)
 
