@@ -604,10 +604,10 @@ def estimate_weight_memory(param_bytes: float, bytes_per_element: int, optimizer
     state (ZeRO-1) and, under ``optimizer+gradients``, ``grad_share`` of the gradients between backwards
     (ZeRO-2; the backward's own gradients are transient: ``estimate_stage_memory``).
 
-    ``grad_bytes_per_element``: the bytes of a gradient as the runtime keeps it (``ModelProfile.grad_bytes_per_element``):
-    4 (hetrain's runtime), or 2 for a runtime with 16-bit gradients and fp32 master weights (DeepSpeed's fp16,
-    ``mixed_precision = "master-weights"``): its fp32 master weights, 16-bit weights, 16-bit gradients and Adam's m
-    and v are 4 + 2 + 2 + 8 = 16 bytes per parameter, ZeRO's count.
+    ``grad_bytes_per_element``: the bytes of a gradient as the runtime keeps it
+    (``ModelProfile.grad_bytes_per_element``): 4 (hetrain's runtime), or 2 for a runtime with 16-bit gradients
+    and fp32 master weights (DeepSpeed's fp16, ``mixed_precision = "master-weights"``): its fp32 master weights,
+    16-bit weights, 16-bit gradients and Adam's m and v are 4 + 2 + 2 + 8 = 16 bytes per parameter, ZeRO's count.
     """
     n_params = param_bytes / 4
     state = 4 * OPTIMIZER_STATE_PER_PARAM[optimizer] * n_params * state_share

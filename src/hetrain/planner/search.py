@@ -490,7 +490,8 @@ def _explain_no_fit(cluster: Cluster, profile: ModelProfile, opts: PlannerOption
     offer = sum(max(0.0, m) for m in mems[: profile.num_layers])  # a device with no room offers nothing
     biggest_layer = max(profile.layers, key=lambda x: x.param_bytes)
     big, bpe = biggest_layer.param_bytes, profile.bytes_per_element
-    layer_need = (estimate_weight_memory(big, bpe, opts.optimizer, grad_bytes_per_element=profile.grad_bytes_per_element)
+    grad_bpe = profile.grad_bytes_per_element
+    layer_need = (estimate_weight_memory(big, bpe, opts.optimizer, grad_bytes_per_element=grad_bpe)
                   + estimate_optimizer_step_memory(big, bpe, opts.optimizer))
     return (
         f"{profile.name} fits no arrangement of cluster {cluster.name!r}: it needs at least "
