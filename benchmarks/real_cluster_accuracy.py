@@ -7,10 +7,18 @@ the one conversion rule of ``hetrain.imports.sailor``, simulates it, and prints 
     time MAPE, signed mean error, max error, Spearman rank correlation of iteration times,
     memory MAPE and the worst memory under-prediction (plans whose memory figure is reliable)
 
-    python benchmarks/real_cluster_accuracy.py --data DIR [--json OUT] [--results] [--fit]
+    python benchmarks/real_cluster_accuracy.py --data DIR [--json OUT] [--results] [--fit] [--extrapolation]
+
+A plan whose profile the import extrapolated (no backward times, or not at the plan's micro-batch size:
+``MeasuredPlan.extrapolated``) is flagged: its group's row says how many, a note after the table names each plan
+and the rule, ``--verbose`` marks it ``[extrapolated]``.
 
 ``--json OUT`` writes ``{"plans": [{"id", "group", "predicted_iter_time_s", "predicted_max_mem_bytes",
-"measured_iter_time_s", "measured_max_mem_bytes"}, ...]}``, one entry per usable plan.
+"measured_iter_time_s", "measured_max_mem_bytes", "extrapolated"}, ...]}``, one entry per usable plan
+(``extrapolated``: the rules its profile rests on, empty where measured).
+``--extrapolation`` measures the import's extrapolation rules on the data's own profiles: each rule against the
+times it would stand in for, and every plan scored again with its profile stripped to what the rule needs
+(forward only, micro-batch 1 only, both).
 ``--results`` writes the table to benchmarks/RESULTS.md; ``--baseline`` also scores the runtime as
 hetrain modelled it before (transfers that overlap, no footprint, no fixed cost), DeepSpeed without the
 receiver's rebuild of each received tensor, and DeepSpeed with its partitioned transfers off (every TP
@@ -23,6 +31,7 @@ with the rebuild throughput's leave-one-plan-out error: never a per-plan constan
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -31,7 +40,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hetrain.catalog import CUDA_FOOTPRINT
-from hetrain.imports.sailor import DEEPSPEED, DeepSpeedRuntime, MeasuredPlan, convert_plan, load_sailor_data
+from hetrain.imports.sailor import (
+    BACKWARD_PER_FORWARD,
+    DEEPSPEED,
+    DeepSpeedRuntime,
+    MeasuredPlan,
+    SailorData,
+    convert_plan,
+    load_sailor_data,
+)
 from hetrain.simulator import simulate
 
 
@@ -101,6 +118,7 @@ def group_rows(scored: Sequence[Scored]) -> list[dict[str, float | str | int]]:
             "mem_plans": len(mem),
             "mem_mape": statistics.fmean(abs(e) for e in merr) if merr else float("nan"),
             "mem_worst_under": min(merr, default=float("nan")),
+            "extrapolated": sum(1 for s in scored if s.run.group == group and s.run.extrapolated),
         })
     return rows
 
@@ -115,7 +133,8 @@ def table(rows: Sequence[tuple[str, dict[str, float | str | int]]]) -> str:
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for label, r in rows:
         sp = float(r["spearman"])
-        lines.append(f"| {label} | {r['group']} | {r['plans']} | {pct(r['time_mape'])} | {pct(r['time_signed'])} | "
+        group = f"{r['group']} ({r['extrapolated']} on extrapolated profiles)" if r.get("extrapolated") else r["group"]
+        lines.append(f"| {label} | {group} | {r['plans']} | {pct(r['time_mape'])} | {pct(r['time_signed'])} | "
                      f"{pct(r['time_max'])} | {'n/a' if sp != sp else f'{sp:.2f}'} | {r['mem_plans']} | "
                      f"{pct(r['mem_mape'])} | {pct(r['mem_worst_under']) if r['mem_plans'] else 'n/a'} |")
     return "\n".join(lines)
@@ -133,8 +152,10 @@ UNFITTED = replace(DEEPSPEED, fixed_bytes_per_gpu=0.0, allocator_fraction=0.0, i
                    rebuild_bytes_per_s=0.0)
 
 
-def convert_all(data_dir: str, runtime: DeepSpeedRuntime) -> tuple[list[MeasuredPlan], list[str]]:
-    data = load_sailor_data(data_dir)
+def convert_all(data_dir: str, runtime: DeepSpeedRuntime, data: SailorData | None = None,
+                ) -> tuple[list[MeasuredPlan], list[str]]:
+    """Every plan of ``data_dir`` (or of ``data``, read already) converted; the ones refused, with why."""
+    data = data or load_sailor_data(data_dir)
     runs, skipped = [], []
     for raw in data.plans:
         try:
@@ -265,6 +286,72 @@ LOGO_NOTES = (
     "error of an unfitted footprint.")
 
 
+def stripped(data: SailorData, backward: bool, mbs_1: bool) -> SailorData:
+    """``data`` with its profiles' backward times dropped (``backward``) and every micro-batch size but 1 dropped
+    (``mbs_1``): what the import then takes by rule (``hetrain.imports.sailor``, docs/measured-runs.md)."""
+    profiles = copy.deepcopy(dict(data.profiles))
+    for model in profiles["models"].values():
+        for by_mbs in model["timing"].values():
+            for mbs in list(by_mbs):
+                if mbs_1 and mbs != "1":
+                    del by_mbs[mbs]
+                elif backward:
+                    for t in by_mbs[mbs].values():
+                        t.pop("bwd_s", None)
+    return SailorData(data.directory, data.plans, profiles, data.network)
+
+
+def rule_errors(data: SailorData) -> list[str]:
+    """How well each extrapolation rule gives the data's own measured times, per model, on the time of a whole
+    model (forward + backward, summed over layers) at each GPU type, micro-batch size and TP degree: the backward
+    as ``BACKWARD_PER_FORWARD`` x the forward, and the time at micro-batch b as b x the time at micro-batch 1;
+    errors (rule - measured) / measured, by TP degree (the mbs rule's error grows with it)."""
+    lines = []
+    for name, model in data.profiles["models"].items():
+        back: dict[str, list[float]] = {}
+        prop: dict[str, list[float]] = {}
+        for by_mbs in model["timing"].values():
+            for mbs, at in by_mbs.items():
+                for k, t in at.items():
+                    f, b = sum(t["fwd_s"]), sum(t["bwd_s"])
+                    back.setdefault(k, []).append((1 + BACKWARD_PER_FORWARD) * f / (f + b) - 1)
+                    one = by_mbs.get("1", {}).get(k)
+                    if mbs != "1" and one is not None:
+                        prop.setdefault(k, []).append(
+                            int(mbs) * (sum(one["fwd_s"]) + sum(one["bwd_s"])) / (f + b) - 1)
+        for rule, errs in ((f"backward = {BACKWARD_PER_FORWARD:g} x forward", back),
+                           ("micro-batch b = b x micro-batch 1", prop)):
+            for k in sorted(errs, key=int):
+                e = errs[k]
+                lines.append(f"{name}, TP {k}: {rule}: {len(e)} profiles, mean |error| "
+                             f"{100 * statistics.fmean(abs(x) for x in e):.1f}%, signed "
+                             f"{100 * statistics.fmean(e):+.1f}%, worst {100 * max(e, key=abs):+.1f}%")
+    return lines
+
+
+#: the profiles ``--extrapolation`` scores the plans with: (label, drop backward times, keep micro-batch 1 only)
+STRIPPED = (("measured profile", False, False), ("backward = 2 x forward", True, False),
+            ("from micro-batch 1", False, True), ("forward only, micro-batch 1", True, True))
+
+
+def extrapolation(data_dir: str) -> str:
+    """``rule_errors``, and every plan scored with the profile stripped as each of ``STRIPPED`` says."""
+    data = load_sailor_data(data_dir)
+    rows = [(label, r) for label, backward, mbs_1 in STRIPPED
+            for r in group_rows(score(convert_all(data_dir, DEEPSPEED, stripped(data, backward, mbs_1))[0]))]
+    return "\n".join(rule_errors(data)) + "\n\n" + table(rows)
+
+
+def print_flags(scored: Sequence[Scored]) -> None:
+    """A note naming each plan whose profile the import extrapolated, and the rules its prediction rests on."""
+    flagged = [s.run for s in scored if s.run.extrapolated]
+    if flagged:
+        print(f"\n{len(flagged)} plans rest on an extrapolated profile (not measured; docs/measured-runs.md, "
+              f"'Profiles measured forward only, or at other micro-batch sizes'):")
+        for r in flagged:
+            print(f"  {r.id}: {'; '.join(r.extrapolated)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", required=True, help="directory with measured_plans.json, profiles.json, network.json")
@@ -276,7 +363,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--leave-one-group-out", action="store_true",
                     help="fit the constants on every group but one and score that one, for each group (the headline)")
     ap.add_argument("--verbose", action="store_true", help="print every plan")
+    ap.add_argument("--extrapolation", action="store_true",
+                    help="measure the import's extrapolation rules (backward = 2 x forward, time proportional to the "
+                         "micro-batch from 1) on the data's own profiles")
     args = ap.parse_args(argv)
+    if args.extrapolation:
+        print(extrapolation(args.data))
+        return 0
     if args.fit:
         print(fit(args.data).runtime)
         return 0
@@ -301,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += [("whole tensors", r) for r in group_rows(score(convert_all(args.data, WHOLE_TENSORS)[0]))]
     text = table(rows)
     print(text)
+    print_flags(scored)
     if args.verbose:
         for s in scored:
             r = s.run
@@ -308,12 +402,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"({100 * (s.predicted_iter_time_s / r.measured_iter_time_s - 1) if r.usable_for_time else 0:+6.1f}%)"
                   f"  mem {s.predicted_max_mem_bytes / 1e9:6.2f} / {r.measured_max_mem_bytes / 1e9:6.2f} GB "
                   f"({100 * (s.predicted_max_mem_bytes / r.measured_max_mem_bytes - 1):+6.1f}%"
-                  f"{'' if r.memory_reliable else ', unreliable'})")
+                  f"{'' if r.memory_reliable else ', unreliable'})"
+                  f"{'  [extrapolated]' if r.extrapolated else ''}")
     if args.json:
         entries = [{"id": s.run.id, "group": s.run.group, "predicted_iter_time_s": s.predicted_iter_time_s,
                     "predicted_max_mem_bytes": s.predicted_max_mem_bytes,
                     "measured_iter_time_s": s.run.measured_iter_time_s,
-                    "measured_max_mem_bytes": s.run.measured_max_mem_bytes}
+                    "measured_max_mem_bytes": s.run.measured_max_mem_bytes, "extrapolated": list(s.run.extrapolated)}
                    for s in scored if s.run.usable_for_time]
         Path(args.json).write_text(json.dumps({"plans": entries}, indent=1) + "\n")
     if args.results:

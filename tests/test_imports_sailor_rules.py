@@ -220,3 +220,25 @@ def test_a_profile_whose_backward_is_null_for_a_layer_takes_twice_its_forward(tm
     assert run.extrapolated == ("V100-16 at TP 1: backward = 2 x forward (no bwd_s in profiles.json)",)
     assert [m.backward_s for x in run.plan.profile.layers for m in x.measurements("V100-16GB")] == [
         0.002, 2 * 0.004, 0.003]
+
+
+def test_the_scorer_flags_a_plan_on_an_extrapolated_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                                           ) -> None:
+    """benchmarks/real_cluster_accuracy.py: the group's row counts it, a note names it and its rules, --json too."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import real_cluster_accuracy
+
+    t4 = {"gpu_type": "T4", "tp": 1, "gpus_per_node": 4}
+    plans = [measured_plan([stage(0, [0, 1, 2], [t4])], 2, 3), measured_plan(PIPELINE, 2, 1)]
+    plans[1]["id"] = "measured"
+    write_run(tmp_path, plans)
+    assert real_cluster_accuracy.main(["--data", str(tmp_path), "--json", str(tmp_path / "out.json")]) == 0
+    out = capsys.readouterr().out
+    assert "| DeepSpeed (default) | hand (1 on extrapolated profiles) | 2 |" in out
+    assert ("1 plans rest on an extrapolated profile" in out and "  hand: T4 at TP 1: backward = 2 x forward (no "
+            "bwd_s in profiles.json); T4 at TP 1: micro-batch 2 not measured" in out)
+    assert "measured:" not in out
+    entries = json.loads((tmp_path / "out.json").read_text())["plans"]
+    assert [len(e["extrapolated"]) for e in entries] == [2, 0]
