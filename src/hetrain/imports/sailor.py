@@ -13,32 +13,39 @@ and ``convert_plan`` turns one measured plan into a hetrain ``Plan`` by one rule
 the same for every plan, with no per-plan constant:
 
     Sailor                                   hetrain
-    replica of a stage (a TP group of tp     a TP stage (``Stage.tp_group``) on a node of its own with the GPUs the
-      GPUs on one node)                        node had (``gpus_per_node``) of the GPU's catalog type, each with the
-                                               memory the cluster had per GPU
+    replica of a stage (a TP group of tp     a TP stage (``Stage.tp_group``) on a node of its own, or on the node its
+      GPUs on one node)                        ``node`` id names, shared with the plan's replicas of that id
+                                               (``_place``), with the GPUs the node had (``gpus_per_node``) of the GPU's catalog
+                                               type, each with the memory the cluster had per GPU
+    the run's precision (``precision``,      activations, transfers and TP all-reduces at 2 bytes an element in fp16
+      ``fp16``: ``plan_precision``)            and bf16; DeepSpeed's mixed precision (``mixed_precision``
+                                               "master-weights": 16 bytes per Adam parameter, 16-bit gradient
+                                               all-reduce); fp32 by default
     a layer                                  the whole layer's (TP 1) parameter, output and activation bytes and a
                                                ``TPSplit`` solved from the data's per-rank counts at degree tp:
                                                split = (whole - rank) k / (k - 1) (``solve_split``), checked through
                                                ``cost.tp_rank_profile`` (``check_tp_split``); its seconds on one GPU
                                                as ``measured``, on one rank of a TP group as ``measured_tp``
-                                               (collectives in); the head's logits split too (vocab-parallel)
-    a node's GPUs among themselves           its intra link: the intra-node curve of one pair at a ring step of a
-                                               block's TP all-reduce (the layer times have those in already)
+                                               (collectives in); the head's logits split too (vocab-parallel); a
+                                               missing backward 2 x the forward, flagged (``MeasuredPlan.extrapolated``)
+    a node's GPUs among themselves           its intra link: the intra-node curve of one pair at the message that
+                                               crosses it most often (``_intra_bandwidth``)
     replica r of every stage                 virtual worker r (a pipeline); mini-batch mbs x m
-    activation / gradient between stages     a [[link]] between the two nodes: the fitted curve of tp GPUs per node
-                                               sending at once (aggregate), at the message each sends, mbs x the
+    activation / gradient between stages     a [[link]] between the two nodes: the fitted curve of the GPUs per node
+                                               sending at once (aggregate; replicas on one node queue on its NIC),
+                                               at the message each sends, mbs x the
                                                boundary's activation / tp; its k ranks share it, each sending a k-th
                                                (DeepSpeed partitions a TP group's activations and gradients over
                                                its ranks, the receiver gathers: ``cluster.tp_cluster``)
-    the receiver's rebuild of each received  on that [[link]]: half a rebuild per transfer (the whole tensor
+    the receiver's rebuild of each received  at TP > 1, on that [[link]]: half a rebuild per transfer (the whole tensor
       tensor (host zero-fill, pageable copy,   at rebuild_bytes_per_s), so each of the two stages is held one
       TP all-gather: reconstruct_tensor)       rebuild per tensor it receives (``stage_link_bandwidth``)
-    gradient all-reduce among the replicas   a [[link]] between the replicas' nodes: the curve of tp GPUs per node
+    gradient all-reduce among the replicas   a [[link]] between the replicas' nodes: the curve of the GPUs per node
       of a stage                               at once (the tp ranks' rings share it), at a ring step's message
-                                               (a rank's gradients / dp)
+                                               (a rank's gradients as the runtime keeps them / dp)
     DeepSpeed's PipelineEngine               1F1B; transfers that block (sync option transfers);
                                                one gradient bucket all-reduced after the last
-                                               backward, a flat ring; fp32 AdamW
+                                               backward, a flat ring; AdamW in the run's precision
     DeepSpeed's memory beyond tensors        the profile's memory footprint of each GPU type: a fixed footprint
                                                per GPU and the allocator's share (``DeepSpeedRuntime``)
     DeepSpeed's fixed cost per iteration     the profile's iteration_overhead_s
