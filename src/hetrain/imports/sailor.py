@@ -15,8 +15,8 @@ the same for every plan, with no per-plan constant:
     Sailor                                   hetrain
     replica of a stage (a TP group of tp     a TP stage (``Stage.tp_group``) on a node of its own, or on the node its
       GPUs on one node)                        ``node`` id names, shared with the plan's replicas of that id
-                                               (``_place``), with the GPUs the node had (``gpus_per_node``) of the GPU's catalog
-                                               type, each with the memory the cluster had per GPU
+                                               (``_place``), with the GPUs the node had (``gpus_per_node``) of the
+                                               GPU's catalog type, each with the memory the cluster had per GPU
     the run's precision (``precision``,      activations, transfers and TP all-reduces at 2 bytes an element in fp16
       ``fp16``: ``plan_precision``)            and bf16; DeepSpeed's mixed precision (``mixed_precision``
                                                "master-weights": 16 bytes per Adam parameter, 16-bit gradient
