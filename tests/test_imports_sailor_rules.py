@@ -242,3 +242,21 @@ def test_the_scorer_flags_a_plan_on_an_extrapolated_profile(tmp_path: Path, caps
     assert "measured:" not in out
     entries = json.loads((tmp_path / "out.json").read_text())["plans"]
     assert [len(e["extrapolated"]) for e in entries] == [2, 0]
+
+
+def test_an_fp16_plan_round_trips_and_hetrains_runtime_refuses_it(tmp_path: Path) -> None:
+    from hetrain.errors import InputError
+    from hetrain.plan import load_plan
+    from hetrain.runtime.command import check_plan_precision
+
+    data = write_run(tmp_path, [measured_plan(PIPELINE, 2, 4, precision="fp16")])
+    plan = convert_plan(data.plans[0], data).plan
+    plan.save(tmp_path / "plan.json")
+    again = load_plan(tmp_path / "plan.json")
+    assert again.profile.mixed_precision == "master-weights" and again.precision == "fp16"
+    before, after = simulate(plan), simulate(again)
+    assert after.iteration_s == pytest.approx(before.iteration_s, rel=1e-12)
+    assert after.devices["s0r0:0"].peak_memory_bytes == pytest.approx(before.devices["s0r0:0"].peak_memory_bytes,
+                                                                      rel=1e-12)
+    with pytest.raises(InputError, match=r"plan\.json: its profile's mixed_precision is 'master-weights'"):
+        check_plan_precision(again, None, "plan.json")
