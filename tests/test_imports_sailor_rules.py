@@ -260,3 +260,21 @@ def test_an_fp16_plan_round_trips_and_hetrains_runtime_refuses_it(tmp_path: Path
                                                                       rel=1e-12)
     with pytest.raises(InputError, match=r"plan\.json: its profile's mixed_precision is 'master-weights'"):
         check_plan_precision(again, None, "plan.json")
+
+
+def test_a_shared_node_without_a_curve_for_its_count_takes_the_largest_count_below(tmp_path: Path) -> None:
+    """Two T4 replicas per node; network.json has T4 curves of one GPU sending only."""
+    t4 = {"gpu_type": "T4", "tp": 1, "gpus_per_node": 4}
+    stages = [stage(0, [0, 1], [{**t4, "node": "t"}, {**t4, "node": "t"}]),
+              stage(1, [2], [{**t4, "node": 7}, {**t4, "node": 7}])]
+    data = write_run(tmp_path, [measured_plan(stages, 1, 1)])
+    cluster = convert_plan(data.plans[0], data).plan.cluster
+    assert [n.name for n in cluster.nodes] == ["t", "7"]
+    # the count-1 curve at a T4's whole activation (TP 1: 1 x 4 x 262144 bytes), its largest bandwidth the NICs'
+    assert cluster.node_link(0, 1).bandwidth_bytes_per_s == pytest.approx(gb_s(0.5, 4.0, 4 * 262_144), rel=1e-12)
+    assert [n.nic.bandwidth_bytes_per_s for n in cluster.nodes] == [6e9, 6e9]
+    # a node id that is another replica's own node name is refused
+    clash = [stage(0, [0, 1, 2], [v100(), v100(node="s0r0")])]
+    with pytest.raises(MeasuredRunError, match=r"a replica's node = 's0r0': the name of the node of its own of "
+                                               r"stages\[0\]\.replicas\[0\]"):
+        convert_plan(measured_plan(clash, 1, 1), data)

@@ -292,12 +292,19 @@ def _intra_fit(network: Mapping[str, Any], gpu: str, plan_id: str) -> Mapping[st
 
 def _inter_fit(network: Mapping[str, Any], sender: tuple[str, int], receiver: tuple[str, int],
                plan_id: str) -> Mapping[str, Any]:
-    """The curve of ``count`` GPUs of one node sending at once to ``count`` of another, per (GPU type, count)."""
-    keys = (sender[0], str(sender[1]), receiver[0], str(receiver[1]))
+    """The curve of ``count`` GPUs of one node sending at once to ``count`` of another, per (GPU type, count).
+
+    Where the data has no curve for a node's count (a node whose replicas share it sends from more GPUs than the
+    data measured at once), the largest count it has below: the replicas' transfers then queue on the node's NIC
+    at that aggregate (``_links``)."""
+    wanted = (sender[0], str(sender[1]), receiver[0], str(receiver[1]))
     node: Any = network["inter_node"]
-    for k in keys:
+    for level, k in enumerate(wanted):
+        if isinstance(node, Mapping) and k not in node and level in (1, 3):
+            below = [int(c) for c in node if str(c).isdigit() and int(c) <= int(k)]
+            k = str(max(below)) if below else k
         if not isinstance(node, Mapping) or k not in node:
-            raise MeasuredRunError(f"plan {plan_id}: network.json has no inter_node{list(keys)} fit "
+            raise MeasuredRunError(f"plan {plan_id}: network.json has no inter_node{list(wanted)} fit "
                                    f"(missing {k!r})")
         node = node[k]
     return node  # type: ignore[no-any-return]
