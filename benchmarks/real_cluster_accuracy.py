@@ -147,6 +147,11 @@ BEFORE = replace(DEEPSPEED, transfers="overlap", fixed_bytes_per_gpu=0.0, alloca
 NO_REBUILD = replace(DEEPSPEED, rebuild_bytes_per_s=0.0)
 #: DeepSpeed with pipe_partitioned / grad_partitioned off: each TP rank sends the whole tensor, nothing to rebuild
 WHOLE_TENSORS = replace(DEEPSPEED, partitioned_transfers=False, rebuild_bytes_per_s=0.0)
+#: issue 36's candidates for the unseen 4-6-node runs over ~1 GbE, over-predicted: sends that return once posted
+#: (NCCL buffers a message of up to NCCL_BUFFSIZE, 4 MiB, and the sender's stream goes on; the receiver still waits
+#: for it), and the TP ranks' gradient all-reduce rings each with a whole NIC instead of sharing it
+BUFFERED_SENDS = replace(DEEPSPEED, transfers="overlap")
+RINGS_OWN_NIC = replace(DEEPSPEED, rings_share_nic=False)
 #: DeepSpeed with none of its fitted constants: what ``fit`` fits them from
 UNFITTED = replace(DEEPSPEED, fixed_bytes_per_gpu=0.0, allocator_fraction=0.0, iteration_overhead_s=0.0,
                    rebuild_bytes_per_s=0.0)
@@ -391,7 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline:
         rows = ([("before issue 18", r) for r in group_rows(score(convert_all(args.data, BEFORE)[0]))]
                 + [("no rebuild", r) for r in group_rows(score(convert_all(args.data, NO_REBUILD)[0]))] + rows)
-        rows += [("whole tensors", r) for r in group_rows(score(convert_all(args.data, WHOLE_TENSORS)[0]))]
+        for label, runtime in (("whole tensors", WHOLE_TENSORS), ("buffered sends", BUFFERED_SENDS),
+                               ("rings own NIC", RINGS_OWN_NIC)):
+            rows += [(label, r) for r in group_rows(score(convert_all(args.data, runtime)[0]))]
     text = table(rows)
     print(text)
     print_flags(scored)
@@ -426,7 +433,12 @@ def main(argv: list[str] | None = None) -> int:
             "activation and gradient it receives (the runs' PipelineEngine zero-fills the whole tensor on the "
             "host, copies it to the GPU and all-gathers it within the TP group: 11 GB/s, fitted once, "
             "docs/measured-runs.md). \"no rebuild\": the same without the rebuild. \"whole tensors\": DeepSpeed's "
-            "partitioned transfers off, every TP rank sending the whole activation, no rebuild. Run-to-run spread "
+            "partitioned transfers off, every TP rank sending the whole activation, no rebuild. \"buffered "
+            "sends\" and \"rings own NIC\": issue 36's candidates for the unseen pipelines over ~1 GbE that run "
+            "faster than predicted, scored on the same cluster's development runs: sends that return once posted "
+            "(NCCL buffers a message up to 4 MiB; the receiver still waits for it), and each TP rank's gradient "
+            "all-reduce ring with a whole NIC rather than sharing it. Both make both groups worse, so neither is "
+            "taken (docs/measured-runs.md, \"Pipelines over slow links\"). Run-to-run spread "
             "of the data: 5% on average, 14% at most on GH200."
             + (f" Skipped: {'; '.join(skipped)}." if skipped else ""))
         write_section("Real clusters: measured runs (issue 18)",

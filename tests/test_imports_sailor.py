@@ -232,6 +232,11 @@ def test_a_heterogeneous_pipeline_with_data_parallelism_by_hand(data: SailorData
     assert not run.memory_reliable and run.usable_for_time
     # the simulated iteration is within the run-to-run noise of the measured 33.5 s
     assert simulate(plan).iteration_s == pytest.approx(run.measured_iter_time_s, rel=0.05)
+    # the candidate where each TP rank's ring has the whole NIC: the all-reduce links 4x, the stage links as they were
+    own = convert_plan(raw_plan(data, MIT), data, replace(NO_REBUILD, rings_share_nic=False)).plan.cluster
+    assert own.node_link(node["s0r0"], node["s0r1"]).bandwidth_bytes_per_s == pytest.approx(4 * titan)
+    assert own.node_link(node["s1r0"], node["s1r1"]).bandwidth_bytes_per_s == pytest.approx(4 * rtx)
+    assert own.node_link(node["s0r0"], node["s1r0"]).bandwidth_bytes_per_s == pytest.approx(p2p)
 
 
 def test_a_plan_hetrain_cannot_express_is_refused_with_its_id(data: SailorData) -> None:

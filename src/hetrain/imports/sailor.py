@@ -138,6 +138,10 @@ class DeepSpeedRuntime:
             (``ModelProfile.mixed_precision``): DeepSpeed's FP16 optimizer keeps 16-bit weights and gradients and
             fp32 master weights and Adam state, 16 bytes per parameter (ZeRO's "2 + 2 + 12"), and all-reduces
             the 16-bit gradients. A run at fp32 keeps 4 + 4 + 8 under either name.
+        rings_share_nic: the gradient all-reduces of a stage's TP ranks (one ring per rank, each over its own
+            data-parallel group) run at once and share their node's NIC: the link is the curve of the node's
+            sending GPUs at once, aggregate. False: each ring has that whole bandwidth to itself (a candidate the
+            development set rejects, ``benchmarks/real_cluster_accuracy.py --baseline``).
     """
 
     transfers: str = "blocking"
@@ -149,6 +153,7 @@ class DeepSpeedRuntime:
     partitioned_transfers: bool = True
     rebuild_bytes_per_s: float = REBUILD_BYTES_PER_S
     mixed_precision: str = "master-weights"
+    rings_share_nic: bool = True
 
     def rebuild_time_s(self, tensor_bytes: float) -> float:
         """Seconds a receiving stage spends rebuilding one received tensor of ``tensor_bytes`` (whole).
@@ -728,7 +733,8 @@ def _links(nodes: Mapping[str, _Node], place: Mapping[tuple[int, int], str], sta
             for q in range(r + 1, dp):
                 a, b = place[(j, r)], place[(j, q)]
                 if a != b:
-                    add(a, b, min(fitted_bandwidth(fit(a, b), step), fitted_bandwidth(fit(b, a), step)), 0.0)
+                    bw = min(fitted_bandwidth(fit(a, b), step), fitted_bandwidth(fit(b, a), step))
+                    add(a, b, bw if runtime.rings_share_nic else bw * nodes[a].tp, 0.0)
     return list(links.values())
 
 
