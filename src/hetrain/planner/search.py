@@ -82,7 +82,7 @@ from hetrain.planner.robust import DRAWS, SEED, has_spread, rank_robust
 from hetrain.planner.shards import lighten_segments, reprice, size_shards
 from hetrain.planner.sharing import estimate_pipeline_traffic, estimate_shared_pipeline_times
 from hetrain.planner.stage_cost import StageTableCache
-from hetrain.planner.sync import Scorer, choose_sync_mode, estimate_mode_sync_time
+from hetrain.planner.sync import Scorer, choose_sync_mode, estimate_mode_sync_time, estimate_sync_predictions
 from hetrain.planner.vw import VWEvaluator, canonical_devices, vw_signature
 from hetrain.profile import ModelProfile
 from hetrain.sync_layout import SHARD_MODES, SyncOptions, check_mode_options, group_segments, modes_for
@@ -448,13 +448,10 @@ def _to_plan(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: Planne
     options: dict[str, Any] = {"objective": opts.objective, "strategy": opts.strategy}
     layouts = c.extra.get("layouts")
     if layouts is not None:  # every mode's prediction for this plan's VWs, so a user can compare (docs/sync.md)
-        options["sync_predictions"] = {
-            mode: {"sync_s": (s := estimate_mode_sync_time(cluster, profile, layouts, mode, opts.sync_options,
-                                                           c.pipeline_s + c.optimizer_s, c.extra.get("hide"),
-                                                           c.extra.get("traffic"))),
-                   "iteration_s": c.pipeline_s + c.optimizer_s + s,
-                   "samples_per_s": c.global_batch / (c.pipeline_s + c.optimizer_s + s)}
-            for mode in modes_for(opts.sync_options)}
+        # its own mode's is the candidate's, priced by _assemble with these arguments
+        options["sync_predictions"] = estimate_sync_predictions(
+            cluster, profile, layouts, opts.sync_options, c.pipeline_s + c.optimizer_s, c.global_batch,
+            c.extra.get("hide"), c.extra.get("traffic"), known={opts.sync: c.sync_s})
     if opts.critical_batch:
         options["critical_batch"] = opts.critical_batch
     plan = Plan(
