@@ -421,7 +421,10 @@ def reversed_orders(cluster: Cluster, profile: ModelProfile, c: Candidate, opts:
     return _assemble(cluster, profile, c.formation, c.schedule, c.global_batch, parts, c.mini_batches, opts)
 
 
-def _to_plan(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: PlannerOptions) -> Plan:
+def _to_plan(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: PlannerOptions,
+             predictions: bool = True) -> Plan:
+    """``c`` as a plan; ``predictions``: with every sync mode's closed form (``_sync_predictions``), which the
+    planner adds only to the plan a planning returns (``_with_sync_predictions``)."""
     shares = _shares(opts, len(c.parts))
     vws = []
     memory = []
@@ -446,12 +449,8 @@ def _to_plan(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: Planne
     )
     schedule = cast(Schedule, c.schedule)
     options: dict[str, Any] = {"objective": opts.objective, "strategy": opts.strategy}
-    layouts = c.extra.get("layouts")
-    if layouts is not None:  # every mode's prediction for this plan's VWs, so a user can compare (docs/sync.md)
-        # its own mode's is the candidate's, priced by _assemble with these arguments
-        options["sync_predictions"] = estimate_sync_predictions(
-            cluster, profile, layouts, opts.sync_options, c.pipeline_s + c.optimizer_s, c.global_batch,
-            c.extra.get("hide"), c.extra.get("traffic"), known={opts.sync: c.sync_s})
+    if predictions:
+        options.update(_sync_predictions(cluster, profile, c, opts))
     if opts.critical_batch:
         options["critical_batch"] = opts.critical_batch
     plan = Plan(
@@ -462,6 +461,26 @@ def _to_plan(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: Planne
         options=options, sync_options=opts.sync_options,
     )
     return _with_shards(plan) if opts.sync_options.shard != "none" and len(c.parts) > 1 else plan
+
+
+def _sync_predictions(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: PlannerOptions) -> dict[str, Any]:
+    """``{"sync_predictions": ...}``: every mode's closed form for ``c``'s VWs, so a user can compare them
+    (docs/sync.md); its own mode's is the candidate's, priced by ``_assemble`` with the same arguments. Empty
+    where ``c`` has no layouts."""
+    layouts = c.extra.get("layouts")
+    if layouts is None:
+        return {}
+    return {"sync_predictions": estimate_sync_predictions(
+        cluster, profile, layouts, opts.sync_options, c.pipeline_s + c.optimizer_s, c.global_batch,
+        c.extra.get("hide"), c.extra.get("traffic"), known={opts.sync: c.sync_s})}
+
+
+def _with_sync_predictions(cluster: Cluster, profile: ModelProfile, p: Plan, c: Candidate,
+                           opts: PlannerOptions) -> Plan:
+    """``p``, made from ``c`` without them (``_to_plan``), with every mode's closed form where ``_to_plan`` puts
+    them: a table per simulated candidate (at 4096 devices half a second each) for the one a planning returns."""
+    head = {key: p.options[key] for key in ("objective", "strategy")}
+    return replace(p, options={**head, **_sync_predictions(cluster, profile, c, opts), **p.options})
 
 
 def _with_shards(plan: Plan) -> Plan:
@@ -1105,10 +1124,11 @@ def _plan_within(cluster: Cluster, profile: ModelProfile, global_batch: int, opt
         report = replace(report, simulations=budget.simulations)
         return replace(chosen, options={**chosen.options, REPORT_KEY: report.to_dict()})
     found, screened, searched = _search(cluster, profile, global_batch, opts, budget)
-    plans, stopped_by = _simulate_best(cluster, profile, found, opts, score, budget)
+    plans, stopped_by, made_from = _simulate_best(cluster, profile, found, opts, score, budget)
     simulated, past_s = len(plans), None
     if plans and score is not None:
         plans = _rank_simulated(plans, opts, budget.timed(score), budget)
+        plans[0] = _with_sync_predictions(cluster, profile, plans[0], made_from[id(plans[0].virtual_workers)], opts)
     else:  # the closed forms' best; simulated all the same where the budget stopped the simulations before it
         plans = [_to_plan(cluster, profile, found[0], opts)]
         if score is not None and stopped_by == "time budget":
@@ -1129,21 +1149,23 @@ def _simulated_past_budget(p: Plan, score: Scorer, budget: TimeBudget) -> tuple[
 
 
 def _simulate_best(cluster: Cluster, profile: ModelProfile, found: list[Candidate], opts: PlannerOptions,
-                   score: Scorer | None, budget: TimeBudget) -> tuple[list[Plan], str]:
+                   score: Scorer | None, budget: TimeBudget) -> tuple[list[Plan], str, dict[int, Candidate]]:
     """The best candidates as plans, each with its simulated iteration time, as many as ``opts`` and the budget
-    allow, in the closed form's order (the best one's reversed pipelines last); and why no more were simulated.
+    allow, in the closed form's order (the best one's reversed pipelines last); why no more were simulated; and
+    the candidate each was made from, by the id of its ``virtual_workers`` (which ranking them keeps), so that
+    the one chosen gets its sync predictions (``_with_sync_predictions``; none of them has them).
 
     They are simulated best first, the reverse of the best second (only the scoring function tells it from
     the best); with ``simulate_top_k=None``, past SIMULATE_AT_LEAST, only while the next candidate could beat
     the best simulated one by the closed form scaled by the smallest simulated / closed-form ratio seen.
     """
     if score is None:
-        return [], "no scoring function"
+        return [], "no scoring function", {}
     cap = SIMULATE_AT_MOST if opts.simulate_top_k is None else opts.simulate_top_k
     if cap == 0:
-        return [], "simulate_top_k"
+        return [], "simulate_top_k", {}
     if budget.left_s() <= 0:  # spent by the search: not even the best one's reverse is partitioned
-        return [], "time budget"
+        return [], "time budget", {}
     head: list[Candidate] = found[:cap]
     flipped = reversed_orders(cluster, profile, head[0], opts)
     # the best and its reverse, then each of them under 1F1B-eager and GPipe where every stage still fits
@@ -1165,7 +1187,7 @@ def _simulate_best(cluster: Cluster, profile: ModelProfile, found: list[Candidat
                 and _objective(opts, c.global_batch, c.iteration_s * ratio * (1 - PLAUSIBLE_FRACTION)) >= best:
             stopped_by = "closed form"
             break
-        p = _to_plan(cluster, profile, c, opts)
+        p = _to_plan(cluster, profile, c, opts, predictions=False)
         if not budget.fits([p]):
             stopped_by = "time budget"
             break
@@ -1173,7 +1195,7 @@ def _simulate_best(cluster: Cluster, profile: ModelProfile, found: list[Candidat
         done[q] = replace(p, prediction=replace(p.prediction, simulated_iteration_s=t))
         best = min(best, _objective(opts, c.global_batch, t))
         ratio = min(ratio, t / c.iteration_s)
-    return [done[q] for q in sorted(done)], stopped_by
+    return [done[q] for q in sorted(done)], stopped_by, {id(p.virtual_workers): candidates[q] for q, p in done.items()}
 
 
 #: the schedules ``--schedule auto`` also replays its best candidates under, in this order (a tie keeps the first
