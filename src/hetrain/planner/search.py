@@ -370,12 +370,19 @@ def _assemble(cluster: Cluster, profile: ModelProfile, formation: Formation, sch
     layouts = [[(d.index, r.cuts[j], r.cuts[j + 1]) for j, d in enumerate(r.devices)] for r in parts]
     state_share = _shares(opts, len(parts))[0]
     gather = shard_gather_s(cluster, profile, layouts, opts.sync_options.shard if len(parts) > 1 else "none")
-    optimizer_s = max(
-        estimate_optimizer_time(state_share * sum(profile.layers[i].param_bytes for i in range(k, l)),
-                                profile.bytes_per_element, cluster.devices[d], opts.optimizer, profile)
-        + estimate_iteration_overhead(profile, cluster.devices[d]) + gather.get(d, 0.0)
-        for layout in layouts for d, k, l in layout
-    )
+    # a step's seconds depend on the device's type and memory bandwidth and the stage's layers alone: once per
+    # kind of stage (4096 devices run a few dozen), the same sums
+    step: dict[tuple[str, float, int, int], float] = {}
+
+    def step_s(d: int, k: int, l: int) -> float:
+        dev = cluster.devices[d]
+        key = (dev.type_name, dev.memory_bandwidth_bytes_per_s, k, l)
+        if key not in step:
+            step[key] = estimate_optimizer_time(state_share * sum(profile.layers[i].param_bytes for i in range(k, l)),
+                                                profile.bytes_per_element, dev, opts.optimizer, profile) \
+                + estimate_iteration_overhead(profile, dev)
+        return step[key]
+    optimizer_s = max(step_s(d, k, l) + gather.get(d, 0.0) for layout in layouts for d, k, l in layout)
     # what each device's last backward micro-batch can hide of its BSP gradient buckets
     hide = {d.index: r.backward_s[j] for r in parts for j, d in enumerate(r.devices)}
     traffic = estimate_pipeline_traffic(cluster, parts, vw_pipeline_s)
