@@ -43,6 +43,40 @@ def test_every_mode_is_costed_and_recorded(mode: str) -> None:
     assert p.prediction.simulated_iteration_s is not None and p.prediction.simulated_iteration_s > 0
 
 
+def test_the_chosen_plan_alone_gets_every_modes_closed_form_the_same_as_each_mode_alone() -> None:
+    """The planner prices every mode for the plan it returns only (not for each candidate it simulates), after
+    ranking them, sharing the terms modes have in common (``SyncTerms``): the table must still be the chosen
+    plan's, each entry what ``estimate_mode_sync_time`` gives for that mode alone, its own mode its prediction."""
+    from hetrain.planner import PlannerOptions
+    from hetrain.planner import plan as planner_plan
+    from hetrain.planner.sync import plan_layouts, plan_traffic
+
+    seen: list[Plan] = []
+
+    def score(p: Plan) -> float:  # the simulator, remembering what it was handed
+        seen.append(p)
+        return simulate(p).iteration_s
+
+    opts = PlannerOptions(sync_options=SyncOptions(period=4, staleness=1), time_budget_s=None, leave_out=False,
+                          max_tp=1)
+    p = planner_plan(cloud(), build_profile("gpt2-small"), 64, opts, score=score)
+    assert len(seen) > 1 and all("sync_predictions" not in q.options for q in seen)
+    table = p.options["sync_predictions"]
+    assert set(table) == set(SYNC_MODES)
+    assert table[p.sync]["sync_s"] == p.prediction.sync_s and table[p.sync]["iteration_s"] == p.prediction.iteration_s
+    layouts = plan_layouts(p)
+    index = {d.name: d.index for d in p.cluster.devices}
+    hide = {index[s.device]: s.predicted_backward_s for vw in p.virtual_workers for s in vw.stages}
+    compute_s = p.prediction.pipeline_s + p.prediction.optimizer_s
+    for mode in ("local-sgd", "daso"):  # their closed forms read no pipeline traffic: exact from the plan alone
+        alone = estimate_mode_sync_time(p.cluster, p.profile, layouts, mode, p.sync_options, compute_s, hide)
+        assert table[mode]["sync_s"] == alone, mode
+    for mode in ("wsp", "hybrid-ps"):  # the plan's stages' figures give its traffic to rounding
+        alone = estimate_mode_sync_time(p.cluster, p.profile, layouts, mode, p.sync_options, compute_s, hide,
+                                        plan_traffic(p))
+        assert table[mode]["sync_s"] == pytest.approx(alone, rel=1e-9), mode
+
+
 def test_relaxed_modes_predict_less_sync_than_bsp_on_a_slow_network() -> None:
     # 100 Mbit/s between the nodes: BSP's all-reduce is far longer than the backward its buckets hide behind
     slow = parse_cluster({"node": [

@@ -20,6 +20,7 @@ from hetrain.planner.search import candidate_plans
 from hetrain.planner.sharing import (
     SegmentJob,
     Wave,
+    _hierarchical_resources,
     collective_loads,
     collective_phases,
     estimate_pipeline_traffic,
@@ -238,6 +239,22 @@ def test_a_ring_holds_the_links_the_simulator_gives_it() -> None:
         for r, name in zip(ours, theirs, strict=True):  # one resource, one name, in every ring
             assert seen.setdefault(r, name) == name
             assert (r < n) == name.endswith("NIC out") and (n <= r < 2 * n) == name.endswith("NIC in")
+
+
+def test_a_hierarchical_all_reduce_holds_each_nodes_ring() -> None:
+    """``_hierarchical_resources`` (every node's ring in one pass) holds what ``ring_resources`` gives each node's
+    members, in the order their nodes first appear, and each node's NIC out and in, on random owners of uneven
+    nodes (one of a single device)."""
+    cluster = cluster_of({"a": 4, "b": 1, "c": 3, "d": 4}, 1e9)
+    rng = np.random.default_rng(1)
+    for _ in range(100):
+        order = [int(d) for d in rng.permutation(12)[: rng.integers(1, 13)]]
+        by_node: dict[int, list[int]] = {}
+        for d in order:
+            by_node.setdefault(int(cluster.node_index[d]), []).append(d)
+        intra, nics = _hierarchical_resources(cluster, order)
+        assert intra.tolist() == [r for members in by_node.values() for r in ring_resources(cluster, members).tolist()]
+        assert nics.tolist() == [r for n in by_node for r in (n, len(cluster.nodes) + n)]
 
 
 @pytest.mark.slow  # plans and simulates

@@ -82,7 +82,7 @@ from hetrain.planner.robust import DRAWS, SEED, has_spread, rank_robust
 from hetrain.planner.shards import lighten_segments, reprice, size_shards
 from hetrain.planner.sharing import estimate_pipeline_traffic, estimate_shared_pipeline_times
 from hetrain.planner.stage_cost import StageTableCache
-from hetrain.planner.sync import Scorer, choose_sync_mode, estimate_mode_sync_time
+from hetrain.planner.sync import Scorer, choose_sync_mode, estimate_mode_sync_time, estimate_sync_predictions
 from hetrain.planner.vw import VWEvaluator, canonical_devices, vw_signature
 from hetrain.profile import ModelProfile
 from hetrain.sync_layout import SHARD_MODES, SyncOptions, check_mode_options, group_segments, modes_for
@@ -370,12 +370,19 @@ def _assemble(cluster: Cluster, profile: ModelProfile, formation: Formation, sch
     layouts = [[(d.index, r.cuts[j], r.cuts[j + 1]) for j, d in enumerate(r.devices)] for r in parts]
     state_share = _shares(opts, len(parts))[0]
     gather = shard_gather_s(cluster, profile, layouts, opts.sync_options.shard if len(parts) > 1 else "none")
-    optimizer_s = max(
-        estimate_optimizer_time(state_share * sum(profile.layers[i].param_bytes for i in range(k, l)),
-                                profile.bytes_per_element, cluster.devices[d], opts.optimizer, profile)
-        + estimate_iteration_overhead(profile, cluster.devices[d]) + gather.get(d, 0.0)
-        for layout in layouts for d, k, l in layout
-    )
+    # a step's seconds depend on the device's type and memory bandwidth and the stage's layers alone: once per
+    # kind of stage (4096 devices run a few dozen), the same sums
+    step: dict[tuple[str, float, int, int], float] = {}
+
+    def step_s(d: int, k: int, l: int) -> float:
+        dev = cluster.devices[d]
+        key = (dev.type_name, dev.memory_bandwidth_bytes_per_s, k, l)
+        if key not in step:
+            step[key] = estimate_optimizer_time(state_share * sum(profile.layers[i].param_bytes for i in range(k, l)),
+                                                profile.bytes_per_element, dev, opts.optimizer, profile) \
+                + estimate_iteration_overhead(profile, dev)
+        return step[key]
+    optimizer_s = max(step_s(d, k, l) + gather.get(d, 0.0) for layout in layouts for d, k, l in layout)
     # what each device's last backward micro-batch can hide of its BSP gradient buckets
     hide = {d.index: r.backward_s[j] for r in parts for j, d in enumerate(r.devices)}
     traffic = estimate_pipeline_traffic(cluster, parts, vw_pipeline_s)
@@ -421,7 +428,10 @@ def reversed_orders(cluster: Cluster, profile: ModelProfile, c: Candidate, opts:
     return _assemble(cluster, profile, c.formation, c.schedule, c.global_batch, parts, c.mini_batches, opts)
 
 
-def _to_plan(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: PlannerOptions) -> Plan:
+def _to_plan(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: PlannerOptions,
+             predictions: bool = True) -> Plan:
+    """``c`` as a plan; ``predictions``: with every sync mode's closed form (``_sync_predictions``), which the
+    planner adds only to the plan a planning returns (``_with_sync_predictions``)."""
     shares = _shares(opts, len(c.parts))
     vws = []
     memory = []
@@ -446,15 +456,8 @@ def _to_plan(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: Planne
     )
     schedule = cast(Schedule, c.schedule)
     options: dict[str, Any] = {"objective": opts.objective, "strategy": opts.strategy}
-    layouts = c.extra.get("layouts")
-    if layouts is not None:  # every mode's prediction for this plan's VWs, so a user can compare (docs/sync.md)
-        options["sync_predictions"] = {
-            mode: {"sync_s": (s := estimate_mode_sync_time(cluster, profile, layouts, mode, opts.sync_options,
-                                                           c.pipeline_s + c.optimizer_s, c.extra.get("hide"),
-                                                           c.extra.get("traffic"))),
-                   "iteration_s": c.pipeline_s + c.optimizer_s + s,
-                   "samples_per_s": c.global_batch / (c.pipeline_s + c.optimizer_s + s)}
-            for mode in modes_for(opts.sync_options)}
+    if predictions:
+        options.update(_sync_predictions(cluster, profile, c, opts))
     if opts.critical_batch:
         options["critical_batch"] = opts.critical_batch
     plan = Plan(
@@ -465,6 +468,26 @@ def _to_plan(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: Planne
         options=options, sync_options=opts.sync_options,
     )
     return _with_shards(plan) if opts.sync_options.shard != "none" and len(c.parts) > 1 else plan
+
+
+def _sync_predictions(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: PlannerOptions) -> dict[str, Any]:
+    """``{"sync_predictions": ...}``: every mode's closed form for ``c``'s VWs, so a user can compare them
+    (docs/sync.md); its own mode's is the candidate's, priced by ``_assemble`` with the same arguments. Empty
+    where ``c`` has no layouts."""
+    layouts = c.extra.get("layouts")
+    if layouts is None:
+        return {}
+    return {"sync_predictions": estimate_sync_predictions(
+        cluster, profile, layouts, opts.sync_options, c.pipeline_s + c.optimizer_s, c.global_batch,
+        c.extra.get("hide"), c.extra.get("traffic"), known={opts.sync: c.sync_s})}
+
+
+def _with_sync_predictions(cluster: Cluster, profile: ModelProfile, p: Plan, c: Candidate,
+                           opts: PlannerOptions) -> Plan:
+    """``p``, made from ``c`` without them (``_to_plan``), with every mode's closed form where ``_to_plan`` puts
+    them: a table per simulated candidate (at 4096 devices half a second each) for the one a planning returns."""
+    head = {key: p.options[key] for key in ("objective", "strategy")}
+    return replace(p, options={**head, **_sync_predictions(cluster, profile, c, opts), **p.options})
 
 
 def _with_shards(plan: Plan) -> Plan:
@@ -1110,10 +1133,11 @@ def _plan_within(cluster: Cluster, profile: ModelProfile, global_batch: int, opt
         report = replace(report, simulations=budget.simulations)
         return replace(chosen, options={**chosen.options, REPORT_KEY: report.to_dict()})
     found, screened, searched = _search(cluster, profile, global_batch, opts, budget)
-    plans, stopped_by = _simulate_best(cluster, profile, found, opts, score, budget)
+    plans, stopped_by, made_from = _simulate_best(cluster, profile, found, opts, score, budget)
     simulated, past_s = len(plans), None
     if plans and score is not None:
         plans = _rank_simulated(plans, opts, budget.timed(score), budget)
+        plans[0] = _with_sync_predictions(cluster, profile, plans[0], made_from[id(plans[0].virtual_workers)], opts)
     else:  # the closed forms' best; simulated all the same where the budget stopped the simulations before it
         plans = [_to_plan(cluster, profile, found[0], opts)]
         if score is not None and stopped_by == "time budget":
@@ -1134,21 +1158,23 @@ def _simulated_past_budget(p: Plan, score: Scorer, budget: TimeBudget) -> tuple[
 
 
 def _simulate_best(cluster: Cluster, profile: ModelProfile, found: list[Candidate], opts: PlannerOptions,
-                   score: Scorer | None, budget: TimeBudget) -> tuple[list[Plan], str]:
+                   score: Scorer | None, budget: TimeBudget) -> tuple[list[Plan], str, dict[int, Candidate]]:
     """The best candidates as plans, each with its simulated iteration time, as many as ``opts`` and the budget
-    allow, in the closed form's order (the best one's reversed pipelines last); and why no more were simulated.
+    allow, in the closed form's order (the best one's reversed pipelines last); why no more were simulated; and
+    the candidate each was made from, by the id of its ``virtual_workers`` (which ranking them keeps), so that
+    the one chosen gets its sync predictions (``_with_sync_predictions``; none of them has them).
 
     They are simulated best first, the reverse of the best second (only the scoring function tells it from
     the best); with ``simulate_top_k=None``, past SIMULATE_AT_LEAST, only while the next candidate could beat
     the best simulated one by the closed form scaled by the smallest simulated / closed-form ratio seen.
     """
     if score is None:
-        return [], "no scoring function"
+        return [], "no scoring function", {}
     cap = SIMULATE_AT_MOST if opts.simulate_top_k is None else opts.simulate_top_k
     if cap == 0:
-        return [], "simulate_top_k"
+        return [], "simulate_top_k", {}
     if budget.left_s() <= 0:  # spent by the search: not even the best one's reverse is partitioned
-        return [], "time budget"
+        return [], "time budget", {}
     head: list[Candidate] = found[:cap]
     flipped = reversed_orders(cluster, profile, head[0], opts)
     # the best and its reverse, then each of them under 1F1B-eager and GPipe where every stage still fits
@@ -1170,7 +1196,7 @@ def _simulate_best(cluster: Cluster, profile: ModelProfile, found: list[Candidat
                 and _objective(opts, c.global_batch, c.iteration_s * ratio * (1 - PLAUSIBLE_FRACTION)) >= best:
             stopped_by = "closed form"
             break
-        p = _to_plan(cluster, profile, c, opts)
+        p = _to_plan(cluster, profile, c, opts, predictions=False)
         if not budget.fits([p]):
             stopped_by = "time budget"
             break
@@ -1178,7 +1204,7 @@ def _simulate_best(cluster: Cluster, profile: ModelProfile, found: list[Candidat
         done[q] = replace(p, prediction=replace(p.prediction, simulated_iteration_s=t))
         best = min(best, _objective(opts, c.global_batch, t))
         ratio = min(ratio, t / c.iteration_s)
-    return [done[q] for q in sorted(done)], stopped_by
+    return [done[q] for q in sorted(done)], stopped_by, {id(p.virtual_workers): candidates[q] for q, p in done.items()}
 
 
 #: the schedules ``--schedule auto`` also replays its best candidates under, in this order (a tie keeps the first

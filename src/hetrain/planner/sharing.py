@@ -148,11 +148,20 @@ def ring_resources(cluster: Cluster, order: Sequence[int]) -> np.ndarray:
 def _hierarchical_resources(cluster: Cluster, order: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """(the intra-node rings' links, every node's NIC out and in) of a hierarchical all-reduce over ``order``."""
     by_node: dict[int, list[int]] = {}
-    for d in order:
-        by_node.setdefault(int(cluster.node_index[d]), []).append(d)
-    intra = [ring_resources(cluster, members) for members in by_node.values()]
+    for d, n in zip(order, cluster.node_index[np.asarray(order, dtype=np.int64)].tolist(), strict=True):
+        by_node.setdefault(n, []).append(d)
+    # each node's ring (``ring_resources`` of its members) in one pass: inside one node every hop a -> b is the
+    # pair link 2 N + a K + position(b), one per member (each is the source of one hop), so none repeats
+    a: list[int] = []
+    b: list[int] = []
+    for members in by_node.values():
+        if len(members) > 1:
+            a.extend(members)
+            b.extend(members[1:] + members[:1])
+    pos, most = _positions(cluster)
+    intra = 2 * len(cluster.nodes) + np.array(a, dtype=np.int64) * most + pos[np.array(b, dtype=np.int64)]
     nics = [r for n in by_node for r in (nic_out(cluster, n), nic_in(cluster, n))]
-    return (np.concatenate(intra) if intra else np.zeros(0, dtype=np.int64)), np.array(nics, dtype=np.int64)
+    return intra, np.array(nics, dtype=np.int64)
 
 
 def collective_phases(cluster: Cluster, owners: Sequence[int], num_bytes: float,

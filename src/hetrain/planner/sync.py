@@ -257,9 +257,14 @@ def pipeline_nic_loads(cluster: Cluster, traffic: PipelineTraffic | None, every:
             for r, t in zip(traffic.resources, traffic.duration_s, strict=True)}
 
 
+#: per link resource, the seconds one wave's pushes hold it, and its pulls (``estimate_ps_link_loads``)
+PsLoads = tuple[dict[LinkKey, float], dict[LinkKey, float]]
+
+
 def estimate_ps_traffic(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout],
                         placement: str = SyncOptions.placement,
-                        pipeline_s: Mapping[LinkKey, float] | None = None) -> PsTraffic:
+                        pipeline_s: Mapping[LinkKey, float] | None = None,
+                        loads: PsLoads | None = None) -> PsTraffic:
     """One wave's pushes and pulls on the link resources the simulator models (``simulator.links``): each
     node's NIC out and NIC in (full duplex), and each ordered pair of devices in a node.
 
@@ -278,7 +283,21 @@ def estimate_ps_traffic(cluster: Cluster, profile: ModelProfile, layouts: Sequen
     iterations. They share the NICs with the pushes and pulls, so they count in the busiest link's seconds
     (``busiest_s``), not in the round trip: on pipetorch's 2-stage VWs under wsp the NIC that hosts a shard
     carried 0.24 s of activations beside 1.53 s of pushes and pulls per wave (benchmarks/closed_form_modes.py).
+
+    ``loads``: the pushes' and pulls' seconds per link, ``estimate_ps_link_loads`` of the same arguments, where
+    the caller has them (``SyncTerms``: wsp and hybrid-ps differ only in ``pipeline_s``).
     """
+    push, pull = loads if loads is not None else estimate_ps_link_loads(cluster, profile, layouts, placement)
+    pipeline_s = pipeline_s or {}
+    both = {r: push.get(r, 0.0) + pull.get(r, 0.0) + pipeline_s.get(r, 0.0) for r in push.keys() | pull.keys()}
+    return PsTraffic(max(push.values(), default=0.0), max(pull.values(), default=0.0),
+                     max(both.values(), default=0.0))
+
+
+def estimate_ps_link_loads(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout],
+                           placement: str = SyncOptions.placement) -> PsLoads:
+    """Per link resource, the seconds one wave's pushes hold it, and its pulls: every segment's parameter-server
+    shards (``place_ps_shards``) and their loads (``cost.estimate_ps_loads``) added up (``estimate_ps_traffic``)."""
     nic_of = {n.name: n.nic.bandwidth_bytes_per_s for n in cluster.nodes}
     push: dict[LinkKey, float] = {}
     pull: dict[LinkKey, float] = {}
@@ -292,10 +311,7 @@ def estimate_ps_traffic(cluster: Cluster, profile: ModelProfile, layouts: Sequen
         for total, part in ((push, seg_push), (pull, seg_pull)):
             for key, t in part.items():
                 total[key] = total.get(key, 0.0) + t
-    pipeline_s = pipeline_s or {}
-    both = {r: push.get(r, 0.0) + pull.get(r, 0.0) + pipeline_s.get(r, 0.0) for r in push.keys() | pull.keys()}
-    return PsTraffic(max(push.values(), default=0.0), max(pull.values(), default=0.0),
-                     max(both.values(), default=0.0))
+    return push, pull
 
 
 def estimate_ps_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout],
@@ -305,10 +321,64 @@ def estimate_ps_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[
     return estimate_ps_traffic(cluster, profile, layouts, placement).round_trip_s
 
 
+class SyncTerms:
+    """The closed forms' terms that sync modes share on one plan's VWs (``estimate_mode_sync_time``), each worked
+    out on its first use: ``S`` without buckets (local-sgd, daso), ``L`` (daso, hybrid-ps) and the loads of
+    ``P`` (wsp, hybrid-ps, which differ only in the pipelines' share of the links). A table of every mode
+    (``estimate_sync_predictions``) asks for each twice; at 4096 devices ``P``'s loads take half a second."""
+
+    def __init__(self, cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout],
+                 placement: str = SyncOptions.placement) -> None:
+        self.cluster, self.profile, self.layouts, self.placement = cluster, profile, layouts, placement
+        self._exchange_s: float | None = None
+        self._local_s: float | None = None
+        self._ps_loads: PsLoads | None = None
+
+    def exchange_s(self) -> float:
+        """``S``: the whole segments all-reduced, every owner's in turn (``estimate_sync_time`` without buckets)."""
+        if self._exchange_s is None:
+            self._exchange_s = estimate_sync_time(self.cluster, self.profile, self.layouts)
+        return self._exchange_s
+
+    def local_s(self) -> float:
+        """``L``: the node-local all-reduce (``estimate_local_sync_time``)."""
+        if self._local_s is None:
+            self._local_s = estimate_local_sync_time(self.cluster, self.profile, self.layouts)
+        return self._local_s
+
+    def ps_loads(self) -> PsLoads:
+        """``P``'s pushes and pulls per link (``estimate_ps_link_loads``)."""
+        if self._ps_loads is None:
+            self._ps_loads = estimate_ps_link_loads(self.cluster, self.profile, self.layouts, self.placement)
+        return self._ps_loads
+
+
+def estimate_sync_predictions(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout],
+                              options: SyncOptions, compute_s: float, global_batch: int,
+                              hide_s: Mapping[int, float] | None = None, traffic: PipelineTraffic | None = None,
+                              segment_shards: Sequence[str] = (),
+                              known: Mapping[str, float] | None = None) -> dict[str, dict[str, float]]:
+    """Every mode's closed form for one plan's VWs (``options["sync_predictions"]``, docs/plan.md): per mode that
+    can run with ``options`` (``modes_for``), its ``sync_s`` (``estimate_mode_sync_time``), ``iteration_s``
+    (``compute_s`` and the sync) and ``samples_per_s``. The terms the modes share are worked out once
+    (``SyncTerms``); ``known``: modes whose ``sync_s`` the caller has already (the planner's candidate was
+    priced under its own mode with the same arguments), taken as they are."""
+    terms = SyncTerms(cluster, profile, layouts, options.placement)
+    known = known or {}
+    table = {}
+    for mode in modes_for(options):
+        s = known[mode] if mode in known else estimate_mode_sync_time(
+            cluster, profile, layouts, mode, options, compute_s, hide_s, traffic, segment_shards, terms)
+        table[mode] = {"sync_s": s, "iteration_s": compute_s + s,
+                       "samples_per_s": global_batch / (compute_s + s) if compute_s + s > 0 else 0.0}
+    return table
+
+
 def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout], mode: str,
                             options: SyncOptions, compute_s: float,
                             hide_s: Mapping[int, float] | None = None,
-                            traffic: PipelineTraffic | None = None, segment_shards: Sequence[str] = ()) -> float:
+                            traffic: PipelineTraffic | None = None, segment_shards: Sequence[str] = (),
+                            terms: SyncTerms | None = None) -> float:
     """Seconds of synchronisation per iteration under sync mode ``mode`` (closed forms; docs/sync.md).
 
     ``compute_s`` is the iteration's pipeline and optimizer time, what asynchronous traffic can hide behind;
@@ -333,7 +403,11 @@ def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Se
     wave, ``wave >= W``. With D = 0 a wave waits for its whole round trip.
 
     Warm-up and cool-down iterations of DASO (blocking) are not counted: they are a fixed cost per run.
+
+    ``terms``: ``S`` (without buckets), ``L`` and ``P``'s loads of the same cluster, profile, layouts and placement,
+    worked out once for several modes (``estimate_sync_predictions``); the same figures.
     """
+    terms = terms if terms is not None else SyncTerms(cluster, profile, layouts, options.placement)
     rules = sync_mode(mode)
     if rules.synchronous:
         # the gradients travel as the runtime keeps them (ModelProfile.gradient_wire: half where they are 16-bit)
@@ -343,17 +417,17 @@ def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Se
                                   options.first_bucket_bytes, options.bucket_cut, wire)
     every = rules.period(options)
     # L: every iteration's node-local all-reduce, before the step; the exchange across nodes hides behind it too
-    local_s = estimate_local_sync_time(cluster, profile, layouts) if rules.local_mean else 0.0
+    local_s = terms.local_s() if rules.local_mean else 0.0
     busy_s = compute_s + local_s
     if rules.parameter_servers:  # P: one wave's pushes and pulls; the links carry one wave per push period
         ps = estimate_ps_traffic(cluster, profile, layouts, options.placement,
-                                 pipeline_nic_loads(cluster, traffic, every))
+                                 pipeline_nic_loads(cluster, traffic, every), terms.ps_loads())
         # wave k's pull gates the compute of wave k + D + 1: (D + 1) waves hold one round trip and a wave's compute
         d = rules.overlap_iterations(options)
         hidden_s = max(0.0, (ps.round_trip_s - d * every * busy_s) / (d + 1),
                        ps.busiest_s - every * busy_s) / every
     else:  # S: the whole segments all-reduced (an average of the weights moves their bytes)
-        exchange_s = estimate_sync_time(cluster, profile, layouts)
+        exchange_s = terms.exchange_s()
         hidden_s = max(0.0, exchange_s - rules.overlap_iterations(options) * busy_s) / every
     return local_s + hidden_s
 
@@ -530,12 +604,9 @@ def repredict_sync(plan: Plan, mode: str, options: SyncOptions, score: Scorer | 
     pr = plan.prediction
     compute_s = pr.pipeline_s + pr.optimizer_s
     new = plan.with_sync(mode, options)
-    table = {}
-    for m in modes_for(options):  # every mode's closed form, as the planner records them (docs/sync.md)
-        s = estimate_mode_sync_time(plan.cluster, plan.profile, layouts, m, options, compute_s, hide, traffic,
-                                    new.segment_shards)
-        table[m] = {"sync_s": s, "iteration_s": compute_s + s,
-                    "samples_per_s": plan.global_batch / (compute_s + s) if compute_s + s > 0 else 0.0}
+    # every mode's closed form, as the planner records them (docs/sync.md)
+    table = estimate_sync_predictions(plan.cluster, plan.profile, layouts, options, compute_s, plan.global_batch,
+                                      hide, traffic, new.segment_shards)
     prediction = replace(pr, sync_s=table[mode]["sync_s"], iteration_s=table[mode]["iteration_s"],
                          samples_per_s=table[mode]["samples_per_s"],
                          simulated_iteration_s=score(new) if score is not None else None)

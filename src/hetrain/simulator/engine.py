@@ -91,7 +91,11 @@ class Replayed:
 
 def run_program(program: Program) -> Replayed:
     """Replay ``program``; raises ScheduleError (with ``validate``'s grid where it finds one) if it stalls."""
-    return _Engine(program).run()
+    engine = _Engine(program)
+    try:
+        return engine.run()
+    finally:
+        engine.release()
 
 
 class _Engine:
@@ -142,6 +146,13 @@ class _Engine:
             BucketStart: self._bucket_start, BucketWait: self._bucket_wait, Push: self._push, Pull: self._pull,
             OptimizerStep: self._optimizer_step,
         }
+
+    def release(self) -> None:
+        """Drop the handler tables once the replay is over. Their bound methods refer to the engine, a reference
+        cycle that kept the whole replay (every operation, event and link reservation: 850,000 objects on a
+        4096-device plan) alive until the cyclic garbage collector scanned it all (0.2 to 0.5 s per simulation);
+        without them it is freed as soon as the result is."""
+        del self.on_event, self.on_op
 
     def run(self) -> Replayed:
         queue, pop, on_event = self.queue, heapq.heappop, self.on_event

@@ -41,7 +41,11 @@ _new = tuple.__new__  # an Event without NamedTuple's Python-level __new__
 
 def run_program_fast(program: Program) -> Replayed:
     """Replay ``program`` as ``engine.run_program`` does, with the hot operations inlined; the same result."""
-    return _FastEngine(program).run()
+    engine = _FastEngine(program)
+    try:
+        return engine.run()
+    finally:
+        engine.release()  # the engine's handler tables make it a reference cycle: break it (``_Engine.release``)
 
 
 class _FastEngine(_Engine):
