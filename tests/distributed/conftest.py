@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 from worker_ranks import Rank
@@ -37,14 +36,15 @@ def spawn() -> Iterator[Spawn]:
 
 @pytest.fixture
 def fork_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[list[str], dict[str, str]], Rank]]:
-    """``fork_rank([SCRIPT, *ARGS], env)`` runs ``python SCRIPT ARGS`` as a rank forked from the session's fork
-    server (``worker_ranks``: torch and hetrain already imported), in a session of its own; its ``communicate``
-    and ``returncode`` are Popen's. Teardown kills every rank's process group."""
+    """``fork_rank([SCRIPT, *ARGS], env)`` runs ``python SCRIPT ARGS`` (``["-m", MODULE, *ARGS]``: ``python -m
+    MODULE ARGS``) as a rank forked from the session's fork server (``worker_ranks``: torch and hetrain already
+    imported), in a session of its own; its ``communicate`` and ``returncode`` are Popen's. Teardown kills every
+    rank's process group."""
     ranks: list[Rank] = []
     logs = tmp_path_factory.mktemp("rank-logs")
 
     def start(cmd: list[str], env: dict[str, str]) -> Rank:
-        ranks.append(Rank(Path(cmd[0]), cmd[1:], env, logs, len(ranks)))
+        ranks.append(Rank(cmd[0], cmd[1:], env, logs, len(ranks)))
         return ranks[-1]
 
     yield start

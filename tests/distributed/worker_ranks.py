@@ -83,22 +83,29 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank_main(script: str, argv: list[str], env: dict[str, str], log: str) -> None:
-    """In the forked rank: a session of its own, the rank's environment, stdout and stderr to ``log``.{out,err}
-    (unbuffered, as PYTHONUNBUFFERED=1 makes them), then ``python SCRIPT ARGV`` run in this process."""
+def _rank_main(script: str, argv: list[str], env: dict[str, str], cwd: str, log: str) -> None:
+    """In the forked rank: a session of its own, the rank's environment and working directory, stdout and stderr
+    to ``log``.{out,err} (unbuffered, as PYTHONUNBUFFERED=1 makes them), then ``python SCRIPT ARGV`` (``SCRIPT``
+    ``-m``: ``python -m MODULE ARGV[1:]``) run in this process."""
     os.setsid()
     os.environ.clear()
     os.environ.update(env)
+    os.chdir(cwd)
     for fd, name in ((1, "out"), (2, "err")):
         target = os.open(f"{log}.{name}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(target, fd)
         os.close(target)
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace")
-    sys.argv = [script, *argv]
-    sys.path.insert(0, str(Path(script).parent))  # as ``python SCRIPT`` puts the script's folder first
     try:
-        runpy.run_path(script, run_name="__main__")
+        if script == "-m":  # as ``python -m``: the working directory first on the path, argv[0] the module's file
+            sys.argv = list(argv)
+            sys.path.insert(0, cwd)
+            runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [script, *argv]
+            sys.path.insert(0, str(Path(script).parent))  # as ``python SCRIPT`` puts the script's folder first
+            runpy.run_path(script, run_name="__main__")
     finally:
         atexit._run_exitfuncs()  # the interpreter's exit would; a forked child leaves by os._exit
 
@@ -106,11 +113,16 @@ def _rank_main(script: str, argv: list[str], env: dict[str, str], log: str) -> N
 class Rank:
     """One forked rank: its process (``pid`` leads its process group), its log files, its exit code."""
 
-    def __init__(self, script: Path, argv: Sequence[str], env: dict[str, str], log_dir: Path, rank: int) -> None:
+    def __init__(self, script: Path | str, argv: Sequence[str], env: dict[str, str], log_dir: Path,
+                 rank: int) -> None:
         self.log = log_dir / f"rank{rank}"
         self.process = fork_server().Process(target=_rank_main, name=f"rank{rank}",
-                                             args=(str(script), list(argv), env, str(self.log)))
+                                             args=(str(script), list(argv), env, os.getcwd(), str(self.log)))
         self.process.start()
+
+    @property
+    def pid(self) -> int:
+        return int(self.process.pid)  # type: ignore[arg-type]
 
     @property
     def returncode(self) -> int | None:
