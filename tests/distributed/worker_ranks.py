@@ -198,16 +198,6 @@ def run_worker_ranks(root: Path, nodes: str, local_ranks: Sequence[int], timeout
             assert code == 0, f"rank {r} exited {code}:\n{rank.output('err')[-4000:]}"
 
 
-def kill_groups(procs: Sequence[subprocess.Popen]) -> None:
-    """Kill the process group of every one of ``procs`` still running (each started with
-    ``start_new_session=True``), and reap it."""
-    for p in procs:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.communicate()
-
-
 def single_process_mlp(steps: int, lr: float, **dataset_options: object) -> tuple[dict[str, torch.Tensor], list[float]]:
     """The reference of the restart tests: mlp-digits in one process, SGD at ``lr``, batches of 16 of the seeded
     synthetic data (``dataset_options`` for ``build_datasets``), as the distributed job sees them: the weights
