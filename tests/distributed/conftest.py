@@ -10,7 +10,7 @@ import subprocess
 from collections.abc import Callable, Iterator
 
 import pytest
-from worker_ranks import Rank
+from worker_ranks import Rank, fork_server
 
 Spawn = Callable[..., subprocess.Popen]
 
@@ -42,6 +42,7 @@ def fork_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[li
     rank's process group."""
     ranks: list[Rank] = []
     logs = tmp_path_factory.mktemp("rank-logs")
+    fork_server()  # started here, not in the test's own time
 
     def start(cmd: list[str], env: dict[str, str]) -> Rank:
         ranks.append(Rank(cmd[0], cmd[1:], env, logs, len(ranks)))

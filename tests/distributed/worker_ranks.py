@@ -50,7 +50,8 @@ _context: multiprocessing.context.ForkServerContext | None = None
 
 
 def fork_server() -> multiprocessing.context.ForkServerContext:
-    """The session's fork server context, preloading ``PRELOAD`` (started on the first rank's start)."""
+    """The session's fork server context, preloading ``PRELOAD``. The first call starts the server and returns
+    once it has imported them (it forks a child that does nothing), so that no test times that."""
     global _context
     if _context is None:
         context = multiprocessing.get_context("forkserver")
@@ -65,6 +66,9 @@ def fork_server() -> multiprocessing.context.ForkServerContext:
                 del os.environ["OMP_NUM_THREADS"]
             else:
                 os.environ["OMP_NUM_THREADS"] = threads
+        ready = context.Process(target=int, name="fork-server-ready")
+        ready.start()
+        ready.join()
         _context = context
     return _context
 
