@@ -43,7 +43,7 @@ PRELOAD = ["torch", "torch.distributed", "numpy", "hetrain", "hetrain.runtime", 
            "hetrain.runtime.config", "hetrain.plan", "hetrain.models.user", "hetrain.models.registry",
            "hetrain.data.registry", "hetrain.data.datasets", "transformers", "transformers.modeling_utils",
            "hetrain.models.hf", "worker_ranks"]
-#: what every rank's environment has on top of this process's (a torchrun rank's, single-threaded, unbuffered)
+#: the variables of this process's environment a rank does not inherit: each launch sets its own
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
 
 _context: multiprocessing.context.ForkServerContext | None = None
