@@ -10,9 +10,11 @@ import subprocess
 from collections.abc import Callable, Iterator
 
 import pytest
-from worker_ranks import Rank, fork_server
+from worker_ranks import Rank, fork_server, start_fork_server
 
 Spawn = Callable[..., subprocess.Popen]
+
+start_fork_server()  # the ranks' fork server imports torch and hetrain while pytest collects the tests
 
 
 @pytest.fixture

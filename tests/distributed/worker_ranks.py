@@ -47,11 +47,12 @@ PRELOAD = ["torch", "torch.distributed", "numpy", "hetrain", "hetrain.runtime", 
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
 
 _context: multiprocessing.context.ForkServerContext | None = None
+_ready = False
 
 
-def fork_server() -> multiprocessing.context.ForkServerContext:
-    """The session's fork server context, preloading ``PRELOAD``. The first call starts the server and returns
-    once it has imported them (it forks a child that does nothing), so that no test times that."""
+def start_fork_server() -> multiprocessing.context.ForkServerContext:
+    """Start the session's fork server, preloading ``PRELOAD``, and return at once (it imports them meanwhile:
+    tests/distributed/conftest.py starts it while pytest collects the tests)."""
     global _context
     if _context is None:
         context = multiprocessing.get_context("forkserver")
@@ -66,11 +67,21 @@ def fork_server() -> multiprocessing.context.ForkServerContext:
                 del os.environ["OMP_NUM_THREADS"]
             else:
                 os.environ["OMP_NUM_THREADS"] = threads
+        _context = context
+    return _context
+
+
+def fork_server() -> multiprocessing.context.ForkServerContext:
+    """The session's fork server context, once the server has imported ``PRELOAD`` (the first call forks a child
+    that does nothing, and waits for it), so that no test times that."""
+    global _ready
+    context = start_fork_server()
+    if not _ready:
         ready = context.Process(target=int, name="fork-server-ready")
         ready.start()
         ready.join()
-        _context = context
-    return _context
+        _ready = True
+    return context
 
 
 def rank_env(nodes: str, world: int, port: int, **extra: str) -> dict[str, str]:
