@@ -10,8 +10,11 @@ import subprocess
 from collections.abc import Callable, Iterator
 
 import pytest
+from worker_ranks import Rank, fork_server, start_fork_server
 
 Spawn = Callable[..., subprocess.Popen]
+
+start_fork_server()  # the ranks' fork server imports torch and hetrain while pytest collects the tests
 
 
 @pytest.fixture
@@ -31,6 +34,25 @@ def spawn() -> Iterator[Spawn]:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
         p.communicate()
+
+
+@pytest.fixture
+def fork_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[list[str], dict[str, str]], Rank]]:
+    """``fork_rank([SCRIPT, *ARGS], env)`` runs ``python SCRIPT ARGS`` (``["-m", MODULE, *ARGS]``: ``python -m
+    MODULE ARGS``) as a rank forked from the session's fork server (``worker_ranks``: torch and hetrain already
+    imported), in a session of its own; its ``communicate`` and ``returncode`` are Popen's. Teardown kills every
+    rank's process group."""
+    ranks: list[Rank] = []
+    logs = tmp_path_factory.mktemp("rank-logs")
+    fork_server()  # started here, not in the test's own time
+
+    def start(cmd: list[str], env: dict[str, str]) -> Rank:
+        ranks.append(Rank(cmd[0], cmd[1:], env, logs, len(ranks)))
+        return ranks[-1]
+
+    yield start
+    for rank in ranks:
+        rank.kill()
 
 
 @pytest.fixture

@@ -428,7 +428,7 @@ def test_with_every_checkpoint_damaged_a_resume_is_refused_in_one_line_naming_th
         find_resume(tmp_path)
 
 
-def test_ranks_share_the_check_and_resume_from_the_same_checkpoint(tmp_path, spawn, clean_env, free_port):
+def test_ranks_share_the_check_and_resume_from_the_same_checkpoint(tmp_path, fork_rank, clean_env, free_port):
     """Two ranks each hash half the files: a damaged file in rank 1's half sends both back to step 10."""
     tensors, state = stage(range(N_LAYERS))
     newest_damaged, all_damaged = tmp_path / "a", tmp_path / "b"
@@ -439,7 +439,7 @@ def test_ranks_share_the_check_and_resume_from_the_same_checkpoint(tmp_path, spa
     for step in (10, 20):
         damage(all_damaged / f"step-{step:08d}" / "layers.7.pt")
     port = free_port()
-    ranks = [spawn([sys.executable, __file__, "resume", str(tmp_path)], rank_env(clean_env, r, 2, port))
+    ranks = [fork_rank([__file__, "resume", str(tmp_path)], rank_env(clean_env, r, 2, port))
              for r in range(2)]
     outputs = []
     for r, p in enumerate(ranks):
@@ -472,9 +472,9 @@ def rank_env(env: dict[str, str], rank: int, world: int, port: int) -> dict[str,
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
 
 
-def test_ranks_save_under_plan_a_and_load_under_plan_b(tmp_path, spawn, clean_env, free_port):
+def test_ranks_save_under_plan_a_and_load_under_plan_b(tmp_path, fork_rank, clean_env, free_port):
     port = free_port()
-    ranks = [spawn([sys.executable, __file__, "plans", str(tmp_path)], rank_env(clean_env, r, 4, port))
+    ranks = [fork_rank([__file__, "plans", str(tmp_path)], rank_env(clean_env, r, 4, port))
              for r in range(4)]
     for r, p in enumerate(ranks):
         stdout, stderr = p.communicate(timeout=60)
@@ -514,10 +514,10 @@ def test_a_failing_rank_a_shared_file_and_a_missing_rank_are_named(tmp_path, spa
     assert not any(p.name.startswith("step-") for p in tmp_path.iterdir())
 
 
-def test_a_full_disk_stops_every_rank_with_the_same_named_cause(small_disk, spawn, clean_env, free_port):
+def test_a_full_disk_stops_every_rank_with_the_same_named_cause(small_disk, fork_rank, clean_env, free_port):
     """Two ranks on a 1 MiB disk: step 10 fits; at step 20 rank 1 overflows it, at 30 rank 0, at 40 both; 50 fits."""
     port = free_port()
-    ranks = [spawn([sys.executable, __file__, "full_disk", str(small_disk)], rank_env(clean_env, r, 2, port))
+    ranks = [fork_rank([__file__, "full_disk", str(small_disk)], rank_env(clean_env, r, 2, port))
              for r in range(2)]
     lines: dict[int, list[str]] = {}
     for r, p in enumerate(ranks):

@@ -8,7 +8,8 @@ import time
 
 from hetrain.cluster import load_cluster
 
-NETWORK = [sys.executable, "-m", "hetrain.profiler.network"]
+#: ``python -m hetrain.profiler.network`` as a rank forked from the fork server (the ``fork_rank`` fixture)
+NETWORK = ["-m", "hetrain.profiler.network"]
 
 
 def rank_env(env: dict[str, str], rank: int, world: int, port: int) -> dict[str, str]:
@@ -41,9 +42,10 @@ def test_four_ranks_on_two_fake_hosts_write_a_cluster_that_loads(tmp_path, spawn
         assert step is not None and 0 < step < 0.05
 
 
-def test_a_rank_that_never_starts_is_named(tmp_path, spawn, clean_env, free_port):
+def test_a_rank_that_never_starts_is_named(tmp_path, fork_rank, clean_env, free_port):
     start = time.monotonic()
-    p = spawn([*NETWORK, "-o", str(tmp_path / "c.toml"), "--timeout", "2"], rank_env(clean_env, 0, 2, free_port()))
+    p = fork_rank([*NETWORK, "-o", str(tmp_path / "c.toml"), "--timeout", "2"],
+                  rank_env(clean_env, 0, 2, free_port()))
     _, stderr = p.communicate(timeout=60)
     assert p.returncode == 1
     assert "rank 1 did not join within 2 s" in stderr
@@ -51,7 +53,7 @@ def test_a_rank_that_never_starts_is_named(tmp_path, spawn, clean_env, free_port
     assert not (tmp_path / "c.toml").exists()
 
 
-def test_a_peer_that_stops_answering_is_named(tmp_path, spawn, clean_env, free_port):
+def test_a_peer_that_stops_answering_is_named(tmp_path, fork_rank, clean_env, free_port):
     """Rank 1 joins the process group, then never answers rank 0's ping: a timeout naming rank 1, no hang."""
     script = tmp_path / "silent_peer.py"
     script.write_text(textwrap.dedent("""
@@ -71,7 +73,7 @@ def test_a_peer_that_stops_answering_is_named(tmp_path, spawn, clean_env, free_p
         os._exit(0)
     """))
     port = free_port()
-    ranks = [spawn([sys.executable, str(script)], rank_env(clean_env, r, 2, port)) for r in (0, 1)]
+    ranks = [fork_rank([str(script)], rank_env(clean_env, r, 2, port)) for r in (0, 1)]
     stdout, stderr = ranks[0].communicate(timeout=60)
     assert ranks[0].returncode == 3, stderr[-2000:]
     assert "rank 0: no answer from rank 1 within 2 s" in stdout
@@ -79,9 +81,9 @@ def test_a_peer_that_stops_answering_is_named(tmp_path, spawn, clean_env, free_p
     assert 1.5 < waited < 10
 
 
-def test_ranks_that_disagree_about_the_plan_are_named(tmp_path, spawn, clean_env, free_port):
+def test_ranks_that_disagree_about_the_plan_are_named(tmp_path, fork_rank, clean_env, free_port):
     port = free_port()
-    ranks = [spawn([*NETWORK, "-o", str(tmp_path / "c.toml"), "--timeout", "20", "--sizes", sizes],
+    ranks = [fork_rank([*NETWORK, "-o", str(tmp_path / "c.toml"), "--timeout", "20", "--sizes", sizes],
                    rank_env(clean_env, r, 2, port))
              for r, sizes in ((0, "4KiB,64KiB"), (1, "4KiB,16KiB"))]
     for p in ranks:

@@ -217,10 +217,10 @@ def rank_env(env: dict[str, str], rank: int, world: int, port: int) -> dict[str,
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
 
 
-def test_wait_work_names_the_peers_it_waited_on(spawn, clean_env, free_port):
+def test_wait_work_names_the_peers_it_waited_on(fork_rank, clean_env, free_port):
     """Three Gloo ranks: rank 2 never joins the all-reduce, rank 0's waits time out naming ranks 1 and 2."""
     port = free_port()
-    ranks = [spawn([sys.executable, __file__, "wait"], rank_env(clean_env, r, 3, port)) for r in range(3)]
+    ranks = [fork_rank([__file__, "wait"], rank_env(clean_env, r, 3, port)) for r in range(3)]
     stdout, stderr = ranks[0].communicate(timeout=60)
     assert ranks[0].returncode == 0, stderr[-3000:]
     lines = stdout.splitlines()
@@ -233,11 +233,11 @@ def test_wait_work_names_the_peers_it_waited_on(spawn, clean_env, free_port):
     assert lines[5] == "no answer from rank 2 within 1 s, waiting at RECV from rank 2"
 
 
-def test_a_send_to_a_dead_peer_raises_at_once_and_the_health_names_the_peer(spawn, clean_env, free_port):
+def test_a_send_to_a_dead_peer_raises_at_once_and_the_health_names_the_peer(fork_rank, clean_env, free_port):
     """Gloo raises when a send to a peer that died is posted, not at its wait, so ``wait_work`` never sees it:
     the trainer asks ``Health.failed_peer`` who died (rank 1 exits without posting; its beat stops)."""
     port = free_port()
-    ranks = [spawn([sys.executable, __file__, "dies"], rank_env(clean_env, r, 2, port)) for r in range(2)]
+    ranks = [fork_rank([__file__, "dies"], rank_env(clean_env, r, 2, port)) for r in range(2)]
     stdout, stderr = ranks[0].communicate(timeout=60)
     assert ranks[0].returncode == 0, stderr[-3000:]
     lines = stdout.splitlines()

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from typing import Any
 
 import pytest
 import torch
-from worker_ranks import kill_groups, single_process_mlp
+from worker_ranks import Rank, single_process_mlp
 
 import hetrain
 from factories import make_cluster, mlp_digits_profile
@@ -29,7 +28,8 @@ from hetrain.plan import Plan, load_plan
 from hetrain.runtime.lifecycle.drift_watch import SWITCH_EXIT_STATUS
 from hetrain.runtime.state.checkpoint import load_checkpoint, load_manifest
 
-TRAIN = [sys.executable, "-m", "hetrain.runtime.command"]
+#: a rank of ``hetrain train``, forked from the fork server (worker_ranks.Rank)
+TRAIN = ["-m", "hetrain.runtime.command"]
 MLP = mlp_digits_profile()
 LR, SWITCH_AT, STEPS = 0.2, 3, 6
 
@@ -58,7 +58,6 @@ def stages(plan: Plan) -> list[list[tuple[str, int, int]]]:
 def switched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     import os
     import socket
-    import subprocess
 
     root = tmp_path_factory.mktemp("drift")
     plan = hetrain.plan(make_cluster({"n0": 3}), MLP, 16, optimizer="sgd")
@@ -67,16 +66,15 @@ def switched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     args = ["--plan", str(root / "plan.json"), "--model", "mlp-digits", "--data", "synthetic", "--steps", str(STEPS),
             "--checkpoint-dir", str(root / "ckpt"), "--metrics-out", str(root / "metrics.jsonl"), "--lr", str(LR),
             "--timeout-s", "60", "--no-progress", "--force-drift", f"{SWITCH_AT}:n0:1=5"]
-    procs: list[subprocess.Popen] = []
+    procs: list[Rank] = []
     clean = {k: v for k, v in os.environ.items()
              if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HETRAIN_HOST")}
     clean.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    logs = tmp_path_factory.mktemp("drift-logs")
 
-    def spawn(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
-        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True)
-        procs.append(p)
-        return p
+    def spawn(cmd: list[str], env: dict[str, str]) -> Rank:
+        procs.append(Rank(cmd[0], cmd[1:], env, logs, len(procs)))
+        return procs[-1]
 
     def port() -> int:
         with socket.socket() as s:
@@ -87,7 +85,8 @@ def switched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         first = run_attempt(spawn, clean, port(), args)
         second = run_attempt(spawn, clean, port(), args)
     finally:
-        kill_groups(procs)
+        for p in procs:
+            p.kill()
     return {"plan": plan, "root": root, "first": first, "second": second}
 
 

@@ -39,7 +39,8 @@ from hetrain.elastic import plan_digest
 from hetrain.models.analytic import build_mlp_profile
 from hetrain.plan import Plan, load_plan
 
-TRAIN = [sys.executable, "-m", "hetrain.runtime.command"]
+#: a rank of ``hetrain train``, forked from the fork server (the ``fork_rank`` fixture)
+TRAIN = ["-m", "hetrain.runtime.command"]
 MLP = build_mlp_profile([64, 256, 256, 10], name="mlp-digits")
 LR = 0.2
 FIRST_STEPS, STEPS = 3, 6
@@ -177,16 +178,16 @@ def pipeline_on_small_devices(tmp_path: Path) -> Path:
     return tmp_path / "plan.json"
 
 
-def start_two_ranks(spawn, clean_env, port: int, args: list[str]) -> list:
+def start_two_ranks(fork_rank, clean_env, port: int, args: list[str]) -> list:
     env = {**clean_env, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "HETRAIN_NODE": "n0", "HETRAIN_DEVICE": "cpu"}
-    return [spawn([*TRAIN, *args], {**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+    return [fork_rank([*TRAIN, *args], {**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
 
 
-def test_a_world_too_small_for_the_model_is_told_what_memory_it_lacks(tmp_path, spawn, clean_env, free_port):
+def test_a_world_too_small_for_the_model_is_told_what_memory_it_lacks(tmp_path, fork_rank, clean_env, free_port):
     args = ["--plan", str(pipeline_on_small_devices(tmp_path)), "--model", "mlp-digits", "--data", "synthetic",
             "--steps", "2", "--checkpoint-dir", str(tmp_path / "ckpt"), "--timeout-s", "30"]
-    for p in start_two_ranks(spawn, clean_env, free_port(), args):
+    for p in start_two_ranks(fork_rank, clean_env, free_port(), args):
         _, stderr = p.communicate(timeout=90)
         assert p.returncode == 1, stderr[-3000:]
         errors = [line for line in stderr.splitlines() if line.startswith("hetrain train: error:")]
@@ -197,10 +198,10 @@ def test_a_world_too_small_for_the_model_is_told_what_memory_it_lacks(tmp_path, 
     assert not (tmp_path / "ckpt" / "plans").exists()
 
 
-def test_replan_off_refuses_a_world_other_than_the_plans(tmp_path, spawn, clean_env, free_port):
+def test_replan_off_refuses_a_world_other_than_the_plans(tmp_path, fork_rank, clean_env, free_port):
     args = ["--plan", str(pipeline_on_small_devices(tmp_path)), "--model", "mlp-digits", "--data", "synthetic",
             "--steps", "2", "--replan", "off", "--timeout-s", "30"]
-    for p in start_two_ranks(spawn, clean_env, free_port(), args):
+    for p in start_two_ranks(fork_rank, clean_env, free_port(), args):
         _, stderr = p.communicate(timeout=90)
         assert p.returncode == 1, stderr[-3000:]
         assert "the world does not match the plan" in stderr

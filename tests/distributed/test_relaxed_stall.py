@@ -17,16 +17,12 @@ numbers depend on timing, stall or not.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
-from worker_ranks import kill_groups
+from worker_ranks import free_port, rank_env, start_ranks, wait_ranks
 
 import hetrain
 from factories import make_cluster, mlp_digits_profile
@@ -102,21 +98,10 @@ def run_ranks(root: Path, plan: Path, stall_s: float, timeout_s: float, slow_ste
             "out": str(out), "slow_steps": slow_steps, "slow_s": slow_s}
     (out / "cases.json").write_text(json.dumps([case]))
     (out / "worker.py").write_text(WORKER)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HETRAIN_NODE="n0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(port), WORLD_SIZE="2", HETRAIN_DEVICE="cpu")
-    procs = [subprocess.Popen([sys.executable, str(out / "worker.py"), str(out / "cases.json")],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, start_new_session=True) for r in range(2)]
-    try:
-        for p in procs:
-            p.communicate(timeout=120)
-    finally:
-        kill_groups(procs)
-    return [int(p.returncode) for p in procs], [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    env = rank_env("n0", 2, free_port(), HETRAIN_DEVICE="cpu")
+    ranks = start_ranks(out / "worker.py", [str(out / "cases.json")],
+                        [{**env, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(2)], out)
+    return wait_ranks(ranks, 120), [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
 def last_started_in_stall(parts: list[dict[str, Any]]) -> int:

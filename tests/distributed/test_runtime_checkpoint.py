@@ -127,34 +127,34 @@ def test_a_job_restarted_by_torchrun_resumes_under_another_plan(tmp_path: Path, 
 RESUME_STEPS = 2
 
 
-def train_one_rank(spawn, clean_env, plan: Path, ckpt: Path, *args: str) -> tuple[int, str, str]:
+def train_one_rank(fork_rank, clean_env, plan: Path, ckpt: Path, *args: str) -> tuple[int, str, str]:
     """``hetrain train`` of mlp-digits on synthetic data, a world of one Gloo process; (status, stdout, stderr)."""
-    p = spawn([sys.executable, "-m", "hetrain.runtime.command", "--plan", str(plan), "--model", "mlp-digits",
-               "--data", "synthetic", "--checkpoint-dir", str(ckpt), "--timeout-s", "30", "--no-progress", *args],
-              clean_env)
+    p = fork_rank(["-m", "hetrain.runtime.command", "--plan", str(plan), "--model", "mlp-digits",
+                   "--data", "synthetic", "--checkpoint-dir", str(ckpt), "--timeout-s", "30", "--no-progress", *args],
+                  clean_env)
     stdout, stderr = p.communicate(timeout=120)
     return p.returncode, stdout, stderr
 
 
 @pytest.fixture
-def trained(tmp_path: Path, spawn, clean_env) -> tuple[Path, Path]:
+def trained(tmp_path: Path, fork_rank, clean_env) -> tuple[Path, Path]:
     """A one-stage mlp-digits plan and a checkpoint directory whose newest checkpoint is of step RESUME_STEPS."""
     plan = factories.make_plan(make_cluster({"n0": 1}, name="cpu"), mlp_digits_profile(), [(["n0:0"], [0, 3], 8, 2)],
                                optimizer="momentum")
     plan.save(tmp_path / "plan.json")
-    status, _, stderr = train_one_rank(spawn, clean_env, tmp_path / "plan.json", tmp_path / "ckpt",
+    status, _, stderr = train_one_rank(fork_rank, clean_env, tmp_path / "plan.json", tmp_path / "ckpt",
                                        "--steps", str(RESUME_STEPS))
     assert status == 0, stderr[-3000:]
     return tmp_path / "plan.json", tmp_path / "ckpt"
 
 
-def test_resuming_with_other_model_settings_is_one_line_naming_the_layer_and_both_sizes(trained, spawn,
+def test_resuming_with_other_model_settings_is_one_line_naming_the_layer_and_both_sizes(trained, fork_rank,
                                                                                        clean_env) -> None:
     """A model of other settings than the plan's is refused before its checkpoint is read (the plan's memory
     and time are another model's); a checkpoint of other shapes under a plan that fits the model is refused
     by ``restore_stage`` (tests/distributed/test_runtime_trainer_parts.py)."""
     plan, ckpt = trained
-    status, _, stderr = train_one_rank(spawn, clean_env, plan, ckpt, "--steps", "4", "--set", "hidden=[128, 128]")
+    status, _, stderr = train_one_rank(fork_rank, clean_env, plan, ckpt, "--steps", "4", "--set", "hidden=[128, 128]")
     assert status == 1, stderr[-3000:]
     errors = [line for line in stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
@@ -162,12 +162,12 @@ def test_resuming_with_other_model_settings_is_one_line_naming_the_layer_and_bot
             "parameters, model mlp-digits's has 33,280") in errors[0], errors[0]
 
 
-def test_resuming_at_or_past_the_steps_asked_for_says_nothing_is_trained(trained, spawn, clean_env,
+def test_resuming_at_or_past_the_steps_asked_for_says_nothing_is_trained(trained, fork_rank, clean_env,
                                                                           tmp_path: Path) -> None:
     plan, ckpt = trained
     metrics = tmp_path / "metrics.jsonl"
     for steps in (RESUME_STEPS - 1, RESUME_STEPS):
-        status, stdout, stderr = train_one_rank(spawn, clean_env, plan, ckpt, "--steps", str(steps),
+        status, stdout, stderr = train_one_rank(fork_rank, clean_env, plan, ckpt, "--steps", str(steps),
                                                 "--metrics-out", str(metrics))
         assert status == 0, stderr[-3000:]
         assert (f"hetrain train: nothing to train: checkpoint step {RESUME_STEPS} in {ckpt} is already at or past "
@@ -176,13 +176,13 @@ def test_resuming_at_or_past_the_steps_asked_for_says_nothing_is_trained(trained
     assert latest_checkpoint(ckpt) == (RESUME_STEPS, ckpt / "step-00000002")
 
 
-def test_a_damaged_newest_checkpoint_is_passed_over_for_the_newest_intact_one(tmp_path: Path, spawn,
+def test_a_damaged_newest_checkpoint_is_passed_over_for_the_newest_intact_one(tmp_path: Path, fork_rank,
                                                                                clean_env) -> None:
     plan = factories.make_plan(make_cluster({"n0": 1}, name="cpu"), mlp_digits_profile(), [(["n0:0"], [0, 3], 8, 2)],
                                optimizer="momentum")
     plan.save(tmp_path / "plan.json")
     ckpt = tmp_path / "ckpt"
-    status, _, stderr = train_one_rank(spawn, clean_env, tmp_path / "plan.json", ckpt, "--steps", "2",
+    status, _, stderr = train_one_rank(fork_rank, clean_env, tmp_path / "plan.json", ckpt, "--steps", "2",
                                        "--checkpoint-every", "1")
     assert status == 0, stderr[-3000:]
     damaged = ckpt / "step-00000002" / "layers.1.pt"
@@ -190,7 +190,7 @@ def test_a_damaged_newest_checkpoint_is_passed_over_for_the_newest_intact_one(tm
     data[len(data) // 2] ^= 0xFF
     damaged.write_bytes(bytes(data))
 
-    status, stdout, stderr = train_one_rank(spawn, clean_env, tmp_path / "plan.json", ckpt, "--steps", "3",
+    status, stdout, stderr = train_one_rank(fork_rank, clean_env, tmp_path / "plan.json", ckpt, "--steps", "3",
                                             "--checkpoint-every", "1")
     assert status == 0, stderr[-3000:]
     assert (f"hetrain: passing over damaged checkpoint step 2 ({damaged} is damaged: its SHA-256 differs from the "
@@ -201,7 +201,7 @@ def test_a_damaged_newest_checkpoint_is_passed_over_for_the_newest_intact_one(tm
 
     for step in (1, 2, 3):
         (ckpt / f"step-{step:08d}" / "layers.0.pt").write_bytes(b"damaged")
-    status, stdout, stderr = train_one_rank(spawn, clean_env, tmp_path / "plan.json", ckpt, "--steps", "4")
+    status, stdout, stderr = train_one_rank(fork_rank, clean_env, tmp_path / "plan.json", ckpt, "--steps", "4")
     assert status == 1, stdout + stderr[-3000:]
     errors = [line for line in stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]

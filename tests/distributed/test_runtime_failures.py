@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +21,8 @@ from hetrain.runtime.config import TrainConfig
 from hetrain.runtime.state.checkpoint import save_checkpoint
 from hetrain.runtime.step.executor import StageModule
 
-TRAIN = [sys.executable, "-m", "hetrain.runtime.command"]
+#: a rank of ``hetrain train``, forked from the fork server (the ``fork_rank`` fixture)
+TRAIN = ["-m", "hetrain.runtime.command"]
 
 
 def pipeline_plan(p: int, nodes: tuple[str, ...] = ("n0",)) -> Plan:
@@ -32,11 +32,11 @@ def pipeline_plan(p: int, nodes: tuple[str, ...] = ("n0",)) -> Plan:
                      [([f"n0:{j}" for j in range(p)], bounds, 16, 4)])
 
 
-def start_ranks(spawn, clean_env, port: int, world: int, args: list[str], node: str | None = "n0") -> list:
+def start_ranks(fork_rank, clean_env, port: int, world: int, args: list[str], node: str | None = "n0") -> list:
     env = {**clean_env, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     if node is not None:
         env["HETRAIN_NODE"] = node
-    return [spawn([*TRAIN, *args], {**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
+    return [fork_rank([*TRAIN, *args], {**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
 
 
 def wait_for_lines(path: Path, count: int, timeout_s: float) -> None:
@@ -56,9 +56,9 @@ def train_args(tmp_path: Path, timeout_s: float) -> list[str]:
             "--no-progress"]
 
 
-def test_a_killed_rank_is_named_by_the_others_within_the_timeout(tmp_path, spawn, clean_env, free_port):
+def test_a_killed_rank_is_named_by_the_others_within_the_timeout(tmp_path, fork_rank, clean_env, free_port):
     timeout_s = 10.0
-    ranks = start_ranks(spawn, clean_env, free_port(), 3, train_args(tmp_path, timeout_s))
+    ranks = start_ranks(fork_rank, clean_env, free_port(), 3, train_args(tmp_path, timeout_s))
     wait_for_lines(tmp_path / "metrics.jsonl", 3, 60)  # training is under way
     killed_at = time.monotonic()
     os.kill(ranks[1].pid, signal.SIGKILL)  # the middle stage: both neighbours wait for it
@@ -71,9 +71,9 @@ def test_a_killed_rank_is_named_by_the_others_within_the_timeout(tmp_path, spawn
         assert "(step " in stderr and any(k in stderr for k in ("RECV_", "SEND_", "STEP", "ALLREDUCE")), stderr
 
 
-def test_a_stuck_rank_is_named_after_the_timeout(tmp_path, spawn, clean_env, free_port):
+def test_a_stuck_rank_is_named_after_the_timeout(tmp_path, fork_rank, clean_env, free_port):
     timeout_s = 3.0
-    ranks = start_ranks(spawn, clean_env, free_port(), 3, train_args(tmp_path, timeout_s))
+    ranks = start_ranks(fork_rank, clean_env, free_port(), 3, train_args(tmp_path, timeout_s))
     wait_for_lines(tmp_path / "metrics.jsonl", 3, 60)
     stopped_at = time.monotonic()
     os.kill(ranks[2].pid, signal.SIGSTOP)  # the last stage hangs (its heartbeat stops too)
@@ -111,9 +111,9 @@ REDUCER_FAILED = "(DDP's reducer) among rank 0 (n0:0), rank 1 (n0:1) "
 PEER_WAIT = ("rank 1 (n0:1) failed or closed its connection", "no answer from rank 1 (n0:1)")
 
 
-def test_a_killed_dp_peer_is_named_from_the_reducers_all_reduce(tmp_path, spawn, clean_env, free_port):
+def test_a_killed_dp_peer_is_named_from_the_reducers_all_reduce(tmp_path, fork_rank, clean_env, free_port):
     timeout_s = 10.0
-    ranks = start_ranks(spawn, clean_env, free_port(), 2, dp_args(tmp_path, timeout_s))
+    ranks = start_ranks(fork_rank, clean_env, free_port(), 2, dp_args(tmp_path, timeout_s))
     wait_for_lines(tmp_path / "metrics.jsonl", 3, 60)
     killed_at = time.monotonic()
     os.kill(ranks[1].pid, signal.SIGKILL)
@@ -125,10 +125,10 @@ def test_a_killed_dp_peer_is_named_from_the_reducers_all_reduce(tmp_path, spawn,
     assert "Traceback" not in stderr, stderr[-3000:]
 
 
-def test_a_stuck_dp_peer_is_named_from_the_reducers_all_reduce_after_the_timeout(tmp_path, spawn, clean_env,
+def test_a_stuck_dp_peer_is_named_from_the_reducers_all_reduce_after_the_timeout(tmp_path, fork_rank, clean_env,
                                                                                   free_port):
     timeout_s = 3.0
-    ranks = start_ranks(spawn, clean_env, free_port(), 2, dp_args(tmp_path, timeout_s))
+    ranks = start_ranks(fork_rank, clean_env, free_port(), 2, dp_args(tmp_path, timeout_s))
     wait_for_lines(tmp_path / "metrics.jsonl", 3, 60)
     stopped_at = time.monotonic()
     os.kill(ranks[1].pid, signal.SIGSTOP)  # it hangs (its heartbeat stops too)
@@ -145,13 +145,13 @@ def test_a_stuck_dp_peer_is_named_from_the_reducers_all_reduce_after_the_timeout
         os.kill(ranks[1].pid, signal.SIGCONT)
 
 
-def test_ranks_on_a_node_the_plan_does_not_know_are_told_what_the_plan_expects(tmp_path, spawn, clean_env,
+def test_ranks_on_a_node_the_plan_does_not_know_are_told_what_the_plan_expects(tmp_path, fork_rank, clean_env,
                                                                                  free_port):
     plan = pipeline_plan(2)
     plan.save(tmp_path / "plan.json")
     args = ["--plan", str(tmp_path / "plan.json"), "--model", "mlp-digits", "--data", "synthetic", "--steps", "1",
             "--timeout-s", "20"]
-    ranks = start_ranks(spawn, clean_env, free_port(), 2, args, node="box")
+    ranks = start_ranks(fork_rank, clean_env, free_port(), 2, args, node="box")
     for p in ranks:
         _, stderr = p.communicate(timeout=60)
         assert p.returncode == 1, stderr[-3000:]
@@ -161,7 +161,7 @@ def test_ranks_on_a_node_the_plan_does_not_know_are_told_what_the_plan_expects(t
         assert "nodes n0 (n0:0, n0:1)" in stderr and "rank 0 -> box:0, rank 1 -> box:1" in stderr
 
 
-def test_a_rank_that_cannot_resume_is_named_by_the_other_in_one_line(tmp_path, spawn, clean_env, free_port):
+def test_a_rank_that_cannot_resume_is_named_by_the_other_in_one_line(tmp_path, fork_rank, clean_env, free_port):
     """The checkpoint is of a model whose stage 1 ([1, 3)) has other widths than the plan's and the model's,
     stage 0 ([0, 1)) not: rank 0 resumes, and stops naming rank 1 rather than failing on a closed connection
     once training starts."""
@@ -170,7 +170,7 @@ def test_a_rank_that_cannot_resume_is_named_by_the_other_in_one_line(tmp_path, s
     save_checkpoint(tmp_path / "ckpt", 4, {n: t.detach() for n, t in other.state_dict().items()}, {}, {"step": 4})
     args = ["--plan", str(tmp_path / "plan.json"), "--model", "mlp-digits", "--data", "synthetic", "--steps", "6",
             "--checkpoint-dir", str(tmp_path / "ckpt"), "--timeout-s", "20", "--no-progress"]
-    ranks = start_ranks(spawn, clean_env, free_port(), 2, args)
+    ranks = start_ranks(fork_rank, clean_env, free_port(), 2, args)
     stderr = [p.communicate(timeout=60)[1] for p in ranks]
     assert [p.returncode for p in ranks] == [1, 1], stderr
     for err in stderr:
@@ -182,7 +182,7 @@ def test_a_rank_that_cannot_resume_is_named_by_the_other_in_one_line(tmp_path, s
             f"({step_dir}) holds 'layers.1.0.weight'") in stderr[0], stderr[0]
 
 
-def test_a_rank_whose_layers_are_not_the_plans_is_named_by_the_other(tmp_path, spawn, clean_env, free_port):
+def test_a_rank_whose_layers_are_not_the_plans_is_named_by_the_other(tmp_path, fork_rank, clean_env, free_port):
     """Stage 1's layers are of other widths than the plan's profile counted (``--set``), stage 0's are not:
     rank 1 refuses them in one line, and rank 0, whose layers are right, names it at once rather than at its
     timeout."""
@@ -190,7 +190,7 @@ def test_a_rank_whose_layers_are_not_the_plans_is_named_by_the_other(tmp_path, s
     args = ["--plan", str(tmp_path / "plan.json"), "--model", "mlp-digits", "--set", "hidden=[256, 128]",
             "--data", "synthetic", "--steps", "2", "--timeout-s", "30", "--no-progress"]
     start = time.monotonic()
-    ranks = start_ranks(spawn, clean_env, free_port(), 2, args)
+    ranks = start_ranks(fork_rank, clean_env, free_port(), 2, args)
     stderr = [p.communicate(timeout=90)[1] for p in ranks]
     assert [p.returncode for p in ranks] == [1, 1], stderr
     assert time.monotonic() - start < 25, stderr  # not rank 0's 30 s timeout
@@ -209,12 +209,12 @@ def test_a_model_that_does_not_fit_the_plan_is_refused(tmp_path, capsys):
     assert "model 'gpt-tiny' has 6 layers but the plan (mlp-digits) has 3" in capsys.readouterr().err
 
 
-def test_a_rank_that_never_starts_is_reported_within_the_timeout(tmp_path, spawn, clean_env, free_port):
+def test_a_rank_that_never_starts_is_reported_within_the_timeout(tmp_path, fork_rank, clean_env, free_port):
     pipeline_plan(2).save(tmp_path / "plan.json")
     env = {**clean_env, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "HETRAIN_NODE": "n0", "RANK": "0", "LOCAL_RANK": "0"}
     start = time.monotonic()
-    p = spawn([*TRAIN, "--plan", str(tmp_path / "plan.json"), "--model", "mlp-digits", "--data", "synthetic",
+    p = fork_rank([*TRAIN, "--plan", str(tmp_path / "plan.json"), "--model", "mlp-digits", "--data", "synthetic",
                "--timeout-s", "2"], env)
     _, stderr = p.communicate(timeout=60)
     assert p.returncode == 1, stderr[-3000:]
@@ -223,7 +223,7 @@ def test_a_rank_that_never_starts_is_reported_within_the_timeout(tmp_path, spawn
     assert time.monotonic() - start < 30
 
 
-def test_a_bad_label_deep_in_the_data_is_one_line_naming_the_step_and_the_loss(tmp_path, spawn, clean_env,
+def test_a_bad_label_deep_in_the_data_is_one_line_naming_the_step_and_the_loss(tmp_path, fork_rank, clean_env,
                                                                                  free_port):
     """A target out of range, far enough into the data that the first batches pass: the last stage's loss
     raises mid-training. Both ranks end in one line, the failing one naming the step and the loss function,
@@ -241,7 +241,7 @@ def test_a_bad_label_deep_in_the_data_is_one_line_naming_the_step_and_the_loss(t
     args = ["--plan", str(tmp_path / "plan.json"), "--model", "mlp-digits", "--data",
             f"{tmp_path / 'bad_data.py'}:dataset", "--steps", "40", "--timeout-s", "20", "--no-progress",
             "--data-seed", "0"]
-    ranks = start_ranks(spawn, clean_env, free_port(), 2, args)
+    ranks = start_ranks(fork_rank, clean_env, free_port(), 2, args)
     stderr = [p.communicate(timeout=90)[1] for p in ranks]
     assert [p.returncode for p in ranks] == [1, 1], stderr
     for err in stderr:
@@ -272,7 +272,7 @@ def test_a_layer_that_raises_is_named_by_its_index() -> None:
         assert str(err.value) == "layer 4 raised RuntimeError: out of cheese"
 
 
-def test_a_stage_output_that_cannot_cross_to_the_next_stage_is_named(tmp_path, spawn, clean_env, free_port):
+def test_a_stage_output_that_cannot_cross_to_the_next_stage_is_named(tmp_path, fork_rank, clean_env, free_port):
     """Layer 0 of the user's model returns a tuple holding None, which a single process runs (the check on
     two samples passes) but which cannot go to the next stage of the plan's pipeline: the layer, the element
     and the way out are named in one line at the first forward; the other rank names the rank that failed."""
@@ -301,7 +301,7 @@ def test_a_stage_output_that_cannot_cross_to_the_next_stage_is_named(tmp_path, s
     spec = str(tmp_path / "net.py")
     args = ["--plan", str(tmp_path / "plan.json"), "--model", f"{spec}:build", "--data", f"{spec}:dataset",
             "--steps", "2", "--timeout-s", "20", "--no-progress"]
-    ranks = start_ranks(spawn, clean_env, free_port(), 2, args)
+    ranks = start_ranks(fork_rank, clean_env, free_port(), 2, args)
     stderr = [p.communicate(timeout=60)[1] for p in ranks]
     assert [p.returncode for p in ranks] == [1, 1], stderr
     expected = ("layer 0 (fc0) raised TypeError: its output goes to the next stage, which takes a tensor or a tuple "

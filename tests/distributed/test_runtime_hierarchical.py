@@ -16,14 +16,12 @@ half the bytes, every phase in bfloat16, and lands within bf16's rounding of it.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from worker_ranks import run_worker_ranks
 
 import factories
 from factories import make_cluster
@@ -119,22 +117,14 @@ DTYPES = {"fp32": (4, 1e-5), "bf16": (2, 2e-2)}
 
 
 @pytest.mark.parametrize("reduce_dtype", list(DTYPES))
-def test_hierarchical_allreduce_matches_single_process_training(tmp_path: Path, spawn: Callable[..., subprocess.Popen],
-                                                                 free_port: Callable[[], int],
-                                                                 clean_env: dict[str, str], reduce_dtype: str) -> None:
+def test_hierarchical_allreduce_matches_single_process_training(tmp_path: Path, reduce_dtype: str) -> None:
     plan = make_plan(reduce_dtype)
     plan.save(tmp_path / "plan.json")
     (tmp_path / "worker.py").write_text(WORKER)
     spec = {"plan": str(tmp_path / "plan.json"), "config": GPT, "lr": LR, "steps": STEPS, "out": str(tmp_path)}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    env = {**clean_env, "HETRAIN_NODE": ",".join(NODES), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(len(NODES))}
     local = [NODES[:r].count(NODES[r]) for r in range(len(NODES))]
-    procs = [spawn([sys.executable, str(tmp_path / "worker.py"), str(tmp_path / "spec.json")],
-                   {**env, "RANK": str(r), "LOCAL_RANK": str(local[r])}) for r in range(len(NODES))]
-    for r, p in enumerate(procs):
-        _, err = p.communicate(timeout=120)
-        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{err[-4000:]}"
+    run_worker_ranks(tmp_path, ",".join(NODES), local, timeout_s=120, args=[str(tmp_path / "spec.json")])
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(len(NODES))]
     buckets = len(plan.segments()[0].buckets)
     for part in parts:  # every rank ran every step's bucket all-reduces hierarchically, posted from the backward

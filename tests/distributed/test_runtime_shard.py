@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import textwrap
 import time
 from dataclasses import replace
@@ -345,19 +344,19 @@ def test_sharding_a_model_that_ties_weights_is_refused() -> None:
         check_shard(plan, (((0, "wte.weight"), (5, "head.weight")),))
 
 
-def test_a_stuck_owner_is_named_by_the_other_within_the_timeout(tmp_path, spawn, clean_env, free_port) -> None:
+def test_a_stuck_owner_is_named_by_the_other_within_the_timeout(tmp_path, fork_rank, clean_env, free_port) -> None:
     """Every wait of the reduces, the weight gather and the state gather is bounded and names the owners: an owner
     that hangs (SIGSTOP) mid-training is named by the other within the timeout."""
     timeout_s = 3.0
     plan = factories.make_plan(make_cluster({"n0": 2}), mlp_digits_profile(),
                                [(["n0:0"], [0, 3], 8, 1), (["n0:1"], [0, 3], 8, 1)], shard="optimizer+gradients")
     replace(plan, shard_weights={"n0:0": 3, "n0:1": 1}).save(tmp_path / "plan.json")
-    args = [sys.executable, "-m", "hetrain.runtime.command", "--plan", str(tmp_path / "plan.json"),
+    args = ["-m", "hetrain.runtime.command", "--plan", str(tmp_path / "plan.json"),
             "--model", "mlp-digits", "--data", "synthetic", "--steps", "1000000", "--no-progress",
             "--metrics-out", str(tmp_path / "metrics.jsonl"), "--timeout-s", str(timeout_s)]
     env = {**clean_env, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "HETRAIN_NODE": "n0"}
-    ranks = [spawn(args, {**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+    ranks = [fork_rank(args, {**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
     deadline = time.monotonic() + 60
     metrics = tmp_path / "metrics.jsonl"
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):  # training is under way

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -311,7 +310,7 @@ FAIL_WORKER = textwrap.dedent("""
 """)
 
 
-def test_a_shard_whose_worker_disappears_names_it(tmp_path: Path, spawn: Any, clean_env: dict[str, str],
+def test_a_shard_whose_worker_disappears_names_it(tmp_path: Path, fork_rank: Any, clean_env: dict[str, str],
                                                   free_port: Any) -> None:
     plan = make_plan("linreg", "wsp", [([D[0]], [0, 1], 4, 1), ([D[1]], [0, 1], 4, 1)], staleness=0)
     plan.save(tmp_path / "plan.json")
@@ -320,7 +319,7 @@ def test_a_shard_whose_worker_disappears_names_it(tmp_path: Path, spawn: Any, cl
     env = {**clean_env, "HETRAIN_NODE": "n0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "WORLD_SIZE": "2"}
     timeout_s = 5.0
-    ranks = [spawn([sys.executable, str(tmp_path / "worker.py"), str(tmp_path / "plan.json"), str(timeout_s)],
+    ranks = [fork_rank([str(tmp_path / "worker.py"), str(tmp_path / "plan.json"), str(timeout_s)],
                    {**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
     started = time.monotonic()
     _, err = ranks[0].communicate(timeout=60)
