@@ -603,8 +603,9 @@ def _search(cluster: Cluster, profile: ModelProfile, global_batch: int, opts: Pl
     if not formations:
         raise PlannerError(_no_arrangement(opts.strategy, profile.num_layers, cluster.num_devices))
     _check_batch_fills_vws(cluster, formations, global_batch, opts)
-    # GPipe and 1F1B share the closed-form time, and 1F1B holds min(m, p - j) <= m
-    # micro-batches per stage, so under "auto" 1F1B dominates; GPipe when asked.
+    # 1F1B holds min(m, p - j) <= m micro-batches per stage, so under "auto" the search plans for 1F1B (priced
+    # by its own closed form: GPipe's without transfers, with them each in its cycle, cost.estimate_1f1b_period);
+    # the simulator replays the best under 1F1B-eager and GPipe too (_simulate_best).
     schedules = ("1f1b",) if opts.schedule == "auto" else (opts.schedule,)
     batches = sorted({global_batch, *opts.global_batch_choices}) if opts.objective == "time-to-accuracy" \
         else [global_batch]
@@ -1150,7 +1151,7 @@ def _simulate_best(cluster: Cluster, profile: ModelProfile, found: list[Candidat
     head: list[Candidate] = found[:cap]
     flipped = reversed_orders(cluster, profile, head[0], opts)
     # the best and its reverse, then each of them under 1F1B-eager and GPipe where every stage still fits
-    # (schedule auto), then the rest: the closed forms price all three alike, a simulation does not (_as_schedule)
+    # (schedule auto), then the rest: they keep 1F1B's closed form, a simulation tells them apart (_as_schedule)
     bases = [c for c in (head[0], flipped) if c is not None]
     replays = [v for schedule in AUTO_VARIANTS for c in bases
                if (v := _as_schedule(profile, c, opts, schedule)) is not None] if opts.schedule == "auto" else []
@@ -1188,8 +1189,9 @@ def _as_schedule(profile: ModelProfile, c: Candidate, opts: PlannerOptions, sche
     """``c`` (a 1F1B candidate) under ``schedule`` on the same partitions, recompute sets and micro-batches,
     where it holds more activations somewhere and every stage still fits its device's tensor budget; else None.
 
-    The closed forms give 1F1B, 1F1B-eager and GPipe the same time (``sum + (m - 1) max``), so the search keeps
-    1F1B, which holds the fewest activations. A simulation tells them apart: 1F1B's steady state alternates one
+    The search plans for 1F1B, which holds the fewest activations, and prices it by its own closed form (its
+    transfers in its cycle, ``cost.estimate_1f1b_period``); the variant keeps that figure as its prediction.
+    A simulation tells them apart: 1F1B's steady state alternates one
     forward and one backward, so a stage waits for the gradient of a micro-batch it sent out one round trip
     earlier, and every transfer and every difference between stages' speeds lands on that round trip;
     1F1B-eager holds one micro-batch more for slack, GPipe's forwards and backwards each flow one way. On
