@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -389,6 +389,13 @@ def _max_term(stage_s: list[float], link_s: list[float], blocking: bool, schedul
         return estimate_1f1b_period(stage_s, link_s, m, schedule)
     c = [0.0, *link_s, 0.0]
     return float(max(t + c[j] + c[j + 1] for j, t in enumerate(stage_s)))
+
+
+def priced_as(r: PartitionResult, schedule: str, blocking: bool = False) -> PartitionResult:
+    """``r``'s cuts priced by ``schedule``'s form (``_max_term``): the same stages and transfers, the bottleneck of
+    that schedule."""
+    max_s = _max_term(list(r.stage_s), list(r.link_s), blocking, schedule, r.m)
+    return r if max_s == r.max_s else replace(r, max_s=max_s)
 
 
 def _result(devices: Sequence[Device], stages: list[StageCosts], links: np.ndarray, cuts: Sequence[int], m: int,
