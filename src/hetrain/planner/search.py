@@ -372,6 +372,9 @@ def _eager_if_faster(cluster: Cluster, profile: ModelProfile, c: Candidate, opts
         return c
     if all(r.max_s <= max(r.stage_s) for r in c.parts):  # every period at its slowest stage: eager's is no shorter
         return c
+    # a pipeline no shorter under eager's form leaves the candidate's time as it is: no memory check, no sync
+    if max(estimate_shared_pipeline_times(cluster, [priced_as(r, "1f1b-eager") for r in c.parts])) >= c.pipeline_s:
+        return c
     eager = _as_schedule(cluster, profile, c, opts, "1f1b-eager")
     return eager if eager is not None and eager.score(opts) < c.score(opts) else c
 
