@@ -48,11 +48,21 @@ NOTES = ('Predicted, not measured: fp16 analytic profiles, sync options at their
          'runtime merges it after one (0.81); a parameter-server phase waited for all its links at once, '
          "serialising a wave's pushes behind the last wave's pulls (wsp 0.62 on cloud-mixed) and holding the "
          "pipelines' activations behind it (wsp 0.48-0.60 on pipelined plans); hybrid-ps added the local "
-         "all-reduce to what the round trip hides behind (1.10). What is left is the 1F1B pipeline's closed form "
-         "(`cost.estimate_pipeline_time`, whatever the mode: bsp's pipelined plans too): it counts each transfer "
-         "as a stage of its own, exact for GPipe, but 1F1B runs a stage's backward right after the forward it "
-         'waited for, so the transfers to the next stage and back sit in its cycle (replay of 4 uniform stages of '
-         "1 s, transfers of 0.3 s, 16 micro-batches: GPipe 20.8 s, the closed form's figure; 1F1B 27.4 s).")
+         "all-reduce to what the round trip hides behind (1.10). Then 44 of 52 were within 10%, the 8 others 1F1B "
+         "pipelines (0.78-0.88), priced by GPipe's form (`cost.estimate_pipeline_time`, each transfer a stage of its "
+         "own); 1F1B's steady state runs stage j's forward of i + p - j - 1, then its backward of i, so stages j..k "
+         "with their links out and back turn once per k - j + 1 micro-batches, and its closed form "
+         "(`cost.estimate_1f1b_period`) is that cycle's largest mean (four-10gbe bsp, 2x4: stages of 17.6-18.2 ms, "
+         "transfers of 5.1 ms out and back: GPipe's form 1.231 s, the cycle 1.447 s, the replay 1.448 s): 47 of 50. "
+         "Schedule auto now prices each candidate by the faster of 1F1B's and 1F1B-eager's forms where eager fits, "
+         "and keeps that schedule (several auto plans are now 1F1B-eager; pipetorch's hybrid-ps and daso plans "
+         "4x2, no longer dp's), and the tail walk starts a segment's all-reduce where its layers sit in each "
+         "owner's backward (a stage's last layers first). Left: "
+         "DASO's posted global average, every 4th iteration, holds the NICs the pipelines' transfers cross (nvlink-"
+         "nodes 16x2: its inter-node phase holds a0's NIC 0.74 s, stage 0 waits as long for its first gradient: "
+         "1.68 s instead of 0.96 s; cloud-mixed alike), and wsp's exchange shares them at half rate with the "
+         "activations, which under 1F1B sit in the cycle (cloud-mixed 4x2+4x3: 1.12 s per iteration from the second "
+         "on, 0.99 s for the first), neither in the closed form.")
 
 
 def load_case_cluster(name: str) -> Cluster:

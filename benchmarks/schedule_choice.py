@@ -1,8 +1,8 @@
 """Which schedule the planner keeps once it replays its best plans under each (simulated).
 
-The closed forms give 1F1B, 1F1B-eager and GPipe the same iteration time, so the search keeps
-1F1B, which holds the fewest activations; ``--schedule auto`` then replays the best candidate and
-its reverse under 1F1B-eager and GPipe where every stage still fits, and keeps the fastest
+``--schedule auto`` partitions for 1F1B, which holds the fewest activations, prices each candidate
+by the better of 1F1B's and 1F1B-eager's closed forms where eager fits, then replays the best candidate
+and its reverse under the other schedules where every stage still fits, and keeps the fastest
 (docs/planner.md, section 5). Per example cluster, model and batch: the plan chosen with the
 planner restricted to 1F1B (``schedule="1f1b"``) and with ``auto``, their simulated iterations, and the
 largest stage's predicted memory of each against its device's.

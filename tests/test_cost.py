@@ -13,6 +13,8 @@ from hetrain.cost import (
     LOSS_KEPT_OUTPUTS,
     ZERO2_IN_FLIGHT_BYTES,
     allreduce_shape,
+    estimate_1f1b_period,
+    estimate_1f1b_pipeline_time,
     estimate_allreduce,
     estimate_blocking_pipeline_time,
     estimate_hierarchical_allreduce_time,
@@ -57,6 +59,27 @@ def test_pipeline_closed_form() -> None:
     assert estimate_pipeline_time([2.0, 0.5, 3.0, 1.0], 4) == pytest.approx(15.5)
     with pytest.raises(ValueError, match="micro-batch count"):
         estimate_pipeline_time([1.0], 0)
+
+
+def test_one_f_one_b_closed_form_by_hand() -> None:
+    # stages 2, 3, 1 s, transfers 0.5 and 1 s (activation + gradient), 8 micro-batches. Cycles: stage 1 alone 3;
+    # stages 0-1: (2 + 0.5 + 3) / 2 = 2.75; 1-2: (3 + 1 + 1) / 2 = 2.5; 0-2: (6 + 1.5) / 3 = 2.5. Period 3, as
+    # GPipe's; with a 2.5 s link between stages 1 and 2 the pair turns in (3 + 2.5 + 1) / 2 = 3.25 s
+    assert estimate_1f1b_period([2.0, 3.0, 1.0], [0.5, 1.0], 8) == pytest.approx(3.0)
+    assert estimate_1f1b_period([2.0, 3.0, 1.0], [0.5, 2.5], 8) == pytest.approx(3.25)
+    assert estimate_1f1b_pipeline_time([2.0, 3.0, 1.0], [0.5, 2.5], 8) == pytest.approx(9.0 + 7 * 3.25)
+    # 4 stages of 1 s, links of 0.6 s: the whole pipeline's cycle, (4 + 1.8) / 4; under 1F1B-eager the cycles
+    # through the last stage hold one micro-batch more, and stages 0-2 bind: (3 + 1.2) / 3
+    assert estimate_1f1b_period([1.0] * 4, [0.6] * 3, 16) == pytest.approx(1.45)
+    assert estimate_1f1b_period([1.0] * 4, [0.6] * 3, 16, "1f1b-eager") == pytest.approx(1.4)
+    # 2 micro-batches: no stage but the last has a steady state (stage j's warm-up p - j - 1 > m - 2), no cycle
+    assert estimate_1f1b_period([1.0] * 4, [0.6] * 3, 2) == pytest.approx(1.0)
+    # no transfers: GPipe's form
+    assert estimate_1f1b_pipeline_time([2.0, 3.0, 1.0], [0.0, 0.0], 4) == estimate_pipeline_time([2.0, 3.0, 1.0], 4)
+    with pytest.raises(ValueError, match="2 links"):
+        estimate_1f1b_period([1.0] * 3, [0.5], 4)
+    with pytest.raises(ValueError, match="micro-batch count"):
+        estimate_1f1b_pipeline_time([1.0], [], 0)
 
 
 def test_in_flight_per_schedule() -> None:

@@ -16,7 +16,7 @@ import pytest
 import hetrain
 from hetrain.cli import main
 from hetrain.commands.plan_inputs import parse_time_budget
-from hetrain.cost import estimate_stage_memory, in_flight, tensor_budget, tp_rank_profile
+from hetrain.cost import estimate_1f1b_period, estimate_stage_memory, in_flight, tensor_budget, tp_rank_profile
 from hetrain.errors import InputError
 from hetrain.plan import Plan, load_plan
 from hetrain.planner import PlannerOptions, plan, search
@@ -28,7 +28,7 @@ from hetrain.planner.budget import (
     format_planner_report,
     simulation_size,
 )
-from hetrain.planner.search import REPORT_KEY, SIMULATE_AT_LEAST, candidate_plans
+from hetrain.planner.search import REPORT_KEY, SIMULATE_AT_LEAST, _as_schedule, candidate_plans
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "examples" / "clusters" / "pipetorch.toml"  # 8 devices: 7 candidates for gpt2-small at 64
@@ -338,3 +338,30 @@ def test_hetrain_plan_takes_the_eager_schedule_and_a_simulation_of_its_file_hold
     assert stopped.value.code == 2
     assert "invalid choice: '1f1b-lazy' (choose from 'auto', 'gpipe', '1f1b', '1f1b-eager')" in \
         capsys.readouterr().err
+
+
+def test_schedule_auto_prices_each_candidate_by_the_faster_of_1f1b_and_eager_and_keeps_that_form() -> None:
+    """Under ``auto`` a candidate partitioned for 1F1B is priced by 1F1B-eager's closed form where eager fits and
+    is faster (its cycles through the last stage turn once per micro-batch more, ``cost.estimate_1f1b_period``),
+    and keeps that schedule and that form; a variant replayed under another schedule is priced by its own form
+    (GPipe: the slowest stage or transfer), not the candidate's."""
+    cluster, profile = _instance()
+    opts = PlannerOptions(leave_out=False, time_budget_s=None)
+    found = search(cluster, profile, 64, opts)
+    assert "1f1b-eager" in {c.schedule for c in found}
+    for c in found:
+        for r in c.parts:
+            assert r.max_s == pytest.approx(estimate_1f1b_period(r.stage_s, r.link_s, r.m, c.schedule))
+        other = "1f1b" if c.schedule == "1f1b-eager" else "1f1b-eager"
+        variant = _as_schedule(cluster, profile, c, opts, other)
+        assert c.schedule == "1f1b" or variant is not None  # 1F1B holds less: it always fits where eager does
+        if variant is not None:  # the one kept is the faster form (a tie keeps 1F1B, which holds less)
+            assert c.score(opts) <= variant.score(opts) and (c.score(opts) < variant.score(opts)
+                                                             or c.schedule == "1f1b")
+        gpipe = _as_schedule(cluster, profile, c, opts, "gpipe")
+        if gpipe is not None:
+            assert gpipe.schedule == "gpipe"
+            assert [r.max_s for r in gpipe.parts] == [max(r.stage_s + r.link_s) for r in gpipe.parts]
+    best = search(cluster, profile, 64, opts)[0]
+    p = plan(cluster, profile, 64, leave_out=False, simulate_top_k=0, time_budget_s=None)
+    assert (p.schedule, p.prediction.iteration_s) == (best.schedule, pytest.approx(best.iteration_s))

@@ -277,11 +277,11 @@ def test_all_reduces_that_cut_in_are_not_charged_again_after_the_delayed_pipelin
     result = simulate(plan)
     # the all-reduces cut in: the replay's pipeline ends well after the closed form's (153 ms against 80 ms)
     assert result.pipeline_s > 1.5 * plan.prediction.pipeline_s
-    assert plan.prediction.iteration_s == pytest.approx(result.iteration_s, rel=0.02)
     # the runner-up (16 VWs x 4 stages): a segment released as its last owner's backward ends, when that
     # device sends its last gradient, goes behind the gradient: no cut-in (+5.1% when counted as one)
     assert [len(vw.stages) for vw in runner_up.virtual_workers] == [4] * 16
     assert runner_up.prediction.iteration_s == pytest.approx(simulate(runner_up).iteration_s, rel=0.02)
+    assert plan.prediction.iteration_s == pytest.approx(result.iteration_s, rel=0.02)
 
 
 def test_a_gradient_queues_behind_the_buckets_requested_before_it_only() -> None:
@@ -304,6 +304,26 @@ def test_a_gradient_queues_behind_the_buckets_requested_before_it_only() -> None
     assert estimate_tail(cluster, [job], waves) == pytest.approx((0.575, 1.25))
     assert estimate_tail(cluster, [job._replace(buckets=1)], waves) == pytest.approx((0.95, 1.25))
 
+
+
+def test_a_segment_of_a_stages_last_layers_is_ready_early_in_its_backward() -> None:
+    """The tail walk, by hand: a backward runs a stage's last layers first. Nodes a, b, c of one device, NICs of
+    100 MB/s; VW 0 a:0 -> b:0 (backward 0.2 s per stage, the gradient b:0 -> a:0 0.1 s), its last backward
+    starting at 0 on b:0; VW 1 c:0 alone, its last backward from 0.05 to 0.15. One segment of one bucket (ready
+    at the end of its layers' backward), 100 MB, owned by b:0, where it is the stage's last layers, half its
+    backward (``place`` (0, 0.5)), and c:0, where it is the whole stage: a ring over b's and c's NICs, 0.5 s per
+    phase. It is ready at max(0 + 0.1, 0.15) = 0.15, before b:0 sends its gradient (0.2)::
+
+        b NIC out  [RS 0.15-0.65][gradient 0.65-0.75][AG 0.75-1.25]     a:0 backward 0.75-0.95
+
+    With the segment at the stage's end (no ``place``) it was ready at 0.2, after the gradient: the pipeline
+    ended at 0.5 and the all-reduce at 1.3 (the 64-device plan below: 279 ms against the replay's 428)."""
+    cluster = cluster_of({"a": 1, "b": 1, "c": 1}, 1e8)
+    a0, b0, c0 = (device_index(cluster, n) for n in ("a:0", "b:0", "c:0"))
+    job = SegmentJob((b0, c0), 1e8, share=1.0, buckets=1, place=((0.0, 0.5), (0.0, 1.0)))
+    waves = [Wave((a0, b0), (0.2, 0.2), (0.1,), 0.0), Wave((c0,), (0.1,), (), 0.05)]
+    assert estimate_tail(cluster, [job], waves) == pytest.approx((0.95, 1.25))
+    assert estimate_tail(cluster, [job._replace(place=())], waves) == pytest.approx((0.5, 1.3))
 
 def cascade_plan(intra_bytes_per_s: float, layers: int, layer_bytes: float, first_bytes: float,
                  nic_latency_s: float = 1e-3) -> tuple[Plan, list[PartitionResult]]:

@@ -12,7 +12,11 @@ the activation + gradient transfer over the actual link between positions j-1
 and j (Pipe-Torch's point: cut where the link is fast or the activation small).
 Where the runtime's transfers block (sync option ``transfers=blocking``) a stage
 is held by the transfers on both its sides, and the bottleneck term becomes
-``max_j (t_j + c_j + c_{j+1})`` (cost.estimate_blocking_pipeline_time).
+``max_j (t_j + c_j + c_{j+1})`` (cost.estimate_blocking_pipeline_time). The cuts found are priced
+by their schedule's own form (``PartitionResult.max_s``): under 1F1B the bottleneck is the steady
+state's period, in which each transfer sits in the cycle of the stages on its two sides
+(cost.estimate_1f1b_period, at least ``max_j t_j``); the search keeps GPipe's per-stage terms, whose
+caps a min-sum DP can enforce stage by stage, where a cycle's mean spans several stages.
 
 ``f`` mixes a sum and a max, so a single min-sum or min-max DP is not exact.
 We enumerate the bottleneck: for a cap ``T`` on every stage and transfer, a
@@ -33,12 +37,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from hetrain.cluster import Cluster, Device
-from hetrain.cost import in_flight
+from hetrain.cost import estimate_1f1b_period, in_flight
 from hetrain.planner.stage_cost import (
     INF,
     KindTables,
@@ -62,7 +66,10 @@ class PartitionResult:
         stage_s: per stage, forward + backward seconds per micro-batch.
         forward_s / backward_s: per stage, split of ``stage_s``.
         link_s: per boundary j (between stage j-1 and j, j >= 1), transfer seconds.
-        sum_s / max_s: the sum and the max of all stage and transfer times.
+        sum_s: the sum of all stage and transfer times.
+        max_s: the bottleneck, seconds per micro-batch after the first: the slowest stage or transfer under
+            GPipe, 1F1B's steady-state period (``cost.estimate_1f1b_period``), or under blocking transfers
+            the slowest stage with the transfers on both its sides.
         pipeline_s: ``sum_s + (m - 1) * max_s``.
         exact: whether every candidate cap was tried.
     """
@@ -318,7 +325,7 @@ def partition(cluster: Cluster, profile: ModelProfile, devices: Sequence[Device]
         return None
     f0, cuts_full = full
     if full_recompute:
-        return _result_full(devices, kinds, kind_of, n[:, 0, 0], links, cuts_full, m, b, blocking)
+        return _result_full(devices, kinds, kind_of, n[:, 0, 0], links, cuts_full, m, b, schedule, blocking)
     stages = build_stage_costs(profile, devices, b, m, schedule, optimizer, allow_recompute, cache, reduce_copy,
                                shares)
     s_lb = float(np.min(np.stack([s.fwd_s + s.bwd_s for s in stages]), axis=0).sum())
@@ -338,11 +345,13 @@ def partition(cluster: Cluster, profile: ModelProfile, devices: Sequence[Device]
     assert unconstrained is not None  # t_star finite implies a feasible cut
     caps, exact = _caps(peak, t_star, max_caps)
     best = _best_cuts(cost, peak, rows, caps, unconstrained[0], m)
-    return _result(devices, stages, links, best, m, b, full_recompute=False, exact=exact, blocking=blocking)
+    return _result(devices, stages, links, best, m, b, schedule, full_recompute=False, exact=exact,
+                   blocking=blocking)
 
 
 def _result_full(devices: Sequence[Device], kinds: KindTables, kind_of: Sequence[int], n: np.ndarray,
-                 links: np.ndarray, cuts: Sequence[int], m: int, b: int, blocking: bool = False) -> PartitionResult:
+                 links: np.ndarray, cuts: Sequence[int], m: int, b: int, schedule: str,
+                 blocking: bool = False) -> PartitionResult:
     """The PartitionResult of ``cuts`` with full recomputation where a stage needs any (screening)."""
     p = len(devices)
     L = kinds.layer_s.shape[1]
@@ -365,21 +374,32 @@ def _result_full(devices: Sequence[Device], kinds: KindTables, kind_of: Sequence
     return PartitionResult(
         devices=tuple(devices), cuts=tuple(cuts), recompute=tuple(rcs), stage_s=tuple(stage_s),
         forward_s=tuple(fwd), backward_s=tuple(bwd), link_s=tuple(link_s),
-        sum_s=float(sum(stage_s) + sum(link_s)), max_s=_max_term(stage_s, link_s, blocking), m=m, b=b, exact=False,
+        sum_s=float(sum(stage_s) + sum(link_s)), max_s=_max_term(stage_s, link_s, blocking, schedule, m), m=m, b=b,
+        exact=False,
     )
 
 
-def _max_term(stage_s: list[float], link_s: list[float], blocking: bool) -> float:
-    """The bottleneck: the slowest stage or link; under blocking transfers, the slowest stage with the links
-    on both its sides (``cost.estimate_blocking_pipeline_time``)."""
+def _max_term(stage_s: list[float], link_s: list[float], blocking: bool, schedule: str, m: int) -> float:
+    """The bottleneck: the slowest stage or link (GPipe); under 1F1B, the steady state's period, where each
+    link sits in the cycle of the stages on its sides (``cost.estimate_1f1b_period``); under blocking
+    transfers, the slowest stage with the links on both its sides (``cost.estimate_blocking_pipeline_time``)."""
     if not blocking:
-        return float(max(stage_s + link_s))
+        if schedule == "gpipe":
+            return float(max(stage_s + link_s))
+        return estimate_1f1b_period(stage_s, link_s, m, schedule)
     c = [0.0, *link_s, 0.0]
     return float(max(t + c[j] + c[j + 1] for j, t in enumerate(stage_s)))
 
 
+def priced_as(r: PartitionResult, schedule: str, blocking: bool = False) -> PartitionResult:
+    """``r``'s cuts priced by ``schedule``'s form (``_max_term``): the same stages and transfers, the bottleneck of
+    that schedule."""
+    max_s = _max_term(list(r.stage_s), list(r.link_s), blocking, schedule, r.m)
+    return r if max_s == r.max_s else replace(r, max_s=max_s)
+
+
 def _result(devices: Sequence[Device], stages: list[StageCosts], links: np.ndarray, cuts: Sequence[int], m: int,
-            b: int, full_recompute: bool, exact: bool, blocking: bool = False) -> PartitionResult:
+            b: int, schedule: str, full_recompute: bool, exact: bool, blocking: bool = False) -> PartitionResult:
     """The PartitionResult of ``cuts`` over the given stage tables."""
     p = len(devices)
     fwd, bwd, stage_s, rcs = [], [], [], []
@@ -395,6 +415,6 @@ def _result(devices: Sequence[Device], stages: list[StageCosts], links: np.ndarr
     return PartitionResult(
         devices=tuple(devices), cuts=tuple(cuts), recompute=tuple(rcs), stage_s=tuple(stage_s),
         forward_s=tuple(fwd), backward_s=tuple(bwd), link_s=tuple(link_s),
-        sum_s=float(sum(stage_s) + sum(link_s)), max_s=_max_term(stage_s, link_s, blocking), m=m, b=b,
+        sum_s=float(sum(stage_s) + sum(link_s)), max_s=_max_term(stage_s, link_s, blocking, schedule, m), m=m, b=b,
         exact=exact,
     )

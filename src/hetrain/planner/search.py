@@ -20,8 +20,8 @@ Within a time budget (``PlannerOptions.time_budget_s``, ``hetrain plan --time-bu
         whose optimistic score beats the best found, within EXTRA_SEARCH_SHARE of the budget
         ─► simulate the best candidates, one at a time, while the next one's estimated cost
            (the dearest simulation so far per unit of plan size) fits in what is left: the best, its
-           pipelines reversed, each of the two under 1F1B-eager and GPipe where they fit memory (schedule
-           auto), the rest
+           pipelines reversed, each of the two under the other schedules of 1F1B, 1F1B-eager and GPipe where
+           they fit memory (schedule auto), the rest
         ─► the robust draws and the sync-mode choice, where their simulations fit too
 
 Screening always runs, and the exact search of at least the best screened candidate (no plan
@@ -77,7 +77,7 @@ from hetrain.plan import (
 )
 from hetrain.planner.budget import PlannerReport, TimeBudget
 from hetrain.planner.formation import Formation, build_formations
-from hetrain.planner.partition import PartitionResult, partition
+from hetrain.planner.partition import PartitionResult, partition, priced_as
 from hetrain.planner.robust import DRAWS, SEED, has_spread, rank_robust
 from hetrain.planner.shards import lighten_segments, reprice, size_shards
 from hetrain.planner.sharing import estimate_pipeline_traffic, estimate_shared_pipeline_times
@@ -142,7 +142,7 @@ class PlannerOptions:
         exhaustive_devices: clusters this small also try every set partition.
         refine_top_k: search this many best screened candidates exactly.
         simulate_top_k: re-rank at most this many best candidates (and the best one's reversed pipelines, and
-            under schedule ``auto`` the two under 1F1B-eager and GPipe where they fit memory) by the scoring
+            under schedule ``auto`` the two under the other schedules where they fit memory) by the scoring
             function, where one is given (0: off); None: as many as ``time_budget_s`` allows, at least
             SIMULATE_AT_LEAST where it allows, at most SIMULATE_AT_MOST, and none past the first that the closed
             form says cannot win (PLAUSIBLE_FRACTION).
@@ -359,7 +359,24 @@ def _evaluate(cluster: Cluster, profile: ModelProfile, formation: Formation, sch
         pos = {d.index: q for q, d in enumerate(evaluators[sigs[v]].devices)}
         mapped = tuple(canon[pos[d.index]] for d in r.devices)
         parts.append(replace(r, devices=mapped))
-    return _assemble(cluster, profile, formation, schedule, global_batch, parts, split, opts)
+    return _eager_if_faster(cluster, profile, _assemble(cluster, profile, formation, schedule, global_batch, parts,
+                                                        split, opts), opts)
+
+
+def _eager_if_faster(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: PlannerOptions) -> Candidate:
+    """Under schedule ``auto``, ``c`` (planned for 1F1B) under 1F1B-eager where every stage fits that and its
+    closed form is faster, priced by that form; else ``c``. Eager's one more micro-batch in flight on every stage
+    but the last lets each cycle through the last stage turn once per micro-batch more (``cost.estimate_1f1b_period``):
+    where a transfer sets 1F1B's period, eager's is shorter, and only there is the candidate priced twice."""
+    if opts.schedule != "auto" or c.schedule != "1f1b" or opts.sync_options.transfers == "blocking":
+        return c
+    if all(r.max_s <= max(r.stage_s) for r in c.parts):  # every period at its slowest stage: eager's is no shorter
+        return c
+    # a pipeline no shorter under eager's form leaves the candidate's time as it is: no memory check, no sync
+    if max(estimate_shared_pipeline_times(cluster, [priced_as(r, "1f1b-eager") for r in c.parts])) >= c.pipeline_s:
+        return c
+    eager = _as_schedule(cluster, profile, c, opts, "1f1b-eager")
+    return eager if eager is not None and eager.score(opts) < c.score(opts) else c
 
 
 def _assemble(cluster: Cluster, profile: ModelProfile, formation: Formation, schedule: str, global_batch: int,
@@ -405,6 +422,7 @@ def reversed_orders(cluster: Cluster, profile: ModelProfile, c: Candidate, opts:
     """
     parts: list[PartitionResult] = []
     done: dict[tuple[object, ...], PartitionResult | None] = {}  # VWs alike in figures and links: one partition
+    planned = "1f1b" if opts.schedule == "auto" else c.schedule  # what the search partitions for (_search)
     for r in c.parts:
         if len(r.devices) < 2 or len({d.type_name for d in r.devices}) < 2:
             parts.append(r)
@@ -416,7 +434,7 @@ def reversed_orders(cluster: Cluster, profile: ModelProfile, c: Candidate, opts:
                tuple((float(cluster.bandwidth_bytes_per_s[a, b]), float(cluster.latency_s[a, b]))
                      for a, b in itertools.pairwise(idx)))
         if key not in done:
-            done[key] = partition(cluster, profile, devices, r.b, r.m, c.schedule, opts.optimizer,
+            done[key] = partition(cluster, profile, devices, r.b, r.m, planned, opts.optimizer,
                                   opts.allow_recompute, opts.max_caps,
                                   reduce_copy=_reduce_copy(opts, len(c.parts)), shares=_shares(opts, len(c.parts)))
         flipped = done[key]
@@ -425,7 +443,8 @@ def reversed_orders(cluster: Cluster, profile: ModelProfile, c: Candidate, opts:
         parts.append(replace(flipped, devices=devices))
     if all(a is b for a, b in zip(parts, c.parts, strict=True)):
         return None
-    return _assemble(cluster, profile, c.formation, c.schedule, c.global_batch, parts, c.mini_batches, opts)
+    return _eager_if_faster(cluster, profile, _assemble(cluster, profile, c.formation, planned, c.global_batch, parts,
+                                                        c.mini_batches, opts), opts)
 
 
 def _to_plan(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: PlannerOptions,
@@ -628,8 +647,10 @@ def _search(cluster: Cluster, profile: ModelProfile, global_batch: int, opts: Pl
     if not formations:
         raise PlannerError(_no_arrangement(opts.strategy, profile.num_layers, cluster.num_devices))
     _check_batch_fills_vws(cluster, formations, global_batch, opts)
-    # GPipe and 1F1B share the closed-form time, and 1F1B holds min(m, p - j) <= m
-    # micro-batches per stage, so under "auto" 1F1B dominates; GPipe when asked.
+    # 1F1B holds min(m, p - j) <= m micro-batches per stage, so under "auto" the search partitions for 1F1B and
+    # prices each candidate by the better of 1F1B's and 1F1B-eager's forms where eager fits (_eager_if_faster:
+    # each transfer in its cycle, cost.estimate_1f1b_period); the simulator replays the best under the other
+    # schedules too (_simulate_best).
     schedules = ("1f1b",) if opts.schedule == "auto" else (opts.schedule,)
     batches = sorted({global_batch, *opts.global_batch_choices}) if opts.objective == "time-to-accuracy" \
         else [global_batch]
@@ -1177,11 +1198,12 @@ def _simulate_best(cluster: Cluster, profile: ModelProfile, found: list[Candidat
         return [], "time budget", {}
     head: list[Candidate] = found[:cap]
     flipped = reversed_orders(cluster, profile, head[0], opts)
-    # the best and its reverse, then each of them under 1F1B-eager and GPipe where every stage still fits
-    # (schedule auto), then the rest: the closed forms price all three alike, a simulation does not (_as_schedule)
+    # the best and its reverse, then each of them under the other schedules of AUTO_VARIANTS where every stage
+    # still fits (schedule auto), each priced by its own closed form, then the rest: a simulation tells them apart
     bases = [c for c in (head[0], flipped) if c is not None]
-    replays = [v for schedule in AUTO_VARIANTS for c in bases
-               if (v := _as_schedule(profile, c, opts, schedule)) is not None] if opts.schedule == "auto" else []
+    replays = [v for schedule in AUTO_VARIANTS for c in bases if schedule != c.schedule
+               and (v := _as_schedule(cluster, profile, c, opts, schedule)) is not None] \
+        if opts.schedule == "auto" else []
     candidates = [*head, *bases[1:], *replays]
     order = [0, *range(len(head), len(candidates)), *range(1, len(head))]
     timed = budget.timed(score)
@@ -1207,39 +1229,47 @@ def _simulate_best(cluster: Cluster, profile: ModelProfile, found: list[Candidat
     return [done[q] for q in sorted(done)], stopped_by, {id(p.virtual_workers): candidates[q] for q, p in done.items()}
 
 
-#: the schedules ``--schedule auto`` also replays its best candidates under, in this order (a tie keeps the first
-#: simulated: 1F1B, then these, each holding more activations than the one before)
-AUTO_VARIANTS = ("1f1b-eager", "gpipe")
+#: the schedules ``--schedule auto`` replays its best candidates under (each but the candidate's own), in this
+#: order (a tie keeps the first simulated: the candidate, then these, each holding more activations than the one
+#: before)
+AUTO_VARIANTS = ("1f1b", "1f1b-eager", "gpipe")
 
 
-def _as_schedule(profile: ModelProfile, c: Candidate, opts: PlannerOptions, schedule: str) -> Candidate | None:
-    """``c`` (a 1F1B candidate) under ``schedule`` on the same partitions, recompute sets and micro-batches,
-    where it holds more activations somewhere and every stage still fits its device's tensor budget; else None.
+def _as_schedule(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: PlannerOptions,
+                 schedule: str) -> Candidate | None:
+    """``c`` (partitioned for 1F1B, run under 1F1B or 1F1B-eager) under ``schedule`` on the same partitions,
+    recompute sets and micro-batches, priced by that schedule's closed form, where it holds other activations
+    somewhere and every stage still fits its device's tensor budget; else None.
 
-    The closed forms give 1F1B, 1F1B-eager and GPipe the same time (``sum + (m - 1) max``), so the search keeps
-    1F1B, which holds the fewest activations. A simulation tells them apart: 1F1B's steady state alternates one
+    The search plans for 1F1B, which holds the fewest activations, and prices each candidate by the better of
+    1F1B's and 1F1B-eager's forms (``_eager_if_faster``; their transfers in their cycles,
+    ``cost.estimate_1f1b_period``). A simulation tells them apart better: 1F1B's steady state alternates one
     forward and one backward, so a stage waits for the gradient of a micro-batch it sent out one round trip
     earlier, and every transfer and every difference between stages' speeds lands on that round trip;
     1F1B-eager holds one micro-batch more for slack, GPipe's forwards and backwards each flow one way. On
     ``examples/clusters/pipetorch.toml`` (gpt2-small, batch 16) the chosen spread-2 plan simulates to 148.9 ms
     under 1F1B, 140.0 under 1F1B-eager and 143.4 under GPipe.
     """
-    if c.schedule != "1f1b":
+    if c.schedule not in ("1f1b", "1f1b-eager") or schedule == c.schedule:
         return None
     copies = _reduce_copy(opts, len(c.parts))
     state_share, grad_share = _shares(opts, len(c.parts))
-    more = False
+    other = False
     for r in c.parts:
         p = len(r.devices)
         for j, d in enumerate(r.devices):
             n = in_flight(schedule, r.m, p, j)
-            more = more or n > in_flight(c.schedule, r.m, p, j)
+            other = other or n != in_flight(c.schedule, r.m, p, j)
             need = estimate_stage_memory(profile, r.cuts[j], r.cuts[j + 1], r.recompute[j], r.b, n,
                                          opts.optimizer, reduce_copy=copies, state_share=state_share,
                                          grad_share=grad_share, micro_batches=r.m)
             if need > tensor_budget(profile, d):
                 return None
-    return replace(c, schedule=schedule) if more else None
+    if not other:
+        return None
+    blocking = opts.sync_options.transfers == "blocking"
+    parts = [priced_as(r, schedule, blocking) for r in c.parts]
+    return _assemble(cluster, profile, c.formation, schedule, c.global_batch, parts, c.mini_batches, opts)
 
 
 def _objective(opts: PlannerOptions, global_batch: int, iteration_s: float) -> float:

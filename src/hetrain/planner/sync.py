@@ -32,7 +32,7 @@ from hetrain.cost import (
     estimate_samples_to_accuracy_factor,
 )
 from hetrain.plan import Plan
-from hetrain.planner.partition import PartitionResult
+from hetrain.planner.partition import PartitionResult, priced_as
 from hetrain.planner.sharing import (
     PipelineTraffic,
     SegmentJob,
@@ -107,6 +107,7 @@ def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequenc
     tail: dict[int, float] = {}
     jobs: list[SegmentJob] = []
     layer_bytes = [x.param_bytes for x in profile.layers]
+    stage_of = {d: (k, l) for layout in layouts for d, k, l in layout}  # device -> its stage's layers
     for s, (first, end, owners) in enumerate(build_segments(profile.num_layers, layouts)):
         if len(owners) < 2:
             continue
@@ -118,14 +119,14 @@ def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequenc
             cut = cut_buckets_exact if bucket_cut == "exact" else cut_buckets
             cuts = cut(layer_bytes, first, end, first_bucket_bytes, bucket_bytes)
             job, t = _bucketed_job(cluster, profile, job, first, end, num_bytes, cuts, bucket_cut == "exact",
-                                   seg_wire)
+                                   seg_wire, [stage_of[d] for d in owners])
         last = t if num_bytes <= bucket_bytes else estimate_allreduce_time(cluster, owners, bucket_bytes * seg_wire)
         for d in owners:
             per_device[d] = per_device.get(d, 0.0) + t
             by_device.setdefault(d, []).append((len(jobs), t))
             tail[d] = max(tail.get(d, 0.0), last)
         jobs.append(job)
-    released = [j._replace(lead_s=_segment_lead(j.owners, lead_s, hide_s, j.share)) for j in jobs]
+    released = [j._replace(lead_s=_segment_lead(j, lead_s, hide_s)) for j in jobs]
     shared, delay = estimate_shared_sync_time(cluster, released, traffic)
     if hide_s is None or lead_s is None:
         return max(max(per_device.values(), default=0.0), shared)
@@ -141,7 +142,8 @@ def estimate_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequenc
 
 
 def _bucketed_job(cluster: Cluster, profile: ModelProfile, job: SegmentJob, first: int, end: int, num_bytes: float,
-                  cuts: Sequence[tuple[float, float, float]], exact: bool, wire: float) -> tuple[SegmentJob, float]:
+                  cuts: Sequence[tuple[float, float, float]], exact: bool, wire: float,
+                  stages: Sequence[tuple[int, int]]) -> tuple[SegmentJob, float]:
     """Segment ``[first, end)``'s all-reduce (``job``, of ``num_bytes`` of gradients) bucket by bucket, as ``cuts``
     (last layers first) cut it:
     the job with its scale, its first bucket's share of the backward, its bucket count and algorithm, and its
@@ -164,7 +166,15 @@ def _bucketed_job(cluster: Cluster, profile: ModelProfile, job: SegmentJob, firs
     seg_s = float(g[first:end].sum())
     before = float(g[int(cuts[0][0]):end].sum()) if not exact else backward_after(g, cuts[0][0], end)
     share = before / seg_s if seg_s > 0 else cuts[0][2] / num_bytes
-    return job._replace(scale=by_bucket / whole, share=share, buckets=len(cuts), algorithm=algorithm), by_bucket
+    # each owner's stage [k, l) runs the backward of l-1 down to k: the segment's layers begin theirs after those of
+    # [end, l) (the same device's figures as ``share``: the stages' shares, not their seconds)
+    prefix = np.concatenate([[0.0], np.cumsum(g)])
+    place = []
+    for k, l in stages:
+        stage_s = float(prefix[l] - prefix[k])
+        place.append((float(prefix[l] - prefix[end]) / stage_s, seg_s / stage_s) if stage_s > 0 else (0.0, 1.0))
+    return job._replace(scale=by_bucket / whole, share=share, buckets=len(cuts), algorithm=algorithm,
+                        place=tuple(place)), by_bucket
 
 
 def _estimate_delayed_own(cluster: Cluster, jobs: Sequence[SegmentJob], traffic: PipelineTraffic,
@@ -199,14 +209,13 @@ def _estimate_delayed_own(cluster: Cluster, jobs: Sequence[SegmentJob], traffic:
     return best
 
 
-def _segment_lead(owners: Sequence[int], lead_s: Mapping[int, float] | None, hide_s: Mapping[int, float] | None,
-                  share: float) -> float:
+def _segment_lead(job: SegmentJob, lead_s: Mapping[int, float] | None, hide_s: Mapping[int, float] | None) -> float:
     """Seconds before the pipeline's end a segment's all-reduce can start: when the last of its owners has
     the first bucket ready, ``share`` into its last backward (``hide_s``), which starts ``lead_s`` before."""
     if lead_s is None:
         return 0.0
     hide = hide_s or {}
-    return min(lead_s.get(d, 0.0) - share * hide.get(d, 0.0) for d in owners)
+    return min(lead_s.get(d, 0.0) - job.share * hide.get(d, 0.0) for d in job.owners)
 
 
 def estimate_local_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout]) -> float:
@@ -572,10 +581,12 @@ def plan_layouts(plan: Plan) -> list[list[tuple[int, int, int]]]:
 def plan_traffic(plan: Plan) -> PipelineTraffic:
     """What ``plan``'s pipelines put on the links and when each device's last backward starts
     (``planner.sharing.estimate_pipeline_traffic``), from its stages' predicted figures: the closed forms'
-    view of a plan made earlier, so that a re-prediction counts sharing as the planner did."""
+    view of a plan made earlier, so that a re-prediction counts sharing as the planner did: each pipeline priced
+    by its schedule's form (``partition.priced_as``)."""
     cluster, profile = plan.cluster, plan.profile
     index = {d.name: d.index for d in cluster.devices}
     parts = []
+    blocking = plan.sync_options.transfers == "blocking"
     for vw in plan.virtual_workers:
         devices = tuple(cluster.devices[index[s.device]] for s in vw.stages)
         b = vw.micro_batch_size
@@ -583,11 +594,11 @@ def plan_traffic(plan: Plan) -> PipelineTraffic:
                                              cluster.link(x.index, y.index))
                        for s, x, y in zip(vw.stages, devices, devices[1:], strict=False))
         stage_s = tuple(s.predicted_forward_s + s.predicted_backward_s for s in vw.stages)
-        parts.append(PartitionResult(
+        parts.append(priced_as(PartitionResult(
             devices, (*(s.first_layer for s in vw.stages), vw.stages[-1].end_layer),
             tuple(s.recompute for s in vw.stages), stage_s, tuple(s.predicted_forward_s for s in vw.stages),
             tuple(s.predicted_backward_s for s in vw.stages), link_s, sum(stage_s) + sum(link_s),
-            max(stage_s + link_s), vw.micro_batches, b, True))
+            max(stage_s + link_s), vw.micro_batches, b, True), plan.schedule, blocking))
     return estimate_pipeline_traffic(cluster, parts, estimate_shared_pipeline_times(cluster, parts))
 
 
