@@ -5,11 +5,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 from collections.abc import Callable, Iterator
 
 import pytest
+import worker_ranks
 from worker_ranks import Rank, fork_server, start_fork_server
 
 Spawn = Callable[..., subprocess.Popen]
@@ -57,11 +57,8 @@ def fork_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[li
 
 @pytest.fixture
 def free_port() -> Callable[[], int]:
-    def pick() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return int(s.getsockname()[1])
-    return pick
+    """``free_port()``: a port nothing listens on now (``worker_ranks.free_port``)."""
+    return worker_ranks.free_port
 
 
 @pytest.fixture

@@ -195,6 +195,11 @@ class Health:
                 out[r] = beat
         return out
 
+    @property
+    def stale_s(self) -> float:
+        """How long a rank may go without a beat before it counts as silent (dead, stopped or hung)."""
+        return 2.5 * self.period_s
+
     def hosts_store(self) -> bool:
         """Whether this process serves the job store: rank 0 unless torchrun's agent serves it."""
         return hosts_store(self.rank)
@@ -209,7 +214,7 @@ class Health:
 
         def all_told() -> bool:
             beats = self._beats() or {}
-            silent = {r for r, beat in beats.items() if beat.age_s > 2.5 * self.period_s}
+            silent = {r for r, beat in beats.items() if beat.age_s > self.stale_s}
             return others <= silent | set(self.posted_errors())
 
         poll(all_told, grace_s)
@@ -223,7 +228,6 @@ class Health:
         """
         if self.store is None:
             return None
-        stale_s = 2.5 * self.period_s
         found: list[str] = []
 
         def culprit() -> bool:
@@ -233,7 +237,7 @@ class Health:
                 found.append(f"{self.name(r)} failed: {errors[r].splitlines()[0]}")
                 return True
             beats = self._beats() or {}
-            silent = sorted((r for r, beat in beats.items() if r != self.rank and beat.age_s > stale_s),
+            silent = sorted((r for r, beat in beats.items() if r != self.rank and beat.age_s > self.stale_s),
                             key=lambda r: -beats[r].age_s)
             if silent:
                 r = silent[0]
@@ -276,7 +280,7 @@ class Health:
         text = f"{self.name(self.rank)}: {message}"
         if cause is not None:
             text += f"\n  cause: {first_line(cause)}"
-        described = self.describe(ranks, stale_s=2.5 * self.period_s)
+        described = self.describe(ranks, stale_s=self.stale_s)
         if described:
             text += "\n" + described
         return PeerError(text)
