@@ -373,7 +373,17 @@ def main(argv: list[str] | None = None) -> int:
                          "micro-batch from 1) on the data's own profiles")
     args = ap.parse_args(argv)
     if args.extrapolation:
-        print(extrapolation(args.data))
+        text = extrapolation(args.data)
+        print(text)
+        if args.results:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from _results import write_section
+            write_section("Real clusters: the import's extrapolation rules (issue 36)",
+                          "python benchmarks/real_cluster_accuracy.py --data DIR --extrapolation --results", text,
+                          "DIR: the development set (the Sailor project's artifact, github.com/eth-easl/sailor, "
+                          "revision cf2c8e3, MIT). Each rule of hetrain.imports.sailor for a profile measured forward "
+                          "only or at micro-batch 1 (docs/measured-runs.md), against the data's own measured times, "
+                          "and every plan rescored on profiles stripped to what the rule needs. No constant fitted.")
         return 0
     if args.fit:
         print(fit(args.data).runtime)
