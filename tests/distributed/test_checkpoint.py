@@ -546,6 +546,39 @@ def test_a_full_disk_stops_every_rank_with_the_same_named_cause(small_disk, fork
         assert meta == {"step": step}
 
 
+def test_the_store_host_returns_from_a_save_only_once_every_rank_has_seen_it_complete(tmp_path, fork_rank,
+                                                                                        clean_env, free_port):
+    """Rank 0 serves the store and exits the moment its last save returns; rank 1 polls the store slowly
+    (as a rank starved of CPU does): it must still see the save complete, not lose the store."""
+    port = free_port()
+    ranks = [fork_rank([__file__, "last_save", str(tmp_path)], rank_env(clean_env, r, 2, port)) for r in range(2)]
+    for r, p in enumerate(ranks):
+        stdout, stderr = p.communicate(timeout=60)
+        assert p.returncode == 0, f"rank {r}:\n{stdout}\n{stderr[-3000:]}"
+        assert stdout.splitlines() == [f"rank {r} saved step 10"]
+    want, want_state = stage(range(N_LAYERS))
+    got, got_state, _ = load_checkpoint(tmp_path, list(want), step=10)
+    assert_same(got, want)
+    assert_same(got_state, want_state)
+
+
+def _last_save(directory: Path, rank: int) -> None:
+    """Rank 1 looks at the store only every 1.5 s; rank 0 leaves the process (and the store) at once after the save."""
+    import hetrain.distributed.barrier as barrier
+
+    if rank == 1:
+        poll = barrier.poll
+
+        def slow_poll(*args: Any, **kwargs: Any) -> bool:
+            time.sleep(1.5)
+            return poll(*args, **kwargs)
+        barrier.poll = slow_poll  # type: ignore[assignment]
+    tensors, state = stage(range(4 * rank, 4 * rank + 4))
+    save_checkpoint(directory, 10, tensors, state, {"step": 10}, timeout_s=20)
+    print(f"rank {rank} saved step 10", flush=True)
+    os._exit(0)
+
+
 def _full_disk(directory: Path, rank: int) -> None:
     """Each rank holds four layers; a big buffer in a rank's last layer overflows the disk."""
     tensors, state = stage(range(4 * rank, 4 * rank + 4))
@@ -594,6 +627,8 @@ def _worker(mode: str, directory: Path) -> None:
         return
     if mode == "resume":
         _resume(directory)
+    if mode == "last_save":
+        _last_save(directory, rank)
     if mode == "failures":
         tensors, state = stage(range(2))
         t0 = time.monotonic()

@@ -285,6 +285,7 @@ class Trainer:
             except DriftSwitch as e:  # the used ranks switch plans (runtime.lifecycle.drift_watch)
                 leave_together(self.health, e.step, self.timeout_s)
                 raise
+            self._events.leave()
             return []
         start_step = self.step
         log = (MetricsLog(self.metrics_out, self.tensorboard_dir, self.progress, steps, start_step,
@@ -309,6 +310,7 @@ class Trainer:
             if log is not None:
                 log.close()
         self._events.post({"kind": "done"})
+        self._events.leave()
         return out
 
     def _peer_failure(self, e: BaseException) -> PeerError | None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from hetrain.distributed.barrier import Barrier, BarrierError
 from hetrain.distributed.health import PeerError, beat_counter
+from hetrain.distributed.store import hosts_store
 from hetrain.runtime.lifecycle.drift_watch import DriftSwitch
 from hetrain.runtime.lifecycle.job import Job
 from hetrain.runtime.state.checkpoint import save_checkpoint
@@ -36,6 +37,7 @@ class JobEvents:
         self.job = job
         self.checkpoint_dir = checkpoint_dir
         self.count = 0  # events posted (reporting rank) or read (unused rank)
+        self.fits = 0  # fits ended (``leave``)
 
     def post(self, event: dict[str, Any]) -> None:
         """On the reporting rank: tell unused ranks what to join (checkpoint writes) or that training is done."""
@@ -46,6 +48,30 @@ class JobEvents:
             Barrier(job.health.store, job.rank, job.world, job.timeout_s).arrive(f"event/{self.count}",
                                                                                 json.dumps(event))
         self.count += 1
+
+    def leave(self) -> None:
+        """On every rank, at the end of a fit: say so. The rank that serves the job's store (rank 0, unless
+        torchrun's agent serves it) then waits for every other rank: returning at once, its process could
+        exit and take the store with it while a peer still polls it for the last event or checkpoint.
+
+        Raises:
+            PeerError: a rank posted an error, or fell silent for ``timeout_s`` before leaving (named).
+        """
+        job, store = self.job, self.job.health.store
+        if store is None or job.world == 1:
+            return
+        key = f"left/{self.fits}"
+        self.fits += 1
+        barrier = Barrier(store, job.rank, job.world, job.timeout_s, beats=beat_counter(store), name=job.health.name)
+        barrier.arrive(key)
+        if not hosts_store(job.rank):
+            return
+        others = [r for r in range(job.world) if r != job.rank]
+        try:
+            barrier.wait(key, "the end of training (this rank serves the job's store)", ranks=others)
+        except BarrierError as e:
+            raise job.health.peer_error("waiting for every rank to end training", e.late or e.silent or others,
+                                        e) from None
 
     def idle(self, step: int) -> int:
         """On an unused rank: join each checkpoint write until training is done; returns the last step joined.

@@ -78,7 +78,7 @@ import torch
 import torch.distributed as dist
 
 from hetrain.distributed.barrier import Barrier, BarrierError
-from hetrain.distributed.store import JobStore, StoreError
+from hetrain.distributed.store import JobStore, StoreError, hosts_store
 from hetrain.distributed.work import first_line
 from hetrain.errors import RunError
 from hetrain.units import format_bytes
@@ -566,7 +566,8 @@ class _Rendezvous:
     Without torch.distributed (or with one rank) every method is immediate. Keys live in the job
     store (``hetrain.distributed.store``) under ``checkpoint/{k}/``, ``k`` counting this process's
     saves (the same on every rank, since a save is collective): ``arrived/{rank}`` (that rank's
-    report), ``done/0`` (rank 0, once ``step-N/`` is in place), ``error/{rank}`` (an error a rank
+    report), ``done/0`` (rank 0, once ``step-N/`` is in place), ``left/{rank}`` (a rank saw it; rank 0 returns only
+    after every ``left`` where it serves the store), ``error/{rank}`` (an error a rank
     posts, which every other rank raises at once).
     """
 
@@ -595,14 +596,21 @@ class _Rendezvous:
             return [json.loads(self.barrier.store.get(f"arrived/{r}")) for r in range(self.world)]
 
     def done(self) -> None:
+        """On rank 0, once ``step-N/`` is in place: tell the others. Where rank 0 serves the store, it then
+        waits until every rank has seen that (``left``): a rank 0 that returned and exited at once would take
+        the store with it while a slower rank still polls it (at the last save of a job)."""
         if self.barrier is not None:
             with self._named():
                 self.barrier.arrive("done")
+                if hosts_store(self.rank):
+                    self.barrier.wait("left", "confirm the checkpoint (rank 0 serves the job's store)",
+                                      ranks=list(range(1, self.world)))
 
     def wait_done(self) -> None:
         if self.barrier is not None:
             with self._named():
                 self.barrier.wait("done", "complete the checkpoint (manifest and rename)", ranks=[0])
+                self.barrier.arrive("left")
 
     def abort(self, message: str) -> None:
         """Post an error so the other ranks raise it at once instead of waiting for this rank."""
