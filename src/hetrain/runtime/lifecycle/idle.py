@@ -19,7 +19,6 @@ from typing import Any
 
 from hetrain.distributed.barrier import Barrier, BarrierError
 from hetrain.distributed.health import PeerError, beat_counter
-from hetrain.distributed.store import hosts_store
 from hetrain.runtime.lifecycle.drift_watch import DriftSwitch
 from hetrain.runtime.lifecycle.job import Job
 from hetrain.runtime.state.checkpoint import save_checkpoint
@@ -64,7 +63,7 @@ class JobEvents:
         self.fits += 1
         barrier = Barrier(store, job.rank, job.world, job.timeout_s, beats=beat_counter(store), name=job.health.name)
         barrier.arrive(key)
-        if not hosts_store(job.rank):
+        if not job.health.hosts_store():
             return
         others = [r for r in range(job.world) if r != job.rank]
         try:
