@@ -170,8 +170,15 @@ def convert_all(data_dir: str, runtime: DeepSpeedRuntime, data: SailorData | Non
     return runs, skipped
 
 
-#: the rebuild throughputs ``--fit`` tries: 2 to 60 GB/s by 0.5 GB/s
-REBUILD_GRID_BYTES_PER_S = tuple(k * 0.5e9 for k in range(4, 121))
+#: the rebuild throughputs a fit tries: its plausible range, 3 to 15 GB/s by 0.5 GB/s. The artifact's receiver
+#: zero-fills the whole tensor on the host (a memset) and copies it to the GPU from pageable memory (a staged
+#: copy), one after the other, 1 / (1/a + 1/b): about 3 GB/s on a PCIe 3 host (a pageable copy of some 4 GB/s
+#: after a 10 GB/s memset), 15 GB/s where both run at 30 GB/s, as on a GH200's Grace host (docs/measured-runs.md,
+#: "The rebuild"). Never 0: the code does it on every received tensor at TP > 1, so a group whose plans barely
+#: depend on it (superseded_mit's, over 1 GbE) must not fit it away.
+REBUILD_GRID_BYTES_PER_S = tuple(k * 0.5e9 for k in range(6, 31))
+#: the fixed costs per iteration a fit tries: the engine's bookkeeping per iteration, 0 to 20 ms by 1 ms
+OVERHEAD_GRID_S = tuple(k / 1000 for k in range(21))
 
 
 def _group_mape(pairs: Sequence[tuple[str, float, float]]) -> float:
@@ -198,7 +205,7 @@ def _timed(data_dir: str, base: DeepSpeedRuntime, groups: set[str] | None
            ) -> dict[float, list[tuple[str, str, float, float]]]:
     """Per candidate rebuild throughput, (id, group, predicted, measured) of every plan usable for time."""
     timed: dict[float, list[tuple[str, str, float, float]]] = {}
-    for rebuild in (0.0, *REBUILD_GRID_BYTES_PER_S):
+    for rebuild in REBUILD_GRID_BYTES_PER_S:
         runs, _ = convert_all(data_dir, replace(base, rebuild_bytes_per_s=rebuild))
         timed[rebuild] = [(s.run.id, s.run.group, s.predicted_iter_time_s, s.run.measured_iter_time_s)
                           for s in score(runs) if s.run.usable_for_time and (groups is None or s.run.group in groups)]
@@ -214,9 +221,9 @@ def fit(data_dir: str, groups: set[str] | None = None, verbose: bool = True,
     Memory: least squares over the plans whose memory is reliable, ``measured per GPU = fixed + (1 +
     allocator share) * tensors per GPU`` (``UNFITTED_MEMORY`` where ``groups`` has none). Time: the receiver's
     rebuild throughput (``REBUILD_GRID_BYTES_PER_S``) that minimises the mean over groups of the time MAPE, then
-    the fixed cost per iteration, from 0 to 200 ms by 1 ms, the same way. Leave one plan out: each plan
-    predicted with the throughput fitted on the others. ``timed``: ``_timed``'s table, and ``scored``: the plans
-    scored with ``UNFITTED`` (the memory fit's tensors), to share between fits.
+    the fixed cost per iteration (``OVERHEAD_GRID_S``) the same way: each within its plausible range. Leave one
+    plan out: each plan predicted with the throughput fitted on the others. ``timed``: ``_timed``'s table, and
+    ``scored``: the plans scored with ``UNFITTED`` (the memory fit's tensors), to share between fits.
     """
     base = UNFITTED
     if scored is None:
@@ -249,7 +256,7 @@ def fit(data_dir: str, groups: set[str] | None = None, verbose: bool = True,
             print(f"leave one plan out, {g}: time MAPE {100 * statistics.fmean(abs(e) for e in errs):.1f}%, "
                   f"signed {100 * statistics.fmean(errs):+.1f}%")
     at = [(g, p, m) for _, g, p, m in timed[rebuild]]
-    overhead = min((k / 1000 for k in range(201)), key=lambda o: _group_mape([(g, p + o, m) for g, p, m in at]))
+    overhead = min(OVERHEAD_GRID_S, key=lambda o: _group_mape([(g, p + o, m) for g, p, m in at]))
     runtime = replace(DEEPSPEED, fixed_bytes_per_gpu=intercept, allocator_fraction=share,
                       iteration_overhead_s=overhead, rebuild_bytes_per_s=rebuild)
     return Fitted(runtime, tuple(sorted(groups or {g for g, _, _ in at})), len(mem) >= 2)
