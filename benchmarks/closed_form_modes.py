@@ -57,12 +57,14 @@ NOTES = ('Predicted, not measured: fp16 analytic profiles, sync options at their
          "Schedule auto now prices each candidate by the faster of 1F1B's and 1F1B-eager's forms where eager fits, "
          "and keeps that schedule (several auto plans are now 1F1B-eager; pipetorch's hybrid-ps and daso plans "
          "4x2, no longer dp's), and the tail walk starts a segment's all-reduce where its layers sit in each "
-         "owner's backward (a stage's last layers first). Left: "
-         "DASO's posted global average, every 4th iteration, holds the NICs the pipelines' transfers cross (nvlink-"
-         "nodes 16x2: its inter-node phase holds a0's NIC 0.74 s, stage 0 waits as long for its first gradient: "
-         "1.68 s instead of 0.96 s; cloud-mixed alike), and wsp's exchange shares them at half rate with the "
-         "activations, which under 1F1B sit in the cycle (cloud-mixed 4x2+4x3: 1.12 s per iteration from the second "
-         "on, 0.99 s for the first), neither in the closed form.")
+         "owner's backward (a stage's last layers first): 49 of 52. DASO's posted global average, every 4th "
+         "iteration, held the NICs the pipelines' transfers cross, and they queue behind it (nvlink-nodes 16x2: its "
+         "inter-node phase held a0's NIC 0.74 s, stage 0 waited as long for its first gradient; 0.84, cloud-mixed "
+         "0.80); the closed form now prices such an average as a blocking one, S / k "
+         "(`planner.sync.average_holds_pipeline_nics`), and the planner's DASO plan on nvlink-nodes changed. Left: "
+         "wsp's exchange shares the NICs at half rate with the activations, which under 1F1B sit in the cycle "
+         "(cloud-mixed 4x2+4x3: 1.12 s per iteration from the second on, 0.99 s for the first), not in the closed "
+         "form.")
 
 
 def load_case_cluster(name: str) -> Cluster:
