@@ -40,7 +40,7 @@ def test_a_family_trains_on_two_stages_from_the_cli_with_transformers_first_loss
     hetrain(["profile", "--model", model, "--data", data, "--seq-len", str(T), "-o", "p.json", "--micro-batch", "2",
              "--repeats", "1"], tmp_path)
     hetrain(["plan", "--cluster", "two-cpus.toml", "--profile", "p.json", "--global-batch", "4", "--strategy", "pp",
-             "-o", "plan.json"], tmp_path)
+             "--max-tp", "1", "-o", "plan.json"], tmp_path)
     metrics = tmp_path / "metrics.jsonl"
     train_standalone(spawn, {**clean_env, "HETRAIN_NODE": "n0"}, [
         "--plan", str(tmp_path / "plan.json"), "--model", model, "--data", data, "--steps", "1", "--seed", str(SEED),

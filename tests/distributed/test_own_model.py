@@ -52,7 +52,7 @@ def test_own_model_profiles_plans_and_trains_as_one_process_would(tmp_path: Path
     profile = json.loads((tmp_path / "p.json").read_text())
     assert profile["name"] == MODEL and len(profile["layers"]) == 5
     hetrain(["plan", "--cluster", "two-cpus.toml", "--profile", "p.json", "--global-batch", "32", "--strategy", "pp",
-             "-o", "plan.json"], tmp_path)
+             "--max-tp", "1", "-o", "plan.json"], tmp_path)
     plan = load_plan(tmp_path / "plan.json")
     assert [len(vw.stages) for vw in plan.virtual_workers] == [2]  # the Sequential cut over both ranks
 
