@@ -1,14 +1,18 @@
-"""Helpers for the tests that drive the ``hetrain`` command end to end: profile, plan, then train under torchrun.
+"""Helpers for the tests that drive the ``hetrain`` command end to end: profile, plan, then train on
+two ranks (``train_ranks``; ``train_standalone``: the same under torchrun itself).
 
 Shared by test_own_model, test_hf_model, test_hf_export and test_token_data.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,12 +46,39 @@ def dataset():
 
 
 def hetrain(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    """``python -m hetrain ARGS`` in ``cwd`` with this tree's sources; asserts it succeeds."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "hetrain", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=180)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
+    """``hetrain ARGS`` in ``cwd``, in this process (``hetrain.cli.main``: the command's own code, without the
+    seconds a fresh interpreter spends importing torch); asserts it succeeds. Its stdout and stderr as a
+    CompletedProcess's."""
+    from hetrain.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(args)
+    finally:
+        os.chdir(here)
+    assert code == 0, err.getvalue()[-3000:]
+    return subprocess.CompletedProcess(["hetrain", *args], code, out.getvalue(), err.getvalue())
+
+
+def train_ranks(env: dict[str, str], args: list[str], timeout_s: float = 240) -> str:
+    """``hetrain train ARGS`` as two Gloo ranks on one host, forked from the session's fork server
+    (``worker_ranks``: torch and hetrain imported once), with the variables ``torchrun --standalone
+    --nproc-per-node 2`` gives its workers; asserts both succeed and returns their stdout, rank 0's first.
+    ``train_standalone`` runs the same under torchrun itself."""
+    from worker_ranks import free_port, start_ranks, wait_ranks
+
+    port = free_port()
+    envs = [{**env, "HETRAIN_DEVICE": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+             "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(2)]
+    with tempfile.TemporaryDirectory(prefix="train-ranks-") as logs:
+        ranks = start_ranks(Path("-m"), ["hetrain", "train", *args], envs, Path(logs))
+        codes = wait_ranks(ranks, timeout_s)
+        for r, (code, rank) in enumerate(zip(codes, ranks, strict=True)):
+            assert code == 0, f"rank {r} exited {code}:\n{rank.output('err')[-4000:]}"
+        return "".join(rank.output("out") for rank in ranks)
 
 
 def train_standalone(spawn: Callable[..., subprocess.Popen[str]], env: dict[str, str], args: list[str],

@@ -1,8 +1,8 @@
-"""From a Hugging Face config to a trained, exported model: profile, plan, torchrun train on two stages, export.
+"""From a Hugging Face config to a trained, exported model: profile, plan, train on two stages, export.
 
     hetrain profile --model hf:DIR --data tokens.py:dataset -o p.json
     hetrain plan --cluster two-cpus.toml --profile p.json --global-batch 8 --strategy pp -o plan.json
-    torchrun --nproc-per-node 2 -m hetrain train --plan plan.json --model hf:DIR ... --checkpoint-dir ckpt
+    hetrain train --plan plan.json --model hf:DIR ... --checkpoint-dir ckpt   (two ranks, as torchrun starts them)
     hetrain export --checkpoint ckpt --to-hf out
 
 For a tiny GPT-2 (its ``wte``/``lm_head`` matrix tied, one copy on each rank) and a tiny Llama
@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from cli_jobs import TWO_CPUS, counting_tokens, train_standalone
+from cli_jobs import TWO_CPUS, counting_tokens, train_ranks
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -41,20 +41,20 @@ CONFIGS = {
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", list(CONFIGS))
-def test_a_model_trained_on_two_stages_exports_to_what_transformers_loads(kind: str, tmp_path: Path, spawn,
-                                                                          clean_env, capsys) -> None:
+def test_a_model_trained_on_two_stages_exports_to_what_transformers_loads(kind: str, tmp_path: Path, clean_env,
+                                                                          capsys) -> None:
     CONFIGS[kind]().save_pretrained(tmp_path / kind)
     model, data = f"hf:{tmp_path / kind}", f"{tmp_path / 'tokens.py'}:dataset"
     (tmp_path / "tokens.py").write_text(TOKENS)
     (tmp_path / "two-cpus.toml").write_text(TWO_CPUS)
-    # the commands but torchrun in this process (the same code, without a Python start-up each); at TP 1, so that the
+    # the commands in this process and the training on forked ranks (``cli_jobs``); at TP 1, so that the
     # pipeline has two stages whatever the measured (and, on a loaded host, noisy) profile makes of a TP-2 stage
     assert main(["profile", "--model", model, "--data", data, "-o", str(tmp_path / "p.json"), "--micro-batch", "4",
                  "--repeats", "1"]) == 0
     assert main(["plan", "--cluster", str(tmp_path / "two-cpus.toml"), "--profile", str(tmp_path / "p.json"),
                  "--global-batch", "8", "--strategy", "pp", "--max-tp", "1", "-o", str(tmp_path / "plan.json")]) == 0
     ckpt = tmp_path / "ckpt"
-    train_standalone(spawn, {**clean_env, "HETRAIN_NODE": "n0"}, [
+    train_ranks({**clean_env, "HETRAIN_NODE": "n0"}, [
         "--plan", str(tmp_path / "plan.json"), "--model", model, "--data", data, "--steps", str(STEPS), "--seed",
         str(SEED), "--lr", "0.01", "--checkpoint-dir", str(ckpt), "--timeout-s", "60", "--no-progress"],
         timeout_s=240)

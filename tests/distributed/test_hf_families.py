@@ -1,5 +1,5 @@
 """Each transformers family from its config.json through the CLI: profile, plan on 2 pipeline stages, and one
-step of ``torchrun --nproc-per-node 2 -m hetrain train`` over Gloo. The first step's loss, on data of one
+step of ``hetrain train`` on two Gloo ranks (``cli_jobs.train_ranks``). The first step's loss, on data of one
 repeated token, equals the loss transformers computes on the same window (relative 1e-4).
 
 The families whose forward does more than their named parts run by default (``CLI_FAMILIES``); every family
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_jobs import TWO_CPUS, hetrain, step_rows, train_standalone
+from cli_jobs import TWO_CPUS, hetrain, step_rows, train_ranks
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -29,7 +29,7 @@ FAMILIES = list(hf_families.FAMILIES) if os.environ.get("HETRAIN_ALL_FAMILIES") 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_family_trains_on_two_stages_from_the_cli_with_transformers_first_loss(family: str, tmp_path: Path, spawn,
+def test_a_family_trains_on_two_stages_from_the_cli_with_transformers_first_loss(family: str, tmp_path: Path,
                                                                                  clean_env) -> None:
     d = tmp_path / family
     d.mkdir()
@@ -42,7 +42,7 @@ def test_a_family_trains_on_two_stages_from_the_cli_with_transformers_first_loss
     hetrain(["plan", "--cluster", "two-cpus.toml", "--profile", "p.json", "--global-batch", "4", "--strategy", "pp",
              "--max-tp", "1", "-o", "plan.json"], tmp_path)
     metrics = tmp_path / "metrics.jsonl"
-    train_standalone(spawn, {**clean_env, "HETRAIN_NODE": "n0"}, [
+    train_ranks({**clean_env, "HETRAIN_NODE": "n0"}, [
         "--plan", str(tmp_path / "plan.json"), "--model", model, "--data", data, "--steps", "1", "--seed", str(SEED),
         "--log-every", "1", "--metrics-out", str(metrics), "--timeout-s", "60", "--no-progress"], timeout_s=240)
     first = step_rows(metrics)[0]["loss"]

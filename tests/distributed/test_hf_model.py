@@ -1,8 +1,9 @@
-"""A local Hugging Face GPT-2 (``--model hf:DIR``) from its config to a trained model: profile, plan, torchrun train.
+"""A local Hugging Face GPT-2 (``--model hf:DIR``) from its config to a trained model: profile, plan, train
+on two ranks.
 
     hetrain profile --model hf:gpt2-tiny --data tokens.py:dataset -o p.json
     hetrain plan --cluster two-cpus.toml --profile p.json --global-batch 16 --strategy pp -o plan.json
-    torchrun --nproc-per-node 2 -m hetrain train --plan plan.json --model hf:gpt2-tiny --data tokens.py:dataset
+    hetrain train --plan plan.json --model hf:gpt2-tiny --data tokens.py:dataset   (two ranks, as torchrun starts them)
 
 The pipeline puts the embedding on one Gloo rank and the LM head on the other, each with its copy of
 GPT-2's tied ``wte``/``lm_head`` matrix. The loss must fall; the copies must still be equal after
@@ -17,7 +18,7 @@ import json
 from pathlib import Path
 
 import pytest
-from cli_jobs import TWO_CPUS, counting_tokens, hetrain, step_rows, train_standalone
+from cli_jobs import TWO_CPUS, counting_tokens, hetrain, step_rows, train_ranks
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -55,8 +56,8 @@ def reference(config: object, data: str, plan_optimizer: str,
 
 
 @pytest.mark.timeout(400)
-def test_hf_gpt2_profiles_plans_and_trains_with_its_tied_weights_as_one_process_would(tmp_path: Path, spawn,
-                                                                                     clean_env) -> None:
+def test_hf_gpt2_profiles_plans_and_trains_with_its_tied_weights_as_one_process_would(tmp_path: Path,
+                                                                                      clean_env) -> None:
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32, resid_pdrop=0.0,
                                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     config.save_pretrained(tmp_path / "gpt2-tiny")
@@ -74,7 +75,7 @@ def test_hf_gpt2_profiles_plans_and_trains_with_its_tied_weights_as_one_process_
     assert len(stages) == 2 and stages[0].first_layer == 0 and stages[1].end_layer == 4  # the tie across ranks
 
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
-    stdout = train_standalone(spawn, {**clean_env, "HETRAIN_NODE": "n0"}, [
+    stdout = train_ranks({**clean_env, "HETRAIN_NODE": "n0"}, [
         "--plan", str(tmp_path / "plan.json"), "--model", model, "--data", data, "--steps", str(STEPS), "--seed",
         str(SEED), "--lr", str(LR), "--log-every", "1", "--checkpoint-dir", str(ckpt), "--metrics-out", str(metrics),
         "--timeout-s", "60", "--no-progress", "--clip-grad-norm", str(CLIP)], timeout_s=300)

@@ -1,8 +1,8 @@
-"""A user's own model, from its file to a trained model: profile, plan, torchrun train (docs/own-model.md).
+"""A user's own model, from its file to a trained model: profile, plan, train on two ranks (docs/own-model.md).
 
     hetrain profile --model examples/own_model/model.py:build --data examples/own_model/model.py:dataset -o p.json
     hetrain plan --cluster two-cpus.toml --profile p.json --global-batch 32 --strategy pp -o plan.json
-    torchrun --nproc-per-node 2 -m hetrain train --plan plan.json --model .../model.py:build --data .../model.py:dataset
+    hetrain train --plan plan.json --model .../model.py:build --data .../model.py:dataset   (two ranks)
 
 The pipeline cuts the ``nn.Sequential`` between two Gloo ranks; its loss must fall, and its
 weights after the last step must be those of the same ``nn.Sequential`` trained in this
@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
-from cli_jobs import ROOT, TWO_CPUS, hetrain, step_rows, train_standalone
+from cli_jobs import ROOT, TWO_CPUS, hetrain, step_rows, train_ranks
 
 torch = pytest.importorskip("torch")
 
@@ -45,7 +45,7 @@ def reference(plan_optimizer: str, global_batch: int) -> dict[str, torch.Tensor]
 
 
 @pytest.mark.timeout(300)
-def test_own_model_profiles_plans_and_trains_as_one_process_would(tmp_path: Path, spawn, clean_env) -> None:
+def test_own_model_profiles_plans_and_trains_as_one_process_would(tmp_path: Path, clean_env) -> None:
     (tmp_path / "two-cpus.toml").write_text(TWO_CPUS)
     hetrain(["profile", "--model", MODEL, "--data", DATA, "-o", "p.json", "--micro-batch", "4,8", "--repeats", "2"],
             tmp_path)
@@ -57,7 +57,7 @@ def test_own_model_profiles_plans_and_trains_as_one_process_would(tmp_path: Path
     assert [len(vw.stages) for vw in plan.virtual_workers] == [2]  # the Sequential cut over both ranks
 
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
-    stdout = train_standalone(spawn, {**clean_env, "HETRAIN_NODE": "n0"}, [
+    stdout = train_ranks({**clean_env, "HETRAIN_NODE": "n0"}, [
         "--plan", str(tmp_path / "plan.json"), "--model", MODEL, "--data", DATA, "--steps", str(STEPS), "--seed",
         str(SEED), "--lr", str(LR), "--log-every", "1", "--checkpoint-dir", str(ckpt), "--metrics-out", str(metrics),
         "--timeout-s", "60", "--no-progress"])

@@ -1,4 +1,4 @@
-"""A model file that imports a module beside it trains under torchrun: every rank loads it as ``hetrain profile``
+"""A model file that imports a module beside it trains on two ranks: every rank loads it as ``hetrain profile``
 does (``hetrain.models.spec``), with the file's directory on the path, from a current directory elsewhere.
 
     pkgdir/helpers_beside.py      build(), dataset() and loss_fn(): examples/own_model/model.py
@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from cli_jobs import TWO_CPUS, hetrain, step_rows, train_standalone
+from cli_jobs import TWO_CPUS, hetrain, step_rows, train_ranks
 
 pytest.importorskip("torch")
 
@@ -21,8 +21,7 @@ MAIN = "from helpers_beside import build, dataset, loss_fn\n"
 
 
 @pytest.mark.timeout(300)
-def test_a_model_importing_its_neighbour_profiles_plans_and_trains_on_two_ranks(tmp_path: Path, spawn,
-                                                                                clean_env) -> None:
+def test_a_model_importing_its_neighbour_profiles_plans_and_trains_on_two_ranks(tmp_path: Path, clean_env) -> None:
     pkgdir = tmp_path / "pkgdir"
     pkgdir.mkdir()
     (pkgdir / "helpers_beside.py").write_text(HELPERS)
@@ -36,7 +35,7 @@ def test_a_model_importing_its_neighbour_profiles_plans_and_trains_on_two_ranks(
              "--max-tp", "1", "-o", "plan.json"], tmp_path)
 
     metrics = tmp_path / "metrics.jsonl"  # the ranks run from this test's directory, not tmp_path
-    stdout = train_standalone(spawn, {**clean_env, "HETRAIN_NODE": "n0"}, [
+    stdout = train_ranks({**clean_env, "HETRAIN_NODE": "n0"}, [
         "--plan", str(tmp_path / "plan.json"), "--model", str(tmp_path / model), "--data", str(tmp_path / data),
         "--steps", "2", "--log-every", "1", "--metrics-out", str(metrics), "--timeout-s", "60", "--no-progress"])
     assert "hetrain train:" in stdout, stdout
