@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -65,20 +64,12 @@ def hetrain(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
 
 def train_ranks(env: dict[str, str], args: list[str], timeout_s: float = 240) -> str:
     """``hetrain train ARGS`` as two Gloo ranks on one host, forked from the session's fork server
-    (``worker_ranks``: torch and hetrain imported once), with the variables ``torchrun --standalone
+    (``worker_ranks.run_ranks``: torch and hetrain imported once), with the variables ``torchrun --standalone
     --nproc-per-node 2`` gives its workers; asserts both succeed and returns their stdout, rank 0's first.
     ``train_standalone`` runs the same under torchrun itself."""
-    from worker_ranks import free_port, start_ranks, wait_ranks
+    from worker_ranks import run_ranks
 
-    port = free_port()
-    envs = [{**env, "HETRAIN_DEVICE": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-             "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(2)]
-    with tempfile.TemporaryDirectory(prefix="train-ranks-") as logs:
-        ranks = start_ranks(Path("-m"), ["hetrain", "train", *args], envs, Path(logs))
-        codes = wait_ranks(ranks, timeout_s)
-        for r, (code, rank) in enumerate(zip(codes, ranks, strict=True)):
-            assert code == 0, f"rank {r} exited {code}:\n{rank.output('err')[-4000:]}"
-        return "".join(rank.output("out") for rank in ranks)
+    return "".join(run_ranks("-m", ["hetrain", "train", *args], 2, timeout_s, {**env, "HETRAIN_DEVICE": "cpu"}))
 
 
 def train_standalone(spawn: Callable[..., subprocess.Popen[str]], env: dict[str, str], args: list[str],

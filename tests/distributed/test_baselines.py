@@ -1,4 +1,5 @@
-"""torch's DDP and pipelining baselines (``hetrain.baselines``) on 2 Gloo ranks of this host, under torchrun.
+"""torch's DDP and pipelining baselines (``hetrain.baselines``) on 2 Gloo ranks of this host, started as
+torchrun starts them (``worker_ranks.run_ranks``).
 
 Each trains a small gpt-tiny 2 SGD steps on synthetic data and writes its per-step
 rows; the weights of every rank after those steps equal single-process training on
@@ -12,13 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+from worker_ranks import run_ranks
 
 from hetrain.baselines import BaselineError, even_bounds, interleaved_replicas
 from hetrain.data.datasets import iter_batches
@@ -46,20 +47,13 @@ def reference_weights() -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def run_baseline(kind: str, tmp_path: Path, clean_env: dict[str, str], free_port, spawn, *extra: str) -> Path:
+def run_baseline(kind: str, tmp_path: Path, clean_env: dict[str, str], *extra: str) -> Path:
+    """``python -m hetrain.baselines KIND ...`` on two ranks as torchrun starts them, forked from the fork server."""
     out = tmp_path / "-".join((kind, *extra))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", "0",
-           "-m", "hetrain.baselines", kind, "--data", "synthetic", "--global-batch", str(BATCH),
-           "--steps", str(STEPS), "--micro-batches", "2", "--lr", str(LR), "--timeout-s", "60",
-           "--metrics-out", str(out / "metrics.jsonl"), "--weights-out", str(out),
-           *(f"--set={k}={v}" for k, v in GPT.items()), *extra]
-    p = spawn(cmd, clean_env)
-    try:
-        _, err = p.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the {kind} baseline did not finish in 180 s")
-    assert p.returncode == 0, f"{kind} baseline exited {p.returncode}:\n{err[-4000:]}"
+    run_ranks("-m", ["hetrain.baselines", kind, "--data", "synthetic", "--global-batch", str(BATCH),
+                     "--steps", str(STEPS), "--micro-batches", "2", "--lr", str(LR), "--timeout-s", "60",
+                     "--metrics-out", str(out / "metrics.jsonl"), "--weights-out", str(out),
+                     *(f"--set={k}={v}" for k, v in GPT.items()), *extra], 2, 180, clean_env)
     return out
 
 
@@ -84,8 +78,8 @@ def assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], wh
     return worst
 
 
-def test_ddp_baseline_trains_like_one_process(tmp_path: Path, clean_env, free_port, spawn) -> None:
-    out = run_baseline("ddp", tmp_path, clean_env, free_port, spawn)
+def test_ddp_baseline_trains_like_one_process(tmp_path: Path, clean_env) -> None:
+    out = run_baseline("ddp", tmp_path, clean_env)
     check_rows(out / "metrics.jsonl", "ddp")
     want = reference_weights()
     for r in range(2):
@@ -94,19 +88,19 @@ def test_ddp_baseline_trains_like_one_process(tmp_path: Path, clean_env, free_po
         assert_close(got, want, f"DDP rank {r}")
 
 
-def test_ddp_baseline_in_bf16_trains_within_bf16s_rounding(tmp_path: Path, clean_env, free_port, spawn) -> None:
+def test_ddp_baseline_in_bf16_trains_within_bf16s_rounding(tmp_path: Path, clean_env) -> None:
     """``--reduce-dtype bf16``: DDP's buckets all-reduced in bfloat16 (its Gloo-capable hook), as hetrain's sync
     option reduce_dtype does: within bf16's rounding of one process (2^-9 per rounding; tests/test_reduce_dtype.py),
     and further than fp32's 1e-5, or nothing was rounded."""
-    out = run_baseline("ddp", tmp_path, clean_env, free_port, spawn, "--reduce-dtype", "bf16")
+    out = run_baseline("ddp", tmp_path, clean_env, "--reduce-dtype", "bf16")
     assert json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["reduce_dtype"] == "bf16"
     want = reference_weights()
     worst = max(assert_close(torch.load(out / f"rank{r}.pt"), want, f"DDP bf16 rank {r}", 2e-2) for r in range(2))
     assert worst > 1e-5, f"DDP in bf16 is within fp32's error of one process ({worst:.1e})"
 
 
-def test_pipelining_baseline_trains_like_one_process(tmp_path: Path, clean_env, free_port, spawn) -> None:
-    out = run_baseline("pipelining", tmp_path, clean_env, free_port, spawn)
+def test_pipelining_baseline_trains_like_one_process(tmp_path: Path, clean_env) -> None:
+    out = run_baseline("pipelining", tmp_path, clean_env)
     check_rows(out / "metrics.jsonl", "pipelining")
     want = reference_weights()
     got = {**torch.load(out / "rank0.pt"), **torch.load(out / "rank1.pt")}
@@ -135,21 +129,11 @@ def hybrid_rank(out: Path) -> None:
 
 
 @pytest.mark.slow  # starts 4 processes
-def test_hybrid_baseline_trains_like_one_process(tmp_path: Path, clean_env, free_port, spawn) -> None:
+def test_hybrid_baseline_trains_like_one_process(tmp_path: Path, clean_env) -> None:
     """2 pipelines (ranks 0 -> 2, 1 -> 3), each on half of every global batch, stages under DDP over {0, 1} and
     {2, 3}: both replicas end where one process does on the whole batches, so DDP averaged the stages' gradients
     over the replicas (without it each replica would follow its half) and the schedule over the micro-batches."""
-    env = {**clean_env, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2] / "src"),
-                                                       clean_env.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "4",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", "0",
-           str(Path(__file__).resolve()), "hybrid-rank", str(tmp_path)]
-    p = spawn(cmd, env)
-    try:
-        _, err = p.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        pytest.fail("the hybrid baseline did not finish in 240 s")
-    assert p.returncode == 0, f"the hybrid baseline exited {p.returncode}:\n{err[-4000:]}"
+    run_ranks(Path(__file__).resolve(), ["hybrid-rank", str(tmp_path)], 4, 240, clean_env)
     want = reference_weights()
     for v, (first, last) in enumerate(interleaved_replicas(4, 2)):
         got = {**torch.load(tmp_path / f"rank{first}.pt"), **torch.load(tmp_path / f"rank{last}.pt")}
