@@ -1,17 +1,15 @@
-"""``hetrain profile --tp 2`` under torchrun: two real Gloo ranks time each block on a TP group of the two, and the
-profile carries those times (``measured_tp``) beside the one-device ones, which the cost model then uses as they are.
+"""``hetrain profile --tp 2`` on two ranks as torchrun starts them (``worker_ranks.run_ranks``): two real Gloo
+ranks time each block on a TP group of the two, and the profile carries those times (``measured_tp``) beside
+the one-device ones, which the cost model then uses as they are.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from worker_ranks import run_ranks
 
 from hetrain.cli import main
 from hetrain.cost import MEASURED_TP, tp_rank_profile
@@ -21,18 +19,10 @@ pytestmark = pytest.mark.slow
 
 
 def test_profile_times_blocks_on_a_tp_group_under_torchrun(tmp_path: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     out = tmp_path / "p.json"
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                          str(port), "-m", "hetrain", "profile", "--model", "gpt-tiny", "--micro-batch", "1,2",
-                          "--repeats", "2", "--tp", "2", "-o", str(out)],
-                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    assert "timed 4 layer(s) on a rank of a TP group of 2" in run.stdout
+    stdout = "".join(run_ranks("-m", ["hetrain", "profile", "--model", "gpt-tiny", "--micro-batch", "1,2", "--repeats",
+                                      "2", "--tp", "2", "-o", str(out)], 2, 300, cwd=tmp_path))
+    assert "timed 4 layer(s) on a rank of a TP group of 2" in stdout, stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]  # rank 1's own profile is not left behind
     data = json.loads(out.read_text())
     blocks = [layer for layer in data["layers"] if "tp" in layer]

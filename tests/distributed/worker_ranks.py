@@ -197,18 +197,24 @@ def wait_ranks(ranks: Sequence[Rank], timeout_s: float) -> list[int]:
 
 
 def run_ranks(script: Path | str, argv: Sequence[str], world: int, timeout_s: float,
-              env: dict[str, str] | None = None) -> list[str]:
+              env: dict[str, str] | None = None, cwd: Path | None = None) -> list[str]:
     """Fork ``python SCRIPT ARGV`` (``SCRIPT`` ``"-m"``: ``python -m ARGV``) as ``world`` Gloo ranks of one host,
     with the variables ``torchrun --standalone --nproc-per-node WORLD`` gives its workers (on ``env``, default
-    this process's environment); assert every rank exits 0. Their stdout, by rank."""
+    this process's environment), in ``cwd`` (default this process's); assert every rank exits 0. Their stdout,
+    by rank."""
     base = {**(env if env is not None else rank_env("n0", world, 0)), "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
     envs = [{**base, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(world)]
     with tempfile.TemporaryDirectory(prefix="ranks-") as logs:
-        ranks = start_ranks(Path(script), argv, envs, Path(logs))
+        here = os.getcwd()
+        os.chdir(cwd or here)  # a rank starts in the launcher's working directory
+        try:
+            ranks = start_ranks(Path(script), argv, envs, Path(logs))
+        finally:
+            os.chdir(here)
         codes = wait_ranks(ranks, timeout_s)
         for r, (code, rank) in enumerate(zip(codes, ranks, strict=True)):
-            assert code == 0, f"rank {r} exited {code}:\n{rank.output('err')[-4000:]}"
+            assert code == 0, f"rank {r} exited {code}:\n{rank.output('err')[-2000:]}\n{rank.output('out')[-2000:]}"
         return [rank.output("out") for rank in ranks]
 
 
