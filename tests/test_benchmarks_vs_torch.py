@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import runpy
 import shutil
 import subprocess
 import sys
@@ -147,15 +148,39 @@ def test_cpu_cgroup_of_reads_v1_cpu_line_else_v2() -> None:
 # --- the script, as a user runs it -----------------------------------------------
 
 
+def run_main(script: Path, argv: list[str], monkeypatch: pytest.MonkeyPatch,
+             capsys: pytest.CaptureFixture[str]) -> subprocess.CompletedProcess[str]:
+    """The script's ``main()`` with ``sys.argv`` = SCRIPT ARGV, in this process (its refusals come before it starts
+    anything; a fresh interpreter would spend seconds importing torch to print them): exit status, stdout, stderr."""
+    namespace = runpy.run_path(str(script))  # its definitions, not its ``__main__`` block
+    monkeypatch.setattr(sys, "argv", [str(script), *argv])
+    capsys.readouterr()
+    try:
+        code = namespace["main"]()
+    except SystemExit as e:  # argparse's errors
+        code = e.code if isinstance(e.code, int) else 1
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess([str(script), *argv], code, out.out, out.err)
+
+
 @pytest.mark.parametrize("value", ["0", "-1", str((os.cpu_count() or 1) + 1)])
-@pytest.mark.slow  # starts the benchmark script
-def test_cpu_quota_refuses_bad_values_in_one_line(value: str) -> None:
-    done = run_script("--cpu-quota", value)
+def test_cpu_quota_refuses_bad_values_in_one_line(value: str, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    done = run_main(SCRIPT, ["--cpu-quota", value, "--no-write"], monkeypatch, capsys)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
     assert lines[0].startswith("runtime_vs_torch.py: --cpu-quota")
     assert f"{float(value):g}" in lines[0]
+    assert done.stdout == ""
+
+
+@pytest.mark.slow  # starts the benchmark script
+def test_the_script_as_a_user_starts_it_refuses_a_bad_quota_in_one_line() -> None:
+    done = run_script("--cpu-quota", "0")
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("runtime_vs_torch.py: --cpu-quota 0"), done.stderr
     assert done.stdout == ""
 
 
@@ -236,12 +261,9 @@ def test_a_run_of_other_cases_writes_a_section_of_its_own() -> None:
     (["--blocks", "0"], "--blocks must be >= 1, got 0"),
     (["--global-batch", "36", "--cases", "hybrid"], "must split into 2 pipelines of --hybrid-micro-batches 4 equal"),
 ])
-@pytest.mark.slow  # starts the benchmark script
-def test_emulated_script_refuses_bad_options(argv: list[str], message: str) -> None:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"),
-                                                       os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, str(BENCHMARKS / "emulated_vs_torch.py"), *argv], env=env, text=True,
-                          capture_output=True, timeout=120)
+def test_emulated_script_refuses_bad_options(argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    done = run_main(BENCHMARKS / "emulated_vs_torch.py", argv, monkeypatch, capsys)
     assert done.returncode == 2
     assert message in done.stderr
 
