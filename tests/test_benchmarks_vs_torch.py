@@ -180,7 +180,7 @@ def test_the_script_as_a_user_starts_it_refuses_a_bad_quota_in_one_line() -> Non
     done = run_script("--cpu-quota", "0")
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("runtime_vs_torch.py: --cpu-quota 0"), done.stderr
+    assert lines == ["runtime_vs_torch.py: --cpu-quota must be a number of CPUs > 0, got 0"], done.stderr
     assert done.stdout == ""
 
 
