@@ -137,7 +137,7 @@ def test_plan_from_a_plan_changes_the_mode_and_re_predicts(tmp_path: Path, capsy
 @pytest.mark.slow  # plans gpt2-small on pipetorch's 8 devices and simulates
 def test_a_format_1_plan_is_refused_with_the_way_to_upgrade_it(tmp_path: Path, capsys) -> None:
     path = tmp_path / "plan.json"
-    assert main(["plan", "--cluster", str(CLUSTER), "--model", "gpt2-small", "--global-batch", "64", "--sync",
+    assert main(["plan", "--cluster", str(CLUSTER), "--model", "gpt-tiny", "--global-batch", "64", "--sync",
                  "wsp", "--sync-option", "staleness=2", "-o", str(path)]) == 0
     data = json.loads(path.read_text())
     # what format_version 1 wrote: the mode's name, and its options among the plan's options
