@@ -347,10 +347,8 @@ class Plan:
         stage = self.virtual_workers[v].stages[j]
         layers = self.profile.layers
         total = state = grad = 0.0
-        for seg in self.layout.segments:
+        for seg in self.layout.segments_over(stage.first_layer, stage.end_layer):
             lo, hi = max(seg.first_layer, stage.first_layer), min(seg.end_layer, stage.end_layer)
-            if lo >= hi:
-                continue
             size = float(sum(x.param_bytes for x in layers[lo:hi]))
             mine = 1.0
             if seg.sharded and stage.device in seg.owners:

@@ -505,6 +505,16 @@ class SyncLayout:
     #: ``ModelProfile.gradient_wire`` (0.5 where the runtime keeps 16-bit gradients); derived, not written
     gradient_wire: float = 1.0
 
+    def segments_over(self, first: int, end: int) -> tuple[Segment, ...]:
+        """The segments that hold any layer of ``[first, end)``, in ``segments``' order, kept per range: a plan's
+        shares are asked of every stage (``Plan.shard_shares``), thousands of stages of a few dozen ranges, for
+        each shard mode the planner tries per segment, and a 200-layer plan has hundreds of segments."""
+        found: dict[tuple[int, int], tuple[Segment, ...]] = self.__dict__.setdefault("_segments_over", {})
+        key = (first, end)
+        if key not in found:
+            found[key] = tuple(s for s in self.segments if max(s.first_layer, first) < min(s.end_layer, end))
+        return found[key]
+
     def wire_bytes(self, num_bytes: float, segment: Segment) -> float:
         """Bytes a reduction of ``num_bytes`` of ``segment``'s gradients moves: ``options.wire_for`` its shard mode
         (half in bf16, which only bsp's gradient all-reduces take: ``check_mode_options``; half again where its
