@@ -590,18 +590,23 @@ def group_segments(num_layers: int,
         >>> group_segments(4, [[("a", 0, 2), ("b", 2, 4)], [("c", 0, 4)]])
         [(0, 2, ('a', 'c')), (2, 4, ('b', 'c'))]
     """
-    owners: list[list[T]] = [[] for _ in range(num_layers)]
+    # the owners change only where some stage begins or ends: one owner list per run between two such bounds
+    # (4096 VWs hold each of 200 layers: a list per run, not per layer), runs of the same owners then merged
+    bounds = sorted({0, num_layers, *(x for layout in layouts for _, k, l in layout for x in (k, l)
+                                      if 0 < x < num_layers)})
+    run_of = {b: q for q, b in enumerate(bounds)}
+    owners: list[list[T]] = [[] for _ in bounds[1:]]
     for layout in layouts:
         for d, k, l in layout:
-            for i in range(k, l):
-                owners[i].append(d)
-    keys = [tuple(sorted(o)) for o in owners]  # type: ignore[type-var]
-    out = []
-    start = 0
-    for i in range(1, num_layers + 1):
-        if i == num_layers or keys[i] != keys[start]:
-            out.append((start, i, keys[start]))
-            start = i
+            for q in range(run_of[min(max(k, 0), num_layers)], run_of[min(max(l, 0), num_layers)]):
+                owners[q].append(d)
+    out: list[tuple[int, int, tuple[T, ...]]] = []
+    for q, o in enumerate(owners):
+        key = tuple(sorted(o))  # type: ignore[type-var]
+        if out and out[-1][2] == key:
+            out[-1] = (out[-1][0], bounds[q + 1], key)
+        else:
+            out.append((bounds[q], bounds[q + 1], key))
     return out
 
 
