@@ -592,13 +592,15 @@ def group_segments(num_layers: int,
     """
     # the owners change only where some stage begins or ends: one owner list per run between two such bounds
     # (4096 VWs hold each of 200 layers: a list per run, not per layer), runs of the same owners then merged
-    bounds = sorted({0, num_layers, *(x for layout in layouts for _, k, l in layout for x in (k, l)
-                                      if 0 < x < num_layers)})
+    bounds = sorted({0, num_layers} | {k for layout in layouts for _, k, _ in layout}
+                    | {l for layout in layouts for _, _, l in layout})
+    if bounds[0] < 0 or bounds[-1] > num_layers:
+        raise ValueError(f"a stage's layers fall outside [0, {num_layers}): bounds {bounds[0]} to {bounds[-1]}")
     run_of = {b: q for q, b in enumerate(bounds)}
     owners: list[list[T]] = [[] for _ in bounds[1:]]
     for layout in layouts:
         for d, k, l in layout:
-            for q in range(run_of[min(max(k, 0), num_layers)], run_of[min(max(l, 0), num_layers)]):
+            for q in range(run_of[k], run_of[l]):
                 owners[q].append(d)
     out: list[tuple[int, int, tuple[T, ...]]] = []
     for q, o in enumerate(owners):
