@@ -462,6 +462,15 @@ class Segment:
         """Whether its owners shard its optimizer state (and perhaps its gradients)."""
         return self.shard != SHARD_MODES[0]
 
+    def owner_position(self, device: str) -> int | None:
+        """``device``'s position in ``owners``, None where it is not one: a dict kept on the segment, since a
+        4096-device plan's segments have an owner per VW and the planner asks of every stage (``Plan.shard_shares``)."""
+        positions: dict[str, int] | None = self.__dict__.get("_owner_positions")
+        if positions is None:
+            positions = {d: q for q, d in enumerate(self.owners)}
+            object.__setattr__(self, "_owner_positions", positions)
+        return positions.get(device)
+
     def shard_of(self, device: str) -> float:
         """The share of the segment's optimizer state ``device`` keeps: its fraction where sharded, else 1."""
         if not self.sharded:
