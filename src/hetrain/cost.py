@@ -598,10 +598,12 @@ def estimate_1f1b_period(stage_times: Sequence[float], link_times: Sequence[floa
     for j in range(p - 1):
         if warmup[j] > m - 2:  # no steady state on stage j: it closes no cycle
             continue
-        work = t[j]
-        for k in range(j + 1, p):
+        work, w_j = t[j], warmup[j] + 1
+        for k in range(j + 1, p):  # O(p^2) per partition priced: the comparison inline, not a call of max
             work += c[k - 1] + t[k]
-            period = max(period, work / (warmup[j] - warmup[k] + 1))
+            turn = work / (w_j - warmup[k])
+            if turn > period:
+                period = turn
     return period
 
 
