@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 from typing import Any
 
 import pytest
@@ -39,6 +40,27 @@ def dp_plan(mode: str, **options: Any) -> Plan:
 def test_segments_group_layers_by_owner_set() -> None:
     stages = [[("a", 0, 2), ("b", 2, 6)], [("c", 0, 3), ("d", 3, 6)]]
     assert group_segments(6, stages) == [(0, 2, ("a", "c")), (2, 3, ("b", "c")), (3, 6, ("b", "d"))]
+
+
+def test_segments_match_grouping_layer_by_layer() -> None:
+    """``group_segments`` works run by run between stage bounds: against each layer's owners, grouped (stages
+    dropped at random leave layers of no owner)."""
+    rng = random.Random(0)
+    for _ in range(200):
+        num_layers = rng.randint(1, 12)
+        layouts = []
+        for v in range(rng.randint(1, 5)):
+            cuts = sorted({0, num_layers, *rng.sample(range(1, num_layers + 1), rng.randint(0, num_layers - 1))})
+            layouts.append([(f"d{v}.{j}", k, l) for j, (k, l) in enumerate(itertools.pairwise(cuts))
+                            if rng.random() < 0.9])
+        per_layer = [tuple(sorted(d for layout in layouts for d, k, l in layout if k <= i < l))
+                     for i in range(num_layers)]
+        expected, start = [], 0
+        for owners, run in itertools.groupby(per_layer):
+            end = start + len(list(run))
+            expected.append((start, end, owners))
+            start = end
+        assert group_segments(num_layers, layouts) == expected
 
 
 def test_buckets_are_cut_from_the_last_layers_and_never_split_a_layer() -> None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -273,6 +273,16 @@ class Cluster:
         ns: np.ndarray = self._node_step  # type: ignore[attr-defined]
         step = float(ns[a, b])
         return Link(float(nb[a, b]), float(nl[a, b]), None if np.isnan(step) else step)
+
+    def ring_node_links(self, order: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(bandwidth, collective step latency) of each link of the ring of nodes ``order`` (node indices: each to
+        the next, the last to the first), as ``node_link`` gives them: a ring of 512 nodes at once."""
+        a = np.asarray(order, dtype=np.int64)
+        b = np.roll(a, -1)
+        nb: np.ndarray = self._node_bw  # type: ignore[attr-defined]
+        nl: np.ndarray = self._node_lat  # type: ignore[attr-defined]
+        step: np.ndarray = self._node_step[a, b]  # type: ignore[attr-defined]
+        return nb[a, b], np.where(np.isnan(step), nl[a, b], step)
 
     def device(self, name: str) -> Device:
         """The device called ``name`` (``"node:k"``); ClusterError listing a few names if none."""

@@ -408,8 +408,7 @@ def _best_node_cycle(cluster: Cluster, nodes: list[int]) -> tuple[list[int], flo
         return nodes, math.inf
 
     def bottleneck(order: Sequence[int]) -> float:
-        return min(cluster.node_link(order[k], order[(k + 1) % len(order)]).bandwidth_bytes_per_s
-                   for k in range(len(order)))
+        return float(cluster.ring_node_links(order)[0].min())
 
     if not cluster.node_links:
         return nodes, bottleneck(nodes)
@@ -448,8 +447,7 @@ def allreduce_shape(cluster: Cluster, devices: Sequence[int]) -> AllReduceShape:
     cycle, inter_bw = _best_node_cycle(cluster, node_ids)
     inter_lat = 0.0
     if len(cycle) > 1:
-        inter_lat = max(cluster.node_link(cycle[k], cycle[(k + 1) % len(cycle)]).step_latency_s
-                        for k in range(len(cycle)))
+        inter_lat = float(cluster.ring_node_links(cycle)[1].max())
     multi = [n for n in node_ids if len(by_node[n]) > 1]
     intra_bw = min((cluster.node_link(n, n).bandwidth_bytes_per_s for n in multi), default=math.inf)
     intra_lat = max((cluster.node_link(n, n).step_latency_s for n in multi), default=0.0)
@@ -600,10 +598,12 @@ def estimate_1f1b_period(stage_times: Sequence[float], link_times: Sequence[floa
     for j in range(p - 1):
         if warmup[j] > m - 2:  # no steady state on stage j: it closes no cycle
             continue
-        work = t[j]
-        for k in range(j + 1, p):
+        work, w_j = t[j], warmup[j] + 1
+        for k in range(j + 1, p):  # O(p^2) per partition priced: the comparison inline, not a call of max
             work += c[k - 1] + t[k]
-            period = max(period, work / (warmup[j] - warmup[k] + 1))
+            turn = work / (w_j - warmup[k])
+            if turn > period:
+                period = turn
     return period
 
 

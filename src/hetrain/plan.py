@@ -345,20 +345,27 @@ class Plan:
             return (1.0, 1.0)
         v, j = self.stage_of(device)
         stage = self.virtual_workers[v].stages[j]
-        layers = self.profile.layers
         total = state = grad = 0.0
-        for seg in self.layout.segments:
-            lo, hi = max(seg.first_layer, stage.first_layer), min(seg.end_layer, stage.end_layer)
-            if lo >= hi:
-                continue
-            size = float(sum(x.param_bytes for x in layers[lo:hi]))
+        for seg, size in self._segment_bytes(stage.first_layer, stage.end_layer):
             mine = 1.0
-            if seg.sharded and stage.device in seg.owners:
-                mine = seg.shard_of(stage.device) if share is None else share
+            if seg.sharded and (q := seg.owner_position(stage.device)) is not None:
+                mine = seg.shard_fractions[q] if share is None else share  # ``Segment.shard_of``
             total += size
             state += size * mine
             grad += size * (mine if seg.shard == "optimizer+gradients" else 1.0)
         return (state / total, grad / total) if total > 0 else (1.0, 1.0)
+
+    def _segment_bytes(self, first: int, end: int) -> tuple[tuple[Segment, float], ...]:
+        """Each segment over layers ``[first, end)`` with its parameter bytes among them, kept per range: a plan's
+        thousands of stages have a few dozen ranges (``shard_shares``)."""
+        found: dict[tuple[int, int], tuple[tuple[Segment, float], ...]] = \
+            self.__dict__.setdefault("_segment_bytes_cache", {})
+        if (first, end) not in found:
+            layers = self.profile.layers
+            found[(first, end)] = tuple(
+                (seg, float(sum(x.param_bytes for x in layers[max(seg.first_layer, first):min(seg.end_layer, end)])))
+                for seg in self.layout.segments_over(first, end))
+        return found[(first, end)]
 
     def with_sync(self, mode: str | None = None, options: SyncOptions | None = None) -> Plan:
         """This plan under another sync mode or options: the layout is made anew, the prediction kept

@@ -462,6 +462,15 @@ class Segment:
         """Whether its owners shard its optimizer state (and perhaps its gradients)."""
         return self.shard != SHARD_MODES[0]
 
+    def owner_position(self, device: str) -> int | None:
+        """``device``'s position in ``owners``, None where it is not one: a dict kept on the segment, since a
+        4096-device plan's segments have an owner per VW and the planner asks of every stage (``Plan.shard_shares``)."""
+        positions: dict[str, int] | None = self.__dict__.get("_owner_positions")
+        if positions is None:
+            positions = {d: q for q, d in enumerate(self.owners)}
+            object.__setattr__(self, "_owner_positions", positions)
+        return positions.get(device)
+
     def shard_of(self, device: str) -> float:
         """The share of the segment's optimizer state ``device`` keeps: its fraction where sharded, else 1."""
         if not self.sharded:
@@ -504,6 +513,16 @@ class SyncLayout:
     #: bytes a gradient all-reduce moves per byte of (fp32) gradient as the runtime keeps them: the profile's
     #: ``ModelProfile.gradient_wire`` (0.5 where the runtime keeps 16-bit gradients); derived, not written
     gradient_wire: float = 1.0
+
+    def segments_over(self, first: int, end: int) -> tuple[Segment, ...]:
+        """The segments that hold any layer of ``[first, end)``, in ``segments``' order, kept per range: a plan's
+        shares are asked of every stage (``Plan.shard_shares``), thousands of stages of a few dozen ranges, for
+        each shard mode the planner tries per segment, and a 200-layer plan has hundreds of segments."""
+        found: dict[tuple[int, int], tuple[Segment, ...]] = self.__dict__.setdefault("_segments_over", {})
+        key = (first, end)
+        if key not in found:
+            found[key] = tuple(s for s in self.segments if max(s.first_layer, first) < min(s.end_layer, end))
+        return found[key]
 
     def wire_bytes(self, num_bytes: float, segment: Segment) -> float:
         """Bytes a reduction of ``num_bytes`` of ``segment``'s gradients moves: ``options.wire_for`` its shard mode
@@ -580,18 +599,25 @@ def group_segments(num_layers: int,
         >>> group_segments(4, [[("a", 0, 2), ("b", 2, 4)], [("c", 0, 4)]])
         [(0, 2, ('a', 'c')), (2, 4, ('b', 'c'))]
     """
-    owners: list[list[T]] = [[] for _ in range(num_layers)]
+    # the owners change only where some stage begins or ends: one owner list per run between two such bounds
+    # (4096 VWs hold each of 200 layers: a list per run, not per layer), runs of the same owners then merged
+    bounds = sorted({0, num_layers} | {k for layout in layouts for _, k, _ in layout}
+                    | {l for layout in layouts for _, _, l in layout})
+    if bounds[0] < 0 or bounds[-1] > num_layers:
+        raise ValueError(f"a stage's layers fall outside [0, {num_layers}): bounds {bounds[0]} to {bounds[-1]}")
+    run_of = {b: q for q, b in enumerate(bounds)}
+    owners: list[list[T]] = [[] for _ in bounds[1:]]
     for layout in layouts:
         for d, k, l in layout:
-            for i in range(k, l):
-                owners[i].append(d)
-    keys = [tuple(sorted(o)) for o in owners]  # type: ignore[type-var]
-    out = []
-    start = 0
-    for i in range(1, num_layers + 1):
-        if i == num_layers or keys[i] != keys[start]:
-            out.append((start, i, keys[start]))
-            start = i
+            for q in range(run_of[k], run_of[l]):
+                owners[q].append(d)
+    out: list[tuple[int, int, tuple[T, ...]]] = []
+    for q, o in enumerate(owners):
+        key = tuple(sorted(o))  # type: ignore[type-var]
+        if out and out[-1][2] == key:
+            out[-1] = (out[-1][0], bounds[q + 1], key)
+        else:
+            out.append((bounds[q], bounds[q + 1], key))
     return out
 
 

@@ -83,7 +83,7 @@ from hetrain.planner.shards import lighten_segments, reprice, size_shards
 from hetrain.planner.sharing import estimate_pipeline_traffic, estimate_shared_pipeline_times
 from hetrain.planner.stage_cost import StageTableCache
 from hetrain.planner.sync import Scorer, choose_sync_mode, estimate_mode_sync_time, estimate_sync_predictions
-from hetrain.planner.vw import VWEvaluator, canonical_devices, vw_signature
+from hetrain.planner.vw import VWEvaluator, vw_shape
 from hetrain.profile import ModelProfile
 from hetrain.sync_layout import SHARD_MODES, SyncOptions, check_mode_options, group_segments, modes_for
 from hetrain.sync_mode import MODES, SYNC_MODES, SyncModeName, sync_mode
@@ -320,11 +320,12 @@ def _evaluate(cluster: Cluster, profile: ModelProfile, formation: Formation, sch
     # evaluator per VW shape for formations of one VW, another for those of many
     copies = _reduce_copy(opts, len(groups))
     shares = _shares(opts, len(groups))
-    sigs = [(vw_signature(cluster, g), schedule, copies, shares) for g in groups]
-    for sig, g in zip(sigs, groups, strict=True):
+    shapes = [vw_shape(cluster, g) for g in groups]
+    sigs = [(sig, schedule, copies, shares) for sig, _ in shapes]
+    for sig, (_, canon) in zip(sigs, shapes, strict=True):
         if sig not in evaluators:
             evaluators[sig] = VWEvaluator(
-                cluster, profile, canonical_devices(cluster, g), schedule, opts.optimizer, opts.allow_recompute,
+                cluster, profile, list(canon), schedule, opts.optimizer, opts.allow_recompute,
                 opts.order_budget, opts.max_caps, opts.micro_batch_sizes, cache, opts.exhaustive_orders,
                 opts.sync_options.transfers == "blocking", reduce_copy=copies, shares=shares)
     if global_batch < len(groups):
@@ -350,15 +351,18 @@ def _evaluate(cluster: Cluster, profile: ModelProfile, formation: Formation, sch
     if split is None:
         return None
     parts: list[PartitionResult] = []
-    for v, g in enumerate(groups):
-        r = evaluators[sigs[v]].refine(split[v], fast=not exact)
+    places: dict[int, tuple[PartitionResult, tuple[int, ...]]] = {}  # id(r) -> r, its devices' canonical positions
+    for v in range(len(groups)):
+        ev = evaluators[sigs[v]]
+        r = ev.refine(split[v], fast=not exact)
         if r is None:
             return None
-        # map canonical positions back to this VW's devices
-        canon = canonical_devices(cluster, g)
-        pos = {d.index: q for q, d in enumerate(evaluators[sigs[v]].devices)}
-        mapped = tuple(canon[pos[d.index]] for d in r.devices)
-        parts.append(replace(r, devices=mapped))
+        # map canonical positions back to this VW's devices (the VWs of one evaluator and mini-batch share ``r``)
+        if id(r) not in places:
+            pos = {d.index: q for q, d in enumerate(ev.devices)}
+            places[id(r)] = (r, tuple(pos[d.index] for d in r.devices))
+        canon = shapes[v][1]
+        parts.append(replace(r, devices=tuple(canon[q] for q in places[id(r)][1])))
     return _eager_if_faster(cluster, profile, _assemble(cluster, profile, formation, schedule, global_batch, parts,
                                                         split, opts), opts)
 

@@ -43,6 +43,20 @@ def vw_signature(cluster: Cluster, group: Sequence[int]) -> tuple[object, ...]:
     return (tuple(kinds), bandwidth.tobytes(), latency.tobytes())
 
 
+def vw_shape(cluster: Cluster, group: tuple[int, ...]) -> tuple[tuple[object, ...], tuple[Device, ...]]:
+    """(``vw_signature``, ``canonical_devices``) of ``group``, kept on the cluster: every search screens and
+    searches the same formations again, and ``hetrain plan`` searches three times (with and without sharded
+    state, and pure data parallelism), 4096 VWs a formation at 4096 devices. Equal signatures are kept once."""
+    shapes: dict[tuple[int, ...], tuple[tuple[object, ...], tuple[Device, ...]]] = \
+        cluster.__dict__.setdefault("_vw_shape_cache", {})
+    found = shapes.get(group)
+    if found is None:
+        signatures: dict[tuple[object, ...], tuple[object, ...]] = cluster.__dict__.setdefault("_vw_signatures", {})
+        sig = vw_signature(cluster, group)
+        found = shapes[group] = (signatures.setdefault(sig, sig), tuple(canonical_devices(cluster, group)))
+    return found
+
+
 def canonical_devices(cluster: Cluster, group: Sequence[int]) -> list[Device]:
     """The VW's devices in the canonical order of ``vw_signature``."""
     devs = sorted(group, key=lambda d: (int(cluster.node_index[d]), cluster.devices[d].type_name, d))
