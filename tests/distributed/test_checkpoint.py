@@ -563,14 +563,14 @@ def test_the_store_host_returns_from_a_save_only_once_every_rank_has_seen_it_com
 
 
 def _last_save(directory: Path, rank: int) -> None:
-    """Rank 1 looks at the store only every 1.5 s; rank 0 leaves the process (and the store) at once after the save."""
+    """Rank 1 looks at the store only every 0.5 s; rank 0 leaves the process (and the store) at once after the save."""
     import hetrain.distributed.barrier as barrier
 
     if rank == 1:
         poll = barrier.poll
 
         def slow_poll(*args: Any, **kwargs: Any) -> bool:
-            time.sleep(1.5)
+            time.sleep(0.5)
             return poll(*args, **kwargs)
         barrier.poll = slow_poll  # type: ignore[assignment]
     tensors, state = stage(range(4 * rank, 4 * rank + 4))

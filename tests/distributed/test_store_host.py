@@ -1,7 +1,7 @@
 """The rank that serves the job's store (rank 0 without torchrun's agent store) must not leave before its peers
 have read what they need from it: a process that exits takes its store with it.
 
-Every test here makes rank 1 look at the store only every 1.5 s, as a rank starved of CPU does, and rank 0
+Every test here makes rank 1 look at the store only every 0.5 s, as a rank starved of CPU does, and rank 0
 exit the moment its call returns: before the fix, rank 1 then lost the store (seen in CI, at a job's last
 checkpoint, with the ranks of a 4-rank job competing for 2 cores).
 """
@@ -30,10 +30,10 @@ WORKER = textwrap.dedent("""
     torch.set_num_threads(1)
     case = json.load(open(sys.argv[1]))
     rank = int(os.environ["RANK"])
-    if rank == 1:  # a rank starved of CPU: it looks at the store every 1.5 s
+    if rank == 1:  # a rank starved of CPU: it looks at the store every 0.5 s
         poll = barrier.poll
         def slow_poll(*args, **kwargs):
-            time.sleep(1.5)
+            time.sleep(0.5)
             return poll(*args, **kwargs)
         barrier.poll = slow_poll
     data = build_datasets("synthetic", "mlp-digits", seed=0, synthetic_samples=64).train
