@@ -89,7 +89,7 @@ def plan_case(num_devices: int, model: str, budget_s: float | None) -> ScaleRow:
     start = time.perf_counter()
     search(cluster, profile, global_batch, PlannerOptions())
     search_s = time.perf_counter() - start
-    profile = build_model(model)  # fresh, so that no cache carries over
+    cluster, profile = build_cluster(num_devices), build_model(model)  # fresh: no cache carries over
     parser = argparse.ArgumentParser()
     add_plan_arguments(parser)
     budget = "none" if budget_s is None else f"{budget_s:g}s"
