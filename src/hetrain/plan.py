@@ -348,8 +348,8 @@ class Plan:
         total = state = grad = 0.0
         for seg, size in self._segment_bytes(stage.first_layer, stage.end_layer):
             mine = 1.0
-            if seg.sharded and (q := seg.owner_position(stage.device)) is not None:
-                mine = seg.shard_fractions[q] if share is None else share  # ``Segment.shard_of``
+            if seg.sharded and seg.owner_position(stage.device) is not None:
+                mine = seg.shard_of(stage.device) if share is None else share
             total += size
             state += size * mine
             grad += size * (mine if seg.shard == "optimizer+gradients" else 1.0)

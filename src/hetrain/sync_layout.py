@@ -475,7 +475,10 @@ class Segment:
         """The share of the segment's optimizer state ``device`` keeps: its fraction where sharded, else 1."""
         if not self.sharded:
             return 1.0
-        return self.shard_fractions[self.owners.index(device)]
+        q = self.owner_position(device)
+        if q is None:
+            raise ValueError(f"{device} does not own segment [{self.first_layer}, {self.end_layer})")
+        return self.shard_fractions[q]
 
     def shard_bounds(self, numel: int) -> list[tuple[int, int]]:
         """Per owner, the elements ``[lo, hi)`` of a flat buffer of ``numel`` elements it keeps."""

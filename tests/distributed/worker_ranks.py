@@ -197,14 +197,16 @@ def wait_ranks(ranks: Sequence[Rank], timeout_s: float) -> list[int]:
 
 
 def run_ranks(script: Path | str, argv: Sequence[str], world: int, timeout_s: float,
-              env: dict[str, str] | None = None, cwd: Path | None = None) -> list[str]:
-    """Fork ``python SCRIPT ARGV`` (``SCRIPT`` ``"-m"``: ``python -m ARGV``) as ``world`` Gloo ranks of one host,
-    with the variables ``torchrun --standalone --nproc-per-node WORLD`` gives its workers (on ``env``, default
-    this process's environment), in ``cwd`` (default this process's); assert every rank exits 0. Their stdout,
-    by rank."""
+              env: dict[str, str] | None = None, cwd: Path | None = None,
+              local_ranks: Sequence[int] | None = None) -> list[str]:
+    """Fork ``python SCRIPT ARGV`` (``SCRIPT`` ``"-m"``: ``python -m ARGV``) as ``world`` Gloo ranks, with the
+    variables torchrun gives its workers (on ``env``, default this process's environment; ``local_ranks``:
+    each rank's LOCAL_RANK, default its rank, one host), in ``cwd`` (default this process's); assert every rank
+    exits 0. Their stdout, by rank."""
+    local = list(range(world)) if local_ranks is None else list(local_ranks)
     base = {**(env if env is not None else rank_env("n0", world, 0)), "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
-    envs = [{**base, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(world)]
+            "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(max(local) + 1)}
+    envs = [{**base, "RANK": str(r), "LOCAL_RANK": str(local[r])} for r in range(world)]
     with tempfile.TemporaryDirectory(prefix="ranks-") as logs:
         here = os.getcwd()
         os.chdir(cwd or here)  # a rank starts in the launcher's working directory
@@ -220,19 +222,13 @@ def run_ranks(script: Path | str, argv: Sequence[str], world: int, timeout_s: fl
 
 def run_worker_ranks(root: Path, nodes: str, local_ranks: Sequence[int], timeout_s: float = 120,
                      args: Sequence[str] | None = None) -> None:
-    """Run ``root/worker.py root/cases.json`` (or ``root/worker.py ARGS``) as ``len(local_ranks)`` Gloo ranks;
-    assert every rank exits 0.
+    """Run ``root/worker.py root/cases.json`` (or ``root/worker.py ARGS``) as ``len(local_ranks)`` Gloo ranks
+    (``run_ranks``); assert every rank exits 0.
 
     ``nodes`` is HETRAIN_NODE: one node name, or a comma list indexed by rank.
     """
-    env = rank_env(nodes, len(local_ranks), free_port())
-    envs = [{**env, "RANK": str(r), "LOCAL_RANK": str(local)} for r, local in enumerate(local_ranks)]
-    with tempfile.TemporaryDirectory(prefix="ranks-") as logs:
-        ranks = start_ranks(root / "worker.py", [str(root / "cases.json")] if args is None else args, envs,
-                            Path(logs))
-        codes = wait_ranks(ranks, timeout_s)
-        for r, (code, rank) in enumerate(zip(codes, ranks, strict=True)):
-            assert code == 0, f"rank {r} exited {code}:\n{rank.output('err')[-4000:]}"
+    run_ranks(root / "worker.py", [str(root / "cases.json")] if args is None else args, len(local_ranks), timeout_s,
+              rank_env(nodes, len(local_ranks), 0), local_ranks=local_ranks)
 
 
 def single_process_mlp(steps: int, lr: float, **dataset_options: object) -> tuple[dict[str, torch.Tensor], list[float]]:

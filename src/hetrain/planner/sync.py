@@ -455,7 +455,7 @@ def average_holds_pipeline_nics(cluster: Cluster, profile: ModelProfile, layouts
     the average then hides behind nothing, as a blocking one (nvlink-nodes, gpt2-large, 16 VWs of 2 stages
     across nodes: the average's 0.75 s on a NIC; the replay's iteration with it 0.72 s longer,
     benchmarks/closed_form_modes.py). Pipelines inside nodes, or an average inside nodes, do not meet."""
-    crossed = {node for node, t in ((key[1], t) for key, t in pipeline_nic_loads(cluster, traffic).items()) if t > 0}
+    crossed = {key[1] for key, t in pipeline_nic_loads(cluster, traffic).items() if t > 0}  # ("out" | "in", node)
     if not crossed:
         return False
     for _, _, owners in build_segments(profile.num_layers, layouts):
