@@ -439,7 +439,9 @@ class Plan:
             rows = []
             for mode, row in shard_choice["modes"].items():
                 t = row.get("simulated_iteration_s") or row.get("iteration_s") if isinstance(row, Mapping) else None
-                rows.append(f"shard {mode}: {format_time(t)}" if t else f"shard {mode}: no plan")
+                skipped = isinstance(row, Mapping) and "skipped" in row
+                rows.append(f"shard {mode}: {format_time(t)}" if t else
+                            f"shard {mode}: not planned (the time budget)" if skipped else f"shard {mode}: no plan")
             lines.append(f"  planned with {'; '.join(rows)}; chose shard {shard_choice.get('chosen')}")
         return lines
 

@@ -865,7 +865,10 @@ def plan_shards(cluster: Cluster, profile: ModelProfile, global_batch: int, opts
     gradients too (ZeRO-2) where ZeRO-1 does not fit; the sharded plan then with each segment at the lightest
     mode its owners fit, where that is not slower (``_per_segment``); the best by the simulator where it
     simulated them, else by the closed forms. The budget is shared: half to the plan without, the rest to the
-    others in turn.
+    others in turn. Where a plan without sharding was found, a sharded planning whose search (its screening and
+    exact search always run, as long as the plan without took besides its simulations) would not fit what is
+    left of the budget is skipped, and said so (``options["shard_choice"]["modes"]``), as a TP degree is: at
+    4096 devices a second search costs 4 to 17 s, past any budget left. A larger ``--time-budget`` plans it.
     Sharding is bsp's (``SyncOptions.shard``) and whole tensors' (no TP stage), so other modes, or a forced
     TP degree, plan without."""
     base = replace(opts, shard=None, sync_options=replace(opts.sync_options, shard="none"))
@@ -880,8 +883,10 @@ def plan_shards(cluster: Cluster, profile: ModelProfile, global_batch: int, opts
 
     found: list[tuple[str, Plan]] = []
     choice: dict[str, dict[str, Any]] = {}
+    simulated_s = [0.0]  # the seconds the scoring function took in the planning without sharding
+    counted = None if score is None else _counted(score, simulated_s)
     try:
-        found.append(("none", plan(cluster, profile, global_batch, replace(base, time_budget_s=left(0.5)), score)))
+        found.append(("none", plan(cluster, profile, global_batch, replace(base, time_budget_s=left(0.5)), counted)))
     except PlannerError as e:
         choice["none"] = {"error": str(e)}
         first_error: PlannerError | None = e
@@ -893,9 +898,17 @@ def plan_shards(cluster: Cluster, profile: ModelProfile, global_batch: int, opts
                 **unsharded.options, REPORT_KEY: _total_report([unsharded], opts, unsharded).to_dict(), SHARD_KEY: {
                     "chosen": "none", "modes": {"none": _shard_row(unsharded)},
                     "note": "every VW is one stage without recompute: sharding would only add its all-gather"}})
+    # what the planning without sharding took besides its simulations: its screening, exact search and plan, which
+    # a sharded planning repeats on the same formations whatever its budget (at 4096 devices, 4 to 17 s)
+    searched_s = time.perf_counter() - start - simulated_s[0]
     for n, mode in enumerate(SHARD_MODES[1:]):
         if n > 0 and any(m != "none" for m, _ in found):
             break  # ZeRO-2 only where ZeRO-1 does not fit
+        if found and opts.time_budget_s is not None and (room := left(1.0)) is not None and room < searched_s:
+            choice[mode] = {"skipped": f"its search (about {searched_s:.1f} s, as the plan without sharding took "
+                                       f"besides its simulations) would not fit the time budget left "
+                                       f"({room:.1f} s)"}
+            break  # a plan was found: the budget, not memory, decides; ZeRO-2 is only for where ZeRO-1 fits not
         sharded = replace(base, sync=_SYNCHRONOUS, max_tp=1,
                           sync_options=replace(opts.sync_options, shard=mode), time_budget_s=left(1.0 / (2 - n)))
         try:
@@ -918,6 +931,17 @@ def plan_shards(cluster: Cluster, profile: ModelProfile, global_batch: int, opts
     segments = {"segments": records[chosen]["segments"]} if chosen in records else {}
     return replace(best, options={**best.options, SHARD_KEY: {"chosen": chosen, "modes": choice, **segments},
                                   REPORT_KEY: _total_report([p for _, p in found], opts, best).to_dict()})
+
+
+def _counted(score: Scorer, seconds: list[float]) -> Scorer:
+    """``score``, adding the seconds each call takes to ``seconds[0]``."""
+    def counted(p: Plan) -> float:
+        began = time.perf_counter()
+        try:
+            return score(p)
+        finally:
+            seconds[0] += time.perf_counter() - began
+    return counted
 
 
 def _per_segment(opts: PlannerOptions, p: Plan, score: Scorer | None,
