@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -138,22 +139,26 @@ def test_argument_errors_of_torch_side_commands_are_status_2(files: dict[str, st
 
 # --- the planner and the simulator run once per thing asked ---------------------------------------------------
 
-def test_plan_runs_the_planner_once_and_once_per_family(monkeypatch: pytest.MonkeyPatch,
+def test_plan_runs_the_planner_once_and_once_per_family(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """Each call noted in a file: the families may be planned in a forked process beside the plan."""
     import hetrain.planning as planning
 
-    calls: list[str] = []
+    log = tmp_path / "calls"
     real = planning.planner_plan
 
     def counted(*args: Any, **kwargs: Any) -> Any:
-        calls.append(args[3].strategy)
+        with log.open("a") as f:
+            f.write(args[3].strategy + "\n")
         return real(*args, **kwargs)
 
     monkeypatch.setattr(planning, "planner_plan", counted)
     assert main(["plan", "--cluster", str(CLUSTER), "--model", "mlp", "--global-batch", "16", "--json",
                  "--sync", "auto", "--time-budget", "none"]) == 0
-    rows = json.loads(capsys.readouterr().out)["comparison"]
-    assert calls == ["auto", "dp", "pp"]
+    out = json.loads(capsys.readouterr().out)
+    rows = out["comparison"]
+    assert sorted(log.read_text().split()) == ["auto", "dp", "pp"]
+    assert out["comparison_beside"] is (len(os.sched_getaffinity(0)) > 1)  # a second CPU: beside the plan
     assert [r["strategy"] for r in rows][1:] == ["pure data parallelism", "pure pipeline"]
 
 

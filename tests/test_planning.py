@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,14 @@ from hetrain.models.analytic import build_mlp_profile, build_profile
 from hetrain.planner import PlannerError, PlannerOptions
 from hetrain.planner.budget import PlannerReport
 from hetrain.planner.search import REPORT_KEY
-from hetrain.planning import PLANNER_KEY, plan_and_compare, plan_families, plan_with_simulator
+from hetrain.planning import (
+    PLAN_SHARE,
+    PLANNER_KEY,
+    FamiliesBeside,
+    plan_and_compare,
+    plan_families,
+    plan_with_simulator,
+)
 from hetrain.simulator import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,8 +70,10 @@ def test_a_family_that_fits_nowhere_says_why_and_raises_when_required() -> None:
 def test_the_plan_and_its_families_share_one_time_budget_and_the_plan_records_the_whole() -> None:
     """``hetrain plan``'s planning: the plan in PLAN_SHARE of the budget, the families in what is left, each half
     of it at most; every row simulated; the plan records the whole budget, which a re-plan is given."""
-    compared = plan_and_compare(load_cluster(CLUSTER), build_profile("mlp"), 16, PlannerOptions(time_budget_s=4.0))
+    compared = plan_and_compare(load_cluster(CLUSTER), build_profile("mlp"), 16, PlannerOptions(time_budget_s=4.0),
+                                beside=False)
     best, (dp, pp) = compared.plan, compared.families
+    assert not compared.beside
     assert best.options[PLANNER_KEY]["time_budget_s"] == 4.0
     assert PlannerReport.from_dict(best.options[REPORT_KEY]).time_budget_s == 4.0
     left = 4.0 - compared.plan_s
@@ -71,6 +81,42 @@ def test_the_plan_and_its_families_share_one_time_budget_and_the_plan_records_th
     assert pp.required().options[PLANNER_KEY]["time_budget_s"] <= left
     assert all(p.prediction.simulated_iteration_s for p in (best, dp.required(), pp.required()))
     assert compared.took_s == compared.plan_s + compared.families_s
+
+
+def test_the_families_planned_beside_the_plan_are_those_planned_after_it() -> None:
+    """Beside the plan, in a forked process, the families are planned with the same options (no budget here, so
+    the same work): the same plans, whose cluster and profile are the caller's own objects, not copies."""
+    cluster, profile = load_cluster(CLUSTER), build_profile("mlp")
+    opts = PlannerOptions(time_budget_s=None, simulate_top_k=2)
+    after = plan_and_compare(cluster, profile, 16, opts, beside=False)
+    ahead = plan_and_compare(cluster, profile, 16, opts, beside=True)
+    assert ahead.beside and not after.beside and ahead.plan.to_dict() == after.plan.to_dict()
+    assert [f.required().to_dict() for f in ahead.families] == [f.required().to_dict() for f in after.families]
+    assert all(f.required().cluster is cluster and f.required().profile is profile for f in ahead.families)
+    timed = plan_and_compare(cluster, profile, 16, PlannerOptions(time_budget_s=4.0), beside=True)
+    assert timed.beside and timed.took_s == timed.plan_s + timed.families_s
+    # beside the plan the families share the rest of the budget from the start, each half of it at most
+    assert timed.families[0].required().options[PLANNER_KEY]["time_budget_s"] <= (1 - PLAN_SHARE) * 4.0 / 2 + 1e-9
+
+
+def test_a_family_process_that_fails_or_does_not_answer_is_none_and_reaped() -> None:
+    """Where the child fails (here a global batch that is no number) or has not answered in time, ``result`` is None
+    (the caller plans the families itself) and ``stop`` leaves no child behind."""
+    cluster, profile = load_cluster(CLUSTER), build_profile("mlp")
+    broken = FamiliesBeside.start(cluster, profile, "many", PlannerOptions())  # type: ignore[arg-type]
+    assert broken is not None
+    pid = broken.pid
+    assert broken.result(60.0) is None
+    broken.stop()
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+    slow = FamiliesBeside.start(cluster, profile, 16, PlannerOptions(time_budget_s=None))
+    assert slow is not None
+    pid = slow.pid
+    assert slow.result(0.0) is None
+    slow.stop()
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
 
 
 def test_hetrain_plan_past_its_budget_simulates_every_row_and_says_what_it_took(

@@ -16,6 +16,17 @@ that the plan can be re-made as it was (``elastic.planner_options_of``)::
     |<------------------------------ time_budget_s ------------------------------>|
     | the plan: PLAN_SHARE of it                   | dp: half what is left | pp: the rest |
 
+or, where the host has a second CPU and the plan's sync mode is known before it is made (given, or ``auto``'s
+bsp), the families beside the plan, in a forked process of their own (``FamiliesBeside``)::
+
+    | the plan: PLAN_SHARE of it                   |
+    | dp and pp: the rest of the budget, at once   |
+
+The families' planning is the same either way (the same options and budget rules, the plan's sync mode); beside
+the plan it only overlaps it. Where the plan's mode turns out other than the one guessed, or the process fails,
+the families are planned here after the plan, as before. At 4096 devices the families take 3 to 6 s, a third
+of ``hetrain plan``'s time (benchmarks/planner_scale.py).
+
 Each planning's chosen plan is simulated whatever is left of its share (``PlannerReport.past_budget_s``): the
 budget is exceeded by what that takes, and ``hetrain plan`` says so (``budget.format_budget_overrun``).
 
@@ -35,6 +46,12 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
+import pickle
+import select
+import signal
 import time
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
@@ -164,13 +181,16 @@ class Compared:
         plan: the best plan (``plan_with_simulator``), recording the whole time budget, the one the user gave.
         families: each pure family's best plan or why it has none (``plan_families``).
         plan_s: seconds the plan took.
-        families_s: seconds the families took.
+        families_s: seconds the families added after the plan: all they took, or where they ran beside it
+            (``beside``), the wait for them once the plan was made.
+        beside: whether the families were planned beside the plan, in a process of their own.
     """
 
     plan: Plan
     families: list[FamilyPlan]
     plan_s: float
     families_s: float
+    beside: bool = False
 
     @property
     def took_s(self) -> float:
@@ -178,9 +198,12 @@ class Compared:
 
 
 def plan_and_compare(cluster: Cluster, profile: ModelProfile, global_batch: int,
-                     options: PlannerOptions) -> Compared:
+                     options: PlannerOptions, beside: bool | None = None) -> Compared:
     """The plan and the pure families within one time budget, ``options.time_budget_s``: the plan in
     ``PLAN_SHARE`` of it, the families (under the plan's sync mode, simulated where it is) in what is left.
+
+    ``beside``: plan the families in a forked process while the plan is made (``FamiliesBeside``); None: where
+    the host gives this process a second CPU and can fork. Either way they are planned with the same options.
 
     The plan records the whole budget, the one the user gave, in its planner options and report. Each
     planning's chosen plan is simulated whatever the budget left, so ``took_s`` can exceed it
@@ -188,13 +211,115 @@ def plan_and_compare(cluster: Cluster, profile: ModelProfile, global_batch: int,
     """
     budget_s = options.time_budget_s
     start = time.perf_counter()
-    share = None if budget_s is None else PLAN_SHARE * budget_s
-    best = plan_with_simulator(cluster, profile, global_batch, replace(options, time_budget_s=share))
-    plan_s = time.perf_counter() - start
-    report = replace(PlannerReport.from_dict(best.options[REPORT_KEY]), time_budget_s=budget_s)
-    best = record_planner_options(replace(best, options={**best.options, REPORT_KEY: report.to_dict()}), options)
+    if beside is None:
+        beside = hasattr(os, "fork") and len(os.sched_getaffinity(0)) > 1
+    guess = options.sync if options.sync != "auto" else "bsp"  # what ``auto`` picks unless another mode is faster
+    simulate = 0 if options.simulate_top_k == 0 else 1  # the plan is simulated unless nothing is
+    ahead = FamiliesBeside.start(cluster, profile, global_batch, replace(
+        options, sync=guess, simulate_top_k=simulate,
+        time_budget_s=None if budget_s is None else (1 - PLAN_SHARE) * budget_s)) if beside else None
+    try:
+        share = None if budget_s is None else PLAN_SHARE * budget_s
+        best = plan_with_simulator(cluster, profile, global_batch, replace(options, time_budget_s=share))
+        plan_s = time.perf_counter() - start
+        report = replace(PlannerReport.from_dict(best.options[REPORT_KEY]), time_budget_s=budget_s)
+        best = record_planner_options(replace(best, options={**best.options, REPORT_KEY: report.to_dict()}),
+                                      options)
+        families = None
+        if ahead is not None and best.sync == guess and \
+                bool(best.prediction.simulated_iteration_s) == bool(simulate):
+            families = ahead.result(max(60.0, 3 * plan_s))
+    finally:
+        if ahead is not None:
+            ahead.stop()
+    if families is not None:
+        return Compared(best, families, plan_s, time.perf_counter() - start - plan_s, beside=True)
     left = None if budget_s is None else max(0.0, budget_s - plan_s)
     simulate = 1 if best.prediction.simulated_iteration_s else 0
     families = plan_families(cluster, profile, global_batch,
                              replace(options, sync=best.sync, simulate_top_k=simulate, time_budget_s=left))
     return Compared(best, families, plan_s, time.perf_counter() - start - plan_s)
+
+
+class FamiliesBeside:
+    """``plan_families`` in a forked child process, its result read back through a pipe.
+
+    The planner is pure Python: a second process is the one way to use a second CPU. The child is forked (no
+    pickling of the cluster and profile, no new interpreter), plans, writes its pickled ``FamilyPlan`` list and
+    leaves with ``os._exit`` (no exit handlers of the parent run in it). Any failure of the child, a result not
+    read in time, or one that does not unpickle, is None: the caller plans the families itself, so a family's
+    refusal reaches the user from the same code as without the child.
+    """
+
+    def __init__(self, pid: int, fd: int, shared: dict[str, object]) -> None:
+        self.pid, self.fd, self.shared = pid, fd, shared
+
+    @staticmethod
+    def start(cluster: Cluster, profile: ModelProfile, global_batch: int,
+              options: PlannerOptions) -> FamiliesBeside | None:
+        """Fork the child planning the families with ``options``; None where the fork fails."""
+        read, write = os.pipe()
+        try:
+            pid = os.fork()
+        except OSError:
+            os.close(read)
+            os.close(write)
+            return None
+        if pid == 0:  # the child: plan, write, leave without running the parent's exit handlers
+            code = 1
+            try:
+                os.close(read)
+                families = plan_families(cluster, profile, global_batch, options)
+                with os.fdopen(write, "wb") as out:
+                    _Shared(out, {id(cluster): "cluster", id(profile): "profile"}).dump(families)
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write)
+        return FamiliesBeside(pid, read, {"cluster": cluster, "profile": profile})
+
+    def result(self, timeout_s: float) -> list[FamilyPlan] | None:
+        """The child's families, read within ``timeout_s``; None where it failed or did not answer in time."""
+        deadline = time.monotonic() + timeout_s
+        chunks = []
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.fd], [], [], left)[0]:
+                return None  # stopped by ``stop``
+            chunk = os.read(self.fd, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        _, status = os.waitpid(self.pid, 0)
+        self.pid = 0
+        if not os.WIFEXITED(status) or os.WEXITSTATUS(status) != 0:
+            return None
+        try:
+            loader = pickle.Unpickler(io.BytesIO(b"".join(chunks)))
+            loader.persistent_load = self.shared.__getitem__  # type: ignore[method-assign]
+            families = loader.load()
+        except Exception:  # a truncated or foreign result: plan the families here
+            return None
+        return families if isinstance(families, list) else None
+
+    def stop(self) -> None:
+        """Close the pipe; kill and reap the child where it is still running."""
+        os.close(self.fd)
+        if self.pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+            self.pid = 0
+
+
+class _Shared(pickle.Pickler):
+    """A pickler that writes the objects of ``names`` (by id) as their names: the family plans' cluster and
+    profile are the parent's own, which it hands back on loading (``FamiliesBeside.result``). A 4096-device
+    cluster's link matrices alone are 256 MB per plan, which pickling took seconds to copy."""
+
+    def __init__(self, out: Any, names: dict[int, str]) -> None:
+        super().__init__(out, protocol=pickle.HIGHEST_PROTOCOL)
+        self.names = names
+
+    def persistent_id(self, obj: Any) -> str | None:
+        return self.names.get(id(obj))

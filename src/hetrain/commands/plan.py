@@ -143,6 +143,7 @@ class _Planned:
     families: list[FamilyPlan]
     planning_s: float | None
     families_s: float | None = None
+    beside: bool = False  # the families planned beside the plan, in a process of their own
 
 
 def _plan_anew(args: argparse.Namespace) -> _Planned:
@@ -162,7 +163,7 @@ def _plan_anew(args: argparse.Namespace) -> _Planned:
     if learned:
         result = replace(result, options={**result.options,
                                           "time_model": {"file": args.time_model, "types": list(learned)}})
-    return _Planned(result, cluster, compared.families, compared.plan_s, compared.families_s)
+    return _Planned(result, cluster, compared.families, compared.plan_s, compared.families_s, compared.beside)
 
 
 def _planned(args: argparse.Namespace) -> _Planned:
@@ -192,7 +193,8 @@ def run(args: argparse.Namespace) -> int:
     rows = comparison_rows(result, planned.families)
     if args.json:
         print(json.dumps({"plan": result.to_dict() if not args.output else args.output,
-                          "comparison": rows, "planning_s": planning_s, "comparison_s": planned.families_s},
+                          "comparison": rows, "planning_s": planning_s, "comparison_s": planned.families_s,
+                          "comparison_beside": planned.beside},
                          indent=1))
         return 0
     print(planned.cluster.summary())
