@@ -368,27 +368,33 @@ def test_per_segment_modes_are_kept_only_where_they_are_not_slower() -> None:
     assert per["kept"] is (per["iteration_s"] <= per["uniform_iteration_s"])
 
 
-def test_a_sharded_planning_that_would_not_fit_the_budget_left_is_skipped_and_said_so() -> None:
-    """gpt2-xl on eight T4s pipelines, so ZeRO-1 is worth planning; but under a budget the plan without sharding has
-    already spent, a second search would only run past it (at 4096 devices, 4 to 17 s): it is skipped, recorded,
-    and the summary says so. Without a budget it is planned."""
+def test_a_sharded_planning_past_the_budget_is_skipped_only_where_memory_did_not_shape_the_plan() -> None:
+    """gpt2-small on eight T4s over 10 Gbit/s pipelines for its links, not for memory (each T4 holds the whole model
+    and its state): under a budget the plan without sharding has already spent, a second search would only run past
+    it (at 4096 devices, 4 to 17 s), so ZeRO-1 is skipped, recorded, and the summary says so. Without a budget it is
+    planned. gpt2-xl does not fit a T4 whole: memory shaped its pipeline, and ZeRO-1 is planned whatever the
+    budget (at 1024 devices x 200 layers it was 27% faster)."""
     cluster = parse_cluster({"name": "t4", "node": [
         {"name": n, "devices": [{"type": "T4", "count": 4}], "intra_link": "pcie3", "nic": "10Gbit/s"}
         for n in ("a", "b")]})
-    profile = build_profile("gpt2-xl")
 
     def score(q):  # type: ignore[no-untyped-def]
         return simulate(q).iteration_s
 
-    tight = plan(cluster, profile, 128, PlannerOptions(max_tp=1, shard="auto", time_budget_s=1e-6), score)
+    small = build_profile("gpt2-small")
+    tight = plan(cluster, small, 64, PlannerOptions(max_tp=1, shard="auto", time_budget_s=1e-6), score)
     choice = tight.options["shard_choice"]
-    assert max(len(vw.stages) for vw in tight.virtual_workers) > 1  # memory-bound enough to try sharding
+    assert max(len(vw.stages) for vw in tight.virtual_workers) > 1  # a pipeline: sharding is worth asking about
+    assert not any(s.recompute for vw in tight.virtual_workers for s in vw.stages)
     assert choice["chosen"] == "none" and tight.sync_options.shard == "none"
     assert set(choice["modes"]) == {"none", "optimizer"}
-    assert choice["modes"]["optimizer"]["skipped"].startswith("its search (about ")
-    assert "would not fit the time budget left (0.0 s)" in choice["modes"]["optimizer"]["skipped"]
+    skipped = choice["modes"]["optimizer"]["skipped"]
+    assert skipped.startswith("its search (about ") and "would not fit the time budget left (0.0 s)" in skipped
+    assert skipped.endswith("and memory shaped no part of the plan without it")
     assert "shard optimizer: not planned (the time budget)" in tight.summary()
     assert tight.prediction.simulated_iteration_s is not None  # the plan returned is simulated all the same
-    free = plan(cluster, profile, 128, PlannerOptions(max_tp=1, shard="auto", time_budget_s=None), score)
-    assert "skipped" not in free.options["shard_choice"]["modes"].get("optimizer", {})
+    free = plan(cluster, small, 64, PlannerOptions(max_tp=1, shard="auto", time_budget_s=None), score)
     assert "iteration_s" in free.options["shard_choice"]["modes"]["optimizer"]
+    xl = plan(cluster, build_profile("gpt2-xl"), 128, PlannerOptions(max_tp=1, shard="auto", time_budget_s=1e-6),
+              score)
+    assert "iteration_s" in xl.options["shard_choice"]["modes"]["optimizer"]  # memory-shaped: planned past it

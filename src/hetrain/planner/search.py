@@ -867,8 +867,9 @@ def plan_shards(cluster: Cluster, profile: ModelProfile, global_batch: int, opts
     simulated them, else by the closed forms. The budget is shared: half to the plan without, the rest to the
     others in turn. Where a plan without sharding was found, a sharded planning whose search (its screening and
     exact search always run, as long as the plan without took besides its simulations) would not fit what is
-    left of the budget is skipped, and said so (``options["shard_choice"]["modes"]``), as a TP degree is: at
-    4096 devices a second search costs 4 to 17 s, past any budget left. A larger ``--time-budget`` plans it.
+    left of the budget is skipped, and said so (``options["shard_choice"]["modes"]``), as a TP degree is, unless
+    memory shaped that plan (``_memory_shaped``): at 4096 devices a second search costs 4 to 17 s, past any
+    budget left. A larger ``--time-budget`` plans it.
     Sharding is bsp's (``SyncOptions.shard``) and whole tensors' (no TP stage), so other modes, or a forced
     TP degree, plan without."""
     base = replace(opts, shard=None, sync_options=replace(opts.sync_options, shard="none"))
@@ -904,11 +905,12 @@ def plan_shards(cluster: Cluster, profile: ModelProfile, global_batch: int, opts
     for n, mode in enumerate(SHARD_MODES[1:]):
         if n > 0 and any(m != "none" for m, _ in found):
             break  # ZeRO-2 only where ZeRO-1 does not fit
-        if found and opts.time_budget_s is not None and (room := left(1.0)) is not None and room < searched_s:
+        if found and opts.time_budget_s is not None and (room := left(1.0)) is not None and room < searched_s \
+                and not _memory_shaped(cluster, profile, opts, found[0][1]):
             choice[mode] = {"skipped": f"its search (about {searched_s:.1f} s, as the plan without sharding took "
                                        f"besides its simulations) would not fit the time budget left "
-                                       f"({room:.1f} s)"}
-            break  # a plan was found: the budget, not memory, decides; ZeRO-2 is only for where ZeRO-1 fits not
+                                       f"({room:.1f} s), and memory shaped no part of the plan without it"}
+            break  # a plan was found, memory did not shape it: the budget decides
         sharded = replace(base, sync=_SYNCHRONOUS, max_tp=1,
                           sync_options=replace(opts.sync_options, shard=mode), time_budget_s=left(1.0 / (2 - n)))
         try:
@@ -931,6 +933,21 @@ def plan_shards(cluster: Cluster, profile: ModelProfile, global_batch: int, opts
     segments = {"segments": records[chosen]["segments"]} if chosen in records else {}
     return replace(best, options={**best.options, SHARD_KEY: {"chosen": chosen, "modes": choice, **segments},
                                   REPORT_KEY: _total_report([p for _, p in found], opts, best).to_dict()})
+
+
+def _memory_shaped(cluster: Cluster, profile: ModelProfile, opts: PlannerOptions, unsharded: Plan) -> bool:
+    """Whether memory may have shaped ``unsharded``, the plan without sharding: it recomputes a layer, or some
+    device could not hold the whole model (its weights, gradients and optimizer state, one sample's activations
+    kept) and so a pipeline may have been forced. Where neither holds, sharding can only trade its all-gather for
+    a smaller optimizer step, and a sharded planning past the budget is not worth its search (at 4096 devices x
+    26 layers the ZeRO-1 plan was the same arrangement, 0.2% slower); where memory shaped it, sharding can make a
+    shallower pipeline fit (1024 devices x 200 layers: 1.39 s against 1.90 s per iteration) and is planned
+    whatever the budget."""
+    if any(s.recompute for vw in unsharded.virtual_workers for s in vw.stages):
+        return True
+    whole = estimate_stage_memory(profile, 0, profile.num_layers, (), 1, 1, opts.optimizer,
+                                  reduce_copy=opts.sync_options.reduce_copy)
+    return any(tensor_budget(profile, d) < whole for d in cluster.devices)
 
 
 def _counted(score: Scorer, seconds: list[float]) -> Scorer:
