@@ -156,3 +156,16 @@ def test_a_format_1_plan_still_upgrades_with_every_key_it_wrote(small_plan) -> N
     data.update(format_version=1, sync=small_plan.sync, options={**data["options"], "staleness": 2})
     again = parse_plan(upgrade_plan_data(data), check_layout=False)
     assert again.virtual_workers == small_plan.virtual_workers and again.sync_options.staleness == 2
+
+
+def test_with_options_is_replace_of_the_options_without_laying_the_plan_out_again() -> None:
+    """``Plan.with_options``: the plan ``dataclasses.replace`` makes with other options (equal, the same JSON), whose
+    derived layout is the original's object (no validation or layout again: nothing there reads the options); the
+    original keeps its own options."""
+    cluster = load_cluster(Path(__file__).resolve().parents[1] / "examples" / "clusters" / "small-hetero.toml")
+    p = plan(cluster, build_profile("mlp"), 16, time_budget_s=None, simulate_top_k=0)
+    options = {**p.options, "note": {"a": 1}}
+    fast, slow = p.with_options(options), replace(p, options=options)
+    assert fast == slow and fast.to_dict() == slow.to_dict() and fast.options == options
+    assert fast.layout is p.layout and slow.layout is not p.layout
+    assert "note" not in p.options and fast.options is not options  # its own dict, not the caller's

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 import random
@@ -218,6 +219,39 @@ def test_water_filling_balances_finish_times() -> None:
     assert alloc is not None and sum(alloc) == 80
     assert alloc == [10, 20, 50]
     assert _split_batch(times, 2) is None  # fewer samples than VWs
+
+
+def _heap_split(times, global_batch):  # type: ignore[no-untyped-def]
+    """The water-filling one sample at a time, by a heap of (next time, VW): ``_split_batch``'s reference."""
+    k = len(times)
+    if global_batch < k or any(not math.isfinite(t(1)) for t in times):
+        return None
+    alloc = [1] * k
+    heap = [(times[v](2), v) for v in range(k)]
+    heapq.heapify(heap)
+    for _ in range(global_batch - k):
+        t, v = heapq.heappop(heap)
+        if not math.isfinite(t):
+            return None
+        alloc[v] += 1
+        heapq.heappush(heap, (times[v](alloc[v] + 1), v))
+    return alloc
+
+
+def test_water_filling_by_groups_is_the_one_sample_heap_on_random_step_functions() -> None:
+    """Alike VWs (one function object) served level by level give what the heap gives one sample at a time: on
+    step functions with flat runs, equal times across groups, an infinite tail and groups interleaved in VW order."""
+    rng = random.Random(7)
+    for _ in range(400):
+        kinds = []
+        for _ in range(rng.randint(1, 5)):
+            step, flat = rng.choice([0.5, 1.0, 2.0]), rng.randint(1, 4)
+            cap = rng.choice([None, rng.randint(2, 30)])
+            kinds.append(lambda b, step=step, flat=flat, cap=cap:
+                         math.inf if cap is not None and b > cap else step * ((b + flat - 1) // flat))
+        times = [rng.choice(kinds) for _ in range(rng.randint(1, 12))]
+        batch = rng.randint(1, 120)
+        assert _split_batch(times, batch) == _heap_split(times, batch), (batch, len(times))
 
 
 def test_candidate_orders_exhaustive_for_small_and_node_contiguous_for_large() -> None:

@@ -393,7 +393,7 @@ def decide_drift(plan: Plan, drift: Drift, step: int, steps: int, measured_step_
               "previous_devices": plan.devices_used, "previous_samples_per_s": predicted_samples_per_s(plan),
               "previous_iteration_s_under_drift": current_s, "predicted_gain_s": gain_s,
               "switch_cost_s": cost.total_s, "lost": [], "added": [], "assumed_links": []}
-    new = replace(replanned.plan, options={**replanned.plan.options, REPLAN_KEY: record})
+    new = replanned.plan.with_options({**replanned.plan.options, REPLAN_KEY: record})
     done = Replanned(new, WorldChange((), ()), plan_digest(new))
     same = _shape(new) == _shape(plan)
     what = ", ".join(f"{d} x{f:.2f}" for d, f in sorted(drift.factors.items()))

@@ -291,7 +291,7 @@ def replan_on_cluster(plan: Plan, cluster: Cluster, change: WorldChange, from_st
                           f"{e}") from None
     record = {**change.to_dict(), "from_step": from_step, "previous_devices": plan.devices_used,
               "previous_samples_per_s": predicted_samples_per_s(plan)}
-    new = replace(new, options={**new.options, REPLAN_KEY: record})
+    new = new.with_options({**new.options, REPLAN_KEY: record})
     return Replanned(new, change, plan_digest(new))
 
 

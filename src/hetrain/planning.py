@@ -91,7 +91,7 @@ def record_planner_options(plan: Plan, opts: PlannerOptions) -> Plan:
         elif not (value is None or isinstance(value, (bool, int, float, str))):
             continue  # not a JSON value
         recorded[f.name] = value
-    return replace(plan, options={**plan.options, PLANNER_KEY: recorded})
+    return plan.with_options({**plan.options, PLANNER_KEY: recorded})
 
 
 def plan_with_simulator(cluster: Cluster, profile: ModelProfile, global_batch: int,
@@ -223,7 +223,7 @@ def plan_and_compare(cluster: Cluster, profile: ModelProfile, global_batch: int,
         best = plan_with_simulator(cluster, profile, global_batch, replace(options, time_budget_s=share))
         plan_s = time.perf_counter() - start
         report = replace(PlannerReport.from_dict(best.options[REPORT_KEY]), time_budget_s=budget_s)
-        best = record_planner_options(replace(best, options={**best.options, REPORT_KEY: report.to_dict()}),
+        best = record_planner_options(best.with_options({**best.options, REPORT_KEY: report.to_dict()}),
                                       options)
         families = None
         if ahead is not None and best.sync == guess and \

@@ -161,7 +161,7 @@ def _plan_anew(args: argparse.Namespace) -> _Planned:
     compared = plan_and_compare(cluster, profile, args.global_batch, planner_options(args))
     result = compared.plan
     if learned:
-        result = replace(result, options={**result.options,
+        result = result.with_options({**result.options,
                                           "time_model": {"file": args.time_model, "types": list(learned)}})
     return _Planned(result, cluster, compared.families, compared.plan_s, compared.families_s, compared.beside)
 

@@ -196,7 +196,7 @@ def rank_robust(plans: Sequence[Plan], key: Callable[[Plan, float], float], scor
         } for c in order],
     }
     ranked = [plans[c] for c in order + alike]
-    ranked[0] = dataclasses.replace(ranked[0], options={**ranked[0].options, "confidence": figures})
+    ranked[0] = ranked[0].with_options({**ranked[0].options, "confidence": figures})
     return ranked, figures
 
 
