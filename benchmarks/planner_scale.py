@@ -15,7 +15,8 @@ Two questions (issue 21):
    than 2% by a plan among the closed form's top 50 when all 50 are simulated. Target: the
    chosen plan is the simulated best in >= 95% of instances, and never 2% behind it.
 
-    python benchmarks/planner_scale.py [--quick] [--sizes 64 256] [--time-budget 10] [--instances 20] [--no-write]
+    python benchmarks/planner_scale.py [--quick] [--sizes 64 256] [--time-budget 10] [--instances 20] [--repeats 1]
+                                       [--no-write]
 
 ``--quick``: 64 and 256 devices, 5 small instances. Timing on a shared machine only adds other
 programs' time; the load average is printed with the tables.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -61,6 +63,8 @@ class ScaleRow:
     rows_s: float  # of it, what the comparison rows added after the plan
     beside: bool  # whether the rows were planned beside the plan, in a process of their own
     serial_s: float  # the same planning with the rows after the plan, in this process (one CPU)
+    runs: tuple[float, ...]  # each repeat's wall time, as hetrain plan runs it (``plan_s``: their median)
+    serial_runs: tuple[float, ...]  # each repeat's, rows after the plan (``serial_s``: their median)
     search_s: float
     report: PlannerReport
     chosen: str
@@ -84,10 +88,11 @@ class ChoiceRow:
     gap: float  # the chosen plan's simulated time over the best's, less 1
 
 
-def plan_case(num_devices: int, model: str, budget_s: float | None) -> ScaleRow:
+def plan_case(num_devices: int, model: str, budget_s: float | None, repeats: int = 1) -> ScaleRow:
     """Plan one case as ``hetrain plan`` does (``planning.plan_and_compare`` with the command's default options):
     the plan and the comparison rows (pure data parallelism, pure pipeline) within the budget, and the sync modes'
-    table it prints; the search alone timed apart."""
+    table it prints, ``repeats`` times, with the rows after the plan and beside it in turn; the search alone timed
+    apart."""
     cluster, profile = build_cluster(num_devices), build_model(model)
     global_batch = 4 * num_devices
     start = time.perf_counter()
@@ -97,21 +102,27 @@ def plan_case(num_devices: int, model: str, budget_s: float | None) -> ScaleRow:
     add_plan_arguments(parser)
     budget = "none" if budget_s is None else f"{budget_s:g}s"
     options = planner_options(parser.parse_args(["--global-batch", str(global_batch), "--time-budget", budget]))
-    took: dict[bool, float] = {}
-    for beside in (False, None):  # the rows after the plan, then as hetrain plan runs them (beside it, on 2+ CPUs)
-        cluster, profile = build_cluster(num_devices), build_model(model)  # fresh: no cache carries over
-        start = time.perf_counter()
-        compared = plan_and_compare(cluster, profile, global_batch, options, beside=beside)
-        format_sync_modes(compared.plan, options.staleness_penalty)  # what hetrain plan prints besides the plan
-        took[beside is None] = time.perf_counter() - start
-    plan_s = took[True]
+    took: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(repeats):
+        for beside in (False, None):  # the rows after the plan, then as hetrain plan runs them (beside it, 2+ CPUs)
+            cluster, profile = build_cluster(num_devices), build_model(model)  # fresh: no cache carries over
+            start = time.perf_counter()
+            compared = plan_and_compare(cluster, profile, global_batch, options, beside=beside)
+            format_sync_modes(compared.plan, options.staleness_penalty)  # what hetrain plan prints besides the plan
+            took[beside is None].append(time.perf_counter() - start)
+    plan_s = statistics.median(took[True])
     plan = compared.plan
     vw = plan.virtual_workers
     report = PlannerReport.from_dict(plan.options[REPORT_KEY])
-    return ScaleRow(num_devices, profile.num_layers, plan_s, compared.families_s, compared.beside, took[False],
-                    search_s, report,
+    return ScaleRow(num_devices, profile.num_layers, plan_s, compared.families_s, compared.beside,
+                    statistics.median(took[False]), tuple(took[True]), tuple(took[False]), search_s, report,
                     f"{plan.formation}, {len(vw)} VWs x {len(vw[0].stages)} stages", plan.prediction.iteration_s,
                     plan.prediction.simulated_iteration_s)
+
+
+def _spread(runs: tuple[float, ...]) -> str:
+    """`` (8.3-9.7)``: the fastest and slowest of several repeats; "" for one."""
+    return f" ({min(runs):.1f}-{max(runs):.1f})" if len(runs) > 1 else ""
 
 
 def scale_table(rows: list[ScaleRow]) -> str:
@@ -124,8 +135,9 @@ def scale_table(rows: list[ScaleRow]) -> str:
         verdict = "" if target is None else f"<= {target:g} s " + ("ok" if r.plan_s <= target else "MISSED")
         sim = "- | - |" if r.simulated_s is None else \
             f"{r.simulated_s * 1e3:.0f} ms | {r.closed_s / r.simulated_s - 1:+.1%} |"
-        rows = f"{r.rows_s:.1f} s" + (" (beside)" if r.beside else "")
-        lines.append(f"| {r.devices} | {r.layers} | {r.plan_s:.1f} s | {rows} | {verdict} | {r.serial_s:.1f} s | "
+        after = f"{r.rows_s:.1f} s" + (" (beside)" if r.beside else "")
+        lines.append(f"| {r.devices} | {r.layers} | {r.plan_s:.1f} s{_spread(r.runs)} | {after} | {verdict} | "
+                     f"{r.serial_s:.1f} s{_spread(r.serial_runs)} | "
                      f"{r.search_s:.1f} s | {format_planner_report(r.report)} | {r.chosen} | "
                      f"{r.closed_s * 1e3:.0f} ms | {sim}")
     return "\n".join(lines)
@@ -171,24 +183,28 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="64 and 256 devices, 5 small instances")
     parser.add_argument("--time-budget", type=float, default=10.0, help="the planner's budget in seconds (10)")
     parser.add_argument("--instances", type=int, default=20, help="small random instances (20)")
+    parser.add_argument("--repeats", type=int, default=1, help="plannings per large case, each way (1): the "
+                                                                "median, with the fastest and slowest")
     parser.add_argument("--models", nargs="+", default=list(MODELS), help="gpt2-medium, gpt2-xl, gpt-200 ...")
     parser.add_argument("--sizes", nargs="+", type=int, default=None, help="device counts, multiples of 8")
     parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
     args = parser.parse_args()
-    if args.instances < 1 or args.time_budget < 0:
-        parser.error(f"--instances must be >= 1 and --time-budget >= 0, got {args.instances}, {args.time_budget}")
+    if args.instances < 1 or args.time_budget < 0 or args.repeats < 1:
+        parser.error(f"--instances and --repeats must be >= 1 and --time-budget >= 0, got {args.instances}, "
+                     f"{args.repeats}, {args.time_budget}")
     sizes = args.sizes or ([n for n in SIZES if n <= 256] if args.quick else list(SIZES))
     instances = 5 if args.quick else args.instances
     command = "python benchmarks/planner_scale.py" + (" --quick" if args.quick else "") \
         + (f" --time-budget {args.time_budget:g}" if args.time_budget != 10.0 else "") \
         + (f" --instances {args.instances}" if args.instances != 20 and not args.quick else "") \
+        + (f" --repeats {args.repeats}" if args.repeats != 1 else "") \
         + (f" --models {' '.join(args.models)}" if args.models != list(MODELS) else "") \
         + (f" --sizes {' '.join(map(str, args.sizes))}" if args.sizes else "")
 
     rows = []
     for n in sizes:
         for model in args.models:
-            rows.append(plan_case(n, model, args.time_budget))
+            rows.append(plan_case(n, model, args.time_budget, args.repeats))
             print(scale_table(rows[-1:]).splitlines()[-1], flush=True)
     scale = scale_table(rows)
     print(scale)
@@ -214,8 +230,9 @@ def main() -> int:
                       "the comparison rows (pure data parallelism and pure pipeline, each simulated): where the "
                       "host has a second CPU, beside the plan in a forked process, with the other 30% of the budget "
                       "('(beside)': they add only the wait for them), else in what is left after it; the wall time "
-                      "is all of it (issue 36's target). 'rows after the plan (one CPU)': the same planning, timed "
-                      "before it in the same run, with the rows after the plan in this process. Global batch "
+                      "is all of it (issue 36's target), the median of the repeats with the fastest and slowest. 'rows "
+                      "after the plan (one CPU)': the same planning, each repeat timed just before the other, with "
+                      "the rows after the plan in this process. Global batch "
                       "4 x devices; clusters of benchmarks/_scale_cases.py (H100 / A100-80GB / V100-32GB / T4 "
                       "nodes of 8, NICs 200 / 100 / 25 / 10 Gbit/s). 'search alone' is `planner.search` timed "
                       "apart (screening + exact search of the plan's strategy alone). Closed form and "

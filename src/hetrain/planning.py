@@ -47,6 +47,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import os
 import pickle
@@ -259,9 +260,14 @@ class FamiliesBeside:
               options: PlannerOptions) -> FamiliesBeside | None:
         """Fork the child planning the families with ``options``; None where the fork fails."""
         read, write = os.pipe()
+        # every object so far into the collector's permanent generation (``gc.freeze``) until ``stop``: a collection
+        # writes to each object it scans, which would copy every page the two processes still share (at 4096
+        # devices the plan ran 40% slower beside its child, after a first planning in the same process)
+        gc.freeze()
         try:
             pid = os.fork()
         except OSError:
+            gc.unfreeze()
             os.close(read)
             os.close(write)
             return None
@@ -303,7 +309,9 @@ class FamiliesBeside:
         return families if isinstance(families, list) else None
 
     def stop(self) -> None:
-        """Close the pipe; kill and reap the child where it is still running."""
+        """Close the pipe; kill and reap the child where it is still running; let the collector scan the objects
+        frozen at the fork again."""
+        gc.unfreeze()
         os.close(self.fd)
         if self.pid:
             with contextlib.suppress(ProcessLookupError):
