@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -110,11 +111,17 @@ def test_a_family_process_that_fails_or_does_not_answer_is_none_and_reaped() -> 
     broken.stop()
     with pytest.raises(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
-    slow = FamiliesBeside.start(cluster, profile, 16, PlannerOptions(time_budget_s=None))
-    assert slow is not None
-    pid = slow.pid
-    assert slow.result(0.0) is None
-    slow.stop()
+    assert gc.get_freeze_count() == 0  # the objects frozen over the child's life are the collector's again
+    gc.freeze()  # a caller's own frozen objects stay frozen
+    try:
+        slow = FamiliesBeside.start(cluster, profile, 16, PlannerOptions(time_budget_s=None))
+        assert slow is not None
+        pid = slow.pid
+        assert slow.result(0.0) is None
+        slow.stop()
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
     with pytest.raises(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
 

@@ -252,8 +252,8 @@ class FamiliesBeside:
     refusal reaches the user from the same code as without the child.
     """
 
-    def __init__(self, pid: int, fd: int, shared: dict[str, object]) -> None:
-        self.pid, self.fd, self.shared = pid, fd, shared
+    def __init__(self, pid: int, fd: int, shared: dict[str, object], thaw: bool = True) -> None:
+        self.pid, self.fd, self.shared, self.thaw = pid, fd, shared, thaw
 
     @staticmethod
     def start(cluster: Cluster, profile: ModelProfile, global_batch: int,
@@ -263,11 +263,13 @@ class FamiliesBeside:
         # every object so far into the collector's permanent generation (``gc.freeze``) until ``stop``: a collection
         # writes to each object it scans, which would copy every page the two processes still share (at 4096
         # devices the plan ran 40% slower beside its child, after a first planning in the same process)
+        thaw = gc.get_freeze_count() == 0  # a caller's own frozen objects stay frozen
         gc.freeze()
         try:
             pid = os.fork()
         except OSError:
-            gc.unfreeze()
+            if thaw:
+                gc.unfreeze()
             os.close(read)
             os.close(write)
             return None
@@ -282,7 +284,7 @@ class FamiliesBeside:
             finally:
                 os._exit(code)
         os.close(write)
-        return FamiliesBeside(pid, read, {"cluster": cluster, "profile": profile})
+        return FamiliesBeside(pid, read, {"cluster": cluster, "profile": profile}, thaw)
 
     def result(self, timeout_s: float) -> list[FamilyPlan] | None:
         """The child's families, read within ``timeout_s``; None where it failed or did not answer in time."""
@@ -291,7 +293,7 @@ class FamiliesBeside:
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([self.fd], [], [], left)[0]:
-                return None  # stopped by ``stop``
+                return None  # not answered in time: ``stop`` kills it
             chunk = os.read(self.fd, 1 << 20)
             if not chunk:
                 break
@@ -310,8 +312,9 @@ class FamiliesBeside:
 
     def stop(self) -> None:
         """Close the pipe; kill and reap the child where it is still running; let the collector scan the objects
-        frozen at the fork again."""
-        gc.unfreeze()
+        frozen at the fork again (unless the caller had frozen objects of its own)."""
+        if self.thaw:
+            gc.unfreeze()
         os.close(self.fd)
         if self.pid:
             with contextlib.suppress(ProcessLookupError):
