@@ -350,11 +350,11 @@ def test_time_to_accuracy_prefers_smaller_global_batch_past_critical() -> None:
     cluster = _cloud()
     profile = build_profile("gpt2-small")
     opts = PlannerOptions(objective="time-to-accuracy", critical_batch=64, global_batch_choices=(64, 256, 1024),
-                          simulate_top_k=0)
+                          simulate_top_k=0, max_tp=1, shard=None)  # TP and ZeRO are not what is tested
     tta = plan(cluster, profile, 256, opts)
     assert tta.prediction.time_to_accuracy_s is not None
     assert tta.global_batch in (64, 256, 1024)
-    thr = plan(cluster, profile, 1024, simulate_top_k=0)
+    thr = plan(cluster, profile, 1024, simulate_top_k=0, max_tp=1, shard=None)
     # throughput alone would take the largest batch; past the critical batch TTA does not
     assert tta.global_batch < 1024 or thr.prediction.samples_per_s <= tta.prediction.samples_per_s
 
