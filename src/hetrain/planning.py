@@ -213,7 +213,7 @@ def plan_and_compare(cluster: Cluster, profile: ModelProfile, global_batch: int,
     budget_s = options.time_budget_s
     start = time.perf_counter()
     if beside is None:
-        beside = hasattr(os, "fork") and len(os.sched_getaffinity(0)) > 1
+        beside = hasattr(os, "fork") and usable_cpus() > 1
     guess = options.sync if options.sync != "auto" else "bsp"  # what ``auto`` picks unless another mode is faster
     simulate = 0 if options.simulate_top_k == 0 else 1  # the plan is simulated unless nothing is
     ahead = FamiliesBeside.start(cluster, profile, global_batch, replace(
@@ -240,6 +240,12 @@ def plan_and_compare(cluster: Cluster, profile: ModelProfile, global_batch: int,
     families = plan_families(cluster, profile, global_batch,
                              replace(options, sync=best.sync, simulate_top_k=simulate, time_budget_s=left))
     return Compared(best, families, plan_s, time.perf_counter() - start - plan_s)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity where the system has one (Linux), else the machine's."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
 
 
 class FamiliesBeside:
