@@ -595,6 +595,10 @@ def _full_disk(directory: Path, rank: int) -> None:
             print(f"{step}: {e}", flush=True)
             if not mine:
                 told.append(time.monotonic() - t0)
+    # both ranks' step-40 writes over before step 50 needs the room: the rank that failed first freed its files,
+    # and the other, still writing its big buffer, filled that room again (CI: step 50 then met a full disk)
+    import torch.distributed as dist
+    dist.barrier()
     save_checkpoint(directory, 50, tensors, state, {"step": 50}, timeout_s=20)
     for s in told:
         print(f"{s:.2f}", flush=True)
