@@ -162,7 +162,7 @@ def _plan_anew(args: argparse.Namespace) -> _Planned:
     result = compared.plan
     if learned:
         result = result.with_options({**result.options,
-                                          "time_model": {"file": args.time_model, "types": list(learned)}})
+                                      "time_model": {"file": args.time_model, "types": list(learned)}})
     return _Planned(result, cluster, compared.families, compared.plan_s, compared.families_s, compared.beside)
 
 

@@ -877,7 +877,7 @@ def _chosen_degree(found: list[tuple[int, Plan]], errors: list[tuple[int, Planne
     total = replace(reports[0], simulations=sum(r.simulations for r in reports), past_budget_s=_past_budget_s(best),
                     **{key: sum(getattr(r, key) for r in reports) for key in ("screened", "searched", "simulated")})
     return best.with_options({**best.options, TP_KEY: {"chosen": best_k, "degrees": choice},
-                                  REPORT_KEY: total.to_dict()})
+                              REPORT_KEY: total.to_dict()})
 
 
 def _shard_fixed(opts: PlannerOptions) -> PlannerOptions:
@@ -977,7 +977,7 @@ def plan_shards(cluster: Cluster, profile: ModelProfile, global_batch: int, opts
                                           if "per_segment" in records.get(m, {}) else {})} for m, p in found})
     segments = {"segments": records[chosen]["segments"]} if chosen in records else {}
     return best.with_options({**best.options, SHARD_KEY: {"chosen": chosen, "modes": choice, **segments},
-                                  REPORT_KEY: _total_report([p for _, p in found], opts, best).to_dict()})
+                              REPORT_KEY: _total_report([p for _, p in found], opts, best).to_dict()})
 
 
 def _memory_shaped(cluster: Cluster, profile: ModelProfile, opts: PlannerOptions, unsharded: Plan) -> bool:
