@@ -465,3 +465,21 @@ def test_a_node_behind_a_slow_nic_is_left_out_where_that_is_faster() -> None:
     alike = parse_cluster({"name": "alike", "node": [
         {"name": n, "devices": [{"type": "A100-40GB", "count": 4}], "nic": "100Gbit/s"} for n in ("a", "b")]})
     assert leave_out_candidates(alike, profile) == []
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_coarse_partition_does_not_depend_on_which_vw_asked_first(seed: int) -> None:
+    """VWs that share an evaluator ask for coarse partitions with their own reference micro-batch counts; each
+    gets the one of its own count, whatever the others asked before (the search's call order decided it once)."""
+    rng = random.Random(2000 + seed)
+    cluster, profile = random_instance(rng, n=3, layers=rng.randint(4, 7), tight_memory=seed % 2 == 0)
+    b, m_first, m_then = rng.choice([1, 2]), rng.randint(8, 16), rng.randint(24, 48)
+    asked_both = evaluator_of(cluster, profile)
+    asked_both.coarse(b, m_first)
+    alone = evaluator_of(cluster, profile)
+    got, want = asked_both.coarse(b, m_then), alone.coarse(b, m_then)
+    assert (got is None) == (want is None)
+    if want is not None and got is not None:
+        assert (got.m, got.cuts, got.sum_s, got.max_s) == (want.m, want.cuts, want.sum_s, want.max_s)
+        assert got.m == m_then
+    assert asked_both.estimate_time(4 * b * m_then, m_then) == alone.estimate_time(4 * b * m_then, m_then)

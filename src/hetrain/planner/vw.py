@@ -204,7 +204,7 @@ class VWEvaluator:
     shares: tuple[float, ...] = (1.0, 1.0)  # (optimizer state, gradients) a stage keeps where sharded
     _orders: list[tuple[int, ...]] | None = None
     _cache: dict[tuple[int, int, bool], PartitionResult | None] = field(default_factory=dict)
-    _coarse: dict[int, PartitionResult | None] = field(default_factory=dict)
+    _coarse: dict[tuple[int, int], PartitionResult | None] = field(default_factory=dict)
     _parts: dict[tuple[tuple[int, ...], int, int, bool], PartitionResult | None] = field(default_factory=dict)
     _refined: dict[tuple[int, bool, int], PartitionResult | None] = field(default_factory=dict)
 
@@ -254,11 +254,14 @@ class VWEvaluator:
         For 1F1B it is computed at ``m >= p`` (the most activation memory a stage
         ever holds: ``cost.most_in_flight``), so it stays memory-feasible for any m.
         """
-        if b not in self._coarse:
-            most = most_in_flight(self.schedule, len(self.devices))
-            m = max(m_ref, most) if most is not None else m_ref
-            self._coarse[b] = self.best(b, m, fast=True)
-        return self._coarse[b]
+        most = most_in_flight(self.schedule, len(self.devices))
+        m = max(m_ref, most) if most is not None else m_ref
+        # keyed by m too: the best of the screened orders depends on m, and the VWs that share this evaluator
+        # ask with their own m_ref, so a key of b alone kept whichever asked first (the search's call order)
+        key = (b, m)
+        if key not in self._coarse:
+            self._coarse[key] = self.best(b, m, fast=True)
+        return self._coarse[key]
 
     def estimate_time(self, mini_batch: int, m_ref: int) -> float:
         """Closed-form pipeline seconds for ``mini_batch`` from the coarse partitions.
