@@ -61,10 +61,14 @@ NOTES = ('Predicted, not measured: fp16 analytic profiles, sync options at their
          "iteration, held the NICs the pipelines' transfers cross, and they queue behind it (nvlink-nodes 16x2: its "
          "inter-node phase held a0's NIC 0.74 s, stage 0 waited as long for its first gradient; 0.84, cloud-mixed "
          "0.80); the closed form now prices such an average as a blocking one, S / k "
-         "(`planner.sync.average_holds_pipeline_nics`), and the planner's DASO plan on nvlink-nodes changed. Left: "
-         "wsp's exchange shares the NICs at half rate with the activations, which under 1F1B sit in the cycle "
-         "(cloud-mixed 4x2+4x3: 1.12 s per iteration from the second on, 0.99 s for the first), not in the closed "
-         "form.")
+         "(`planner.sync.average_holds_pipeline_nics`), and the planner's DASO plan on nvlink-nodes changed: 51 of 52. "
+         "The last was wsp on cloud-mixed's 4x2+4x3 (0.85): each wave's pushes and pulls held the T4 nodes' NICs "
+         "0.25 s of a 0.93 s wave, and every pipeline transfer that met them ran at half rate (the recvs of its "
+         "stages grew by 0.18-0.20 s an iteration from the second on). The closed form now prices the pipelines "
+         "again with the transfer halves through NICs the exchange holds doubled, for the exchange's share of the "
+         "wave (`planner.sharing.estimate_exchange_stretch`: that plan 1.078 s against 1.094 s replayed), and "
+         "ranks the 12 one-stage VWs on the A100 and V100 nodes first (0.981 s replayed, against 1.094 s for the "
+         "old choice).")
 
 
 def load_case_cluster(name: str) -> Cluster:

@@ -15,7 +15,7 @@ from hetrain.cost import allreduce_shape, estimate_allreduce, estimate_optimizer
 from hetrain.models.analytic import build_gpt_profile, build_profile
 from hetrain.plan import Plan
 from hetrain.planner import plan as planner_plan
-from hetrain.planner.partition import PartitionResult
+from hetrain.planner.partition import PartitionResult, priced_as
 from hetrain.planner.search import candidate_plans
 from hetrain.planner.sharing import (
     SegmentJob,
@@ -23,6 +23,7 @@ from hetrain.planner.sharing import (
     _hierarchical_resources,
     collective_loads,
     collective_phases,
+    estimate_exchange_stretch,
     estimate_pipeline_traffic,
     estimate_release_makespan,
     estimate_shared_pipeline_times,
@@ -442,3 +443,29 @@ def test_buckets_cut_inside_layers_are_priced_as_the_replay_runs_them() -> None:
     assert buckets[1].bounds == pytest.approx((28.75, 29.75))
     closed_s, _ = cascade_closed_form(plan, parts)
     assert closed_s == pytest.approx(simulate(plan).iteration_s, rel=0.01)
+
+
+def test_an_exchange_on_a_nic_doubles_the_transfer_halves_through_it_for_its_share_of_the_wave() -> None:
+    """A parameter server's pushes and pulls share a NIC with the pipelines' transfers, half each: while the
+    exchange holds it, every transfer through it takes twice as long, and the pipeline runs so for the
+    exchange's share of the wave (``sharing.estimate_exchange_stretch``)."""
+    cluster = cluster_of({"a": 1, "b": 1, "c": 1}, 1e9)
+    m, c = 8, 0.2
+    part = priced_as(partition_of(cluster, ["a:0", "b:0"], c, m), "1f1b")
+    traffic = estimate_pipeline_traffic(cluster, [part], estimate_shared_pipeline_times(cluster, [part]), "1f1b")
+
+    def pipeline(link_s: float) -> float:
+        # 1F1B of two stages of 0.3 s: the first micro-batch's way there and back, then one turn of the cycle
+        # through both stages and the link per 2 micro-batches (cost.estimate_1f1b_period)
+        return 0.3 + 0.3 + link_s + (m - 1) * max(0.3, (0.3 + link_s + 0.3) / 2)
+
+    assert pipeline(c) == pytest.approx(3.6)
+    # a's NIC out held 0.5 s of a 2 s wave: the forward half (a out -> b in) doubled, the gradient's as it was
+    got = estimate_exchange_stretch(cluster, traffic, {("out", "a"): 0.5}, 2.0)
+    assert got == pytest.approx(0.5 / 2.0 * (pipeline(1.5 * c) - pipeline(c)))  # 0.25 * 0.45
+    # both halves held, and the exchange longer than the wave: the whole iteration at half rate
+    got = estimate_exchange_stretch(cluster, traffic, {("out", "a"): 0.5, ("in", "a"): 3.0}, 2.0)
+    assert got == pytest.approx(pipeline(2 * c) - pipeline(c))
+    # a NIC no transfer crosses (c's), or none held: nothing
+    assert estimate_exchange_stretch(cluster, traffic, {("out", "c"): 1.0, ("in", "c"): 1.0}, 2.0) == 0.0
+    assert estimate_exchange_stretch(cluster, traffic, {}, 2.0) == 0.0

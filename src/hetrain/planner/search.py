@@ -451,7 +451,8 @@ def _assemble(cluster: Cluster, profile: ModelProfile, formation: Formation, sch
     optimizer_s = max(step_s(d, k, l) + gather.get(d, 0.0) for layout in layouts for d, k, l in layout)
     # what each device's last backward micro-batch can hide of its BSP gradient buckets
     hide = {d.index: r.backward_s[j] for r in parts for j, d in enumerate(r.devices)}
-    traffic = estimate_pipeline_traffic(cluster, parts, vw_pipeline_s)
+    traffic = estimate_pipeline_traffic(cluster, parts, vw_pipeline_s, schedule,
+                                        opts.sync_options.transfers == "blocking")
     sync_s = estimate_mode_sync_time(cluster, profile, layouts, opts.sync, opts.sync_options,
                                      pipeline_s + optimizer_s, hide, traffic)
     c = Candidate(formation, schedule, global_batch, parts, split, pipeline_s, sync_s, optimizer_s)

@@ -27,6 +27,9 @@ a -> b in one node, K the most devices in one node).
   faster than one every ``P_r / m_v``, so the NIC is one more stage of the pipeline formula:
   ``sum_s + wait + (m - 1) * max(max_s, max_r P_r / m)``. Alone on its links, a VW's NIC time per micro-batch
   is at most its own largest transfer, ``wait`` is 0, and the formula is the partition's own.
+- An exchange in the background (``estimate_exchange_stretch``): a parameter server's pushes and pulls share
+  a NIC with the pipelines' transfers, half each; the pipelines priced with the transfers through it doubled,
+  for the exchange's share of the wave.
 - The tail (``estimate_tail``): where the all-reduces meet the pipelines. A segment's ring released while the
   last micro-batch's backward still flows takes the NICs first; the gradient queues behind it. A walk in time
   order over every VW's last backward and every all-reduce's phases books each on its resources as the
@@ -40,7 +43,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from enum import IntEnum
 from typing import NamedTuple
 
@@ -48,12 +52,13 @@ import numpy as np
 
 from hetrain.cluster import Cluster
 from hetrain.cost import (
+    LinkKey,
     allreduce_shape,
     estimate_allreduce,
     estimate_hierarchical_allreduce_time,
     estimate_ring_allreduce_time,
 )
-from hetrain.planner.partition import PartitionResult
+from hetrain.planner.partition import PartitionResult, priced_as
 
 
 class SegmentJob(NamedTuple):
@@ -326,6 +331,8 @@ class PipelineTraffic(NamedTuple):
         waves: per VW, its last micro-batch's backward (``estimate_tail``), from its lead at the last stage.
         request_s: per NIC, seconds before the end its last transfer is requested: ``drain_s`` and that
             gradient's own seconds (empty: ``drain_s``).
+        parts, schedule, blocking: the VWs' partitions and how their pipelines are priced
+            (``partition.priced_as``), for a re-pricing with slower links (``estimate_exchange_stretch``).
     """
 
     lead_s: dict[int, float]
@@ -335,6 +342,9 @@ class PipelineTraffic(NamedTuple):
     drain_s: np.ndarray
     waves: tuple[Wave, ...] = ()
     request_s: np.ndarray = np.zeros(0)
+    parts: tuple[PartitionResult, ...] = ()
+    schedule: str = "1f1b"
+    blocking: bool = False
 
 
 class _Crossings(NamedTuple):
@@ -430,9 +440,11 @@ def _stagger(x: _Crossings, m: np.ndarray, num_vws: int) -> np.ndarray:
 
 
 def estimate_pipeline_traffic(cluster: Cluster, parts: Sequence[PartitionResult],
-                              vw_pipeline_s: Sequence[float]) -> PipelineTraffic:
+                              vw_pipeline_s: Sequence[float], schedule: str = "1f1b",
+                              blocking: bool = False) -> PipelineTraffic:
     """The plan's ``PipelineTraffic``: its devices' leads and its NICs' transfer seconds, from the VWs'
-    partitions and their (shared) pipeline seconds ``vw_pipeline_s`` (``estimate_shared_pipeline_times``)."""
+    partitions and their (shared) pipeline seconds ``vw_pipeline_s`` (``estimate_shared_pipeline_times``), each
+    priced by ``schedule``'s form (``blocking``: transfers that hold both ends)."""
     pipeline_s = max(vw_pipeline_s)
     lead = estimate_sync_leads([([d.index for d in r.devices], r.backward_s, r.link_s, t)
                                 for r, t in zip(parts, vw_pipeline_s, strict=True)], pipeline_s)
@@ -448,7 +460,53 @@ def estimate_pipeline_traffic(cluster: Cluster, parts: Sequence[PartitionResult]
     stagger = _stagger(x, np.array([r.m for r in parts], dtype=float), len(parts))
     waves = tuple(Wave(tuple(d.index for d in r.devices), r.backward_s, tuple(c / 2 for c in r.link_s),
                        -lead[r.devices[-1].index] + float(stagger[v])) for v, r in enumerate(parts))
-    return PipelineTraffic(lead, used, first[used] - pipeline_s, per_nic[used], drain[used], waves, request[used])
+    return PipelineTraffic(lead, used, first[used] - pipeline_s, per_nic[used], drain[used], waves, request[used],
+                           tuple(parts), schedule, blocking)
+
+
+def estimate_exchange_stretch(cluster: Cluster, traffic: PipelineTraffic, exchange_s: Mapping[LinkKey, float],
+                              wave_s: float) -> float:
+    """Seconds per iteration the pipelines lose to an exchange in the background (a parameter server's pushes
+    and pulls) on the NICs their transfers cross.
+
+    A transfer that meets such an exchange on its NIC shares it, half each (``simulator.links.share``), so
+    while the exchange holds NIC r, ``exchange_s[r]`` seconds a wave of ``wave_s``, every pipeline transfer
+    through r takes twice as long. The pipelines are priced again with every boundary half (forward: the
+    sender's NIC out and the receiver's NIC in; backward: the other two) through such a NIC doubled
+    (``estimate_shared_pipeline_times``, each pipeline by its schedule's form), and they run so for the
+    exchange's share of the wave, its longest hold of a NIC they cross::
+
+        stretch = min(1, max_r exchange_s[r] / wave_s) * (pipeline with those halves doubled - pipeline)
+
+    On cloud-mixed, gpt2-medium under wsp (4x2 + 4x3 VWs, each T4 node's NIC held 0.25 s a wave of 0.93 s, the
+    pipelines doubled 1.39 s against 0.92 s): 0.14 s, the simulator's 1.09 s against 0.93 s without it
+    (benchmarks/closed_form_modes.py). 0 where no pipeline crosses a NIC the exchange holds."""
+    parts = traffic.parts
+    if not parts or wave_s <= 0:
+        return 0.0
+    node, names = cluster.node_index, [n.name for n in cluster.nodes]
+
+    def held(kind: str, n: int) -> float:
+        return exchange_s.get((kind, names[n]), 0.0)
+
+    longest = 0.0
+    slowed: list[PartitionResult] = []
+    for r in parts:
+        links = list(r.link_s)
+        for k in range(len(r.devices) - 1):
+            a, b = int(node[r.devices[k].index]), int(node[r.devices[k + 1].index])
+            if a == b:
+                continue
+            forward, backward = max(held("out", a), held("in", b)), max(held("out", b), held("in", a))
+            longest = max(longest, forward, backward)
+            links[k] = r.link_s[k] / 2 * ((2 if forward > 0 else 1) + (2 if backward > 0 else 1))
+        slowed.append(r if links == list(r.link_s) else priced_as(
+            replace(r, link_s=tuple(links), sum_s=float(sum(r.stage_s) + sum(links))), traffic.schedule,
+            traffic.blocking))
+    if longest <= 0:
+        return 0.0
+    gained = max(estimate_shared_pipeline_times(cluster, slowed)) - max(estimate_shared_pipeline_times(cluster, parts))
+    return min(1.0, longest / wave_s) * max(0.0, gained)
 
 
 def estimate_sync_leads(vws: Sequence[tuple[Sequence[int], Sequence[float], Sequence[float], float]],

@@ -37,6 +37,7 @@ from hetrain.planner.sharing import (
     PipelineTraffic,
     SegmentJob,
     estimate_cut_ins,
+    estimate_exchange_stretch,
     estimate_pipeline_traffic,
     estimate_shared_pipeline_times,
     estimate_shared_sync_time,
@@ -401,8 +402,8 @@ def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Se
         local-sgd  S / k                              (parameters averaged every k iterations, blocking)
         daso       L + max(0, S - (compute + L)) / k     (global average every k, merged after the next iteration;
                    S / k where it holds a NIC the pipelines cross: ``average_holds_pipeline_nics``)
-        hybrid-ps  L + max(0, (P - D a (compute + L)) / (D + 1), W - a (compute + L)) / a   (a push per a iterations)
-        wsp        max(0, (P - D compute) / (D + 1), W - compute)              (a push per wave)
+        hybrid-ps  L + X + max(0, (P - D a c) / (D + 1), W - a c) / a, c = compute + L + X   (a push per a iterations)
+        wsp        X + max(0, (P - D c) / (D + 1), W - c), c = compute + X          (a push per wave)
 
     ``P`` is one wave's round trip to the sharded parameter servers (pushes, then pulls, each on its busiest
     link: ``estimate_ps_traffic``), ``W`` what the busiest link carries per wave, the pipelines' transfers
@@ -410,7 +411,9 @@ def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Se
     compute ends, and the pull of wave k gates the compute of wave k + D + 1, so D + 1 waves span one round
     trip and one wave's compute: ``(D + 1) wave >= P + compute``, the waves overlapping on the links (the pulls
     of one with the pushes of the next); however much slack D gives, the links carry one wave's traffic per
-    wave, ``wave >= W``. With D = 0 a wave waits for its whole round trip.
+    wave, ``wave >= W``. With D = 0 a wave waits for its whole round trip. ``X``: what the pipelines lose while
+    the exchange holds the NICs their transfers cross, which then carry them at half rate
+    (``sharing.estimate_exchange_stretch``; 0 for one-stage VWs).
 
     Warm-up and cool-down iterations of DASO (blocking) are not counted: they are a fixed cost per run.
 
@@ -429,9 +432,15 @@ def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Se
     # L: every iteration's node-local all-reduce, before the step; the exchange across nodes hides behind it too
     local_s = terms.local_s() if rules.local_mean else 0.0
     busy_s = compute_s + local_s
+    stretch_s = 0.0
     if rules.parameter_servers:  # P: one wave's pushes and pulls; the links carry one wave per push period
+        loads = terms.ps_loads()
         ps = estimate_ps_traffic(cluster, profile, layouts, options.placement,
-                                 pipeline_nic_loads(cluster, traffic, every), terms.ps_loads())
+                                 pipeline_nic_loads(cluster, traffic, every), loads)
+        if traffic is not None:  # the pipelines' transfers at half rate while the exchange holds their NICs
+            held = {r: loads[0].get(r, 0.0) + loads[1].get(r, 0.0) for r in loads[0].keys() | loads[1].keys()}
+            stretch_s = estimate_exchange_stretch(cluster, traffic, held, every * busy_s)
+            busy_s += stretch_s
         # wave k's pull gates the compute of wave k + D + 1: (D + 1) waves hold one round trip and a wave's compute
         d = rules.overlap_iterations(options)
         hidden_s = max(0.0, (ps.round_trip_s - d * every * busy_s) / (d + 1),
@@ -442,7 +451,7 @@ def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Se
         if overlap and average_holds_pipeline_nics(cluster, profile, layouts, traffic):
             overlap = 0  # the pipelines' transfers queue behind the posted average on their NICs: it hides nothing
         hidden_s = max(0.0, exchange_s - overlap * busy_s) / every
-    return local_s + hidden_s
+    return local_s + stretch_s + hidden_s
 
 
 def average_holds_pipeline_nics(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout],
@@ -623,7 +632,8 @@ def plan_traffic(plan: Plan) -> PipelineTraffic:
             tuple(s.recompute for s in vw.stages), stage_s, tuple(s.predicted_forward_s for s in vw.stages),
             tuple(s.predicted_backward_s for s in vw.stages), link_s, sum(stage_s) + sum(link_s),
             max(stage_s + link_s), vw.micro_batches, b, True), plan.schedule, blocking))
-    return estimate_pipeline_traffic(cluster, parts, estimate_shared_pipeline_times(cluster, parts))
+    return estimate_pipeline_traffic(cluster, parts, estimate_shared_pipeline_times(cluster, parts), plan.schedule,
+                                     blocking)
 
 
 def repredict_sync(plan: Plan, mode: str, options: SyncOptions, score: Scorer | None = None) -> Plan:
