@@ -398,3 +398,36 @@ def test_a_sharded_planning_past_the_budget_is_skipped_only_where_memory_did_not
     xl = plan(cluster, build_profile("gpt2-xl"), 128, PlannerOptions(max_tp=1, shard="auto", time_budget_s=1e-6),
               score)
     assert "iteration_s" in xl.options["shard_choice"]["modes"]["optimizer"]  # memory-shaped: planned past it
+
+
+def test_past_the_budget_only_the_shard_mode_chosen_is_simulated() -> None:
+    """gpt2-xl on eight T4s: memory shaped its pipeline, so ZeRO-1 is planned past a spent budget too. Each
+    mode's planning leaves its chosen plan's simulation to ``plan_shards``, which chooses among them by the closed
+    forms and simulates that one plan: one call of the scorer, not one per mode (at 4096 devices x 200 layers a
+    simulation takes 20 s); the report counts it and its seconds past the budget. Without a budget every mode's
+    plan is simulated and the simulator chooses, as before."""
+    cluster = parse_cluster({"name": "t4", "node": [
+        {"name": n, "devices": [{"type": "T4", "count": 4}], "intra_link": "pcie3", "nic": "10Gbit/s"}
+        for n in ("a", "b")]})
+    calls: list[int] = []
+
+    def score(q):  # type: ignore[no-untyped-def]
+        calls.append(len(q.virtual_workers))
+        return simulate(q).iteration_s
+
+    xl = build_profile("gpt2-xl")
+    tight = plan(cluster, xl, 128, PlannerOptions(max_tp=1, shard="auto", time_budget_s=1e-6), score)
+    modes = tight.options["shard_choice"]["modes"]
+    planned = {m: row for m, row in modes.items() if "iteration_s" in row}
+    assert len(planned) >= 2 and len(calls) == 1
+    chosen = tight.options["shard_choice"]["chosen"]
+    assert min(planned, key=lambda m: planned[m]["iteration_s"]) == chosen  # by the closed forms
+    assert [m for m, row in planned.items() if row["simulated_iteration_s"] is not None] == [chosen]
+    assert tight.prediction.simulated_iteration_s == pytest.approx(simulate(tight).iteration_s)
+    report = tight.options["planner_report"]
+    assert report["simulations"] == 1 and report["past_budget_s"] > 0
+    calls.clear()
+    free = plan(cluster, xl, 128, PlannerOptions(max_tp=1, shard="auto", time_budget_s=None), score)
+    rows = free.options["shard_choice"]["modes"]
+    assert all(row["simulated_iteration_s"] is not None for row in rows.values() if "iteration_s" in row)
+    assert len(calls) > 1

@@ -910,12 +910,13 @@ def plan_shards(cluster: Cluster, profile: ModelProfile, global_batch: int, opts
     recomputes, which memory may have forced), with the optimizer state sharded (ZeRO-1), and with the
     gradients too (ZeRO-2) where ZeRO-1 does not fit; the sharded plan then with each segment at the lightest
     mode its owners fit, where that is not slower (``_per_segment``); the best by the simulator where it
-    simulated them, else by the closed forms. The budget is shared: half to the plan without, the rest to the
-    others in turn. Where a plan without sharding was found, a sharded planning whose search (its screening and
-    exact search always run, as long as the plan without took besides its simulations) would not fit what is
-    left of the budget is skipped, and said so (``options["shard_choice"]["modes"]``), as a TP degree is, unless
-    memory shaped that plan (``_memory_shaped``): at 4096 devices a second search costs 4 to 17 s, past any
-    budget left. A larger ``--time-budget`` plans it.
+    simulated every mode's plan, else by the closed forms, and then simulated (under a budget each mode's planning
+    leaves its simulation past the budget to this one: ``LeftToCaller``). The budget is shared: half to the plan
+    without, the rest to the others in turn. Where a plan without sharding was found, a sharded planning whose
+    search (its screening and exact search always run, as long as the plan without took besides its simulations)
+    would not fit what is left of the budget is skipped, and said so (``options["shard_choice"]["modes"]``), as a
+    TP degree is, unless memory shaped that plan (``_memory_shaped``): at 4096 devices a second search costs 4 to
+    17 s, past any budget left. A larger ``--time-budget`` plans it.
     Sharding is bsp's (``SyncOptions.shard``) and whole tensors' (no TP stage), so other modes, or a forced
     TP degree, plan without."""
     base = replace(opts, shard=None, sync_options=replace(opts.sync_options, shard="none"))
@@ -931,7 +932,12 @@ def plan_shards(cluster: Cluster, profile: ModelProfile, global_batch: int, opts
     found: list[tuple[str, Plan]] = []
     choice: dict[str, dict[str, Any]] = {}
     simulated_s = [0.0]  # the seconds the scoring function took in the planning without sharding
-    counted = None if score is None else _counted(score, simulated_s)
+    # under a budget, each shard mode's planning leaves its chosen plan's simulation past the budget to this one,
+    # which simulates only the plan it chooses
+    inner: Scorer | None = score
+    counted: Scorer | None = None if score is None else _counted(score, simulated_s)
+    if score is not None and opts.time_budget_s is not None:
+        inner, counted = LeftToCaller(score), LeftToCaller(_counted(score, simulated_s))
     try:
         found.append(("none", plan(cluster, profile, global_batch, replace(base, time_budget_s=left(0.5)), counted)))
     except PlannerError as e:
@@ -941,6 +947,7 @@ def plan_shards(cluster: Cluster, profile: ModelProfile, global_batch: int, opts
         first_error = None
         unsharded = found[0][1]
         if not any(len(vw.stages) > 1 or any(s.recompute for s in vw.stages) for vw in unsharded.virtual_workers):
+            _, unsharded = _chosen_mode(opts, found, score)  # simulated where its planning left that to this one
             return unsharded.with_options({
                 **unsharded.options, REPORT_KEY: _total_report([unsharded], opts, unsharded).to_dict(), SHARD_KEY: {
                     "chosen": "none", "modes": {"none": _shard_row(unsharded)},
@@ -960,7 +967,7 @@ def plan_shards(cluster: Cluster, profile: ModelProfile, global_batch: int, opts
         sharded = replace(base, sync=_SYNCHRONOUS, max_tp=1,
                           sync_options=replace(opts.sync_options, shard=mode), time_budget_s=left(1.0 / (2 - n)))
         try:
-            found.append((mode, plan(cluster, profile, global_batch, sharded, score)))
+            found.append((mode, plan(cluster, profile, global_batch, sharded, inner)))
         except PlannerError as e:
             choice[mode] = {"error": str(e)}
     if not found:
@@ -971,14 +978,35 @@ def plan_shards(cluster: Cluster, profile: ModelProfile, global_batch: int, opts
         if mode != "none":
             p, records[mode] = _per_segment(opts, p, score, left(1.0))
             found[k] = (mode, p)
-    simulated = [(m, p) for m, p in found if p.prediction.simulated_iteration_s is not None]
-    pool = simulated or found
-    chosen, best = min(pool, key=lambda mp: _rank_key(opts, mp[1], bool(simulated)))
+    chosen, best = _chosen_mode(opts, found, score)
     choice.update({m: {**_shard_row(p), **({"per_segment": records[m]["per_segment"]}
                                           if "per_segment" in records.get(m, {}) else {})} for m, p in found})
     segments = {"segments": records[chosen]["segments"]} if chosen in records else {}
     return best.with_options({**best.options, SHARD_KEY: {"chosen": chosen, "modes": choice, **segments},
                               REPORT_KEY: _total_report([p for _, p in found], opts, best).to_dict()})
+
+
+def _chosen_mode(opts: PlannerOptions, found: list[tuple[str, Plan]], score: Scorer | None) -> tuple[str, Plan]:
+    """The best of the shard modes' plans: by the simulator where it simulated every one, else by the closed forms;
+    simulated where it was not (``_simulated_at_last``), and put back in ``found`` so."""
+    simulated = all(p.prediction.simulated_iteration_s is not None for _, p in found)
+    k, (chosen, best) = min(enumerate(found), key=lambda kmp: _rank_key(opts, kmp[1][1], simulated))
+    if score is not None and best.prediction.simulated_iteration_s is None and opts.simulate_top_k != 0:
+        best = _simulated_at_last(best, score)
+        found[k] = (chosen, best)
+    return chosen, best
+
+
+def _simulated_at_last(p: Plan, score: Scorer) -> Plan:
+    """``p``, the plan ``plan_shards`` chose by the closed forms once the budget was spent, simulated (its own
+    planning left that to it: ``LeftToCaller``), with the call and its seconds in its planner report."""
+    start = time.perf_counter()
+    seconds = score(p)
+    report = PlannerReport.from_dict(p.options[REPORT_KEY])
+    report = replace(report, simulated=report.simulated + 1, simulations=report.simulations + 1,
+                     past_budget_s=(report.past_budget_s or 0.0) + time.perf_counter() - start)
+    p = replace(p, prediction=replace(p.prediction, simulated_iteration_s=seconds))
+    return p.with_options({**p.options, REPORT_KEY: report.to_dict()})
 
 
 def _memory_shaped(cluster: Cluster, profile: ModelProfile, opts: PlannerOptions, unsharded: Plan) -> bool:
@@ -1092,9 +1120,13 @@ def _simulate_degrees(found: list[tuple[int, Plan]], opts: PlannerOptions, score
 
 
 def _best_degree(found: list[tuple[int, Plan]], opts: PlannerOptions) -> tuple[int, Plan]:
-    """The best of each degree's plan: by the simulator among those it simulated, else by the closed forms."""
+    """The best of each degree's plan: by the simulator among those it simulated, else by the closed forms; by the
+    closed forms too where a degree's plan was left unsimulated past the budget for the caller (``LeftToCaller``),
+    which would otherwise lose to any degree simulated within it."""
     simulated = [(k, p) for k, p in found if p.prediction.simulated_iteration_s is not None]
-    if simulated:
+    left = any(p.prediction.simulated_iteration_s is None and PlannerReport.from_dict(p.options[REPORT_KEY])
+               .stopped_by == "time budget" for _, p in found)
+    if simulated and not left:
         return min(simulated, key=lambda kp: _rank_key(opts, kp[1], True))
     return min(found, key=lambda kp: _rank_key(opts, kp[1], False))
 
@@ -1169,7 +1201,8 @@ def _plan_degree(cluster: Cluster, profile: ModelProfile, global_batch: int, opt
         except PlannerError:
             continue
         reports.append(PlannerReport.from_dict(alt.options[REPORT_KEY]))
-        if _iteration_s(alt) < (1 - LEAVE_OUT_GAIN) * _iteration_s(best):
+        alt_s, best_s = _alike(alt, best)
+        if alt_s < (1 - LEAVE_OUT_GAIN) * best_s:
             best = replace(alt, cluster=cluster, options={**alt.options, "left_out": sorted(drop)})
     # every planning's candidates together, the whole cluster's and those without nodes; the budget's calls
     total = replace(reports[0], simulations=budget.simulations, past_budget_s=_past_budget_s(best),
@@ -1184,6 +1217,14 @@ LEAVE_OUT_GAIN = 0.10
 
 def _iteration_s(p: Plan) -> float:
     return p.prediction.simulated_iteration_s or p.prediction.iteration_s
+
+
+def _alike(a: Plan, b: Plan) -> tuple[float, float]:
+    """Both plans' iteration seconds by the simulator where it simulated both, else by the closed forms (a
+    planning whose scorer is ``LeftToCaller`` may return its plan unsimulated past the budget)."""
+    if a.prediction.simulated_iteration_s is not None and b.prediction.simulated_iteration_s is not None:
+        return a.prediction.simulated_iteration_s, b.prediction.simulated_iteration_s
+    return a.prediction.iteration_s, b.prediction.iteration_s
 
 
 def leave_out_candidates(cluster: Cluster, profile: ModelProfile) -> list[frozenset[str]]:
@@ -1241,7 +1282,8 @@ def _plan_within(cluster: Cluster, profile: ModelProfile, global_batch: int, opt
                     chosen.prediction, simulated_iteration_s=base.prediction.simulated_iteration_s))
             else:
                 chosen, mode_s = _simulated_past_budget(chosen, score, budget)
-                report = replace(report, past_budget_s=(report.past_budget_s or 0.0) + mode_s)
+                if mode_s is not None:
+                    report = replace(report, past_budget_s=(report.past_budget_s or 0.0) + mode_s)
         report = replace(report, simulations=budget.simulations)
         return chosen.with_options({**chosen.options, REPORT_KEY: report.to_dict()})
     found, screened, searched = _search(cluster, profile, global_batch, opts, budget)
@@ -1254,16 +1296,32 @@ def _plan_within(cluster: Cluster, profile: ModelProfile, global_batch: int, opt
         plans = [_to_plan(cluster, profile, found[0], opts)]
         if score is not None and stopped_by == "time budget":
             plans[0], past_s = _simulated_past_budget(plans[0], score, budget)
-            simulated = 1
+            simulated = 0 if past_s is None else 1
     report = PlannerReport(screened, searched, simulated, budget.simulations, stopped_by, opts.time_budget_s,
                            past_s)
     return plans[0].with_options({**plans[0].options, REPORT_KEY: report.to_dict()})
 
 
-def _simulated_past_budget(p: Plan, score: Scorer, budget: TimeBudget) -> tuple[Plan, float]:
+class LeftToCaller:
+    """A scoring function whose simulation of a planning's chosen plan past the budget is left to the caller
+    (``_simulated_past_budget``): ``plan_shards`` plans each shard mode in turn and, once the budget is spent,
+    simulates only the plan it chooses among theirs by the closed forms (``_simulated_at_last``), not each
+    mode's (at 4096 devices x 200 layers one simulation takes 20 s)."""
+
+    def __init__(self, score: Scorer) -> None:
+        self.score = score
+
+    def __call__(self, p: Plan) -> float:
+        return self.score(p)
+
+
+def _simulated_past_budget(p: Plan, score: Scorer, budget: TimeBudget) -> tuple[Plan, float | None]:
     """``p``, the chosen plan, simulated though the budget stopped the simulations before it (a plan the simulator
     has not checked is not a plan: its closed form can be off by 2x at 4096 devices); and the seconds it took
-    (``PlannerReport.past_budget_s``). Counted among the budget's simulations."""
+    (``PlannerReport.past_budget_s``). Counted among the budget's simulations. ``p`` as it is, and None, where
+    ``score`` leaves that simulation to the caller (``LeftToCaller``)."""
+    if isinstance(score, LeftToCaller):
+        return p, None
     start = budget.clock()
     seconds = budget.timed(score)(p)
     return replace(p, prediction=replace(p.prediction, simulated_iteration_s=seconds)), budget.clock() - start
