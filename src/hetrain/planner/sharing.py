@@ -481,9 +481,20 @@ def estimate_exchange_stretch(cluster: Cluster, traffic: PipelineTraffic, exchan
     On cloud-mixed, gpt2-medium under wsp (4x2 + 4x3 VWs, each T4 node's NIC held 0.25 s a wave of 0.93 s, the
     pipelines doubled 1.39 s against 0.92 s): 0.14 s, the simulator's 1.09 s against 0.93 s without it
     (benchmarks/closed_form_modes.py). 0 where no pipeline crosses a NIC the exchange holds."""
-    parts = traffic.parts
-    if not parts or wave_s <= 0:
+    if wave_s <= 0:
         return 0.0
+    longest, gained = exchange_slowdown(cluster, traffic, exchange_s)
+    return min(1.0, longest / wave_s) * gained
+
+
+def exchange_slowdown(cluster: Cluster, traffic: PipelineTraffic,
+                      exchange_s: Mapping[LinkKey, float]) -> tuple[float, float]:
+    """``estimate_exchange_stretch``'s two terms, whatever the wave: the exchange's longest hold of a NIC the
+    pipelines cross, and the pipelines' seconds with every transfer half through a held NIC doubled, less
+    theirs (wsp and hybrid-ps differ only in the wave: ``planner.sync.SyncTerms`` works these out once)."""
+    parts = traffic.parts
+    if not any(len(r.devices) > 1 for r in parts):
+        return 0.0, 0.0
     node, names = cluster.node_index, [n.name for n in cluster.nodes]
 
     def held(kind: str, n: int) -> float:
@@ -504,9 +515,9 @@ def estimate_exchange_stretch(cluster: Cluster, traffic: PipelineTraffic, exchan
             replace(r, link_s=tuple(links), sum_s=float(sum(r.stage_s) + sum(links))), traffic.schedule,
             traffic.blocking))
     if longest <= 0:
-        return 0.0
+        return 0.0, 0.0
     gained = max(estimate_shared_pipeline_times(cluster, slowed)) - max(estimate_shared_pipeline_times(cluster, parts))
-    return min(1.0, longest / wave_s) * max(0.0, gained)
+    return longest, max(0.0, gained)
 
 
 def estimate_sync_leads(vws: Sequence[tuple[Sequence[int], Sequence[float], Sequence[float], float]],

@@ -37,11 +37,11 @@ from hetrain.planner.sharing import (
     PipelineTraffic,
     SegmentJob,
     estimate_cut_ins,
-    estimate_exchange_stretch,
     estimate_pipeline_traffic,
     estimate_shared_pipeline_times,
     estimate_shared_sync_time,
     estimate_tail,
+    exchange_slowdown,
 )
 from hetrain.profile import ModelProfile
 from hetrain.sync_layout import (
@@ -343,6 +343,7 @@ class SyncTerms:
         self._exchange_s: float | None = None
         self._local_s: float | None = None
         self._ps_loads: PsLoads | None = None
+        self._slowdown: dict[int, tuple[PipelineTraffic, tuple[float, float]]] = {}
 
     def exchange_s(self) -> float:
         """``S``: the whole segments all-reduced, every owner's in turn (``estimate_sync_time`` without buckets)."""
@@ -361,6 +362,16 @@ class SyncTerms:
         if self._ps_loads is None:
             self._ps_loads = estimate_ps_link_loads(self.cluster, self.profile, self.layouts, self.placement)
         return self._ps_loads
+
+    def exchange_slowdown(self, traffic: PipelineTraffic) -> tuple[float, float]:
+        """``X``'s terms for the pipelines of ``traffic`` under the exchange of ``P`` (``sharing.exchange_slowdown``:
+        the longest hold of a NIC they cross, their seconds lost with it doubled), once per traffic."""
+        known = self._slowdown.get(id(traffic))
+        if known is None or known[0] is not traffic:
+            push, pull = self.ps_loads()
+            held = {r: push.get(r, 0.0) + pull.get(r, 0.0) for r in push.keys() | pull.keys()}
+            known = self._slowdown[id(traffic)] = (traffic, exchange_slowdown(self.cluster, traffic, held))
+        return known[1]
 
 
 def estimate_sync_predictions(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout],
@@ -437,9 +448,9 @@ def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Se
         loads = terms.ps_loads()
         ps = estimate_ps_traffic(cluster, profile, layouts, options.placement,
                                  pipeline_nic_loads(cluster, traffic, every), loads)
-        if traffic is not None:  # the pipelines' transfers at half rate while the exchange holds their NICs
-            held = {r: loads[0].get(r, 0.0) + loads[1].get(r, 0.0) for r in loads[0].keys() | loads[1].keys()}
-            stretch_s = estimate_exchange_stretch(cluster, traffic, held, every * busy_s)
+        if traffic is not None and busy_s > 0:  # the pipelines' transfers at half rate while the exchange holds
+            longest, gained = terms.exchange_slowdown(traffic)  # their NICs (sharing.estimate_exchange_stretch)
+            stretch_s = min(1.0, longest / (every * busy_s)) * gained
             busy_s += stretch_s
         # wave k's pull gates the compute of wave k + D + 1: (D + 1) waves hold one round trip and a wave's compute
         d = rules.overlap_iterations(options)
