@@ -39,7 +39,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, cast
 
@@ -989,7 +989,7 @@ def plan_shards(cluster: Cluster, profile: ModelProfile, global_batch: int, opts
 def _chosen_mode(opts: PlannerOptions, found: list[tuple[str, Plan]], score: Scorer | None) -> tuple[str, Plan]:
     """The best of the shard modes' plans: by the simulator where it simulated every one, else by the closed forms;
     simulated where it was not (``_simulated_at_last``), and put back in ``found`` so."""
-    simulated = all(p.prediction.simulated_iteration_s is not None for _, p in found)
+    simulated = _all_simulated(p for _, p in found)
     k, (chosen, best) = min(enumerate(found), key=lambda kmp: _rank_key(opts, kmp[1][1], simulated))
     if score is not None and best.prediction.simulated_iteration_s is None and opts.simulate_top_k != 0:
         best = _simulated_at_last(best, score)
@@ -1120,15 +1120,11 @@ def _simulate_degrees(found: list[tuple[int, Plan]], opts: PlannerOptions, score
 
 
 def _best_degree(found: list[tuple[int, Plan]], opts: PlannerOptions) -> tuple[int, Plan]:
-    """The best of each degree's plan: by the simulator among those it simulated, else by the closed forms; by the
-    closed forms too where a degree's plan was left unsimulated past the budget for the caller (``LeftToCaller``),
-    which would otherwise lose to any degree simulated within it."""
-    simulated = [(k, p) for k, p in found if p.prediction.simulated_iteration_s is not None]
-    left = any(p.prediction.simulated_iteration_s is None and PlannerReport.from_dict(p.options[REPORT_KEY])
-               .stopped_by == "time budget" for _, p in found)
-    if simulated and not left:
-        return min(simulated, key=lambda kp: _rank_key(opts, kp[1], True))
-    return min(found, key=lambda kp: _rank_key(opts, kp[1], False))
+    """The best of each degree's plan: by the simulator where it simulated every one, else by the closed forms (a
+    degree's plan left unsimulated past the budget for the caller, ``LeftToCaller``, would otherwise lose to any
+    degree simulated within it)."""
+    simulated = _all_simulated(p for _, p in found)
+    return min(found, key=lambda kp: _rank_key(opts, kp[1], simulated))
 
 
 def tp_degrees(cluster: Cluster, profile: ModelProfile, opts: PlannerOptions) -> list[int]:
@@ -1219,11 +1215,16 @@ def _iteration_s(p: Plan) -> float:
     return p.prediction.simulated_iteration_s or p.prediction.iteration_s
 
 
+def _all_simulated(plans: Iterable[Plan]) -> bool:
+    """Whether the simulator replayed every one of ``plans``: only then are they compared by it, else all by their
+    closed forms (a planning whose scorer is ``LeftToCaller`` may return its plan unsimulated past the budget)."""
+    return all(p.prediction.simulated_iteration_s is not None for p in plans)
+
+
 def _alike(a: Plan, b: Plan) -> tuple[float, float]:
-    """Both plans' iteration seconds by the simulator where it simulated both, else by the closed forms (a
-    planning whose scorer is ``LeftToCaller`` may return its plan unsimulated past the budget)."""
-    if a.prediction.simulated_iteration_s is not None and b.prediction.simulated_iteration_s is not None:
-        return a.prediction.simulated_iteration_s, b.prediction.simulated_iteration_s
+    """Both plans' iteration seconds, compared alike (``_all_simulated``)."""
+    if _all_simulated((a, b)):
+        return _iteration_s(a), _iteration_s(b)
     return a.prediction.iteration_s, b.prediction.iteration_s
 
 

@@ -481,10 +481,13 @@ def estimate_exchange_stretch(cluster: Cluster, traffic: PipelineTraffic, exchan
     On cloud-mixed, gpt2-medium under wsp (4x2 + 4x3 VWs, each T4 node's NIC held 0.25 s a wave of 0.93 s, the
     pipelines doubled 1.39 s against 0.92 s): 0.14 s, the simulator's 1.09 s against 0.93 s without it
     (benchmarks/closed_form_modes.py). 0 where no pipeline crosses a NIC the exchange holds."""
-    if wave_s <= 0:
-        return 0.0
-    longest, gained = exchange_slowdown(cluster, traffic, exchange_s)
-    return min(1.0, longest / wave_s) * gained
+    return exchange_stretch(exchange_slowdown(cluster, traffic, exchange_s), wave_s)
+
+
+def exchange_stretch(slowdown: tuple[float, float], wave_s: float) -> float:
+    """``estimate_exchange_stretch`` of its two terms (``exchange_slowdown``) and a wave of ``wave_s``."""
+    longest, gained = slowdown
+    return min(1.0, longest / wave_s) * gained if wave_s > 0 else 0.0
 
 
 def exchange_slowdown(cluster: Cluster, traffic: PipelineTraffic,

@@ -42,6 +42,7 @@ from hetrain.planner.sharing import (
     estimate_shared_sync_time,
     estimate_tail,
     exchange_slowdown,
+    exchange_stretch,
 )
 from hetrain.profile import ModelProfile
 from hetrain.sync_layout import (
@@ -343,7 +344,7 @@ class SyncTerms:
         self._exchange_s: float | None = None
         self._local_s: float | None = None
         self._ps_loads: PsLoads | None = None
-        self._slowdown: dict[int, tuple[PipelineTraffic, tuple[float, float]]] = {}
+        self._slowdown: tuple[PipelineTraffic, tuple[float, float]] | None = None
 
     def exchange_s(self) -> float:
         """``S``: the whole segments all-reduced, every owner's in turn (``estimate_sync_time`` without buckets)."""
@@ -365,13 +366,13 @@ class SyncTerms:
 
     def exchange_slowdown(self, traffic: PipelineTraffic) -> tuple[float, float]:
         """``X``'s terms for the pipelines of ``traffic`` under the exchange of ``P`` (``sharing.exchange_slowdown``:
-        the longest hold of a NIC they cross, their seconds lost with it doubled), once per traffic."""
-        known = self._slowdown.get(id(traffic))
-        if known is None or known[0] is not traffic:
+        the longest hold of a NIC they cross, their seconds lost with it doubled), kept for the last traffic asked
+        (a table of every mode asks with one)."""
+        if self._slowdown is None or self._slowdown[0] is not traffic:
             push, pull = self.ps_loads()
             held = {r: push.get(r, 0.0) + pull.get(r, 0.0) for r in push.keys() | pull.keys()}
-            known = self._slowdown[id(traffic)] = (traffic, exchange_slowdown(self.cluster, traffic, held))
-        return known[1]
+            self._slowdown = (traffic, exchange_slowdown(self.cluster, traffic, held))
+        return self._slowdown[1]
 
 
 def estimate_sync_predictions(cluster: Cluster, profile: ModelProfile, layouts: Sequence[Layout],
@@ -448,9 +449,8 @@ def estimate_mode_sync_time(cluster: Cluster, profile: ModelProfile, layouts: Se
         loads = terms.ps_loads()
         ps = estimate_ps_traffic(cluster, profile, layouts, options.placement,
                                  pipeline_nic_loads(cluster, traffic, every), loads)
-        if traffic is not None and busy_s > 0:  # the pipelines' transfers at half rate while the exchange holds
-            longest, gained = terms.exchange_slowdown(traffic)  # their NICs (sharing.estimate_exchange_stretch)
-            stretch_s = min(1.0, longest / (every * busy_s)) * gained
+        if traffic is not None:  # the pipelines' transfers at half rate while the exchange holds their NICs
+            stretch_s = exchange_stretch(terms.exchange_slowdown(traffic), every * busy_s)
             busy_s += stretch_s
         # wave k's pull gates the compute of wave k + D + 1: (D + 1) waves hold one round trip and a wave's compute
         d = rules.overlap_iterations(options)
