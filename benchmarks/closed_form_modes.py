@@ -66,9 +66,13 @@ NOTES = ('Predicted, not measured: fp16 analytic profiles, sync options at their
          "0.25 s of a 0.93 s wave, and every pipeline transfer that met them ran at half rate (the recvs of its "
          "stages grew by 0.18-0.20 s an iteration from the second on). The closed form now prices the pipelines "
          "again with the transfer halves through NICs the exchange holds doubled, for the exchange's share of the "
-         "wave (`planner.sharing.estimate_exchange_stretch`: that plan 1.078 s against 1.094 s replayed), and "
-         "ranks the 12 one-stage VWs on the A100 and V100 nodes first (0.981 s replayed, against 1.094 s for the "
-         "old choice).")
+         "wave (`planner.sharing.estimate_exchange_stretch`: that plan 1.078 s against 1.094 s replayed): 52 of 52. "
+         "Then each transfer in a 1F1B cycle waits at a NIC the other VWs hold `rho` of a period for half a "
+         "transfer that share of the time, `c/2 (1 + rho / 2)`, the period its fixed point "
+         "(`planner.sharing._queued_periods`; nvlink-nodes 8x4, NICs busy 83% of a period: 0.96 -> 0.98), and a "
+         "candidate screened under 1F1B-eager is searched for 1F1B's cuts too (cloud-mixed wsp: the 4x2+4x3 "
+         "pipelines T4 first, 1.094 s replayed; the 12 one-stage VWs without the T4 nodes, 0.981 s, are not 10% "
+         "faster, and leave-out keeps every device below that).")
 
 
 def load_case_cluster(name: str) -> Cluster:

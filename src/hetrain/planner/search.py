@@ -422,7 +422,8 @@ def _eager_if_faster(cluster: Cluster, profile: ModelProfile, c: Candidate, opts
     if all(r.max_s <= max(r.stage_s) for r in c.parts):  # every period at its slowest stage: eager's is no shorter
         return c
     # a pipeline no shorter under eager's form leaves the candidate's time as it is: no memory check, no sync
-    if max(estimate_shared_pipeline_times(cluster, [priced_as(r, "1f1b-eager") for r in c.parts])) >= c.pipeline_s:
+    eager_s = estimate_shared_pipeline_times(cluster, [priced_as(r, "1f1b-eager") for r in c.parts], "1f1b-eager")
+    if max(eager_s) >= c.pipeline_s:
         return c
     eager = _as_schedule(cluster, profile, c, opts, "1f1b-eager")
     return eager if eager is not None and eager.score(opts) < c.score(opts) else c
@@ -431,7 +432,8 @@ def _eager_if_faster(cluster: Cluster, profile: ModelProfile, c: Candidate, opts
 def _assemble(cluster: Cluster, profile: ModelProfile, formation: Formation, schedule: str, global_batch: int,
               parts: list[PartitionResult], split: list[int], opts: PlannerOptions) -> Candidate:
     """The candidate of these VW partitions and batch split: its optimizer step and sync added."""
-    vw_pipeline_s = estimate_shared_pipeline_times(cluster, parts)  # the NICs shared by every VW's transfers
+    blocking = opts.sync_options.transfers == "blocking"
+    vw_pipeline_s = estimate_shared_pipeline_times(cluster, parts, schedule, blocking)  # NICs shared by all VWs
     pipeline_s = max(vw_pipeline_s)
     layouts = [[(d.index, r.cuts[j], r.cuts[j + 1]) for j, d in enumerate(r.devices)] for r in parts]
     state_share = _shares(opts, len(parts))[0]
@@ -451,8 +453,7 @@ def _assemble(cluster: Cluster, profile: ModelProfile, formation: Formation, sch
     optimizer_s = max(step_s(d, k, l) + gather.get(d, 0.0) for layout in layouts for d, k, l in layout)
     # what each device's last backward micro-batch can hide of its BSP gradient buckets
     hide = {d.index: r.backward_s[j] for r in parts for j, d in enumerate(r.devices)}
-    traffic = estimate_pipeline_traffic(cluster, parts, vw_pipeline_s, schedule,
-                                        opts.sync_options.transfers == "blocking")
+    traffic = estimate_pipeline_traffic(cluster, parts, vw_pipeline_s, schedule, blocking)
     sync_s = estimate_mode_sync_time(cluster, profile, layouts, opts.sync, opts.sync_options,
                                      pipeline_s + optimizer_s, hide, traffic)
     c = Candidate(formation, schedule, global_batch, parts, split, pipeline_s, sync_s, optimizer_s)
@@ -733,12 +734,9 @@ def _search(cluster: Cluster, profile: ModelProfile, global_batch: int, opts: Pl
     took: list[float] = []  # seconds of each exact search
 
     def refine(k: int) -> None:
-        c = screened[k]
         start = time.perf_counter()
-        exact = _evaluate(cluster, profile, c.formation, c.schedule, c.global_batch, opts, evaluators, cache,
-                          exact=True)
+        found.append(_searched(cluster, profile, screened[k], opts, evaluators, cache))
         took.append(time.perf_counter() - start)
-        found.append(exact if exact is not None and exact.score(opts) <= c.score(opts) else c)
         refined.add(k)
 
     for k in range(min(len(screened), max(1, opts.refine_top_k))):
@@ -761,6 +759,21 @@ def _search(cluster: Cluster, profile: ModelProfile, global_batch: int, opts: Pl
         if score < min(c.score(opts) for c in found):
             refine(k)
     return rank(found) + [c for k, c in enumerate(screened) if k not in refined], len(screened), len(found)
+
+
+def _searched(cluster: Cluster, profile: ModelProfile, c: Candidate, opts: PlannerOptions,
+              evaluators: dict[tuple[object, ...], VWEvaluator], cache: StageTableCache) -> Candidate:
+    """The screened candidate ``c`` searched exactly (all orders, all bottleneck caps), or ``c`` where that
+    is no better. One screened under 1F1B-eager's form is searched for both forms' cuts: 1F1B's, priced under
+    the better of the two, can beat eager's own (cloud-mixed, wsp, every node: eager's search ends A100 first,
+    1.27 s replayed; 1F1B's puts the T4s first, 1.09 s)."""
+    best = c
+    both = opts.schedule == "auto" and c.schedule == "1f1b-eager"
+    for sched in ("1f1b", c.schedule) if both else (c.schedule,):
+        exact = _evaluate(cluster, profile, c.formation, sched, c.global_batch, opts, evaluators, cache, exact=True)
+        if exact is not None and exact.score(opts) <= best.score(opts):
+            best = exact
+    return best
 
 
 #: the share of the time budget the exact search of candidates past ``refine_top_k`` may use (the rest is the

@@ -26,7 +26,9 @@ a -> b in one node, K the most devices in one node).
   boundaries (``c_v``: activation + gradient seconds, half each way). A VW's micro-batches cannot pass the NIC
   faster than one every ``P_r / m_v``, so the NIC is one more stage of the pipeline formula:
   ``sum_s + wait + (m - 1) * max(max_s, max_r P_r / m)``. Alone on its links, a VW's NIC time per micro-batch
-  is at most its own largest transfer, ``wait`` is 0, and the formula is the partition's own.
+  is at most its own largest transfer, ``wait`` is 0, and the formula is the partition's own. Under 1F1B each
+  transfer sits in a cycle of the steady state, and one that waits at a NIC the other VWs hold lengthens the
+  period: ``max_s`` is priced again with each transfer half waiting there (``_queued_periods``).
 - An exchange in the background (``estimate_exchange_stretch``): a parameter server's pushes and pulls share
   a NIC with the pipelines' transfers, half each; the pipelines priced with the transfers through it doubled,
   for the exchange's share of the wave.
@@ -54,6 +56,7 @@ from hetrain.cluster import Cluster
 from hetrain.cost import (
     LinkKey,
     allreduce_shape,
+    estimate_1f1b_period,
     estimate_allreduce,
     estimate_hierarchical_allreduce_time,
     estimate_ring_allreduce_time,
@@ -357,6 +360,7 @@ class _Crossings(NamedTuple):
     head_s: np.ndarray  # the first micro-batch's forward up to the boundary
     drain_s: np.ndarray  # the lead of the device before the boundary (inf without leads)
     gradient_s: np.ndarray  # the boundary's gradient seconds: c / 2
+    boundary: np.ndarray  # the stage boundary's number in its VW (k: between stage k and k + 1)
 
 
 def _crossings(cluster: Cluster, parts: Sequence[PartitionResult],
@@ -370,6 +374,7 @@ def _crossings(cluster: Cluster, parts: Sequence[PartitionResult],
     head: list[float] = []
     drain: list[float] = []
     grad: list[float] = []
+    boundary: list[int] = []
     for v, r in enumerate(parts):
         reach = 0.0
         for k in range(len(r.devices) - 1):
@@ -384,22 +389,27 @@ def _crossings(cluster: Cluster, parts: Sequence[PartitionResult],
             head.append(reach)
             drain.append(lead_s[x] if lead_s else np.inf)
             grad.append(r.link_s[k] / 2)
+            boundary.append(k)
     na, nb, n_nodes = node[np.array(a, dtype=np.int64)], node[np.array(b, dtype=np.int64)], len(cluster.nodes)
     return _Crossings(np.tile(np.array(vw, dtype=np.int64), 4), np.concatenate([na, n_nodes + nb, nb, n_nodes + na]),
                       np.tile(np.array(load), 4), np.tile(np.array(head), 4), np.tile(np.array(drain), 4),
-                      np.tile(np.array(grad), 4))
+                      np.tile(np.array(grad), 4), np.tile(np.array(boundary, dtype=np.int64), 4))
 
 
-def estimate_shared_pipeline_times(cluster: Cluster, parts: Sequence[PartitionResult]) -> list[float]:
+def estimate_shared_pipeline_times(cluster: Cluster, parts: Sequence[PartitionResult], schedule: str = "gpipe",
+                                   blocking: bool = False) -> list[float]:
     """Each VW's pipeline seconds with every NIC shared by the transfers of all VWs that cross it.
 
     ``P_r = sum m_v c_v / 2`` per NIC direction over every stage boundary through it (forward on the
     sender's NIC out and the receiver's NIC in, backward the other way); VW v's pipeline is
-    ``sum_s + wait + (m - 1) * max(max_s, max_r P_r / m)`` over the NICs its boundaries hold. ``wait``
+    ``sum_s + wait + (m - 1) * max(period, max_r P_r / m)`` over the NICs its boundaries hold. ``wait``
     is what its first micro-batch queues behind the other VWs' on the NIC where they put the most, half
     their traffic of one micro-batch there (the other half goes the other way): ``max_r (P_r - P_r,v) / 2m``.
-    Transfers inside a node hold a link of their own device pair, which no other VW uses: they are the
-    partition's ``c_j``. A VW alone on its NICs gets the partition's own ``sum_s + (m - 1) * max_s``.
+    ``period`` is the partition's ``max_s``; under 1F1B and 1F1B-eager (``schedule``, transfers that do not
+    block), where each transfer sits in a cycle of the steady state, it is priced again with each transfer
+    half queueing at its NICs (``_queued_period``). Transfers inside a node hold a link of their own device
+    pair, which no other VW uses: they are the partition's ``c_j``. A VW alone on its NICs gets the
+    partition's own ``sum_s + (m - 1) * max_s``.
 
     Two VWs a:0 -> b:0 -> a:2 and a:1 -> b:1 -> a:3, stages of 0.3 s, transfers of 0.5 s each way, m = 4:
     every NIC direction carries 4 transfers per micro-batch, 2 s; ``2.9 + 0.5 + 3 * 2 = 9.4`` s for each
@@ -417,9 +427,65 @@ def estimate_shared_pipeline_times(cluster: Cluster, parts: Sequence[PartitionRe
     others = np.zeros(len(parts))
     np.maximum.at(others, pairs // n_nics, per_nic[pairs % n_nics] - own)
     m = np.array([r.m for r in parts], dtype=float)
-    bottleneck = np.maximum([r.max_s for r in parts], busiest / m)
+    period = np.array([r.max_s for r in parts])
+    if schedule in ("1f1b", "1f1b-eager") and not blocking:
+        period = _queued_periods(parts, x, (per_nic[x.nic] - own[where]) / m[x.vw], busiest / m, schedule)
+    bottleneck = np.maximum(period, busiest / m)
     out = np.array([r.sum_s for r in parts]) + others / (2 * m) + (m - 1) * bottleneck
     return [float(t) for t in out]
+
+
+def _queued_periods(parts: Sequence[PartitionResult], x: _Crossings, others_s: np.ndarray, floor_s: np.ndarray,
+                    schedule: str) -> np.ndarray:
+    """Per VW, its 1F1B (or 1F1B-eager) period with each transfer half queueing at the NICs it crosses.
+
+    ``others_s``: per entry of ``x``, the other VWs' transfer seconds per micro-batch on that entry's NIC. A
+    half through a NIC the others hold ``rho = others_s / T`` of a period ``T`` finds it busy that share of
+    the time and waits one transfer like its own there: ``c/2 (1 + rho)``, with ``rho`` the larger of its two
+    NICs' (the first term of the queue's delay: the VWs' transfers of one boundary are alike and the replay's
+    FIFO NICs keep VWs that meet out of step after, so the higher terms of a queue of random arrivals,
+    ``c/2 / (1 - rho)``, do not build up). The period depends on ``T`` and ``T`` is the period: the fixed
+    point, by bisection between the shared bottleneck (``floor_s``, no longer) and the period priced at it.
+    """
+    n = len(x.vw) // 4
+    fwd = np.maximum(others_s[:n], others_s[n:2 * n])  # sender's NIC out, receiver's NIC in
+    bwd = np.maximum(others_s[2 * n:3 * n], others_s[3 * n:])  # the gradient: the other two
+    period = np.array([r.max_s for r in parts])
+    queues: dict[int, list[tuple[int, float, float]]] = {}
+    for e in np.flatnonzero((fwd > 0) | (bwd > 0)).tolist():
+        queues.setdefault(int(x.vw[e]), []).append((int(x.boundary[e]), float(fwd[e]), float(bwd[e])))
+    done: dict[tuple[object, ...], float] = {}  # VWs of one partition and alike queues: one fixed point
+    for v, queue in queues.items():
+        r = parts[v]
+        key = (id(r), tuple(queue))
+        if key not in done:
+            done[key] = _fixed_period(r, queue, max(r.max_s, float(floor_s[v])), schedule)
+        period[v] = max(period[v], done[key])
+    return period
+
+
+def _fixed_period(r: PartitionResult, queue: Sequence[tuple[int, float, float]], low_s: float,
+                  schedule: str) -> float:
+    """``_queued_periods``' fixed point for one partition: boundary k's halves waiting ``rho_f`` and ``rho_b``
+    (forward, backward; ``queue`` holds (k, forward others, backward others) per boundary that shares)."""
+    def priced(period_s: float) -> float:
+        links = list(r.link_s)
+        for k, f, b in queue:
+            links[k] = r.link_s[k] / 2 * (2.0 + (min(1.0, f / period_s) + min(1.0, b / period_s)) / 2)
+        return estimate_1f1b_period(r.stage_s, links, r.m, schedule)
+
+    high = priced(low_s)
+    if high <= low_s:
+        return low_s
+    for _ in range(40):  # priced() falls as the period grows: one crossing
+        mid = (low_s + high) / 2
+        if priced(mid) > mid:
+            low_s = mid
+        else:
+            high = mid
+        if high - low_s <= 1e-6 * high:
+            break
+    return high
 
 
 def _stagger(x: _Crossings, m: np.ndarray, num_vws: int) -> np.ndarray:
@@ -519,7 +585,9 @@ def exchange_slowdown(cluster: Cluster, traffic: PipelineTraffic,
             traffic.blocking))
     if longest <= 0:
         return 0.0, 0.0
-    gained = max(estimate_shared_pipeline_times(cluster, slowed)) - max(estimate_shared_pipeline_times(cluster, parts))
+    form = (traffic.schedule, traffic.blocking)
+    gained = max(estimate_shared_pipeline_times(cluster, slowed, *form)) - \
+        max(estimate_shared_pipeline_times(cluster, parts, *form))
     return longest, max(0.0, gained)
 
 

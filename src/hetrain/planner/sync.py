@@ -643,8 +643,8 @@ def plan_traffic(plan: Plan) -> PipelineTraffic:
             tuple(s.recompute for s in vw.stages), stage_s, tuple(s.predicted_forward_s for s in vw.stages),
             tuple(s.predicted_backward_s for s in vw.stages), link_s, sum(stage_s) + sum(link_s),
             max(stage_s + link_s), vw.micro_batches, b, True), plan.schedule, blocking))
-    return estimate_pipeline_traffic(cluster, parts, estimate_shared_pipeline_times(cluster, parts), plan.schedule,
-                                     blocking)
+    vw_pipeline_s = estimate_shared_pipeline_times(cluster, parts, plan.schedule, blocking)
+    return estimate_pipeline_traffic(cluster, parts, vw_pipeline_s, plan.schedule, blocking)
 
 
 def repredict_sync(plan: Plan, mode: str, options: SyncOptions, score: Scorer | None = None) -> Plan:
