@@ -366,6 +366,10 @@ def test_per_segment_modes_are_kept_only_where_they_are_not_slower() -> None:
     got, record = _per_segment(PlannerOptions(), unsimulated, None, None)
     per = record["per_segment"]
     assert per["kept"] is (per["iteration_s"] <= per["uniform_iteration_s"])
+    # nor re-priced once the budget is spent: the budget covers the closed forms of the whole plan too
+    got, record = _per_segment(PlannerOptions(), unsimulated, None, 0.0)
+    assert got is unsimulated and record["per_segment"] == {"kept": False}
+    assert all("not tried: the time budget was spent" in r["why"] for r in record["segments"]), record["segments"]
 
 
 def test_a_sharded_planning_past_the_budget_is_skipped_only_where_memory_did_not_shape_the_plan() -> None:

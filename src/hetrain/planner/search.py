@@ -78,7 +78,7 @@ from hetrain.planner.budget import PlannerReport, TimeBudget
 from hetrain.planner.formation import Formation, build_formations
 from hetrain.planner.partition import PartitionResult, partition, priced_as
 from hetrain.planner.robust import DRAWS, SEED, has_spread, rank_robust
-from hetrain.planner.shards import lighten_segments, reprice, size_shards
+from hetrain.planner.shards import ONE_OWNER, lighten_segments, reprice, size_shards
 from hetrain.planner.sharing import estimate_pipeline_traffic, estimate_shared_pipeline_times
 from hetrain.planner.stage_cost import StageTableCache
 from hetrain.planner.sync import Scorer, choose_sync_mode, estimate_mode_sync_time, estimate_sync_predictions
@@ -1053,16 +1053,20 @@ def _per_segment(opts: PlannerOptions, p: Plan, score: Scorer | None,
     """``p``, a sharded planning's plan, with each segment at the lightest shard mode under which its owners fit
     (``shards.lighten_segments``: sharding costs an all-gather on the critical path and a larger optimizer step
     where an owner steps more than its share), where that plan is not slower by the objective (``_rank_key``):
-    by the simulator where ``p`` was simulated (one simulation more, while the budget lasts), else by both plans'
-    closed forms at their own shards (``shards.reprice``). And the record: ``segments``, each segment's mode in
-    the plan returned and why; ``per_segment``, the two plans' times and whether the per-segment one was kept."""
+    by the simulator where ``p`` was simulated (one simulation more), else by both plans' closed forms at their own
+    shards (``shards.reprice``); none of it once the budget is spent (``left_s``). And the record: ``segments``,
+    each segment's mode in the plan returned and why; ``per_segment``, the two plans' times and whether the
+    per-segment one was kept."""
+    if left_s is not None and left_s <= 0:  # each lighter mode sized over the whole plan (4096 x 200: 7 s), then a
+        # simulation or two closed forms
+        return p, {"segments": [{"segment": k, "layers": [seg.first_layer, seg.end_layer], "shard": seg.shard,
+                                 "why": ONE_OWNER if not seg.shared else "lighter modes not tried: the time budget "
+                                                                          "was spent"}
+                                for k, seg in enumerate(p.segments())], "per_segment": {"kept": False}}
     lighter, rows = lighten_segments(p)
     if lighter.layout.segment_shards == p.layout.segment_shards:
         return p, {"segments": rows}
     simulate = score is not None and p.prediction.simulated_iteration_s is not None
-    if simulate and left_s is not None and left_s <= 0:
-        return p, {"segments": _kept_uniform(rows, p, "not tried: the time budget was spent"),
-                   "per_segment": {"kept": False}}
     refined = reprice(lighter)
     uniform = p if simulate else reprice(p)  # closed forms compared alike: each at its own shards
     if simulate:
