@@ -476,6 +476,8 @@ def _fixed_period(r: PartitionResult, queue: Sequence[tuple[int, float, float]],
             links[k] = r.link_s[k] / 2 * (2.0 + (min(1.0, f / period_s) + min(1.0, b / period_s)) / 2)
         return estimate_1f1b_period(r.stage_s, links, r.m, schedule)
 
+    if low_s <= 0:  # stages and transfers of no time: nothing to wait behind
+        return low_s
     high = priced(low_s)
     if high <= low_s:
         return low_s
