@@ -78,7 +78,7 @@ from hetrain.planner.budget import PlannerReport, TimeBudget
 from hetrain.planner.formation import Formation, build_formations
 from hetrain.planner.partition import PartitionResult, partition, priced_as
 from hetrain.planner.robust import DRAWS, SEED, has_spread, rank_robust
-from hetrain.planner.shards import ONE_OWNER, lighten_segments, reprice, size_shards
+from hetrain.planner.shards import lighten_segments, reprice, segment_row, size_shards
 from hetrain.planner.sharing import estimate_pipeline_traffic, estimate_shared_pipeline_times
 from hetrain.planner.stage_cost import StageTableCache
 from hetrain.planner.sync import Scorer, choose_sync_mode, estimate_mode_sync_time, estimate_sync_predictions
@@ -1059,10 +1059,9 @@ def _per_segment(opts: PlannerOptions, p: Plan, score: Scorer | None,
     per-segment one was kept."""
     if left_s is not None and left_s <= 0:  # each lighter mode sized over the whole plan (4096 x 200: 7 s), then a
         # simulation or two closed forms
-        return p, {"segments": [{"segment": k, "layers": [seg.first_layer, seg.end_layer], "shard": seg.shard,
-                                 "why": ONE_OWNER if not seg.shared else "lighter modes not tried: the time budget "
-                                                                          "was spent"}
-                                for k, seg in enumerate(p.segments())], "per_segment": {"kept": False}}
+        untried = "lighter modes not tried: the time budget was spent"
+        return p, {"segments": [segment_row(k, seg, untried) for k, seg in enumerate(p.segments())],
+                   "per_segment": {"kept": False}}
     lighter, rows = lighten_segments(p)
     if lighter.layout.segment_shards == p.layout.segment_shards:
         return p, {"segments": rows}

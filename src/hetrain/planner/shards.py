@@ -35,7 +35,7 @@ from hetrain.cost import (
 )
 from hetrain.plan import DeviceMemory, Plan, PlanError
 from hetrain.planner.sync import estimate_mode_sync_time, plan_layouts, plan_traffic
-from hetrain.sync_layout import SHARD_MODES
+from hetrain.sync_layout import SHARD_MODES, Segment
 
 #: why a segment keeps its mode (``options["shard_choice"]["segments"]``)
 FITS_UNSHARDED = "fits unsharded"
@@ -146,10 +146,9 @@ def lighten_segments(plan: Plan) -> tuple[Plan, list[dict[str, Any]]]:
     memo: Memo = {}
     rows: list[dict[str, Any]] = []
     for s, seg in enumerate(plan.segments()):
-        row = {"segment": s, "layers": [seg.first_layer, seg.end_layer], "shard": seg.shard}
+        row = segment_row(s, seg)
         rows.append(row)
         if not seg.shared:
-            row["why"] = ONE_OWNER
             continue
         for mode in SHARD_MODES[:SHARD_MODES.index(seg.shard)]:
             trial = size_shards(with_segment_shards(plan, (*modes[:s], mode, *modes[s + 1:])), memo)
@@ -159,6 +158,17 @@ def lighten_segments(plan: Plan) -> tuple[Plan, list[dict[str, Any]]]:
         row["shard"] = modes[s]
         row["why"] = FITS_UNSHARDED if modes[s] == SHARD_MODES[0] else f"needs {modes[s]} sharding"
     return plan, rows
+
+
+def segment_row(number: int, seg: Segment, why: str | None = None) -> dict[str, Any]:
+    """Segment ``number``'s row of ``options["shard_choice"]["segments"]``: its layers and mode, and why it keeps
+    that mode (one owner: nothing to shard; else ``why``, where given)."""
+    row: dict[str, Any] = {"segment": number, "layers": [seg.first_layer, seg.end_layer], "shard": seg.shard}
+    if not seg.shared:
+        row["why"] = ONE_OWNER
+    elif why is not None:
+        row["why"] = why
+    return row
 
 
 def _fits(trial: Plan, before: Plan, budget: dict[str, float]) -> bool:

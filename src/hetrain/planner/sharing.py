@@ -336,6 +336,7 @@ class PipelineTraffic(NamedTuple):
             gradient's own seconds (empty: ``drain_s``).
         parts, schedule, blocking: the VWs' partitions and how their pipelines are priced
             (``partition.priced_as``), for a re-pricing with slower links (``estimate_exchange_stretch``).
+        pipeline_s: the slowest VW's pipeline seconds, as given (``estimate_shared_pipeline_times``).
     """
 
     lead_s: dict[int, float]
@@ -348,6 +349,7 @@ class PipelineTraffic(NamedTuple):
     parts: tuple[PartitionResult, ...] = ()
     schedule: str = "1f1b"
     blocking: bool = False
+    pipeline_s: float = 0.0
 
 
 class _Crossings(NamedTuple):
@@ -531,7 +533,7 @@ def estimate_pipeline_traffic(cluster: Cluster, parts: Sequence[PartitionResult]
     waves = tuple(Wave(tuple(d.index for d in r.devices), r.backward_s, tuple(c / 2 for c in r.link_s),
                        -lead[r.devices[-1].index] + float(stagger[v])) for v, r in enumerate(parts))
     return PipelineTraffic(lead, used, first[used] - pipeline_s, per_nic[used], drain[used], waves, request[used],
-                           tuple(parts), schedule, blocking)
+                           tuple(parts), schedule, blocking, pipeline_s)
 
 
 def estimate_exchange_stretch(cluster: Cluster, traffic: PipelineTraffic, exchange_s: Mapping[LinkKey, float],
@@ -548,8 +550,8 @@ def estimate_exchange_stretch(cluster: Cluster, traffic: PipelineTraffic, exchan
 
         stretch = min(1, max_r exchange_s[r] / wave_s) * (pipeline with those halves doubled - pipeline)
 
-    On cloud-mixed, gpt2-medium under wsp (4x2 + 4x3 VWs, each T4 node's NIC held 0.25 s a wave of 0.93 s, the
-    pipelines doubled 1.39 s against 0.92 s): 0.14 s, the simulator's 1.09 s against 0.93 s without it
+    On cloud-mixed, gpt2-medium under wsp (4x2 + 4x3 VWs, each T4 node's NIC held 0.29 s a wave of 0.97 s, the
+    pipelines doubled 1.39 s against 0.96 s): 0.13 s, 1.096 s in all against the simulator's 1.094 s
     (benchmarks/closed_form_modes.py). 0 where no pipeline crosses a NIC the exchange holds."""
     return exchange_stretch(exchange_slowdown(cluster, traffic, exchange_s), wave_s)
 
@@ -589,10 +591,8 @@ def exchange_slowdown(cluster: Cluster, traffic: PipelineTraffic,
             traffic.blocking))
     if longest <= 0:
         return 0.0, 0.0
-    form = (traffic.schedule, traffic.blocking)
-    gained = max(estimate_shared_pipeline_times(cluster, slowed, *form)) - \
-        max(estimate_shared_pipeline_times(cluster, parts, *form))
-    return longest, max(0.0, gained)
+    slowed_s = max(estimate_shared_pipeline_times(cluster, slowed, traffic.schedule, traffic.blocking))
+    return longest, max(0.0, slowed_s - traffic.pipeline_s)
 
 
 def estimate_sync_leads(vws: Sequence[tuple[Sequence[int], Sequence[float], Sequence[float], float]],
